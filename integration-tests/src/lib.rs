@@ -1,0 +1,1 @@
+//! kvlease whole-system tests.

@@ -1,0 +1,1 @@
+//! kvlease scheduler: continuous batching on leased KV blocks.

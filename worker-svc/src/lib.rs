@@ -1,0 +1,1 @@
+//! kvlease worker: model, KV arena and forward pass over leased blocks.
