@@ -1,27 +1,56 @@
-//! Tracing and OpenTelemetry set-up shared by every kvlease binary.
+//! Telemetry shared by every kvlease binary: logs, OpenTelemetry traces exported over
+//! OTLP/gRPC, W3C trace context carried in gRPC metadata, `kvlease.*` span attributes, and a
+//! Prometheus text endpoint.
+//!
+//! A binary calls [`init`] once and keeps the guard; servers add [`GrpcTraceLayer`], clients
+//! use [`TraceContextInterceptor`], and one request's trace then crosses every service.
+//!
+//! # Layout
+//!
+//! - `config`: [`TelemetryConfig`], from the `OTEL_*`/`RUST_LOG` environment or built directly.
+//! - `setup`: [`init`]/[`init_with`] install the propagator, the [`tracer_provider`] (OTLP
+//!   exporter when configured) and the [`subscriber`]; [`TelemetryGuard`] flushes on drop.
+//! - `context`: W3C inject/extract over gRPC metadata and HTTP headers, the checked
+//!   [`set_parent`], and [`LogicalService`], the context value that the provider turns into the
+//!   `kvlease.service` attribute so several services can share one process.
+//! - `client`: [`TraceContextInterceptor`], [`TracedChannel`], [`client_span`].
+//! - `server`: [`GrpcTraceLayer`], the server span per request.
+//! - `attributes`: the `kvlease.*` keys, [`record_reject`], [`add_link`].
+//! - `metrics`: a small Prometheus registry and [`metrics::serve_metrics`].
+//!
+//! Data flow: the interceptor writes the current span's context into the request metadata;
+//! the layer reads it from the headers into the server span's parent (plus the logical
+//! service); handler spans are children of the server span; the tracer provider stamps
+//! `kvlease.service` on each span and the batch processor exports them.
 
-/// Errors from telemetry set-up.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// The global subscriber could not be installed.
-    #[error("cannot install the tracing subscriber: {0}")]
-    Subscriber(String),
-}
+pub mod attributes;
+mod client;
+mod config;
+mod context;
+mod error;
+pub mod metrics;
+mod server;
+mod setup;
 
-/// Flushes telemetry when dropped.
-#[derive(Debug)]
-pub struct TelemetryGuard {
-    _private: (),
-}
+pub use attributes::{RejectFigures, add_link, record_reject, reject_span};
+pub use client::{
+    TraceContextInterceptor, TracedChannel, client_span, record_client_result, traced,
+};
+pub use config::{
+    DEFAULT_EXPORT_TIMEOUT, DEFAULT_FILTER, ENV_LOG_FILTER, ENV_OTLP_ENDPOINT, ENV_OTLP_TIMEOUT,
+    ENV_SERVICE_NAME, ENV_TRACE_FILTER, TelemetryConfig,
+};
+pub use context::{
+    LogicalService, SetParentError, current_context, extract_context, extract_context_from_headers,
+    in_service, inject_context, set_parent, span_context, with_service,
+};
+pub use error::{Error, Result};
+pub use server::{GrpcTraceLayer, GrpcTraceService, ResponseFuture, TracedBody};
+pub use setup::{
+    TelemetryGuard, init, init_with, subscriber, tracer_provider, tracer_provider_builder,
+};
 
-/// Installs fmt logging filtered by `RUST_LOG` (default `info`).
-pub fn init(service_name: &'static str) -> Result<TelemetryGuard, Error> {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .try_init()
-        .map_err(|e| Error::Subscriber(e.to_string()))?;
-    tracing::debug!(service_name, "telemetry initialised");
-    Ok(TelemetryGuard { _private: () })
-}
+/// The OpenTelemetry crates at the versions this crate uses, for callers that need their
+/// types (`Context`, `SpanContext`, the SDK's test exporter).
+pub use opentelemetry;
+pub use opentelemetry_sdk;

@@ -1,0 +1,115 @@
+//! `kvlease.*` span attribute keys, rejects as error spans, and span links.
+//!
+//! Attribute keys are plain `&str` constants so they work both as OpenTelemetry keys
+//! (`span.set_attribute(attributes::SEQ_ID, 7)`) and, spelled out, as tracing field names
+//! (`info_span!("lease", kvlease.seq_id = 7)`: tracing accepts dotted field names).
+
+use opentelemetry::KeyValue;
+use opentelemetry::trace::{SpanContext, Status};
+use tracing::Span;
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+/// The logical service a span belongs to (set on every span by the tracer provider).
+pub const SERVICE: &str = "kvlease.service";
+/// Sequence id.
+pub const SEQ_ID: &str = "kvlease.seq_id";
+/// Pool id.
+pub const POOL_ID: &str = "kvlease.pool_id";
+/// Attention window of the pool, in tokens (0 = full attention).
+pub const WINDOW: &str = "kvlease.window";
+/// Blocks a sequence needed.
+pub const BLOCKS_NEEDED: &str = "kvlease.blocks_needed";
+/// Blocks free (or evictable) now.
+pub const BLOCKS_FREE: &str = "kvlease.blocks_free";
+/// Blocks that become free once pending fences complete.
+pub const BLOCKS_PENDING_FREE: &str = "kvlease.blocks_pending_free";
+/// Why a sequence was rejected (`POOL_EXHAUSTED`, `EXCEEDS_CAPACITY`, ...).
+pub const REJECT_REASON: &str = "kvlease.reject_reason";
+/// The step a release is fenced at.
+pub const FENCE_STEP: &str = "kvlease.fence_step";
+/// The scheduler step a call belongs to (`Lease`/`Extend`/`Forward`/`CompleteStep`).
+pub const STEP: &str = "kvlease.step";
+/// Session id.
+pub const SESSION_ID: &str = "kvlease.session_id";
+/// Number of blocks freed or returned by a call.
+pub const BLOCKS_RETURNED: &str = "kvlease.blocks_returned";
+/// What a span link means (see [`LINK_FENCED_RELEASE`]).
+pub const LINK_KIND: &str = "kvlease.link";
+/// [`LINK_KIND`] value on the link from a `CompleteStep` span to a release it freed.
+pub const LINK_FENCED_RELEASE: &str = "fenced_release";
+/// Name of the event [`record_reject`] adds.
+pub const REJECT_EVENT: &str = "kvlease.reject";
+
+/// What a reject says, for [`record_reject`] and [`reject_span`]. Built by the service from its
+/// domain reject (no protobuf types here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RejectFigures<'a> {
+    /// The rejected sequence.
+    pub seq_id: u64,
+    /// The reason's name, e.g. `"POOL_EXHAUSTED"`.
+    pub reason: &'a str,
+    /// The pool that could not supply the blocks (0 when not pool-specific).
+    pub pool_id: u32,
+    /// That pool's window (0 = full attention).
+    pub window: u32,
+    /// Blocks the sequence needed from the pool.
+    pub blocks_needed: u32,
+    /// Blocks free (or evictable) in the pool now.
+    pub blocks_free: u32,
+    /// Blocks free once pending fences complete.
+    pub blocks_pending_free: u32,
+    /// Human-readable explanation (the span's status description).
+    pub message: &'a str,
+}
+
+impl RejectFigures<'_> {
+    fn key_values(&self) -> Vec<KeyValue> {
+        vec![
+            KeyValue::new(SEQ_ID, seq_id_value(self.seq_id)),
+            KeyValue::new(REJECT_REASON, self.reason.to_owned()),
+            KeyValue::new(POOL_ID, i64::from(self.pool_id)),
+            KeyValue::new(WINDOW, i64::from(self.window)),
+            KeyValue::new(BLOCKS_NEEDED, i64::from(self.blocks_needed)),
+            KeyValue::new(BLOCKS_FREE, i64::from(self.blocks_free)),
+            KeyValue::new(BLOCKS_PENDING_FREE, i64::from(self.blocks_pending_free)),
+        ]
+    }
+}
+
+/// OpenTelemetry integers are `i64`; sequence ids are `u64`. Ids above `i64::MAX` keep their
+/// bit pattern (they read as negative), which is still unique and still matches by equality.
+pub fn seq_id_value(seq_id: u64) -> i64 {
+    seq_id as i64
+}
+
+/// Marks `span` as a reject: `kvlease.*` attributes with the figures, error status with the
+/// message, and a `kvlease.reject` event carrying the same figures.
+pub fn record_reject(span: &Span, reject: &RejectFigures<'_>) {
+    let attributes = reject.key_values();
+    for kv in attributes.iter().cloned() {
+        span.set_attribute(kv.key, kv.value);
+    }
+    let description = if reject.message.is_empty() {
+        reject.reason
+    } else {
+        reject.message
+    };
+    span.set_status(Status::error(description.to_owned()));
+    span.add_event(REJECT_EVENT, attributes);
+}
+
+/// A child of the current span named `Reject`, marked with [`record_reject`]: one per rejected
+/// sequence of a batch `Lease`/`Extend`, so the batch span itself stays OK while each reject is
+/// an error span in the request's trace. It ends when the returned span is dropped.
+pub fn reject_span(reject: &RejectFigures<'_>) -> Span {
+    let span = tracing::info_span!("kvlease.reject", otel.name = "Reject");
+    record_reject(&span, reject);
+    span
+}
+
+/// Links `span` to `to` (an earlier span's [`crate::span_context`]). For a fenced release:
+/// keep the release span's context with the fence; the `CompleteStep` span that frees it calls
+/// `add_link(&span, release_cx, LINK_FENCED_RELEASE)`. Invalid contexts are ignored.
+pub fn add_link(span: &Span, to: SpanContext, kind: &'static str) {
+    span.add_link_with_attributes(to, vec![KeyValue::new(LINK_KIND, kind)]);
+}

@@ -1,0 +1,216 @@
+//! Building the tracer provider and the subscriber, installing them globally (`init`), and the
+//! guard that flushes on shutdown.
+
+use std::time::Duration;
+
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_otlp::WithExportConfig as _;
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{
+    BatchConfigBuilder, BatchSpanProcessor, SdkTracerProvider, SpanData, SpanProcessor,
+    TracerProviderBuilder,
+};
+use tracing::Subscriber;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::util::SubscriberInitExt as _;
+use tracing_subscriber::{EnvFilter, Layer as _};
+
+use crate::attributes::SERVICE;
+use crate::config::TelemetryConfig;
+use crate::context::LogicalService;
+use crate::error::{Error, Result};
+
+/// Instrumentation scope of every kvlease span.
+const SCOPE: &str = "kvlease";
+
+/// Targets that never become OpenTelemetry spans: the transport under the OTLP exporter
+/// (a span per export request would be exported in turn) and the SDK's own diagnostics.
+const QUIET_TARGETS: &str = "h2=off,hyper=off,hyper_util=off,tower=off,tonic=off,\
+                             opentelemetry=off,opentelemetry_sdk=off,opentelemetry_otlp=off";
+
+/// Installs telemetry for the binary `service_name`: [`TelemetryConfig::from_env`] then
+/// [`init_with`]. Keep the returned guard alive until the end of `main`.
+pub fn init(service_name: &'static str) -> Result<TelemetryGuard> {
+    init_with(TelemetryConfig::from_env(service_name))
+}
+
+/// Installs telemetry globally: the W3C trace-context propagator, the global tracer provider
+/// (with the OTLP/gRPC exporter when `otlp_endpoint` is set) and the global subscriber
+/// (fmt logs filtered by `log_filter`, OpenTelemetry spans filtered by `trace_filter`).
+///
+/// With an endpoint it must run inside a tokio runtime. Fails if a global subscriber exists.
+pub fn init_with(config: TelemetryConfig) -> Result<TelemetryGuard> {
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    let provider = tracer_provider(&config)?;
+    subscriber(&config, &provider)?.try_init()?;
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    tracing::info!(
+        service = %config.service_name,
+        otlp_endpoint = config.otlp_endpoint.as_deref().unwrap_or("none"),
+        "telemetry initialised"
+    );
+    Ok(TelemetryGuard {
+        provider: Some(provider),
+        timeout: config.export_timeout,
+    })
+}
+
+/// A tracer provider for `config`, not installed anywhere: `service.name` resource, the
+/// `kvlease.service` attribute on every span, and the OTLP/gRPC batch exporter when an
+/// endpoint is configured. Tests use it (or [`tracer_provider_builder`]) with a scoped
+/// subscriber from [`subscriber`]. Shut it down (or drop every clone) to flush.
+pub fn tracer_provider(config: &TelemetryConfig) -> Result<SdkTracerProvider> {
+    Ok(tracer_provider_builder(config)?.build())
+}
+
+/// [`tracer_provider`] before `build()`, so a test can add its own processor or exporter
+/// (e.g. `.with_simple_exporter(InMemorySpanExporter::default())`).
+pub fn tracer_provider_builder(config: &TelemetryConfig) -> Result<TracerProviderBuilder> {
+    let resource = Resource::builder()
+        .with_service_name(config.service_name.clone())
+        .build();
+    let mut builder = SdkTracerProvider::builder()
+        .with_resource(resource)
+        .with_span_processor(ServiceAttributeProcessor {
+            default_service: config.service_name.clone(),
+        });
+    if let Some(endpoint) = &config.otlp_endpoint {
+        // The exporter's tonic channel spawns its connection task on the current runtime.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::NoRuntime {
+                endpoint: endpoint.clone(),
+            });
+        }
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(endpoint.clone())
+            .with_timeout(config.export_timeout)
+            .build()
+            .map_err(|source| Error::Exporter {
+                endpoint: endpoint.clone(),
+                source,
+            })?;
+        // The SDK's batch processor runs on its own thread and drives the tonic exporter,
+        // whose I/O runs on the tokio runtime. Unlike the experimental async-runtime processor,
+        // it honours the shutdown timeout, so a vanished collector cannot hang shutdown.
+        let processor = BatchSpanProcessor::builder(exporter)
+            .with_batch_config(
+                BatchConfigBuilder::default()
+                    .with_scheduled_delay(Duration::from_secs(1))
+                    .build(),
+            )
+            .build();
+        builder = builder.with_span_processor(processor);
+    }
+    Ok(builder)
+}
+
+/// The subscriber `init` installs, not installed: fmt logs filtered by `config.log_filter`
+/// and an OpenTelemetry layer over `provider` filtered by `config.trace_filter`. Tests scope it
+/// with `tracing::subscriber::set_default`.
+pub fn subscriber(
+    config: &TelemetryConfig,
+    provider: &SdkTracerProvider,
+) -> Result<impl Subscriber + for<'a> LookupSpan<'a> + Send + Sync + 'static> {
+    let log_filter = parse_filter("log", &config.log_filter)?;
+    let trace_filter = parse_filter("trace", &format!("{},{QUIET_TARGETS}", config.trace_filter))?;
+    let tracer = provider.tracer(SCOPE);
+    Ok(tracing_subscriber::registry()
+        .with(tracing_subscriber::fmt::layer().with_filter(log_filter))
+        .with(
+            tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_filter(trace_filter),
+        ))
+}
+
+fn parse_filter(what: &'static str, filter: &str) -> Result<EnvFilter> {
+    EnvFilter::try_new(filter).map_err(|source| Error::Filter {
+        what,
+        filter: filter.to_owned(),
+        source,
+    })
+}
+
+// === TelemetryGuard ===
+
+/// Flushes and shuts down the tracer provider when dropped (or on [`TelemetryGuard::shutdown`]),
+/// waiting at most the configured export timeout.
+#[derive(Debug)]
+#[must_use = "dropping the guard shuts telemetry down"]
+pub struct TelemetryGuard {
+    provider: Option<SdkTracerProvider>,
+    timeout: Duration,
+}
+
+impl TelemetryGuard {
+    /// Wraps a provider built with [`tracer_provider`], for code that installs its own
+    /// subscriber but wants the same bounded shutdown.
+    pub fn new(provider: SdkTracerProvider, timeout: Duration) -> Self {
+        Self {
+            provider: Some(provider),
+            timeout,
+        }
+    }
+
+    /// Exports what is buffered and shuts the provider down, within the export timeout.
+    /// Blocks the calling thread: on a current-thread runtime call it from `spawn_blocking`.
+    pub fn shutdown(mut self) -> Result<()> {
+        self.shutdown_now()
+    }
+
+    fn shutdown_now(&mut self) -> Result<()> {
+        let Some(provider) = self.provider.take() else {
+            return Ok(());
+        };
+        provider
+            .shutdown_with_timeout(self.timeout)
+            .map_err(|err| Error::Shutdown {
+                timeout: self.timeout,
+                reason: err.to_string(),
+            })
+    }
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        if let Err(err) = self.shutdown_now() {
+            // The subscriber is still installed, so this still reaches the logs.
+            tracing::warn!(error = %err, "telemetry shutdown incomplete; some spans may be lost");
+        }
+    }
+}
+
+// === ServiceAttributeProcessor ===
+
+/// Sets `kvlease.service` on every span from the [`LogicalService`] in its parent context,
+/// falling back to the process's service name.
+#[derive(Debug)]
+struct ServiceAttributeProcessor {
+    default_service: String,
+}
+
+impl SpanProcessor for ServiceAttributeProcessor {
+    fn on_start(&self, span: &mut opentelemetry_sdk::trace::Span, cx: &Context) {
+        use opentelemetry::trace::Span as _;
+        let service = match cx.get::<LogicalService>() {
+            Some(LogicalService(name)) => (*name).to_owned(),
+            None => self.default_service.clone(),
+        };
+        span.set_attribute(KeyValue::new(SERVICE, service));
+    }
+
+    fn on_end(&self, _span: SpanData) {}
+
+    fn force_flush(&self) -> OTelSdkResult {
+        Ok(())
+    }
+
+    fn shutdown_with_timeout(&self, _timeout: Duration) -> OTelSdkResult {
+        Ok(())
+    }
+}
