@@ -3,6 +3,10 @@
 //! Attribute keys are plain `&str` constants so they work both as OpenTelemetry keys
 //! (`span.set_attribute(attributes::SEQ_ID, 7)`) and, spelled out, as tracing field names
 //! (`info_span!("lease", kvlease.seq_id = 7)`: tracing accepts dotted field names).
+//!
+//! Numbers: record them as `i64` (`kvlease.seq_id = seq_id as i64`) or with [`set_u64`].
+//! tracing-opentelemetry 0.34 exports a `u64` tracing field as a *string* attribute, so a
+//! `u64` field would not compare equal to an integer in a test that reads the spans.
 
 use opentelemetry::KeyValue;
 use opentelemetry::trace::{SpanContext, Status};
@@ -76,10 +80,16 @@ impl RejectFigures<'_> {
     }
 }
 
-/// OpenTelemetry integers are `i64`; sequence ids are `u64`. Ids above `i64::MAX` keep their
+/// OpenTelemetry integers are `i64`; sequence ids are `u64`. Values above `i64::MAX` keep their
 /// bit pattern (they read as negative), which is still unique and still matches by equality.
-pub fn seq_id_value(seq_id: u64) -> i64 {
-    seq_id as i64
+pub fn seq_id_value(value: u64) -> i64 {
+    value as i64
+}
+
+/// Sets an integer attribute from a `u64` (sequence ids, steps, block counts), so that it is
+/// exported as an integer (see the module doc).
+pub fn set_u64(span: &Span, key: &'static str, value: u64) {
+    span.set_attribute(key, seq_id_value(value));
 }
 
 /// Marks `span` as a reject: `kvlease.*` attributes with the figures, error status with the

@@ -23,8 +23,10 @@ pub fn with_service(parent: &Context, service: &'static str) -> Context {
     parent.with_value(LogicalService(service))
 }
 
-/// Runs `fut` with spans it starts (without another parent) attributed to `service`: for
-/// background tasks such as a step loop, which no incoming request parents.
+/// Runs `fut` with the spans it starts attributed to `service`: for background tasks such as
+/// a step loop, which no incoming request parents. Spans it starts without another parent are
+/// roots (a background task outlives whatever span spawned it); spans given a parent with
+/// [`set_parent`] keep that parent's service.
 ///
 /// ```ignore
 /// tokio::spawn(kvlease_telemetry::in_service("kvlease-scheduler", step_loop(state)));
@@ -34,7 +36,7 @@ pub fn in_service<F: std::future::Future>(
     fut: F,
 ) -> opentelemetry::context::WithContext<F> {
     use opentelemetry::context::FutureExt as _;
-    fut.with_context(with_service(&Context::current(), service))
+    fut.with_context(with_service(&Context::new(), service))
 }
 
 /// Makes `parent` the OpenTelemetry parent of `span`. Call it after creating the span and

@@ -7,6 +7,7 @@
 //! closure given to [`serve_metrics`], right before [`Registry::render`].
 
 mod http;
+pub mod names;
 mod registry;
 
 pub use self::http::{CONTENT_TYPE, serve_metrics};
