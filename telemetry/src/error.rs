@@ -19,12 +19,9 @@ pub enum Error {
         #[source]
         source: tracing_subscriber::filter::ParseError,
     },
-    /// The OTLP exporter needs a tokio runtime (its gRPC channel runs on it).
-    #[error("the otlp exporter for {endpoint} needs a tokio runtime: call init from inside one")]
-    NoRuntime {
-        /// The configured collector endpoint.
-        endpoint: String,
-    },
+    /// The exporter's private runtime could not be started.
+    #[error("cannot start the otlp export runtime: {0}")]
+    ExportRuntime(#[source] std::io::Error),
     /// The OTLP span exporter could not be built (bad endpoint, unsupported scheme).
     #[error("cannot build the otlp span exporter for {endpoint}: {source}")]
     Exporter {

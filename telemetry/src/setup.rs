@@ -42,7 +42,7 @@ pub fn init(service_name: &'static str) -> Result<TelemetryGuard> {
 /// (with the OTLP/gRPC exporter when `otlp_endpoint` is set) and the global subscriber
 /// (fmt logs filtered by `log_filter`, OpenTelemetry spans filtered by `trace_filter`).
 ///
-/// With an endpoint it must run inside a tokio runtime. Fails if a global subscriber exists.
+/// Fails if a global subscriber exists (a second `init` in one process).
 pub fn init_with(config: TelemetryConfig) -> Result<TelemetryGuard> {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     let provider = tracer_provider(&config)?;
@@ -79,34 +79,91 @@ pub fn tracer_provider_builder(config: &TelemetryConfig) -> Result<TracerProvide
             default_service: config.service_name.clone(),
         });
     if let Some(endpoint) = &config.otlp_endpoint {
-        // The exporter's tonic channel spawns its connection task on the current runtime.
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(Error::NoRuntime {
-                endpoint: endpoint.clone(),
-            });
-        }
-        let exporter = opentelemetry_otlp::SpanExporter::builder()
-            .with_tonic()
-            .with_endpoint(endpoint.clone())
-            .with_timeout(config.export_timeout)
-            .build()
-            .map_err(|source| Error::Exporter {
-                endpoint: endpoint.clone(),
-                source,
-            })?;
-        // The SDK's batch processor runs on its own thread and drives the tonic exporter,
-        // whose I/O runs on the tokio runtime. Unlike the experimental async-runtime processor,
-        // it honours the shutdown timeout, so a vanished collector cannot hang shutdown.
-        let processor = BatchSpanProcessor::builder(exporter)
-            .with_batch_config(
-                BatchConfigBuilder::default()
-                    .with_scheduled_delay(Duration::from_secs(1))
-                    .build(),
-            )
-            .build();
-        builder = builder.with_span_processor(processor);
+        builder = builder.with_span_processor(otlp_processor(endpoint, config.export_timeout)?);
     }
     Ok(builder)
+}
+
+/// The OTLP/gRPC batch processor, with its own one-thread tokio runtime for the exporter's
+/// channel. The SDK's batch processor exports from its own thread; the tonic channel's I/O runs
+/// on that private runtime, so export works whatever runtime (or none) the caller has, survives
+/// the runtime it was created in (one per `#[tokio::test]`), and a shutdown that blocks a
+/// current-thread runtime cannot starve it. Unlike the SDK's experimental async-runtime
+/// processor, this one honours the shutdown timeout.
+fn otlp_processor(endpoint: &str, timeout: Duration) -> Result<OtlpProcessor> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("kvlease-otlp")
+        .enable_all()
+        .build()
+        .map_err(Error::ExportRuntime)?;
+    let exporter = {
+        // The exporter's lazily connecting channel spawns its worker on the entered runtime.
+        let _entered = runtime.enter();
+        opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(endpoint.to_owned())
+            .with_timeout(timeout)
+            .build()
+            .map_err(|source| Error::Exporter {
+                endpoint: endpoint.to_owned(),
+                source,
+            })?
+    };
+    let batch = BatchSpanProcessor::builder(exporter)
+        .with_batch_config(
+            BatchConfigBuilder::default()
+                .with_scheduled_delay(Duration::from_secs(1))
+                .build(),
+        )
+        .build();
+    Ok(OtlpProcessor {
+        batch,
+        _runtime: ExportRuntime(Some(runtime)),
+    })
+}
+
+/// The batch processor plus the runtime its exporter runs on. Fields drop in order: the
+/// processor (and its export thread) first, then the runtime.
+#[derive(Debug)]
+struct OtlpProcessor {
+    batch: BatchSpanProcessor,
+    _runtime: ExportRuntime,
+}
+
+impl SpanProcessor for OtlpProcessor {
+    fn on_start(&self, span: &mut opentelemetry_sdk::trace::Span, cx: &Context) {
+        self.batch.on_start(span, cx);
+    }
+
+    fn on_end(&self, span: SpanData) {
+        self.batch.on_end(span);
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.batch.force_flush()
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.batch.shutdown_with_timeout(timeout)
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.batch.set_resource(resource);
+    }
+}
+
+#[derive(Debug)]
+struct ExportRuntime(Option<tokio::runtime::Runtime>);
+
+impl Drop for ExportRuntime {
+    fn drop(&mut self) {
+        // A plain drop blocks, which panics inside an async context (the provider's last clone
+        // may well be dropped there); nothing is left to wait for once the processor is gone.
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
 }
 
 /// The subscriber `init` installs, not installed: fmt logs filtered by `config.log_filter`
@@ -158,7 +215,8 @@ impl TelemetryGuard {
     }
 
     /// Exports what is buffered and shuts the provider down, within the export timeout.
-    /// Blocks the calling thread: on a current-thread runtime call it from `spawn_blocking`.
+    /// Blocks the calling thread for at most that long; the export itself runs on the
+    /// exporter's own runtime, so this is safe at the end of any `main`, async or not.
     pub fn shutdown(mut self) -> Result<()> {
         self.shutdown_now()
     }

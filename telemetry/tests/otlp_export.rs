@@ -130,14 +130,86 @@ async fn shutdown_is_bounded_when_the_collector_never_answers() -> TestResult {
     Ok(())
 }
 
+/// The provider is built with no runtime at all and outlives the runtime the receiver ran on
+/// before: what happens when one test binary's `#[tokio::test]`s share one global provider.
 #[test]
-fn an_endpoint_without_a_runtime_is_an_error_not_a_panic() {
+fn export_needs_no_caller_runtime_and_survives_a_dropped_one() -> TestResult {
+    let first = tokio::runtime::Runtime::new()?;
+    let second = tokio::runtime::Runtime::new()?;
+    let listener = second.block_on(TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    second.spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(Receiver(tx)))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+
     let config = TelemetryConfig {
-        otlp_endpoint: Some("http://127.0.0.1:4317".into()),
+        otlp_endpoint: Some(format!("http://{addr}")),
+        log_filter: "off".into(),
+        export_timeout: Duration::from_secs(5),
         ..TelemetryConfig::new("kvlease-no-runtime")
     };
-    assert!(matches!(
-        tracer_provider(&config),
-        Err(kvlease_telemetry::Error::NoRuntime { .. })
-    ));
+    // Built outside any runtime; a span recorded while a (soon dropped) runtime is entered.
+    let provider = tracer_provider(&config)?;
+    {
+        let _entered = first.enter();
+        tracing::subscriber::with_default(subscriber(&config, &provider)?, || {
+            let _span = tracing::info_span!("outlived").entered();
+        });
+    }
+    drop(first);
+
+    TelemetryGuard::new(provider, config.export_timeout).shutdown()?;
+    let request = second
+        .block_on(async { tokio::time::timeout(Duration::from_secs(10), rx.recv()).await })?
+        .ok_or("receiver closed")?;
+    let exported = request
+        .resource_spans
+        .iter()
+        .flat_map(|r| r.scope_spans.iter())
+        .flat_map(|s| s.spans.iter())
+        .any(|span| span.name == "outlived");
+    assert!(exported, "span not exported: {request:?}");
+    Ok(())
+}
+
+/// Shutdown called from the only thread of a current-thread runtime (the end of a
+/// `#[tokio::main(flavor = "current_thread")]`) still exports: the I/O is not on that thread.
+#[tokio::test(flavor = "current_thread")]
+async fn shutdown_on_a_current_thread_runtime_does_not_starve_the_export() -> TestResult {
+    // The collector runs on another runtime, so that it keeps serving while this one blocks.
+    let collector = tokio::runtime::Runtime::new()?;
+    let std_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    std_listener.set_nonblocking(true)?;
+    let addr = std_listener.local_addr()?;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    collector.spawn(async move {
+        let listener = TcpListener::from_std(std_listener)?;
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(Receiver(tx)))
+            .serve_with_incoming(TcpListenerStream::new(listener))
+            .await
+            .map_err(std::io::Error::other)
+    });
+
+    let config = TelemetryConfig {
+        otlp_endpoint: Some(format!("http://{addr}")),
+        log_filter: "off".into(),
+        export_timeout: Duration::from_secs(5),
+        ..TelemetryConfig::new("kvlease-current-thread")
+    };
+    let provider = tracer_provider(&config)?;
+    tracing::subscriber::with_default(subscriber(&config, &provider)?, || {
+        let _span = tracing::info_span!("blocking-shutdown").entered();
+    });
+    // Blocks this runtime's only thread, on purpose.
+    TelemetryGuard::new(provider, config.export_timeout).shutdown()?;
+    let request = rx
+        .try_recv()
+        .map_err(|e| format!("nothing exported before shutdown returned: {e}"))?;
+    assert!(!request.resource_spans.is_empty());
+    collector.shutdown_background();
+    Ok(())
 }
