@@ -1,1 +1,46 @@
 //! kvlease scheduler: continuous batching on leased KV blocks.
+//!
+//! The scheduler serves `kvlease.v1.Scheduler` to clients, leases KV blocks
+//! from the cache service and runs forward passes on the workers. Running out
+//! of blocks is an answer, never a crash: a refused sequence is dropped from
+//! its step and preempted or finished `REJECTED`, and the loop keeps stepping.
+//!
+//! # Layout
+//!
+//! - `domain.rs`: plain types (tables, grants, rejects, forward items, outputs).
+//! - `queue.rs`: waiting requests, first come first served.
+//! - `policy.rs`: the capacity policies (what to admit given pool figures).
+//! - `spec.rs`: prompt-lookup drafting and verification.
+//! - `step.rs`: the core: plans each step (extends, admissions, forward
+//!   batch), applies lease outcomes and forward results, says what to release.
+//! - `warmup.rs`: the warm-up shapes and their block estimate.
+//! - `tokenizer.rs`: byte-level text.
+//!   (All of the above are synchronous and free of protobuf types.)
+//! - `client.rs`: the cache and worker gRPC clients; converts messages.
+//! - `bootstrap.rs`: start-up: describe workers, register pools, warm up.
+//! - `engine.rs`: the async step loop driving `step.rs` over the clients.
+//! - `service.rs`: the `Scheduler` API; converts messages; validates input.
+//! - `server.rs`: [`run`], which wires it all to a listener.
+//! - `config.rs`, `error.rs`.
+//!
+//! Data flow: `service` -> (submission) -> `engine` -> `step::Core` plans ->
+//! `client` RPCs -> outcomes back into `Core` -> outputs -> `service` streams.
+
+pub mod bootstrap;
+pub mod client;
+pub mod config;
+pub mod domain;
+pub mod engine;
+pub mod error;
+pub mod policy;
+pub mod queue;
+pub mod server;
+pub mod service;
+pub mod spec;
+pub mod step;
+pub mod tokenizer;
+pub mod warmup;
+
+pub use config::Config;
+pub use error::{Error, Result};
+pub use server::run;

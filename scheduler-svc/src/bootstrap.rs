@@ -1,0 +1,341 @@
+//! Start-up: describe each worker, register its pools, and warm up with the
+//! largest shapes (`warmup.rs`) using *atomic* leases, so a shape that does
+//! not fit takes nothing; every warm-up sequence is released and the pools
+//! must be whole again before the scheduler serves. The whole start-up runs
+//! under a deadline and fails with a clear error instead of hanging.
+
+use std::sync::Mutex;
+
+use crate::client::{CacheClient, WorkerClient};
+use crate::config::Config;
+use crate::domain::{ForwardItem, GroupGeometry, LeaseSpec, Outcome, SeqId, Table};
+use crate::error::{Error, Result};
+use crate::warmup::{self, WarmupLimits, WarmupShape};
+
+/// Warm-up sequence ids live far above the ids of real sequences.
+const WARMUP_SEQ_BASE: SeqId = 1 << 62;
+
+/// What start-up produced.
+#[derive(Debug, Clone)]
+pub struct Started {
+    /// One group per worker, in the order of the worker addresses.
+    pub groups: Vec<GroupGeometry>,
+    /// The last step number warm-up used.
+    pub last_step: u64,
+}
+
+/// Describes, registers and warms up every worker within the deadline.
+pub async fn start(
+    config: &Config,
+    cache: &CacheClient,
+    workers: &[WorkerClient],
+) -> Result<Started> {
+    let held = Mutex::new(Vec::new());
+    let run = start_inner(config, cache, workers, &held);
+    match tokio::time::timeout(config.warmup_deadline(), run).await {
+        Ok(result) => result,
+        Err(_) => {
+            let ids: Vec<SeqId> =
+                std::mem::take(&mut *held.lock().unwrap_or_else(|e| e.into_inner()));
+            if !ids.is_empty() {
+                // best effort: closing the session reclaims them anyway
+                let _ = cache.release(&ids, None).await;
+            }
+            Err(Error::WarmupDeadline {
+                deadline_ms: config.warmup_deadline_ms,
+            })
+        }
+    }
+}
+
+async fn start_inner(
+    config: &Config,
+    cache: &CacheClient,
+    workers: &[WorkerClient],
+    held: &Mutex<Vec<SeqId>>,
+) -> Result<Started> {
+    let mut groups = Vec::with_capacity(workers.len());
+    let mut step = 0u64;
+    let mut next_seq = WARMUP_SEQ_BASE;
+    for (i, worker) in workers.iter().enumerate() {
+        let d = worker.describe().await?;
+        if d.pools.is_empty() || d.tokens_per_block == 0 {
+            return Err(Error::Protocol {
+                peer: "worker",
+                message: format!(
+                    "worker {} describes no pools or zero tokens per block",
+                    worker.addr()
+                ),
+            });
+        }
+        let model = if d.model_name.is_empty() {
+            "model"
+        } else {
+            d.model_name.as_str()
+        };
+        let name = format!("{model}/replica-{i}");
+        let pools = cache
+            .register_pool(&name, d.tokens_per_block, &d.pools)
+            .await?;
+        let max_context = match config.max_context {
+            0 => d.max_context,
+            c => c.min(d.max_context),
+        };
+        let group = GroupGeometry {
+            name,
+            tokens_per_block: d.tokens_per_block,
+            pools,
+            max_context,
+            vocab_size: d.vocab_size,
+            max_batch_sequences: d.max_batch_sequences.max(1),
+            max_batch_tokens: d.max_batch_tokens.max(1),
+        };
+        tracing::info!(group = %group.name, worker = worker.addr(), tokens_per_block = group.tokens_per_block,
+            pools = group.pools.len(), "pools registered");
+        warm_up(
+            config,
+            cache,
+            worker,
+            &group,
+            &mut step,
+            &mut next_seq,
+            held,
+        )
+        .await?;
+        groups.push(group);
+    }
+    Ok(Started {
+        groups,
+        last_step: step,
+    })
+}
+
+/// The limits the warm-up shapes are built from.
+pub fn limits(config: &Config, group: &GroupGeometry) -> WarmupLimits {
+    WarmupLimits {
+        max_context: group.max_context,
+        max_tokens: config.max_tokens,
+        max_seqs: config.max_seqs,
+        max_tokens_per_step: config.max_tokens_per_step,
+        draft_k: config.spec_draft_k,
+    }
+}
+
+fn describe(shape: &WarmupShape) -> String {
+    format!(
+        "{} x {} prompt + {} new + {} draft tokens",
+        shape.num_seqs, shape.prompt_len, shape.max_new_tokens, shape.extra.draft
+    )
+}
+
+async fn warm_up(
+    config: &Config,
+    cache: &CacheClient,
+    worker: &WorkerClient,
+    group: &GroupGeometry,
+    step: &mut u64,
+    next_seq: &mut SeqId,
+    held: &Mutex<Vec<SeqId>>,
+) -> Result<()> {
+    let shapes = warmup::shapes(limits(config, group), group);
+    if let Err(e) = warmup::check(&shapes, group) {
+        return Err(Error::WarmupDoesNotFit {
+            group: group.name.clone(),
+            shape: e.shape.name.to_string(),
+            detail: describe(&e.shape),
+            window: e.window,
+            needed: e.needed,
+            available: e.available,
+        });
+    }
+    for shape in &shapes {
+        let specs: Vec<LeaseSpec> = (0..shape.num_seqs)
+            .map(|n| {
+                let seq_id = *next_seq + u64::from(n);
+                LeaseSpec {
+                    seq_id,
+                    pool_group: group.name.clone(),
+                    // distinct per sequence so nothing is shared between them
+                    prompt_tokens: (0..shape.prompt_len).map(|p| (p + n) % 250 + 1).collect(),
+                    extra: shape.extra,
+                    max_new_tokens: shape.max_new_tokens,
+                    priority: 0,
+                    cache_salt: "kvlease-warmup".into(),
+                    reserve_full_life: true,
+                }
+            })
+            .collect();
+        *next_seq += u64::from(shape.num_seqs);
+        // the cache's own estimate must agree that the shape fits
+        if let Some(first) = specs.first() {
+            let estimates = cache.estimate(std::slice::from_ref(first)).await?;
+            for (pools, _fits) in &estimates {
+                for &(window, peak, pool_blocks) in pools {
+                    let needed = peak.saturating_mul(shape.num_seqs);
+                    if needed > pool_blocks {
+                        return Err(Error::WarmupDoesNotFit {
+                            group: group.name.clone(),
+                            shape: shape.name.to_string(),
+                            detail: describe(shape),
+                            window,
+                            needed,
+                            available: pool_blocks,
+                        });
+                    }
+                }
+            }
+        }
+        *step += 1;
+        let ids: Vec<SeqId> = specs.iter().map(|s| s.seq_id).collect();
+        held.lock().unwrap_or_else(|e| e.into_inner()).extend(&ids);
+        let outcome = run_shape(config, cache, worker, group, shape, &specs, step).await;
+        // release whatever happened: atomic leases took all or nothing, and
+        // release is idempotent; fenced at the last warm-up step, completed
+        let fence = *step;
+        let released = cache.release(&ids, Some(fence)).await;
+        let completed = cache.complete_step(fence).await;
+        held.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        outcome?;
+        released?;
+        completed?;
+        tracing::info!(group = %group.name, shape = shape.name, detail = %describe(shape), "warm-up shape ran");
+    }
+    for pool in cache.pool_states(&group.name).await? {
+        if pool.in_use != 0 || pool.fenced != 0 {
+            return Err(Error::PoolNotWhole {
+                group: group.name.clone(),
+                window: pool.window,
+                in_use: pool.in_use,
+                fenced: pool.fenced,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Leases one shape atomically, prefills it, extends by one and runs one
+/// decode forward that fills the draft slots.
+async fn run_shape(
+    config: &Config,
+    cache: &CacheClient,
+    worker: &WorkerClient,
+    group: &GroupGeometry,
+    shape: &WarmupShape,
+    specs: &[LeaseSpec],
+    step: &mut u64,
+) -> Result<()> {
+    let outcomes = cache.lease(*step, true, true, specs).await?;
+    let mut tables: Vec<Vec<Table>> = Vec::with_capacity(specs.len());
+    for outcome in outcomes {
+        match outcome {
+            Outcome::Grant(g) => tables.push(g.tables),
+            Outcome::Reject(r) if r.reason == crate::domain::RejectReason::RolledBack => {}
+            Outcome::Reject(r) => {
+                return Err(Error::WarmupRejected {
+                    group: group.name.clone(),
+                    shape: shape.name.to_string(),
+                    reason: format!(
+                        "{} in pool window {}: {} blocks needed, {} free, {} pending free ({})",
+                        r.reason,
+                        r.window,
+                        r.blocks_needed,
+                        r.blocks_free,
+                        r.blocks_pending_free,
+                        r.message
+                    ),
+                });
+            }
+        }
+    }
+    if tables.len() != specs.len() {
+        return Err(Error::Protocol {
+            peer: "cache",
+            message: "atomic warm-up lease partly granted".into(),
+        });
+    }
+    let step_tokens = config
+        .max_tokens_per_step
+        .min(group.max_batch_tokens)
+        .max(1);
+    let chunk = config.prefill_chunk.min(step_tokens).max(1);
+    let mut pos = 0;
+    while pos < shape.prompt_len {
+        let len = chunk.min(shape.prompt_len - pos);
+        let items: Vec<ForwardItem> = specs
+            .iter()
+            .zip(&tables)
+            .map(|(s, t)| ForwardItem {
+                seq_id: s.seq_id,
+                tokens: s.prompt_tokens[pos as usize..(pos + len) as usize].to_vec(),
+                start_pos: pos,
+                tables: t.clone(),
+                return_all_argmax: false,
+                sampling: Default::default(),
+            })
+            .collect();
+        forward_batched(worker, group, step_tokens, *step, &items).await?;
+        *step += 1;
+        pos += len;
+    }
+    // one decode step feeding a token and the drafts into the reserved slots
+    let drafts = shape
+        .extra
+        .draft
+        .min(group.max_context.saturating_sub(shape.prompt_len + 1));
+    let grow: Vec<(SeqId, u32)> = specs.iter().map(|s| (s.seq_id, 1)).collect();
+    let outcomes = cache.extend_by(*step, &grow).await?;
+    let mut items = Vec::with_capacity(specs.len());
+    for (s, outcome) in specs.iter().zip(outcomes) {
+        let tables = match outcome {
+            Outcome::Grant(g) => g.tables,
+            Outcome::Reject(r) => {
+                return Err(Error::WarmupRejected {
+                    group: group.name.clone(),
+                    shape: shape.name.to_string(),
+                    reason: format!(
+                        "extend refused although the life was reserved: {} ({})",
+                        r.reason, r.message
+                    ),
+                });
+            }
+        };
+        items.push(ForwardItem {
+            seq_id: s.seq_id,
+            tokens: vec![1; 1 + drafts as usize],
+            start_pos: shape.prompt_len,
+            tables,
+            return_all_argmax: drafts > 0,
+            sampling: Default::default(),
+        });
+    }
+    forward_batched(worker, group, step_tokens, *step, &items).await?;
+    Ok(())
+}
+
+/// Splits `items` into forward calls within the worker's limits.
+async fn forward_batched(
+    worker: &WorkerClient,
+    group: &GroupGeometry,
+    step_tokens: u32,
+    step: u64,
+    items: &[ForwardItem],
+) -> Result<()> {
+    let mut batch: Vec<ForwardItem> = Vec::new();
+    let mut tokens = 0u32;
+    for item in items {
+        let n = item.tokens.len() as u32;
+        if !batch.is_empty()
+            && (batch.len() as u32 >= group.max_batch_sequences || tokens + n > step_tokens)
+        {
+            worker.forward(step, &batch).await?;
+            batch.clear();
+            tokens = 0;
+        }
+        tokens += n;
+        batch.push(item.clone());
+    }
+    if !batch.is_empty() {
+        worker.forward(step, &batch).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,570 @@
+//! gRPC clients of the cache service and the workers. The only place besides
+//! `service.rs` that knows protobuf types: it converts between messages and
+//! the domain types of `domain.rs`, and classifies call failures
+//! (unreachable, lost session, other) into [`Error`].
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvlease_proto::v1 as pb;
+use kvlease_proto::v1::cache_service_client::CacheServiceClient;
+use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::domain::{
+    ExtendSpec, Extra, ForwardItem, ForwardResult, Grant, LeaseSpec, Outcome, PoolGeometry, Reject,
+    RejectReason, SeqId, Table,
+};
+use crate::error::{Error, Result};
+
+fn endpoint(peer: &'static str, addr: &str, timeout: Option<Duration>) -> Result<Channel> {
+    let addr = if addr.contains("://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    };
+    let mut ep = Endpoint::from_shared(addr.clone())
+        .map_err(|e| Error::Address {
+            peer,
+            addr: addr.clone(),
+            message: e.to_string(),
+        })?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true);
+    if let Some(t) = timeout {
+        ep = ep.timeout(t);
+    }
+    // The trace-context interceptor of kvlease-telemetry goes around this
+    // channel once it lands (see the crate docs of kvlease-telemetry).
+    Ok(ep.connect_lazy())
+}
+
+/// The session this scheduler holds at the cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Session {
+    pub id: u64,
+    pub epoch: u64,
+    pub ttl_ms: u64,
+}
+
+/// One pool's state figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolState {
+    pub pool_id: u32,
+    pub window: u32,
+    pub total: u32,
+    pub free: u32,
+    pub cached_evictable: u32,
+    pub in_use: u32,
+    pub fenced: u32,
+}
+
+/// The cache service client, with the session and a reachability flag
+/// shared by every clone.
+#[derive(Debug, Clone)]
+pub struct CacheClient {
+    inner: CacheServiceClient<Channel>,
+    session: Arc<Mutex<Session>>,
+    up: Arc<AtomicBool>,
+}
+
+impl CacheClient {
+    /// A lazily connecting client of `addr`; every call times out after
+    /// `timeout`.
+    pub fn new(addr: &str, timeout: Duration) -> Result<Self> {
+        let channel = endpoint("cache", addr, Some(timeout))?;
+        Ok(Self {
+            inner: CacheServiceClient::new(channel),
+            session: Arc::new(Mutex::new(Session::default())),
+            up: Arc::new(AtomicBool::new(true)),
+        })
+    }
+
+    /// The session in use.
+    pub fn session(&self) -> Session {
+        *self.session.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the last call reached the cache service.
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Relaxed)
+    }
+
+    fn seen<T>(
+        &self,
+        method: &'static str,
+        r: std::result::Result<tonic::Response<T>, tonic::Status>,
+    ) -> Result<T> {
+        match r {
+            Ok(resp) => {
+                self.up.store(true, Ordering::Relaxed);
+                Ok(resp.into_inner())
+            }
+            Err(status) => {
+                let e = Error::from_cache(method, &status);
+                match &e {
+                    Error::CacheUnavailable(_) => self.up.store(false, Ordering::Relaxed),
+                    _ => self.up.store(true, Ordering::Relaxed),
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Opens a new session (replacing the one held).
+    pub async fn open_session(&self, holder: &str, ttl_ms: u64) -> Result<Session> {
+        let r = self
+            .inner
+            .clone()
+            .open_session(pb::OpenSessionRequest {
+                holder: holder.to_string(),
+                ttl_ms,
+            })
+            .await;
+        let r = self.seen("OpenSession", r)?;
+        let session = Session {
+            id: r.session_id,
+            epoch: r.epoch,
+            ttl_ms: r.ttl_ms,
+        };
+        *self.session.lock().unwrap_or_else(|e| e.into_inner()) = session;
+        Ok(session)
+    }
+
+    pub async fn keep_alive(&self) -> Result<u64> {
+        let s = self.session();
+        let r = self
+            .inner
+            .clone()
+            .keep_alive(pb::KeepAliveRequest {
+                session_id: s.id,
+                epoch: s.epoch,
+            })
+            .await;
+        Ok(self.seen("KeepAlive", r)?.ttl_ms)
+    }
+
+    pub async fn close_session(&self) -> Result<()> {
+        let s = self.session();
+        let r = self
+            .inner
+            .clone()
+            .close_session(pb::CloseSessionRequest {
+                session_id: s.id,
+                epoch: s.epoch,
+            })
+            .await;
+        self.seen("CloseSession", r).map(|_| ())
+    }
+
+    /// Registers a group's pools; returns them with their ids, in the order
+    /// of `pools` (window, blocks).
+    pub async fn register_pool(
+        &self,
+        group: &str,
+        tokens_per_block: u32,
+        pools: &[(u32, u32)],
+    ) -> Result<Vec<PoolGeometry>> {
+        let req = pb::RegisterPoolRequest {
+            pool_group: group.to_string(),
+            tokens_per_block,
+            pools: pools
+                .iter()
+                .map(|&(window, num_blocks)| pb::PoolSpec { window, num_blocks })
+                .collect(),
+        };
+        let r = self.inner.clone().register_pool(req).await;
+        let r = self.seen("RegisterPool", r)?;
+        Ok(r.pools
+            .into_iter()
+            .map(|p| PoolGeometry {
+                pool_id: p.pool_id,
+                window: p.window,
+                num_blocks: p.num_blocks,
+            })
+            .collect())
+    }
+
+    /// One batched Lease; one outcome per spec, in order.
+    pub async fn lease(
+        &self,
+        step: u64,
+        atomic: bool,
+        warmup: bool,
+        specs: &[LeaseSpec],
+    ) -> Result<Vec<Outcome>> {
+        let s = self.session();
+        let req = pb::LeaseRequest {
+            session_id: s.id,
+            epoch: s.epoch,
+            step,
+            atomic,
+            warmup,
+            sequences: specs.iter().map(sequence_spec).collect(),
+        };
+        let r = self.inner.clone().lease(req).await;
+        let r = self.seen("Lease", r)?;
+        outcomes("Lease", r.outcomes, specs.iter().map(|s| s.seq_id))
+    }
+
+    /// One batched Extend; one outcome per spec, in order.
+    pub async fn extend(&self, step: u64, specs: &[ExtendSpec]) -> Result<Vec<Outcome>> {
+        let s = self.session();
+        let req = pb::ExtendRequest {
+            session_id: s.id,
+            epoch: s.epoch,
+            step,
+            atomic: false,
+            items: specs
+                .iter()
+                .map(|e| pb::ExtendItem {
+                    seq_id: e.seq_id,
+                    new_tokens: e.new_tokens.clone(),
+                    num_tokens: 0,
+                })
+                .collect(),
+        };
+        let r = self.inner.clone().extend(req).await;
+        let r = self.seen("Extend", r)?;
+        outcomes("Extend", r.outcomes, specs.iter().map(|s| s.seq_id))
+    }
+
+    /// Extends sequences by a number of tokens whose ids are not known
+    /// (warm-up).
+    pub async fn extend_by(&self, step: u64, items: &[(SeqId, u32)]) -> Result<Vec<Outcome>> {
+        let s = self.session();
+        let req = pb::ExtendRequest {
+            session_id: s.id,
+            epoch: s.epoch,
+            step,
+            atomic: true,
+            items: items
+                .iter()
+                .map(|&(seq_id, n)| pb::ExtendItem {
+                    seq_id,
+                    new_tokens: Vec::new(),
+                    num_tokens: n,
+                })
+                .collect(),
+        };
+        let r = self.inner.clone().extend(req).await;
+        let r = self.seen("Extend", r)?;
+        outcomes("Extend", r.outcomes, items.iter().map(|i| i.0))
+    }
+
+    /// Releases sequences, fenced at `fence_step` when given. Returns the
+    /// blocks freed now and the blocks fenced.
+    pub async fn release(&self, seq_ids: &[SeqId], fence_step: Option<u64>) -> Result<(u64, u64)> {
+        let s = self.session();
+        let req = pb::ReleaseRequest {
+            session_id: s.id,
+            epoch: s.epoch,
+            seq_ids: seq_ids.to_vec(),
+            fence_step,
+        };
+        let r = self.inner.clone().release(req).await;
+        let r = self.seen("Release", r)?;
+        let freed = r.results.iter().map(|x| u64::from(x.blocks_freed)).sum();
+        let fenced = r.results.iter().map(|x| u64::from(x.blocks_fenced)).sum();
+        Ok((freed, fenced))
+    }
+
+    /// Reports `step` complete; returns the blocks returned to circulation.
+    pub async fn complete_step(&self, step: u64) -> Result<u64> {
+        let s = self.session();
+        let req = pb::CompleteStepRequest {
+            session_id: s.id,
+            epoch: s.epoch,
+            step,
+        };
+        let r = self.inner.clone().complete_step(req).await;
+        Ok(self.seen("CompleteStep", r)?.blocks_returned)
+    }
+
+    /// Per shape, per pool: (window, peak blocks, pool blocks), and fits.
+    pub async fn estimate(
+        &self,
+        shapes: &[LeaseSpec],
+    ) -> Result<Vec<(Vec<(u32, u32, u32)>, bool)>> {
+        let req = pb::EstimateRequest {
+            shapes: shapes.iter().map(sequence_spec).collect(),
+        };
+        let r = self.inner.clone().estimate(req).await;
+        let r = self.seen("Estimate", r)?;
+        Ok(r.estimates
+            .into_iter()
+            .map(|e| {
+                (
+                    e.pools
+                        .iter()
+                        .map(|p| (p.window, p.peak_blocks, p.pool_blocks))
+                        .collect(),
+                    e.fits,
+                )
+            })
+            .collect())
+    }
+
+    /// Pool figures of `group` (all groups when empty), as the protocol has them.
+    pub async fn stats_raw(&self, group: &str) -> Result<pb::GetStatsResponse> {
+        let r = self
+            .inner
+            .clone()
+            .get_stats(pb::GetStatsRequest {
+                pool_group: group.to_string(),
+            })
+            .await;
+        self.seen("GetStats", r)
+    }
+
+    /// Pool states of `group`.
+    pub async fn pool_states(&self, group: &str) -> Result<Vec<PoolState>> {
+        let r = self.stats_raw(group).await?;
+        Ok(r.pools
+            .iter()
+            .filter(|p| p.pool_group == group)
+            .map(|p| PoolState {
+                pool_id: p.pool_id,
+                window: p.window,
+                total: p.total,
+                free: p.free,
+                cached_evictable: p.cached_evictable,
+                in_use: p.in_use,
+                fenced: p.fenced,
+            })
+            .collect())
+    }
+}
+
+fn sequence_spec(s: &LeaseSpec) -> pb::SequenceSpec {
+    pb::SequenceSpec {
+        seq_id: s.seq_id,
+        pool_group: s.pool_group.clone(),
+        prompt_tokens: s.prompt_tokens.clone(),
+        num_tokens: 0,
+        extra: Some(extra(s.extra)),
+        beam_width: 1,
+        max_new_tokens: s.max_new_tokens,
+        priority: s.priority,
+        cache_salt: s.cache_salt.clone(),
+        reserve_full_life: s.reserve_full_life,
+    }
+}
+
+fn extra(e: Extra) -> pb::ExtraTokens {
+    pb::ExtraTokens {
+        draft: e.draft,
+        extra_kv: e.extra_kv,
+        extra_decoding_steps: e.extra_decoding_steps,
+    }
+}
+
+fn outcomes(
+    method: &'static str,
+    raw: Vec<pb::SequenceOutcome>,
+    asked: impl ExactSizeIterator<Item = SeqId>,
+) -> Result<Vec<Outcome>> {
+    if raw.len() != asked.len() {
+        return Err(Error::Protocol {
+            peer: "cache",
+            message: format!(
+                "{method} answered {} outcomes for {} sequences",
+                raw.len(),
+                asked.len()
+            ),
+        });
+    }
+    raw.into_iter()
+        .zip(asked)
+        .map(|(o, seq_id)| match o.outcome {
+            Some(pb::sequence_outcome::Outcome::Grant(g)) => Ok(Outcome::Grant(grant(g, seq_id))),
+            Some(pb::sequence_outcome::Outcome::Reject(r)) => {
+                Ok(Outcome::Reject(reject(r, seq_id)))
+            }
+            None => Err(Error::Protocol {
+                peer: "cache",
+                message: format!("{method} outcome without grant or reject"),
+            }),
+        })
+        .collect()
+}
+
+fn grant(g: pb::Grant, seq_id: SeqId) -> Grant {
+    Grant {
+        // outcomes are in request order; trust the order over the echoed id
+        seq_id,
+        tables: g
+            .tables
+            .into_iter()
+            .filter(|t| t.beam == 0)
+            .map(|t| Table {
+                pool_id: t.pool_id,
+                window: t.window,
+                first_block: t.first_block,
+                block_ids: t.block_ids,
+            })
+            .collect(),
+        reused_tokens: g.reused_tokens,
+        capacity_tokens: g.capacity_tokens,
+    }
+}
+
+fn reject(r: pb::Reject, seq_id: SeqId) -> Reject {
+    Reject {
+        seq_id,
+        reason: reject_reason(r.reason()),
+        pool_id: r.pool_id,
+        window: r.window,
+        blocks_needed: r.blocks_needed,
+        blocks_free: r.blocks_free,
+        blocks_pending_free: r.blocks_pending_free,
+        message: r.message,
+    }
+}
+
+fn reject_reason(r: pb::RejectReason) -> RejectReason {
+    match r {
+        pb::RejectReason::PoolExhausted => RejectReason::PoolExhausted,
+        pb::RejectReason::ExceedsCapacity => RejectReason::ExceedsCapacity,
+        pb::RejectReason::RolledBack => RejectReason::RolledBack,
+        pb::RejectReason::UnknownSequence => RejectReason::UnknownSequence,
+        pb::RejectReason::DuplicateSequence => RejectReason::DuplicateSequence,
+        pb::RejectReason::QuotaExceeded => RejectReason::QuotaExceeded,
+        pb::RejectReason::Unspecified => RejectReason::Other,
+    }
+}
+
+/// The protocol's form of a domain reject (for the client stream).
+pub fn reject_to_proto(r: &Reject) -> pb::Reject {
+    let reason = match r.reason {
+        RejectReason::PoolExhausted => pb::RejectReason::PoolExhausted,
+        RejectReason::ExceedsCapacity => pb::RejectReason::ExceedsCapacity,
+        RejectReason::RolledBack => pb::RejectReason::RolledBack,
+        RejectReason::UnknownSequence => pb::RejectReason::UnknownSequence,
+        RejectReason::DuplicateSequence => pb::RejectReason::DuplicateSequence,
+        RejectReason::QuotaExceeded => pb::RejectReason::QuotaExceeded,
+        RejectReason::Other => pb::RejectReason::Unspecified,
+    };
+    pb::Reject {
+        seq_id: r.seq_id,
+        reason: reason as i32,
+        pool_id: r.pool_id,
+        window: r.window,
+        blocks_needed: r.blocks_needed,
+        blocks_free: r.blocks_free,
+        blocks_pending_free: r.blocks_pending_free,
+        message: r.message.clone(),
+    }
+}
+
+/// What a worker says about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerDescription {
+    pub model_name: String,
+    pub tokens_per_block: u32,
+    /// (window, blocks) per pool.
+    pub pools: Vec<(u32, u32)>,
+    pub max_context: u32,
+    pub vocab_size: u32,
+    pub max_batch_sequences: u32,
+    pub max_batch_tokens: u32,
+}
+
+/// A worker client.
+#[derive(Debug, Clone)]
+pub struct WorkerClient {
+    addr: String,
+    inner: WorkerServiceClient<Channel>,
+}
+
+impl WorkerClient {
+    pub fn new(addr: &str) -> Result<Self> {
+        let channel = endpoint("worker", addr, None)?;
+        Ok(Self {
+            addr: addr.to_string(),
+            inner: WorkerServiceClient::new(channel),
+        })
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    pub async fn describe(&self) -> Result<WorkerDescription> {
+        let r = self
+            .inner
+            .clone()
+            .describe(pb::DescribeRequest {})
+            .await
+            .map_err(|s| Error::from_worker("Describe", &s))?
+            .into_inner();
+        let model = r.model.unwrap_or_default();
+        Ok(WorkerDescription {
+            model_name: model.name,
+            tokens_per_block: r.tokens_per_block,
+            pools: r.pools.iter().map(|p| (p.window, p.num_blocks)).collect(),
+            max_context: model.max_context,
+            vocab_size: model.vocab_size,
+            max_batch_sequences: r.max_batch_sequences,
+            max_batch_tokens: r.max_batch_tokens,
+        })
+    }
+
+    /// One forward pass; one result per item, in order.
+    pub async fn forward(&self, step: u64, items: &[ForwardItem]) -> Result<Vec<ForwardResult>> {
+        let req = pb::ForwardRequest {
+            step,
+            sequences: items
+                .iter()
+                .map(|i| pb::ForwardSequence {
+                    seq_id: i.seq_id,
+                    tokens: i.tokens.clone(),
+                    start_pos: i.start_pos,
+                    tables: i
+                        .tables
+                        .iter()
+                        .map(|t| pb::BlockTable {
+                            pool_id: t.pool_id,
+                            window: t.window,
+                            beam: 0,
+                            first_block: t.first_block,
+                            block_ids: t.block_ids.clone(),
+                        })
+                        .collect(),
+                    return_all_argmax: i.return_all_argmax,
+                    sampling: Some(pb::SamplingParams {
+                        temperature: i.sampling.temperature,
+                        top_p: i.sampling.top_p,
+                        seed: i.sampling.seed,
+                    }),
+                })
+                .collect(),
+        };
+        let r = self
+            .inner
+            .clone()
+            .forward(req)
+            .await
+            .map_err(|s| Error::from_worker("Forward", &s))?
+            .into_inner();
+        if r.results.len() != items.len() {
+            return Err(Error::Protocol {
+                peer: "worker",
+                message: format!(
+                    "Forward answered {} results for {} sequences",
+                    r.results.len(),
+                    items.len()
+                ),
+            });
+        }
+        Ok(r.results
+            .into_iter()
+            .map(|x| ForwardResult {
+                seq_id: x.seq_id,
+                next_token: x.next_token,
+                argmax: x.argmax,
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,241 @@
+//! Scheduler configuration: flags with `KVLEASE_SCHEDULER_*` environment
+//! fallbacks. Tests build it with `Config::default()` and field updates.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::error::{Error, Result};
+use crate::policy::{OnExhausted, Policy};
+use crate::step::CoreConfig;
+
+/// What to do with live sequences when the cache service lost them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnCacheRestart {
+    /// Re-lease them and recompute their KV.
+    Recompute,
+    /// Finish them `REJECTED`.
+    Reject,
+}
+
+/// The scheduler's configuration.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "kvlease-scheduler",
+    about = "kvlease scheduler: continuous batching on leased KV blocks"
+)]
+pub struct Config {
+    /// Address the Scheduler API listens on.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_LISTEN",
+        default_value = "127.0.0.1:50051"
+    )]
+    pub listen: SocketAddr,
+    /// Cache service endpoint.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_CACHE_ADDR",
+        default_value = "http://127.0.0.1:50052"
+    )]
+    pub cache_addr: String,
+    /// Worker endpoints (one per model replica), comma separated.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_WORKER_ADDRS",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:50053"
+    )]
+    pub worker_addrs: Vec<String>,
+    /// Capacity policy: guaranteed-no-evict, max-utilization or static-batch.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_POLICY",
+        default_value = "max-utilization"
+    )]
+    pub policy: Policy,
+    /// Under max-utilization, a mid-flight exhaustion: preempt or reject.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_ON_EXHAUSTED",
+        default_value = "preempt"
+    )]
+    pub on_exhausted: OnExhausted,
+    /// Preemptions a request may suffer before it is rejected.
+    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_PREEMPTIONS", default_value_t = 4)]
+    pub max_preemptions: u32,
+    /// Sequences running at once.
+    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_SEQS", default_value_t = 256)]
+    pub max_seqs: u32,
+    /// Tokens in one step's forward batch.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_MAX_TOKENS_PER_STEP",
+        default_value_t = 2048
+    )]
+    pub max_tokens_per_step: u32,
+    /// Prompt tokens one sequence prefills per step (chunked prefill).
+    #[arg(long, env = "KVLEASE_SCHEDULER_PREFILL_CHUNK", default_value_t = 512)]
+    pub prefill_chunk: u32,
+    /// Largest max_tokens a request may ask for.
+    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_TOKENS", default_value_t = 1024)]
+    pub max_tokens: u32,
+    /// Largest prompt + output in tokens; 0 uses the model's limit.
+    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_CONTEXT", default_value_t = 0)]
+    pub max_context: u32,
+    /// Prompt-lookup draft tokens per decode step; 0 turns speculation off.
+    #[arg(long, env = "KVLEASE_SCHEDULER_SPEC_DRAFT_K", default_value_t = 0)]
+    pub spec_draft_k: u32,
+    /// Schedule step N+1 while step N's forward pass runs.
+    #[arg(long, env = "KVLEASE_SCHEDULER_OVERLAP", default_value_t = false, action = clap::ArgAction::Set)]
+    pub overlap: bool,
+    /// Warm-up must finish within this many milliseconds.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_WARMUP_DEADLINE_MS",
+        default_value_t = 60_000
+    )]
+    pub warmup_deadline_ms: u64,
+    /// Cache session time-to-live in milliseconds (keep-alive every third).
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_SESSION_TTL_MS",
+        default_value_t = 10_000
+    )]
+    pub session_ttl_ms: u64,
+    /// Time limit of one cache RPC in milliseconds.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_CACHE_TIMEOUT_MS",
+        default_value_t = 5_000
+    )]
+    pub cache_timeout_ms: u64,
+    /// Holder name of the cache session.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_HOLDER",
+        default_value = "kvlease-scheduler"
+    )]
+    pub holder: String,
+    /// Live sequences when the cache service lost them: recompute or reject.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_ON_CACHE_RESTART",
+        value_enum,
+        default_value = "recompute"
+    )]
+    pub on_cache_restart: OnCacheRestart,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            cache_addr: "http://127.0.0.1:50052".into(),
+            worker_addrs: vec!["http://127.0.0.1:50053".into()],
+            policy: Policy::MaxUtilization,
+            on_exhausted: OnExhausted::Preempt,
+            max_preemptions: 4,
+            max_seqs: 256,
+            max_tokens_per_step: 2048,
+            prefill_chunk: 512,
+            max_tokens: 1024,
+            max_context: 0,
+            spec_draft_k: 0,
+            overlap: false,
+            warmup_deadline_ms: 60_000,
+            session_ttl_ms: 10_000,
+            cache_timeout_ms: 5_000,
+            holder: "kvlease-scheduler".into(),
+            on_cache_restart: OnCacheRestart::Recompute,
+        }
+    }
+}
+
+impl Config {
+    /// Checks the values that have no meaning when zero or out of range.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::Config(m.to_string()));
+        if self.worker_addrs.iter().all(|a| a.trim().is_empty()) {
+            return bad("at least one worker address is required");
+        }
+        if self.max_seqs == 0 {
+            return bad("max_seqs must be at least 1");
+        }
+        if self.max_tokens_per_step == 0 {
+            return bad("max_tokens_per_step must be at least 1");
+        }
+        if self.prefill_chunk == 0 {
+            return bad("prefill_chunk must be at least 1");
+        }
+        if self.max_tokens == 0 {
+            return bad("max_tokens must be at least 1");
+        }
+        if self.spec_draft_k > 32 {
+            return bad("spec_draft_k must be at most 32");
+        }
+        if self.session_ttl_ms < 30 {
+            return bad("session_ttl_ms must be at least 30");
+        }
+        if self.warmup_deadline_ms == 0 || self.cache_timeout_ms == 0 {
+            return bad("deadlines and timeouts must be positive");
+        }
+        if self.holder.is_empty() || self.holder.len() > 128 {
+            return bad("holder must be 1 to 128 characters");
+        }
+        Ok(())
+    }
+
+    /// The core's knobs.
+    pub fn core(&self) -> CoreConfig {
+        CoreConfig {
+            policy: self.policy,
+            on_exhausted: self.on_exhausted,
+            max_preemptions: self.max_preemptions,
+            max_seqs: self.max_seqs,
+            max_tokens_per_step: self.max_tokens_per_step,
+            prefill_chunk: self.prefill_chunk,
+            draft_k: self.spec_draft_k,
+        }
+    }
+
+    pub fn warmup_deadline(&self) -> Duration {
+        Duration::from_millis(self.warmup_deadline_ms)
+    }
+
+    pub fn cache_timeout(&self) -> Duration {
+        Duration::from_millis(self.cache_timeout_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_parse_and_default_matches_clap_defaults() {
+        let c = Config::try_parse_from([
+            "kvlease-scheduler",
+            "--policy",
+            "guaranteed-no-evict",
+            "--worker-addrs",
+            "http://a:1,http://b:2",
+            "--overlap",
+            "true",
+        ]);
+        let c = c.map_err(|e| e.to_string());
+        assert!(c.is_ok(), "{c:?}");
+        if let Ok(c) = c {
+            assert_eq!(c.policy, Policy::GuaranteedNoEvict);
+            assert_eq!(c.worker_addrs.len(), 2);
+            assert!(c.overlap);
+        }
+        assert!(Config::default().validate().is_ok());
+        let zero = Config {
+            max_tokens: 0,
+            ..Config::default()
+        };
+        assert!(matches!(zero.validate(), Err(Error::Config(_))));
+    }
+}

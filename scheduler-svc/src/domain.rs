@@ -1,0 +1,263 @@
+//! Domain types shared by the core modules: sequences, block tables, lease
+//! outcomes and forward items. No protobuf types here; `client.rs` converts.
+
+use std::fmt;
+
+/// The scheduler's id of one lease attempt of a request (unique within the
+/// session; a preempted request is leased again under a new id).
+pub type SeqId = u64;
+
+/// The scheduler's id of one client request (stable across preemptions).
+pub type RequestId = u64;
+
+/// One pool of a worker group as registered with the cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolGeometry {
+    /// Cache-assigned pool id.
+    pub pool_id: u32,
+    /// Attention window in tokens; 0 is full attention.
+    pub window: u32,
+    /// Blocks in the pool.
+    pub num_blocks: u32,
+}
+
+/// A worker (model replica) and its pools: one pool group of the cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupGeometry {
+    /// The cache pool group name.
+    pub name: String,
+    /// Tokens per block, shared by every pool of the group.
+    pub tokens_per_block: u32,
+    /// The group's pools, one per distinct window.
+    pub pools: Vec<PoolGeometry>,
+    /// Largest prompt + output the group serves, in tokens.
+    pub max_context: u32,
+    /// Vocabulary size of the model.
+    pub vocab_size: u32,
+    /// Worker limits on one forward batch.
+    pub max_batch_sequences: u32,
+    /// Worker limit on tokens in one forward batch.
+    pub max_batch_tokens: u32,
+}
+
+impl GroupGeometry {
+    /// Blocks that `tokens` token slots occupy at most in a pool of `window`.
+    pub fn blocks_for(&self, tokens: u32, window: u32) -> u32 {
+        blocks_for(tokens, window, self.tokens_per_block)
+    }
+}
+
+/// Blocks that `tokens` token slots occupy at most in a pool of `window`
+/// (0 = full attention) with `tokens_per_block` tokens per block. A window
+/// pool never holds more than `ceil(window / tpb) + 1` blocks.
+pub fn blocks_for(tokens: u32, window: u32, tokens_per_block: u32) -> u32 {
+    let tpb = tokens_per_block.max(1);
+    let full = tokens.div_ceil(tpb);
+    if window == 0 {
+        full
+    } else {
+        full.min(window.div_ceil(tpb) + 1)
+    }
+}
+
+/// KV slots a sequence keeps beyond its tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Extra {
+    /// Speculative draft tokens verified per step.
+    pub draft: u32,
+    /// Extra KV tokens.
+    pub extra_kv: u32,
+    /// Extra decoding steps.
+    pub extra_decoding_steps: u32,
+}
+
+impl Extra {
+    /// All extra slots together.
+    pub fn total(&self) -> u32 {
+        self.draft + self.extra_kv + self.extra_decoding_steps
+    }
+}
+
+/// The blocks of one sequence (beam 0) in one pool.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Table {
+    pub pool_id: u32,
+    pub window: u32,
+    /// Index of `block_ids[0]` in the sequence (non-zero once blocks slid out).
+    pub first_block: u32,
+    pub block_ids: Vec<u32>,
+}
+
+/// Why the cache refused a sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RejectReason {
+    PoolExhausted,
+    ExceedsCapacity,
+    RolledBack,
+    UnknownSequence,
+    DuplicateSequence,
+    QuotaExceeded,
+    /// A reason this scheduler does not know (newer cache service).
+    Other,
+}
+
+impl fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            Self::PoolExhausted => "pool exhausted",
+            Self::ExceedsCapacity => "exceeds capacity",
+            Self::RolledBack => "rolled back",
+            Self::UnknownSequence => "unknown sequence",
+            Self::DuplicateSequence => "duplicate sequence",
+            Self::QuotaExceeded => "quota exceeded",
+            Self::Other => "other",
+        };
+        f.write_str(s)
+    }
+}
+
+/// A per-sequence refusal, with the cache's figures.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reject {
+    pub seq_id: SeqId,
+    pub reason: RejectReason,
+    pub pool_id: u32,
+    pub window: u32,
+    pub blocks_needed: u32,
+    pub blocks_free: u32,
+    pub blocks_pending_free: u32,
+    pub message: String,
+}
+
+/// A per-sequence grant.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Grant {
+    pub seq_id: SeqId,
+    /// Beam-0 tables, one per pool.
+    pub tables: Vec<Table>,
+    /// Leading prompt tokens already in reused blocks.
+    pub reused_tokens: u32,
+    /// Token slots the lease now covers.
+    pub capacity_tokens: u32,
+}
+
+/// One per-sequence answer of a Lease or Extend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Grant(Grant),
+    Reject(Reject),
+}
+
+/// One new sequence to lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseSpec {
+    pub seq_id: SeqId,
+    pub pool_group: String,
+    pub prompt_tokens: Vec<u32>,
+    pub extra: Extra,
+    pub max_new_tokens: u32,
+    pub priority: u32,
+    pub cache_salt: String,
+    pub reserve_full_life: bool,
+}
+
+/// One sequence to grow.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExtendSpec {
+    pub seq_id: SeqId,
+    /// Token ids that now occupy the next slots.
+    pub new_tokens: Vec<u32>,
+}
+
+/// Sampling of one sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Sampling {
+    /// 0 is greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    pub seed: u64,
+}
+
+impl Sampling {
+    /// Whether decoding is greedy (argmax), which speculation requires.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+/// One sequence of a worker forward batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ForwardItem {
+    pub seq_id: SeqId,
+    pub tokens: Vec<u32>,
+    pub start_pos: u32,
+    pub tables: Vec<Table>,
+    pub return_all_argmax: bool,
+    pub sampling: Sampling,
+}
+
+/// One sequence's forward result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForwardResult {
+    pub seq_id: SeqId,
+    pub next_token: u32,
+    pub argmax: Vec<u32>,
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Finish {
+    /// `max_tokens` reached.
+    Length,
+    /// A stop token was generated.
+    Stop,
+    /// The client went away, or the scheduler shut down.
+    Cancelled(String),
+    /// The cache could not supply blocks.
+    Rejected(Reject),
+    /// A worker or the cache failed while serving the request.
+    Error(String),
+}
+
+/// What the core tells a request's stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Output {
+    /// Tokens generated since the previous output.
+    Tokens {
+        request: RequestId,
+        tokens: Vec<u32>,
+        /// Prompt tokens served from cached blocks, on the first output.
+        reused_tokens: Option<u32>,
+    },
+    /// The last output of a request.
+    Finished {
+        request: RequestId,
+        finish: Finish,
+        preemptions: u32,
+    },
+}
+
+impl Output {
+    /// The request the output belongs to.
+    pub fn request(&self) -> RequestId {
+        match self {
+            Self::Tokens { request, .. } | Self::Finished { request, .. } => *request,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_for_full_and_window_pools() {
+        assert_eq!(blocks_for(1, 0, 16), 1);
+        assert_eq!(blocks_for(16, 0, 16), 1);
+        assert_eq!(blocks_for(17, 0, 16), 2);
+        assert_eq!(blocks_for(0, 0, 16), 0);
+        // a window of 64 tokens holds at most 4 + 1 blocks of 16
+        assert_eq!(blocks_for(1000, 64, 16), 5);
+        assert_eq!(blocks_for(40, 64, 16), 3);
+    }
+}

@@ -1,0 +1,502 @@
+//! The async step loop: drives `step::Core` with the cache and worker
+//! clients, one batched Extend and one batched Lease per step, forwards on
+//! the workers, streams outputs, releases ended sequences fenced at the last
+//! step whose forward pass could read them, and completes each step once its
+//! forward pass has returned.
+//!
+//! With overlap on, step N+1's releases and admission leases run while step
+//! N's forward pass is in flight; the releases are then fenced at N, so the
+//! cache cannot hand their blocks to the new leases before `CompleteStep(N)`,
+//! which is sent only after forward N returned.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+use crate::client::{CacheClient, WorkerClient};
+use crate::config::OnCacheRestart;
+use crate::domain::{ForwardResult, GroupGeometry, Output, RequestId};
+use crate::error::{Error, Result};
+use crate::queue::Request;
+use crate::step::{Core, CoreConfig, Counters};
+
+/// A request handed to the loop, with the stream its outputs go to.
+#[derive(Debug)]
+pub struct Submission {
+    pub request: Request,
+    pub events: mpsc::UnboundedSender<Output>,
+}
+
+/// What `GetStatus` shows of the loop.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StatusSnapshot {
+    pub queued: u32,
+    pub running: u32,
+    pub preempted: u32,
+    pub steps: u64,
+    pub session_id: u64,
+    pub epoch: u64,
+    pub counters: Counters,
+}
+
+/// The service side of the loop: submit requests, read the status.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    submit: mpsc::UnboundedSender<Submission>,
+    status: watch::Receiver<StatusSnapshot>,
+    next_id: Arc<AtomicU64>,
+}
+
+impl EngineHandle {
+    /// A fresh request id (also its arrival order).
+    pub fn next_request_id(&self) -> RequestId {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Hands a request to the loop; its outputs arrive on the receiver, the
+    /// last one being `Output::Finished`. Dropping the receiver cancels it.
+    pub fn submit(&self, request: Request) -> Result<mpsc::UnboundedReceiver<Output>> {
+        let (events, rx) = mpsc::unbounded_channel();
+        self.submit
+            .send(Submission { request, events })
+            .map_err(|_| Error::ShuttingDown)?;
+        Ok(rx)
+    }
+
+    pub fn status(&self) -> StatusSnapshot {
+        self.status.borrow().clone()
+    }
+}
+
+/// Everything the loop needs besides the core.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub core: CoreConfig,
+    pub overlap: bool,
+    pub holder: String,
+    pub session_ttl_ms: u64,
+    pub on_cache_restart: OnCacheRestart,
+    /// The step number to continue from (after warm-up).
+    pub first_step: u64,
+}
+
+struct InFlight {
+    step: u64,
+    tasks: Vec<(usize, JoinHandle<Result<Vec<ForwardResult>>>)>,
+}
+
+/// The step loop. Build with [`Engine::new`], run with [`Engine::run`].
+#[derive(Debug)]
+pub struct Engine {
+    core: Core,
+    config: EngineConfig,
+    cache: CacheClient,
+    workers: Vec<WorkerClient>,
+    step: u64,
+    steps_run: u64,
+    streams: HashMap<RequestId, mpsc::UnboundedSender<Output>>,
+    intake: mpsc::UnboundedReceiver<Submission>,
+    status: watch::Sender<StatusSnapshot>,
+    session_lost: Arc<AtomicBool>,
+    in_flight: Option<InFlight>,
+    pending_complete: Option<u64>,
+    backoff: Duration,
+}
+
+impl std::fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InFlight")
+            .field("step", &self.step)
+            .field("groups", &self.tasks.len())
+            .finish()
+    }
+}
+
+const MIN_BACKOFF: Duration = Duration::from_millis(5);
+const MAX_BACKOFF: Duration = Duration::from_millis(500);
+
+impl Engine {
+    /// A loop over `groups` (index i served by `workers[i]`).
+    pub fn new(
+        config: EngineConfig,
+        groups: Vec<GroupGeometry>,
+        cache: CacheClient,
+        workers: Vec<WorkerClient>,
+        session_lost: Arc<AtomicBool>,
+    ) -> (Self, EngineHandle) {
+        let (submit, intake) = mpsc::unbounded_channel();
+        let (status, status_rx) = watch::channel(StatusSnapshot::default());
+        let handle = EngineHandle {
+            submit,
+            status: status_rx,
+            next_id: Arc::new(AtomicU64::new(1)),
+        };
+        let engine = Self {
+            core: Core::new(config.core.clone(), groups),
+            step: config.first_step,
+            config,
+            cache,
+            workers,
+            steps_run: 0,
+            streams: HashMap::new(),
+            intake,
+            status,
+            session_lost,
+            in_flight: None,
+            pending_complete: None,
+            backoff: MIN_BACKOFF,
+        };
+        (engine, handle)
+    }
+
+    /// Runs until `shutdown` turns true; then finishes every request
+    /// (`CANCELLED`), releases what it holds and closes the session.
+    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
+        self.publish();
+        loop {
+            if *shutdown.borrow() {
+                break;
+            }
+            self.take_submissions();
+            self.reap_cancelled();
+            let quiet = self.core.is_idle()
+                && self.in_flight.is_none()
+                && !self.core.has_releases()
+                && self.pending_complete.is_none();
+            if quiet {
+                self.publish();
+                tokio::select! {
+                    sub = self.intake.recv() => match sub {
+                        Some(sub) => self.accept(sub),
+                        None => break,
+                    },
+                    _ = shutdown.changed() => {}
+                }
+                continue;
+            }
+            if self.session_lost.load(Ordering::Relaxed) {
+                self.recover().await;
+            }
+            let progressed = self.step_once().await;
+            self.route_outputs();
+            self.publish();
+            if progressed {
+                self.backoff = MIN_BACKOFF;
+            } else {
+                // nothing could run (cache unreachable, pool full with
+                // nothing to free): wait a little instead of spinning
+                tokio::select! {
+                    _ = tokio::time::sleep(self.backoff) => {}
+                    _ = shutdown.changed() => {}
+                }
+                self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+            }
+        }
+        self.stop().await;
+    }
+
+    async fn stop(&mut self) {
+        if let Some(f) = self.in_flight.take() {
+            self.finish_forward(f).await;
+        }
+        self.take_submissions();
+        self.core.cancel_all("the scheduler is shutting down");
+        self.route_outputs();
+        self.flush_releases(None).await;
+        if let Err(e) = self.cache.close_session().await {
+            tracing::warn!(error = %e, "closing the cache session failed");
+        }
+        self.publish();
+    }
+
+    fn take_submissions(&mut self) {
+        while let Ok(sub) = self.intake.try_recv() {
+            self.accept(sub);
+        }
+    }
+
+    fn accept(&mut self, sub: Submission) {
+        let id = sub.request.id;
+        self.streams.insert(id, sub.events);
+        self.core.submit(sub.request);
+        self.route_outputs();
+    }
+
+    fn reap_cancelled(&mut self) {
+        let gone: Vec<RequestId> = self
+            .streams
+            .iter()
+            .filter(|(_, tx)| tx.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            tracing::debug!(request = id, "client went away");
+            self.core.cancel(id, "client went away");
+        }
+    }
+
+    /// One step; returns whether any forward pass ran or finished.
+    async fn step_once(&mut self) -> bool {
+        self.step += 1;
+        let step = self.step;
+        self.core.begin_step();
+        let mut progressed = false;
+        if self.config.overlap {
+            let fence = self.in_flight.as_ref().map(|f| f.step);
+            self.flush_releases(fence).await;
+            self.admit(step).await;
+            if let Some(f) = self.in_flight.take() {
+                self.finish_forward(f).await;
+                progressed = true;
+            }
+            self.extend(step).await;
+            progressed |= self.launch(step);
+        } else {
+            self.flush_releases(None).await;
+            self.extend(step).await;
+            self.admit(step).await;
+            if self.launch(step) {
+                if let Some(f) = self.in_flight.take() {
+                    self.finish_forward(f).await;
+                }
+                progressed = true;
+            }
+        }
+        if let (false, Some(s)) = (progressed, self.pending_complete) {
+            self.complete(s).await;
+        }
+        progressed
+    }
+
+    async fn extend(&mut self, step: u64) {
+        let specs = self.core.plan_extends();
+        if specs.is_empty() {
+            return;
+        }
+        match self.cache.extend(step, &specs).await {
+            Ok(outcomes) => self.core.apply_extends(outcomes),
+            Err(e) => {
+                self.core.extends_failed();
+                self.note("Extend", &e);
+            }
+        }
+    }
+
+    async fn admit(&mut self, step: u64) {
+        if !self.cache.is_up() {
+            // probing with leases while the cache is down only adds load;
+            // the keep-alive task notices when it is back
+            return;
+        }
+        let specs = self.core.plan_admission();
+        if specs.is_empty() {
+            return;
+        }
+        match self.cache.lease(step, false, false, &specs).await {
+            Ok(outcomes) => self.core.apply_leases(outcomes),
+            Err(e) => {
+                self.core.leases_failed();
+                self.note("Lease", &e);
+            }
+        }
+    }
+
+    fn launch(&mut self, step: u64) -> bool {
+        let batches = self.core.plan_forward();
+        if batches.is_empty() {
+            return false;
+        }
+        let mut tasks = Vec::with_capacity(batches.len());
+        for (g, items) in batches {
+            let Some(worker) = self.workers.get(g).cloned() else {
+                self.core.forward_failed(g, "no worker for the group");
+                continue;
+            };
+            tasks.push((
+                g,
+                tokio::spawn(async move { worker.forward(step, &items).await }),
+            ));
+        }
+        self.steps_run += 1;
+        self.in_flight = Some(InFlight { step, tasks });
+        true
+    }
+
+    /// Waits for a forward pass, applies it, streams its tokens, releases
+    /// what ended fenced at its step and completes the step.
+    async fn finish_forward(&mut self, f: InFlight) {
+        for (g, task) in f.tasks {
+            match task.await {
+                Ok(Ok(results)) => self.core.apply_forward(g, results),
+                Ok(Err(e)) => {
+                    tracing::warn!(step = f.step, group = g, error = %e, "forward failed");
+                    self.core.forward_failed(g, &e.to_string());
+                }
+                Err(e) => self
+                    .core
+                    .forward_failed(g, &format!("forward task failed: {e}")),
+            }
+        }
+        self.route_outputs();
+        self.flush_releases(Some(f.step)).await;
+        self.complete(f.step).await;
+    }
+
+    async fn complete(&mut self, step: u64) {
+        let step = self.pending_complete.map_or(step, |p| p.max(step));
+        match self.cache.complete_step(step).await {
+            Ok(_) => self.pending_complete = None,
+            Err(e) => {
+                self.pending_complete = Some(step);
+                self.note("CompleteStep", &e);
+            }
+        }
+    }
+
+    async fn flush_releases(&mut self, fence: Option<u64>) {
+        let ids = self.core.take_releases();
+        if ids.is_empty() {
+            return;
+        }
+        match self.cache.release(&ids, fence).await {
+            Ok((freed, fenced)) => {
+                tracing::debug!(
+                    sequences = ids.len(),
+                    freed,
+                    fenced,
+                    fence_step = fence,
+                    "released"
+                );
+            }
+            Err(e @ Error::CacheUnavailable(_)) => {
+                self.core.restore_releases(ids);
+                self.note("Release", &e);
+            }
+            Err(e) => self.note("Release", &e),
+        }
+    }
+
+    fn note(&self, method: &'static str, e: &Error) {
+        match e {
+            Error::SessionLost(_) => {
+                tracing::warn!(method, error = %e, "cache session lost");
+                self.session_lost.store(true, Ordering::Relaxed);
+            }
+            _ => tracing::warn!(method, error = %e, "cache call failed"),
+        }
+    }
+
+    /// Re-opens the session after the cache lost it, re-registers the pools
+    /// and re-leases (recompute) or rejects every live sequence.
+    async fn recover(&mut self) {
+        if let Some(f) = self.in_flight.take() {
+            self.finish_forward(f).await;
+        }
+        let session = match self
+            .cache
+            .open_session(&self.config.holder, self.config.session_ttl_ms)
+            .await
+        {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "re-opening the cache session failed");
+                return;
+            }
+        };
+        let mut groups = self.core.groups().to_vec();
+        for group in &mut groups {
+            let pools: Vec<(u32, u32)> = group
+                .pools
+                .iter()
+                .map(|p| (p.window, p.num_blocks))
+                .collect();
+            match self
+                .cache
+                .register_pool(&group.name, group.tokens_per_block, &pools)
+                .await
+            {
+                Ok(p) => group.pools = p,
+                Err(e) => {
+                    tracing::warn!(group = %group.name, error = %e, "re-registering pools failed");
+                    return;
+                }
+            }
+        }
+        self.core.set_groups(groups);
+        let recompute = self.config.on_cache_restart == OnCacheRestart::Recompute;
+        self.core.leases_lost(recompute);
+        self.pending_complete = None;
+        self.session_lost.store(false, Ordering::Relaxed);
+        tracing::info!(
+            session_id = session.id,
+            epoch = session.epoch,
+            recompute,
+            "cache session re-opened"
+        );
+        self.route_outputs();
+    }
+
+    fn route_outputs(&mut self) {
+        for output in self.core.drain_outputs() {
+            let id = output.request();
+            let last = matches!(output, Output::Finished { .. });
+            if let Some(tx) = self.streams.get(&id) {
+                // a closed stream is reaped as a cancellation
+                let _ = tx.send(output);
+            }
+            if last {
+                self.streams.remove(&id);
+            }
+        }
+    }
+
+    fn publish(&self) {
+        let session = self.cache.session();
+        let to_u32 = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        let snapshot = StatusSnapshot {
+            queued: to_u32(self.core.queued()),
+            running: to_u32(self.core.running()),
+            preempted: to_u32(self.core.preempted()),
+            steps: self.steps_run,
+            session_id: session.id,
+            epoch: session.epoch,
+            counters: self.core.counters(),
+        };
+        self.status.send_if_modified(|s| {
+            let changed = *s != snapshot;
+            *s = snapshot;
+            changed
+        });
+    }
+}
+
+/// Renews the session every third of its TTL; flags it lost when the cache
+/// no longer knows it.
+pub async fn keep_alive(
+    cache: CacheClient,
+    session_lost: Arc<AtomicBool>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        let ttl = cache.session().ttl_ms.max(30);
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(ttl / 3)) => {}
+            _ = shutdown.changed() => return,
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+        match cache.keep_alive().await {
+            Ok(_) => {}
+            Err(Error::SessionLost(m)) => {
+                tracing::warn!(message = %m, "keep-alive: cache session lost");
+                session_lost.store(true, Ordering::Relaxed);
+            }
+            Err(e) => tracing::warn!(error = %e, "keep-alive failed"),
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Waiting requests, first come first served.
+//!
+//! The queue is kept in arrival order: new requests go to the back and a
+//! preempted request goes back to where its arrival puts it (ahead of every
+//! later arrival), so recompute never starves behind newcomers. Admission is
+//! head-of-line: it stops at the first request that does not fit now, and
+//! never skips it for a smaller one behind it.
+
+use std::collections::VecDeque;
+
+use crate::domain::{Extra, RequestId, Sampling};
+
+/// A client request and what it has produced so far.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Stable id (also the arrival order).
+    pub id: RequestId,
+    /// Prompt token ids (never empty).
+    pub prompt: Vec<u32>,
+    /// Tokens generated so far (kept across preemptions).
+    pub generated: Vec<u32>,
+    /// Output tokens to generate at most.
+    pub max_tokens: u32,
+    pub sampling: Sampling,
+    pub stop_tokens: Vec<u32>,
+    pub priority: u32,
+    pub cache_salt: String,
+    /// Times the request was preempted and requeued for recompute.
+    pub preemptions: u32,
+    /// Whether `reused_tokens` was already reported on the stream.
+    pub reported_reuse: bool,
+}
+
+impl Request {
+    /// A new request with nothing generated yet.
+    pub fn new(id: RequestId, prompt: Vec<u32>, max_tokens: u32) -> Self {
+        Self {
+            id,
+            prompt,
+            generated: Vec::new(),
+            max_tokens,
+            sampling: Sampling::default(),
+            stop_tokens: Vec::new(),
+            priority: 0,
+            cache_salt: String::new(),
+            preemptions: 0,
+            reported_reuse: false,
+        }
+    }
+
+    /// The tokens a lease must cover now: the prompt plus anything generated
+    /// before a preemption (recomputed).
+    pub fn context(&self) -> Vec<u32> {
+        let mut all = Vec::with_capacity(self.prompt.len() + self.generated.len());
+        all.extend_from_slice(&self.prompt);
+        all.extend_from_slice(&self.generated);
+        all
+    }
+
+    /// Tokens still to generate.
+    pub fn remaining(&self) -> u32 {
+        self.max_tokens
+            .saturating_sub(u32::try_from(self.generated.len()).unwrap_or(u32::MAX))
+    }
+
+    /// Token slots over the request's whole life: prompt, every generated
+    /// token but the last (whose KV is never written) and the extra slots.
+    pub fn full_life_tokens(&self, extra: Extra) -> u32 {
+        let prompt = u32::try_from(self.prompt.len()).unwrap_or(u32::MAX);
+        prompt
+            .saturating_add(self.max_tokens.saturating_sub(1))
+            .saturating_add(extra.total())
+    }
+
+    /// Token slots the next lease takes: the context plus the extra slots.
+    pub fn lease_tokens(&self, extra: Extra) -> u32 {
+        let context = u32::try_from(self.prompt.len() + self.generated.len()).unwrap_or(u32::MAX);
+        context.saturating_add(extra.total())
+    }
+}
+
+/// Waiting requests in arrival order.
+#[derive(Debug, Default)]
+pub struct Queue {
+    items: VecDeque<Request>,
+}
+
+impl Queue {
+    /// An empty queue.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a new request at the back. Ids are expected to grow; an older id
+    /// is placed by arrival like a requeued one.
+    pub fn push(&mut self, request: Request) {
+        match self.items.back() {
+            Some(last) if last.id > request.id => self.requeue(request),
+            _ => self.items.push_back(request),
+        }
+    }
+
+    /// Puts a preempted request back at its arrival position.
+    pub fn requeue(&mut self, request: Request) {
+        let at = self.items.partition_point(|r| r.id < request.id);
+        self.items.insert(at, request);
+    }
+
+    /// The head of the queue.
+    pub fn front(&self) -> Option<&Request> {
+        self.items.front()
+    }
+
+    /// Removes and returns the head of the queue.
+    pub fn pop(&mut self) -> Option<Request> {
+        self.items.pop_front()
+    }
+
+    /// Removes a request by id (cancellation).
+    pub fn remove(&mut self, id: RequestId) -> Option<Request> {
+        let at = self.items.iter().position(|r| r.id == id)?;
+        self.items.remove(at)
+    }
+
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Waiting requests that were preempted at least once.
+    pub fn preempted(&self) -> usize {
+        self.items.iter().filter(|r| r.preemptions > 0).count()
+    }
+
+    /// Ids in queue order.
+    pub fn ids(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.items.iter().map(|r| r.id)
+    }
+
+    /// Removes every request (shutdown).
+    pub fn drain(&mut self) -> impl Iterator<Item = Request> + '_ {
+        self.items.drain(..)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requeued_request_goes_ahead_of_later_arrivals() {
+        let mut q = Queue::new();
+        for id in [2, 3, 5] {
+            q.push(Request::new(id, vec![1], 1));
+        }
+        q.requeue(Request::new(1, vec![1], 1));
+        q.requeue(Request::new(4, vec![1], 1));
+        assert_eq!(q.ids().collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
+        assert_eq!(q.remove(3).map(|r| r.id), Some(3));
+        assert_eq!(q.pop().map(|r| r.id), Some(1));
+        assert_eq!(q.len(), 3);
+    }
+
+    #[test]
+    fn life_and_lease_tokens_count_extra_slots() {
+        let mut r = Request::new(1, vec![7; 10], 5);
+        let extra = Extra {
+            draft: 3,
+            ..Extra::default()
+        };
+        assert_eq!(r.full_life_tokens(extra), 10 + 4 + 3);
+        r.generated = vec![1, 2];
+        assert_eq!(r.lease_tokens(extra), 12 + 3);
+        assert_eq!(r.remaining(), 3);
+        // recompute does not change the whole-life need
+        assert_eq!(r.full_life_tokens(extra), 17);
+    }
+}

@@ -1,0 +1,359 @@
+//! The `kvlease.v1.Scheduler` API: validates requests, hands them to the
+//! step loop and turns its outputs into the response stream. The only place
+//! besides `client.rs` that knows protobuf types.
+
+use std::pin::Pin;
+
+use futures::Stream;
+use kvlease_proto::v1 as pb;
+use kvlease_proto::v1::scheduler_server::Scheduler;
+use tokio::sync::mpsc;
+use tonic::{Request as GrpcRequest, Response, Status};
+
+use crate::client::{CacheClient, reject_to_proto};
+use crate::domain::{Finish, Output, Sampling};
+use crate::engine::EngineHandle;
+use crate::error::Error;
+use crate::policy::{OnExhausted, Policy};
+use crate::queue::Request;
+use crate::tokenizer::{TextDecoder, encode};
+
+/// Limits a request is validated against.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest `max_tokens`.
+    pub max_tokens: u32,
+    /// Largest prompt + `max_tokens`.
+    pub max_context: u32,
+    /// Token ids must be below this.
+    pub vocab_size: u32,
+}
+
+/// The Scheduler service.
+#[derive(Debug, Clone)]
+pub struct SchedulerService {
+    engine: EngineHandle,
+    cache: CacheClient,
+    limits: Limits,
+    policy: Policy,
+    on_exhausted: OnExhausted,
+    groups: Vec<String>,
+}
+
+impl SchedulerService {
+    pub fn new(
+        engine: EngineHandle,
+        cache: CacheClient,
+        limits: Limits,
+        policy: Policy,
+        on_exhausted: OnExhausted,
+        groups: Vec<String>,
+    ) -> Self {
+        Self {
+            engine,
+            cache,
+            limits,
+            policy,
+            on_exhausted,
+            groups,
+        }
+    }
+}
+
+const MAX_LABEL: usize = 256;
+
+/// Checks a Generate request and turns it into a queue request.
+pub fn validate(
+    id: u64,
+    req: &pb::GenerateRequest,
+    limits: &Limits,
+) -> Result<(Request, bool), Error> {
+    let bad = |m: String| Err(Error::InvalidArgument(m));
+    let is_text = !req.text.is_empty();
+    if is_text && !req.tokens.is_empty() {
+        return bad("give exactly one of text and tokens, not both".into());
+    }
+    let prompt = if is_text {
+        encode(&req.text)
+    } else {
+        req.tokens.clone()
+    };
+    if prompt.is_empty() {
+        return bad("empty prompt: give text or tokens".into());
+    }
+    if let Some((i, t)) = prompt
+        .iter()
+        .enumerate()
+        .find(|(_, t)| **t >= limits.vocab_size)
+    {
+        return bad(format!(
+            "prompt token {t} at index {i} is outside the vocabulary of {}",
+            limits.vocab_size
+        ));
+    }
+    if req.max_tokens == 0 {
+        return bad("max_tokens must be at least 1".into());
+    }
+    if req.max_tokens > limits.max_tokens {
+        return bad(format!(
+            "max_tokens {} is over the limit of {}",
+            req.max_tokens, limits.max_tokens
+        ));
+    }
+    let total = prompt.len() as u64 + u64::from(req.max_tokens);
+    if total > u64::from(limits.max_context) {
+        return bad(format!(
+            "prompt of {} tokens plus max_tokens {} exceeds the context limit of {} tokens",
+            prompt.len(),
+            req.max_tokens,
+            limits.max_context
+        ));
+    }
+    if !req.temperature.is_finite() || req.temperature < 0.0 {
+        return bad(format!(
+            "temperature must be a finite number >= 0, got {}",
+            req.temperature
+        ));
+    }
+    if !req.top_p.is_finite() || !(0.0..=1.0).contains(&req.top_p) {
+        return bad(format!("top_p must be in [0, 1], got {}", req.top_p));
+    }
+    if let Some(t) = req.stop_tokens.iter().find(|t| **t >= limits.vocab_size) {
+        return bad(format!(
+            "stop token {t} is outside the vocabulary of {}",
+            limits.vocab_size
+        ));
+    }
+    if req.priority > 100 {
+        return bad(format!("priority must be 0 to 100, got {}", req.priority));
+    }
+    if req.cache_salt.len() > MAX_LABEL || req.request_id.len() > MAX_LABEL {
+        return bad(format!(
+            "cache_salt and request_id are limited to {MAX_LABEL} bytes"
+        ));
+    }
+    let mut r = Request::new(id, prompt, req.max_tokens);
+    r.sampling = Sampling {
+        temperature: req.temperature,
+        top_p: req.top_p,
+        seed: req.seed,
+    };
+    r.stop_tokens = req.stop_tokens.clone();
+    r.priority = req.priority;
+    r.cache_salt = req.cache_salt.clone();
+    Ok((r, is_text))
+}
+
+type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+struct StreamState {
+    rx: mpsc::UnboundedReceiver<Output>,
+    text: Option<TextDecoder>,
+    done: bool,
+}
+
+/// The response stream of one request: tokens as they come, then the last
+/// message with the finish reason. Dropping it cancels the request.
+fn response_stream(rx: mpsc::UnboundedReceiver<Output>, is_text: bool) -> GenerateStream {
+    let state = StreamState {
+        rx,
+        text: is_text.then(TextDecoder::new),
+        done: false,
+    };
+    Box::pin(futures::stream::unfold(state, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let msg = match st.rx.recv().await {
+            Some(Output::Tokens {
+                tokens,
+                reused_tokens,
+                ..
+            }) => pb::GenerateResponse {
+                text: st
+                    .text
+                    .as_mut()
+                    .map(|d| d.push(&tokens))
+                    .unwrap_or_default(),
+                tokens,
+                reused_tokens: reused_tokens.unwrap_or(0),
+                ..Default::default()
+            },
+            Some(Output::Finished {
+                finish,
+                preemptions,
+                ..
+            }) => {
+                st.done = true;
+                let mut m = pb::GenerateResponse {
+                    text: st.text.as_mut().map(|d| d.finish()).unwrap_or_default(),
+                    preemptions,
+                    ..Default::default()
+                };
+                let reason = match finish {
+                    Finish::Length => pb::FinishReason::Length,
+                    Finish::Stop => pb::FinishReason::Stop,
+                    Finish::Cancelled(why) => {
+                        m.message = why;
+                        pb::FinishReason::Cancelled
+                    }
+                    Finish::Rejected(r) => {
+                        m.message = format!("{}: {}", r.reason, r.message);
+                        m.reject = Some(reject_to_proto(&r));
+                        pb::FinishReason::Rejected
+                    }
+                    Finish::Error(why) => {
+                        m.message = why;
+                        pb::FinishReason::Error
+                    }
+                };
+                m.finish_reason = reason as i32;
+                m
+            }
+            None => {
+                st.done = true;
+                pb::GenerateResponse {
+                    finish_reason: pb::FinishReason::Error as i32,
+                    message: "the scheduler stopped before the request finished".into(),
+                    ..Default::default()
+                }
+            }
+        };
+        Some((Ok(msg), st))
+    }))
+}
+
+#[tonic::async_trait]
+impl Scheduler for SchedulerService {
+    type GenerateStream = GenerateStream;
+
+    async fn generate(
+        &self,
+        request: GrpcRequest<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let req = request.into_inner();
+        let id = self.engine.next_request_id();
+        let (r, is_text) = validate(id, &req, &self.limits)?;
+        if !self.cache.is_up() {
+            return Err(Error::CacheUnavailable(
+                "the cache service cannot be reached; try again later".into(),
+            )
+            .into());
+        }
+        tracing::debug!(request = id, request_id = %req.request_id, prompt_tokens = r.prompt.len(),
+            max_tokens = r.max_tokens, "generate");
+        let rx = self.engine.submit(r)?;
+        Ok(Response::new(response_stream(rx, is_text)))
+    }
+
+    async fn get_status(
+        &self,
+        _request: GrpcRequest<pb::GetStatusRequest>,
+    ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let s = self.engine.status();
+        let mut pools = Vec::new();
+        for group in &self.groups {
+            match self.cache.stats_raw(group).await {
+                Ok(r) => pools.extend(r.pools.into_iter().filter(|p| &p.pool_group == group)),
+                Err(e) => tracing::debug!(error = %e, "pool figures unavailable for status"),
+            }
+        }
+        let policy = match self.policy {
+            Policy::GuaranteedNoEvict => pb::CapacityPolicy::GuaranteedNoEvict,
+            Policy::MaxUtilization => pb::CapacityPolicy::MaxUtilization,
+            Policy::StaticBatch => pb::CapacityPolicy::StaticBatch,
+        };
+        Ok(Response::new(pb::GetStatusResponse {
+            policy: policy as i32,
+            on_exhausted: self.on_exhausted.as_str().to_string(),
+            queued: s.queued,
+            running: s.running,
+            preempted: s.preempted,
+            steps: s.steps,
+            session_id: s.session_id,
+            epoch: s.epoch,
+            pools,
+            finished_length: s.counters.finished_length,
+            finished_stop: s.counters.finished_stop,
+            cancelled: s.counters.cancelled,
+            rejected: s.counters.rejected,
+            errors: s.counters.errors,
+            preemptions: s.counters.preemptions,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            max_tokens: 64,
+            max_context: 128,
+            vocab_size: 258,
+        }
+    }
+
+    fn req(tokens: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
+        pb::GenerateRequest {
+            tokens,
+            max_tokens,
+            ..Default::default()
+        }
+    }
+
+    fn message(r: Result<(Request, bool), Error>) -> String {
+        match r {
+            Ok(_) => "ok".into(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn validation_names_what_is_wrong() {
+        let l = limits();
+        assert!(message(validate(1, &req(vec![], 4), &l)).contains("empty prompt"));
+        assert!(
+            message(validate(1, &req(vec![1], 0), &l)).contains("max_tokens must be at least 1")
+        );
+        assert!(message(validate(1, &req(vec![1], 65), &l)).contains("over the limit of 64"));
+        assert!(message(validate(1, &req(vec![1; 100], 64), &l)).contains("context limit"));
+        assert!(message(validate(1, &req(vec![300], 4), &l)).contains("outside the vocabulary"));
+        let both = pb::GenerateRequest {
+            text: "a".into(),
+            tokens: vec![1],
+            max_tokens: 1,
+            ..Default::default()
+        };
+        assert!(message(validate(1, &both, &l)).contains("exactly one"));
+        let hot = pb::GenerateRequest {
+            temperature: -1.0,
+            ..req(vec![1], 1)
+        };
+        assert!(message(validate(1, &hot, &l)).contains("temperature"));
+        let top = pb::GenerateRequest {
+            top_p: 1.5,
+            ..req(vec![1], 1)
+        };
+        assert!(message(validate(1, &top, &l)).contains("top_p"));
+        let ok = validate(
+            7,
+            &pb::GenerateRequest {
+                text: "hé".into(),
+                max_tokens: 3,
+                ..Default::default()
+            },
+            &l,
+        );
+        assert!(matches!(ok, Ok((r, true)) if r.prompt == vec![104, 0xC3, 0xA9] && r.id == 7));
+    }
+
+    #[test]
+    fn invalid_argument_maps_to_the_grpc_code() {
+        let s: Status = Error::InvalidArgument("x".into()).into();
+        assert_eq!(s.code(), tonic::Code::InvalidArgument);
+        let s: Status = Error::CacheUnavailable("x".into()).into();
+        assert_eq!(s.code(), tonic::Code::Unavailable);
+    }
+}

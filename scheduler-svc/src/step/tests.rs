@@ -1,0 +1,545 @@
+//! Deterministic tests of the core: scripted cache outcomes and worker
+//! results in, decisions out.
+
+use super::*;
+use crate::domain::{Grant, PoolGeometry};
+
+fn group(blocks: u32) -> GroupGeometry {
+    GroupGeometry {
+        name: "g0".into(),
+        tokens_per_block: 4,
+        pools: vec![PoolGeometry {
+            pool_id: 1,
+            window: 0,
+            num_blocks: blocks,
+        }],
+        max_context: 1024,
+        vocab_size: 258,
+        max_batch_sequences: 64,
+        max_batch_tokens: 1024,
+    }
+}
+
+fn core(policy: Policy, blocks: u32) -> Core {
+    let config = CoreConfig {
+        policy,
+        ..CoreConfig::default()
+    };
+    Core::new(config, vec![group(blocks)])
+}
+
+fn request(id: RequestId, prompt_len: usize, max_tokens: u32) -> Request {
+    Request::new(
+        id,
+        (0..prompt_len as u32).map(|t| t % 200 + 1).collect(),
+        max_tokens,
+    )
+}
+
+fn grant(seq_id: SeqId) -> Outcome {
+    Outcome::Grant(Grant {
+        seq_id,
+        tables: vec![Table {
+            pool_id: 1,
+            window: 0,
+            first_block: 0,
+            block_ids: vec![seq_id as u32],
+        }],
+        reused_tokens: 0,
+        capacity_tokens: 0,
+    })
+}
+
+fn exhausted(seq_id: SeqId) -> Outcome {
+    Outcome::Reject(Reject {
+        seq_id,
+        reason: RejectReason::PoolExhausted,
+        pool_id: 1,
+        window: 0,
+        blocks_needed: 1,
+        blocks_free: 0,
+        blocks_pending_free: 0,
+        message: "no free blocks".into(),
+    })
+}
+
+fn reject(seq_id: SeqId, reason: RejectReason) -> Outcome {
+    match exhausted(seq_id) {
+        Outcome::Reject(r) => Outcome::Reject(Reject { reason, ..r }),
+        other => other,
+    }
+}
+
+/// The worker answers `token` for every sequence, and echoes the drafts as
+/// its argmax when `accept_drafts` (so every draft is accepted).
+fn results(items: &[ForwardItem], token: u32, accept_drafts: bool) -> Vec<ForwardResult> {
+    items
+        .iter()
+        .map(|i| {
+            let mut argmax: Vec<u32> = if accept_drafts {
+                i.tokens[1..].to_vec()
+            } else {
+                vec![]
+            };
+            argmax.push(token);
+            if !i.return_all_argmax {
+                argmax.clear();
+            }
+            ForwardResult {
+                seq_id: i.seq_id,
+                next_token: token,
+                argmax,
+            }
+        })
+        .collect()
+}
+
+/// Runs one whole step, granting every extend and lease unless a script
+/// says otherwise; returns the forward batch.
+fn step_with(
+    core: &mut Core,
+    extend: impl Fn(&ExtendSpec) -> Outcome,
+    lease: impl Fn(&LeaseSpec) -> Outcome,
+    token: u32,
+) -> Vec<ForwardItem> {
+    core.begin_step();
+    let extends = core.plan_extends();
+    core.apply_extends(extends.iter().map(extend).collect());
+    let leases = core.plan_admission();
+    core.apply_leases(leases.iter().map(lease).collect());
+    let batches = core.plan_forward();
+    let mut all = Vec::new();
+    for (g, items) in batches {
+        core.apply_forward(g, results(&items, token, false));
+        all.extend(items);
+    }
+    all
+}
+
+fn step_granting(core: &mut Core, token: u32) -> Vec<ForwardItem> {
+    step_with(core, |e| grant(e.seq_id), |l| grant(l.seq_id), token)
+}
+
+fn finishes(outputs: &[Output]) -> Vec<(RequestId, Finish)> {
+    outputs
+        .iter()
+        .filter_map(|o| match o {
+            Output::Finished {
+                request, finish, ..
+            } => Some((*request, finish.clone())),
+            Output::Tokens { .. } => None,
+        })
+        .collect()
+}
+
+fn tokens_of(outputs: &[Output], id: RequestId) -> Vec<u32> {
+    outputs
+        .iter()
+        .filter_map(|o| match o {
+            Output::Tokens {
+                request, tokens, ..
+            } if *request == id => Some(tokens.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect()
+}
+
+#[test]
+fn request_runs_prefill_then_decode_to_length() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 6, 3));
+    let b = step_granting(&mut c, 42);
+    assert_eq!(b.len(), 1);
+    assert_eq!((b[0].start_pos, b[0].tokens.len()), (0, 6));
+    let b = step_granting(&mut c, 43);
+    assert_eq!((b[0].start_pos, b[0].tokens.clone()), (6, vec![42]));
+    step_granting(&mut c, 44);
+    let out = c.drain_outputs();
+    assert_eq!(tokens_of(&out, 1), vec![42, 43, 44]);
+    assert_eq!(finishes(&out), vec![(1, Finish::Length)]);
+    assert_eq!(c.take_releases(), vec![1]);
+    assert!(c.is_idle());
+}
+
+#[test]
+fn extend_reports_the_fed_token_ids() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 4, 5));
+    step_granting(&mut c, 7);
+    c.begin_step();
+    let e = c.plan_extends();
+    assert_eq!(
+        e,
+        vec![ExtendSpec {
+            seq_id: 1,
+            new_tokens: vec![7]
+        }]
+    );
+}
+
+#[test]
+fn chunked_prefill_respects_chunk_and_step_budget() {
+    let config = CoreConfig {
+        prefill_chunk: 4,
+        max_tokens_per_step: 6,
+        ..CoreConfig::default()
+    };
+    let mut c = Core::new(config, vec![group(100)]);
+    c.submit(request(1, 10, 2));
+    c.submit(request(2, 3, 2));
+    let b = step_granting(&mut c, 9);
+    // seq 1 takes a chunk of 4, seq 2 the 2 tokens left in the budget
+    let shape: Vec<(SeqId, u32, usize)> = b
+        .iter()
+        .map(|i| (i.seq_id, i.start_pos, i.tokens.len()))
+        .collect();
+    assert_eq!(shape, vec![(1, 0, 4), (2, 0, 2)]);
+    let b = step_granting(&mut c, 9);
+    let shape: Vec<(SeqId, u32, usize)> = b
+        .iter()
+        .map(|i| (i.seq_id, i.start_pos, i.tokens.len()))
+        .collect();
+    assert_eq!(shape, vec![(1, 4, 4), (2, 2, 1)]);
+    let out = c.drain_outputs();
+    assert_eq!(tokens_of(&out, 1), Vec::<u32>::new());
+    assert_eq!(tokens_of(&out, 2), vec![9]);
+}
+
+#[test]
+fn stop_token_finishes_with_stop() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    let mut r = request(1, 4, 10);
+    r.stop_tokens = vec![5];
+    c.submit(r);
+    step_granting(&mut c, 3);
+    step_granting(&mut c, 5);
+    let out = c.drain_outputs();
+    assert_eq!(tokens_of(&out, 1), vec![3, 5]);
+    assert_eq!(finishes(&out), vec![(1, Finish::Stop)]);
+}
+
+// === MAX_UTILIZATION ===
+
+#[test]
+fn max_utilization_over_subscribes_admission() {
+    // 5 blocks of 4 tokens; each request needs 2 blocks now, 5 over its life
+    let mut c = core(Policy::MaxUtilization, 5);
+    for id in 1..=3 {
+        c.submit(request(id, 8, 10));
+    }
+    c.begin_step();
+    let leases = c.plan_admission();
+    assert_eq!(leases.len(), 2, "admits on the next step's need");
+    assert!(leases.iter().all(|l| !l.reserve_full_life));
+    let mut c = core(Policy::GuaranteedNoEvict, 5);
+    for id in 1..=3 {
+        c.submit(request(id, 8, 10));
+    }
+    c.begin_step();
+    assert_eq!(
+        c.plan_admission().len(),
+        1,
+        "no-evict admits on the whole life"
+    );
+}
+
+#[test]
+fn max_utilization_preempts_on_mid_flight_exhaustion_and_keeps_stepping() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 4, 4));
+    c.submit(request(2, 4, 4));
+    step_granting(&mut c, 7);
+    // seq 2 cannot grow: preempted, released, requeued; seq 1 keeps going
+    let b = step_with(
+        &mut c,
+        |e| {
+            if e.seq_id == 2 {
+                exhausted(2)
+            } else {
+                grant(e.seq_id)
+            }
+        },
+        |l| grant(l.seq_id),
+        8,
+    );
+    assert_eq!(b.iter().map(|i| i.seq_id).collect::<Vec<_>>(), vec![1]);
+    assert_eq!(c.take_releases(), vec![2]);
+    assert_eq!((c.queued(), c.preempted()), (1, 1));
+    assert_eq!(c.counters().preemptions, 1);
+    // next step: the request comes back under a new sequence and recomputes
+    // its prompt plus the token it had generated
+    c.begin_step();
+    let ext = c.plan_extends();
+    c.apply_extends(ext.iter().map(|e| grant(e.seq_id)).collect());
+    let leases = c.plan_admission();
+    assert_eq!(leases.len(), 1);
+    assert_eq!(leases[0].seq_id, 3);
+    assert_eq!(leases[0].prompt_tokens.len(), 5);
+    assert_eq!(leases[0].max_new_tokens, 3);
+    let out = c.drain_outputs();
+    assert!(finishes(&out).is_empty(), "nobody finished: {out:?}");
+}
+
+#[test]
+fn max_utilization_reject_mode_finishes_rejected_with_reason() {
+    let config = CoreConfig {
+        on_exhausted: OnExhausted::Reject,
+        ..CoreConfig::default()
+    };
+    let mut c = Core::new(config, vec![group(100)]);
+    c.submit(request(1, 4, 4));
+    step_granting(&mut c, 7);
+    let b = step_with(&mut c, |e| exhausted(e.seq_id), |l| grant(l.seq_id), 8);
+    assert!(b.is_empty());
+    let out = c.drain_outputs();
+    let f = finishes(&out);
+    assert_eq!(f.len(), 1);
+    assert!(matches!(&f[0].1, Finish::Rejected(r) if r.reason == RejectReason::PoolExhausted));
+    assert_eq!(c.take_releases(), vec![1]);
+    assert_eq!(c.counters().rejected, 1);
+}
+
+#[test]
+fn preemptions_are_bounded_per_request() {
+    let config = CoreConfig {
+        max_preemptions: 1,
+        ..CoreConfig::default()
+    };
+    let mut c = Core::new(config, vec![group(100)]);
+    c.submit(request(1, 4, 8));
+    step_granting(&mut c, 7);
+    step_with(&mut c, |e| exhausted(e.seq_id), |l| grant(l.seq_id), 7); // preempted, requeued
+    step_granting(&mut c, 7); // re-leased, recomputed
+    step_with(&mut c, |e| exhausted(e.seq_id), |l| grant(l.seq_id), 7); // over the bound
+    let out = c.drain_outputs();
+    let f = finishes(&out);
+    assert_eq!(f.len(), 1);
+    assert!(matches!(&f[0].1, Finish::Rejected(_)));
+    assert!(matches!(
+        out.last(),
+        Some(Output::Finished { preemptions: 1, .. })
+    ));
+    assert!(c.is_idle());
+}
+
+// === admission outcomes and head of line ===
+
+#[test]
+fn transient_lease_refusal_waits_permanent_one_rejects() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 4, 4));
+    c.submit(request(2, 4, 4));
+    step_with(
+        &mut c,
+        |e| grant(e.seq_id),
+        |l| {
+            if l.seq_id == 1 {
+                exhausted(1)
+            } else {
+                reject(2, RejectReason::ExceedsCapacity)
+            }
+        },
+        7,
+    );
+    let out = c.drain_outputs();
+    let f = finishes(&out);
+    assert_eq!(f.len(), 1);
+    assert_eq!(f[0].0, 2);
+    assert_eq!(c.queue.front().map(|r| r.id), Some(1));
+    assert_eq!(c.queued(), 1);
+}
+
+#[test]
+fn never_fitting_request_is_rejected_at_submit() {
+    let mut c = core(Policy::MaxUtilization, 4);
+    c.submit(request(1, 8, 20)); // 8 + 19 = 27 slots > 16
+    let out = c.drain_outputs();
+    let f = finishes(&out);
+    assert!(
+        matches!(&f[..], [(1, Finish::Rejected(r))] if r.reason == RejectReason::ExceedsCapacity && r.blocks_needed == 7)
+    );
+    assert_eq!(c.queued(), 0);
+}
+
+#[test]
+fn head_of_line_is_not_skipped() {
+    let mut c = core(Policy::GuaranteedNoEvict, 10);
+    c.submit(request(1, 16, 9)); // 24 slots: 6 blocks
+    c.submit(request(2, 16, 9)); // 6 more: does not fit now
+    c.submit(request(3, 2, 2)); // would fit, but waits behind 2
+    c.begin_step();
+    let leases = c.plan_admission();
+    assert_eq!(leases.iter().map(|l| l.seq_id).collect::<Vec<_>>(), vec![1]);
+    assert_eq!(c.queue.ids().collect::<Vec<_>>(), vec![2, 3]);
+}
+
+// === GUARANTEED_NO_EVICT ===
+
+#[test]
+fn no_evict_reserves_the_whole_life_and_admits_what_fits() {
+    let mut c = core(Policy::GuaranteedNoEvict, 10);
+    for id in 1..=3 {
+        c.submit(request(id, 8, 9)); // 16 slots: 4 blocks each
+    }
+    c.begin_step();
+    let leases = c.plan_admission();
+    assert_eq!(leases.len(), 2);
+    assert!(
+        leases
+            .iter()
+            .all(|l| l.reserve_full_life && l.max_new_tokens == 9)
+    );
+}
+
+#[test]
+fn no_evict_admitted_request_runs_to_completion() {
+    let mut c = core(Policy::GuaranteedNoEvict, 10);
+    for id in 1..=3 {
+        c.submit(request(id, 8, 9));
+    }
+    for _ in 0..40 {
+        step_granting(&mut c, 1);
+    }
+    let out = c.drain_outputs();
+    let f = finishes(&out);
+    assert_eq!(f.len(), 3);
+    assert!(f.iter().all(|(_, f)| *f == Finish::Length));
+    assert_eq!(c.counters().preemptions, 0);
+}
+
+// === STATIC_BATCH ===
+
+#[test]
+fn static_batch_admits_only_between_batches() {
+    let mut c = core(Policy::StaticBatch, 100);
+    c.submit(request(1, 4, 3));
+    c.submit(request(2, 4, 3));
+    step_granting(&mut c, 1);
+    c.submit(request(3, 4, 1));
+    // 1 and 2 are running: 3 waits although it fits
+    for _ in 0..2 {
+        let b = step_granting(&mut c, 1);
+        assert!(b.iter().all(|i| i.seq_id != 3));
+    }
+    assert_eq!(finishes(&c.drain_outputs()).len(), 2);
+    c.take_releases();
+    let b = step_granting(&mut c, 1);
+    assert_eq!(b.iter().map(|i| i.seq_id).collect::<Vec<_>>(), vec![3]);
+}
+
+// === cancellation and recovery ===
+
+#[test]
+fn cancelled_running_request_is_released_and_finished() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 4, 8));
+    c.submit(request(2, 4, 8));
+    step_granting(&mut c, 1);
+    c.cancel(2, "client went away");
+    c.cancel(99, "unknown is fine");
+    assert_eq!(c.take_releases(), vec![2]);
+    let out = c.drain_outputs();
+    assert!(matches!(finishes(&out)[..], [(2, Finish::Cancelled(_))]));
+    let b = step_granting(&mut c, 1);
+    assert_eq!(b.iter().map(|i| i.seq_id).collect::<Vec<_>>(), vec![1]);
+}
+
+#[test]
+fn cancel_during_lease_releases_the_grant() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 4, 8));
+    c.begin_step();
+    let leases = c.plan_admission();
+    c.cancel(1, "gone");
+    c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
+    assert_eq!(c.take_releases(), vec![1]);
+    assert!(c.is_idle());
+}
+
+#[test]
+fn lost_leases_are_recomputed_with_their_tokens() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 4, 8));
+    step_granting(&mut c, 5);
+    step_granting(&mut c, 6);
+    c.leases_lost(true);
+    assert_eq!(c.take_releases(), Vec::<SeqId>::new());
+    c.begin_step();
+    let leases = c.plan_admission();
+    assert_eq!(leases[0].prompt_tokens[4..], [5, 6]);
+}
+
+#[test]
+fn forward_failure_ends_in_flight_requests_with_error() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 4, 8));
+    c.begin_step();
+    let leases = c.plan_admission();
+    c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
+    let batches = c.plan_forward();
+    c.forward_failed(batches[0].0, "worker down");
+    assert!(matches!(
+        finishes(&c.drain_outputs())[..],
+        [(1, Finish::Error(_))]
+    ));
+    assert_eq!(c.take_releases(), vec![1]);
+}
+
+// === speculative decoding ===
+
+#[test]
+fn speculative_decode_feeds_drafts_and_extends_by_accepted_plus_one() {
+    let config = CoreConfig {
+        draft_k: 3,
+        ..CoreConfig::default()
+    };
+    let mut c = Core::new(config, vec![group(100)]);
+    // prompt 1 2 3 1 2: after the model emits 3, "2 3" was seen -> draft "1 2 ..."
+    c.submit(Request::new(1, vec![1, 2, 3, 1, 2], 10));
+    c.begin_step();
+    let leases = c.plan_admission();
+    assert_eq!(leases[0].extra.draft, 3);
+    c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
+    let b = c.plan_forward();
+    c.apply_forward(0, results(&b[0].1, 3, false));
+    // decode: feed 3 with drafts from the earlier "2 3" -> "1 2 3"
+    c.begin_step();
+    let e = c.plan_extends();
+    assert_eq!(e[0].new_tokens, vec![3]);
+    c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
+    let b = c.plan_forward();
+    let item = &b[0].1[0];
+    assert_eq!(item.tokens, vec![3, 1, 2, 3]);
+    assert!(item.return_all_argmax);
+    assert_eq!(item.start_pos, 5);
+    // the worker accepts every draft and adds 9
+    c.apply_forward(0, results(&b[0].1, 9, true));
+    let out = c.drain_outputs();
+    assert_eq!(tokens_of(&out, 1), vec![3, 1, 2, 3, 9]);
+    // next extend covers the 3 accepted drafts and the fed token
+    c.begin_step();
+    let e = c.plan_extends();
+    assert_eq!(e[0].new_tokens, vec![1, 2, 3, 9]);
+}
+
+#[test]
+fn drafts_never_overshoot_max_tokens() {
+    let config = CoreConfig {
+        draft_k: 4,
+        ..CoreConfig::default()
+    };
+    let mut c = Core::new(config, vec![group(100)]);
+    c.submit(Request::new(1, vec![1, 2, 1, 2, 1, 2], 3));
+    step_granting(&mut c, 1);
+    c.begin_step();
+    let e = c.plan_extends();
+    c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
+    let b = c.plan_forward();
+    // 1 generated, 2 left: at most 1 draft
+    assert_eq!(b[0].1[0].tokens.len(), 2);
+    c.apply_forward(0, results(&b[0].1, 7, true));
+    let out = c.drain_outputs();
+    assert_eq!(tokens_of(&out, 1).len(), 3);
+    assert_eq!(finishes(&out), vec![(1, Finish::Length)]);
+}
