@@ -133,3 +133,122 @@ async fn one_trace_id_across_client_and_server_spans() -> TestResult {
     );
     Ok(())
 }
+
+/// Two logical services in one process and one subscriber, one real hop between them: a
+/// "scheduler" handler (behind its own layer) calls the "cache" (a health server behind
+/// another layer) with a traced client. One trace; each span names its own service.
+#[tokio::test(flavor = "current_thread")]
+async fn a_chain_of_logical_services_in_one_process_is_one_trace() -> TestResult {
+    use std::convert::Infallible;
+
+    use http_body_util::{BodyExt as _, Full};
+    use hyper::body::Bytes;
+    use kvlease_telemetry::TracedChannel;
+    use tower::{Layer as _, ServiceExt as _};
+
+    let capture = capture("kvlease-process")?;
+
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (_reporter, health) = tonic_health::server::health_reporter();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let cache = tokio::spawn(
+        Server::builder()
+            .layer(GrpcTraceLayer::new("kvlease-cache"))
+            .add_service(health)
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+                let _ = stopped.await;
+            }),
+    );
+    let channel = Endpoint::from_shared(format!("http://{addr}"))?
+        .connect()
+        .await?;
+    let cache_client: HealthClient<TracedChannel> =
+        HealthClient::new(kvlease_telemetry::traced(channel));
+
+    // The scheduler's handler: a span of its own, then a call to the cache.
+    let scheduler = GrpcTraceLayer::new("kvlease-scheduler").layer(tower::service_fn(
+        move |_request: http::Request<Full<Bytes>>| {
+            let mut cache_client = cache_client.clone();
+            async move {
+                let step = tracing::info_span!("step");
+                let code = match cache_client
+                    .check(HealthCheckRequest {
+                        service: String::new(),
+                    })
+                    .instrument(step)
+                    .await
+                {
+                    Ok(_) => "0",
+                    Err(_) => "13",
+                };
+                let mut response = http::Response::new(Full::new(Bytes::new()));
+                response
+                    .headers_mut()
+                    .insert("grpc-status", http::HeaderValue::from_static(code));
+                Ok::<_, Infallible>(response)
+            }
+        },
+    ));
+
+    // The user's call into the scheduler, from a root span of the process.
+    let user = tracing::info_span!("user");
+    let user_cx = span_context(&user);
+    let mut request = http::Request::builder()
+        .uri("http://scheduler/kvlease.v1.Scheduler/Generate")
+        .body(Full::new(Bytes::new()))?;
+    // What the user's client interceptor would send.
+    let metadata = user.in_scope(|| {
+        let mut metadata = tonic::metadata::MetadataMap::new();
+        kvlease_telemetry::inject_context(&kvlease_telemetry::current_context(), &mut metadata);
+        metadata
+    });
+    *request.headers_mut() = metadata.into_headers();
+    drop(user);
+    let response = scheduler.oneshot(request).await?;
+    assert_eq!(
+        response.headers().get("grpc-status").map(|v| v.as_bytes()),
+        Some(&b"0"[..])
+    );
+    let _ = response.into_body().collect().await?;
+
+    let _ = stop.send(());
+    cache.await??;
+
+    let spans = capture.spans();
+    let by_name = |name: &str| {
+        spans
+            .iter()
+            .find(|s| s.name == name)
+            .cloned()
+            .ok_or(format!("no {name} span"))
+    };
+    let generate = by_name("kvlease.v1.Scheduler/Generate")?;
+    let step = by_name("step")?;
+    let check = by_name("grpc.health.v1.Health/Check")?;
+
+    for span in [&generate, &step, &check] {
+        assert_eq!(
+            span.span_context.trace_id(),
+            user_cx.trace_id(),
+            "{} left the trace",
+            span.name
+        );
+    }
+    assert_eq!(generate.parent_span_id, user_cx.span_id());
+    assert_eq!(step.parent_span_id, generate.span_context.span_id());
+    assert_eq!(check.parent_span_id, step.span_context.span_id());
+    assert_eq!(
+        attr_str(&generate, "kvlease.service").as_deref(),
+        Some("kvlease-scheduler")
+    );
+    assert_eq!(
+        attr_str(&step, "kvlease.service").as_deref(),
+        Some("kvlease-scheduler")
+    );
+    assert_eq!(
+        attr_str(&check, "kvlease.service").as_deref(),
+        Some("kvlease-cache")
+    );
+    Ok(())
+}
