@@ -41,6 +41,8 @@ pub const BLOCKS_RETURNED: &str = "kvlease.blocks_returned";
 pub const LINK_KIND: &str = "kvlease.link";
 /// [`LINK_KIND`] value on the link from a `CompleteStep` span to a release it freed.
 pub const LINK_FENCED_RELEASE: &str = "fenced_release";
+/// Name of the span [`reject_span`] creates.
+pub const REJECT_SPAN: &str = "Reject";
 /// Name of the event [`record_reject`] adds.
 pub const REJECT_EVENT: &str = "kvlease.reject";
 
@@ -112,7 +114,7 @@ pub fn record_reject(span: &Span, reject: &RejectFigures<'_>) {
 /// sequence of a batch `Lease`/`Extend`, so the batch span itself stays OK while each reject is
 /// an error span in the request's trace. It ends when the returned span is dropped.
 pub fn reject_span(reject: &RejectFigures<'_>) -> Span {
-    let span = tracing::info_span!("kvlease.reject", otel.name = "Reject");
+    let span = tracing::info_span!("kvlease.reject", otel.name = REJECT_SPAN);
     record_reject(&span, reject);
     span
 }

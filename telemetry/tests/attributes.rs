@@ -31,7 +31,9 @@ fn a_reject_is_an_error_span_with_figures_and_an_event() -> TestResult {
     lease.in_scope(|| drop(reject_span(&FIGURES)));
     drop(lease);
 
-    let reject = capture.span("Reject").ok_or("no reject span")?;
+    let reject = capture
+        .span(attributes::REJECT_SPAN)
+        .ok_or("no reject span")?;
     assert_eq!(
         reject.parent_span_id,
         lease_cx.span_id(),
