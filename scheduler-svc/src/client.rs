@@ -10,6 +10,7 @@ use std::time::Duration;
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
+use kvlease_telemetry::{TracedChannel, traced};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::domain::{
@@ -35,8 +36,6 @@ fn endpoint(peer: &'static str, addr: &str, timeout: Option<Duration>) -> Result
     if let Some(t) = timeout {
         ep = ep.timeout(t);
     }
-    // The trace-context interceptor of kvlease-telemetry goes around this
-    // channel once it lands (see the crate docs of kvlease-telemetry).
     Ok(ep.connect_lazy())
 }
 
@@ -64,7 +63,7 @@ pub struct PoolState {
 /// shared by every clone.
 #[derive(Debug, Clone)]
 pub struct CacheClient {
-    inner: CacheServiceClient<Channel>,
+    inner: CacheServiceClient<TracedChannel>,
     session: Arc<Mutex<Session>>,
     up: Arc<AtomicBool>,
 }
@@ -75,7 +74,7 @@ impl CacheClient {
     pub fn new(addr: &str, timeout: Duration) -> Result<Self> {
         let channel = endpoint("cache", addr, Some(timeout))?;
         Ok(Self {
-            inner: CacheServiceClient::new(channel),
+            inner: CacheServiceClient::new(traced(channel)),
             session: Arc::new(Mutex::new(Session::default())),
             up: Arc::new(AtomicBool::new(true)),
         })
@@ -475,7 +474,7 @@ pub struct WorkerDescription {
 #[derive(Debug, Clone)]
 pub struct WorkerClient {
     addr: String,
-    inner: WorkerServiceClient<Channel>,
+    inner: WorkerServiceClient<TracedChannel>,
 }
 
 impl WorkerClient {
@@ -483,7 +482,7 @@ impl WorkerClient {
         let channel = endpoint("worker", addr, None)?;
         Ok(Self {
             addr: addr.to_string(),
-            inner: WorkerServiceClient::new(channel),
+            inner: WorkerServiceClient::new(traced(channel)),
         })
     }
 

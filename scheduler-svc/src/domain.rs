@@ -101,6 +101,21 @@ pub enum RejectReason {
     Other,
 }
 
+impl RejectReason {
+    /// The protocol's name of the reason, e.g. `POOL_EXHAUSTED`.
+    pub fn protocol_name(self) -> &'static str {
+        match self {
+            Self::PoolExhausted => "POOL_EXHAUSTED",
+            Self::ExceedsCapacity => "EXCEEDS_CAPACITY",
+            Self::RolledBack => "ROLLED_BACK",
+            Self::UnknownSequence => "UNKNOWN_SEQUENCE",
+            Self::DuplicateSequence => "DUPLICATE_SEQUENCE",
+            Self::QuotaExceeded => "QUOTA_EXCEEDED",
+            Self::Other => "REJECT_REASON_UNSPECIFIED",
+        }
+    }
+}
+
 impl fmt::Display for RejectReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = match self {

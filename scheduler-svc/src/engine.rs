@@ -16,10 +16,11 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 use crate::client::{CacheClient, WorkerClient};
 use crate::config::OnCacheRestart;
-use crate::domain::{ForwardResult, GroupGeometry, Output, RequestId};
+use crate::domain::{ForwardResult, GroupGeometry, Outcome, Output, RequestId};
 use crate::error::{Error, Result};
 use crate::queue::Request;
 use crate::step::{Core, CoreConfig, Counters};
@@ -181,7 +182,8 @@ impl Engine {
             if self.session_lost.load(Ordering::Relaxed) {
                 self.recover().await;
             }
-            let progressed = self.step_once().await;
+            let span = tracing::info_span!("step", kvlease.step = (self.step + 1) as i64);
+            let progressed = self.step_once().instrument(span).await;
             self.route_outputs();
             self.publish();
             if progressed {
@@ -278,7 +280,10 @@ impl Engine {
             return;
         }
         match self.cache.extend(step, &specs).await {
-            Ok(outcomes) => self.core.apply_extends(outcomes),
+            Ok(outcomes) => {
+                trace_rejects("Extend", &outcomes);
+                self.core.apply_extends(outcomes)
+            }
             Err(e) => {
                 self.core.extends_failed();
                 self.note("Extend", &e);
@@ -297,7 +302,10 @@ impl Engine {
             return;
         }
         match self.cache.lease(step, false, false, &specs).await {
-            Ok(outcomes) => self.core.apply_leases(outcomes),
+            Ok(outcomes) => {
+                trace_rejects("Lease", &outcomes);
+                self.core.apply_leases(outcomes)
+            }
             Err(e) => {
                 self.core.leases_failed();
                 self.note("Lease", &e);
@@ -471,6 +479,26 @@ impl Engine {
             *s = snapshot;
             changed
         });
+    }
+}
+
+/// One error span per refused sequence (the batch call itself is fine).
+fn trace_rejects(method: &'static str, outcomes: &[Outcome]) {
+    for outcome in outcomes {
+        if let Outcome::Reject(r) = outcome {
+            let _span = kvlease_telemetry::reject_span(&kvlease_telemetry::RejectFigures {
+                seq_id: r.seq_id,
+                reason: r.reason.protocol_name(),
+                pool_id: r.pool_id,
+                window: r.window,
+                blocks_needed: r.blocks_needed,
+                blocks_free: r.blocks_free,
+                blocks_pending_free: r.blocks_pending_free,
+                message: &r.message,
+            });
+            tracing::debug!(method, seq_id = r.seq_id, reason = %r.reason, blocks_needed = r.blocks_needed,
+                blocks_free = r.blocks_free, blocks_pending_free = r.blocks_pending_free, "sequence refused");
+        }
     }
 }
 

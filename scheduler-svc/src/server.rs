@@ -18,6 +18,9 @@ use crate::engine::{Engine, EngineConfig, keep_alive};
 use crate::error::{Error, Result};
 use crate::service::{Limits, SchedulerService};
 
+/// The service name in traces.
+const SERVICE: &str = "kvlease-scheduler";
+
 /// Runs the scheduler on `listener` until `shutdown` resolves. Start-up
 /// (session, pool registration, warm-up) happens first and its failure is
 /// returned before anything is served.
@@ -84,7 +87,10 @@ pub async fn run(
         session_lost.clone(),
     );
     let (stop_tx, stop_rx) = watch::channel(false);
-    let engine_task = tokio::spawn(engine.run(stop_rx.clone()));
+    let engine_task = tokio::spawn(kvlease_telemetry::in_service(
+        SERVICE,
+        engine.run(stop_rx.clone()),
+    ));
     let keep_alive_task = tokio::spawn(keep_alive(cache.clone(), session_lost, stop_rx));
 
     let service = SchedulerService::new(
@@ -119,8 +125,8 @@ pub async fn run(
         let _ = stop_loop.send(true);
     };
     tracing::info!(addr = ?listener.local_addr().ok(), "scheduler serving");
-    // The server-side trace layer of kvlease-telemetry goes here once it lands.
     let served = tonic::transport::Server::builder()
+        .layer(kvlease_telemetry::GrpcTraceLayer::new(SERVICE))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
