@@ -449,6 +449,8 @@ impl Engine {
     }
 
     fn route_outputs(&mut self) {
+        // the status is current before a client sees its request end
+        self.publish();
         for output in self.core.drain_outputs() {
             let id = output.request();
             let last = matches!(output, Output::Finished { .. });
