@@ -1,1 +1,88 @@
 //! kvlease worker: model, KV arena and forward pass over leased blocks.
+//!
+//! The worker owns the physical KV memory of one model replica and runs
+//! forward passes of a Llama-style decoder (RMSNorm, RoPE, grouped-query
+//! attention, SwiGLU, per-layer sliding windows) over the blocks that the
+//! scheduler's leases name. Default backend: CPU.
+//!
+//! # Layout
+//!
+//! - [`config`]: flags (`KVLEASE_WORKER_*` fallbacks) → model shape, weights, options.
+//! - [`model`]: [`ModelConfig`](model::ModelConfig), [`Weights`](model::weights::Weights)
+//!   (seeded or safetensors), the byte-level [`tokenizer`](model::tokenizer).
+//! - [`arena`]: pool geometry (where each K/V row lives) and the ledger of written slots.
+//! - [`batch`]: a Forward batch in domain terms; [`batch::validate`] checks all of it
+//!   before anything is written.
+//! - [`backend`]: the compute trait; [`backend::cpu`] owns the host arena and runs
+//!   batched projections (`gemm`) and paged attention (rayon over sequences × KV heads).
+//! - [`worker`]: sizes the arena from the memory budget, then validate → backend → sample.
+//! - [`sampling`]: greedy, or seeded temperature/top-p keyed by (seed, position).
+//! - [`reference`]: a dense, contiguous-KV reference of the same model for tests.
+//! - [`service`]: the gRPC edge (`kvlease.v1.WorkerService`), the only place that
+//!   touches protobuf types.
+//!
+//! Data flow of one Forward: `service` converts the request to
+//! [`SeqInput`](batch::SeqInput)s → `Worker::forward` validates them against the
+//! model, the arena layout and the slot ledger → the backend writes every new
+//! K/V row, attends and returns logits → `sampling` picks the next tokens.
+
+pub mod arena;
+pub mod backend;
+pub mod batch;
+pub mod config;
+pub mod error;
+pub mod model;
+pub mod ops;
+pub mod reference;
+pub mod sampling;
+pub mod service;
+pub mod worker;
+
+use std::future::Future;
+
+use kvlease_proto::v1::worker_service_server::WorkerServiceServer;
+use tokio_stream::wrappers::TcpListenerStream;
+
+pub use config::Config;
+pub use error::{Error, Result};
+
+/// Builds the worker from `config` and serves `kvlease.v1.WorkerService`
+/// (plus gRPC health and reflection) on `listener` until `shutdown` resolves.
+/// `config.listen` is not used: the caller binds the listener.
+pub async fn run(
+    listener: tokio::net::TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let weights = config.load_weights()?;
+    let worker = worker::Worker::new_cpu(weights, config.worker_options())?;
+    let service = service::WorkerGrpc::new(worker);
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<WorkerServiceServer<service::WorkerGrpc>>()
+        .await;
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(kvlease_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection()
+        .build_v1()
+        .map_err(|e| Error::Config(format!("cannot build gRPC reflection: {e}")))?;
+    let reflection_v1alpha = reflection()
+        .build_v1alpha()
+        .map_err(|e| Error::Config(format!("cannot build gRPC reflection: {e}")))?;
+
+    let addr = listener.local_addr().ok();
+    tracing::info!(?addr, "worker serving");
+    tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(WorkerServiceServer::new(service))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .await?;
+    tracing::info!("worker stopped");
+    Ok(())
+}

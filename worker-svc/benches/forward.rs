@@ -1,0 +1,228 @@
+//! `cargo bench -p worker-svc`: prefill and decode throughput of the CPU
+//! backend on the default model, the GFLOP/s that achieves, and the rate of
+//! the same matrix-product crate (`gemm`) at the same shapes in the same run.
+
+use std::time::{Duration, Instant};
+
+use worker_svc::backend::cpu::cpu_model_name;
+use worker_svc::batch::{Limits, Sampling, SeqInput, TableInput};
+use worker_svc::model::ModelConfig;
+use worker_svc::model::weights::Weights;
+use worker_svc::ops::{self, Threads};
+use worker_svc::worker::{Worker, WorkerOptions};
+
+const PREFILL_SEQS: usize = 4;
+const PREFILL_LEN: usize = 256;
+const DECODE_SEQS: usize = 32;
+const DECODE_CONTEXT: usize = 256;
+const DECODE_STEPS: usize = 32;
+
+fn main() {
+    let config = ModelConfig {
+        name: "bench".into(),
+        ..ModelConfig::small()
+    };
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let weights = Weights::seeded(config.clone(), 1).unwrap_or_else(|e| fail(e));
+    let options = WorkerOptions {
+        memory_budget_bytes: 1 << 30,
+        limits: Limits {
+            max_batch_sequences: DECODE_SEQS,
+            max_batch_tokens: PREFILL_SEQS * PREFILL_LEN,
+        },
+        threads,
+    };
+    let mut worker = Worker::new_cpu(weights, options).unwrap_or_else(|e| fail(e));
+    let b = config.tokens_per_block as usize;
+    let blocks_per_seq = (DECODE_CONTEXT + DECODE_STEPS).div_ceil(b);
+
+    // --- prefill: 4 sequences x 256 tokens per Forward ---
+    let prefill_batch = |rep: usize| -> Vec<SeqInput> {
+        (0..PREFILL_SEQS)
+            .map(|s| {
+                seq_input(
+                    &worker_tables(&config, s, blocks_per_seq),
+                    s,
+                    rep,
+                    0,
+                    PREFILL_LEN,
+                )
+            })
+            .collect()
+    };
+    let prefill_flops = batch_flops(&config, &[(0, PREFILL_LEN); PREFILL_SEQS]);
+    let _ = worker.forward(prefill_batch(0)).unwrap_or_else(|e| fail(e));
+    let (prefill_time, prefill_reps) = time_until(Duration::from_secs(10), 3, |rep| {
+        worker
+            .forward(prefill_batch(rep))
+            .unwrap_or_else(|e| fail(e));
+    });
+    let prefill_tps = (PREFILL_SEQS * PREFILL_LEN * prefill_reps) as f64 / prefill_time;
+    let prefill_gflops = prefill_flops * prefill_reps as f64 / prefill_time / 1e9;
+
+    // --- decode: 32 sequences at context 256, one token each per Forward ---
+    for chunk in (0..DECODE_SEQS).collect::<Vec<_>>().chunks(PREFILL_SEQS) {
+        let batch = chunk
+            .iter()
+            .map(|&s| {
+                seq_input(
+                    &worker_tables(&config, s, blocks_per_seq),
+                    s,
+                    0,
+                    0,
+                    DECODE_CONTEXT,
+                )
+            })
+            .collect();
+        worker.forward(batch).unwrap_or_else(|e| fail(e));
+    }
+    let mut decode_flops = 0.0;
+    let started = Instant::now();
+    for step in 0..DECODE_STEPS {
+        let pos = DECODE_CONTEXT + step;
+        let batch = (0..DECODE_SEQS)
+            .map(|s| {
+                seq_input(
+                    &worker_tables(&config, s, blocks_per_seq),
+                    s,
+                    0,
+                    pos,
+                    pos + 1,
+                )
+            })
+            .collect();
+        worker.forward(batch).unwrap_or_else(|e| fail(e));
+        decode_flops += batch_flops(&config, &[(pos, pos + 1); DECODE_SEQS]);
+    }
+    let decode_time = started.elapsed().as_secs_f64();
+    let decode_tps = (DECODE_SEQS * DECODE_STEPS) as f64 / decode_time;
+    let decode_gflops = decode_flops / decode_time / 1e9;
+
+    // --- the matrix-product crate alone, at the MLP's shapes ---
+    let gemm_prefill = gemm_gflops(
+        PREFILL_SEQS * PREFILL_LEN,
+        config.hidden_size,
+        config.ffn_size,
+    );
+    let gemm_decode = gemm_gflops(DECODE_SEQS, config.hidden_size, config.ffn_size);
+
+    println!("worker-svc CPU forward benchmark");
+    println!("cpu: {} ({threads} threads)", cpu_model_name());
+    println!(
+        "model: vocab {}, hidden {}, layers {} (windows {:?}), heads {}/{} kv, head dim {}, ffn {}, \
+         tokens/block {}, {:.1} M params, f32",
+        config.vocab_size,
+        config.hidden_size,
+        config.num_layers(),
+        config.layer_windows,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.ffn_size,
+        config.tokens_per_block,
+        config.num_params() as f64 / 1e6
+    );
+    println!();
+    println!(
+        "| phase | batch | tokens/s | achieved GFLOP/s | gemm GFLOP/s (same shapes) | ratio |"
+    );
+    println!("|---|---|---:|---:|---:|---:|");
+    println!(
+        "| prefill | {PREFILL_SEQS} seqs x {PREFILL_LEN} tokens | {prefill_tps:.0} | {prefill_gflops:.1} | \
+         {gemm_prefill:.1} ({}x{}x{}) | {:.2} |",
+        PREFILL_SEQS * PREFILL_LEN,
+        config.hidden_size,
+        config.ffn_size,
+        prefill_gflops / gemm_prefill
+    );
+    println!(
+        "| decode | {DECODE_SEQS} seqs at context {DECODE_CONTEXT} | {decode_tps:.0} | {decode_gflops:.1} | \
+         {gemm_decode:.1} ({DECODE_SEQS}x{}x{}) | {:.2} |",
+        config.hidden_size,
+        config.ffn_size,
+        decode_gflops / gemm_decode
+    );
+}
+
+/// Full-attention pool: blocks [s*n, (s+1)*n); window pools: the same ids
+/// (each pool has its own arena). No sliding: the table lists every block.
+fn worker_tables(config: &ModelConfig, s: usize, blocks_per_seq: usize) -> Vec<TableInput> {
+    config
+        .pools()
+        .iter()
+        .map(|p| TableInput {
+            window: p.window,
+            beam: 0,
+            first_block: 0,
+            block_ids: ((s * blocks_per_seq) as u32..((s + 1) * blocks_per_seq) as u32).collect(),
+        })
+        .collect()
+}
+
+fn seq_input(tables: &[TableInput], s: usize, rep: usize, start: usize, end: usize) -> SeqInput {
+    SeqInput {
+        seq_id: s as u64,
+        tokens: (start..end)
+            .map(|p| ((p * 31 + s * 7 + rep) % 256) as u32)
+            .collect(),
+        start_pos: start as u32,
+        tables: tables.to_vec(),
+        all_positions: false,
+        sampling: Sampling::GREEDY,
+    }
+}
+
+/// FLOPs of one batch: projections and MLP per token, attention over the
+/// keys each query actually sees (window-aware), LM head per sequence.
+fn batch_flops(config: &ModelConfig, spans: &[(usize, usize)]) -> f64 {
+    let h = config.hidden_size as f64;
+    let (qd, kvd, f) = (
+        config.q_dim() as f64,
+        config.kv_dim() as f64,
+        config.ffn_size as f64,
+    );
+    let per_token_linear =
+        2.0 * (h * qd + 2.0 * h * kvd + qd * h + 3.0 * h * f) * config.num_layers() as f64;
+    let mut flops = 0.0;
+    for &(start, end) in spans {
+        flops += per_token_linear * (end - start) as f64;
+        for pos in start..end {
+            for &w in &config.layer_windows {
+                let keys = (pos + 1 - ops::window_start(pos, w)) as f64;
+                // QK^T and PV over every head.
+                flops += 4.0 * config.num_heads as f64 * config.head_dim as f64 * keys;
+            }
+        }
+        flops += 2.0 * h * config.vocab_size as f64;
+    }
+    flops
+}
+
+/// GFLOP/s of `gemm` for `[m, k] x [k, n]` over the rayon pool.
+fn gemm_gflops(m: usize, k: usize, n: usize) -> f64 {
+    let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
+    let w: Vec<f32> = (0..n * k).map(|i| (i % 13) as f32 * 0.01).collect();
+    let mut out = vec![0.0f32; m * n];
+    ops::matmul_wt(&a, &w, &mut out, (m, k, n), false, Threads::Pool);
+    let (time, reps) = time_until(Duration::from_secs(3), 5, |_| {
+        ops::matmul_wt(&a, &w, &mut out, (m, k, n), false, Threads::Pool);
+    });
+    2.0 * (m * k * n) as f64 * reps as f64 / time / 1e9
+}
+
+/// Runs `f` until `budget` has passed (at least `min_reps` times); returns
+/// (seconds, repetitions).
+fn time_until(budget: Duration, min_reps: usize, mut f: impl FnMut(usize)) -> (f64, usize) {
+    let started = Instant::now();
+    let mut reps = 0;
+    while reps < min_reps || started.elapsed() < budget {
+        f(reps + 1);
+        reps += 1;
+    }
+    (started.elapsed().as_secs_f64(), reps)
+}
+
+fn fail(e: impl std::fmt::Display) -> ! {
+    eprintln!("bench failed: {e}");
+    std::process::exit(1)
+}

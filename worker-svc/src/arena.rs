@@ -1,0 +1,182 @@
+//! KV arena geometry and the ledger of written slots.
+//!
+//! The memory itself belongs to the backend (host memory for `backend::cpu`,
+//! device memory for a GPU backend); this module says where each K/V row lives
+//! and remembers which slots hold K/V, so that validation can refuse a pass
+//! that would read slots nobody wrote.
+//!
+//! Layout of one pool: `num_blocks` blocks, each
+//! `[layer_in_pool][k|v][kv_head][slot][head_dim]`, so the rows of one
+//! (layer, head) inside a block are contiguous.
+
+use crate::model::ModelConfig;
+
+/// Bytes of one KV element (the CPU arena stores f32).
+pub const KV_ELEM_BYTES: u64 = 4;
+
+/// The geometry of one pool: the layers sharing one window.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolGeometry {
+    /// Window in tokens; 0 = full attention.
+    pub window: u32,
+    /// Model layers stored in this pool, ascending.
+    pub layers: Vec<usize>,
+    /// Blocks in the pool.
+    pub num_blocks: u32,
+    /// Tokens per block.
+    pub tokens_per_block: usize,
+    /// K/V heads per layer.
+    pub num_kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+}
+
+impl PoolGeometry {
+    /// Elements of one block (K and V, every layer of the pool).
+    pub fn elems_per_block(&self) -> usize {
+        self.layers.len() * 2 * self.num_kv_heads * self.tokens_per_block * self.head_dim
+    }
+
+    /// Bytes of one block.
+    pub fn bytes_per_block(&self) -> u64 {
+        self.elems_per_block() as u64 * KV_ELEM_BYTES
+    }
+
+    /// Elements of the whole pool.
+    pub fn elems(&self) -> usize {
+        self.num_blocks as usize * self.elems_per_block()
+    }
+
+    /// Offset of the `head_dim` row of (block, layer slot, K or V, head, slot)
+    /// in the pool's array. `kv` is 0 for K and 1 for V.
+    pub fn offset(
+        &self,
+        block: u32,
+        layer_slot: usize,
+        kv: usize,
+        head: usize,
+        slot: usize,
+    ) -> usize {
+        let b = self.tokens_per_block;
+        let d = self.head_dim;
+        let per_head = b * d;
+        let per_kv = self.num_kv_heads * per_head;
+        let per_layer = 2 * per_kv;
+        block as usize * self.elems_per_block()
+            + layer_slot * per_layer
+            + kv * per_kv
+            + head * per_head
+            + slot * d
+    }
+}
+
+/// Where every layer's KV lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArenaLayout {
+    /// One pool per distinct window, in `ModelConfig::pools` order.
+    pub pools: Vec<PoolGeometry>,
+    /// For each model layer: (pool index, slot of the layer within the pool).
+    pub layer_slots: Vec<(usize, usize)>,
+}
+
+impl ArenaLayout {
+    /// The layout for `config` with `num_blocks[i]` blocks in pool `i`.
+    pub fn new(config: &ModelConfig, num_blocks: &[u32]) -> Self {
+        let pools: Vec<PoolGeometry> = config
+            .pools()
+            .into_iter()
+            .zip(num_blocks.iter().copied().chain(std::iter::repeat(0)))
+            .map(|(p, n)| PoolGeometry {
+                window: p.window,
+                layers: p.layers,
+                num_blocks: n,
+                tokens_per_block: config.tokens_per_block as usize,
+                num_kv_heads: config.num_kv_heads,
+                head_dim: config.head_dim,
+            })
+            .collect();
+        let mut layer_slots = vec![(0, 0); config.num_layers()];
+        for (pool_index, pool) in pools.iter().enumerate() {
+            for (slot, &layer) in pool.layers.iter().enumerate() {
+                layer_slots[layer] = (pool_index, slot);
+            }
+        }
+        ArenaLayout { pools, layer_slots }
+    }
+
+    /// Index of the pool of `window`, if the model has one.
+    pub fn pool_of_window(&self, window: u32) -> Option<usize> {
+        self.pools.iter().position(|p| p.window == window)
+    }
+
+    /// Bytes of every pool together.
+    pub fn bytes(&self) -> u64 {
+        self.pools
+            .iter()
+            .map(|p| p.bytes_per_block() * u64::from(p.num_blocks))
+            .sum()
+    }
+}
+
+/// Which slots of which blocks hold K/V written by a forward pass.
+///
+/// A write to slot 0 of a block starts a new use of it (positions fill a
+/// block in order), so it forgets the block's other slots: K/V left by the
+/// block's previous holder never passes for this sequence's.
+#[derive(Debug, Clone)]
+pub struct SlotLedger {
+    tokens_per_block: usize,
+    /// Per pool, `num_blocks * tokens_per_block` flags.
+    written: Vec<Vec<bool>>,
+}
+
+impl SlotLedger {
+    /// An empty ledger for `layout`.
+    pub fn new(layout: &ArenaLayout) -> Self {
+        let tokens_per_block = layout.pools.first().map_or(1, |p| p.tokens_per_block);
+        SlotLedger {
+            tokens_per_block,
+            written: layout
+                .pools
+                .iter()
+                .map(|p| vec![false; p.num_blocks as usize * tokens_per_block])
+                .collect(),
+        }
+    }
+
+    /// Whether `slot` of `block` in `pool` holds K/V.
+    pub fn is_written(&self, pool: usize, block: u32, slot: usize) -> bool {
+        self.written
+            .get(pool)
+            .and_then(|w| w.get(block as usize * self.tokens_per_block + slot))
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// Records one batch's writes: `(pool, block, slot)` triples. Blocks
+    /// written at slot 0 are cleared first.
+    pub fn record(&mut self, writes: &[(usize, u32, usize)]) {
+        let b = self.tokens_per_block;
+        for &(pool, block, slot) in writes {
+            if slot == 0 {
+                let start = block as usize * b;
+                if let Some(flags) = self
+                    .written
+                    .get_mut(pool)
+                    .and_then(|w| w.get_mut(start..start + b))
+                {
+                    flags.fill(false);
+                }
+            }
+        }
+        for &(pool, block, slot) in writes {
+            if let Some(flag) = self
+                .written
+                .get_mut(pool)
+                .and_then(|w| w.get_mut(block as usize * b + slot))
+            {
+                *flag = true;
+            }
+        }
+    }
+}

@@ -1,0 +1,415 @@
+//! The CPU backend: an f32 arena in host memory, projections as batched
+//! matrix products over every token of the batch, and paged attention in
+//! parallel over (sequence, KV head, chunk of queries).
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use super::{Backend, BatchLogits};
+use crate::arena::ArenaLayout;
+use crate::batch::{Batch, PlannedSeq, PoolTable};
+use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+use crate::model::weights::Weights;
+use crate::ops::{self, Rope, Threads};
+
+/// Queries per attention task: bounds a task's score matrix to
+/// `QUERY_CHUNK * group * context` floats.
+const QUERY_CHUNK: usize = 16;
+
+/// The CPU backend.
+#[derive(Debug)]
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+    state: CpuState,
+}
+
+/// Everything but the threads, so a pass can borrow it mutably inside
+/// `ThreadPool::install`.
+#[derive(Debug)]
+struct CpuState {
+    weights: Arc<Weights>,
+    layout: ArenaLayout,
+    /// One array per pool, `ArenaLayout` order.
+    kv: Vec<Vec<f32>>,
+    rope: Rope,
+}
+
+impl CpuBackend {
+    /// A backend with a zeroed arena of `layout`, computing on `threads`
+    /// threads (0 = one per available core).
+    pub fn new(weights: Arc<Weights>, layout: ArenaLayout, threads: usize) -> Result<Self> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("kvlease-cpu-{i}"))
+            .build()
+            .map_err(|e| Error::Config(format!("cannot start the compute threads: {e}")))?;
+        let kv = layout.pools.iter().map(|p| vec![0.0; p.elems()]).collect();
+        let config = &weights.config;
+        let rope = Rope::new(config.head_dim, config.rope_theta);
+        Ok(CpuBackend {
+            pool,
+            state: CpuState {
+                weights,
+                layout,
+                kv,
+                rope,
+            },
+        })
+    }
+
+    /// Threads the backend computes on.
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+impl CpuState {
+    fn run(&mut self, batch: &Batch) -> BatchLogits {
+        let weights = Arc::clone(&self.weights);
+        let cfg = &weights.config;
+        let (h, qd, kvd, f) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.ffn_size);
+        let t = batch.total_tokens();
+
+        // Row r of every activation is one token; `first_row[s]` is the row
+        // of sequence s's first token.
+        let mut first_row = Vec::with_capacity(batch.seqs.len());
+        let mut positions = Vec::with_capacity(t);
+        let mut tokens = Vec::with_capacity(t);
+        for seq in &batch.seqs {
+            first_row.push(positions.len());
+            positions.extend(seq.start_pos..seq.start_pos + seq.tokens.len());
+            tokens.extend(seq.tokens.iter().map(|&tok| tok as usize));
+        }
+        let rope_tables: Vec<Vec<(f32, f32)>> =
+            positions.par_iter().map(|&p| self.rope.table(p)).collect();
+
+        let mut x = vec![0.0f32; t * h];
+        x.par_chunks_mut(h).zip(&tokens).for_each(|(row, &tok)| {
+            row.copy_from_slice(&weights.embed[tok * h..(tok + 1) * h]);
+        });
+        let mut normed = vec![0.0f32; t * h];
+        let mut q = vec![0.0f32; t * qd];
+        let mut k = vec![0.0f32; t * kvd];
+        let mut v = vec![0.0f32; t * kvd];
+        let mut attn = vec![0.0f32; t * qd];
+        let mut gate = vec![0.0f32; t * f];
+        let mut up = vec![0.0f32; t * f];
+
+        for (layer, lw) in weights.layers.iter().enumerate() {
+            norm_rows(&x, &lw.attn_norm, cfg.rms_norm_eps, &mut normed, h);
+            ops::matmul_wt(&normed, &lw.wq, &mut q, (t, h, qd), false, Threads::Pool);
+            ops::matmul_wt(&normed, &lw.wk, &mut k, (t, h, kvd), false, Threads::Pool);
+            ops::matmul_wt(&normed, &lw.wv, &mut v, (t, h, kvd), false, Threads::Pool);
+            q.par_chunks_mut(qd)
+                .zip(&rope_tables)
+                .for_each(|(row, cs)| Rope::apply_table(row, cs));
+            k.par_chunks_mut(kvd)
+                .zip(&rope_tables)
+                .for_each(|(row, cs)| Rope::apply_table(row, cs));
+
+            self.write_kv(batch, layer, &k, &v);
+            self.attend(batch, layer, &first_row, &q, &mut attn);
+
+            // Residual adds ride on the products' accumulate flag.
+            ops::matmul_wt(&attn, &lw.wo, &mut x, (t, qd, h), true, Threads::Pool);
+            norm_rows(&x, &lw.mlp_norm, cfg.rms_norm_eps, &mut normed, h);
+            ops::matmul_wt(
+                &normed,
+                &lw.w_gate,
+                &mut gate,
+                (t, h, f),
+                false,
+                Threads::Pool,
+            );
+            ops::matmul_wt(&normed, &lw.w_up, &mut up, (t, h, f), false, Threads::Pool);
+            gate.par_chunks_mut(f)
+                .zip(up.par_chunks(f))
+                .for_each(|(g, u)| ops::swiglu(g, u));
+            ops::matmul_wt(&gate, &lw.w_down, &mut x, (t, f, h), true, Threads::Pool);
+        }
+
+        // Only the rows that need logits go through the final norm and head.
+        let rows: Vec<usize> = batch
+            .seqs
+            .iter()
+            .zip(&first_row)
+            .flat_map(|(seq, &row0)| {
+                let n = seq.tokens.len();
+                let skip = n - seq.logit_rows();
+                (row0 + skip)..(row0 + n)
+            })
+            .collect();
+        let r = rows.len();
+        let mut final_rows = vec![0.0f32; r * h];
+        final_rows
+            .par_chunks_mut(h)
+            .zip(&rows)
+            .for_each(|(out, &row)| {
+                ops::rms_norm(
+                    &x[row * h..(row + 1) * h],
+                    &weights.final_norm,
+                    cfg.rms_norm_eps,
+                    out,
+                );
+            });
+        let vocab = cfg.vocab_size;
+        let mut logits = vec![0.0f32; r * vocab];
+        ops::matmul_wt(
+            &final_rows,
+            weights.lm_head(),
+            &mut logits,
+            (r, h, vocab),
+            false,
+            Threads::Pool,
+        );
+        BatchLogits {
+            vocab,
+            values: logits,
+        }
+    }
+
+    /// Copies the new K and V rows of `layer` into their slots.
+    fn write_kv(&mut self, batch: &Batch, layer: usize, k: &[f32], v: &[f32]) {
+        let (pool, layer_slot) = self.layout.layer_slots[layer];
+        let geometry = &self.layout.pools[pool];
+        let arena = &mut self.kv[pool];
+        let (d, b) = (geometry.head_dim, geometry.tokens_per_block);
+        let kvd = geometry.num_kv_heads * d;
+        let mut row = 0;
+        for seq in &batch.seqs {
+            let table = &seq.tables[pool];
+            for pos in seq.start_pos..seq.start_pos + seq.tokens.len() {
+                let block = table.block_for(pos, b);
+                for head in 0..geometry.num_kv_heads {
+                    let src = row * kvd + head * d;
+                    let dst_k = geometry.offset(block, layer_slot, 0, head, pos % b);
+                    arena[dst_k..dst_k + d].copy_from_slice(&k[src..src + d]);
+                    let dst_v = geometry.offset(block, layer_slot, 1, head, pos % b);
+                    arena[dst_v..dst_v + d].copy_from_slice(&v[src..src + d]);
+                }
+                row += 1;
+            }
+        }
+    }
+
+    /// Paged attention of `layer` for every query row into `out`.
+    fn attend(&self, batch: &Batch, layer: usize, first_row: &[usize], q: &[f32], out: &mut [f32]) {
+        let cfg = &self.weights.config;
+        let (pool, layer_slot) = self.layout.layer_slots[layer];
+        let ctx = AttnCtx {
+            cfg,
+            geometry: &self.layout.pools[pool],
+            arena: &self.kv[pool],
+            layer_slot,
+            q,
+        };
+        let tasks: Vec<AttnTask<'_>> = batch
+            .seqs
+            .iter()
+            .zip(first_row)
+            .flat_map(|(seq, &row0)| {
+                let chunks = seq.tokens.len().div_ceil(QUERY_CHUNK);
+                (0..cfg.num_kv_heads).flat_map(move |kv_head| {
+                    (0..chunks).map(move |c| AttnTask {
+                        seq,
+                        table: &seq.tables[pool],
+                        row0,
+                        kv_head,
+                        queries: c * QUERY_CHUNK..((c + 1) * QUERY_CHUNK).min(seq.tokens.len()),
+                    })
+                })
+            })
+            .collect();
+        let results: Vec<Vec<f32>> = tasks.par_iter().map(|task| ctx.run(task)).collect();
+
+        let (d, qd) = (cfg.head_dim, cfg.q_dim());
+        let group = cfg.num_heads / cfg.num_kv_heads;
+        for (task, o) in tasks.iter().zip(results) {
+            for (r, o_row) in o.chunks_exact(d).enumerate() {
+                let i = task.queries.start + r / group;
+                let head = task.kv_head * group + r % group;
+                let dst = (task.row0 + i) * qd + head * d;
+                out[dst..dst + d].copy_from_slice(o_row);
+            }
+        }
+    }
+}
+
+/// One attention task: some queries of one sequence against one KV head.
+struct AttnTask<'a> {
+    seq: &'a PlannedSeq,
+    table: &'a PoolTable,
+    /// Batch row of the sequence's first token.
+    row0: usize,
+    kv_head: usize,
+    /// Indices into the sequence's tokens.
+    queries: std::ops::Range<usize>,
+}
+
+/// What every attention task of one layer reads.
+struct AttnCtx<'a> {
+    cfg: &'a ModelConfig,
+    geometry: &'a crate::arena::PoolGeometry,
+    arena: &'a [f32],
+    layer_slot: usize,
+    q: &'a [f32],
+}
+
+impl AttnCtx<'_> {
+    /// Output rows `[queries × group, head_dim]`, query-major.
+    fn run(&self, task: &AttnTask<'_>) -> Vec<f32> {
+        let cfg = self.cfg;
+        let (d, qd) = (cfg.head_dim, cfg.q_dim());
+        let group = cfg.num_heads / cfg.num_kv_heads;
+        let b = self.geometry.tokens_per_block;
+        let window = self.geometry.window;
+        let start = task.seq.start_pos;
+        let first_pos = start + task.queries.start;
+        let last_pos = start + task.queries.end - 1;
+        let lo = ops::window_start(first_pos, window);
+        let len = last_pos + 1 - lo;
+
+        // Gather this head's keys and values, one run of slots per block.
+        let mut keys = vec![0.0f32; len * d];
+        let mut values = vec![0.0f32; len * d];
+        let mut pos = lo;
+        while pos <= last_pos {
+            let block = task.table.block_for(pos, b);
+            let slot = pos % b;
+            let run = (b - slot).min(last_pos + 1 - pos);
+            let dst = (pos - lo) * d;
+            let src_k = self
+                .geometry
+                .offset(block, self.layer_slot, 0, task.kv_head, slot);
+            keys[dst..dst + run * d].copy_from_slice(&self.arena[src_k..src_k + run * d]);
+            let src_v = self
+                .geometry
+                .offset(block, self.layer_slot, 1, task.kv_head, slot);
+            values[dst..dst + run * d].copy_from_slice(&self.arena[src_v..src_v + run * d]);
+            pos += run;
+        }
+
+        // Queries of the group's heads, pre-scaled by 1/sqrt(d).
+        let rows = task.queries.len() * group;
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut queries = vec![0.0f32; rows * d];
+        for (r, dst) in queries.chunks_exact_mut(d).enumerate() {
+            let i = task.queries.start + r / group;
+            let head = task.kv_head * group + r % group;
+            let src = (task.row0 + i) * qd + head * d;
+            for (o, s) in dst.iter_mut().zip(&self.q[src..src + d]) {
+                *o = s * scale;
+            }
+        }
+
+        let mut scores = vec![0.0f32; rows * len];
+        ops::matmul_wt(
+            &queries,
+            &keys,
+            &mut scores,
+            (rows, d, len),
+            false,
+            Threads::One,
+        );
+        for (r, row) in scores.chunks_exact_mut(len).enumerate() {
+            let p = first_pos + r / group;
+            let first = ops::window_start(p, window) - lo;
+            let last = p - lo;
+            row[..first].fill(f32::NEG_INFINITY);
+            row[last + 1..].fill(f32::NEG_INFINITY);
+            ops::softmax(row);
+        }
+        let mut out = vec![0.0f32; rows * d];
+        ops::matmul(&scores, &values, &mut out, (rows, len, d), Threads::One);
+        out
+    }
+}
+
+fn norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32], h: usize) {
+    out.par_chunks_mut(h)
+        .zip(x.par_chunks(h))
+        .for_each(|(o, row)| ops::rms_norm(row, weight, eps, o));
+}
+
+/// Bytes of activations the CPU forward pass allocates for a batch of
+/// `max_tokens` tokens (every position asking for logits) whose attention
+/// tasks run on `threads` threads; the sizes mirror `CpuBackend::run` and
+/// `AttnCtx::run` buffer by buffer.
+pub fn activation_bytes(cfg: &ModelConfig, max_tokens: usize, threads: usize) -> u64 {
+    let (h, qd, kvd, f, d) = (
+        cfg.hidden_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.ffn_size,
+        cfg.head_dim,
+    );
+    let t = max_tokens;
+    let half = d / 2;
+    // x, normed, q, k, v, attn, the attention tasks' outputs, gate, up.
+    let per_token = 2 * h + 3 * qd + 2 * kvd + 2 * f;
+    // Per-token bookkeeping: position, token, RoPE table.
+    let per_token_bytes = per_token * 4 + 2 * 8 + half * 8;
+    // Rows through the final norm and the LM head, their row index, and the
+    // per-sequence copy of the logits the worker hands back.
+    let logit_rows = t * ((h + 2 * cfg.vocab_size) * 4 + 8);
+    // Validation's bookkeeping: one (pool, block, slot) write record and one
+    // writer-map entry (key, value, hash-table control byte) per token and pool.
+    let pools = cfg.pools().len();
+    let bookkeeping = t * pools * (24 + 32 + 1);
+    // One attention task: keys, values, queries, scores, output.
+    let group = cfg.num_heads / cfg.num_kv_heads;
+    let rows = QUERY_CHUNK * group;
+    let max_len = max_keys(cfg);
+    let per_task = (2 * max_len * d + 2 * rows * d + rows * max_len) * 4;
+    (t * per_token_bytes + logit_rows + bookkeeping + threads.max(1) * per_task) as u64
+}
+
+/// Most keys one attention task gathers.
+fn max_keys(cfg: &ModelConfig) -> usize {
+    let max_context = cfg.max_context as usize;
+    cfg.layer_windows
+        .iter()
+        .map(|&w| {
+            if w == 0 {
+                max_context
+            } else {
+                (w as usize + QUERY_CHUNK - 1).min(max_context)
+            }
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn device(&self) -> String {
+        cpu_model_name()
+    }
+
+    fn kv_dtype(&self) -> &'static str {
+        "f32"
+    }
+
+    fn forward(&mut self, batch: &Batch) -> Result<BatchLogits> {
+        let state = &mut self.state;
+        Ok(self.pool.install(|| state.run(batch)))
+    }
+}
+
+/// The CPU model from /proc/cpuinfo, or the architecture when unknown.
+pub fn cpu_model_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}

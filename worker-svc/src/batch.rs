@@ -1,0 +1,436 @@
+//! A Forward batch in domain terms, and its validation.
+//!
+//! [`validate`] checks the whole batch against the model, the arena and the
+//! slot ledger before anything is written, and turns it into a [`Batch`]
+//! whose tables are indexed by pool and whose every position is known to
+//! lie in a listed, in-range block.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::arena::{ArenaLayout, SlotLedger};
+use crate::error::{Error, Result, SeqProblem};
+use crate::model::ModelConfig;
+use crate::ops::window_start;
+
+/// Limits on one Forward batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Sequences per batch.
+    pub max_batch_sequences: usize,
+    /// Input tokens per batch, all sequences together.
+    pub max_batch_tokens: usize,
+}
+
+/// Sampling of the next token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1]; 0 is read as 1.
+    pub top_p: f32,
+    /// Seed of the sequence's sampler.
+    pub seed: u64,
+}
+
+impl Sampling {
+    /// Greedy decoding.
+    pub const GREEDY: Sampling = Sampling {
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+    };
+}
+
+/// One block table as the request gives it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableInput {
+    /// The pool's window (identifies the pool).
+    pub window: u32,
+    /// Beam index; must be 0.
+    pub beam: u32,
+    /// Block index of `block_ids[0]`.
+    pub first_block: u32,
+    /// Block ids in sequence order.
+    pub block_ids: Vec<u32>,
+}
+
+/// One sequence of a Forward request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqInput {
+    /// The scheduler's id, unique in the batch.
+    pub seq_id: u64,
+    /// Tokens to run.
+    pub tokens: Vec<u32>,
+    /// Position of `tokens[0]`.
+    pub start_pos: u32,
+    /// One table per pool.
+    pub tables: Vec<TableInput>,
+    /// Compute logits (and argmax) at every input position, not just the last.
+    pub all_positions: bool,
+    /// How to pick the next token.
+    pub sampling: Sampling,
+}
+
+/// A validated table: block index `first_block + i` is `block_ids[i]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolTable {
+    /// Block index of `block_ids[0]`.
+    pub first_block: usize,
+    /// Block ids; all in range for the pool.
+    pub block_ids: Vec<u32>,
+}
+
+impl PoolTable {
+    /// Block holding `pos`. Validation guarantees every position the pass
+    /// touches is covered.
+    pub fn block_for(&self, pos: usize, tokens_per_block: usize) -> u32 {
+        let index = pos / tokens_per_block - self.first_block;
+        debug_assert!(index < self.block_ids.len());
+        self.block_ids[index]
+    }
+}
+
+/// A validated sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedSeq {
+    /// The scheduler's id.
+    pub seq_id: u64,
+    /// Tokens to run.
+    pub tokens: Vec<u32>,
+    /// Position of `tokens[0]`.
+    pub start_pos: usize,
+    /// Tables indexed like `ArenaLayout::pools`.
+    pub tables: Vec<PoolTable>,
+    /// Logits at every position, not just the last.
+    pub all_positions: bool,
+    /// How to pick the next token.
+    pub sampling: Sampling,
+}
+
+impl PlannedSeq {
+    /// Logit rows this sequence needs.
+    pub fn logit_rows(&self) -> usize {
+        if self.all_positions {
+            self.tokens.len()
+        } else {
+            1
+        }
+    }
+}
+
+/// A validated batch, ready for a backend.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    /// Sequences in request order.
+    pub seqs: Vec<PlannedSeq>,
+    /// `(pool, block, slot)` of every K/V row the pass writes.
+    pub writes: Vec<(usize, u32, usize)>,
+}
+
+impl Batch {
+    /// Input tokens of all sequences.
+    pub fn total_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+}
+
+/// Checks a batch and plans it. Nothing is written anywhere: an error leaves
+/// the arena and the ledger as they were.
+pub fn validate(
+    inputs: Vec<SeqInput>,
+    model: &ModelConfig,
+    layout: &ArenaLayout,
+    ledger: &SlotLedger,
+    limits: Limits,
+) -> Result<Batch> {
+    if inputs.len() > limits.max_batch_sequences {
+        return Err(Error::BatchOverLimit {
+            what: "sequences",
+            got: inputs.len(),
+            limit_name: "max_batch_sequences",
+            limit: limits.max_batch_sequences,
+        });
+    }
+    let total: usize = inputs.iter().map(|s| s.tokens.len()).sum();
+    if total > limits.max_batch_tokens {
+        return Err(Error::BatchOverLimit {
+            what: "tokens",
+            got: total,
+            limit_name: "max_batch_tokens",
+            limit: limits.max_batch_tokens,
+        });
+    }
+
+    let b = model.tokens_per_block as usize;
+    let mut seen = HashSet::new();
+    let mut seqs = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        let seq_id = input.seq_id;
+        let bad = |problem| Error::InvalidSequence { seq_id, problem };
+        if !seen.insert(seq_id) {
+            return Err(bad(SeqProblem::DuplicateId));
+        }
+        let planned = plan_sequence(input, model, layout).map_err(bad)?;
+        seqs.push(planned);
+    }
+
+    // Every slot written, and by whom; two writers of one slot is a conflict.
+    let mut writers: HashMap<(usize, u32, usize), u64> = HashMap::new();
+    let mut writes = Vec::with_capacity(total * layout.pools.len());
+    for seq in &seqs {
+        for (pool, table) in seq.tables.iter().enumerate() {
+            for pos in seq.start_pos..seq.start_pos + seq.tokens.len() {
+                let block = table.block_for(pos, b);
+                let slot = pos % b;
+                if let Some(&other) = writers.get(&(pool, block, slot)) {
+                    return Err(Error::InvalidSequence {
+                        seq_id: seq.seq_id,
+                        problem: SeqProblem::SlotConflict {
+                            window: layout.pools[pool].window,
+                            block_id: block,
+                            slot: slot as u32,
+                            other_seq_id: other,
+                        },
+                    });
+                }
+                writers.insert((pool, block, slot), seq.seq_id);
+                writes.push((pool, block, slot));
+            }
+        }
+    }
+
+    // Positions before start_pos that the pass reads must hold K/V: written
+    // earlier (and not in a block this batch restarts) or written now.
+    // Checked a block at a time: most blocks read are not written this batch.
+    let touched: HashSet<(usize, u32)> = writes
+        .iter()
+        .map(|&(pool, block, _)| (pool, block))
+        .collect();
+    let restarted: HashSet<(usize, u32)> = writes
+        .iter()
+        .filter(|w| w.2 == 0)
+        .map(|&(pool, block, _)| (pool, block))
+        .collect();
+    for seq in &seqs {
+        for (pool, table) in seq.tables.iter().enumerate() {
+            let geometry = &layout.pools[pool];
+            let mut pos = window_start(seq.start_pos, geometry.window);
+            while pos < seq.start_pos {
+                let block = table.block_for(pos, b);
+                let run_end = ((pos / b + 1) * b).min(seq.start_pos);
+                let is_touched = touched.contains(&(pool, block));
+                let is_restarted = restarted.contains(&(pool, block));
+                for p in pos..run_end {
+                    let slot = p % b;
+                    let ok = (is_touched && writers.contains_key(&(pool, block, slot)))
+                        || (!is_restarted && ledger.is_written(pool, block, slot));
+                    if !ok {
+                        return Err(Error::InvalidSequence {
+                            seq_id: seq.seq_id,
+                            problem: SeqProblem::MissingKv {
+                                window: geometry.window,
+                                position: p as u64,
+                                block_id: block,
+                                start_pos: seq.start_pos as u32,
+                            },
+                        });
+                    }
+                }
+                pos = run_end;
+            }
+        }
+    }
+    Ok(Batch { seqs, writes })
+}
+
+/// Checks one sequence on its own (tokens, positions, sampling, tables).
+fn plan_sequence(
+    input: SeqInput,
+    model: &ModelConfig,
+    layout: &ArenaLayout,
+) -> std::result::Result<PlannedSeq, SeqProblem> {
+    if input.tokens.is_empty() {
+        return Err(SeqProblem::NoTokens);
+    }
+    if let Some((index, &token)) = input
+        .tokens
+        .iter()
+        .enumerate()
+        .find(|(_, t)| **t as usize >= model.vocab_size)
+    {
+        return Err(SeqProblem::TokenOutOfVocab {
+            index,
+            token,
+            vocab_size: model.vocab_size as u32,
+        });
+    }
+    let start = input.start_pos as usize;
+    let end = start + input.tokens.len();
+    if end > model.max_context as usize {
+        return Err(SeqProblem::PastMaxContext {
+            end: end as u64,
+            max_context: model.max_context,
+        });
+    }
+    let sampling = check_sampling(input.sampling)?;
+
+    let b = model.tokens_per_block as usize;
+    let mut tables: Vec<Option<PoolTable>> = vec![None; layout.pools.len()];
+    for table in input.tables {
+        let window = table.window;
+        let pool = layout
+            .pool_of_window(window)
+            .ok_or(SeqProblem::UnknownWindow { window })?;
+        if tables[pool].is_some() {
+            return Err(SeqProblem::DuplicateTable { window });
+        }
+        if table.beam != 0 {
+            return Err(SeqProblem::BeamNotZero {
+                window,
+                beam: table.beam,
+            });
+        }
+        let num_blocks = layout.pools[pool].num_blocks;
+        let mut ids = HashSet::with_capacity(table.block_ids.len());
+        for &block_id in &table.block_ids {
+            if block_id >= num_blocks {
+                return Err(SeqProblem::BlockOutOfRange {
+                    window,
+                    block_id,
+                    num_blocks,
+                });
+            }
+            if !ids.insert(block_id) {
+                return Err(SeqProblem::RepeatedBlock { window, block_id });
+            }
+        }
+        // The pass reads from the window start of its first query and writes
+        // up to its last token: both ends must lie in listed blocks.
+        let first_pos = window_start(start, window);
+        let first_needed = first_pos / b;
+        let last_needed = (end - 1) / b;
+        let covered =
+            table.first_block as usize..table.first_block as usize + table.block_ids.len();
+        if !(covered.contains(&first_needed) && covered.contains(&last_needed)) {
+            return Err(SeqProblem::TableTooShort {
+                window,
+                first_pos: first_pos as u64,
+                last_pos: (end - 1) as u64,
+                first_block: table.first_block,
+                num_blocks: table.block_ids.len(),
+            });
+        }
+        tables[pool] = Some(PoolTable {
+            first_block: table.first_block as usize,
+            block_ids: table.block_ids,
+        });
+    }
+    let tables = tables
+        .into_iter()
+        .zip(&layout.pools)
+        .map(|(t, p)| t.ok_or(SeqProblem::MissingTable { window: p.window }))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok(PlannedSeq {
+        seq_id: input.seq_id,
+        tokens: input.tokens,
+        start_pos: start,
+        tables,
+        all_positions: input.all_positions,
+        sampling,
+    })
+}
+
+fn check_sampling(s: Sampling) -> std::result::Result<Sampling, SeqProblem> {
+    if !(s.temperature.is_finite() && s.temperature >= 0.0) {
+        return Err(SeqProblem::BadSampling(format!(
+            "temperature {} must be finite and >= 0",
+            s.temperature
+        )));
+    }
+    if !(s.top_p.is_finite() && (0.0..=1.0).contains(&s.top_p)) {
+        return Err(SeqProblem::BadSampling(format!(
+            "top_p {} must be in (0, 1]",
+            s.top_p
+        )));
+    }
+    let top_p = if s.top_p == 0.0 { 1.0 } else { s.top_p };
+    Ok(Sampling { top_p, ..s })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> ModelConfig {
+        ModelConfig {
+            layer_windows: vec![0],
+            tokens_per_block: 4,
+            ..ModelConfig::small()
+        }
+    }
+
+    fn seq(seq_id: u64, n: usize, start_pos: u32, blocks: &[u32]) -> SeqInput {
+        SeqInput {
+            seq_id,
+            tokens: vec![1; n],
+            start_pos,
+            tables: vec![TableInput {
+                window: 0,
+                beam: 0,
+                first_block: 0,
+                block_ids: blocks.to_vec(),
+            }],
+            all_positions: false,
+            sampling: Sampling::GREEDY,
+        }
+    }
+
+    const LIMITS: Limits = Limits {
+        max_batch_sequences: 8,
+        max_batch_tokens: 64,
+    };
+
+    #[test]
+    fn a_prefix_written_in_the_same_batch_may_be_read() {
+        let (m, layout) = (model(), ArenaLayout::new(&model(), &[16]));
+        let ledger = SlotLedger::new(&layout);
+        // Sequence 2 reuses the block sequence 1 fills in this very batch.
+        let batch = vec![seq(1, 4, 0, &[3]), seq(2, 2, 4, &[3, 5])];
+        assert!(validate(batch, &m, &layout, &ledger, LIMITS).is_ok());
+        // Without sequence 1 the block holds nothing yet.
+        let err = validate(vec![seq(2, 2, 4, &[3, 5])], &m, &layout, &ledger, LIMITS);
+        assert!(matches!(
+            err,
+            Err(Error::InvalidSequence {
+                seq_id: 2,
+                problem: SeqProblem::MissingKv { position: 0, .. }
+            })
+        ));
+    }
+
+    #[test]
+    fn a_restarted_block_forgets_its_old_slots() {
+        let (m, layout) = (model(), ArenaLayout::new(&model(), &[16]));
+        let mut ledger = SlotLedger::new(&layout);
+        let first = validate(vec![seq(1, 4, 0, &[3])], &m, &layout, &ledger, LIMITS);
+        match first {
+            Ok(batch) => ledger.record(&batch.writes),
+            Err(e) => panic!("{e}"),
+        }
+        assert!(validate(vec![seq(1, 1, 4, &[3, 4])], &m, &layout, &ledger, LIMITS).is_ok());
+        // Another sequence takes block 3 and writes slot 0 only: slots 1..4
+        // are stale now.
+        match validate(vec![seq(2, 1, 0, &[3])], &m, &layout, &ledger, LIMITS) {
+            Ok(batch) => ledger.record(&batch.writes),
+            Err(e) => panic!("{e}"),
+        }
+        let stale = validate(vec![seq(2, 1, 3, &[3])], &m, &layout, &ledger, LIMITS);
+        assert!(matches!(
+            stale,
+            Err(Error::InvalidSequence {
+                problem: SeqProblem::MissingKv { position: 1, .. },
+                ..
+            })
+        ));
+    }
+}

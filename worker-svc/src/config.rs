@@ -1,0 +1,208 @@
+//! The worker's configuration: flags with `KVLEASE_WORKER_*` environment
+//! fallbacks, and a `Default` that is the small CI model.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use crate::batch::Limits;
+use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+use crate::model::tokenizer::VOCAB_SIZE;
+use crate::model::weights::Weights;
+use crate::worker::WorkerOptions;
+
+const DEFAULT_LISTEN: &str = "127.0.0.1:50053";
+const DEFAULT_HIDDEN: usize = 256;
+const DEFAULT_LAYERS: usize = 4;
+const DEFAULT_HEADS: usize = 8;
+const DEFAULT_KV_HEADS: usize = 2;
+const DEFAULT_HEAD_DIM: usize = 32;
+const DEFAULT_FFN: usize = 768;
+const DEFAULT_ROPE_THETA: f32 = 10_000.0;
+const DEFAULT_RMS_EPS: f32 = 1e-5;
+const DEFAULT_MAX_CONTEXT: u32 = 2048;
+const DEFAULT_TOKENS_PER_BLOCK: u32 = 16;
+const DEFAULT_MEMORY_BUDGET_MIB: u64 = 64;
+const DEFAULT_MAX_BATCH_SEQUENCES: usize = 64;
+const DEFAULT_MAX_BATCH_TOKENS: usize = 1024;
+
+fn default_windows() -> Vec<u32> {
+    vec![0, 64, 0, 64]
+}
+
+/// Configuration of one worker.
+#[derive(Debug, Clone, PartialEq, clap::Args)]
+pub struct Config {
+    /// Address the gRPC server listens on.
+    #[arg(long, env = "KVLEASE_WORKER_LISTEN", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+
+    /// Safetensors file with HF Llama tensor names; weights are drawn from
+    /// `--seed` when absent. Shapes must match the model flags.
+    #[arg(long, env = "KVLEASE_WORKER_WEIGHTS")]
+    pub weights: Option<PathBuf>,
+
+    /// Seed of the deterministic weights (when no file is given).
+    #[arg(long, env = "KVLEASE_WORKER_SEED", default_value_t = 0)]
+    pub seed: u64,
+
+    /// Vocabulary size (258 = 256 bytes + BOS 256 + EOS 257).
+    #[arg(long, env = "KVLEASE_WORKER_VOCAB_SIZE", default_value_t = VOCAB_SIZE as usize)]
+    pub vocab_size: usize,
+
+    /// Width of the residual stream.
+    #[arg(long, env = "KVLEASE_WORKER_HIDDEN_SIZE", default_value_t = DEFAULT_HIDDEN)]
+    pub hidden_size: usize,
+
+    /// Decoder layers.
+    #[arg(long, env = "KVLEASE_WORKER_NUM_LAYERS", default_value_t = DEFAULT_LAYERS)]
+    pub num_layers: usize,
+
+    /// Query heads.
+    #[arg(long, env = "KVLEASE_WORKER_NUM_HEADS", default_value_t = DEFAULT_HEADS)]
+    pub num_heads: usize,
+
+    /// Key/value heads (grouped-query attention).
+    #[arg(long, env = "KVLEASE_WORKER_NUM_KV_HEADS", default_value_t = DEFAULT_KV_HEADS)]
+    pub num_kv_heads: usize,
+
+    /// Width of one head.
+    #[arg(long, env = "KVLEASE_WORKER_HEAD_DIM", default_value_t = DEFAULT_HEAD_DIM)]
+    pub head_dim: usize,
+
+    /// Width of the SwiGLU feed-forward layer.
+    #[arg(long, env = "KVLEASE_WORKER_FFN_SIZE", default_value_t = DEFAULT_FFN)]
+    pub ffn_size: usize,
+
+    /// RoPE base frequency.
+    #[arg(long, env = "KVLEASE_WORKER_ROPE_THETA", default_value_t = DEFAULT_ROPE_THETA)]
+    pub rope_theta: f32,
+
+    /// RMSNorm epsilon.
+    #[arg(long, env = "KVLEASE_WORKER_RMS_NORM_EPS", default_value_t = DEFAULT_RMS_EPS)]
+    pub rms_norm_eps: f32,
+
+    /// Attention window per layer, comma-separated (0 = full attention); one
+    /// value applies to every layer.
+    #[arg(
+        long,
+        env = "KVLEASE_WORKER_LAYER_WINDOWS",
+        value_delimiter = ',',
+        default_values_t = default_windows()
+    )]
+    pub layer_windows: Vec<u32>,
+
+    /// Largest context (prompt + output) in tokens.
+    #[arg(long, env = "KVLEASE_WORKER_MAX_CONTEXT", default_value_t = DEFAULT_MAX_CONTEXT)]
+    pub max_context: u32,
+
+    /// Tokens per KV block.
+    #[arg(long, env = "KVLEASE_WORKER_TOKENS_PER_BLOCK", default_value_t = DEFAULT_TOKENS_PER_BLOCK)]
+    pub tokens_per_block: u32,
+
+    /// Give seeded weights a separate LM head instead of tying it to the embedding.
+    #[arg(long, env = "KVLEASE_WORKER_UNTIED_LM_HEAD")]
+    pub untied_lm_head: bool,
+
+    /// Memory for weights, activations and KV blocks together, in MiB.
+    #[arg(long, env = "KVLEASE_WORKER_MEMORY_BUDGET_MIB", default_value_t = DEFAULT_MEMORY_BUDGET_MIB)]
+    pub memory_budget_mib: u64,
+
+    /// Most sequences in one Forward.
+    #[arg(long, env = "KVLEASE_WORKER_MAX_BATCH_SEQUENCES", default_value_t = DEFAULT_MAX_BATCH_SEQUENCES)]
+    pub max_batch_sequences: usize,
+
+    /// Most input tokens in one Forward, all sequences together.
+    #[arg(long, env = "KVLEASE_WORKER_MAX_BATCH_TOKENS", default_value_t = DEFAULT_MAX_BATCH_TOKENS)]
+    pub max_batch_tokens: usize,
+
+    /// Compute threads; 0 = one per available core.
+    #[arg(long, env = "KVLEASE_WORKER_THREADS", default_value_t = 0)]
+    pub threads: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 50053)),
+            weights: None,
+            seed: 0,
+            vocab_size: VOCAB_SIZE as usize,
+            hidden_size: DEFAULT_HIDDEN,
+            num_layers: DEFAULT_LAYERS,
+            num_heads: DEFAULT_HEADS,
+            num_kv_heads: DEFAULT_KV_HEADS,
+            head_dim: DEFAULT_HEAD_DIM,
+            ffn_size: DEFAULT_FFN,
+            rope_theta: DEFAULT_ROPE_THETA,
+            rms_norm_eps: DEFAULT_RMS_EPS,
+            layer_windows: default_windows(),
+            max_context: DEFAULT_MAX_CONTEXT,
+            tokens_per_block: DEFAULT_TOKENS_PER_BLOCK,
+            untied_lm_head: false,
+            memory_budget_mib: DEFAULT_MEMORY_BUDGET_MIB,
+            max_batch_sequences: DEFAULT_MAX_BATCH_SEQUENCES,
+            max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
+            threads: 0,
+        }
+    }
+}
+
+impl Config {
+    /// The model shape the flags describe.
+    pub fn model_config(&self) -> Result<ModelConfig> {
+        let layer_windows = match self.layer_windows.as_slice() {
+            [w] => vec![*w; self.num_layers],
+            ws if ws.len() == self.num_layers => ws.to_vec(),
+            ws => {
+                return Err(Error::Config(format!(
+                    "layer_windows has {} entries but num_layers is {}",
+                    ws.len(),
+                    self.num_layers
+                )));
+            }
+        };
+        let name = match &self.weights {
+            Some(_) => String::new(),
+            None => format!("seeded-{}", self.seed),
+        };
+        let config = ModelConfig {
+            name,
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            ffn_size: self.ffn_size,
+            rope_theta: self.rope_theta,
+            rms_norm_eps: self.rms_norm_eps,
+            layer_windows,
+            max_context: self.max_context,
+            tokens_per_block: self.tokens_per_block,
+            tied_embeddings: !self.untied_lm_head,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The weights: read from `--weights`, or drawn from `--seed`.
+    pub fn load_weights(&self) -> Result<Weights> {
+        let config = self.model_config()?;
+        match &self.weights {
+            Some(path) => Weights::load_safetensors(config, path),
+            None => Weights::seeded(config, self.seed),
+        }
+    }
+
+    /// Budget, limits and threads.
+    pub fn worker_options(&self) -> WorkerOptions {
+        WorkerOptions {
+            memory_budget_bytes: self.memory_budget_mib.saturating_mul(1 << 20),
+            limits: Limits {
+                max_batch_sequences: self.max_batch_sequences,
+                max_batch_tokens: self.max_batch_tokens,
+            },
+            threads: self.threads,
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! Small numeric building blocks shared by the paged backend and the dense
+//! reference: RMSNorm, RoPE, SiLU, softmax, argmax, and a safe wrapper over
+//! the `gemm` crate's matrix product.
+
+/// Whether a matrix product may spread over the rayon pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Threads {
+    /// On the calling thread only (inside an already-parallel task).
+    One,
+    /// Over every thread of the current rayon pool.
+    Pool,
+}
+
+/// `out[m, n] = a[m, k] · w[n, k]ᵀ` (plus `out` when `accumulate`), all
+/// row-major: the product of activations with a `[out, in]` weight matrix.
+///
+/// # Panics
+/// When a slice is shorter than its stated shape (a bug in the caller; the
+/// check is what keeps the raw-pointer call below sound).
+pub fn matmul_wt(
+    a: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    (m, k, n): (usize, usize, usize),
+    accumulate: bool,
+    threads: Threads,
+) {
+    assert!(a.len() >= m * k && w.len() >= n * k && out.len() >= m * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the assert above bounds every element the strides reach:
+    // a[i*k + l], w[j*k + l], out[i*n + j] for i < m, j < n, l < k.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism(threads),
+        );
+    }
+}
+
+/// `out[m, n] = a[m, k] · b[k, n]`, all row-major.
+///
+/// # Panics
+/// When a slice is shorter than its stated shape.
+pub fn matmul(
+    a: &[f32],
+    b: &[f32],
+    out: &mut [f32],
+    (m, k, n): (usize, usize, usize),
+    threads: Threads,
+) {
+    assert!(a.len() >= m * k && b.len() >= k * n && out.len() >= m * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: bounded by the assert above, as in `matmul_wt`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            1,
+            n as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism(threads),
+        );
+    }
+}
+
+fn parallelism(threads: Threads) -> gemm::Parallelism {
+    match threads {
+        Threads::One => gemm::Parallelism::None,
+        Threads::Pool if rayon::current_num_threads() > 1 => gemm::Parallelism::Rayon(0),
+        Threads::Pool => gemm::Parallelism::None,
+    }
+}
+
+/// `out = x / rms(x) * weight`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let scale = 1.0 / (mean_sq + eps).sqrt();
+    for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
+        *o = v * scale * w;
+    }
+}
+
+/// Rotary position embedding in the "rotate half" layout of HF Llama: pairs
+/// are `(i, i + head_dim/2)`.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f64>,
+}
+
+impl Rope {
+    /// RoPE for heads of `head_dim` (even) with base `theta`.
+    pub fn new(head_dim: usize, theta: f32) -> Self {
+        let half = head_dim / 2;
+        let inv_freq = (0..half)
+            .map(|i| 1.0 / f64::from(theta).powf(2.0 * i as f64 / head_dim as f64))
+            .collect();
+        Rope { inv_freq }
+    }
+
+    /// Cosine and sine of every frequency at `pos`.
+    pub fn table(&self, pos: usize) -> Vec<(f32, f32)> {
+        self.inv_freq
+            .iter()
+            .map(|f| {
+                let (s, c) = (pos as f64 * f).sin_cos();
+                (c as f32, s as f32)
+            })
+            .collect()
+    }
+
+    /// Rotates every head of `x` (concatenated heads of `head_dim`) to `pos`.
+    pub fn apply(&self, x: &mut [f32], pos: usize) {
+        Self::apply_table(x, &self.table(pos));
+    }
+
+    /// Rotates every head of `x` with a precomputed [`Rope::table`].
+    pub fn apply_table(x: &mut [f32], cos_sin: &[(f32, f32)]) {
+        let half = cos_sin.len();
+        for head in x.chunks_exact_mut(2 * half) {
+            let (lo, hi) = head.split_at_mut(half);
+            for ((a, b), (c, s)) in lo.iter_mut().zip(hi.iter_mut()).zip(cos_sin) {
+                let (x1, x2) = (*a, *b);
+                *a = x1 * c - x2 * s;
+                *b = x2 * c + x1 * s;
+            }
+        }
+    }
+}
+
+/// `silu(gate) * up`, into `gate`.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// Softmax in place; entries equal to `-inf` get probability 0.
+pub fn softmax(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        row.fill(0.0);
+        return;
+    }
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in row.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// Index of the largest value (the first one on ties; NaN never wins).
+pub fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] || row[best].is_nan() {
+            best = i;
+        }
+    }
+    best
+}
+
+/// First key position a query at `pos` attends to under `window` (0 = full).
+pub fn window_start(pos: usize, window: u32) -> usize {
+    if window == 0 {
+        0
+    } else {
+        (pos + 1).saturating_sub(window as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matmul_wt_matches_loops() {
+        let (m, k, n) = (3, 5, 4);
+        let a: Vec<f32> = (0..m * k).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| (i as f32).sin()).collect();
+        let mut out = vec![1.0; m * n];
+        matmul_wt(&a, &w, &mut out, (m, k, n), true, Threads::Pool);
+        for i in 0..m {
+            for j in 0..n {
+                let dot: f32 = (0..k).map(|l| a[i * k + l] * w[j * k + l]).sum();
+                assert!((out[i * n + j] - (1.0 + dot)).abs() < 1e-4);
+            }
+        }
+        let b: Vec<f32> = (0..k * n).map(|i| (i as f32).cos()).collect();
+        matmul(&a, &b, &mut out, (m, k, n), Threads::One);
+        for i in 0..m {
+            for j in 0..n {
+                let dot: f32 = (0..k).map(|l| a[i * k + l] * b[l * n + j]).sum();
+                assert!((out[i * n + j] - dot).abs() < 1e-4);
+            }
+        }
+    }
+
+    #[test]
+    fn rope_at_zero_is_identity_and_preserves_norm() {
+        let rope = Rope::new(8, 10_000.0);
+        let x: Vec<f32> = (0..16).map(|i| i as f32 - 7.0).collect();
+        let mut y = x.clone();
+        rope.apply(&mut y, 0);
+        assert_eq!(x, y);
+        rope.apply(&mut y, 37);
+        let n = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
+        assert!((n(&x) - n(&y)).abs() < 1e-3);
+        assert_ne!(x, y);
+    }
+
+    #[test]
+    fn windows_and_argmax() {
+        assert_eq!(window_start(10, 0), 0);
+        assert_eq!(window_start(10, 4), 7);
+        assert_eq!(window_start(2, 4), 0);
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
+        let mut row = [0.0, f32::NEG_INFINITY, 0.0];
+        softmax(&mut row);
+        assert_eq!(row, [0.5, 0.0, 0.5]);
+    }
+}

@@ -1,0 +1,229 @@
+//! The worker core: sizes the arena from the memory budget, validates each
+//! batch, hands it to the backend and picks the next tokens. Plain
+//! synchronous Rust; `service.rs` puts it behind gRPC.
+
+use std::sync::Arc;
+
+use crate::arena::{ArenaLayout, SlotLedger};
+use crate::backend::Backend;
+use crate::backend::cpu::{self, CpuBackend};
+use crate::batch::{self, Limits, SeqInput};
+use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+use crate::model::weights::Weights;
+use crate::ops::argmax;
+use crate::sampling::sample;
+
+/// How the worker is sized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerOptions {
+    /// Memory for weights, activations and KV together, in bytes.
+    pub memory_budget_bytes: u64,
+    /// Batch limits.
+    pub limits: Limits,
+    /// Compute threads; 0 = one per available core.
+    pub threads: usize,
+}
+
+/// One pool as `Describe` reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolInfo {
+    /// Window in tokens; 0 = full attention.
+    pub window: u32,
+    /// Layers whose KV lives in the pool.
+    pub num_layers: u32,
+    /// Blocks that fit in the budget.
+    pub num_blocks: u32,
+    /// Bytes of one block.
+    pub bytes_per_block: u64,
+}
+
+/// What `Describe` reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerInfo {
+    /// The model shape.
+    pub model: ModelConfig,
+    /// One entry per pool.
+    pub pools: Vec<PoolInfo>,
+    /// Backend name.
+    pub backend: &'static str,
+    /// KV element type.
+    pub kv_dtype: &'static str,
+    /// The memory budget in bytes.
+    pub memory_budget_bytes: u64,
+    /// Bytes of the weights.
+    pub weight_bytes: u64,
+    /// Bytes of activations at the largest batch.
+    pub activation_bytes: u64,
+    /// Batch limits.
+    pub limits: Limits,
+    /// Device description.
+    pub device: String,
+}
+
+/// The result for one sequence of a batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqOutput {
+    /// The scheduler's id.
+    pub seq_id: u64,
+    /// The token after the last input position.
+    pub next_token: u32,
+    /// Argmax after each input position (empty unless all positions were asked).
+    pub argmax: Vec<u32>,
+    /// Logits rows: every position when asked, else the last one.
+    pub logits: Vec<f32>,
+}
+
+/// The worker: weights, arena and backend of one model replica.
+#[derive(Debug)]
+pub struct Worker {
+    info: WorkerInfo,
+    layout: ArenaLayout,
+    ledger: SlotLedger,
+    backend: Box<dyn Backend>,
+}
+
+impl Worker {
+    /// A CPU worker for `weights`, its arena sized from `options`.
+    pub fn new_cpu(weights: Weights, options: WorkerOptions) -> Result<Self> {
+        let config = weights.config.clone();
+        config.validate()?;
+        let limits = options.limits;
+        if limits.max_batch_sequences == 0 || limits.max_batch_tokens == 0 {
+            return Err(Error::Config(
+                "max_batch_sequences and max_batch_tokens must be at least 1".into(),
+            ));
+        }
+        let threads = if options.threads == 0 {
+            std::thread::available_parallelism().map_or(1, usize::from)
+        } else {
+            options.threads
+        };
+        let weight_bytes = weights.bytes();
+        let activation_bytes = cpu::activation_bytes(&config, limits.max_batch_tokens, threads);
+        let num_blocks = plan_blocks(
+            &config,
+            options.memory_budget_bytes,
+            weight_bytes,
+            activation_bytes,
+        )?;
+        let layout = ArenaLayout::new(&config, &num_blocks);
+        let backend = CpuBackend::new(Arc::new(weights), layout.clone(), threads)?;
+        let info = WorkerInfo {
+            pools: layout
+                .pools
+                .iter()
+                .map(|p| PoolInfo {
+                    window: p.window,
+                    num_layers: p.layers.len() as u32,
+                    num_blocks: p.num_blocks,
+                    bytes_per_block: p.bytes_per_block(),
+                })
+                .collect(),
+            model: config,
+            backend: backend.name(),
+            kv_dtype: backend.kv_dtype(),
+            memory_budget_bytes: options.memory_budget_bytes,
+            weight_bytes,
+            activation_bytes,
+            limits,
+            device: backend.device(),
+        };
+        tracing::info!(
+            backend = info.backend,
+            weight_bytes,
+            activation_bytes,
+            kv_bytes = layout.bytes(),
+            pools = ?info.pools,
+            "worker arena sized"
+        );
+        Ok(Worker {
+            info,
+            ledger: SlotLedger::new(&layout),
+            layout,
+            backend: Box::new(backend),
+        })
+    }
+
+    /// What `Describe` reports.
+    pub fn info(&self) -> &WorkerInfo {
+        &self.info
+    }
+
+    /// The arena layout.
+    pub fn layout(&self) -> &ArenaLayout {
+        &self.layout
+    }
+
+    /// Runs one batch: validates all of it (an error writes nothing), writes
+    /// K/V, attends, and picks each sequence's next token.
+    pub fn forward(&mut self, inputs: Vec<SeqInput>) -> Result<Vec<SeqOutput>> {
+        let batch = batch::validate(
+            inputs,
+            &self.info.model,
+            &self.layout,
+            &self.ledger,
+            self.info.limits,
+        )?;
+        let logits = self.backend.forward(&batch)?;
+        self.ledger.record(&batch.writes);
+
+        let vocab = logits.vocab;
+        let mut rows = logits.values.chunks_exact(vocab.max(1));
+        let mut outputs = Vec::with_capacity(batch.seqs.len());
+        for seq in &batch.seqs {
+            let n = seq.logit_rows();
+            let seq_rows: Vec<&[f32]> = rows.by_ref().take(n).collect();
+            let last = seq_rows.last().copied().unwrap_or(&[]);
+            let last_pos = seq.start_pos + seq.tokens.len() - 1;
+            let next_token = sample(last, &seq.sampling, last_pos + 1);
+            let argmax = if seq.all_positions {
+                seq_rows.iter().map(|r| argmax(r) as u32).collect()
+            } else {
+                Vec::new()
+            };
+            outputs.push(SeqOutput {
+                seq_id: seq.seq_id,
+                next_token,
+                argmax,
+                logits: seq_rows.concat(),
+            });
+        }
+        Ok(outputs)
+    }
+}
+
+/// Blocks per pool: the budget left after weights and activations, split
+/// across pools in proportion to their layer counts.
+fn plan_blocks(
+    config: &ModelConfig,
+    budget_bytes: u64,
+    weight_bytes: u64,
+    activation_bytes: u64,
+) -> Result<Vec<u32>> {
+    let too_small = Error::MemoryBudget {
+        budget_bytes,
+        weight_bytes,
+        activation_bytes,
+    };
+    let Some(kv_bytes) = budget_bytes
+        .checked_sub(weight_bytes)
+        .and_then(|b| b.checked_sub(activation_bytes))
+    else {
+        return Err(too_small);
+    };
+    let layout = ArenaLayout::new(config, &[]);
+    let total_layers = config.num_layers() as u64;
+    let blocks: Vec<u32> = layout
+        .pools
+        .iter()
+        .map(|p| {
+            let share = kv_bytes / total_layers * p.layers.len() as u64;
+            u32::try_from(share / p.bytes_per_block()).unwrap_or(u32::MAX)
+        })
+        .collect();
+    if blocks.contains(&0) {
+        return Err(too_small);
+    }
+    Ok(blocks)
+}

@@ -1,0 +1,443 @@
+//! The worker over gRPC on 127.0.0.1:0: Describe, a happy-path Forward, each
+//! validation case, and proof that a rejected batch writes nothing.
+
+use kvlease_proto::v1 as pb;
+use pb::worker_service_client::WorkerServiceClient;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::Code;
+use tonic::transport::Channel;
+use worker_svc::Config;
+use worker_svc::model::tokenizer;
+
+struct Server {
+    client: WorkerServiceClient<Channel>,
+    stop: Option<oneshot::Sender<()>>,
+    handle: Option<JoinHandle<Result<(), worker_svc::Error>>>,
+}
+
+impl Server {
+    async fn start(config: Config) -> Server {
+        let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+            Ok(l) => l,
+            Err(e) => panic!("bind: {e}"),
+        };
+        let addr = match listener.local_addr() {
+            Ok(a) => a,
+            Err(e) => panic!("local_addr: {e}"),
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let handle = tokio::spawn(worker_svc::run(listener, config, async {
+            let _ = stopped.await;
+        }));
+        let client = match WorkerServiceClient::connect(format!("http://{addr}")).await {
+            Ok(c) => c,
+            Err(e) => panic!("connect: {e}"),
+        };
+        Server {
+            client,
+            stop: Some(stop),
+            handle: Some(handle),
+        }
+    }
+
+    async fn forward(
+        &mut self,
+        sequences: Vec<pb::ForwardSequence>,
+    ) -> Result<pb::ForwardResponse, tonic::Status> {
+        self.client
+            .forward(pb::ForwardRequest { step: 1, sequences })
+            .await
+            .map(tonic::Response::into_inner)
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(handle) = self.handle.take() {
+            match handle.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => panic!("server failed: {e}"),
+                Err(e) => panic!("server task: {e}"),
+            }
+        }
+    }
+}
+
+/// Tables for the default model's two pools (full attention, window 64).
+fn tables(full: &[u32], windowed: &[u32]) -> Vec<pb::BlockTable> {
+    vec![
+        pb::BlockTable {
+            pool_id: 1,
+            window: 0,
+            beam: 0,
+            first_block: 0,
+            block_ids: full.to_vec(),
+        },
+        pb::BlockTable {
+            pool_id: 2,
+            window: 64,
+            beam: 0,
+            first_block: 0,
+            block_ids: windowed.to_vec(),
+        },
+    ]
+}
+
+fn seq(
+    seq_id: u64,
+    tokens: Vec<u32>,
+    start_pos: u32,
+    tables: Vec<pb::BlockTable>,
+) -> pb::ForwardSequence {
+    pb::ForwardSequence {
+        seq_id,
+        tokens,
+        start_pos,
+        tables,
+        return_all_argmax: true,
+        sampling: None,
+    }
+}
+
+fn prompt() -> Vec<u32> {
+    tokenizer::encode("the quick brown fox", true)
+}
+
+/// Asserts an INVALID_ARGUMENT whose message contains every `needle`.
+fn assert_invalid(result: Result<pb::ForwardResponse, tonic::Status>, needles: &[&str]) {
+    match result {
+        Ok(r) => panic!("expected INVALID_ARGUMENT, got {r:?}"),
+        Err(status) => {
+            assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+            for needle in needles {
+                assert!(
+                    status.message().contains(needle),
+                    "{:?} lacks {needle:?}",
+                    status.message()
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn describe_reports_model_pools_and_budget() {
+    let mut server = Server::start(Config::default()).await;
+    let d = match server.client.describe(pb::DescribeRequest {}).await {
+        Ok(r) => r.into_inner(),
+        Err(e) => panic!("describe: {e}"),
+    };
+    let model = d.model.clone().unwrap_or_default();
+    assert_eq!(model.name, "seeded-0");
+    assert_eq!(model.vocab_size, 258);
+    assert_eq!(
+        (model.hidden_size, model.num_layers, model.num_heads),
+        (256, 4, 8)
+    );
+    assert_eq!(
+        (model.num_kv_heads, model.head_dim, model.ffn_size),
+        (2, 32, 768)
+    );
+    assert_eq!(model.layer_windows, vec![0, 64, 0, 64]);
+    assert_eq!(model.max_context, 2048);
+    assert_eq!(d.tokens_per_block, 16);
+    assert_eq!((d.backend.as_str(), d.kv_dtype.as_str()), ("cpu", "f32"));
+    assert_eq!(d.memory_budget_bytes, 64 << 20);
+    assert!(d.weight_bytes > 0 && d.activation_bytes > 0 && !d.device.is_empty());
+    assert_eq!((d.max_batch_sequences, d.max_batch_tokens), (64, 1024));
+    let windows: Vec<u32> = d.pools.iter().map(|p| p.window).collect();
+    assert_eq!(windows, vec![0, 64]);
+    let kv_bytes: u64 = d
+        .pools
+        .iter()
+        .map(|p| p.bytes_per_block * u64::from(p.num_blocks))
+        .sum();
+    for pool in &d.pools {
+        assert_eq!(pool.num_layers, 2);
+        // 2 layers x K,V x 2 kv heads x 16 tokens x 32 dims x 4 bytes.
+        assert_eq!(pool.bytes_per_block, 2 * 2 * 2 * 16 * 32 * 4);
+        assert!(pool.num_blocks >= 100, "{pool:?}");
+    }
+    assert!(d.weight_bytes + d.activation_bytes + kv_bytes <= d.memory_budget_bytes);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn forward_prefill_then_decode() {
+    let mut server = Server::start(Config::default()).await;
+    let p = prompt();
+    let first = match server
+        .forward(vec![seq(1, p.clone(), 0, tables(&[3, 9], &[4, 1]))])
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => panic!("prefill: {e}"),
+    };
+    assert_eq!(first.results.len(), 1);
+    let r = &first.results[0];
+    assert_eq!(r.seq_id, 1);
+    assert_eq!(r.argmax.len(), p.len());
+    assert_eq!(
+        r.argmax.last().copied(),
+        Some(r.next_token),
+        "greedy token is the last argmax"
+    );
+    assert!(r.next_token < 258);
+
+    // Decode the sampled token, next to a second sequence's prefill of the
+    // same prompt in other blocks: a mixed batch.
+    let mut decode = seq(
+        1,
+        vec![r.next_token],
+        p.len() as u32,
+        tables(&[3, 9], &[4, 1]),
+    );
+    decode.return_all_argmax = false;
+    let again = seq(2, p.clone(), 0, tables(&[7, 8], &[2, 0]));
+    let second = match server.forward(vec![decode, again]).await {
+        Ok(r) => r,
+        Err(e) => panic!("mixed batch: {e}"),
+    };
+    assert_eq!(second.results.len(), 2);
+    assert_eq!(second.results[0].seq_id, 1);
+    assert!(second.results[0].argmax.is_empty());
+    assert_eq!(
+        second.results[1].argmax, r.argmax,
+        "same prompt, same argmax"
+    );
+
+    // Seeded sampling reproduces itself.
+    let sampled = |id| pb::ForwardSequence {
+        sampling: Some(pb::SamplingParams {
+            temperature: 0.8,
+            top_p: 0.9,
+            seed: 42,
+        }),
+        ..seq(
+            id,
+            p.clone(),
+            0,
+            tables(
+                &[20 + id as u32, 40 + id as u32],
+                &[20 + id as u32, 40 + id as u32],
+            ),
+        )
+    };
+    let a = server
+        .forward(vec![sampled(5)])
+        .await
+        .map(|r| r.results[0].next_token);
+    let b = server
+        .forward(vec![sampled(6)])
+        .await
+        .map(|r| r.results[0].next_token);
+    assert!(a.is_ok());
+    assert_eq!(a.ok(), b.ok());
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn rejects_block_ids_out_of_range() {
+    let mut server = Server::start(Config::default()).await;
+    let result = server
+        .forward(vec![seq(7, prompt(), 0, tables(&[3, 4_000_000], &[1, 2]))])
+        .await;
+    assert_invalid(
+        result,
+        &["sequence 7", "block id 4000000 out of range", "window 0"],
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn rejects_a_block_table_too_short_for_the_positions() {
+    let mut server = Server::start(Config::default()).await;
+    let tokens: Vec<u32> = (0..20).collect();
+    let result = server
+        .forward(vec![seq(7, tokens, 0, tables(&[3, 4], &[1]))])
+        .await;
+    assert_invalid(
+        result,
+        &[
+            "sequence 7",
+            "block table too short for window 64",
+            "0..=19",
+        ],
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn rejects_duplicate_sequence_ids() {
+    let mut server = Server::start(Config::default()).await;
+    let result = server
+        .forward(vec![
+            seq(7, prompt(), 0, tables(&[1, 2], &[1, 2])),
+            seq(7, prompt(), 0, tables(&[3, 4], &[3, 4])),
+        ])
+        .await;
+    assert_invalid(result, &["sequence 7", "duplicate sequence id"]);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn rejects_inconsistent_positions() {
+    let mut server = Server::start(Config::default()).await;
+    // start_pos 32 on blocks nobody wrote: there is no K/V for 0..32.
+    let result = server
+        .forward(vec![seq(
+            7,
+            vec![1, 2, 3],
+            32,
+            tables(&[1, 2, 3], &[1, 2, 3]),
+        )])
+        .await;
+    assert_invalid(
+        result,
+        &[
+            "sequence 7",
+            "inconsistent positions",
+            "start_pos 32",
+            "position 0",
+        ],
+    );
+    // Positions past max_context.
+    let blocks: Vec<u32> = (0..128).collect();
+    let result = server
+        .forward(vec![seq(8, vec![1; 10], 2040, tables(&blocks, &blocks))])
+        .await;
+    assert_invalid(
+        result,
+        &["sequence 8", "inconsistent positions", "max_context 2048"],
+    );
+    // Two sequences writing the same slot.
+    let result = server
+        .forward(vec![
+            seq(9, prompt(), 0, tables(&[1, 2], &[1, 2])),
+            seq(10, prompt(), 0, tables(&[1, 3], &[4, 5])),
+        ])
+        .await;
+    assert_invalid(result, &["sequence 10", "slot 0 of block 1", "sequence 9"]);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn rejects_tables_that_do_not_match_the_pools() {
+    let mut server = Server::start(Config::default()).await;
+    let mut one = tables(&[1, 2], &[3, 4]);
+    one.truncate(1);
+    assert_invalid(
+        server.forward(vec![seq(7, prompt(), 0, one)]).await,
+        &["sequence 7", "no block table for the pool of window 64"],
+    );
+    let mut beam = tables(&[1, 2], &[3, 4]);
+    beam[1].beam = 1;
+    assert_invalid(
+        server.forward(vec![seq(8, prompt(), 0, beam)]).await,
+        &["sequence 8", "beam 1"],
+    );
+    let mut unknown = tables(&[1, 2], &[3, 4]);
+    unknown[1].window = 32;
+    assert_invalid(
+        server.forward(vec![seq(9, prompt(), 0, unknown)]).await,
+        &["sequence 9", "window 32"],
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn rejects_batches_over_the_limits() {
+    let config = Config {
+        max_batch_sequences: 2,
+        max_batch_tokens: 32,
+        ..Config::default()
+    };
+    let mut server = Server::start(config).await;
+    let three = (0..3)
+        .map(|i| seq(i, vec![1, 2], 0, tables(&[i as u32], &[i as u32])))
+        .collect();
+    assert_invalid(
+        server.forward(three).await,
+        &["3 sequences", "max_batch_sequences = 2"],
+    );
+    let tokens: Vec<u32> = (0..20).collect();
+    let big = vec![
+        seq(1, tokens.clone(), 0, tables(&[1, 2], &[1, 2])),
+        seq(2, tokens, 0, tables(&[3, 4], &[3, 4])),
+    ];
+    assert_invalid(
+        server.forward(big).await,
+        &["40 tokens", "max_batch_tokens = 32"],
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_rejected_forward_leaves_the_arena_untouched() {
+    let mut server = Server::start(Config::default()).await;
+    let context: Vec<u32> = tokenizer::encode("a sentence of some twenty bytes!", true);
+    let n = context.len() as u32;
+    let (full, windowed) = ([10, 11, 12], [20, 21, 22]);
+    if let Err(e) = server
+        .forward(vec![seq(1, context.clone(), 0, tables(&full, &windowed))])
+        .await
+    {
+        panic!("prefill: {e}");
+    }
+    // A probe that reads the whole context: eight draft-like positions,
+    // sampled hot with several seeds so the tokens depend on every logit.
+    let probe_tokens: Vec<u32> = (40..48).collect();
+    let probe = |seed| pb::ForwardSequence {
+        sampling: Some(pb::SamplingParams {
+            temperature: 3.0,
+            top_p: 1.0,
+            seed,
+        }),
+        ..seq(1, probe_tokens.clone(), n, tables(&full, &windowed))
+    };
+    async fn probe_all(
+        server: &mut Server,
+        probe: &impl Fn(u64) -> pb::ForwardSequence,
+    ) -> Vec<pb::ForwardResult> {
+        let mut results = Vec::new();
+        for seed in 0..16 {
+            match server.forward(vec![probe(seed)]).await {
+                Ok(r) => results.extend(r.results),
+                Err(e) => panic!("probe: {e}"),
+            }
+        }
+        results
+    }
+    let before = probe_all(&mut server, &probe).await;
+
+    // Overwrites the context's first block, next to an invalid sequence.
+    let clobber = || {
+        seq(
+            2,
+            (100..116).collect(),
+            0,
+            tables(&full[..1], &windowed[..1]),
+        )
+    };
+    let invalid = seq(3, prompt(), 0, tables(&[999_999], &[5]));
+    assert_invalid(
+        server.forward(vec![clobber(), invalid]).await,
+        &["sequence 3", "out of range"],
+    );
+    let after = probe_all(&mut server, &probe).await;
+    assert_eq!(after, before, "the rejected batch wrote nothing");
+
+    // The same overwrite, accepted, does change what the probe sees: the
+    // check above could have failed.
+    if let Err(e) = server.forward(vec![clobber()]).await {
+        panic!("clobber: {e}");
+    }
+    let clobbered = probe_all(&mut server, &probe).await;
+    assert_ne!(
+        clobbered, before,
+        "an accepted overwrite is visible to the probe"
+    );
+    server.stop().await;
+}
