@@ -119,6 +119,10 @@ pub struct Config {
     /// Compute threads; 0 = one per available core.
     #[arg(long, env = "KVLEASE_WORKER_THREADS", default_value_t = 0)]
     pub threads: usize,
+
+    /// Address of the Prometheus `GET /metrics` endpoint; off when absent.
+    #[arg(long, env = "KVLEASE_WORKER_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl Default for Config {
@@ -144,6 +148,7 @@ impl Default for Config {
             max_batch_sequences: DEFAULT_MAX_BATCH_SEQUENCES,
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
             threads: 0,
+            metrics_listen: None,
         }
     }
 }

@@ -56,7 +56,34 @@ pub async fn run(
 ) -> Result<(), Error> {
     let weights = config.load_weights()?;
     let worker = worker::Worker::new_cpu(weights, config.worker_options())?;
-    let service = service::WorkerGrpc::new(worker);
+    let registry = kvlease_telemetry::metrics::Registry::new();
+    let metrics = service::WorkerMetrics::register(&registry, worker.info())?;
+    let service = service::WorkerGrpc::new(worker, metrics);
+
+    // One shutdown signal for the gRPC server and the metrics endpoint.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        // An error means the sender is gone, which also means stop.
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let metrics_task = match config.metrics_listen {
+        Some(addr) => {
+            let metrics_listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| Error::Config(format!("cannot listen for metrics on {addr}: {e}")))?;
+            tracing::info!(%addr, "worker metrics serving");
+            Some(tokio::spawn(kvlease_telemetry::metrics::serve_metrics(
+                metrics_listener,
+                move || registry.render(),
+                stopped(stop_rx.clone()),
+            )))
+        }
+        None => None,
+    };
+    let shutdown = async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    };
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -76,13 +103,21 @@ pub async fn run(
 
     let addr = listener.local_addr().ok();
     tracing::info!(?addr, "worker serving");
-    tonic::transport::Server::builder()
+    let served = tonic::transport::Server::builder()
+        .layer(kvlease_telemetry::GrpcTraceLayer::new("kvlease-worker"))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(WorkerServiceServer::new(service))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await?;
+        .await;
+    drop(stop_rx);
+    if let Some(task) = metrics_task
+        && let Err(e) = task.await
+    {
+        tracing::error!(error = %e, "metrics task failed");
+    }
+    served?;
     tracing::info!("worker stopped");
     Ok(())
 }

@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use kvlease_proto::v1 as pb;
+use kvlease_telemetry::metrics::{self, Counter, Histogram, Registry, names};
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
@@ -17,15 +18,65 @@ use crate::worker::{SeqOutput, Worker, WorkerInfo};
 pub struct WorkerGrpc {
     worker: Arc<Mutex<Worker>>,
     describe: pb::DescribeResponse,
+    metrics: WorkerMetrics,
+}
+
+/// The worker's Prometheus series.
+#[derive(Debug, Clone)]
+pub struct WorkerMetrics {
+    forward_seconds: Histogram,
+    forward_tokens: Counter,
+    forward_rejected: Counter,
+}
+
+impl WorkerMetrics {
+    /// Registers the worker's series in `registry`, with each pool's size.
+    pub fn register(registry: &Registry, info: &WorkerInfo) -> crate::Result<Self> {
+        let fail = |e: kvlease_telemetry::Error| crate::Error::Config(format!("metrics: {e}"));
+        let pool_blocks = registry
+            .gauge_vec(
+                names::POOL_BLOCKS_TOTAL,
+                "Blocks of each KV pool of the worker.",
+                [names::WINDOW],
+            )
+            .map_err(fail)?;
+        for pool in &info.pools {
+            pool_blocks
+                .with([&pool.window.to_string()])
+                .set(f64::from(pool.num_blocks));
+        }
+        Ok(WorkerMetrics {
+            forward_seconds: registry
+                .histogram(
+                    names::FORWARD_DURATION_SECONDS,
+                    "Compute time of one Forward on the worker.",
+                    metrics::DEFAULT_LATENCY_BUCKETS,
+                )
+                .map_err(fail)?,
+            forward_tokens: registry
+                .counter(
+                    "kvlease_worker_forward_tokens_total",
+                    "Input tokens run by accepted Forward calls.",
+                )
+                .map_err(fail)?,
+            forward_rejected: registry
+                .counter(
+                    "kvlease_worker_forward_rejected_total",
+                    "Forward calls refused (invalid batch or backend failure).",
+                )
+                .map_err(fail)?,
+        })
+    }
 }
 
 impl WorkerGrpc {
-    /// Serves `worker`.
-    pub fn new(worker: Worker) -> Self {
+    /// Serves `worker`, recording into `metrics`.
+    pub fn new(worker: Worker, metrics: WorkerMetrics) -> Self {
         let describe = describe_response(worker.info());
         WorkerGrpc {
             worker: Arc::new(Mutex::new(worker)),
             describe,
+            metrics,
         }
     }
 }
@@ -47,17 +98,16 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         let step = request.step;
         let sequences = request.sequences.len();
         let tokens: usize = request.sequences.iter().map(|s| s.tokens.len()).sum();
+        // A child of the server span that `GrpcTraceLayer` opens per request.
         let span = tracing::info_span!(
-            "kvlease.v1.WorkerService/Forward",
-            rpc.system = "grpc",
-            rpc.service = "kvlease.v1.WorkerService",
-            rpc.method = "Forward",
+            "forward",
             kvlease.step = step,
             kvlease.sequences = sequences,
             kvlease.tokens = tokens,
         );
         let inputs: Vec<SeqInput> = request.sequences.into_iter().map(seq_input).collect();
         let worker = Arc::clone(&self.worker);
+        let metrics = self.metrics.clone();
         async move {
             let outcome = tokio::task::spawn_blocking(move || {
                 let mut worker = worker
@@ -72,6 +122,8 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
             .map_err(|e| Status::internal(format!("forward task failed: {e}")))?;
             match outcome {
                 Ok((outputs, compute_us)) => {
+                    metrics.forward_seconds.observe(compute_us as f64 / 1e6);
+                    metrics.forward_tokens.inc_by(tokens as u64);
                     tracing::info!(step, sequences, tokens, compute_us, "forward done");
                     Ok(Response::new(pb::ForwardResponse {
                         results: outputs.into_iter().map(forward_result).collect(),
@@ -79,6 +131,7 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
                     }))
                 }
                 Err(status) => {
+                    metrics.forward_rejected.inc();
                     tracing::warn!(step, code = ?status.code(), message = status.message(), "forward rejected");
                     Err(status)
                 }
@@ -157,5 +210,79 @@ fn describe_response(info: &WorkerInfo) -> pb::DescribeResponse {
         max_batch_sequences: info.limits.max_batch_sequences as u32,
         max_batch_tokens: info.limits.max_batch_tokens as u32,
         device: info.device.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::Limits;
+    use crate::model::ModelConfig;
+    use crate::model::weights::Weights;
+    use crate::worker::WorkerOptions;
+    use pb::worker_service_server::WorkerService as _;
+
+    #[tokio::test]
+    async fn forward_calls_are_counted_and_timed() {
+        let config = ModelConfig {
+            hidden_size: 32,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 8,
+            ffn_size: 48,
+            layer_windows: vec![0, 8],
+            ..ModelConfig::small()
+        };
+        let weights = Weights::seeded(config, 3).unwrap_or_else(|e| panic!("{e}"));
+        let options = WorkerOptions {
+            memory_budget_bytes: 8 << 20,
+            limits: Limits {
+                max_batch_sequences: 4,
+                max_batch_tokens: 64,
+            },
+            threads: 1,
+        };
+        let worker = Worker::new_cpu(weights, options).unwrap_or_else(|e| panic!("{e}"));
+        let registry = Registry::new();
+        let metrics =
+            WorkerMetrics::register(&registry, worker.info()).unwrap_or_else(|e| panic!("{e}"));
+        let svc = WorkerGrpc::new(worker, metrics);
+        let table = |window| pb::BlockTable {
+            window,
+            block_ids: vec![1],
+            ..Default::default()
+        };
+        let seq = |seq_id, block_window| pb::ForwardSequence {
+            seq_id,
+            tokens: vec![1, 2, 3],
+            tables: vec![table(0), table(block_window)],
+            ..Default::default()
+        };
+        let ok = svc
+            .forward(Request::new(pb::ForwardRequest {
+                step: 1,
+                sequences: vec![seq(1, 8)],
+            }))
+            .await;
+        assert!(ok.is_ok(), "{ok:?}");
+        let bad = svc
+            .forward(Request::new(pb::ForwardRequest {
+                step: 2,
+                sequences: vec![seq(2, 9)],
+            }))
+            .await;
+        assert_eq!(
+            bad.err().map(|s| s.code()),
+            Some(tonic::Code::InvalidArgument)
+        );
+        let text = registry.render();
+        for line in [
+            "kvlease_forward_duration_seconds_count 1",
+            "kvlease_worker_forward_tokens_total 3",
+            "kvlease_worker_forward_rejected_total 1",
+            "kvlease_pool_blocks_total{window=\"8\"}",
+        ] {
+            assert!(text.contains(line), "{line:?} not in\n{text}");
+        }
     }
 }
