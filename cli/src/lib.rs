@@ -1,1 +1,34 @@
-//! The `kvlease` command: local cluster, client, load generator, status (filled by a later issue).
+//! The `kvlease` command: a local cluster in one process, a streaming
+//! client, a load generator with a closing table, status and health checks.
+//!
+//! # Layout
+//! - [`cluster`]: cache, workers and scheduler started in-process from their
+//!   libraries' `run` on loopback listeners (`kvlease up`, `kvlease demo`).
+//! - [`connect`]: endpoints, clients, `GetStatus` / `GetStats`, the gRPC
+//!   health check (`kvlease health`, usable as a container health check).
+//! - [`workload`]: requests to send; the synthetic workload with shared
+//!   prefixes and the deterministic token expansion of block ids.
+//! - [`mooncake`]: Mooncake trace files (JSON lines) to requests.
+//! - [`bench`]: the load driver (concurrency, rate or trace arrivals,
+//!   progress bar) and one request's outcome.
+//! - [`report`]: percentiles, finishes by reason and cluster counters as the
+//!   closing table.
+//! - [`status`]: `GetStatus` as text.
+//! - [`demo`]: the over-subscribing demo on a small pool.
+//! - [`commands`]: the subcommands, glued from the above.
+//!
+//! Data flows one way: a workload becomes [`workload::Request`]s, [`bench`]
+//! turns them into [`bench::Outcome`]s over gRPC, [`report`] summarises them.
+
+pub mod bench;
+pub mod cluster;
+pub mod commands;
+pub mod connect;
+pub mod demo;
+pub mod error;
+pub mod mooncake;
+pub mod report;
+pub mod status;
+pub mod workload;
+
+pub use error::{Error, Result};

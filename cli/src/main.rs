@@ -1,0 +1,313 @@
+//! `kvlease`: run a local cluster, talk to a scheduler, drive load.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use kvlease::bench::Load;
+use kvlease::cluster::ClusterConfig;
+use kvlease::commands::{self, GenerateOptions, Source};
+use kvlease::demo::{self, DemoOptions};
+use kvlease::mooncake::Expand;
+use kvlease::workload::Synthetic;
+use scheduler_svc::policy::{OnExhausted, Policy};
+
+/// Exit code for unusable arguments (EX_USAGE).
+const EXIT_USAGE: u8 = 64;
+
+/// kvlease: paged KV cache leases over gRPC.
+#[derive(Debug, Parser)]
+#[command(name = "kvlease", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start a whole cluster (cache, workers, scheduler) in this process on loopback ports.
+    Up(UpArgs),
+    /// Over-subscribe a small KV pool in an in-process cluster and show what happened.
+    Demo(DemoArgs),
+    /// Stream a completion of TEXT from a scheduler.
+    Generate(GenerateArgs),
+    /// Drive load (synthetic, or a Mooncake trace) through a scheduler; print a table.
+    Bench(BenchArgs),
+    /// Show a scheduler's queue, counters and pool figures.
+    Status {
+        #[arg(long, env = "KVLEASE_SCHEDULER_ADDR", default_value = "127.0.0.1:50051")]
+        scheduler: String,
+    },
+    /// Check a service's gRPC health: exit 0 when SERVING, 1 otherwise.
+    Health {
+        /// host:port of any kvlease service.
+        addr: String,
+        /// Service name to check; empty = the whole server.
+        #[arg(long, default_value = "")]
+        service: String,
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct UpArgs {
+    /// Workers (model replicas) to start.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Address the services listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Scheduler port; the cache takes the next one and the workers the ones after (0 = any free ports).
+    #[arg(long, default_value_t = 50051)]
+    base_port: u16,
+    #[arg(long, default_value = "max-utilization")]
+    policy: Policy,
+    #[arg(long, default_value = "preempt")]
+    on_exhausted: OnExhausted,
+    /// Each worker's memory for weights, activations and KV blocks, in MiB.
+    #[arg(long, default_value_t = 64)]
+    memory_budget_mib: u64,
+    /// Compute threads per worker; 0 = the cores divided among the workers.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+}
+
+#[derive(Debug, clap::Args)]
+struct DemoArgs {
+    #[arg(long, default_value_t = DemoOptions::default().requests)]
+    requests: usize,
+    #[arg(long, default_value_t = DemoOptions::default().concurrency)]
+    concurrency: usize,
+    /// Worker memory budget in MiB (it sizes the KV pool).
+    #[arg(long, default_value_t = DemoOptions::default().memory_budget_mib)]
+    memory_budget_mib: u64,
+    /// A running request that cannot grow: preempt (recompute later) or reject.
+    #[arg(long, default_value = "preempt")]
+    on_exhausted: OnExhausted,
+    #[arg(long, default_value_t = DemoOptions::default().max_preemptions)]
+    max_preemptions: u32,
+    #[arg(long, default_value_t = DemoOptions::default().seed)]
+    seed: u64,
+}
+
+#[derive(Debug, clap::Args)]
+struct GenerateArgs {
+    text: String,
+    #[arg(long, env = "KVLEASE_SCHEDULER_ADDR", default_value = "127.0.0.1:50051")]
+    scheduler: String,
+    #[arg(long, default_value_t = 64)]
+    max_tokens: u32,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, default_value = "")]
+    cache_salt: String,
+}
+
+#[derive(Debug, clap::Args)]
+struct BenchArgs {
+    #[arg(long, env = "KVLEASE_SCHEDULER_ADDR", default_value = "127.0.0.1:50051")]
+    scheduler: String,
+    /// Mooncake trace (JSON lines with timestamp, input_length, output_length, hash_ids).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Trace lengths (and 512-token blocks) are divided by this.
+    #[arg(long, default_value_t = 32)]
+    scale: u32,
+    /// Trace prompts are cut to this many tokens (keeping their prefix); 0 = no cut.
+    #[arg(long, default_value_t = 1024)]
+    max_prompt: u32,
+    /// Trace outputs are capped at this many tokens; 0 = no cap.
+    #[arg(long, default_value_t = 128)]
+    max_output: u32,
+    /// Replay the trace's arrival times (divided by --speedup) instead of sending as fast as possible.
+    #[arg(long)]
+    replay: bool,
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Requests to send (synthetic), or the first N of the trace (0 = all).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Requests in flight at most.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Requests per second (overrides trace arrivals); unset = as fast as concurrency allows.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Synthetic: shared prefixes and their length in tokens.
+    #[arg(long, default_value_t = 4)]
+    prefixes: u32,
+    #[arg(long, default_value_t = 64)]
+    prefix_tokens: u32,
+    /// Synthetic: unique prompt tail length range.
+    #[arg(long, default_value_t = 16)]
+    tail_min: u32,
+    #[arg(long, default_value_t = 96)]
+    tail_max: u32,
+    /// Synthetic: output length range.
+    #[arg(long, default_value_t = 8)]
+    output_min: u32,
+    #[arg(long, default_value_t = 32)]
+    output_max: u32,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Bound on one request, in seconds.
+    #[arg(long, default_value_t = 300)]
+    timeout_s: u64,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+    /// Exit 1 when any request ends in an error (rejects are answers, not errors).
+    #[arg(long)]
+    fail_on_error: bool,
+}
+
+fn log_filter_default(quiet: &str, service: &str) -> kvlease_telemetry::TelemetryConfig {
+    let mut config = kvlease_telemetry::TelemetryConfig::from_env(service);
+    if std::env::var_os(kvlease_telemetry::ENV_LOG_FILTER).is_none() {
+        config.log_filter = quiet.to_string();
+    }
+    config
+}
+
+fn failed(e: impl std::fmt::Display) -> ExitCode {
+    eprintln!("kvlease: {e}");
+    ExitCode::FAILURE
+}
+
+async fn ctrl_c() {
+    // without a signal handler, run until killed
+    if tokio::signal::ctrl_c().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    // in-process services log and export traces; the clients stay quiet
+    let telemetry = match &cli.command {
+        Command::Up(_) => Some(log_filter_default("info", "kvlease")),
+        Command::Demo(_) => Some(log_filter_default("warn", "kvlease")),
+        _ => None,
+    };
+    let _guard = match telemetry.map(kvlease_telemetry::init_with).transpose() {
+        Ok(guard) => guard,
+        Err(e) => return failed(e),
+    };
+    match cli.command {
+        Command::Up(a) => {
+            if a.workers == 0 {
+                eprintln!("kvlease: --workers must be at least 1");
+                return ExitCode::from(EXIT_USAGE);
+            }
+            let mut config = ClusterConfig::on_ports(a.host, a.base_port, a.workers);
+            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            config.worker.memory_budget_mib = a.memory_budget_mib;
+            config.worker.threads = if a.threads == 0 { (cores / a.workers).max(1) } else { a.threads };
+            config.scheduler.policy = a.policy;
+            config.scheduler.on_exhausted = a.on_exhausted;
+            match commands::up(config, ctrl_c()).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => failed(e),
+            }
+        }
+        Command::Demo(a) => {
+            let options = DemoOptions {
+                requests: a.requests,
+                concurrency: a.concurrency,
+                memory_budget_mib: a.memory_budget_mib,
+                on_exhausted: a.on_exhausted,
+                max_preemptions: a.max_preemptions,
+                seed: a.seed,
+            };
+            match demo::run(options).await {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => failed("the cluster did not end whole (see above)"),
+                Err(e) => failed(e),
+            }
+        }
+        Command::Generate(a) => {
+            let options = GenerateOptions {
+                scheduler: a.scheduler,
+                text: a.text,
+                max_tokens: a.max_tokens,
+                temperature: a.temperature,
+                top_p: a.top_p,
+                seed: a.seed,
+                cache_salt: a.cache_salt,
+            };
+            match commands::generate(options).await {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::FAILURE,
+                Err(e) => failed(e),
+            }
+        }
+        Command::Bench(a) => {
+            let source = match a.trace {
+                Some(path) => Source::Trace {
+                    path,
+                    expand: Expand {
+                        scale: a.scale.max(1),
+                        max_prompt: a.max_prompt,
+                        max_output: a.max_output,
+                        speedup: a.speedup,
+                    },
+                    limit: a.requests.unwrap_or(0),
+                    replay: a.replay,
+                },
+                None => Source::Synthetic(Synthetic {
+                    requests: a.requests.unwrap_or(100),
+                    prefixes: a.prefixes,
+                    prefix_tokens: a.prefix_tokens,
+                    tail_min: a.tail_min,
+                    tail_max: a.tail_max,
+                    output_min: a.output_min,
+                    output_max: a.output_max,
+                    seed: a.seed,
+                }),
+            };
+            let load = Load {
+                concurrency: a.concurrency.max(1),
+                rate: a.rate,
+                timeout: Duration::from_secs(a.timeout_s.max(1)),
+                progress: !a.no_progress,
+            };
+            match commands::bench(&a.scheduler, source, load).await {
+                Ok(s) if a.fail_on_error && s.errors_total() > 0 => {
+                    failed(format!("{} request(s) ended in an error", s.errors_total()))
+                }
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => failed(e),
+            }
+        }
+        Command::Status { scheduler } => match commands::status(&scheduler).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => failed(e),
+        },
+        Command::Health { addr, service, timeout_ms } => {
+            match commands::health(&addr, &service, Duration::from_millis(timeout_ms.max(1))).await {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::FAILURE,
+                Err(e) => failed(e),
+            }
+        }
+    }
+}

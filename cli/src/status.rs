@@ -1,0 +1,89 @@
+//! `kvlease status`: the scheduler's `GetStatus` as text.
+
+use std::fmt::Write as _;
+
+use kvlease_proto::v1 as pb;
+
+/// The status as a few aligned lines, then one line per pool.
+pub fn render(s: &pb::GetStatusResponse) -> String {
+    let policy = pb::CapacityPolicy::try_from(s.policy)
+        .map_or("UNSPECIFIED", |p| p.as_str_name());
+    let mut out = String::new();
+    let _ = writeln!(out, "policy        {policy} (on exhaustion: {})", s.on_exhausted);
+    let _ = writeln!(out, "cache session {} (epoch {})", s.session_id, s.epoch);
+    let _ = writeln!(
+        out,
+        "requests      queued {}, running {}, preempted now {}",
+        s.queued, s.running, s.preempted
+    );
+    let _ = writeln!(
+        out,
+        "finished      length {}, stop {}, rejected {}, cancelled {}, errors {}; preemptions {}",
+        s.finished_length, s.finished_stop, s.rejected, s.cancelled, s.errors, s.preemptions
+    );
+    let _ = writeln!(out, "steps         {}", s.steps);
+    out.push_str(&render_pools(&s.pools));
+    out
+}
+
+/// One line per pool: blocks by state and the pool's counters.
+pub fn render_pools(pools: &[pb::PoolStats]) -> String {
+    let mut out = String::new();
+    if pools.is_empty() {
+        out.push_str("pools         (none reported)\n");
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "{:<24} {:>4} {:>6} {:>6} {:>6} {:>7} {:>6} {:>6} {:>8} {:>8} {:>9} {:>9}",
+        "pool group", "id", "window", "total", "free", "cached", "in_use", "fenced", "grants",
+        "rejects", "evictions", "hit rate"
+    );
+    for p in pools {
+        let hit = if p.reuse_lookups == 0 {
+            "-".to_string()
+        } else {
+            format!("{:.1}%", 100.0 * p.reuse_hits as f64 / p.reuse_lookups as f64)
+        };
+        let _ = writeln!(
+            out,
+            "{:<24} {:>4} {:>6} {:>6} {:>6} {:>7} {:>6} {:>6} {:>8} {:>8} {:>9} {:>9}",
+            p.pool_group, p.pool_id, p.window, p.total, p.free, p.cached_evictable, p.in_use,
+            p.fenced, p.grants, p.rejects, p.evictions, hit
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn render_names_policy_and_pool_figures() {
+        let s = pb::GetStatusResponse {
+            policy: pb::CapacityPolicy::MaxUtilization as i32,
+            on_exhausted: "preempt".into(),
+            epoch: 3,
+            pools: vec![pb::PoolStats {
+                pool_group: "seeded-0/replica-0".into(),
+                pool_id: 1,
+                total: 100,
+                free: 60,
+                cached_evictable: 30,
+                in_use: 8,
+                fenced: 2,
+                reuse_lookups: 4,
+                reuse_hits: 1,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let text = render(&s);
+        assert!(text.contains("MAX_UTILIZATION (on exhaustion: preempt)"), "{text}");
+        assert!(text.contains("(epoch 3)"), "{text}");
+        assert!(text.contains("seeded-0/replica-0"), "{text}");
+        assert!(text.contains("25.0%"), "{text}");
+        assert!(render_pools(&[]).contains("none reported"));
+    }
+}
