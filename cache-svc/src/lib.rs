@@ -1,1 +1,40 @@
-//! placeholder
+//! The kvlease cache service: paged KV block pools leased to schedulers with
+//! an explicit grant or reject for every sequence.
+//!
+//! # Layout
+//! - [`pool`]: one pool's blocks and their states (free, cached, in use,
+//!   fenced), the prefix-hash index and the eviction hook.
+//! - [`eviction`]: the swappable eviction policy (priority, then LRU, leaves
+//!   before parents).
+//! - [`prefix`]: chained block hashes.
+//! - [`lease`]: the domain types of requests and answers.
+//! - [`session`]: holder sessions, their sequences' block tables, fences and
+//!   hashes waiting for a step to complete.
+//! - [`cache`]: the protocol over all of the above (`Cache`), plain and
+//!   synchronous; [`estimate`] derives block needs in closed form.
+//! - [`events`]: the bounded stream of stored / removed hashes.
+//! - [`service`]: the gRPC edge, the only module that knows protobuf;
+//!   [`run`] serves it.
+//!
+//! Data flows one way: `service` converts a request into domain types, calls
+//! `Cache` under a mutex, and converts the outcomes back.
+
+pub mod cache;
+mod config;
+pub mod error;
+pub mod estimate;
+pub mod events;
+pub mod eviction;
+pub mod lease;
+pub mod pool;
+pub mod prefix;
+pub mod service;
+pub mod session;
+
+pub use cache::{Batch, Cache, CacheConfig};
+pub use config::Config;
+pub use error::{Error, Result};
+pub use service::run;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,63 @@
+//! Errors of the cache service. Per-sequence outcomes (grants and rejects) are
+//! data, never errors: these are for the call itself.
+
+/// A cache service error.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request is malformed; the message says which field and why.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A batch or message limit was exceeded; the message names the limit.
+    #[error("limit exceeded: {0}")]
+    LimitExceeded(String),
+    /// No such session (never opened, closed, or reclaimed after expiry).
+    #[error("unknown session {0}")]
+    UnknownSession(u64),
+    /// The session's TTL ran out; everything it held was reclaimed.
+    #[error("session expired: session {0} missed its keep-alive and was reclaimed")]
+    SessionExpired(u64),
+    /// The call carries the epoch of an earlier start of the service.
+    #[error("stale epoch {got}: the cache service restarted, current epoch is {current}")]
+    StaleEpoch {
+        /// The epoch in the request.
+        got: u64,
+        /// The service's epoch.
+        current: u64,
+    },
+    /// No pool group of that name is registered.
+    #[error("unknown pool group {0:?}")]
+    UnknownGroup(String),
+    /// The group is registered with another geometry.
+    #[error("pool group {group:?} is registered with another geometry: {detail}")]
+    GeometryConflict {
+        /// The group.
+        group: String,
+        /// What differs.
+        detail: String,
+    },
+    /// The listener or transport failed.
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    /// An I/O error (binding, reading the listener address).
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Result alias of the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<Error> for tonic::Status {
+    fn from(err: Error) -> Self {
+        let message = err.to_string();
+        match err {
+            Error::InvalidArgument(_) => tonic::Status::invalid_argument(message),
+            Error::LimitExceeded(_) => tonic::Status::resource_exhausted(message),
+            Error::UnknownSession(_) | Error::SessionExpired(_) | Error::StaleEpoch { .. } => {
+                tonic::Status::failed_precondition(message)
+            }
+            Error::UnknownGroup(_) => tonic::Status::not_found(message),
+            Error::GeometryConflict { .. } => tonic::Status::already_exists(message),
+            Error::Transport(_) | Error::Io(_) => tonic::Status::internal(message),
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! Domain types of leases: what a holder asks for and what it is answered.
+//!
+//! These mirror the `kvlease.v1` messages without depending on them; only
+//! `service.rs` converts.
+
+use crate::pool::BlockId;
+
+/// The tokens of a new sequence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Prompt {
+    /// Token ids: enables prefix reuse and caching.
+    Tokens(Vec<u32>),
+    /// A length only.
+    Count(u32),
+}
+
+impl Prompt {
+    /// Prompt length in tokens.
+    pub fn len(&self) -> u32 {
+        match self {
+            Prompt::Tokens(t) => u32::try_from(t.len()).unwrap_or(u32::MAX),
+            Prompt::Count(n) => *n,
+        }
+    }
+
+    /// Whether the prompt is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// KV slots reserved beyond a sequence's tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Extra {
+    /// Speculative draft tokens.
+    pub draft: u32,
+    /// Extra KV tokens.
+    pub extra_kv: u32,
+    /// Extra decoding steps.
+    pub extra_decoding_steps: u32,
+}
+
+impl Extra {
+    /// All extra slots.
+    pub fn total(&self) -> u32 {
+        self.draft
+            .saturating_add(self.extra_kv)
+            .saturating_add(self.extra_decoding_steps)
+    }
+}
+
+/// Default retention priority of cached blocks.
+pub const DEFAULT_PRIORITY: u8 = 35;
+
+/// A new sequence to lease (or a shape to estimate).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqSpec {
+    /// The holder's id for it.
+    pub seq_id: u64,
+    /// The pool group to lease from.
+    pub group: String,
+    /// Its prompt.
+    pub prompt: Prompt,
+    /// Extra slots.
+    pub extra: Extra,
+    /// Beam width (>= 1).
+    pub beam_width: u32,
+    /// Output tokens over its life.
+    pub max_new_tokens: u32,
+    /// Retention priority of its cached blocks (0..=100).
+    pub priority: u8,
+    /// Salt mixed into its block hashes.
+    pub cache_salt: String,
+    /// Take the whole life's blocks now.
+    pub reserve_full_life: bool,
+}
+
+impl SeqSpec {
+    /// A spec with defaults, for tests and tools.
+    pub fn new(seq_id: u64, group: &str, prompt: Prompt) -> Self {
+        Self {
+            seq_id,
+            group: group.to_owned(),
+            prompt,
+            extra: Extra::default(),
+            beam_width: 1,
+            max_new_tokens: 1,
+            priority: DEFAULT_PRIORITY,
+            cache_salt: String::new(),
+            reserve_full_life: false,
+        }
+    }
+}
+
+/// Growth of an existing sequence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Growth {
+    /// The new tokens' ids (lets the blocks they fill be cached).
+    Tokens(Vec<u32>),
+    /// A count only.
+    Count(u32),
+}
+
+impl Growth {
+    /// New tokens.
+    pub fn len(&self) -> u32 {
+        match self {
+            Growth::Tokens(t) => u32::try_from(t.len()).unwrap_or(u32::MAX),
+            Growth::Count(n) => *n,
+        }
+    }
+
+    /// Whether it adds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The blocks of one sequence (one beam) in one pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Table {
+    /// The pool's id.
+    pub pool_id: u32,
+    /// The pool's window (0 = full attention).
+    pub window: u32,
+    /// Beam index.
+    pub beam: u32,
+    /// Sequence block index of `block_ids[0]`.
+    pub first_block: u32,
+    /// Block ids in sequence order.
+    pub block_ids: Vec<BlockId>,
+}
+
+/// A sequence got its blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Grant {
+    /// The sequence.
+    pub seq_id: u64,
+    /// One table per (pool, beam).
+    pub tables: Vec<Table>,
+    /// Leading prompt tokens already in reused blocks.
+    pub reused_tokens: u32,
+    /// Token slots the lease covers.
+    pub capacity_tokens: u32,
+}
+
+/// Why a sequence got no blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    /// Not enough blocks now; transient.
+    PoolExhausted,
+    /// Cannot fit even in an empty pool.
+    ExceedsCapacity,
+    /// Another member of an atomic batch failed.
+    RolledBack,
+    /// The session does not hold the sequence.
+    UnknownSequence,
+    /// The session already holds the sequence (or the batch names it twice).
+    DuplicateSequence,
+    /// The session's block quota would be exceeded.
+    QuotaExceeded,
+}
+
+impl RejectReason {
+    /// The protocol name, for logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::PoolExhausted => "POOL_EXHAUSTED",
+            RejectReason::ExceedsCapacity => "EXCEEDS_CAPACITY",
+            RejectReason::RolledBack => "ROLLED_BACK",
+            RejectReason::UnknownSequence => "UNKNOWN_SEQUENCE",
+            RejectReason::DuplicateSequence => "DUPLICATE_SEQUENCE",
+            RejectReason::QuotaExceeded => "QUOTA_EXCEEDED",
+        }
+    }
+}
+
+/// A rejection with the figures that explain it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reject {
+    /// The sequence.
+    pub seq_id: u64,
+    /// Why.
+    pub reason: RejectReason,
+    /// The pool that could not supply (0: not pool-specific).
+    pub pool_id: u32,
+    /// That pool's window.
+    pub window: u32,
+    /// Blocks needed from the pool.
+    pub blocks_needed: u32,
+    /// Blocks free or evictable there now.
+    pub blocks_free: u32,
+    /// Blocks there that pending fences will free.
+    pub blocks_pending_free: u32,
+    /// Explanation.
+    pub message: String,
+}
+
+impl Reject {
+    /// A reject that names no pool.
+    pub fn plain(seq_id: u64, reason: RejectReason, message: String) -> Self {
+        Self {
+            seq_id,
+            reason,
+            pool_id: 0,
+            window: 0,
+            blocks_needed: 0,
+            blocks_free: 0,
+            blocks_pending_free: 0,
+            message,
+        }
+    }
+}
+
+/// The answer for one sequence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Blocks granted.
+    Grant(Grant),
+    /// No blocks.
+    Reject(Reject),
+}
+
+impl Outcome {
+    /// The grant, if any.
+    pub fn grant(&self) -> Option<&Grant> {
+        match self {
+            Outcome::Grant(g) => Some(g),
+            Outcome::Reject(_) => None,
+        }
+    }
+
+    /// The reject, if any.
+    pub fn reject(&self) -> Option<&Reject> {
+        match self {
+            Outcome::Grant(_) => None,
+            Outcome::Reject(r) => Some(r),
+        }
+    }
+}
+
+/// What a release did to one sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReleaseStatus {
+    /// Its blocks were released now.
+    Released,
+    /// It was released before.
+    AlreadyReleased,
+    /// The session never held it (or forgot it long ago).
+    Unknown,
+}
+
+/// Result of releasing one sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReleaseResult {
+    /// The sequence.
+    pub seq_id: u64,
+    /// What happened.
+    pub status: ReleaseStatus,
+    /// Blocks returned to circulation now.
+    pub blocks_freed: u32,
+    /// Blocks parked behind the fence.
+    pub blocks_fenced: u32,
+}

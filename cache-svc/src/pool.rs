@@ -1,0 +1,552 @@
+//! One pool of KV blocks: their states, the free list, the prefix-hash index
+//! and the eviction policy.
+//!
+//! A block's state follows from two counters and its hash:
+//! - `refcount > 0`: **in use** (one writer, or several readers of a full,
+//!   shared prefix block);
+//! - else `fenced > 0`: **fenced** (released, but a forward pass that may still
+//!   read it has not been reported complete);
+//! - else a published hash: **cached** (evictable, reusable by prefix);
+//! - else **free**.
+//!
+//! `free + cached + in_use + fenced == total` holds after every public call;
+//! [`BlockPool::check_invariants`] recounts from scratch.
+//!
+//! Hashes are *pending* from the lease that will write the block until the
+//! holder reports that step complete; only then are they published (indexed
+//! and reusable), so nobody reuses KV that was never written.
+
+use std::collections::HashMap;
+
+use crate::eviction::{EvictionPolicy, PriorityLru};
+
+/// Index of a block in its pool (and in the worker's KV arena for that pool).
+pub type BlockId = u32;
+
+/// Who last held a block, for the leak audit's log.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Holder {
+    /// Session id (0: none).
+    pub session: u64,
+    /// Sequence id within the session.
+    pub seq: u64,
+}
+
+/// The state of one block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockState {
+    /// In the free list.
+    Free,
+    /// Released, hashed and evictable.
+    Cached,
+    /// Held by one or more sequences.
+    InUse,
+    /// Released under a fence that has not completed.
+    Fenced,
+}
+
+/// An event of the prefix index, for the event stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IndexEvent {
+    /// A block's hash became reusable.
+    Stored {
+        /// The block's hash.
+        hash: u64,
+        /// Its parent's hash (0 for a root block).
+        parent: u64,
+    },
+    /// A hash left the index (its block was evicted).
+    Removed {
+        /// The block's hash.
+        hash: u64,
+    },
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Meta {
+    refcount: u32,
+    fenced: u32,
+    /// Published hash (present in `index`).
+    hash: Option<u64>,
+    /// Hash that becomes published when the writing step completes.
+    pending: Option<u64>,
+    parent: u64,
+    /// Published blocks of this pool whose parent is this block's hash.
+    children: u32,
+    priority: u8,
+    /// Bumped on every allocation, so stale references are recognised.
+    generation: u32,
+    last_holder: Holder,
+}
+
+/// Figures of one pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolCounts {
+    /// Blocks in the pool.
+    pub total: u32,
+    /// In the free list.
+    pub free: u32,
+    /// Cached and evictable.
+    pub cached: u32,
+    /// Held by sequences.
+    pub in_use: u32,
+    /// Parked behind fences.
+    pub fenced: u32,
+}
+
+impl PoolCounts {
+    /// Blocks an allocation can take now (free or by evicting a cached one).
+    pub fn available(&self) -> u32 {
+        self.free + self.cached
+    }
+}
+
+/// Monotonic counters of one pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolCounters {
+    /// Sequences granted blocks.
+    pub grants: u64,
+    /// Sequences rejected by this pool.
+    pub rejects: u64,
+    /// Cached blocks evicted to make room.
+    pub evictions: u64,
+    /// Prompt blocks looked up in the index (warm-up excluded).
+    pub reuse_lookups: u64,
+    /// Prompt blocks found in the index (warm-up excluded).
+    pub reuse_hits: u64,
+    /// Blocks the leak audit reclaimed.
+    pub leaks_reclaimed: u64,
+    /// Blocks handed out for writing (free or evicted).
+    pub allocations: u64,
+}
+
+/// One pool of blocks.
+#[derive(Debug)]
+pub struct BlockPool {
+    meta: Vec<Meta>,
+    free_list: Vec<BlockId>,
+    index: HashMap<u64, BlockId>,
+    eviction: Box<dyn EvictionPolicy>,
+    counts: PoolCounts,
+    /// Counters since start.
+    pub counters: PoolCounters,
+    events: Vec<IndexEvent>,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` free blocks with the default eviction policy.
+    pub fn new(num_blocks: u32) -> Self {
+        Self::with_policy(num_blocks, Box::new(PriorityLru::new(num_blocks as usize)))
+    }
+
+    /// A pool with the given eviction policy (sized for `num_blocks`).
+    pub fn with_policy(num_blocks: u32, eviction: Box<dyn EvictionPolicy>) -> Self {
+        Self {
+            meta: vec![Meta::default(); num_blocks as usize],
+            // Pop order 0, 1, 2, ... makes tests and traces easy to read.
+            free_list: (0..num_blocks).rev().collect(),
+            index: HashMap::new(),
+            eviction,
+            counts: PoolCounts {
+                total: num_blocks,
+                free: num_blocks,
+                ..PoolCounts::default()
+            },
+            counters: PoolCounters::default(),
+            events: Vec::new(),
+        }
+    }
+
+    /// Current figures.
+    pub fn counts(&self) -> PoolCounts {
+        self.counts
+    }
+
+    /// The state of `block`.
+    pub fn state(&self, block: BlockId) -> BlockState {
+        Self::state_of(&self.meta[block as usize])
+    }
+
+    fn state_of(m: &Meta) -> BlockState {
+        if m.refcount > 0 {
+            BlockState::InUse
+        } else if m.fenced > 0 {
+            BlockState::Fenced
+        } else if m.hash.is_some() {
+            BlockState::Cached
+        } else {
+            BlockState::Free
+        }
+    }
+
+    /// Number of blocks (valid ids are `0..len`).
+    pub fn len(&self) -> u32 {
+        self.counts.total
+    }
+
+    /// Whether the pool has no blocks.
+    pub fn is_empty(&self) -> bool {
+        self.counts.total == 0
+    }
+
+    /// The generation of `block` (changes on every allocation).
+    pub fn generation(&self, block: BlockId) -> u32 {
+        self.meta[block as usize].generation
+    }
+
+    /// Events of the prefix index since the last call.
+    pub fn drain_events(&mut self) -> Vec<IndexEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Who last held `block`.
+    pub fn last_holder(&self, block: BlockId) -> Holder {
+        self.meta[block as usize].last_holder
+    }
+
+    /// The published block holding `hash`, if any.
+    pub fn lookup(&self, hash: u64) -> Option<BlockId> {
+        self.index.get(&hash).copied()
+    }
+
+    // === state changes ===
+
+    fn count_mut(&mut self, state: BlockState) -> &mut u32 {
+        match state {
+            BlockState::Free => &mut self.counts.free,
+            BlockState::Cached => &mut self.counts.cached,
+            BlockState::InUse => &mut self.counts.in_use,
+            BlockState::Fenced => &mut self.counts.fenced,
+        }
+    }
+
+    /// Moves the bookkeeping of `block` from state `before` to its current
+    /// state: counts, free list and eviction membership.
+    fn settle(&mut self, block: BlockId, before: BlockState) {
+        let m = &mut self.meta[block as usize];
+        if m.refcount == 0 && m.fenced == 0 {
+            // Nobody will write it: an unpublished hash can never be trusted.
+            m.pending = None;
+        }
+        let after = Self::state_of(m);
+        let (priority, leaf) = (m.priority, m.children == 0);
+        if before == after {
+            return;
+        }
+        *self.count_mut(before) -= 1;
+        *self.count_mut(after) += 1;
+        if before == BlockState::Cached {
+            self.eviction.remove(block);
+        }
+        match after {
+            BlockState::Cached => self.eviction.insert(block, priority, leaf),
+            BlockState::Free => self.free_list.push(block),
+            BlockState::InUse | BlockState::Fenced => {}
+        }
+    }
+
+    /// Takes a block for writing: from the free list, else by evicting a
+    /// cached block. `None` when neither is left (the caller checks capacity
+    /// first, so this is a defect path, never a panic).
+    pub fn allocate(&mut self, holder: Holder, priority: u8) -> Option<BlockId> {
+        let block = match self.free_list.pop() {
+            Some(b) => b,
+            None => {
+                let victim = self.eviction.pop_victim()?;
+                // The policy no longer holds it; settle() must not remove it again.
+                self.unpublish(victim);
+                self.counters.evictions += 1;
+                self.counts.cached -= 1;
+                self.counts.free += 1;
+                victim
+            }
+        };
+        let m = &mut self.meta[block as usize];
+        debug_assert!(m.refcount == 0 && m.fenced == 0 && m.hash.is_none());
+        m.refcount = 1;
+        m.generation = m.generation.wrapping_add(1);
+        m.priority = priority;
+        m.pending = None;
+        m.last_holder = holder;
+        self.counts.free -= 1;
+        self.counts.in_use += 1;
+        self.counters.allocations += 1;
+        Some(block)
+    }
+
+    /// Adds a reader to a published (cached, fenced or in-use) block.
+    pub fn acquire(&mut self, block: BlockId, holder: Holder, priority: u8) {
+        let before = self.state(block);
+        let m = &mut self.meta[block as usize];
+        m.refcount += 1;
+        m.priority = m.priority.max(priority);
+        m.last_holder = holder;
+        self.settle(block, before);
+    }
+
+    /// Drops one reference. With `fenced`, the reference turns into a fence
+    /// that [`BlockPool::unfence`] lifts.
+    pub fn release(&mut self, block: BlockId, fenced: bool) {
+        let before = self.state(block);
+        let m = &mut self.meta[block as usize];
+        debug_assert!(m.refcount > 0, "release of an unheld block");
+        m.refcount = m.refcount.saturating_sub(1);
+        if fenced {
+            m.fenced += 1;
+        }
+        self.settle(block, before);
+    }
+
+    /// Lifts one fence from `block`. Returns whether it left the fenced state.
+    pub fn unfence(&mut self, block: BlockId) -> bool {
+        let before = self.state(block);
+        let m = &mut self.meta[block as usize];
+        debug_assert!(m.fenced > 0, "unfence of an unfenced block");
+        m.fenced = m.fenced.saturating_sub(1);
+        self.settle(block, before);
+        before == BlockState::Fenced && self.state(block) != BlockState::Fenced
+    }
+
+    /// Records the hash `block` will have once its writing step completes.
+    /// Ignored when the hash is already indexed (another block holds the same
+    /// prefix) or the block is not held.
+    pub fn set_pending(&mut self, block: BlockId, hash: u64, parent: u64) {
+        if self.index.contains_key(&hash) {
+            return;
+        }
+        let m = &mut self.meta[block as usize];
+        if m.refcount == 0 && m.fenced == 0 {
+            return;
+        }
+        if m.hash.is_none() {
+            m.pending = Some(hash);
+            m.parent = parent;
+        }
+    }
+
+    /// Publishes the pending hash of `block` if it is still the allocation of
+    /// `generation`. Returns whether a hash was published.
+    pub fn publish(&mut self, block: BlockId, generation: u32) -> bool {
+        let m = self.meta[block as usize];
+        let Some(hash) = m.pending else { return false };
+        if m.generation != generation || self.index.contains_key(&hash) {
+            self.meta[block as usize].pending = None;
+            return false;
+        }
+        let before = self.state(block);
+        {
+            let m = &mut self.meta[block as usize];
+            m.pending = None;
+            m.hash = Some(hash);
+        }
+        self.index.insert(hash, block);
+        self.adjust_children(m.parent, true);
+        self.events.push(IndexEvent::Stored {
+            hash,
+            parent: m.parent,
+        });
+        self.settle(block, before);
+        true
+    }
+
+    /// Removes `block`'s published hash from the index.
+    fn unpublish(&mut self, block: BlockId) {
+        let m = &mut self.meta[block as usize];
+        if let Some(hash) = m.hash.take() {
+            let parent = m.parent;
+            m.children = 0;
+            self.index.remove(&hash);
+            self.adjust_children(parent, false);
+            self.events.push(IndexEvent::Removed { hash });
+        }
+    }
+
+    fn adjust_children(&mut self, parent_hash: u64, added: bool) {
+        let Some(&parent) = self.index.get(&parent_hash) else {
+            return;
+        };
+        let m = &mut self.meta[parent as usize];
+        let was_leaf = m.children == 0;
+        if added {
+            m.children += 1;
+        } else {
+            m.children = m.children.saturating_sub(1);
+        }
+        let is_leaf = m.children == 0;
+        if was_leaf != is_leaf && self.eviction.contains(parent) {
+            self.eviction.set_leaf(parent, is_leaf);
+        }
+    }
+
+    /// Forces `block`'s reference counts to the given values (leak audit).
+    /// Returns whether anything changed.
+    pub fn reconcile(&mut self, block: BlockId, refcount: u32, fenced: u32) -> bool {
+        let before = self.state(block);
+        let m = &mut self.meta[block as usize];
+        if m.refcount == refcount && m.fenced == fenced {
+            return false;
+        }
+        m.refcount = refcount;
+        m.fenced = fenced;
+        if before == BlockState::Free && self.state(block) != BlockState::Free {
+            // Only allocation takes blocks off the free list; do it here too.
+            self.free_list.retain(|&b| b != block);
+        }
+        self.settle(block, before);
+        true
+    }
+
+    /// Reference counts of `block` (readers, fences).
+    pub fn refs(&self, block: BlockId) -> (u32, u32) {
+        let m = &self.meta[block as usize];
+        (m.refcount, m.fenced)
+    }
+
+    /// Recounts every state from scratch and checks it against the running
+    /// figures, the free list, the index and the eviction policy.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut c = PoolCounts {
+            total: self.meta.len() as u32,
+            ..PoolCounts::default()
+        };
+        for (id, m) in self.meta.iter().enumerate() {
+            let id = id as BlockId;
+            match Self::state_of(m) {
+                BlockState::Free => c.free += 1,
+                BlockState::Cached => {
+                    c.cached += 1;
+                    if !self.eviction.contains(id) {
+                        return Err(format!("cached block {id} is not evictable"));
+                    }
+                }
+                BlockState::InUse => c.in_use += 1,
+                BlockState::Fenced => c.fenced += 1,
+            }
+            if let Some(h) = m.hash
+                && self.index.get(&h) != Some(&id)
+            {
+                return Err(format!("block {id} has hash {h:#x} missing from the index"));
+            }
+        }
+        if c != self.counts {
+            return Err(format!("counts {:?} != recount {c:?}", self.counts));
+        }
+        if c.free + c.cached + c.in_use + c.fenced != c.total {
+            return Err(format!("conservation broken: {c:?}"));
+        }
+        if self.free_list.len() != c.free as usize {
+            return Err(format!(
+                "free list holds {} blocks, {} are free",
+                self.free_list.len(),
+                c.free
+            ));
+        }
+        if self.eviction.len() != c.cached as usize {
+            return Err(format!(
+                "eviction policy holds {} blocks, {} are cached",
+                self.eviction.len(),
+                c.cached
+            ));
+        }
+        if self.index.len() > self.meta.len() {
+            return Err("index larger than the pool".into());
+        }
+        for (&h, &b) in &self.index {
+            if self.meta.get(b as usize).and_then(|m| m.hash) != Some(h) {
+                return Err(format!("index entry {h:#x} -> {b} is stale"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H: Holder = Holder { session: 1, seq: 1 };
+
+    #[test]
+    fn allocate_release_conserves() {
+        let mut p = BlockPool::new(4);
+        let a = p.allocate(H, 35).unwrap();
+        let b = p.allocate(H, 35).unwrap();
+        assert_eq!(p.counts().in_use, 2);
+        p.release(a, false);
+        p.release(b, true);
+        assert_eq!(p.counts().free, 3);
+        assert_eq!(p.counts().fenced, 1);
+        p.check_invariants().unwrap();
+        assert!(p.unfence(b));
+        assert_eq!(p.counts().free, 4);
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn published_blocks_are_cached_then_evicted_leaf_first() {
+        let mut p = BlockPool::new(2);
+        let a = p.allocate(H, 35).unwrap();
+        let b = p.allocate(H, 35).unwrap();
+        p.set_pending(a, 11, 0);
+        p.set_pending(b, 22, 11);
+        assert!(p.publish(a, p.generation(a)));
+        assert!(p.publish(b, p.generation(b)));
+        p.release(b, false);
+        p.release(a, false); // the parent is released last: most recent
+        assert_eq!(p.counts().cached, 2);
+        // Leaf b goes first even though a is... the parent.
+        let c = p.allocate(H, 35).unwrap();
+        assert_eq!(c, b);
+        assert_eq!(p.lookup(22), None);
+        assert_eq!(p.lookup(11), Some(a));
+        p.check_invariants().unwrap();
+        assert_eq!(
+            p.drain_events(),
+            vec![
+                IndexEvent::Stored {
+                    hash: 11,
+                    parent: 0
+                },
+                IndexEvent::Stored {
+                    hash: 22,
+                    parent: 11
+                },
+                IndexEvent::Removed { hash: 22 },
+            ]
+        );
+    }
+
+    #[test]
+    fn unpublished_hash_is_dropped_on_unfenced_release() {
+        let mut p = BlockPool::new(1);
+        let a = p.allocate(H, 35).unwrap();
+        let generation = p.generation(a);
+        p.set_pending(a, 7, 0);
+        p.release(a, false);
+        assert!(!p.publish(a, generation));
+        assert_eq!(p.state(a), BlockState::Free);
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn fenced_release_keeps_pending_hash_until_published() {
+        let mut p = BlockPool::new(1);
+        let a = p.allocate(H, 35).unwrap();
+        let generation = p.generation(a);
+        p.set_pending(a, 7, 0);
+        p.release(a, true);
+        assert!(p.publish(a, generation));
+        assert_eq!(p.state(a), BlockState::Fenced);
+        p.unfence(a);
+        assert_eq!(p.state(a), BlockState::Cached);
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn nothing_left_is_none_not_a_panic() {
+        let mut p = BlockPool::new(1);
+        assert!(p.allocate(H, 35).is_some());
+        assert!(p.allocate(H, 35).is_none());
+        p.check_invariants().unwrap();
+    }
+}

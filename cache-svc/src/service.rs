@@ -1,0 +1,687 @@
+//! The gRPC edge: converts `kvlease.v1` messages to domain types and back,
+//! and serves them with health and reflection.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvlease_proto::v1 as pb;
+use kvlease_proto::v1::cache_service_server::{CacheService, CacheServiceServer};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status};
+
+use crate::cache::{Batch, Cache, PoolStats, ShapeEstimate};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::events::EventKind;
+use crate::lease::{
+    DEFAULT_PRIORITY, Extra, Grant, Growth, Outcome, Prompt, Reject, RejectReason, ReleaseStatus,
+    SeqSpec,
+};
+
+/// Events sent per read of the log by one WatchEvents stream.
+const EVENT_CHUNK: usize = 256;
+
+/// The `CacheService` implementation.
+#[derive(Debug, Clone)]
+pub struct CacheServiceImpl {
+    cache: Arc<Mutex<Cache>>,
+    max_batch: usize,
+    max_message_bytes: usize,
+    /// Id of the newest event, for WatchEvents streams to wait on.
+    events: watch::Sender<u64>,
+    /// Turns true when the server starts shutting down, so streams end and
+    /// graceful shutdown does not wait on them forever.
+    stopping: watch::Receiver<bool>,
+}
+
+/// The time the core sees: tokio's clock, so paused-time tests drive TTLs.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+impl CacheServiceImpl {
+    /// A service over `cache`.
+    pub fn new(
+        cache: Cache,
+        max_batch: usize,
+        max_message_bytes: usize,
+        stopping: watch::Receiver<bool>,
+    ) -> Self {
+        let (events, _) = watch::channel(cache.last_event_id());
+        Self {
+            cache: Arc::new(Mutex::new(cache)),
+            max_batch,
+            max_message_bytes,
+            events,
+            stopping,
+        }
+    }
+
+    /// The shared core (for background tasks and in-process tools).
+    pub fn cache(&self) -> Arc<Mutex<Cache>> {
+        Arc::clone(&self.cache)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Cache> {
+        // A panic while holding the lock cannot leave the pools half-changed
+        // in a way later calls would trust less than a dead service, and the
+        // audit re-derives every count; keep serving.
+        self.cache
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn check_batch(&self, what: &str, n: usize) -> Result<()> {
+        if n > self.max_batch {
+            return Err(Error::LimitExceeded(format!(
+                "{what} holds {n} entries, the batch limit is {}",
+                self.max_batch
+            )));
+        }
+        Ok(())
+    }
+
+    /// The message limit, answered with RESOURCE_EXHAUSTED as gRPC asks (the
+    /// transport's own hard limit, at four times this, answers OUT_OF_RANGE).
+    fn check_size(&self, message: &impl prost::Message) -> Result<()> {
+        let len = message.encoded_len();
+        if len > self.max_message_bytes {
+            return Err(Error::LimitExceeded(format!(
+                "request of {len} bytes exceeds the message size limit of {} bytes",
+                self.max_message_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    fn notify_events(&self, cache: &Cache) {
+        let last = cache.last_event_id();
+        self.events.send_if_modified(|v| {
+            let changed = *v != last;
+            *v = last;
+            changed
+        });
+    }
+}
+
+// === conversions ===
+
+fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
+    let prompt = match (s.prompt_tokens.is_empty(), s.num_tokens) {
+        (false, 0) => Prompt::Tokens(s.prompt_tokens),
+        (true, n) if n > 0 => Prompt::Count(n),
+        (true, _) => {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {}: give prompt_tokens or num_tokens > 0",
+                s.seq_id
+            )));
+        }
+        (false, _) => {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {}: give only one of prompt_tokens and num_tokens",
+                s.seq_id
+            )));
+        }
+    };
+    if s.pool_group.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "sequence {}: pool_group is empty",
+            s.seq_id
+        )));
+    }
+    let priority = match s.priority {
+        0 => DEFAULT_PRIORITY,
+        p if p <= u32::from(crate::eviction::MAX_PRIORITY) => p as u8,
+        p => {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {}: priority must be 0 to 100, got {p}",
+                s.seq_id
+            )));
+        }
+    };
+    let extra = s.extra.unwrap_or_default();
+    Ok(SeqSpec {
+        seq_id: s.seq_id,
+        group: s.pool_group,
+        prompt,
+        extra: Extra {
+            draft: extra.draft,
+            extra_kv: extra.extra_kv,
+            extra_decoding_steps: extra.extra_decoding_steps,
+        },
+        beam_width: s.beam_width.max(1),
+        max_new_tokens: s.max_new_tokens,
+        priority,
+        cache_salt: s.cache_salt,
+        reserve_full_life: s.reserve_full_life,
+    })
+}
+
+fn reason_to_pb(r: RejectReason) -> pb::RejectReason {
+    match r {
+        RejectReason::PoolExhausted => pb::RejectReason::PoolExhausted,
+        RejectReason::ExceedsCapacity => pb::RejectReason::ExceedsCapacity,
+        RejectReason::RolledBack => pb::RejectReason::RolledBack,
+        RejectReason::UnknownSequence => pb::RejectReason::UnknownSequence,
+        RejectReason::DuplicateSequence => pb::RejectReason::DuplicateSequence,
+        RejectReason::QuotaExceeded => pb::RejectReason::QuotaExceeded,
+    }
+}
+
+fn grant_to_pb(g: Grant) -> pb::Grant {
+    pb::Grant {
+        seq_id: g.seq_id,
+        tables: g
+            .tables
+            .into_iter()
+            .map(|t| pb::BlockTable {
+                pool_id: t.pool_id,
+                window: t.window,
+                beam: t.beam,
+                first_block: t.first_block,
+                block_ids: t.block_ids,
+            })
+            .collect(),
+        reused_tokens: g.reused_tokens,
+        capacity_tokens: g.capacity_tokens,
+    }
+}
+
+fn reject_to_pb(r: Reject) -> pb::Reject {
+    pb::Reject {
+        seq_id: r.seq_id,
+        reason: reason_to_pb(r.reason) as i32,
+        pool_id: r.pool_id,
+        window: r.window,
+        blocks_needed: r.blocks_needed,
+        blocks_free: r.blocks_free,
+        blocks_pending_free: r.blocks_pending_free,
+        message: r.message,
+    }
+}
+
+fn outcomes_to_pb(outcomes: Vec<Outcome>) -> Vec<pb::SequenceOutcome> {
+    outcomes
+        .into_iter()
+        .map(|o| {
+            let (kind, seq_id) = match &o {
+                Outcome::Grant(g) => ("grant", g.seq_id),
+                Outcome::Reject(r) => (r.reason.as_str(), r.seq_id),
+            };
+            if let Outcome::Reject(r) = &o {
+                tracing::info!(
+                    seq_id,
+                    reason = kind,
+                    pool_id = r.pool_id,
+                    window = r.window,
+                    blocks_needed = r.blocks_needed,
+                    blocks_free = r.blocks_free,
+                    blocks_pending_free = r.blocks_pending_free,
+                    "sequence rejected"
+                );
+            }
+            pb::SequenceOutcome {
+                outcome: Some(match o {
+                    Outcome::Grant(g) => pb::sequence_outcome::Outcome::Grant(grant_to_pb(g)),
+                    Outcome::Reject(r) => pb::sequence_outcome::Outcome::Reject(reject_to_pb(r)),
+                }),
+            }
+        })
+        .collect()
+}
+
+fn stats_to_pb(p: PoolStats) -> pb::PoolStats {
+    pb::PoolStats {
+        pool_group: p.group,
+        pool_id: p.info.pool_id,
+        window: p.info.window,
+        tokens_per_block: p.info.tokens_per_block,
+        total: p.counts.total,
+        free: p.counts.free,
+        cached_evictable: p.counts.cached,
+        in_use: p.counts.in_use,
+        fenced: p.counts.fenced,
+        grants: p.counters.grants,
+        rejects: p.counters.rejects,
+        evictions: p.counters.evictions,
+        reuse_lookups: p.counters.reuse_lookups,
+        reuse_hits: p.counters.reuse_hits,
+        leaks_reclaimed: p.counters.leaks_reclaimed,
+    }
+}
+
+fn estimate_to_pb(e: ShapeEstimate) -> pb::ShapeEstimate {
+    pb::ShapeEstimate {
+        pools: e
+            .pools
+            .into_iter()
+            .map(|p| pb::PoolEstimate {
+                pool_id: p.pool_id,
+                window: p.window,
+                total_blocks: p.total,
+                peak_blocks: p.peak,
+                pool_blocks: p.pool_blocks,
+            })
+            .collect(),
+        fits: e.fits,
+    }
+}
+
+fn event_to_pb(e: crate::events::Event) -> pb::CacheEvent {
+    let kind = match e.kind {
+        EventKind::Stored { hashes, parent } => pb::cache_event::Kind::Stored(pb::BlocksStored {
+            block_hashes: hashes,
+            parent_hash: parent,
+        }),
+        EventKind::Removed { hashes } => pb::cache_event::Kind::Removed(pb::BlocksRemoved {
+            block_hashes: hashes,
+        }),
+    };
+    pb::CacheEvent {
+        id: e.id,
+        pool_id: e.pool_id,
+        kind: Some(kind),
+    }
+}
+
+// === the service ===
+
+#[tonic::async_trait]
+impl CacheService for CacheServiceImpl {
+    async fn register_pool(
+        &self,
+        request: Request<pb::RegisterPoolRequest>,
+    ) -> Result<Response<pb::RegisterPoolResponse>, Status> {
+        let r = request.into_inner();
+        self.check_size(&r)?;
+        let pools: Vec<(u32, u32)> = r.pools.iter().map(|p| (p.window, p.num_blocks)).collect();
+        let (infos, already) =
+            self.lock()
+                .register_pool(&r.pool_group, r.tokens_per_block, &pools)?;
+        tracing::info!(pool_group = %r.pool_group, pools = infos.len(), already, "pools registered");
+        Ok(Response::new(pb::RegisterPoolResponse {
+            pools: infos
+                .into_iter()
+                .map(|i| pb::PoolInfo {
+                    pool_id: i.pool_id,
+                    window: i.window,
+                    num_blocks: i.num_blocks,
+                    tokens_per_block: i.tokens_per_block,
+                })
+                .collect(),
+            already_registered: already,
+        }))
+    }
+
+    async fn open_session(
+        &self,
+        request: Request<pb::OpenSessionRequest>,
+    ) -> Result<Response<pb::OpenSessionResponse>, Status> {
+        let r = request.into_inner();
+        let ttl = (r.ttl_ms > 0).then(|| Duration::from_millis(r.ttl_ms));
+        let opened = self.lock().open_session(&r.holder, ttl, now())?;
+        tracing::info!(session_id = opened.session_id, holder = %r.holder, "session opened");
+        Ok(Response::new(pb::OpenSessionResponse {
+            session_id: opened.session_id,
+            epoch: opened.epoch,
+            ttl_ms: opened.ttl.as_millis() as u64,
+        }))
+    }
+
+    async fn keep_alive(
+        &self,
+        request: Request<pb::KeepAliveRequest>,
+    ) -> Result<Response<pb::KeepAliveResponse>, Status> {
+        let r = request.into_inner();
+        let ttl = self.lock().keep_alive(r.session_id, r.epoch, now())?;
+        Ok(Response::new(pb::KeepAliveResponse {
+            ttl_ms: ttl.as_millis() as u64,
+        }))
+    }
+
+    async fn close_session(
+        &self,
+        request: Request<pb::CloseSessionRequest>,
+    ) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        let r = request.into_inner();
+        let mut cache = self.lock();
+        let reclaimed = cache.close_session(r.session_id, r.epoch, now())?;
+        self.notify_events(&cache);
+        Ok(Response::new(pb::CloseSessionResponse {
+            sequences_released: reclaimed.sequences,
+            blocks_returned: reclaimed.blocks,
+        }))
+    }
+
+    async fn lease(
+        &self,
+        request: Request<pb::LeaseRequest>,
+    ) -> Result<Response<pb::LeaseResponse>, Status> {
+        let r = request.into_inner();
+        self.check_size(&r)?;
+        self.check_batch("sequences", r.sequences.len())?;
+        let specs = r
+            .sequences
+            .into_iter()
+            .map(spec_from_pb)
+            .collect::<Result<Vec<_>>>()?;
+        let mut cache = self.lock();
+        let outcomes = cache.lease(
+            r.session_id,
+            r.epoch,
+            Batch {
+                step: r.step,
+                atomic: r.atomic,
+                warmup: r.warmup,
+            },
+            &specs,
+            now(),
+        )?;
+        self.notify_events(&cache);
+        drop(cache);
+        Ok(Response::new(pb::LeaseResponse {
+            outcomes: outcomes_to_pb(outcomes),
+        }))
+    }
+
+    async fn extend(
+        &self,
+        request: Request<pb::ExtendRequest>,
+    ) -> Result<Response<pb::ExtendResponse>, Status> {
+        let r = request.into_inner();
+        self.check_size(&r)?;
+        self.check_batch("items", r.items.len())?;
+        let items = r
+            .items
+            .into_iter()
+            .map(|i| match (i.new_tokens.is_empty(), i.num_tokens) {
+                (false, 0) => Ok((i.seq_id, Growth::Tokens(i.new_tokens))),
+                (true, n) if n > 0 => Ok((i.seq_id, Growth::Count(n))),
+                (true, _) => Err(Error::InvalidArgument(format!(
+                    "sequence {}: give new_tokens or num_tokens > 0",
+                    i.seq_id
+                ))),
+                (false, _) => Err(Error::InvalidArgument(format!(
+                    "sequence {}: give only one of new_tokens and num_tokens",
+                    i.seq_id
+                ))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut cache = self.lock();
+        let outcomes = cache.extend(
+            r.session_id,
+            r.epoch,
+            Batch {
+                step: r.step,
+                atomic: r.atomic,
+                warmup: false,
+            },
+            &items,
+            now(),
+        )?;
+        self.notify_events(&cache);
+        drop(cache);
+        Ok(Response::new(pb::ExtendResponse {
+            outcomes: outcomes_to_pb(outcomes),
+        }))
+    }
+
+    async fn release(
+        &self,
+        request: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let r = request.into_inner();
+        self.check_size(&r)?;
+        self.check_batch("seq_ids", r.seq_ids.len())?;
+        let mut cache = self.lock();
+        let results = cache.release(r.session_id, r.epoch, &r.seq_ids, r.fence_step, now())?;
+        self.notify_events(&cache);
+        drop(cache);
+        Ok(Response::new(pb::ReleaseResponse {
+            results: results
+                .into_iter()
+                .map(|x| pb::ReleaseResult {
+                    seq_id: x.seq_id,
+                    status: match x.status {
+                        ReleaseStatus::Released => pb::ReleaseStatus::Released,
+                        ReleaseStatus::AlreadyReleased => pb::ReleaseStatus::AlreadyReleased,
+                        ReleaseStatus::Unknown => pb::ReleaseStatus::Unknown,
+                    } as i32,
+                    blocks_freed: x.blocks_freed,
+                    blocks_fenced: x.blocks_fenced,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn complete_step(
+        &self,
+        request: Request<pb::CompleteStepRequest>,
+    ) -> Result<Response<pb::CompleteStepResponse>, Status> {
+        let r = request.into_inner();
+        let mut cache = self.lock();
+        let returned = cache.complete_step(r.session_id, r.epoch, r.step, now())?;
+        self.notify_events(&cache);
+        Ok(Response::new(pb::CompleteStepResponse {
+            blocks_returned: returned,
+        }))
+    }
+
+    async fn estimate(
+        &self,
+        request: Request<pb::EstimateRequest>,
+    ) -> Result<Response<pb::EstimateResponse>, Status> {
+        let r = request.into_inner();
+        self.check_size(&r)?;
+        self.check_batch("shapes", r.shapes.len())?;
+        let specs = r
+            .shapes
+            .into_iter()
+            .map(spec_from_pb)
+            .collect::<Result<Vec<_>>>()?;
+        let estimates = self.lock().estimate(&specs)?;
+        Ok(Response::new(pb::EstimateResponse {
+            estimates: estimates.into_iter().map(estimate_to_pb).collect(),
+        }))
+    }
+
+    async fn get_stats(
+        &self,
+        request: Request<pb::GetStatsRequest>,
+    ) -> Result<Response<pb::GetStatsResponse>, Status> {
+        let r = request.into_inner();
+        let group = (!r.pool_group.is_empty()).then_some(r.pool_group.as_str());
+        let stats = self.lock().stats(group)?;
+        Ok(Response::new(pb::GetStatsResponse {
+            pools: stats.pools.into_iter().map(stats_to_pb).collect(),
+            epoch: stats.epoch,
+            sessions: stats.sessions,
+            sequences: stats.sequences,
+        }))
+    }
+
+    type WatchEventsStream = ReceiverStream<Result<pb::CacheEvent, Status>>;
+
+    async fn watch_events(
+        &self,
+        request: Request<pb::WatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        let mut after = request.into_inner().after_id;
+        let (tx, rx) = mpsc::channel(EVENT_CHUNK);
+        let cache = Arc::clone(&self.cache);
+        let mut changed = self.events.subscribe();
+        let mut stopping = self.stopping.clone();
+        tokio::spawn(async move {
+            loop {
+                let read = {
+                    let cache = cache.lock().unwrap_or_else(|p| p.into_inner());
+                    cache.events_since(after, EVENT_CHUNK)
+                };
+                if let Some(oldest) = read.lost_before {
+                    let lost = pb::CacheEvent {
+                        id: oldest.saturating_sub(1),
+                        pool_id: 0,
+                        kind: Some(pb::cache_event::Kind::Lost(pb::EventsLost {
+                            oldest_available: oldest,
+                        })),
+                    };
+                    if tx.send(Ok(lost)).await.is_err() {
+                        return;
+                    }
+                }
+                let got = read.events.len();
+                for event in read.events {
+                    after = event.id;
+                    if tx.send(Ok(event_to_pb(event))).await.is_err() {
+                        return;
+                    }
+                }
+                if got < EVENT_CHUNK {
+                    // Caught up: wait for news, or for the service to stop.
+                    tokio::select! {
+                        res = changed.changed() => if res.is_err() { return },
+                        () = tx.closed() => return,
+                        _ = stopping.wait_for(|&stop| stop) => return,
+                    }
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn audit(
+        &self,
+        _request: Request<pb::AuditRequest>,
+    ) -> Result<Response<pb::AuditResponse>, Status> {
+        let mut cache = self.lock();
+        let report = cache.audit();
+        self.notify_events(&cache);
+        Ok(Response::new(pb::AuditResponse {
+            reclaimed: report
+                .reclaimed
+                .into_iter()
+                .map(|l| pb::LeakedBlock {
+                    pool_id: l.pool_id,
+                    block_id: l.block,
+                    last_holder: if l.last_holder.session == 0 {
+                        "unknown".to_owned()
+                    } else {
+                        format!(
+                            "session {} sequence {}",
+                            l.last_holder.session, l.last_holder.seq
+                        )
+                    },
+                })
+                .collect(),
+            blocks_checked: report.blocks_checked,
+        }))
+    }
+}
+
+// === serving ===
+
+/// Serves the cache service on `listener` until `shutdown` resolves, with gRPC
+/// health and reflection, and background session expiry and leak audits.
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    config.validate().map_err(Error::InvalidArgument)?;
+    let cache = Cache::new(config.cache_config());
+    let epoch = cache.epoch();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let service = CacheServiceImpl::new(
+        cache,
+        config.max_batch,
+        config.max_message_bytes,
+        stop_rx.clone(),
+    );
+    let addr = listener.local_addr()?;
+
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<CacheServiceServer<CacheServiceImpl>>()
+        .await;
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(kvlease_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| Error::InvalidArgument(format!("reflection: {e}")))?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(kvlease_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .map_err(|e| Error::InvalidArgument(format!("reflection: {e}")))?;
+
+    let housekeeping = tokio::spawn(housekeeping(
+        service.clone(),
+        Duration::from_millis(config.expiry_interval_ms),
+        (config.audit_interval_ms > 0).then(|| Duration::from_millis(config.audit_interval_ms)),
+        stop_rx,
+    ));
+
+    tracing::info!(%addr, epoch, "cache service listening");
+    let grpc = CacheServiceServer::new(service.clone())
+        .max_decoding_message_size(config.max_message_bytes.saturating_mul(4))
+        .max_encoding_message_size(config.max_message_bytes.saturating_mul(4));
+    let result = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(grpc)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        })
+        .await;
+    let _ = housekeeping.await;
+    tracing::info!(%addr, "cache service stopped");
+    result.map_err(Error::from)
+}
+
+/// Reclaims expired sessions and runs the periodic leak audit.
+async fn housekeeping(
+    service: CacheServiceImpl,
+    expiry_every: Duration,
+    audit_every: Option<Duration>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let stop_requested = async move {
+        let _ = stop.wait_for(|&s| s).await;
+    };
+    tokio::pin!(stop_requested);
+    let mut expiry = tokio::time::interval(expiry_every);
+    expiry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut audit = tokio::time::interval(audit_every.unwrap_or(Duration::from_secs(3600)));
+    audit.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    audit.tick().await;
+    loop {
+        tokio::select! {
+            () = &mut stop_requested => return,
+            _ = expiry.tick() => {
+                let mut cache = service.lock();
+                for r in cache.expire_sessions(now()) {
+                    tracing::warn!(
+                        session_id = r.session_id,
+                        sequences = r.sequences,
+                        blocks = r.blocks,
+                        "session expired; reclaimed what it held"
+                    );
+                }
+                service.notify_events(&cache);
+            }
+            _ = audit.tick(), if audit_every.is_some() => {
+                let mut cache = service.lock();
+                let report = cache.audit();
+                if !report.reclaimed.is_empty() {
+                    tracing::warn!(reclaimed = report.reclaimed.len(), "periodic leak audit reclaimed blocks");
+                }
+                service.notify_events(&cache);
+            }
+        }
+    }
+}

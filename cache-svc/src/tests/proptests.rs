@@ -1,0 +1,243 @@
+//! Property tests: random operation sequences with `check_invariants()` after
+//! every step, and the estimate against a real life of leases and extends.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::{Fixture, spec};
+use crate::cache::{Batch, CacheConfig};
+use crate::estimate::{Shape, pool_need};
+use crate::lease::{Extra, Growth, Outcome, Prompt, RejectReason};
+
+#[derive(Clone, Debug)]
+enum Op {
+    Lease {
+        seqs: Vec<(u8, u8, u8, u8, u8)>, // (seq, prefix family, len, extra, beams)
+        atomic: bool,
+        warmup: bool,
+        reserve: bool,
+    },
+    Extend {
+        seqs: Vec<u8>,
+        n: u8,
+        with_ids: bool,
+    },
+    Release {
+        seqs: Vec<u8>,
+        fenced: bool,
+    },
+    Complete,
+    Expire,
+    Audit,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (
+            prop::collection::vec((0u8..12, 0u8..3, 1u8..40, 0u8..4, 1u8..3), 1..4),
+            any::<bool>(),
+            prop::bool::weighted(0.1),
+            prop::bool::weighted(0.2),
+        )
+            .prop_map(|(seqs, atomic, warmup, reserve)| Op::Lease { seqs, atomic, warmup, reserve }),
+        4 => (prop::collection::vec(0u8..12, 1..5), 1u8..6, prop::bool::weighted(0.8))
+            .prop_map(|(seqs, n, with_ids)| Op::Extend { seqs, n, with_ids }),
+        2 => (prop::collection::vec(0u8..12, 1..4), any::<bool>())
+            .prop_map(|(seqs, fenced)| Op::Release { seqs, fenced }),
+        2 => Just(Op::Complete),
+        1 => Just(Op::Expire),
+        1 => Just(Op::Audit),
+    ]
+}
+
+fn prompt(family: u8, len: u8) -> Vec<u32> {
+    // Families share long prefixes, so reuse and eviction are exercised.
+    (0..u32::from(len))
+        .map(|i| u32::from(family) * 1000 + i)
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 10_000, ..ProptestConfig::default() })]
+
+    /// Invariants 1-5 and 10 after every operation of random sequences of
+    /// lease / extend / release / fence / complete / expire / evict / audit.
+    #[test]
+    fn random_operations_keep_every_invariant(ops in prop::collection::vec(op(), 1..40)) {
+        let (b, w) = (4u32, 9u32);
+        let config = CacheConfig { session_quota: 0, ..CacheConfig::default() };
+        let mut f = Fixture::with_config(config, b, &[(0, 24), (w, 14)]);
+        let mut step = 1u64;
+        let mut extra_of: HashMap<u64, u32> = HashMap::new();
+        for op in ops {
+            match op {
+                Op::Lease { seqs, atomic, warmup, reserve } => {
+                    let specs: Vec<_> = seqs.iter().map(|&(id, fam, len, extra, beams)| {
+                        let mut s = spec(u64::from(id), Prompt::Tokens(prompt(fam, len)));
+                        s.extra = Extra { draft: u32::from(extra), ..Extra::default() };
+                        s.beam_width = u32::from(beams);
+                        s.max_new_tokens = 6;
+                        s.reserve_full_life = reserve;
+                        s
+                    }).collect();
+                    let before = f.counts();
+                    let out = f.cache
+                        .lease(f.session, f.epoch, Batch { step, atomic, warmup }, &specs, f.now)
+                        .unwrap();
+                    f.check();
+                    prop_assert_eq!(out.len(), specs.len());
+                    if atomic && out.iter().any(|o| o.reject().is_some()) {
+                        prop_assert!(out.iter().all(|o| o.reject().is_some()));
+                        prop_assert_eq!(f.counts(), before, "atomic reject changed the pools");
+                    }
+                    for (o, s) in out.iter().zip(&specs) {
+                        if let Outcome::Grant(g) = o {
+                            extra_of.insert(g.seq_id, s.extra.total());
+                            prop_assert!(g.reused_tokens < s.prompt.len());
+                        }
+                    }
+                }
+                Op::Extend { seqs, n, with_ids } => {
+                    let items: Vec<_> = seqs.iter().map(|&s| {
+                        let g = if with_ids {
+                            Growth::Tokens((0..u32::from(n)).map(|i| u32::from(s) * 7 + i).collect())
+                        } else {
+                            Growth::Count(u32::from(n))
+                        };
+                        (u64::from(s), g)
+                    }).collect();
+                    let before = f.counts();
+                    let out = f.extend(step, &items);
+                    let mut seen = std::collections::HashSet::new();
+                    for (o, (s, _)) in out.iter().zip(&items) {
+                        match o {
+                            Outcome::Grant(g) => {
+                                // Invariant 10: after an extend, a windowed
+                                // table spans at most ceil((W + extra) / B) + 1 blocks.
+                                let e = extra_of.get(s).copied().unwrap_or(0);
+                                let bound = (w + e).div_ceil(b) + 1;
+                                for t in g.tables.iter().filter(|t| t.window == w) {
+                                    prop_assert!(
+                                        t.block_ids.len() as u32 <= bound.max(u32::from(n).div_ceil(b) + bound),
+                                        "window table too long: {:?}", t
+                                    );
+                                }
+                            }
+                            Outcome::Reject(r) => {
+                                prop_assert!(matches!(
+                                    r.reason,
+                                    RejectReason::PoolExhausted
+                                        | RejectReason::ExceedsCapacity
+                                        | RejectReason::UnknownSequence
+                                        | RejectReason::DuplicateSequence
+                                ), "{:?}", r);
+                            }
+                        }
+                        seen.insert(*s);
+                    }
+                    if out.iter().all(|o| o.reject().is_some()) {
+                        prop_assert_eq!(f.counts(), before);
+                    }
+                }
+                Op::Release { seqs, fenced } => {
+                    let ids: Vec<u64> = seqs.iter().map(|&s| u64::from(s)).collect();
+                    f.release(&ids, fenced.then_some(step));
+                }
+                Op::Complete => {
+                    f.complete(step);
+                    step += 1;
+                }
+                Op::Expire => {
+                    f.now += Duration::from_secs(3600);
+                    f.cache.expire_sessions(f.now);
+                    f.check();
+                    let opened = f.cache.open_session("test", None, f.now).unwrap();
+                    f.session = opened.session_id;
+                    extra_of.clear();
+                }
+                Op::Audit => {
+                    let report = f.cache.audit();
+                    prop_assert!(report.reclaimed.is_empty(), "leak: {:?}", report.reclaimed);
+                }
+            }
+        }
+        // Everything released and every fence completed: the pools are whole.
+        let ids: Vec<u64> = (0..12).collect();
+        f.release(&ids, Some(step));
+        f.complete(step);
+        for c in f.counts() {
+            prop_assert_eq!(c.in_use, 0);
+            prop_assert_eq!(c.fenced, 0);
+            prop_assert_eq!(c.free + c.cached, c.total);
+        }
+    }
+
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2_000, ..ProptestConfig::default() })]
+
+    /// Invariant 6: Estimate equals what Lease plus every Extend of the
+    /// shape's life take, in every pool, for random prompts, outputs,
+    /// draft/extra tokens, beams and windows.
+    #[test]
+    fn estimate_equals_blocks_taken_over_the_life(
+        prompt_len in 1u32..120,
+        max_new in 1u32..60,
+        draft in 0u32..6,
+        extra_kv in 0u32..3,
+        steps in 0u32..3,
+        beams in 1u32..4,
+        b in prop::sample::select(vec![1u32, 3, 4, 16]),
+        window in prop::sample::select(vec![0u32, 5, 8, 16, 33, 64]),
+        chunk in 1u32..4,
+    ) {
+        // A full-attention pool, the window under test, and a window longer
+        // than any life (which must behave like full attention).
+        let mut pools = vec![(0, 512), (1000, 512)];
+        if window != 0 {
+            pools.push((window, 512));
+        }
+        let mut f = Fixture::new(b, &pools);
+        let mut s = spec(1, Prompt::Count(prompt_len));
+        s.max_new_tokens = max_new;
+        s.extra = Extra { draft, extra_kv, extra_decoding_steps: steps };
+        s.beam_width = beams;
+        let est = f.cache.estimate(std::slice::from_ref(&s)).unwrap().remove(0);
+        let before: Vec<u64> = f.cache.pools().iter().map(|p| p.pool.counters.allocations).collect();
+        let mut peak: Vec<u32> = vec![0; before.len()];
+        let note_peak = |f: &Fixture, peak: &mut Vec<u32>| {
+            for (i, p) in f.cache.pools().iter().enumerate() {
+                let held = p.pool.counts().in_use;
+                peak[i] = peak[i].max(held);
+            }
+        };
+        f.lease(1, false, &[s]);
+        note_peak(&f, &mut peak);
+        f.complete(1);
+        // Decode one token per step; sometimes several (speculation accepted).
+        let mut done = 1u32;
+        let mut step = 2;
+        while done < max_new {
+            let n = chunk.min(max_new - done);
+            f.extend(step, &[(1, Growth::Count(n))]);
+            note_peak(&f, &mut peak);
+            f.complete(step);
+            done += n;
+            step += 1;
+        }
+        for (i, p) in f.cache.pools().iter().enumerate() {
+            let taken = p.pool.counters.allocations - before[i];
+            let e = est.pools.iter().find(|e| e.pool_id == p.id).unwrap();
+            prop_assert_eq!(u64::from(e.total), taken, "pool window {}", p.window);
+            if chunk == 1 {
+                prop_assert_eq!(e.peak, peak[i], "peak, pool window {}", p.window);
+            }
+        }
+        // And the closed form agrees with itself on the shape.
+        let shape = Shape { prompt: prompt_len, max_new_tokens: max_new, extra: draft + extra_kv + steps, beam_width: beams };
+        prop_assert_eq!(pool_need(shape, 0, b).total, est.pools[0].total);
+    }
+}

@@ -1,0 +1,669 @@
+//! The cache service over real gRPC on 127.0.0.1:0: every RPC, malformed
+//! requests, unknown sessions, stale epochs, double release, limits, health,
+//! reflection, and session expiry under paused time.
+
+use std::time::Duration;
+
+use kvlease_proto::v1 as pb;
+use kvlease_proto::v1::cache_service_client::CacheServiceClient;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tonic::Code;
+use tonic::transport::Channel;
+
+struct Server {
+    client: CacheServiceClient<Channel>,
+    addr: std::net::SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), cache_svc::Error>>>,
+}
+
+impl Server {
+    async fn start(config: cache_svc::Config) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(cache_svc::run(listener, config, async {
+            let _ = stopped.await;
+        }));
+        let client = CacheServiceClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        Self {
+            client,
+            addr,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.unwrap().unwrap();
+        }
+    }
+}
+
+fn config() -> cache_svc::Config {
+    cache_svc::Config {
+        max_batch: 8,
+        ..cache_svc::Config::default()
+    }
+}
+
+const GROUP: &str = "m/r0";
+
+async fn register(c: &mut CacheServiceClient<Channel>, blocks: u32) -> Vec<pb::PoolInfo> {
+    c.register_pool(pb::RegisterPoolRequest {
+        pool_group: GROUP.into(),
+        tokens_per_block: 4,
+        pools: vec![
+            pb::PoolSpec {
+                window: 0,
+                num_blocks: blocks,
+            },
+            pb::PoolSpec {
+                window: 8,
+                num_blocks: blocks,
+            },
+        ],
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .pools
+}
+
+async fn open(c: &mut CacheServiceClient<Channel>) -> (u64, u64) {
+    let r = c
+        .open_session(pb::OpenSessionRequest {
+            holder: "test".into(),
+            ttl_ms: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    (r.session_id, r.epoch)
+}
+
+fn seq(seq_id: u64, tokens: Vec<u32>) -> pb::SequenceSpec {
+    pb::SequenceSpec {
+        seq_id,
+        pool_group: GROUP.into(),
+        prompt_tokens: tokens,
+        ..Default::default()
+    }
+}
+
+fn lease_req(s: (u64, u64), step: u64, sequences: Vec<pb::SequenceSpec>) -> pb::LeaseRequest {
+    pb::LeaseRequest {
+        session_id: s.0,
+        epoch: s.1,
+        step,
+        atomic: false,
+        sequences,
+        warmup: false,
+    }
+}
+
+fn grant(o: &pb::SequenceOutcome) -> &pb::Grant {
+    match &o.outcome {
+        Some(pb::sequence_outcome::Outcome::Grant(g)) => g,
+        other => panic!("expected a grant, got {other:?}"),
+    }
+}
+
+fn reject(o: &pb::SequenceOutcome) -> &pb::Reject {
+    match &o.outcome {
+        Some(pb::sequence_outcome::Outcome::Reject(r)) => r,
+        other => panic!("expected a reject, got {other:?}"),
+    }
+}
+
+fn assert_status<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code, needle: &str) {
+    let status = r.expect_err("expected an error status");
+    assert_eq!(status.code(), code, "{status:?}");
+    assert!(
+        status.message().contains(needle),
+        "{:?} does not mention {needle:?}",
+        status.message()
+    );
+}
+
+#[tokio::test]
+async fn register_pool_is_idempotent_and_validated() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    let first = register(c, 16).await;
+    assert_eq!(first.len(), 2);
+    let again = c
+        .register_pool(pb::RegisterPoolRequest {
+            pool_group: GROUP.into(),
+            tokens_per_block: 4,
+            pools: vec![
+                pb::PoolSpec {
+                    window: 8,
+                    num_blocks: 16,
+                },
+                pb::PoolSpec {
+                    window: 0,
+                    num_blocks: 16,
+                },
+            ],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(again.already_registered);
+    assert_eq!(again.pools[1].pool_id, first[0].pool_id);
+    let conflict = c
+        .register_pool(pb::RegisterPoolRequest {
+            pool_group: GROUP.into(),
+            tokens_per_block: 8,
+            pools: vec![pb::PoolSpec {
+                window: 0,
+                num_blocks: 16,
+            }],
+        })
+        .await;
+    assert_status(conflict, Code::AlreadyExists, "another geometry");
+    let bad = c
+        .register_pool(pb::RegisterPoolRequest {
+            pool_group: "x".into(),
+            tokens_per_block: 0,
+            pools: vec![pb::PoolSpec {
+                window: 0,
+                num_blocks: 16,
+            }],
+        })
+        .await;
+    assert_status(bad, Code::InvalidArgument, "tokens_per_block");
+    let dup = c
+        .register_pool(pb::RegisterPoolRequest {
+            pool_group: "x".into(),
+            tokens_per_block: 4,
+            pools: vec![
+                pb::PoolSpec {
+                    window: 0,
+                    num_blocks: 16,
+                },
+                pb::PoolSpec {
+                    window: 0,
+                    num_blocks: 8,
+                },
+            ],
+        })
+        .await;
+    assert_status(dup, Code::InvalidArgument, "listed twice");
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn sessions_unknown_stale_and_closed() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    register(c, 16).await;
+    assert_status(
+        c.open_session(pb::OpenSessionRequest {
+            holder: String::new(),
+            ttl_ms: 0,
+        })
+        .await,
+        Code::InvalidArgument,
+        "holder",
+    );
+    let (id, epoch) = open(c).await;
+    c.keep_alive(pb::KeepAliveRequest {
+        session_id: id,
+        epoch,
+    })
+    .await
+    .unwrap();
+    assert_status(
+        c.keep_alive(pb::KeepAliveRequest {
+            session_id: id + 100,
+            epoch,
+        })
+        .await,
+        Code::FailedPrecondition,
+        "unknown session",
+    );
+    assert_status(
+        c.lease(lease_req((id, epoch + 1), 1, vec![seq(1, vec![1, 2])]))
+            .await,
+        Code::FailedPrecondition,
+        "stale epoch",
+    );
+    c.lease(lease_req((id, epoch), 1, vec![seq(1, vec![1, 2, 3, 4, 5])]))
+        .await
+        .unwrap();
+    let closed = c
+        .close_session(pb::CloseSessionRequest {
+            session_id: id,
+            epoch,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(closed.sequences_released, 1);
+    assert_eq!(closed.blocks_returned, 4, "two blocks in each pool");
+    assert_status(
+        c.keep_alive(pb::KeepAliveRequest {
+            session_id: id,
+            epoch,
+        })
+        .await,
+        Code::FailedPrecondition,
+        "unknown session",
+    );
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn lease_extend_release_complete_and_stats() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    let pools = register(c, 6).await;
+    let sess = open(c).await;
+    let prompt: Vec<u32> = (0..9).collect();
+    let out = c
+        .lease(lease_req(
+            sess,
+            1,
+            vec![seq(1, prompt.clone()), {
+                let mut big = seq(2, Vec::new());
+                big.num_tokens = 100;
+                big
+            }],
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    let g = grant(&out[0]);
+    assert_eq!(g.tables.len(), 2);
+    assert_eq!(g.tables[0].block_ids.len(), 3);
+    assert_eq!(g.capacity_tokens, 9);
+    let r = reject(&out[1]);
+    assert_eq!(r.reason(), pb::RejectReason::ExceedsCapacity);
+    assert_eq!(r.blocks_needed, 25);
+    assert_eq!(r.blocks_free, 3);
+    assert!(!r.message.is_empty());
+
+    let ext = c
+        .extend(pb::ExtendRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            step: 2,
+            atomic: false,
+            items: vec![
+                pb::ExtendItem {
+                    seq_id: 1,
+                    new_tokens: vec![9, 10, 11, 12],
+                    num_tokens: 0,
+                },
+                pb::ExtendItem {
+                    seq_id: 77,
+                    new_tokens: vec![],
+                    num_tokens: 1,
+                },
+            ],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    assert_eq!(grant(&ext[0]).tables[0].block_ids.len(), 4);
+    assert_eq!(reject(&ext[1]).reason(), pb::RejectReason::UnknownSequence);
+
+    let done = c
+        .complete_step(pb::CompleteStepRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            step: 2,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(done.blocks_returned, 0);
+
+    let rel = c
+        .release(pb::ReleaseRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            seq_ids: vec![1],
+            fence_step: Some(3),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_eq!(rel[0].status(), pb::ReleaseStatus::Released);
+    assert!(rel[0].blocks_fenced > 0);
+    let twice = c
+        .release(pb::ReleaseRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            seq_ids: vec![1, 5],
+            fence_step: None,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_eq!(twice[0].status(), pb::ReleaseStatus::AlreadyReleased);
+    assert_eq!(twice[0].blocks_freed, 0);
+    assert_eq!(twice[1].status(), pb::ReleaseStatus::Unknown);
+
+    let stats = c
+        .get_stats(pb::GetStatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stats.epoch, sess.1);
+    let full = stats
+        .pools
+        .iter()
+        .find(|p| p.pool_id == pools[0].pool_id)
+        .unwrap();
+    assert_eq!(full.fenced, 4);
+    assert_eq!(
+        full.free + full.cached_evictable + full.in_use + full.fenced,
+        full.total
+    );
+    let freed = c
+        .complete_step(pb::CompleteStepRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            step: 3,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(freed.blocks_returned >= 4);
+    let stats = c
+        .get_stats(pb::GetStatsRequest {
+            pool_group: GROUP.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    for p in &stats.pools {
+        assert_eq!((p.in_use, p.fenced), (0, 0), "{p:?}");
+    }
+    assert_status(
+        c.get_stats(pb::GetStatsRequest {
+            pool_group: "nope".into(),
+        })
+        .await,
+        Code::NotFound,
+        "unknown pool group",
+    );
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn malformed_requests_are_invalid_argument_and_limits_resource_exhausted() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    register(c, 16).await;
+    let sess = open(c).await;
+    let mut both = seq(1, vec![1]);
+    both.num_tokens = 3;
+    assert_status(
+        c.lease(lease_req(sess, 1, vec![both])).await,
+        Code::InvalidArgument,
+        "only one of",
+    );
+    assert_status(
+        c.lease(lease_req(sess, 1, vec![seq(1, vec![])])).await,
+        Code::InvalidArgument,
+        "num_tokens > 0",
+    );
+    let mut prio = seq(1, vec![1]);
+    prio.priority = 101;
+    assert_status(
+        c.lease(lease_req(sess, 1, vec![prio])).await,
+        Code::InvalidArgument,
+        "priority",
+    );
+    let mut group = seq(1, vec![1]);
+    group.pool_group = "other".into();
+    assert_status(
+        c.lease(lease_req(sess, 1, vec![group])).await,
+        Code::NotFound,
+        "unknown pool group",
+    );
+    let many: Vec<_> = (0..9).map(|i| seq(i, vec![1])).collect();
+    assert_status(
+        c.lease(lease_req(sess, 1, many)).await,
+        Code::ResourceExhausted,
+        "batch limit is 8",
+    );
+    assert_status(
+        c.extend(pb::ExtendRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            step: 1,
+            atomic: false,
+            items: vec![pb::ExtendItem {
+                seq_id: 1,
+                new_tokens: vec![],
+                num_tokens: 0,
+            }],
+        })
+        .await,
+        Code::InvalidArgument,
+        "num_tokens > 0",
+    );
+    assert_status(
+        c.estimate(pb::EstimateRequest {
+            shapes: vec![seq(1, vec![])],
+        })
+        .await,
+        Code::InvalidArgument,
+        "num_tokens",
+    );
+    // Nothing was taken by any refused call.
+    let stats = c
+        .get_stats(pb::GetStatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(stats.pools.iter().all(|p| p.free == p.total));
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn oversized_message_is_resource_exhausted() {
+    let mut s = Server::start(cache_svc::Config {
+        max_message_bytes: 4096,
+        ..config()
+    })
+    .await;
+    let c = &mut s.client;
+    register(c, 16).await;
+    let sess = open(c).await;
+    let huge = seq(1, (0..5000).collect());
+    assert_status(
+        c.lease(lease_req(sess, 1, vec![huge])).await,
+        Code::ResourceExhausted,
+        "message size limit of 4096 bytes",
+    );
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn estimate_counts_draft_tokens() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    register(c, 16).await;
+    let mut shape = seq(0, vec![]);
+    shape.num_tokens = 8;
+    shape.max_new_tokens = 9;
+    let plain = c
+        .estimate(pb::EstimateRequest {
+            shapes: vec![shape.clone()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    shape.extra = Some(pb::ExtraTokens {
+        draft: 4,
+        extra_kv: 0,
+        extra_decoding_steps: 0,
+    });
+    let drafted = c
+        .estimate(pb::EstimateRequest {
+            shapes: vec![shape],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(plain.estimates[0].pools[0].total_blocks, 4);
+    assert_eq!(drafted.estimates[0].pools[0].total_blocks, 5);
+    assert!(drafted.estimates[0].fits);
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn watch_events_streams_stored_hashes_and_audit_finds_nothing() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    register(c, 16).await;
+    let sess = open(c).await;
+    let mut stream = c
+        .watch_events(pb::WatchEventsRequest { after_id: 0 })
+        .await
+        .unwrap()
+        .into_inner();
+    c.lease(lease_req(sess, 1, vec![seq(1, (0..9).collect())]))
+        .await
+        .unwrap();
+    c.complete_step(pb::CompleteStepRequest {
+        session_id: sess.0,
+        epoch: sess.1,
+        step: 1,
+    })
+    .await
+    .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(5), stream.message())
+        .await
+        .expect("an event within 5 s")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.id, 1);
+    match first.kind {
+        Some(pb::cache_event::Kind::Stored(st)) => {
+            assert_eq!(st.block_hashes.len(), 2);
+            assert_eq!(st.parent_hash, 0);
+        }
+        other => panic!("expected stored, got {other:?}"),
+    }
+    let audit = c.audit(pb::AuditRequest {}).await.unwrap().into_inner();
+    assert_eq!(audit.blocks_checked, 32);
+    assert!(audit.reclaimed.is_empty());
+    s.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_expired_session_is_reclaimed_with_its_fences() {
+    let mut s = Server::start(cache_svc::Config {
+        session_ttl_ms: 2_000,
+        ..config()
+    })
+    .await;
+    let c = &mut s.client;
+    register(c, 16).await;
+    let sess = open(c).await;
+    c.lease(lease_req(
+        sess,
+        1,
+        vec![seq(1, (0..9).collect()), seq(2, (50..59).collect())],
+    ))
+    .await
+    .unwrap();
+    c.release(pb::ReleaseRequest {
+        session_id: sess.0,
+        epoch: sess.1,
+        seq_ids: vec![2],
+        fence_step: Some(1),
+    })
+    .await
+    .unwrap();
+    tokio::time::advance(Duration::from_secs(3)).await;
+    // Let the housekeeping task run its expiry tick.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let stats = c
+        .get_stats(pb::GetStatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stats.sessions, 0);
+    for p in &stats.pools {
+        assert_eq!((p.in_use, p.fenced, p.free), (0, 0, p.total), "{p:?}");
+    }
+    assert_status(
+        c.keep_alive(pb::KeepAliveRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+        })
+        .await,
+        Code::FailedPrecondition,
+        "unknown session",
+    );
+    s.shutdown().await;
+}
+
+#[tokio::test]
+async fn health_and_reflection_are_served() {
+    let s = Server::start(config()).await;
+    let channel = Channel::from_shared(format!("http://{}", s.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    let status = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "kvlease.v1.CacheService".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        status.status(),
+        tonic_health::pb::health_check_response::ServingStatus::Serving
+    );
+
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    let mut reflection = ServerReflectionClient::new(channel);
+    let request = tonic_reflection::pb::v1::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut responses = reflection
+        .server_reflection_info(tokio_stream::once(request))
+        .await
+        .unwrap()
+        .into_inner();
+    let response = responses.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("expected a service list");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(
+        names.contains(&"kvlease.v1.CacheService".to_owned()),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"grpc.health.v1.Health".to_owned()),
+        "{names:?}"
+    );
+    s.shutdown().await;
+}
