@@ -116,7 +116,7 @@ pub struct Config {
     #[arg(long, env = "KVLEASE_WORKER_MAX_BATCH_TOKENS", default_value_t = DEFAULT_MAX_BATCH_TOKENS)]
     pub max_batch_tokens: usize,
 
-    /// Compute threads; 0 = one per available core.
+    /// Compute threads; 0 = one per available core, at most 8.
     #[arg(long, env = "KVLEASE_WORKER_THREADS", default_value_t = 0)]
     pub threads: usize,
 

@@ -18,8 +18,8 @@
 //! - [`worker`]: sizes the arena from the memory budget, then validate → backend → sample.
 //! - [`sampling`]: greedy, or seeded temperature/top-p keyed by (seed, position).
 //! - [`reference`]: a dense, contiguous-KV reference of the same model for tests.
-//! - [`service`]: the gRPC edge (`kvlease.v1.WorkerService`), the only place that
-//!   touches protobuf types.
+//! - [`service`]: the gRPC edge (`kvlease.v1.WorkerService`) and the worker's
+//!   Prometheus series; the only place that touches protobuf types.
 //!
 //! Data flow of one Forward: `service` converts the request to
 //! [`SeqInput`](batch::SeqInput)s → `Worker::forward` validates them against the

@@ -14,6 +14,11 @@ use crate::model::weights::Weights;
 use crate::ops::argmax;
 use crate::sampling::sample;
 
+/// Threads used when none are configured, at most: each thread holds its own
+/// attention scratch (about 1 MiB for the default model), so the default
+/// memory budget must not depend on how many cores the host has.
+pub const DEFAULT_MAX_THREADS: usize = 8;
+
 /// How the worker is sized.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WorkerOptions {
@@ -21,7 +26,8 @@ pub struct WorkerOptions {
     pub memory_budget_bytes: u64,
     /// Batch limits.
     pub limits: Limits,
-    /// Compute threads; 0 = one per available core.
+    /// Compute threads; 0 = one per available core, at most
+    /// [`DEFAULT_MAX_THREADS`].
     pub threads: usize,
 }
 
@@ -95,7 +101,9 @@ impl Worker {
             ));
         }
         let threads = if options.threads == 0 {
-            std::thread::available_parallelism().map_or(1, usize::from)
+            std::thread::available_parallelism()
+                .map_or(1, usize::from)
+                .min(DEFAULT_MAX_THREADS)
         } else {
             options.threads
         };
