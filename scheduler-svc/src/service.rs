@@ -3,11 +3,13 @@
 //! besides `client.rs` that knows protobuf types.
 
 use std::pin::Pin;
+use std::time::Duration;
 
 use futures::Stream;
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::scheduler_server::Scheduler;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tonic::{Request as GrpcRequest, Response, Status};
 
 use crate::client::{CacheClient, reject_to_proto};
@@ -149,22 +151,61 @@ type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Sta
 struct StreamState {
     rx: mpsc::UnboundedReceiver<Output>,
     text: Option<TextDecoder>,
+    deadline: Option<Instant>,
     done: bool,
 }
 
+/// The client's deadline from the `grpc-timeout` header (`<digits><unit>`,
+/// unit one of H M S m u n), if any.
+pub fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Duration> {
+    let v = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
 /// The response stream of one request: tokens as they come, then the last
-/// message with the finish reason. Dropping it cancels the request.
-fn response_stream(rx: mpsc::UnboundedReceiver<Output>, is_text: bool) -> GenerateStream {
+/// message with the finish reason. Dropping it, or its deadline passing,
+/// cancels the request (the step loop sees the receiver gone and releases
+/// the request's blocks).
+fn response_stream(
+    rx: mpsc::UnboundedReceiver<Output>,
+    is_text: bool,
+    deadline: Option<Instant>,
+) -> GenerateStream {
     let state = StreamState {
         rx,
         text: is_text.then(TextDecoder::new),
+        deadline,
         done: false,
     };
     Box::pin(futures::stream::unfold(state, |mut st| async move {
         if st.done {
             return None;
         }
-        let msg = match st.rx.recv().await {
+        let next = match st.deadline {
+            Some(at) => tokio::time::timeout_at(at, st.rx.recv()).await,
+            None => Ok(st.rx.recv().await),
+        };
+        let Ok(next) = next else {
+            st.done = true;
+            st.rx.close();
+            let m = pb::GenerateResponse {
+                finish_reason: pb::FinishReason::Cancelled as i32,
+                message: "deadline exceeded".into(),
+                ..Default::default()
+            };
+            return Some((Ok(m), st));
+        };
+        let msg = match next {
             Some(Output::Tokens {
                 tokens,
                 reused_tokens,
@@ -231,6 +272,7 @@ impl Scheduler for SchedulerService {
         &self,
         request: GrpcRequest<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        let deadline = grpc_timeout(request.metadata()).map(|t| Instant::now() + t);
         let req = request.into_inner();
         let id = self.engine.next_request_id();
         let (r, is_text) = validate(id, &req, &self.limits)?;
@@ -243,7 +285,7 @@ impl Scheduler for SchedulerService {
         tracing::debug!(request = id, request_id = %req.request_id, prompt_tokens = r.prompt.len(),
             max_tokens = r.max_tokens, "generate");
         let rx = self.engine.submit(r)?;
-        Ok(Response::new(response_stream(rx, is_text)))
+        Ok(Response::new(response_stream(rx, is_text, deadline)))
     }
 
     async fn get_status(
@@ -347,6 +389,27 @@ mod tests {
             &l,
         );
         assert!(matches!(ok, Ok((r, true)) if r.prompt == vec![104, 0xC3, 0xA9] && r.id == 7));
+    }
+
+    #[test]
+    fn grpc_timeout_header_is_parsed() {
+        let mut m = tonic::metadata::MetadataMap::new();
+        assert_eq!(grpc_timeout(&m), None);
+        m.insert(
+            "grpc-timeout",
+            tonic::metadata::MetadataValue::from_static("150m"),
+        );
+        assert_eq!(grpc_timeout(&m), Some(Duration::from_millis(150)));
+        m.insert(
+            "grpc-timeout",
+            tonic::metadata::MetadataValue::from_static("2S"),
+        );
+        assert_eq!(grpc_timeout(&m), Some(Duration::from_secs(2)));
+        m.insert(
+            "grpc-timeout",
+            tonic::metadata::MetadataValue::from_static("x"),
+        );
+        assert_eq!(grpc_timeout(&m), None);
     }
 
     #[test]
