@@ -16,6 +16,9 @@ pub struct Config {
     /// Address to serve gRPC on.
     #[arg(long, env = "KVLEASE_CACHE_LISTEN", default_value = "127.0.0.1:50052")]
     pub listen: SocketAddr,
+    /// Address of the Prometheus `GET /metrics` endpoint; off when absent.
+    #[arg(long, env = "KVLEASE_CACHE_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     /// Session TTL when the holder asks for none, in milliseconds.
     #[arg(long, env = "KVLEASE_CACHE_SESSION_TTL_MS", default_value_t = 30_000)]
     pub session_ttl_ms: u64,

@@ -14,7 +14,8 @@
 //!   synchronous; [`estimate`] derives block needs in closed form.
 //! - [`events`]: the bounded stream of stored / removed hashes.
 //! - [`service`]: the gRPC edge, the only module that knows protobuf;
-//!   [`run`] serves it.
+//!   [`run`] serves it with tracing (reject spans, fenced-release links) and
+//!   [`metrics`] (Prometheus, read from the core at scrape time).
 //!
 //! Data flows one way: `service` converts a request into domain types, calls
 //! `Cache` under a mutex, and converts the outcomes back.
@@ -26,6 +27,7 @@ pub mod estimate;
 pub mod events;
 pub mod eviction;
 pub mod lease;
+pub mod metrics;
 pub mod pool;
 pub mod prefix;
 pub mod service;

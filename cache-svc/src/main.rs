@@ -26,7 +26,21 @@ async fn main() -> ExitCode {
         }
     };
     let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
+        // Ctrl-C for a terminal, SIGTERM for a container stop.
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot watch SIGTERM; Ctrl-C only");
+                    let _ = tokio::signal::ctrl_c().await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down");
     };
     match cache_svc::run(listener, config, shutdown).await {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,16 +1,20 @@
 //! The gRPC edge: converts `kvlease.v1` messages to domain types and back,
 //! and serves them with health and reflection.
 
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_server::{CacheService, CacheServiceServer};
+use kvlease_telemetry::attributes::{self, RejectFigures};
+use kvlease_telemetry::opentelemetry::trace::SpanContext;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status};
+use tracing::Span;
 
 use crate::cache::{Batch, Cache, PoolStats, ShapeEstimate};
 use crate::config::Config;
@@ -20,14 +24,79 @@ use crate::lease::{
     DEFAULT_PRIORITY, Extra, Grant, Growth, Outcome, Prompt, Reject, RejectReason, ReleaseStatus,
     SeqSpec,
 };
+use crate::metrics::CacheMetrics;
 
 /// Events sent per read of the log by one WatchEvents stream.
 const EVENT_CHUNK: usize = 256;
+
+/// Fenced-release spans remembered per session, so the `CompleteStep` that
+/// frees their blocks can link to them. Bounded: the oldest steps go first.
+const FENCE_LINKS_PER_SESSION: usize = 4096;
+
+/// The span contexts of fenced releases, by session and fence step.
+#[derive(Debug, Default)]
+struct FenceLinks {
+    by_session: HashMap<u64, BTreeMap<u64, Vec<SpanContext>>>,
+}
+
+impl FenceLinks {
+    fn remember(&mut self, session: u64, step: u64, cx: SpanContext) {
+        if !cx.is_valid() {
+            return;
+        }
+        let steps = self.by_session.entry(session).or_default();
+        steps.entry(step).or_default().push(cx);
+        while steps.values().map(Vec::len).sum::<usize>() > FENCE_LINKS_PER_SESSION {
+            steps.pop_first();
+        }
+    }
+
+    fn take_through(&mut self, session: u64, step: u64) -> Vec<SpanContext> {
+        let Some(steps) = self.by_session.get_mut(&session) else {
+            return Vec::new();
+        };
+        let later = steps.split_off(&(step.saturating_add(1)));
+        let due = std::mem::replace(steps, later);
+        if steps.is_empty() {
+            self.by_session.remove(&session);
+        }
+        due.into_values().flatten().collect()
+    }
+}
+
+/// Marks each reject as an error span (with its figures) under the call's span.
+fn trace_rejects(outcomes: &[Outcome]) {
+    for o in outcomes {
+        if let Outcome::Reject(r) = o {
+            let _span = attributes::reject_span(&RejectFigures {
+                seq_id: r.seq_id,
+                reason: r.reason.as_str(),
+                pool_id: r.pool_id,
+                window: r.window,
+                blocks_needed: r.blocks_needed,
+                blocks_free: r.blocks_free,
+                blocks_pending_free: r.blocks_pending_free,
+                message: &r.message,
+            });
+        }
+    }
+}
+
+/// Adds the session and step to the call's span.
+fn trace_call(session_id: u64, step: Option<u64>) {
+    let span = Span::current();
+    attributes::set_u64(&span, attributes::SESSION_ID, session_id);
+    if let Some(step) = step {
+        attributes::set_u64(&span, attributes::STEP, step);
+    }
+}
 
 /// The `CacheService` implementation.
 #[derive(Debug, Clone)]
 pub struct CacheServiceImpl {
     cache: Arc<Mutex<Cache>>,
+    metrics: CacheMetrics,
+    fence_links: Arc<Mutex<FenceLinks>>,
     max_batch: usize,
     max_message_bytes: usize,
     /// Id of the newest event, for WatchEvents streams to wait on.
@@ -46,6 +115,7 @@ impl CacheServiceImpl {
     /// A service over `cache`.
     pub fn new(
         cache: Cache,
+        metrics: CacheMetrics,
         max_batch: usize,
         max_message_bytes: usize,
         stopping: watch::Receiver<bool>,
@@ -53,6 +123,8 @@ impl CacheServiceImpl {
         let (events, _) = watch::channel(cache.last_event_id());
         Self {
             cache: Arc::new(Mutex::new(cache)),
+            metrics,
+            fence_links: Arc::default(),
             max_batch,
             max_message_bytes,
             events,
@@ -63,6 +135,12 @@ impl CacheServiceImpl {
     /// The shared core (for background tasks and in-process tools).
     pub fn cache(&self) -> Arc<Mutex<Cache>> {
         Arc::clone(&self.cache)
+    }
+
+    /// Renders the Prometheus text of the service.
+    pub fn render_metrics(&self) -> String {
+        let cache = self.lock();
+        self.metrics.render(&cache)
     }
 
     fn lock(&self) -> MutexGuard<'_, Cache> {
@@ -207,14 +285,10 @@ fn outcomes_to_pb(outcomes: Vec<Outcome>) -> Vec<pb::SequenceOutcome> {
     outcomes
         .into_iter()
         .map(|o| {
-            let (kind, seq_id) = match &o {
-                Outcome::Grant(g) => ("grant", g.seq_id),
-                Outcome::Reject(r) => (r.reason.as_str(), r.seq_id),
-            };
             if let Outcome::Reject(r) = &o {
                 tracing::info!(
-                    seq_id,
-                    reason = kind,
+                    seq_id = r.seq_id,
+                    reason = r.reason.as_str(),
                     pool_id = r.pool_id,
                     window = r.window,
                     blocks_needed = r.blocks_needed,
@@ -369,6 +443,7 @@ impl CacheService for CacheServiceImpl {
             .map(spec_from_pb)
             .collect::<Result<Vec<_>>>()?;
         let mut cache = self.lock();
+        trace_call(r.session_id, Some(r.step));
         let outcomes = cache.lease(
             r.session_id,
             r.epoch,
@@ -382,6 +457,8 @@ impl CacheService for CacheServiceImpl {
         )?;
         self.notify_events(&cache);
         drop(cache);
+        self.metrics.record("lease", &outcomes);
+        trace_rejects(&outcomes);
         Ok(Response::new(pb::LeaseResponse {
             outcomes: outcomes_to_pb(outcomes),
         }))
@@ -411,6 +488,7 @@ impl CacheService for CacheServiceImpl {
             })
             .collect::<Result<Vec<_>>>()?;
         let mut cache = self.lock();
+        trace_call(r.session_id, Some(r.step));
         let outcomes = cache.extend(
             r.session_id,
             r.epoch,
@@ -424,6 +502,8 @@ impl CacheService for CacheServiceImpl {
         )?;
         self.notify_events(&cache);
         drop(cache);
+        self.metrics.record("extend", &outcomes);
+        trace_rejects(&outcomes);
         Ok(Response::new(pb::ExtendResponse {
             outcomes: outcomes_to_pb(outcomes),
         }))
@@ -437,9 +517,18 @@ impl CacheService for CacheServiceImpl {
         self.check_size(&r)?;
         self.check_batch("seq_ids", r.seq_ids.len())?;
         let mut cache = self.lock();
+        trace_call(r.session_id, None);
         let results = cache.release(r.session_id, r.epoch, &r.seq_ids, r.fence_step, now())?;
         self.notify_events(&cache);
         drop(cache);
+        if let Some(step) = r.fence_step {
+            let span = Span::current();
+            attributes::set_u64(&span, attributes::FENCE_STEP, step);
+            self.fence_links
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remember(r.session_id, step, kvlease_telemetry::span_context(&span));
+        }
         Ok(Response::new(pb::ReleaseResponse {
             results: results
                 .into_iter()
@@ -463,8 +552,20 @@ impl CacheService for CacheServiceImpl {
     ) -> Result<Response<pb::CompleteStepResponse>, Status> {
         let r = request.into_inner();
         let mut cache = self.lock();
+        trace_call(r.session_id, Some(r.step));
         let returned = cache.complete_step(r.session_id, r.epoch, r.step, now())?;
         self.notify_events(&cache);
+        drop(cache);
+        let span = Span::current();
+        attributes::set_u64(&span, attributes::BLOCKS_RETURNED, returned);
+        let released = self
+            .fence_links
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take_through(r.session_id, r.step);
+        for cx in released {
+            attributes::add_link(&span, cx, attributes::LINK_FENCED_RELEASE);
+        }
         Ok(Response::new(pb::CompleteStepResponse {
             blocks_returned: returned,
         }))
@@ -594,8 +695,10 @@ pub async fn run(
     let cache = Cache::new(config.cache_config());
     let epoch = cache.epoch();
     let (stop_tx, stop_rx) = watch::channel(false);
+    let metrics = CacheMetrics::new()?;
     let service = CacheServiceImpl::new(
         cache,
+        metrics,
         config.max_batch,
         config.max_message_bytes,
         stop_rx.clone(),
@@ -621,14 +724,34 @@ pub async fn run(
         service.clone(),
         Duration::from_millis(config.expiry_interval_ms),
         (config.audit_interval_ms > 0).then(|| Duration::from_millis(config.audit_interval_ms)),
-        stop_rx,
+        stop_rx.clone(),
     ));
+
+    let metrics_task = match config.metrics_listen {
+        Some(metrics_addr) => {
+            let metrics_listener = TcpListener::bind(metrics_addr).await.map_err(|e| {
+                Error::InvalidArgument(format!("cannot listen for metrics on {metrics_addr}: {e}"))
+            })?;
+            tracing::info!(addr = %metrics_addr, "cache metrics serving");
+            let scrape = service.clone();
+            let mut stop = stop_rx.clone();
+            Some(tokio::spawn(kvlease_telemetry::metrics::serve_metrics(
+                metrics_listener,
+                move || scrape.render_metrics(),
+                async move {
+                    let _ = stop.wait_for(|&s| s).await;
+                },
+            )))
+        }
+        None => None,
+    };
 
     tracing::info!(%addr, epoch, "cache service listening");
     let grpc = CacheServiceServer::new(service.clone())
         .max_decoding_message_size(config.max_message_bytes.saturating_mul(4))
         .max_encoding_message_size(config.max_message_bytes.saturating_mul(4));
     let result = tonic::transport::Server::builder()
+        .layer(kvlease_telemetry::GrpcTraceLayer::new("kvlease-cache"))
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
@@ -639,6 +762,9 @@ pub async fn run(
         })
         .await;
     let _ = housekeeping.await;
+    if let Some(task) = metrics_task {
+        let _ = task.await;
+    }
     tracing::info!(%addr, "cache service stopped");
     result.map_err(Error::from)
 }
