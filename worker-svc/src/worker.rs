@@ -235,3 +235,45 @@ fn plan_blocks(
     }
     Ok(blocks)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_bytes_are_split_by_layer_count_within_the_budget() {
+        let config = ModelConfig {
+            layer_windows: vec![0, 64, 64, 64],
+            ..ModelConfig::small()
+        };
+        let (budget, weights, activations) = (10 << 20, 1 << 20, 1 << 20);
+        let blocks =
+            plan_blocks(&config, budget, weights, activations).unwrap_or_else(|e| panic!("{e}"));
+        let layout = ArenaLayout::new(&config, &blocks);
+        let bytes: Vec<u64> = layout
+            .pools
+            .iter()
+            .map(|p| p.bytes_per_block() * u64::from(p.num_blocks))
+            .collect();
+        let kv = budget - weights - activations;
+        assert!(bytes.iter().sum::<u64>() <= kv);
+        // One layer's share versus three layers' share.
+        assert!(bytes[0] <= kv / 4 && bytes[0] + layout.pools[0].bytes_per_block() > kv / 4);
+        assert!(
+            bytes[1] <= kv / 4 * 3 && bytes[1] + layout.pools[1].bytes_per_block() > kv / 4 * 3
+        );
+    }
+
+    #[test]
+    fn a_budget_without_room_for_kv_is_refused() {
+        let config = ModelConfig::small();
+        assert!(matches!(
+            plan_blocks(&config, 3 << 20, 2 << 20, 1 << 20),
+            Err(Error::MemoryBudget { .. })
+        ));
+        assert!(matches!(
+            plan_blocks(&config, 1 << 20, 2 << 20, 0),
+            Err(Error::MemoryBudget { .. })
+        ));
+    }
+}
