@@ -25,12 +25,29 @@ pub fn matmul_wt(
     accumulate: bool,
     threads: Threads,
 ) {
-    assert!(a.len() >= m * k && w.len() >= n * k && out.len() >= m * n);
+    matmul_wt_strided(a, k, w, out, (m, k, n), accumulate, threads);
+}
+
+/// [`matmul_wt`] where row `i` of `a` starts at `a[i * lda]` (`lda >= k`):
+/// the first `k` columns of a wider matrix.
+///
+/// # Panics
+/// When `lda < k` or a slice is shorter than its stated shape.
+pub fn matmul_wt_strided(
+    a: &[f32],
+    lda: usize,
+    w: &[f32],
+    out: &mut [f32],
+    (m, k, n): (usize, usize, usize),
+    accumulate: bool,
+    threads: Threads,
+) {
     if m == 0 || n == 0 {
         return;
     }
+    assert!(lda >= k && a.len() >= (m - 1) * lda + k && w.len() >= n * k && out.len() >= m * n);
     // SAFETY: the assert above bounds every element the strides reach:
-    // a[i*k + l], w[j*k + l], out[i*n + j] for i < m, j < n, l < k.
+    // a[i*lda + l], w[j*k + l], out[i*n + j] for i < m, j < n, l < k.
     unsafe {
         gemm::gemm(
             m,
@@ -42,7 +59,7 @@ pub fn matmul_wt(
             accumulate,
             a.as_ptr(),
             1,
-            k as isize,
+            lda as isize,
             w.as_ptr(),
             k as isize,
             1,

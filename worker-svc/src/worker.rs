@@ -2,8 +2,6 @@
 //! batch, hands it to the backend and picks the next tokens. Plain
 //! synchronous Rust; `service.rs` puts it behind gRPC.
 
-use std::sync::Arc;
-
 use crate::arena::{ArenaLayout, SlotLedger};
 use crate::backend::Backend;
 use crate::backend::cpu::{self, CpuBackend};
@@ -116,7 +114,7 @@ impl Worker {
             activation_bytes,
         )?;
         let layout = ArenaLayout::new(&config, &num_blocks);
-        let backend = CpuBackend::new(Arc::new(weights), layout.clone(), threads)?;
+        let backend = CpuBackend::new(weights, layout.clone(), threads)?;
         let info = WorkerInfo {
             pools: layout
                 .pools

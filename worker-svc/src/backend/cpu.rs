@@ -2,8 +2,6 @@
 //! matrix products over every token of the batch, and paged attention in
 //! parallel over (sequence, KV head, chunk of queries).
 
-use std::sync::Arc;
-
 use rayon::prelude::*;
 
 use super::{Backend, BatchLogits};
@@ -29,29 +27,79 @@ pub struct CpuBackend {
 /// `ThreadPool::install`.
 #[derive(Debug)]
 struct CpuState {
-    weights: Arc<Weights>,
+    weights: CpuWeights,
     layout: ArenaLayout,
     /// One array per pool, `ArenaLayout` order.
     kv: Vec<Vec<f32>>,
     rope: Rope,
 }
 
+/// The weights in the layout the CPU pass wants: Q, K and V stacked into one
+/// `[q_dim + 2 kv_dim, hidden]` matrix and gate and up into one
+/// `[2 ffn, hidden]`, so each is one matrix product per layer (the same
+/// bytes as [`Weights`], rearranged once at start-up).
+#[derive(Debug)]
+struct CpuWeights {
+    config: ModelConfig,
+    embed: Vec<f32>,
+    layers: Vec<CpuLayer>,
+    final_norm: Vec<f32>,
+    lm_head: Option<Vec<f32>>,
+}
+
+#[derive(Debug)]
+struct CpuLayer {
+    attn_norm: Vec<f32>,
+    wqkv: Vec<f32>,
+    wo: Vec<f32>,
+    mlp_norm: Vec<f32>,
+    w_gate_up: Vec<f32>,
+    w_down: Vec<f32>,
+}
+
+impl CpuWeights {
+    fn new(weights: Weights) -> Self {
+        let layers = weights
+            .layers
+            .into_iter()
+            .map(|l| CpuLayer {
+                attn_norm: l.attn_norm,
+                wqkv: [l.wq, l.wk, l.wv].concat(),
+                wo: l.wo,
+                mlp_norm: l.mlp_norm,
+                w_gate_up: [l.w_gate, l.w_up].concat(),
+                w_down: l.w_down,
+            })
+            .collect();
+        CpuWeights {
+            config: weights.config,
+            embed: weights.embed,
+            layers,
+            final_norm: weights.final_norm,
+            lm_head: weights.lm_head,
+        }
+    }
+
+    fn lm_head(&self) -> &[f32] {
+        self.lm_head.as_deref().unwrap_or(&self.embed)
+    }
+}
+
 impl CpuBackend {
     /// A backend with a zeroed arena of `layout`, computing on `threads`
     /// threads (0 = one per available core).
-    pub fn new(weights: Arc<Weights>, layout: ArenaLayout, threads: usize) -> Result<Self> {
+    pub fn new(weights: Weights, layout: ArenaLayout, threads: usize) -> Result<Self> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("kvlease-cpu-{i}"))
             .build()
             .map_err(|e| Error::Config(format!("cannot start the compute threads: {e}")))?;
         let kv = layout.pools.iter().map(|p| vec![0.0; p.elems()]).collect();
-        let config = &weights.config;
-        let rope = Rope::new(config.head_dim, config.rope_theta);
+        let rope = Rope::new(weights.config.head_dim, weights.config.rope_theta);
         Ok(CpuBackend {
             pool,
             state: CpuState {
-                weights,
+                weights: CpuWeights::new(weights),
                 layout,
                 kv,
                 rope,
@@ -67,9 +115,17 @@ impl CpuBackend {
 
 impl CpuState {
     fn run(&mut self, batch: &Batch) -> BatchLogits {
-        let weights = Arc::clone(&self.weights);
+        // The arena is written per layer while the weights are read: split
+        // the borrows.
+        let CpuState {
+            weights,
+            layout,
+            kv,
+            rope,
+        } = self;
         let cfg = &weights.config;
         let (h, qd, kvd, f) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.ffn_size);
+        let qkv_dim = qd + 2 * kvd;
         let t = batch.total_tokens();
 
         // Row r of every activation is one token; `first_row[s]` is the row
@@ -83,51 +139,63 @@ impl CpuState {
             tokens.extend(seq.tokens.iter().map(|&tok| tok as usize));
         }
         let rope_tables: Vec<Vec<(f32, f32)>> =
-            positions.par_iter().map(|&p| self.rope.table(p)).collect();
+            positions.par_iter().map(|&p| rope.table(p)).collect();
 
         let mut x = vec![0.0f32; t * h];
         x.par_chunks_mut(h).zip(&tokens).for_each(|(row, &tok)| {
             row.copy_from_slice(&weights.embed[tok * h..(tok + 1) * h]);
         });
         let mut normed = vec![0.0f32; t * h];
-        let mut q = vec![0.0f32; t * qd];
-        let mut k = vec![0.0f32; t * kvd];
-        let mut v = vec![0.0f32; t * kvd];
+        // Row r: [q | k | v] of token r.
+        let mut qkv = vec![0.0f32; t * qkv_dim];
         let mut attn = vec![0.0f32; t * qd];
-        let mut gate = vec![0.0f32; t * f];
-        let mut up = vec![0.0f32; t * f];
+        // Row r: [gate | up] of token r; SwiGLU leaves its result in `gate`.
+        let mut gate_up = vec![0.0f32; t * 2 * f];
 
         for (layer, lw) in weights.layers.iter().enumerate() {
             norm_rows(&x, &lw.attn_norm, cfg.rms_norm_eps, &mut normed, h);
-            ops::matmul_wt(&normed, &lw.wq, &mut q, (t, h, qd), false, Threads::Pool);
-            ops::matmul_wt(&normed, &lw.wk, &mut k, (t, h, kvd), false, Threads::Pool);
-            ops::matmul_wt(&normed, &lw.wv, &mut v, (t, h, kvd), false, Threads::Pool);
-            q.par_chunks_mut(qd)
+            ops::matmul_wt(
+                &normed,
+                &lw.wqkv,
+                &mut qkv,
+                (t, h, qkv_dim),
+                false,
+                Threads::Pool,
+            );
+            // Q and K heads are consecutive head_dim chunks: rotate them all.
+            qkv.par_chunks_mut(qkv_dim)
                 .zip(&rope_tables)
-                .for_each(|(row, cs)| Rope::apply_table(row, cs));
-            k.par_chunks_mut(kvd)
-                .zip(&rope_tables)
-                .for_each(|(row, cs)| Rope::apply_table(row, cs));
+                .for_each(|(row, cs)| Rope::apply_table(&mut row[..qd + kvd], cs));
 
-            self.write_kv(batch, layer, &k, &v);
-            self.attend(batch, layer, &first_row, &q, &mut attn);
+            write_kv(layout, kv, batch, layer, &qkv, qkv_dim, qd);
+            attend(
+                cfg, layout, kv, batch, layer, &first_row, &qkv, qkv_dim, &mut attn,
+            );
 
             // Residual adds ride on the products' accumulate flag.
             ops::matmul_wt(&attn, &lw.wo, &mut x, (t, qd, h), true, Threads::Pool);
             norm_rows(&x, &lw.mlp_norm, cfg.rms_norm_eps, &mut normed, h);
             ops::matmul_wt(
                 &normed,
-                &lw.w_gate,
-                &mut gate,
-                (t, h, f),
+                &lw.w_gate_up,
+                &mut gate_up,
+                (t, h, 2 * f),
                 false,
                 Threads::Pool,
             );
-            ops::matmul_wt(&normed, &lw.w_up, &mut up, (t, h, f), false, Threads::Pool);
-            gate.par_chunks_mut(f)
-                .zip(up.par_chunks(f))
-                .for_each(|(g, u)| ops::swiglu(g, u));
-            ops::matmul_wt(&gate, &lw.w_down, &mut x, (t, f, h), true, Threads::Pool);
+            gate_up.par_chunks_mut(2 * f).for_each(|row| {
+                let (gate, up) = row.split_at_mut(f);
+                ops::swiglu(gate, up);
+            });
+            ops::matmul_wt_strided(
+                &gate_up,
+                2 * f,
+                &lw.w_down,
+                &mut x,
+                (t, f, h),
+                true,
+                Threads::Pool,
+            );
         }
 
         // Only the rows that need logits go through the final norm and head.
@@ -169,70 +237,92 @@ impl CpuState {
             values: logits,
         }
     }
+}
 
-    /// Copies the new K and V rows of `layer` into their slots.
-    fn write_kv(&mut self, batch: &Batch, layer: usize, k: &[f32], v: &[f32]) {
-        let (pool, layer_slot) = self.layout.layer_slots[layer];
-        let geometry = &self.layout.pools[pool];
-        let arena = &mut self.kv[pool];
-        let (d, b) = (geometry.head_dim, geometry.tokens_per_block);
-        let kvd = geometry.num_kv_heads * d;
-        let mut row = 0;
-        for seq in &batch.seqs {
-            let table = &seq.tables[pool];
-            for pos in seq.start_pos..seq.start_pos + seq.tokens.len() {
-                let block = table.block_for(pos, b);
-                for head in 0..geometry.num_kv_heads {
-                    let src = row * kvd + head * d;
-                    let dst_k = geometry.offset(block, layer_slot, 0, head, pos % b);
-                    arena[dst_k..dst_k + d].copy_from_slice(&k[src..src + d]);
-                    let dst_v = geometry.offset(block, layer_slot, 1, head, pos % b);
-                    arena[dst_v..dst_v + d].copy_from_slice(&v[src..src + d]);
-                }
-                row += 1;
+/// Copies the new K and V rows of `layer` (columns `k_col..` of `qkv`) into
+/// their slots.
+fn write_kv(
+    layout: &ArenaLayout,
+    kv: &mut [Vec<f32>],
+    batch: &Batch,
+    layer: usize,
+    qkv: &[f32],
+    qkv_dim: usize,
+    k_col: usize,
+) {
+    let (pool, layer_slot) = layout.layer_slots[layer];
+    let geometry = &layout.pools[pool];
+    let arena = &mut kv[pool];
+    let (d, b) = (geometry.head_dim, geometry.tokens_per_block);
+    let kvd = geometry.num_kv_heads * d;
+    let mut row = 0;
+    for seq in &batch.seqs {
+        let table = &seq.tables[pool];
+        for pos in seq.start_pos..seq.start_pos + seq.tokens.len() {
+            let block = table.block_for(pos, b);
+            for head in 0..geometry.num_kv_heads {
+                let src_k = row * qkv_dim + k_col + head * d;
+                let dst_k = geometry.offset(block, layer_slot, 0, head, pos % b);
+                arena[dst_k..dst_k + d].copy_from_slice(&qkv[src_k..src_k + d]);
+                let src_v = src_k + kvd;
+                let dst_v = geometry.offset(block, layer_slot, 1, head, pos % b);
+                arena[dst_v..dst_v + d].copy_from_slice(&qkv[src_v..src_v + d]);
             }
+            row += 1;
         }
     }
+}
 
-    /// Paged attention of `layer` for every query row into `out`.
-    fn attend(&self, batch: &Batch, layer: usize, first_row: &[usize], q: &[f32], out: &mut [f32]) {
-        let cfg = &self.weights.config;
-        let (pool, layer_slot) = self.layout.layer_slots[layer];
-        let ctx = AttnCtx {
-            cfg,
-            geometry: &self.layout.pools[pool],
-            arena: &self.kv[pool],
-            layer_slot,
-            q,
-        };
-        let tasks: Vec<AttnTask<'_>> = batch
-            .seqs
-            .iter()
-            .zip(first_row)
-            .flat_map(|(seq, &row0)| {
-                let chunks = seq.tokens.len().div_ceil(QUERY_CHUNK);
-                (0..cfg.num_kv_heads).flat_map(move |kv_head| {
-                    (0..chunks).map(move |c| AttnTask {
-                        seq,
-                        table: &seq.tables[pool],
-                        row0,
-                        kv_head,
-                        queries: c * QUERY_CHUNK..((c + 1) * QUERY_CHUNK).min(seq.tokens.len()),
-                    })
+/// Paged attention of `layer` for every query row (the first `q_dim` columns
+/// of `qkv`) into `out`.
+#[allow(clippy::too_many_arguments)] // the pass's buffers, each used once
+fn attend(
+    cfg: &ModelConfig,
+    layout: &ArenaLayout,
+    kv: &[Vec<f32>],
+    batch: &Batch,
+    layer: usize,
+    first_row: &[usize],
+    qkv: &[f32],
+    qkv_dim: usize,
+    out: &mut [f32],
+) {
+    let (pool, layer_slot) = layout.layer_slots[layer];
+    let ctx = AttnCtx {
+        cfg,
+        geometry: &layout.pools[pool],
+        arena: &kv[pool],
+        layer_slot,
+        q: qkv,
+        q_stride: qkv_dim,
+    };
+    let tasks: Vec<AttnTask<'_>> = batch
+        .seqs
+        .iter()
+        .zip(first_row)
+        .flat_map(|(seq, &row0)| {
+            let chunks = seq.tokens.len().div_ceil(QUERY_CHUNK);
+            (0..cfg.num_kv_heads).flat_map(move |kv_head| {
+                (0..chunks).map(move |c| AttnTask {
+                    seq,
+                    table: &seq.tables[pool],
+                    row0,
+                    kv_head,
+                    queries: c * QUERY_CHUNK..((c + 1) * QUERY_CHUNK).min(seq.tokens.len()),
                 })
             })
-            .collect();
-        let results: Vec<Vec<f32>> = tasks.par_iter().map(|task| ctx.run(task)).collect();
+        })
+        .collect();
+    let results: Vec<Vec<f32>> = tasks.par_iter().map(|task| ctx.run(task)).collect();
 
-        let (d, qd) = (cfg.head_dim, cfg.q_dim());
-        let group = cfg.num_heads / cfg.num_kv_heads;
-        for (task, o) in tasks.iter().zip(results) {
-            for (r, o_row) in o.chunks_exact(d).enumerate() {
-                let i = task.queries.start + r / group;
-                let head = task.kv_head * group + r % group;
-                let dst = (task.row0 + i) * qd + head * d;
-                out[dst..dst + d].copy_from_slice(o_row);
-            }
+    let (d, qd) = (cfg.head_dim, cfg.q_dim());
+    let group = cfg.num_heads / cfg.num_kv_heads;
+    for (task, o) in tasks.iter().zip(results) {
+        for (r, o_row) in o.chunks_exact(d).enumerate() {
+            let i = task.queries.start + r / group;
+            let head = task.kv_head * group + r % group;
+            let dst = (task.row0 + i) * qd + head * d;
+            out[dst..dst + d].copy_from_slice(o_row);
         }
     }
 }
@@ -254,14 +344,16 @@ struct AttnCtx<'a> {
     geometry: &'a crate::arena::PoolGeometry,
     arena: &'a [f32],
     layer_slot: usize,
+    /// Query rows: row r starts at `q[r * q_stride]`.
     q: &'a [f32],
+    q_stride: usize,
 }
 
 impl AttnCtx<'_> {
     /// Output rows `[queries × group, head_dim]`, query-major.
     fn run(&self, task: &AttnTask<'_>) -> Vec<f32> {
         let cfg = self.cfg;
-        let (d, qd) = (cfg.head_dim, cfg.q_dim());
+        let d = cfg.head_dim;
         let group = cfg.num_heads / cfg.num_kv_heads;
         let b = self.geometry.tokens_per_block;
         let window = self.geometry.window;
@@ -298,7 +390,7 @@ impl AttnCtx<'_> {
         for (r, dst) in queries.chunks_exact_mut(d).enumerate() {
             let i = task.queries.start + r / group;
             let head = task.kv_head * group + r % group;
-            let src = (task.row0 + i) * qd + head * d;
+            let src = (task.row0 + i) * self.q_stride + head * d;
             for (o, s) in dst.iter_mut().zip(&self.q[src..src + d]) {
                 *o = s * scale;
             }
@@ -347,7 +439,7 @@ pub fn activation_bytes(cfg: &ModelConfig, max_tokens: usize, threads: usize) ->
     );
     let t = max_tokens;
     let half = d / 2;
-    // x, normed, q, k, v, attn, the attention tasks' outputs, gate, up.
+    // x, normed, qkv, attn, the attention tasks' outputs, gate_up.
     let per_token = 2 * h + 3 * qd + 2 * kvd + 2 * f;
     // Per-token bookkeeping: position, token, RoPE table.
     let per_token_bytes = per_token * 4 + 2 * 8 + half * 8;
