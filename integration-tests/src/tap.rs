@@ -1,0 +1,298 @@
+//! Recording pass-through proxies in front of a real cache service and a
+//! real worker: every call is forwarded unchanged and its answer returned
+//! unchanged; the taps only note what was granted, released, completed and
+//! forwarded, stamped with one global order, so a test can check *when* a
+//! block changed hands relative to the forward passes that used it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvlease_proto::v1 as pb;
+use kvlease_proto::v1::cache_service_client::CacheServiceClient;
+use kvlease_proto::v1::cache_service_server::{CacheService, CacheServiceServer};
+use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
+use kvlease_proto::v1::worker_service_server::{WorkerService, WorkerServiceServer};
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+use crate::{Error, Service};
+
+/// One recorded event; `at` orders all events of both taps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A Lease or Extend answer granted `seq` these (pool, block) pairs it
+    /// did not hold before. `at` is taken when the request was sent, the
+    /// earliest moment the cache could have handed them out.
+    Acquired {
+        at: u64,
+        step: u64,
+        seq: u64,
+        blocks: Vec<(u32, u32)>,
+    },
+    /// Release of `seqs`, fenced at `fence`; `at` when the request was sent.
+    Released {
+        at: u64,
+        seqs: Vec<u64>,
+        fence: Option<u64>,
+    },
+    /// CompleteStep(step) was sent at `at`.
+    Completed { at: u64, step: u64 },
+    /// A forward pass of `step` ran from `start` to `end` (both taken at the
+    /// tap: before forwarding the call, and after the worker answered).
+    Forward {
+        start: u64,
+        end: u64,
+        step: u64,
+        seqs: Vec<(u64, Vec<(u32, u32)>)>,
+    },
+}
+
+/// The shared log of both taps.
+#[derive(Debug, Default, Clone)]
+pub struct Log {
+    clock: Arc<AtomicU64>,
+    events: Arc<Mutex<Vec<Event>>>,
+}
+
+impl Log {
+    fn tick(&self) -> u64 {
+        self.clock.fetch_add(1, Ordering::SeqCst)
+    }
+
+    fn push(&self, e: Event) {
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(e);
+    }
+
+    /// Everything recorded so far.
+    pub fn events(&self) -> Vec<Event> {
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+fn blocks_of(tables: &[pb::BlockTable]) -> Vec<(u32, u32)> {
+    tables
+        .iter()
+        .flat_map(|t| t.block_ids.iter().map(move |b| (t.pool_id, *b)))
+        .collect()
+}
+
+/// The (pool, block) pairs each sequence holds, as the tap last saw them.
+type Held = HashMap<u64, Vec<(u32, u32)>>;
+
+/// A recording proxy of a cache service.
+#[derive(Debug, Clone)]
+pub struct CacheTap {
+    inner: CacheServiceClient<Channel>,
+    log: Log,
+    held: Arc<Mutex<Held>>,
+}
+
+impl CacheTap {
+    fn acquired(&self, at: u64, step: u64, seqs: &[u64], outcomes: &[pb::SequenceOutcome]) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        for (seq, o) in seqs.iter().zip(outcomes) {
+            if let Some(pb::sequence_outcome::Outcome::Grant(g)) = &o.outcome {
+                let now = blocks_of(&g.tables);
+                let before = held.insert(*seq, now.clone()).unwrap_or_default();
+                let new: Vec<(u32, u32)> =
+                    now.into_iter().filter(|b| !before.contains(b)).collect();
+                if !new.is_empty() {
+                    self.log.push(Event::Acquired {
+                        at,
+                        step,
+                        seq: *seq,
+                        blocks: new,
+                    });
+                }
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl CacheService for CacheTap {
+    async fn register_pool(
+        &self,
+        r: Request<pb::RegisterPoolRequest>,
+    ) -> Result<Response<pb::RegisterPoolResponse>, Status> {
+        self.inner.clone().register_pool(r.into_inner()).await
+    }
+    async fn open_session(
+        &self,
+        r: Request<pb::OpenSessionRequest>,
+    ) -> Result<Response<pb::OpenSessionResponse>, Status> {
+        self.inner.clone().open_session(r.into_inner()).await
+    }
+    async fn keep_alive(
+        &self,
+        r: Request<pb::KeepAliveRequest>,
+    ) -> Result<Response<pb::KeepAliveResponse>, Status> {
+        self.inner.clone().keep_alive(r.into_inner()).await
+    }
+    async fn close_session(
+        &self,
+        r: Request<pb::CloseSessionRequest>,
+    ) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        self.inner.clone().close_session(r.into_inner()).await
+    }
+    async fn lease(
+        &self,
+        r: Request<pb::LeaseRequest>,
+    ) -> Result<Response<pb::LeaseResponse>, Status> {
+        let req = r.into_inner();
+        let seqs: Vec<u64> = req.sequences.iter().map(|s| s.seq_id).collect();
+        let (at, step) = (self.log.tick(), req.step);
+        let resp = self.inner.clone().lease(req).await?;
+        self.acquired(at, step, &seqs, &resp.get_ref().outcomes);
+        Ok(resp)
+    }
+    async fn extend(
+        &self,
+        r: Request<pb::ExtendRequest>,
+    ) -> Result<Response<pb::ExtendResponse>, Status> {
+        let req = r.into_inner();
+        let seqs: Vec<u64> = req.items.iter().map(|s| s.seq_id).collect();
+        let (at, step) = (self.log.tick(), req.step);
+        let resp = self.inner.clone().extend(req).await?;
+        self.acquired(at, step, &seqs, &resp.get_ref().outcomes);
+        Ok(resp)
+    }
+    async fn release(
+        &self,
+        r: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let req = r.into_inner();
+        {
+            let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+            for s in &req.seq_ids {
+                held.remove(s);
+            }
+        }
+        self.log.push(Event::Released {
+            at: self.log.tick(),
+            seqs: req.seq_ids.clone(),
+            fence: req.fence_step,
+        });
+        self.inner.clone().release(req).await
+    }
+    async fn complete_step(
+        &self,
+        r: Request<pb::CompleteStepRequest>,
+    ) -> Result<Response<pb::CompleteStepResponse>, Status> {
+        let req = r.into_inner();
+        self.log.push(Event::Completed {
+            at: self.log.tick(),
+            step: req.step,
+        });
+        self.inner.clone().complete_step(req).await
+    }
+    async fn estimate(
+        &self,
+        r: Request<pb::EstimateRequest>,
+    ) -> Result<Response<pb::EstimateResponse>, Status> {
+        self.inner.clone().estimate(r.into_inner()).await
+    }
+    async fn get_stats(
+        &self,
+        r: Request<pb::GetStatsRequest>,
+    ) -> Result<Response<pb::GetStatsResponse>, Status> {
+        self.inner.clone().get_stats(r.into_inner()).await
+    }
+    type WatchEventsStream = tonic::Streaming<pb::CacheEvent>;
+    async fn watch_events(
+        &self,
+        r: Request<pb::WatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        self.inner.clone().watch_events(r.into_inner()).await
+    }
+    async fn audit(
+        &self,
+        r: Request<pb::AuditRequest>,
+    ) -> Result<Response<pb::AuditResponse>, Status> {
+        self.inner.clone().audit(r.into_inner()).await
+    }
+}
+
+/// A recording proxy of a worker that holds every forward pass `delay`
+/// longer, so that the scheduler's overlapped work lands inside it.
+#[derive(Debug, Clone)]
+pub struct WorkerTap {
+    inner: WorkerServiceClient<Channel>,
+    log: Log,
+    delay: Duration,
+}
+
+#[tonic::async_trait]
+impl WorkerService for WorkerTap {
+    async fn describe(
+        &self,
+        r: Request<pb::DescribeRequest>,
+    ) -> Result<Response<pb::DescribeResponse>, Status> {
+        self.inner.clone().describe(r.into_inner()).await
+    }
+    async fn forward(
+        &self,
+        r: Request<pb::ForwardRequest>,
+    ) -> Result<Response<pb::ForwardResponse>, Status> {
+        let req = r.into_inner();
+        let start = self.log.tick();
+        let step = req.step;
+        let seqs = req
+            .sequences
+            .iter()
+            .map(|s| (s.seq_id, blocks_of(&s.tables)))
+            .collect();
+        tokio::time::sleep(self.delay).await;
+        let resp = self.inner.clone().forward(req).await;
+        self.log.push(Event::Forward {
+            start,
+            end: self.log.tick(),
+            step,
+            seqs,
+        });
+        resp
+    }
+}
+
+/// Starts a cache tap in front of `cache` and a worker tap in front of
+/// `worker`, sharing one log.
+pub async fn start_taps(
+    cache: SocketAddr,
+    worker: SocketAddr,
+    delay: Duration,
+) -> Result<(Service, Service, Log), Error> {
+    let log = Log::default();
+    let cache_tap = CacheTap {
+        inner: crate::cache_client(cache).await?,
+        log: log.clone(),
+        held: Arc::default(),
+    };
+    let worker_tap = WorkerTap {
+        inner: crate::worker_client(worker).await?,
+        log: log.clone(),
+        delay,
+    };
+    let c = crate::spawn("cache tap", |l, rx| {
+        tonic::transport::Server::builder()
+            .add_service(CacheServiceServer::new(cache_tap))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(l), crate::shutdown(rx))
+    })
+    .await?;
+    let w = crate::spawn("worker tap", |l, rx| {
+        tonic::transport::Server::builder()
+            .add_service(WorkerServiceServer::new(worker_tap))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(l), crate::shutdown(rx))
+    })
+    .await?;
+    Ok((c, w, log))
+}

@@ -1,0 +1,325 @@
+//! Request lifecycle against real services: validation, text, cancellation
+//! and deadlines (blocks released), STATIC_BATCH, a cache that goes down
+//! (fail fast with UNAVAILABLE) and comes back with a new epoch (live
+//! requests recomputed).
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use kvlease_integration_tests::*;
+use kvlease_proto::v1 as pb;
+use scheduler_svc::policy::Policy;
+use tokio::net::TcpListener;
+
+fn config() -> scheduler_svc::Config {
+    scheduler_svc::Config {
+        max_context: 256,
+        max_tokens: 200,
+        max_seqs: 8,
+        max_tokens_per_step: 192,
+        session_ttl_ms: 1_000,
+        cache_timeout_ms: 1_000,
+        ..scheduler_svc::Config::default()
+    }
+}
+
+fn tokens(n: u32, seed: u32) -> Vec<u32> {
+    (0..n).map(|t| (t * 7 + seed) % 250 + 1).collect()
+}
+
+async fn status(addr: std::net::SocketAddr) -> pb::GetStatusResponse {
+    let mut c = scheduler_client(addr).await.unwrap();
+    c.get_status(pb::GetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validation_text_cancellation_and_deadline() {
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let worker = start_worker(small_worker()).await.unwrap();
+    let s = start_scheduler(
+        config(),
+        &cache.url(),
+        &[worker.url()],
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let mut c = scheduler_client(s.addr).await.unwrap();
+
+    for (req, what) in [
+        (
+            pb::GenerateRequest {
+                max_tokens: 4,
+                ..Default::default()
+            },
+            "empty prompt",
+        ),
+        (
+            pb::GenerateRequest {
+                tokens: vec![1],
+                max_tokens: 0,
+                ..Default::default()
+            },
+            "max_tokens must be at least 1",
+        ),
+        (
+            pb::GenerateRequest {
+                tokens: vec![1],
+                max_tokens: 201,
+                ..Default::default()
+            },
+            "over the limit",
+        ),
+        (
+            pb::GenerateRequest {
+                tokens: vec![1],
+                text: "a".into(),
+                max_tokens: 1,
+                ..Default::default()
+            },
+            "exactly one",
+        ),
+        (
+            pb::GenerateRequest {
+                tokens: vec![999],
+                max_tokens: 1,
+                ..Default::default()
+            },
+            "vocabulary",
+        ),
+    ] {
+        let e = c.generate(req).await.expect_err("refused");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains(what), "{}", e.message());
+    }
+
+    let g = collect(
+        &mut c,
+        pb::GenerateRequest {
+            text: "hello".into(),
+            max_tokens: 6,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(g.finish_reason(), pb::FinishReason::Length);
+    assert_eq!(g.tokens.len(), 6);
+    let bytes: Vec<u8> = g
+        .tokens
+        .iter()
+        .filter_map(|t| u8::try_from(*t).ok())
+        .collect();
+    assert_eq!(g.text, String::from_utf8_lossy(&bytes));
+
+    // the client goes away after two messages: the request is cancelled and
+    // its blocks come back while the scheduler keeps running
+    let mut stream = c
+        .generate(pb::GenerateRequest {
+            tokens: tokens(60, 1),
+            max_tokens: 190,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    for _ in 0..2 {
+        assert!(stream.next().await.is_some());
+    }
+    drop(stream);
+    // a deadline cancels too
+    let mut req = tonic::Request::new(pb::GenerateRequest {
+        tokens: tokens(60, 2),
+        max_tokens: 190,
+        ..Default::default()
+    });
+    req.set_timeout(Duration::from_millis(150));
+    let mut stream = c.generate(req).await.unwrap().into_inner();
+    let mut last = None;
+    while let Some(Ok(m)) = stream.next().await {
+        last = Some(m);
+    }
+    let last = last.expect("a final message");
+    assert_eq!(
+        last.finish_reason,
+        pb::FinishReason::Cancelled as i32,
+        "{last:?}"
+    );
+    assert!(last.message.contains("deadline"), "{last:?}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = status(s.addr).await;
+        if st.cancelled == 2 && st.running == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not cancelled: {st:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let pools = wait_whole(cache.addr, GROUP, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(
+        pools.iter().all(|p| p.in_use == 0 && p.fenced == 0),
+        "cancelled blocks released: {pools:?}"
+    );
+    s.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_batch_serves_every_request() {
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let worker = start_worker(small_worker()).await.unwrap();
+    let config = scheduler_svc::Config {
+        policy: Policy::StaticBatch,
+        ..config()
+    };
+    let s = start_scheduler(
+        config,
+        &cache.url(),
+        &[worker.url()],
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let client = scheduler_client(s.addr).await.unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..10 {
+        let mut c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            collect(
+                &mut c,
+                pb::GenerateRequest {
+                    tokens: tokens(30, i),
+                    max_tokens: 20,
+                    ..Default::default()
+                },
+            )
+            .await
+        }));
+    }
+    for t in tasks {
+        let g = t.await.unwrap().unwrap();
+        assert_eq!(g.finish_reason(), pb::FinishReason::Length, "{}", g.message);
+    }
+    let st = status(s.addr).await;
+    assert_eq!(st.policy, pb::CapacityPolicy::StaticBatch as i32);
+    assert_eq!(
+        (st.rejected, st.preemptions, st.finished_length),
+        (0, 0, 10)
+    );
+    s.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_down_fails_fast_and_a_restarted_cache_is_rejoined() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let cache_addr = listener.local_addr().unwrap();
+    drop(listener);
+    let cache = start_cache_at(cache_addr).await;
+    let worker = start_worker(small_worker()).await.unwrap();
+    let s = start_scheduler(
+        config(),
+        &cache.url(),
+        &[worker.url()],
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let mut c = scheduler_client(s.addr).await.unwrap();
+    let before = status(s.addr).await;
+
+    // a long request is running when the cache goes away
+    let long = {
+        let mut c = c.clone();
+        tokio::spawn(async move {
+            collect(
+                &mut c,
+                pb::GenerateRequest {
+                    tokens: tokens(40, 3),
+                    max_tokens: 150,
+                    ..Default::default()
+                },
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    cache.stop().await.unwrap();
+    // new requests fail fast with UNAVAILABLE once the scheduler noticed
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let started = tokio::time::Instant::now();
+        let r = c
+            .generate(pb::GenerateRequest {
+                tokens: vec![1, 2],
+                max_tokens: 2,
+                ..Default::default()
+            })
+            .await;
+        if let Err(e) = r {
+            assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+            assert!(started.elapsed() < Duration::from_millis(500), "fails fast");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never refused");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // the cache comes back (new epoch): the session is re-opened, the
+    // running request is recomputed and finishes, new requests are served
+    let cache = start_cache_at(cache_addr).await;
+    let g = tokio::time::timeout(Duration::from_secs(60), long)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(g.finish_reason(), pb::FinishReason::Length, "{}", g.message);
+    assert_eq!(g.tokens.len(), 150);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let fresh = loop {
+        match collect(
+            &mut c,
+            pb::GenerateRequest {
+                tokens: tokens(20, 4),
+                max_tokens: 5,
+                ..Default::default()
+            },
+        )
+        .await
+        {
+            Ok(g) => break g,
+            Err(e)
+                if e.code() == tonic::Code::Unavailable
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(fresh.finish_reason(), pb::FinishReason::Length);
+    let after = status(s.addr).await;
+    assert_ne!(after.epoch, before.epoch, "new epoch");
+    assert_ne!(after.session_id, 0);
+    s.stop().await.unwrap();
+    cache.stop().await.unwrap();
+}
+
+async fn start_cache_at(addr: std::net::SocketAddr) -> Service {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match start_cache_on(addr).await {
+            Ok(s) => return s,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! Overlap mode: step N+1 is scheduled while step N's forward pass runs, so
+//! a block released during step N must not be handed to another sequence
+//! before step N's forward pass returned. Recording taps in front of the
+//! real cache and worker show when each block changed hands.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use kvlease_integration_tests::tap::{Event, start_taps};
+use kvlease_integration_tests::*;
+use kvlease_proto::v1 as pb;
+
+/// (pool, block) pairs.
+type Blocks = Vec<(u32, u32)>;
+/// Each sequence of a forward pass with its blocks.
+type SeqBlocks = Vec<(u64, Blocks)>;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_released_at_step_n_waits_for_step_n_forward() {
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let worker = start_worker(small_worker()).await.unwrap();
+    let (cache_tap, worker_tap, log) =
+        start_taps(cache.addr, worker.addr, Duration::from_millis(10))
+            .await
+            .unwrap();
+    let config = scheduler_svc::Config {
+        overlap: true,
+        max_context: 256,
+        max_tokens: 64,
+        max_seqs: 16,
+        max_tokens_per_step: 192,
+        ..scheduler_svc::Config::default()
+    };
+    let s = start_scheduler(
+        config,
+        &cache_tap.url(),
+        &[worker_tap.url()],
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let client = scheduler_client(s.addr).await.unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..24u32 {
+        let mut c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let req = pb::GenerateRequest {
+                tokens: (0..40).map(|t| (t * 3 + i * 17) % 250 + 1).collect(),
+                max_tokens: 32,
+                // no sharing: a block is only ever one sequence's
+                cache_salt: format!("tenant-{i}"),
+                ..Default::default()
+            };
+            let mut stream = c.generate(req).await?.into_inner();
+            let mut seen = 0;
+            while let Some(m) = stream.next().await {
+                let m = m?;
+                seen += 1;
+                // every other client goes away mid-generation
+                if i % 2 == 1 && seen == 3 {
+                    return Ok::<_, tonic::Status>(None);
+                }
+                if m.finish_reason != 0 {
+                    return Ok(Some(m.finish_reason));
+                }
+            }
+            Ok(None)
+        }));
+    }
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(120), t)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+    let mut c = client.clone();
+    let status = c
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(status.cancelled, 12, "{status:?}");
+    let pools = wait_whole(cache.addr, GROUP, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(
+        pools.iter().all(|p| p.in_use == 0 && p.fenced == 0),
+        "{pools:?}"
+    );
+    s.stop().await.unwrap();
+
+    let events = log.events();
+    let forwards: Vec<(u64, u64, u64, &SeqBlocks)> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Forward {
+                start,
+                end,
+                step,
+                seqs,
+            } => Some((*start, *end, *step, seqs)),
+            _ => None,
+        })
+        .collect();
+    let acquired: Vec<(u64, u64, &Blocks)> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Acquired {
+                at, seq, blocks, ..
+            } => Some((*at, *seq, blocks)),
+            _ => None,
+        })
+        .collect();
+    // releases of a sequence while a forward pass reading it was in flight
+    let mut in_flight_releases = 0;
+    let mut handed_on_later = 0;
+    for e in &events {
+        let Event::Released { at, seqs, fence } = e else {
+            continue;
+        };
+        for &(start, end, step, fseqs) in &forwards {
+            if !(start < *at && *at < end) {
+                continue;
+            }
+            for (seq, blocks) in fseqs.iter().filter(|(s, _)| seqs.contains(s)) {
+                in_flight_releases += 1;
+                assert!(
+                    fence.is_some_and(|f| f >= step),
+                    "release during step {step} not fenced: {fence:?}"
+                );
+                for &(a, other, got) in &acquired {
+                    if other == *seq || !got.iter().any(|b| blocks.contains(b)) {
+                        continue;
+                    }
+                    assert!(
+                        !(*at < a && a < end),
+                        "a block of seq {seq} (released while step {step} ran) went to seq {other} before that forward returned"
+                    );
+                    if a > end {
+                        handed_on_later += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        in_flight_releases > 0,
+        "the scenario happened: releases while a forward pass ran"
+    );
+    assert!(
+        handed_on_later > 0,
+        "and their blocks were handed on afterwards"
+    );
+    // and in general: no block of a running forward pass is handed to
+    // another sequence while that pass runs
+    for &(start, end, step, fseqs) in &forwards {
+        for (seq, blocks) in fseqs {
+            for &(a, other, got) in &acquired {
+                if other != *seq && start < a && a < end {
+                    assert!(
+                        !got.iter().any(|b| blocks.contains(b)),
+                        "step {step}: seq {other} got a block of seq {seq} mid-forward"
+                    );
+                }
+            }
+        }
+    }
+    cache_tap.stop().await.unwrap();
+    worker_tap.stop().await.unwrap();
+}

@@ -1,0 +1,180 @@
+//! The warm-up scenario: a pool too small for one warm-up shape fails
+//! start-up with a clear error in bounded time and leaves the pool whole;
+//! draft tokens are counted in the warm-up estimate; an atomic warm-up lease
+//! that is refused takes nothing.
+
+use std::time::Duration;
+
+use kvlease_integration_tests::*;
+use kvlease_proto::v1 as pb;
+
+/// The small worker's pools hold 20 blocks of 16 tokens: 320 slots.
+const POOL_SLOTS: u32 = 320;
+
+fn scheduler(max_context: u32, spec_draft_k: u32) -> scheduler_svc::Config {
+    scheduler_svc::Config {
+        max_context,
+        max_tokens: 64,
+        max_seqs: 8,
+        max_tokens_per_step: 192,
+        spec_draft_k,
+        warmup_deadline_ms: 30_000,
+        ..scheduler_svc::Config::default()
+    }
+}
+
+async fn start_up(
+    config: scheduler_svc::Config,
+    cache: &Service,
+    worker: &Service,
+) -> Result<(), scheduler_svc::Error> {
+    let (cache, workers) = (cache.url(), [worker.url()]);
+    let bounded = tokio::time::timeout(
+        Duration::from_secs(60),
+        run_scheduler_start(config, &cache, &workers),
+    );
+    bounded.await.expect("start-up ends in bounded time")
+}
+
+async fn assert_whole(cache: &Service) {
+    let pools = pool_stats(cache.addr, GROUP).await.unwrap();
+    assert_eq!(pools.len(), 2, "both pools registered");
+    for p in pools {
+        assert_eq!(
+            (p.in_use, p.fenced),
+            (0, 0),
+            "pool of window {} left whole",
+            p.window
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_too_small_for_the_longest_shape_fails_start_up_and_stays_whole() {
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let worker = start_worker(small_worker()).await.unwrap();
+    let started = std::time::Instant::now();
+    let err = start_up(scheduler(512, 0), &cache, &worker).await.err();
+    assert!(started.elapsed() < Duration::from_secs(30));
+    let message = err.as_ref().map(ToString::to_string).unwrap_or_default();
+    assert!(
+        matches!(err, Some(scheduler_svc::Error::WarmupDoesNotFit { ref shape, window: 0, needed: 32, available: 20, .. }) if shape == "longest"),
+        "{message}"
+    );
+    assert!(
+        message.contains("start-up aborted") && message.contains("needs 32 blocks"),
+        "{message}"
+    );
+    assert_whole(&cache).await;
+}
+
+/// 321 - 1 slots fill the 20 blocks exactly; four draft slots need a 21st.
+/// A warm-up that forgot the drafts would start here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draft_tokens_are_counted_in_the_warm_up_estimate() {
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let worker = start_worker(small_worker()).await.unwrap();
+    let max_context = POOL_SLOTS + 1;
+    // without speculation the same limits fit, and the warm-up really runs
+    let ok = start_up(scheduler(max_context, 0), &cache, &worker).await;
+    assert!(ok.is_ok(), "{ok:?}");
+    assert_whole(&cache).await;
+    let err = start_up(scheduler(max_context, 4), &cache, &worker)
+        .await
+        .err();
+    let message = err.as_ref().map(ToString::to_string).unwrap_or_default();
+    assert!(
+        matches!(
+            err,
+            Some(scheduler_svc::Error::WarmupDoesNotFit {
+                window: 0,
+                needed: 21,
+                available: 20,
+                ..
+            })
+        ),
+        "{message}"
+    );
+    assert!(message.contains("4 draft tokens"), "{message}");
+    assert_whole(&cache).await;
+}
+
+/// Another holder keeps half of the full pool: the estimate fits (it is
+/// about empty pools) but the atomic warm-up lease is refused, start-up
+/// fails, and the pool holds exactly the other holder's blocks afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_atomic_warm_up_takes_nothing() {
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let worker = start_worker(small_worker()).await.unwrap();
+    let mut w = worker_client(worker.addr).await.unwrap();
+    let d = w
+        .describe(pb::DescribeRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let mut c = cache_client(cache.addr).await.unwrap();
+    c.register_pool(pb::RegisterPoolRequest {
+        pool_group: GROUP.into(),
+        tokens_per_block: d.tokens_per_block,
+        pools: d
+            .pools
+            .iter()
+            .map(|p| pb::PoolSpec {
+                window: p.window,
+                num_blocks: p.num_blocks,
+            })
+            .collect(),
+    })
+    .await
+    .unwrap();
+    let s = c
+        .open_session(pb::OpenSessionRequest {
+            holder: "squatter".into(),
+            ttl_ms: 60_000,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let lease = c
+        .lease(pb::LeaseRequest {
+            session_id: s.session_id,
+            epoch: s.epoch,
+            step: 1,
+            atomic: true,
+            warmup: false,
+            sequences: vec![pb::SequenceSpec {
+                seq_id: 1,
+                pool_group: GROUP.into(),
+                num_tokens: 160,
+                ..Default::default()
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(matches!(
+        lease.outcomes[0].outcome,
+        Some(pb::sequence_outcome::Outcome::Grant(_))
+    ));
+    let held = pool_stats(cache.addr, GROUP).await.unwrap();
+
+    let err = start_up(scheduler(POOL_SLOTS + 1, 0), &cache, &worker)
+        .await
+        .err();
+    let message = err.as_ref().map(ToString::to_string).unwrap_or_default();
+    assert!(
+        matches!(err, Some(scheduler_svc::Error::WarmupRejected { .. })),
+        "{message}"
+    );
+    assert!(message.contains("pool exhausted"), "{message}");
+    let after = pool_stats(cache.addr, GROUP).await.unwrap();
+    for (b, a) in held.iter().zip(&after) {
+        assert_eq!(
+            (a.in_use, a.fenced),
+            (b.in_use, b.fenced),
+            "window {}: warm-up left nothing",
+            a.window
+        );
+    }
+    assert!(after.iter().any(|p| p.in_use == 10), "{after:?}");
+}
