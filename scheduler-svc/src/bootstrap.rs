@@ -154,6 +154,7 @@ async fn warm_up(
                 let seq_id = *next_seq + u64::from(n);
                 LeaseSpec {
                     seq_id,
+                    request: 0,
                     pool_group: group.name.clone(),
                     // distinct per sequence so nothing is shared between them
                     prompt_tokens: (0..shape.prompt_len).map(|p| (p + n) % 250 + 1).collect(),

@@ -167,6 +167,8 @@ pub enum Outcome {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseSpec {
     pub seq_id: SeqId,
+    /// The request the sequence serves (scheduler-side only, not sent).
+    pub request: RequestId,
     pub pool_group: String,
     pub prompt_tokens: Vec<u32>,
     pub extra: Extra,

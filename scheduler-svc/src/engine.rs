@@ -14,22 +14,28 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use kvlease_telemetry::attributes::REJECT_SPAN;
+use kvlease_telemetry::opentelemetry::Context;
+use kvlease_telemetry::opentelemetry::trace::TraceContextExt;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
 use crate::client::{CacheClient, WorkerClient};
 use crate::config::OnCacheRestart;
-use crate::domain::{ForwardResult, GroupGeometry, Outcome, Output, RequestId};
+use crate::domain::{ForwardResult, GroupGeometry, Outcome, Output, RequestId, SeqId};
 use crate::error::{Error, Result};
 use crate::queue::Request;
 use crate::step::{Core, CoreConfig, Counters};
 
-/// A request handed to the loop, with the stream its outputs go to.
+/// A request handed to the loop, with the stream its outputs go to and the
+/// trace context of its `Generate` call (the cache and worker calls made for
+/// it are parented on it, so one request is one trace).
 #[derive(Debug)]
 pub struct Submission {
     pub request: Request,
     pub events: mpsc::UnboundedSender<Output>,
+    pub trace: Context,
 }
 
 /// What `GetStatus` shows of the loop.
@@ -60,10 +66,18 @@ impl EngineHandle {
 
     /// Hands a request to the loop; its outputs arrive on the receiver, the
     /// last one being `Output::Finished`. Dropping the receiver cancels it.
-    pub fn submit(&self, request: Request) -> Result<mpsc::UnboundedReceiver<Output>> {
+    pub fn submit(
+        &self,
+        request: Request,
+        trace: Context,
+    ) -> Result<mpsc::UnboundedReceiver<Output>> {
         let (events, rx) = mpsc::unbounded_channel();
         self.submit
-            .send(Submission { request, events })
+            .send(Submission {
+                request,
+                events,
+                trace,
+            })
             .map_err(|_| Error::ShuttingDown)?;
         Ok(rx)
     }
@@ -100,6 +114,10 @@ pub struct Engine {
     step: u64,
     steps_run: u64,
     streams: HashMap<RequestId, mpsc::UnboundedSender<Output>>,
+    /// Trace context of each live request.
+    traces: HashMap<RequestId, Context>,
+    /// Trace context of each leased (or leasing) sequence, until released.
+    seq_traces: HashMap<SeqId, Context>,
     intake: mpsc::UnboundedReceiver<Submission>,
     status: watch::Sender<StatusSnapshot>,
     session_lost: Arc<AtomicBool>,
@@ -144,6 +162,8 @@ impl Engine {
             workers,
             steps_run: 0,
             streams: HashMap::new(),
+            traces: HashMap::new(),
+            seq_traces: HashMap::new(),
             intake,
             status,
             session_lost,
@@ -224,6 +244,7 @@ impl Engine {
     fn accept(&mut self, sub: Submission) {
         let id = sub.request.id;
         self.streams.insert(id, sub.events);
+        self.traces.insert(id, sub.trace);
         self.core.submit(sub.request);
         self.route_outputs();
     }
@@ -279,9 +300,10 @@ impl Engine {
         if specs.is_empty() {
             return;
         }
-        match self.cache.extend(step, &specs).await {
+        let span = self.batch_span("extend", step, specs.iter().map(|s| s.seq_id));
+        match self.cache.extend(step, &specs).instrument(span).await {
             Ok(outcomes) => {
-                trace_rejects("Extend", &outcomes);
+                self.trace_rejects("Extend", &outcomes);
                 self.core.apply_extends(outcomes)
             }
             Err(e) => {
@@ -301,12 +323,32 @@ impl Engine {
         if specs.is_empty() {
             return;
         }
-        match self.cache.lease(step, false, false, &specs).await {
+        for spec in &specs {
+            if let Some(cx) = self.traces.get(&spec.request) {
+                self.seq_traces.insert(spec.seq_id, cx.clone());
+            }
+        }
+        let span = self.batch_span("lease", step, specs.iter().map(|s| s.seq_id));
+        match self
+            .cache
+            .lease(step, false, false, &specs)
+            .instrument(span)
+            .await
+        {
             Ok(outcomes) => {
-                trace_rejects("Lease", &outcomes);
+                self.trace_rejects("Lease", &outcomes);
+                for o in &outcomes {
+                    // a refused lease holds nothing: the sequence id is done
+                    if let Outcome::Reject(r) = o {
+                        self.seq_traces.remove(&r.seq_id);
+                    }
+                }
                 self.core.apply_leases(outcomes)
             }
             Err(e) => {
+                for spec in &specs {
+                    self.seq_traces.remove(&spec.seq_id);
+                }
                 self.core.leases_failed();
                 self.note("Lease", &e);
             }
@@ -324,10 +366,11 @@ impl Engine {
                 self.core.forward_failed(g, "no worker for the group");
                 continue;
             };
-            tasks.push((
-                g,
-                tokio::spawn(async move { worker.forward(step, &items).await }),
-            ));
+            let span = self.batch_span("forward", step, items.iter().map(|i| i.seq_id));
+            let call = async move { worker.forward(step, &items).await }.instrument(span);
+            // the spawned task runs outside the loop's logical-service context
+            let call = kvlease_telemetry::in_service(crate::server::SERVICE, call);
+            tasks.push((g, tokio::spawn(call)));
         }
         self.steps_run += 1;
         self.in_flight = Some(InFlight { step, tasks });
@@ -370,8 +413,12 @@ impl Engine {
         if ids.is_empty() {
             return;
         }
-        match self.cache.release(&ids, fence).await {
+        let span = self.batch_span("release", fence.unwrap_or(self.step), ids.iter().copied());
+        match self.cache.release(&ids, fence).instrument(span).await {
             Ok((freed, fenced)) => {
+                for id in &ids {
+                    self.seq_traces.remove(id);
+                }
                 tracing::debug!(
                     sequences = ids.len(),
                     freed,
@@ -384,7 +431,12 @@ impl Engine {
                 self.core.restore_releases(ids);
                 self.note("Release", &e);
             }
-            Err(e) => self.note("Release", &e),
+            Err(e) => {
+                for id in &ids {
+                    self.seq_traces.remove(id);
+                }
+                self.note("Release", &e);
+            }
         }
     }
 
@@ -437,6 +489,7 @@ impl Engine {
         self.core.set_groups(groups);
         let recompute = self.config.on_cache_restart == OnCacheRestart::Recompute;
         self.core.leases_lost(recompute);
+        self.seq_traces.clear();
         self.pending_complete = None;
         self.session_lost.store(false, Ordering::Relaxed);
         tracing::info!(
@@ -460,7 +513,68 @@ impl Engine {
             }
             if last {
                 self.streams.remove(&id);
+                self.traces.remove(&id);
             }
+        }
+    }
+
+    /// A span for one batched call, parented on the trace of the batch's
+    /// first request and linked to (some of) the others.
+    fn batch_span(
+        &self,
+        name: &'static str,
+        step: u64,
+        seqs: impl Iterator<Item = SeqId>,
+    ) -> tracing::Span {
+        const MAX_LINKS: usize = 16;
+        let span = tracing::info_span!(parent: None, "scheduler.batch", otel.name = name, kvlease.step = step as i64);
+        let mut parented = false;
+        let mut links = 0;
+        for seq in seqs {
+            let Some(cx) = self.seq_traces.get(&seq) else {
+                continue;
+            };
+            if !parented {
+                let _ = kvlease_telemetry::set_parent(&span, cx.clone());
+                parented = true;
+            } else if links < MAX_LINKS {
+                kvlease_telemetry::add_link(
+                    &span,
+                    cx.span().span_context().clone(),
+                    "batched_with",
+                );
+                links += 1;
+            } else {
+                break;
+            }
+        }
+        span
+    }
+
+    /// One error span per refused sequence, in the trace of its request
+    /// (the batch call itself is fine).
+    fn trace_rejects(&self, method: &'static str, outcomes: &[Outcome]) {
+        for outcome in outcomes {
+            let Outcome::Reject(r) = outcome else {
+                continue;
+            };
+            let figures = kvlease_telemetry::RejectFigures {
+                seq_id: r.seq_id,
+                reason: r.reason.protocol_name(),
+                pool_id: r.pool_id,
+                window: r.window,
+                blocks_needed: r.blocks_needed,
+                blocks_free: r.blocks_free,
+                blocks_pending_free: r.blocks_pending_free,
+                message: &r.message,
+            };
+            let span = tracing::info_span!(parent: None, "kvlease.reject", otel.name = REJECT_SPAN);
+            if let Some(cx) = self.seq_traces.get(&r.seq_id) {
+                let _ = kvlease_telemetry::set_parent(&span, cx.clone());
+            }
+            kvlease_telemetry::record_reject(&span, &figures);
+            tracing::debug!(method, seq_id = r.seq_id, reason = %r.reason, blocks_needed = r.blocks_needed,
+                blocks_free = r.blocks_free, blocks_pending_free = r.blocks_pending_free, "sequence refused");
         }
     }
 
@@ -481,26 +595,6 @@ impl Engine {
             *s = snapshot;
             changed
         });
-    }
-}
-
-/// One error span per refused sequence (the batch call itself is fine).
-fn trace_rejects(method: &'static str, outcomes: &[Outcome]) {
-    for outcome in outcomes {
-        if let Outcome::Reject(r) = outcome {
-            let _span = kvlease_telemetry::reject_span(&kvlease_telemetry::RejectFigures {
-                seq_id: r.seq_id,
-                reason: r.reason.protocol_name(),
-                pool_id: r.pool_id,
-                window: r.window,
-                blocks_needed: r.blocks_needed,
-                blocks_free: r.blocks_free,
-                blocks_pending_free: r.blocks_pending_free,
-                message: &r.message,
-            });
-            tracing::debug!(method, seq_id = r.seq_id, reason = %r.reason, blocks_needed = r.blocks_needed,
-                blocks_free = r.blocks_free, blocks_pending_free = r.blocks_pending_free, "sequence refused");
-        }
     }
 }
 

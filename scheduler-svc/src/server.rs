@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::service::{Limits, SchedulerService};
 
 /// The service name in traces.
-const SERVICE: &str = "kvlease-scheduler";
+pub const SERVICE: &str = "kvlease-scheduler";
 
 /// Runs the scheduler on `listener` until `shutdown` resolves. Start-up
 /// (session, pool registration, warm-up) happens first and its failure is

@@ -284,7 +284,9 @@ impl Scheduler for SchedulerService {
         }
         tracing::debug!(request = id, request_id = %req.request_id, prompt_tokens = r.prompt.len(),
             max_tokens = r.max_tokens, "generate");
-        let rx = self.engine.submit(r)?;
+        let rx = self
+            .engine
+            .submit(r, kvlease_telemetry::current_context())?;
         Ok(Response::new(response_stream(rx, is_text, deadline)))
     }
 

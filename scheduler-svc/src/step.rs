@@ -492,6 +492,7 @@ impl Core {
             let lease_len = u32::try_from(context.len()).unwrap_or(u32::MAX);
             leases.push(LeaseSpec {
                 seq_id,
+                request: request.id,
                 pool_group: group.name.clone(),
                 prompt_tokens: context,
                 extra,

@@ -61,16 +61,29 @@ pub fn shapes(limits: WarmupLimits, group: &GroupGeometry) -> Vec<WarmupShape> {
         max_new_tokens: max_tokens,
         extra,
     };
-    let width = limits.max_seqs.min(group.max_batch_sequences).max(1);
+    // The widest batch: as many sequences as may run at once, but no more
+    // than the pools can hold side by side. A pool too small for the
+    // configured concurrency limits it (admission never exceeds the pools);
+    // only the longest request is a hard requirement, since a request that
+    // passes validation must be servable.
     let step_tokens = limits
         .max_tokens_per_step
         .min(group.max_batch_tokens)
         .max(1);
-    let per_seq = (step_tokens / width).clamp(1, group.tokens_per_block.max(1));
+    let mut width = limits.max_seqs.min(group.max_batch_sequences).max(1);
+    let per_seq = |width: u32| (step_tokens / width).clamp(1, group.tokens_per_block.max(1));
+    let widest_life = |width: u32| per_seq(width) + 1 + extra.total();
+    while width > 1
+        && group.pools.iter().any(|p| {
+            width.saturating_mul(group.blocks_for(widest_life(width), p.window)) > p.num_blocks
+        })
+    {
+        width -= 1;
+    }
     let widest = WarmupShape {
         name: "widest",
         num_seqs: width,
-        prompt_len: per_seq,
+        prompt_len: per_seq(width),
         max_new_tokens: 2,
         extra,
     };
@@ -151,6 +164,21 @@ mod tests {
         assert_eq!(s[1].num_seqs, 4);
         assert_eq!(s[1].prompt_len, 16);
         assert_eq!(s[1].extra.draft, 4);
+    }
+
+    #[test]
+    fn widest_batch_is_limited_by_the_pools() {
+        let g = group(6);
+        let s = shapes(
+            WarmupLimits {
+                max_context: 64,
+                ..limits(0)
+            },
+            &g,
+        );
+        // 4 sequences of 16 + 1 slots need 2 blocks each: only 3 fit in 6
+        assert_eq!((s[1].num_seqs, s[1].prompt_len), (3, 16));
+        assert!(check(&s, &g).is_ok());
     }
 
     /// 127 slots without drafts fit in 8 blocks of 16; the 4 draft slots make
