@@ -27,12 +27,13 @@ struct Outcome {
     total_blocks: u32,
 }
 
-async fn over_subscribe(policy: Policy, on_exhausted: OnExhausted) -> Outcome {
+async fn over_subscribe(policy: Policy, on_exhausted: OnExhausted, overlap: bool) -> Outcome {
     let cache = start_cache(cache_svc::Config::default()).await.unwrap();
     let worker = start_worker(small_worker()).await.unwrap();
     let config = scheduler_svc::Config {
         policy,
         on_exhausted,
+        overlap,
         max_preemptions: 3,
         max_seqs: 16,
         max_tokens_per_step: 192,
@@ -156,7 +157,7 @@ fn check_common(o: &Outcome) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_utilization_preempt_survives_ten_times_over_subscription() {
-    let o = over_subscribe(Policy::MaxUtilization, OnExhausted::Preempt).await;
+    let o = over_subscribe(Policy::MaxUtilization, OnExhausted::Preempt, false).await;
     check_common(&o);
     let completed = o
         .results
@@ -176,8 +177,8 @@ async fn max_utilization_preempt_survives_ten_times_over_subscription() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn max_utilization_reject_survives_ten_times_over_subscription() {
-    let o = over_subscribe(Policy::MaxUtilization, OnExhausted::Reject).await;
+async fn max_utilization_reject_survives_ten_times_over_subscription_with_overlap() {
+    let o = over_subscribe(Policy::MaxUtilization, OnExhausted::Reject, true).await;
     check_common(&o);
     assert!(
         o.status.rejected > 0,
@@ -188,7 +189,7 @@ async fn max_utilization_reject_survives_ten_times_over_subscription() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guaranteed_no_evict_never_rejects_an_admitted_request() {
-    let o = over_subscribe(Policy::GuaranteedNoEvict, OnExhausted::Preempt).await;
+    let o = over_subscribe(Policy::GuaranteedNoEvict, OnExhausted::Preempt, false).await;
     check_common(&o);
     for r in &o.results {
         assert_eq!(r.finish_reason(), pb::FinishReason::Length, "{}", r.message);

@@ -79,6 +79,16 @@ async fn draft_tokens_are_counted_in_the_warm_up_estimate() {
     let ok = start_up(scheduler(max_context, 0), &cache, &worker).await;
     assert!(ok.is_ok(), "{ok:?}");
     assert_whole(&cache).await;
+    // warm-up traffic stays out of the hit-rate figures
+    for p in pool_stats(cache.addr, GROUP).await.unwrap() {
+        assert_eq!(
+            (p.reuse_lookups, p.reuse_hits),
+            (0, 0),
+            "window {}",
+            p.window
+        );
+        assert!(p.grants > 0, "warm-up leased in window {}", p.window);
+    }
     let err = start_up(scheduler(max_context, 4), &cache, &worker)
         .await
         .err();

@@ -433,8 +433,15 @@ impl Core {
         }
         let mut loads: Vec<Vec<PoolLoad>> = (0..self.groups.len()).map(|g| self.loads(g)).collect();
         let mut per_group: Vec<u32> = vec![0; self.groups.len()];
+        // running sequences not planned yet (in flight under overlap, or
+        // left without budget) keep a token each: newcomers never take the
+        // decode budget of running requests
+        let mut reserve: Vec<u32> = vec![0; self.groups.len()];
         for seq in self.running.values() {
             per_group[seq.group] += 1;
+            if seq.planned.is_none() {
+                reserve[seq.group] += 1;
+            }
         }
         for l in &self.leasing {
             per_group[l.group] += 1;
@@ -454,7 +461,7 @@ impl Core {
             let mut chosen: Option<(usize, u32)> = None;
             let mut never = 0;
             for (g, group) in self.groups.iter().enumerate() {
-                if per_group[g] >= group.max_batch_sequences || self.budget[g] == 0 {
+                if per_group[g] >= group.max_batch_sequences || self.budget[g] <= reserve[g] {
                     continue;
                 }
                 match policy.admit(group, &loads[g], demand, self.batch_open) {
@@ -507,7 +514,7 @@ impl Core {
                 .prefill_chunk
                 .max(1)
                 .min(lease_len)
-                .min(self.budget[g]);
+                .min(self.budget[g].saturating_sub(reserve[g]));
             self.budget[g] -= first;
             self.leasing.push(Leasing {
                 seq_id,

@@ -543,3 +543,55 @@ fn drafts_never_overshoot_max_tokens() {
     assert_eq!(tokens_of(&out, 1).len(), 3);
     assert_eq!(finishes(&out), vec![(1, Finish::Length)]);
 }
+
+#[test]
+fn newcomers_do_not_take_the_decode_budget_of_running_requests() {
+    // overlap order: admission runs before the running sequences are planned
+    let config = CoreConfig {
+        max_tokens_per_step: 8,
+        prefill_chunk: 8,
+        ..CoreConfig::default()
+    };
+    let mut c = Core::new(config, vec![group(100)]);
+    for id in 1..=3 {
+        c.submit(request(id, 2, 8));
+    }
+    step_granting(&mut c, 1); // three running sequences, now decoding
+    c.submit(request(4, 20, 4));
+    c.begin_step();
+    let leases = c.plan_admission();
+    c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
+    let e = c.plan_extends();
+    assert_eq!(e.len(), 3, "every running request still decodes this step");
+    c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
+    let b = c.plan_forward();
+    let tokens: usize = b[0].1.iter().map(|i| i.tokens.len()).sum();
+    assert_eq!(tokens, 8);
+    assert_eq!(
+        b[0].1
+            .iter()
+            .find(|i| i.seq_id == 4)
+            .map(|i| i.tokens.len()),
+        Some(5)
+    );
+}
+
+#[test]
+fn lost_leases_can_be_rejected_cleanly() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 4, 8));
+    c.submit(request(2, 4, 8));
+    step_granting(&mut c, 5);
+    c.cancel(2, "gone");
+    c.drain_outputs();
+    c.leases_lost(false);
+    let out = c.drain_outputs();
+    assert!(
+        matches!(&finishes(&out)[..], [(1, Finish::Rejected(r))] if r.message.contains("restarted"))
+    );
+    assert!(
+        c.take_releases().is_empty(),
+        "the old session's releases are moot"
+    );
+    assert!(c.is_idle());
+}
