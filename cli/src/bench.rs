@@ -158,7 +158,10 @@ struct Counts {
 
 impl Counts {
     fn message(&self) -> String {
-        format!("ok {} rejected {} failed {}", self.ok, self.rejected, self.other)
+        format!(
+            "ok {} rejected {} failed {}",
+            self.ok, self.rejected, self.other
+        )
     }
 }
 
@@ -250,7 +253,10 @@ pub fn finish_of(msg: &pb::GenerateResponse) -> Finish {
             msg.reject
                 .as_ref()
                 .and_then(|r| pb::RejectReason::try_from(r.reason).ok())
-                .map_or_else(|| "UNSPECIFIED".to_string(), |r| r.as_str_name().to_string()),
+                .map_or_else(
+                    || "UNSPECIFIED".to_string(),
+                    |r| r.as_str_name().to_string(),
+                ),
         ),
         F::Cancelled => Finish::Cancelled(msg.message.clone()),
         F::Error => Finish::Error(msg.message.clone()),

@@ -36,7 +36,11 @@ impl ClusterConfig {
     /// 50051 these are the services' own defaults). Port 0 = ephemeral ports.
     pub fn on_ports(host: std::net::IpAddr, base_port: u16, workers: usize) -> Self {
         let at = |offset: u16| {
-            let port = if base_port == 0 { 0 } else { base_port.saturating_add(offset) };
+            let port = if base_port == 0 {
+                0
+            } else {
+                base_port.saturating_add(offset)
+            };
             SocketAddr::new(host, port)
         };
         Self {
@@ -119,11 +123,14 @@ impl Cluster {
                 ..config.worker.clone()
             };
             let stop = stopped(rest_rx.clone());
-            tasks.spawn(kvlease_telemetry::in_service("kvlease-worker", async move {
-                worker_svc::run(listener, worker_config, stop)
-                    .await
-                    .map_err(|e| failed("worker", e))
-            }));
+            tasks.spawn(kvlease_telemetry::in_service(
+                "kvlease-worker",
+                async move {
+                    worker_svc::run(listener, worker_config, stop)
+                        .await
+                        .map_err(|e| failed("worker", e))
+                },
+            ));
         }
         let scheduler_config = scheduler_svc::Config {
             listen: scheduler,
@@ -133,11 +140,14 @@ impl Cluster {
         };
         let mut scheduler_task = JoinSet::new();
         let stop = stopped(scheduler_rx);
-        scheduler_task.spawn(kvlease_telemetry::in_service("kvlease-scheduler", async move {
-            scheduler_svc::run(scheduler_listener, scheduler_config, stop)
-                .await
-                .map_err(|e| failed("scheduler", e))
-        }));
+        scheduler_task.spawn(kvlease_telemetry::in_service(
+            "kvlease-scheduler",
+            async move {
+                scheduler_svc::run(scheduler_listener, scheduler_config, stop)
+                    .await
+                    .map_err(|e| failed("scheduler", e))
+            },
+        ));
         let mut cluster = Self {
             scheduler,
             cache,

@@ -24,7 +24,10 @@ pub async fn up(config: ClusterConfig, shutdown: impl Future<Output = ()>) -> Re
     let workers = config.worker_listens.len();
     println!("kvlease up: starting cache, {workers} worker(s) and scheduler ...");
     let mut cluster = Cluster::start(config).await?;
-    println!("  scheduler  {}   (kvlease generate / bench / status talk to this)", cluster.scheduler);
+    println!(
+        "  scheduler  {}   (kvlease generate / bench / status talk to this)",
+        cluster.scheduler
+    );
     println!("  cache      {}", cluster.cache);
     for (i, w) in cluster.workers.iter().enumerate() {
         println!("  worker-{}   {w}", i + 1);
@@ -80,7 +83,11 @@ pub async fn generate(options: GenerateOptions) -> Result<bool> {
     let mut finish = Finish::Failed("stream ended without a finish reason".into());
     let mut preemptions = 0;
     let mut first = true;
-    while let Some(msg) = stream.message().await.map_err(|s| Error::rpc("Generate", s))? {
+    while let Some(msg) = stream
+        .message()
+        .await
+        .map_err(|s| Error::rpc("Generate", s))?
+    {
         if first {
             reused = msg.reused_tokens;
             first = false;
@@ -98,7 +105,12 @@ pub async fn generate(options: GenerateOptions) -> Result<bool> {
                 eprintln!(
                     "\nrejected: {} (pool {} window {}: needed {} blocks, {} free, {} pending free) {}",
                     pb::RejectReason::try_from(r.reason).map_or("UNSPECIFIED", |r| r.as_str_name()),
-                    r.pool_id, r.window, r.blocks_needed, r.blocks_free, r.blocks_pending_free, r.message
+                    r.pool_id,
+                    r.window,
+                    r.blocks_needed,
+                    r.blocks_free,
+                    r.blocks_pending_free,
+                    r.message
                 );
             }
         }
@@ -107,7 +119,10 @@ pub async fn generate(options: GenerateOptions) -> Result<bool> {
     eprintln!(
         "[{finish:?}: {tokens} tokens in {:.0} ms, first after {}, {reused} prompt tokens reused, {preemptions} preemption(s)]",
         sent.elapsed().as_secs_f64() * 1000.0,
-        first_token.map_or_else(|| "-".into(), |d| format!("{:.0} ms", d.as_secs_f64() * 1000.0)),
+        first_token.map_or_else(
+            || "-".into(),
+            |d| format!("{:.0} ms", d.as_secs_f64() * 1000.0)
+        ),
     );
     Ok(finish.is_ok())
 }
@@ -117,7 +132,12 @@ pub async fn generate(options: GenerateOptions) -> Result<bool> {
 pub enum Source {
     Synthetic(Synthetic),
     /// A Mooncake trace; `replay` keeps its arrival times.
-    Trace { path: PathBuf, expand: Expand, limit: usize, replay: bool },
+    Trace {
+        path: PathBuf,
+        expand: Expand,
+        limit: usize,
+        replay: bool,
+    },
 }
 
 /// `kvlease bench`: drives the workload, prints the closing table and the
@@ -125,7 +145,12 @@ pub enum Source {
 pub async fn bench(scheduler: &str, source: Source, load: Load) -> Result<Summary> {
     let requests = match &source {
         Source::Synthetic(s) => s.requests(),
-        Source::Trace { path, expand, limit, replay } => {
+        Source::Trace {
+            path,
+            expand,
+            limit,
+            replay,
+        } => {
             let records = mooncake::read(path)?;
             let mut requests = mooncake::expand(&records, *expand);
             if *limit > 0 {
@@ -148,7 +173,8 @@ pub async fn bench(scheduler: &str, source: Source, load: Load) -> Result<Summar
         requests.len(),
         prompt,
         load.concurrency,
-        load.rate.map_or_else(String::new, |r| format!(", {r} req/s")),
+        load.rate
+            .map_or_else(String::new, |r| format!(", {r} req/s")),
     );
     let t0 = Instant::now();
     let outcomes = bench::drive(client.clone(), requests, &load).await;

@@ -6,9 +6,9 @@ use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::scheduler_client::SchedulerClient;
 use tonic::transport::{Channel, Endpoint};
+use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::HealthCheckRequest;
 
 use crate::error::{Error, Result};
 
@@ -42,12 +42,16 @@ pub async fn channel(addr: &str, connect_timeout: Duration) -> Result<Channel> {
 
 /// A scheduler client.
 pub async fn scheduler(addr: &str) -> Result<SchedulerClient<Channel>> {
-    Ok(SchedulerClient::new(channel(addr, Duration::from_secs(5)).await?))
+    Ok(SchedulerClient::new(
+        channel(addr, Duration::from_secs(5)).await?,
+    ))
 }
 
 /// A cache client.
 pub async fn cache(addr: &str) -> Result<CacheServiceClient<Channel>> {
-    Ok(CacheServiceClient::new(channel(addr, Duration::from_secs(5)).await?))
+    Ok(CacheServiceClient::new(
+        channel(addr, Duration::from_secs(5)).await?,
+    ))
 }
 
 /// The scheduler's status.
@@ -120,6 +124,9 @@ mod tests {
             .map(|a| a.port())
             .unwrap_or(1);
         let r = health(&format!("127.0.0.1:{port}"), "", Duration::from_secs(2)).await;
-        assert!(matches!(r, Err(Error::Connect { .. } | Error::Timeout { .. })), "{r:?}");
+        assert!(
+            matches!(r, Err(Error::Connect { .. } | Error::Timeout { .. })),
+            "{r:?}"
+        );
     }
 }

@@ -13,6 +13,8 @@ use kvlease_proto::v1 as pb;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use scheduler_svc::policy::{OnExhausted, Policy};
+
 use crate::bench::{self, Load};
 use crate::cluster::{Cluster, ClusterConfig};
 use crate::connect;
@@ -30,7 +32,8 @@ pub struct DemoOptions {
     /// Worker memory budget in MiB; it sizes the KV pool.
     pub memory_budget_mib: u64,
     /// Under max-utilization, a mid-flight exhaustion: preempt or reject.
-    pub on_exhausted: scheduler_svc::policy::OnExhausted,
+    /// One phase (a fresh cluster) per mode, in order.
+    pub modes: Vec<OnExhausted>,
     /// Preemptions a request may suffer before it is rejected.
     pub max_preemptions: u32,
     pub seed: u64,
@@ -39,10 +42,10 @@ pub struct DemoOptions {
 impl Default for DemoOptions {
     fn default() -> Self {
         Self {
-            requests: 48,
-            concurrency: 48,
-            memory_budget_mib: 6,
-            on_exhausted: scheduler_svc::policy::OnExhausted::Preempt,
+            requests: 40,
+            concurrency: 40,
+            memory_budget_mib: 5,
+            modes: vec![OnExhausted::Preempt, OnExhausted::Reject],
             max_preemptions: 1,
             seed: 7,
         }
@@ -58,7 +61,7 @@ pub fn demo_worker(memory_budget_mib: u64) -> worker_svc::Config {
         num_kv_heads: 2,
         head_dim: 16,
         ffn_size: 192,
-        max_context: 256,
+        max_context: 384,
         memory_budget_mib,
         max_batch_sequences: 64,
         max_batch_tokens: 512,
@@ -68,15 +71,15 @@ pub fn demo_worker(memory_budget_mib: u64) -> worker_svc::Config {
 }
 
 /// The cluster the demo runs: ephemeral loopback ports, one small worker.
-pub fn demo_cluster(options: &DemoOptions) -> ClusterConfig {
+pub fn demo_cluster(options: &DemoOptions, mode: OnExhausted) -> ClusterConfig {
     let mut config = ClusterConfig::on_ports(IpAddr::V4(Ipv4Addr::LOCALHOST), 0, 1);
     config.worker = demo_worker(options.memory_budget_mib);
     config.scheduler = scheduler_svc::Config {
-        policy: scheduler_svc::policy::Policy::MaxUtilization,
-        on_exhausted: options.on_exhausted,
+        policy: Policy::MaxUtilization,
+        on_exhausted: mode,
         max_preemptions: options.max_preemptions,
         max_seqs: 32,
-        max_tokens: 96,
+        max_tokens: 128,
         max_tokens_per_step: 512,
         prefill_chunk: 128,
         ..scheduler_svc::Config::default()
@@ -85,7 +88,7 @@ pub fn demo_cluster(options: &DemoOptions) -> ClusterConfig {
 }
 
 /// The demo's workload: prompts of 80 to 160 tokens sharing 4 prefixes of
-/// 64 tokens, 40 to 96 output tokens each.
+/// 64 tokens, 64 to 128 output tokens each.
 pub fn demo_workload(options: &DemoOptions) -> Synthetic {
     Synthetic {
         requests: options.requests,
@@ -93,8 +96,8 @@ pub fn demo_workload(options: &DemoOptions) -> Synthetic {
         prefix_tokens: 64,
         tail_min: 16,
         tail_max: 96,
-        output_min: 40,
-        output_max: 96,
+        output_min: 64,
+        output_max: 128,
         seed: options.seed,
     }
 }
@@ -110,7 +113,9 @@ struct Peaks {
 
 /// Polls the cache's figures until `stop`, keeping the peaks.
 async fn sample(cache: String, peaks: Arc<Peaks>, mut stop: watch::Receiver<bool>) {
-    let Ok(mut client) = connect::cache(&cache).await else { return };
+    let Ok(mut client) = connect::cache(&cache).await else {
+        return;
+    };
     loop {
         if let Ok(stats) = connect::stats(&mut client).await {
             let in_use = stats.pools.iter().map(|p| p.in_use).max().unwrap_or(0);
@@ -129,44 +134,113 @@ async fn sample(cache: String, peaks: Arc<Peaks>, mut stop: watch::Receiver<bool
     }
 }
 
-/// Runs the demo and prints its account; `Ok(true)` when the cluster ended
-/// whole (no block in use or fenced, the leak audit found nothing, no request
-/// ended in an error).
-pub async fn run(options: DemoOptions) -> Result<bool> {
-    let workload = demo_workload(&options);
-    let requests = workload.requests();
-    println!("kvlease demo: starting cache, worker and scheduler in this process ...");
-    let started = Instant::now();
-    let cluster = Cluster::start(demo_cluster(&options)).await?;
-    println!(
-        "  cluster up in {:.1} s: scheduler {}, cache {}, worker {}",
-        started.elapsed().as_secs_f64(),
-        cluster.scheduler,
-        cluster.cache,
-        cluster.workers.first().map_or_else(String::new, ToString::to_string),
-    );
-    let result = drive(&cluster, &options, requests).await;
-    cluster.shutdown().await;
-    result
+/// How one phase ended.
+#[derive(Debug)]
+struct Phase {
+    mode: OnExhausted,
+    summary: Summary,
+    preemptions: u64,
+    fenced_peak: u32,
+    /// No block in use or fenced at the end, the leak audit found nothing,
+    /// no request ended in an error.
+    clean: bool,
 }
 
-async fn drive(cluster: &Cluster, options: &DemoOptions, requests: Vec<crate::workload::Request>) -> Result<bool> {
+/// Runs the demo, one phase per mode, and prints its account; `Ok(true)`
+/// when every phase ended clean (pool whole, nothing leaked, no errors).
+pub async fn run(options: DemoOptions) -> Result<bool> {
+    let requests = demo_workload(&options).requests();
+    let mut phases = Vec::new();
+    for (n, mode) in options.modes.iter().enumerate() {
+        println!(
+            "=== phase {}: {} with on-exhaustion {} ===",
+            n + 1,
+            Policy::MaxUtilization.as_str(),
+            mode.as_str()
+        );
+        println!("kvlease demo: starting cache, worker and scheduler in this process ...");
+        let started = Instant::now();
+        let cluster = Cluster::start(demo_cluster(&options, *mode)).await?;
+        println!(
+            "  cluster up in {:.1} s: scheduler {}, cache {}, worker {}",
+            started.elapsed().as_secs_f64(),
+            cluster.scheduler,
+            cluster.cache,
+            cluster
+                .workers
+                .first()
+                .map_or_else(String::new, ToString::to_string),
+        );
+        let phase = drive(&cluster, &options, *mode, requests.clone()).await;
+        cluster.shutdown().await;
+        phases.push(phase?);
+        println!();
+    }
+    println!("=== in short ===");
+    for p in &phases {
+        println!(
+            "  on-exhaustion {:<8} {} of {} completed, {} rejected ({}), {} preemption(s), up to {} blocks fenced at once, {}",
+            p.mode.as_str(),
+            p.summary.ok,
+            p.summary.requests,
+            p.summary.rejected_total(),
+            reasons(&p.summary),
+            p.preemptions,
+            p.fenced_peak,
+            if p.clean {
+                "pool whole, nothing leaked"
+            } else {
+                "NOT CLEAN"
+            },
+        );
+    }
+    Ok(phases.iter().all(|p| p.clean))
+}
+
+fn reasons(summary: &Summary) -> String {
+    if summary.rejected.is_empty() {
+        "none".to_string()
+    } else {
+        summary
+            .rejected
+            .iter()
+            .map(|(k, v)| format!("{v} {k}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+async fn drive(
+    cluster: &Cluster,
+    options: &DemoOptions,
+    mode: OnExhausted,
+    requests: Vec<crate::workload::Request>,
+) -> Result<Phase> {
     let scheduler_addr = cluster.scheduler.to_string();
     let cache_addr = cluster.cache.to_string();
     let mut scheduler = connect::scheduler(&scheduler_addr).await?;
     let before = connect::status(&mut scheduler).await?;
 
     let pool_total = before.pools.iter().map(|p| p.total).max().unwrap_or(0);
-    let block_tokens = before.pools.first().map_or(16, |p| p.tokens_per_block.max(1));
+    let block_tokens = before
+        .pools
+        .first()
+        .map_or(16, |p| p.tokens_per_block.max(1));
     let demand: u32 = requests
         .iter()
         .map(|r| (r.tokens.len() as u32 + r.max_tokens).div_ceil(block_tokens))
         .sum();
     println!(
-        "  KV pool: {pool_total} blocks of {block_tokens} tokens per pool; policy {} with on-exhaustion {} (at most {} preemption(s) per request)",
-        scheduler_svc::policy::Policy::MaxUtilization.as_str(),
-        options.on_exhausted.as_str(),
-        options.max_preemptions,
+        "  KV pool: {pool_total} blocks of {block_tokens} tokens per pool; policy {} with on-exhaustion {}{}",
+        Policy::MaxUtilization.as_str(),
+        mode.as_str(),
+        match mode {
+            OnExhausted::Preempt => format!(
+                " (at most {} preemption(s) per request, then rejected)",
+                options.max_preemptions
+            ),
+            OnExhausted::Reject => String::new(),
+        },
     );
     println!(
         "  workload: {} requests, {} at once, needing {demand} blocks at full length in the full-attention pool ({:.1}x the pool)",
@@ -208,20 +282,20 @@ async fn drive(cluster: &Cluster, options: &DemoOptions, requests: Vec<crate::wo
         .map_err(|s| Error::rpc("Audit", s))?
         .into_inner();
 
-    let summary = Summary::new(&outcomes, wall, Some(ClusterDelta::between(&before, &after)));
+    let summary = Summary::new(
+        &outcomes,
+        wall,
+        Some(ClusterDelta::between(&before, &after)),
+    );
     println!();
     println!("what happened:");
     println!("{summary}");
+    let preemptions = after.preemptions.saturating_sub(before.preemptions);
     println!(
-        "  {} requests completed, {} rejected ({}), {} preemption(s) recomputed",
+        "  {} requests completed, {} rejected ({}), {preemptions} preemption(s) recomputed",
         summary.ok,
         summary.rejected_total(),
-        if summary.rejected.is_empty() {
-            "none".to_string()
-        } else {
-            summary.rejected.iter().map(|(k, v)| format!("{v} {k}")).collect::<Vec<_>>().join(", ")
-        },
-        after.preemptions.saturating_sub(before.preemptions),
+        reasons(&summary),
     );
     println!(
         "  pool pressure: up to {} of {pool_total} blocks in use at once; up to {} blocks parked behind step fences (seen in {} of {} samples), each returned by the CompleteStep of its step",
@@ -244,5 +318,11 @@ async fn drive(cluster: &Cluster, options: &DemoOptions, requests: Vec<crate::wo
     );
     let clean = whole && audit.reclaimed.is_empty() && summary.errors_total() == 0;
     println!("{}", summary.line());
-    Ok(clean)
+    Ok(Phase {
+        mode,
+        preemptions,
+        fenced_peak: peaks.fenced.load(Ordering::Relaxed),
+        clean,
+        summary,
+    })
 }

@@ -37,7 +37,11 @@ enum Command {
     Bench(BenchArgs),
     /// Show a scheduler's queue, counters and pool figures.
     Status {
-        #[arg(long, env = "KVLEASE_SCHEDULER_ADDR", default_value = "127.0.0.1:50051")]
+        #[arg(
+            long,
+            env = "KVLEASE_SCHEDULER_ADDR",
+            default_value = "127.0.0.1:50051"
+        )]
         scheduler: String,
     },
     /// Check a service's gRPC health: exit 0 when SERVING, 1 otherwise.
@@ -84,9 +88,10 @@ struct DemoArgs {
     /// Worker memory budget in MiB (it sizes the KV pool).
     #[arg(long, default_value_t = DemoOptions::default().memory_budget_mib)]
     memory_budget_mib: u64,
-    /// A running request that cannot grow: preempt (recompute later) or reject.
-    #[arg(long, default_value = "preempt")]
-    on_exhausted: OnExhausted,
+    /// A running request that cannot grow: preempt (recompute later) or
+    /// reject. Default: one phase of each, on a fresh cluster.
+    #[arg(long)]
+    on_exhausted: Option<OnExhausted>,
     #[arg(long, default_value_t = DemoOptions::default().max_preemptions)]
     max_preemptions: u32,
     #[arg(long, default_value_t = DemoOptions::default().seed)]
@@ -96,7 +101,11 @@ struct DemoArgs {
 #[derive(Debug, clap::Args)]
 struct GenerateArgs {
     text: String,
-    #[arg(long, env = "KVLEASE_SCHEDULER_ADDR", default_value = "127.0.0.1:50051")]
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_ADDR",
+        default_value = "127.0.0.1:50051"
+    )]
     scheduler: String,
     #[arg(long, default_value_t = 64)]
     max_tokens: u32,
@@ -113,7 +122,11 @@ struct GenerateArgs {
 
 #[derive(Debug, clap::Args)]
 struct BenchArgs {
-    #[arg(long, env = "KVLEASE_SCHEDULER_ADDR", default_value = "127.0.0.1:50051")]
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_ADDR",
+        default_value = "127.0.0.1:50051"
+    )]
     scheduler: String,
     /// Mooncake trace (JSON lines with timestamp, input_length, output_length, hash_ids).
     #[arg(long)]
@@ -221,7 +234,11 @@ async fn main() -> ExitCode {
             let mut config = ClusterConfig::on_ports(a.host, a.base_port, a.workers);
             let cores = std::thread::available_parallelism().map_or(1, usize::from);
             config.worker.memory_budget_mib = a.memory_budget_mib;
-            config.worker.threads = if a.threads == 0 { (cores / a.workers).max(1) } else { a.threads };
+            config.worker.threads = if a.threads == 0 {
+                (cores / a.workers).max(1)
+            } else {
+                a.threads
+            };
             config.scheduler.policy = a.policy;
             config.scheduler.on_exhausted = a.on_exhausted;
             match commands::up(config, ctrl_c()).await {
@@ -234,7 +251,9 @@ async fn main() -> ExitCode {
                 requests: a.requests,
                 concurrency: a.concurrency,
                 memory_budget_mib: a.memory_budget_mib,
-                on_exhausted: a.on_exhausted,
+                modes: a
+                    .on_exhausted
+                    .map_or_else(|| DemoOptions::default().modes, |m| vec![m]),
                 max_preemptions: a.max_preemptions,
                 seed: a.seed,
             };
@@ -302,8 +321,13 @@ async fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => failed(e),
         },
-        Command::Health { addr, service, timeout_ms } => {
-            match commands::health(&addr, &service, Duration::from_millis(timeout_ms.max(1))).await {
+        Command::Health {
+            addr,
+            service,
+            timeout_ms,
+        } => {
+            match commands::health(&addr, &service, Duration::from_millis(timeout_ms.max(1))).await
+            {
                 Ok(true) => ExitCode::SUCCESS,
                 Ok(false) => ExitCode::FAILURE,
                 Err(e) => failed(e),

@@ -164,11 +164,30 @@ mod tests {
     #[test]
     fn equal_hash_ids_give_equal_prefixes() {
         let records = vec![
-            Record { timestamp: 1000, input_length: 1200, output_length: 64, hash_ids: vec![5, 6, 7] },
-            Record { timestamp: 1500, input_length: 1100, output_length: 10, hash_ids: vec![5, 6, 9] },
-            Record { timestamp: 3000, input_length: 300, output_length: 1, hash_ids: vec![8] },
+            Record {
+                timestamp: 1000,
+                input_length: 1200,
+                output_length: 64,
+                hash_ids: vec![5, 6, 7],
+            },
+            Record {
+                timestamp: 1500,
+                input_length: 1100,
+                output_length: 10,
+                hash_ids: vec![5, 6, 9],
+            },
+            Record {
+                timestamp: 3000,
+                input_length: 300,
+                output_length: 1,
+                hash_ids: vec![8],
+            },
         ];
-        let how = Expand { scale: 32, speedup: 2.0, ..Expand::default() };
+        let how = Expand {
+            scale: 32,
+            speedup: 2.0,
+            ..Expand::default()
+        };
         let reqs = expand(&records, how);
         assert_eq!(how.block_len(), 16);
         // lengths scaled down, rounding up
@@ -189,9 +208,28 @@ mod tests {
 
     #[test]
     fn caps_keep_the_prefix() {
-        let records = vec![Record { timestamp: 0, input_length: 4096, output_length: 900, hash_ids: (0..8).collect() }];
-        let full = expand(&records, Expand { scale: 1, ..Expand::default() });
-        let cut = expand(&records, Expand { scale: 1, max_prompt: 100, max_output: 7, ..Expand::default() });
+        let records = vec![Record {
+            timestamp: 0,
+            input_length: 4096,
+            output_length: 900,
+            hash_ids: (0..8).collect(),
+        }];
+        let full = expand(
+            &records,
+            Expand {
+                scale: 1,
+                ..Expand::default()
+            },
+        );
+        let cut = expand(
+            &records,
+            Expand {
+                scale: 1,
+                max_prompt: 100,
+                max_output: 7,
+                ..Expand::default()
+            },
+        );
         assert_eq!(full[0].tokens.len(), 4096);
         assert_eq!(cut[0].tokens, full[0].tokens[..100]);
         assert_eq!(cut[0].max_tokens, 7);

@@ -34,7 +34,11 @@ impl ClusterDelta {
         let epoch_changed = before.epoch != after.epoch;
         let cache = |f: fn(&pb::PoolStats) -> u64| {
             let a = sum(after, f);
-            if epoch_changed { a } else { a.saturating_sub(sum(before, f)) }
+            if epoch_changed {
+                a
+            } else {
+                a.saturating_sub(sum(before, f))
+            }
         };
         Self {
             preemptions: after.preemptions.saturating_sub(before.preemptions),
@@ -100,7 +104,9 @@ impl Summary {
                 }
                 Finish::Rejected(reason) => *s.rejected.entry(reason.clone()).or_default() += 1,
                 Finish::Cancelled(_) => s.cancelled += 1,
-                Finish::Error(m) | Finish::Failed(m) => *s.errors.entry(m.clone()).or_default() += 1,
+                Finish::Error(m) | Finish::Failed(m) => {
+                    *s.errors.entry(m.clone()).or_default() += 1
+                }
             }
         }
         s.latency.sort();
@@ -119,7 +125,10 @@ impl Summary {
     /// One line for scripts: `key=value` pairs.
     pub fn line(&self) -> String {
         let reasons = |m: &BTreeMap<String, usize>| {
-            m.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(",")
+            m.iter()
+                .map(|(k, v)| format!("{k}:{v}"))
+                .collect::<Vec<_>>()
+                .join(",")
         };
         format!(
             "summary: requests={} ok={} rejected={} cancelled={} errors={} reject_reasons={} error_reasons={:?}",
@@ -135,7 +144,10 @@ impl Summary {
 }
 
 fn ms(d: Option<Duration>) -> String {
-    d.map_or_else(|| "-".into(), |d| format!("{:.1} ms", d.as_secs_f64() * 1000.0))
+    d.map_or_else(
+        || "-".into(),
+        |d| format!("{:.1} ms", d.as_secs_f64() * 1000.0),
+    )
 }
 
 fn pct(part: u64, whole: u64) -> String {
@@ -151,62 +163,105 @@ impl fmt::Display for Summary {
         let secs = self.wall.as_secs_f64().max(1e-9);
         let row = |f: &mut fmt::Formatter<'_>, k: &str, v: String| writeln!(f, "  {k:<20} {v}");
         writeln!(f, "  {:-<20} {:-<48}", "", "")?;
-        row(f, "requests", format!(
-            "{} (ok {}, rejected {}, cancelled {}, errors {})",
-            self.requests, self.ok, self.rejected_total(), self.cancelled, self.errors_total()
-        ))?;
+        row(
+            f,
+            "requests",
+            format!(
+                "{} (ok {}, rejected {}, cancelled {}, errors {})",
+                self.requests,
+                self.ok,
+                self.rejected_total(),
+                self.cancelled,
+                self.errors_total()
+            ),
+        )?;
         row(f, "wall time", format!("{secs:.2} s"))?;
-        row(f, "throughput", format!(
-            "{:.2} req/s, {:.1} output tok/s",
-            self.ok as f64 / secs,
-            self.output_tokens as f64 / secs
-        ))?;
-        row(f, "latency", format!(
-            "p50 {}  p90 {}  p99 {}",
-            ms(percentile(&self.latency, 50.0)),
-            ms(percentile(&self.latency, 90.0)),
-            ms(percentile(&self.latency, 99.0))
-        ))?;
-        row(f, "TTFT", format!(
-            "p50 {}  p99 {}",
-            ms(percentile(&self.ttft, 50.0)),
-            ms(percentile(&self.ttft, 99.0))
-        ))?;
+        row(
+            f,
+            "throughput",
+            format!(
+                "{:.2} req/s, {:.1} output tok/s",
+                self.ok as f64 / secs,
+                self.output_tokens as f64 / secs
+            ),
+        )?;
+        row(
+            f,
+            "latency",
+            format!(
+                "p50 {}  p90 {}  p99 {}",
+                ms(percentile(&self.latency, 50.0)),
+                ms(percentile(&self.latency, 90.0)),
+                ms(percentile(&self.latency, 99.0))
+            ),
+        )?;
+        row(
+            f,
+            "TTFT",
+            format!(
+                "p50 {}  p99 {}",
+                ms(percentile(&self.ttft, 50.0)),
+                ms(percentile(&self.ttft, 99.0))
+            ),
+        )?;
         let rejects = if self.rejected.is_empty() {
             "none".to_string()
         } else {
-            self.rejected.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ")
+            self.rejected
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
         };
         row(f, "rejects by reason", rejects)?;
         for (message, n) in &self.errors {
             row(f, "error", format!("{n} x {message}"))?;
         }
-        let scheduler_preemptions = self
-            .cluster
-            .as_ref()
-            .map_or_else(String::new, |c| format!(" (scheduler counted {})", c.preemptions));
-        row(f, "preemptions", format!("{}{scheduler_preemptions}", self.preemptions))?;
-        row(f, "prefix reuse", format!(
-            "{} of {} prompt tokens from cached blocks ({})",
-            self.reused_tokens,
-            self.prompt_tokens,
-            pct(self.reused_tokens, self.prompt_tokens)
-        ))?;
+        let scheduler_preemptions = self.cluster.as_ref().map_or_else(String::new, |c| {
+            format!(" (scheduler counted {})", c.preemptions)
+        });
+        row(
+            f,
+            "preemptions",
+            format!("{}{scheduler_preemptions}", self.preemptions),
+        )?;
+        row(
+            f,
+            "prefix reuse",
+            format!(
+                "{} of {} prompt tokens from cached blocks ({})",
+                self.reused_tokens,
+                self.prompt_tokens,
+                pct(self.reused_tokens, self.prompt_tokens)
+            ),
+        )?;
         if let Some(c) = &self.cluster {
-            row(f, "cache hit rate", format!(
-                "{} ({} of {} prompt blocks looked up)",
-                pct(c.reuse_hits, c.reuse_lookups),
-                c.reuse_hits,
-                c.reuse_lookups
-            ))?;
-            row(f, "cache", format!(
-                "{} grants, {} rejects, {} evictions, {} scheduler steps{}",
-                c.grants,
-                c.cache_rejects,
-                c.evictions,
-                c.steps,
-                if c.epoch_changed { " (cache restarted: new epoch)" } else { "" }
-            ))?;
+            row(
+                f,
+                "cache hit rate",
+                format!(
+                    "{} ({} of {} prompt blocks looked up)",
+                    pct(c.reuse_hits, c.reuse_lookups),
+                    c.reuse_hits,
+                    c.reuse_lookups
+                ),
+            )?;
+            row(
+                f,
+                "cache",
+                format!(
+                    "{} grants, {} rejects, {} evictions, {} scheduler steps{}",
+                    c.grants,
+                    c.cache_rejects,
+                    c.evictions,
+                    c.steps,
+                    if c.epoch_changed {
+                        " (cache restarted: new epoch)"
+                    } else {
+                        ""
+                    }
+                ),
+            )?;
         }
         write!(f, "  {:-<20} {:-<48}", "", "")
     }
@@ -249,7 +304,10 @@ mod tests {
             outcome(4, 70, Finish::Error("worker 1 unavailable".into())),
         ];
         let s = Summary::new(&outcomes, Duration::from_secs(2), None);
-        assert_eq!((s.requests, s.ok, s.rejected_total(), s.errors_total()), (5, 2, 2, 1));
+        assert_eq!(
+            (s.requests, s.ok, s.rejected_total(), s.errors_total()),
+            (5, 2, 2, 1)
+        );
         assert_eq!(s.preemptions, 5);
         assert_eq!((s.prompt_tokens, s.reused_tokens), (200, 100));
         let table = s.to_string();
@@ -263,12 +321,30 @@ mod tests {
 
     #[test]
     fn delta_restarts_cache_counters_on_a_new_epoch() {
-        let pool = |hits| pb::PoolStats { reuse_hits: hits, reuse_lookups: 10 * hits, ..Default::default() };
-        let before = pb::GetStatusResponse { epoch: 1, preemptions: 2, pools: vec![pool(5)], ..Default::default() };
-        let same = pb::GetStatusResponse { epoch: 1, preemptions: 7, pools: vec![pool(8)], ..Default::default() };
+        let pool = |hits| pb::PoolStats {
+            reuse_hits: hits,
+            reuse_lookups: 10 * hits,
+            ..Default::default()
+        };
+        let before = pb::GetStatusResponse {
+            epoch: 1,
+            preemptions: 2,
+            pools: vec![pool(5)],
+            ..Default::default()
+        };
+        let same = pb::GetStatusResponse {
+            epoch: 1,
+            preemptions: 7,
+            pools: vec![pool(8)],
+            ..Default::default()
+        };
         let d = ClusterDelta::between(&before, &same);
         assert_eq!((d.preemptions, d.reuse_hits, d.reuse_lookups), (5, 3, 30));
-        let restarted = pb::GetStatusResponse { epoch: 2, pools: vec![pool(1)], ..same };
+        let restarted = pb::GetStatusResponse {
+            epoch: 2,
+            pools: vec![pool(1)],
+            ..same
+        };
         let d = ClusterDelta::between(&before, &restarted);
         assert!(d.epoch_changed);
         assert_eq!(d.reuse_hits, 1);

@@ -6,10 +6,13 @@ use kvlease_proto::v1 as pb;
 
 /// The status as a few aligned lines, then one line per pool.
 pub fn render(s: &pb::GetStatusResponse) -> String {
-    let policy = pb::CapacityPolicy::try_from(s.policy)
-        .map_or("UNSPECIFIED", |p| p.as_str_name());
+    let policy = pb::CapacityPolicy::try_from(s.policy).map_or("UNSPECIFIED", |p| p.as_str_name());
     let mut out = String::new();
-    let _ = writeln!(out, "policy        {policy} (on exhaustion: {})", s.on_exhausted);
+    let _ = writeln!(
+        out,
+        "policy        {policy} (on exhaustion: {})",
+        s.on_exhausted
+    );
     let _ = writeln!(out, "cache session {} (epoch {})", s.session_id, s.epoch);
     let _ = writeln!(
         out,
@@ -36,20 +39,43 @@ pub fn render_pools(pools: &[pb::PoolStats]) -> String {
     let _ = writeln!(
         out,
         "{:<24} {:>4} {:>6} {:>6} {:>6} {:>7} {:>6} {:>6} {:>8} {:>8} {:>9} {:>9}",
-        "pool group", "id", "window", "total", "free", "cached", "in_use", "fenced", "grants",
-        "rejects", "evictions", "hit rate"
+        "pool group",
+        "id",
+        "window",
+        "total",
+        "free",
+        "cached",
+        "in_use",
+        "fenced",
+        "grants",
+        "rejects",
+        "evictions",
+        "hit rate"
     );
     for p in pools {
         let hit = if p.reuse_lookups == 0 {
             "-".to_string()
         } else {
-            format!("{:.1}%", 100.0 * p.reuse_hits as f64 / p.reuse_lookups as f64)
+            format!(
+                "{:.1}%",
+                100.0 * p.reuse_hits as f64 / p.reuse_lookups as f64
+            )
         };
         let _ = writeln!(
             out,
             "{:<24} {:>4} {:>6} {:>6} {:>6} {:>7} {:>6} {:>6} {:>8} {:>8} {:>9} {:>9}",
-            p.pool_group, p.pool_id, p.window, p.total, p.free, p.cached_evictable, p.in_use,
-            p.fenced, p.grants, p.rejects, p.evictions, hit
+            p.pool_group,
+            p.pool_id,
+            p.window,
+            p.total,
+            p.free,
+            p.cached_evictable,
+            p.in_use,
+            p.fenced,
+            p.grants,
+            p.rejects,
+            p.evictions,
+            hit
         );
     }
     out
@@ -80,7 +106,10 @@ mod tests {
             ..Default::default()
         };
         let text = render(&s);
-        assert!(text.contains("MAX_UTILIZATION (on exhaustion: preempt)"), "{text}");
+        assert!(
+            text.contains("MAX_UTILIZATION (on exhaustion: preempt)"),
+            "{text}"
+        );
         assert!(text.contains("(epoch 3)"), "{text}");
         assert!(text.contains("seeded-0/replica-0"), "{text}");
         assert!(text.contains("25.0%"), "{text}");

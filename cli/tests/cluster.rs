@@ -1,0 +1,130 @@
+//! The command's pieces against a real in-process cluster: `up`'s cluster on
+//! ephemeral ports, health checks, a bench from a synthetic workload and from
+//! the sample Mooncake trace, status, and a clean shutdown.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvlease::bench::Load;
+use kvlease::cluster::{Cluster, ClusterConfig};
+use kvlease::commands::{self, Source};
+use kvlease::mooncake::Expand;
+use kvlease::workload::Synthetic;
+use kvlease::{Error, connect, demo, status};
+
+type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+fn small_cluster(workers: usize) -> ClusterConfig {
+    let mut config = ClusterConfig::on_ports(IpAddr::V4(Ipv4Addr::LOCALHOST), 0, workers);
+    config.worker = demo::demo_worker(8);
+    config.scheduler.max_tokens = 64;
+    config.ready_within = Duration::from_secs(60);
+    config
+}
+
+fn quiet() -> Load {
+    Load {
+        concurrency: 4,
+        progress: false,
+        timeout: Duration::from_secs(60),
+        ..Load::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_serves_benches_status_and_health() -> TestResult {
+    let cluster = Cluster::start(small_cluster(2)).await?;
+    assert_eq!(cluster.workers.len(), 2);
+    for addr in [
+        cluster.scheduler,
+        cluster.cache,
+        cluster.workers[0],
+        cluster.workers[1],
+    ] {
+        assert!(
+            commands::health(&addr.to_string(), "", Duration::from_secs(2)).await?,
+            "{addr} is not SERVING"
+        );
+    }
+    let scheduler = cluster.scheduler.to_string();
+
+    let synthetic = Synthetic {
+        requests: 8,
+        prefixes: 1,
+        prefix_tokens: 32,
+        tail_min: 4,
+        tail_max: 12,
+        output_min: 2,
+        output_max: 6,
+        seed: 3,
+    };
+    let s = commands::bench(&scheduler, Source::Synthetic(synthetic), quiet()).await?;
+    assert_eq!((s.requests, s.ok, s.errors_total()), (8, 8, 0), "{s}");
+    assert_eq!(s.latency.len(), 8);
+    let cluster_delta = s
+        .cluster
+        .clone()
+        .ok_or("no GetStatus figures around the bench")?;
+    assert!(
+        cluster_delta.reuse_hits > 0,
+        "a shared prefix was never reused: {s}"
+    );
+
+    let trace = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/sample-mooncake.jsonl");
+    let source = Source::Trace {
+        path: trace,
+        expand: Expand {
+            scale: 64,
+            max_prompt: 96,
+            max_output: 4,
+            speedup: 1.0,
+        },
+        limit: 10,
+        replay: false,
+    };
+    let s = commands::bench(&scheduler, source, quiet()).await?;
+    assert_eq!((s.requests, s.ok), (10, 10), "{s}");
+
+    let mut client = connect::scheduler(&scheduler).await?;
+    let st = connect::status(&mut client).await?;
+    assert_eq!(st.finished_length + st.finished_stop, 18, "{st:?}");
+    assert_eq!(st.pools.len(), 4, "two workers, two pools each: {st:?}");
+    assert!(status::render(&st).contains("seeded-0/replica-1"));
+
+    let cache = cluster.cache;
+    cluster.shutdown().await;
+    let gone = connect::health(&cache.to_string(), "", Duration::from_millis(500)).await;
+    assert!(
+        gone.is_err(),
+        "the cache still answers after shutdown: {gone:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_up_that_cannot_fit_is_a_start_error_not_a_hang() -> TestResult {
+    // a pool far too small for the scheduler's largest warm-up shape
+    let mut config = small_cluster(1);
+    config.worker = demo::demo_worker(4);
+    match Cluster::start(config).await {
+        Err(Error::Service { service, message }) => {
+            assert_eq!(service, "scheduler");
+            assert!(message.contains("warm-up"), "{message}");
+        }
+        other => panic!("expected the scheduler's start-up error, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_missing_trace_file_is_a_clear_error() {
+    let source = Source::Trace {
+        path: PathBuf::from("/nonexistent/trace.jsonl"),
+        expand: Expand::default(),
+        limit: 0,
+        replay: false,
+    };
+    let r = commands::bench("127.0.0.1:1", source, quiet()).await;
+    assert!(matches!(r, Err(Error::TraceIo { .. })), "{r:?}");
+}
