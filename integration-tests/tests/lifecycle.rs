@@ -323,3 +323,57 @@ async fn start_cache_at(addr: std::net::SocketAddr) -> Service {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_workers_are_two_pool_groups_and_both_serve() {
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let w0 = start_worker(small_worker()).await.unwrap();
+    let w1 = start_worker(small_worker()).await.unwrap();
+    let s = start_scheduler(
+        config(),
+        &cache.url(),
+        &[w0.url(), w1.url()],
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let client = scheduler_client(s.addr).await.unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..12 {
+        let mut c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            collect(
+                &mut c,
+                pb::GenerateRequest {
+                    tokens: tokens(40, i),
+                    max_tokens: 30,
+                    ..Default::default()
+                },
+            )
+            .await
+        }));
+    }
+    for t in tasks {
+        let g = t.await.unwrap().unwrap();
+        assert_eq!(g.finish_reason(), pb::FinishReason::Length, "{}", g.message);
+    }
+    let st = status(s.addr).await;
+    let groups: std::collections::BTreeSet<&str> =
+        st.pools.iter().map(|p| p.pool_group.as_str()).collect();
+    assert_eq!(groups.len(), 2, "{groups:?}");
+    for group in ["seeded-0/replica-0", "seeded-0/replica-1"] {
+        let pools = wait_whole(cache.addr, group, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(
+            pools.iter().all(|p| p.in_use == 0 && p.fenced == 0),
+            "{group}: {pools:?}"
+        );
+        // the prompts' blocks stay cached in the group that computed them
+        assert!(
+            pools.iter().any(|p| p.grants > 2),
+            "{group} served requests: {pools:?}"
+        );
+    }
+    s.stop().await.unwrap();
+}

@@ -188,3 +188,37 @@ async fn refused_atomic_warm_up_takes_nothing() {
     }
     assert!(after.iter().any(|p| p.in_use == 10), "{after:?}");
 }
+
+/// A worker that takes far longer than the warm-up deadline: start-up fails
+/// with the deadline error in bounded time and the pools are whole again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_up_past_its_deadline_fails_in_bounded_time() {
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let worker = start_worker(small_worker()).await.unwrap();
+    let (cache_tap, slow_worker, _log) = kvlease_integration_tests::tap::start_taps(
+        cache.addr,
+        worker.addr,
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    let config = scheduler_svc::Config {
+        warmup_deadline_ms: 500,
+        ..scheduler(256, 0)
+    };
+    let started = std::time::Instant::now();
+    let err = start_up(config, &cache_tap, &slow_worker).await.err();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        matches!(
+            err,
+            Some(scheduler_svc::Error::WarmupDeadline { deadline_ms: 500 })
+        ),
+        "{err:?}"
+    );
+    assert_whole(&cache).await;
+}
