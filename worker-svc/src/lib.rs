@@ -17,7 +17,7 @@
 //!   batched projections (`gemm`) and paged attention (rayon over sequences × KV heads).
 //! - [`worker`]: sizes the arena from the memory budget, then validate → backend → sample.
 //! - [`sampling`]: greedy, or seeded temperature/top-p keyed by (seed, position).
-//! - [`reference`]: a dense, contiguous-KV reference of the same model for tests.
+//! - [`reference`](mod@reference): a dense, contiguous-KV reference of the same model for tests.
 //! - [`service`]: the gRPC edge (`kvlease.v1.WorkerService`) and the worker's
 //!   Prometheus series; the only place that touches protobuf types.
 //!
