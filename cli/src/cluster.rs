@@ -28,6 +28,10 @@ pub struct ClusterConfig {
     pub scheduler: scheduler_svc::Config,
     /// How long the scheduler's start-up (warm-up included) may take.
     pub ready_within: Duration,
+    /// Prometheus endpoints on the listen host: the cache on `port + 1` and
+    /// worker i on `port + 2 + i` (`port` is left for the scheduler); `None`
+    /// turns them off.
+    pub metrics_port: Option<u16>,
 }
 
 impl ClusterConfig {
@@ -51,6 +55,7 @@ impl ClusterConfig {
             worker: worker_svc::Config::default(),
             scheduler: scheduler_svc::Config::default(),
             ready_within: Duration::from_secs(120),
+            metrics_port: None,
         }
     }
 }
@@ -61,6 +66,8 @@ pub struct Cluster {
     pub scheduler: SocketAddr,
     pub cache: SocketAddr,
     pub workers: Vec<SocketAddr>,
+    /// The Prometheus endpoints started: (service, address).
+    pub metrics: Vec<(String, SocketAddr)>,
     stop_scheduler: watch::Sender<bool>,
     stop_rest: watch::Sender<bool>,
     scheduler_task: JoinSet<Result<()>>,
@@ -102,11 +109,23 @@ impl Cluster {
         let (scheduler_listener, scheduler) = bind(config.scheduler_listen).await?;
         let workers: Vec<SocketAddr> = worker_listeners.iter().map(|(_, a)| *a).collect();
 
+        let mut metrics = Vec::new();
+        let metrics_at = |offset: usize| {
+            config
+                .metrics_port
+                .map(|port| SocketAddr::new(cache.ip(), port.saturating_add(offset as u16)))
+        };
+        let cache_metrics = metrics_at(1);
+        if let Some(addr) = cache_metrics {
+            metrics.push(("cache".to_string(), addr));
+        }
+
         let (stop_rest, rest_rx) = watch::channel(false);
         let (stop_scheduler, scheduler_rx) = watch::channel(false);
         let mut tasks = JoinSet::new();
         let cache_config = cache_svc::Config {
             listen: cache,
+            metrics_listen: cache_metrics.or(config.cache.metrics_listen),
             ..config.cache
         };
         tasks.spawn(kvlease_telemetry::in_service("kvlease-cache", {
@@ -117,9 +136,14 @@ impl Cluster {
                     .map_err(|e| failed("cache", e))
             }
         }));
-        for (listener, addr) in worker_listeners {
+        for (i, (listener, addr)) in worker_listeners.into_iter().enumerate() {
+            let worker_metrics = metrics_at(2 + i);
+            if let Some(addr) = worker_metrics {
+                metrics.push((format!("worker-{}", i + 1), addr));
+            }
             let worker_config = worker_svc::Config {
                 listen: addr,
+                metrics_listen: worker_metrics.or(config.worker.metrics_listen),
                 ..config.worker.clone()
             };
             let stop = stopped(rest_rx.clone());
@@ -152,6 +176,7 @@ impl Cluster {
             scheduler,
             cache,
             workers,
+            metrics,
             stop_scheduler,
             stop_rest,
             scheduler_task,
@@ -168,11 +193,18 @@ impl Cluster {
         let deadline = tokio::time::Instant::now() + within;
         let addr = self.scheduler.to_string();
         loop {
-            if let Some(ended) = self.scheduler_task.try_join_next() {
-                return Err(ended_early("scheduler", ended));
-            }
+            // a cache or worker that stopped is the root cause of what the
+            // scheduler then reports: check them first
             if let Some(ended) = self.tasks.try_join_next() {
                 return Err(ended_early("cache or worker", ended));
+            }
+            if let Some(ended) = self.scheduler_task.try_join_next() {
+                // give a failing peer a moment to report its own error
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if let Some(peer) = self.tasks.try_join_next() {
+                    return Err(ended_early("cache or worker", peer));
+                }
+                return Err(ended_early("scheduler", ended));
             }
             if let Ok(ServingStatus::Serving) =
                 connect::health(&addr, "", Duration::from_millis(500)).await

@@ -32,6 +32,9 @@ pub async fn up(config: ClusterConfig, shutdown: impl Future<Output = ()>) -> Re
     for (i, w) in cluster.workers.iter().enumerate() {
         println!("  worker-{}   {w}", i + 1);
     }
+    for (service, addr) in &cluster.metrics {
+        println!("  metrics    http://{addr}/metrics   ({service})");
+    }
     println!("serving; Ctrl-C stops the cluster");
     let _ = std::io::stdout().flush();
     let outcome = tokio::select! {

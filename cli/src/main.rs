@@ -77,6 +77,10 @@ struct UpArgs {
     /// Compute threads per worker; 0 = the cores divided among the workers.
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Prometheus endpoints: the cache on this port + 1, the workers from
+    /// port + 2 (the port itself is the scheduler's); 0 turns them off.
+    #[arg(long, default_value_t = 9090)]
+    metrics_base_port: u16,
 }
 
 #[derive(Debug, clap::Args)]
@@ -241,6 +245,7 @@ async fn main() -> ExitCode {
             };
             config.scheduler.policy = a.policy;
             config.scheduler.on_exhausted = a.on_exhausted;
+            config.metrics_port = (a.metrics_base_port != 0).then_some(a.metrics_base_port);
             match commands::up(config, ctrl_c()).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => failed(e),
