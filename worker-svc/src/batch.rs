@@ -281,14 +281,16 @@ fn plan_sequence(
         let pool = layout
             .pool_of_window(window)
             .ok_or(SeqProblem::UnknownWindow { window })?;
-        if tables[pool].is_some() {
-            return Err(SeqProblem::DuplicateTable { window });
-        }
+        // Beam first: a beam-search lease brings one table per (pool, beam),
+        // and "beam 1" says more than "two tables".
         if table.beam != 0 {
             return Err(SeqProblem::BeamNotZero {
                 window,
                 beam: table.beam,
             });
+        }
+        if tables[pool].is_some() {
+            return Err(SeqProblem::DuplicateTable { window });
         }
         let num_blocks = layout.pools[pool].num_blocks;
         let mut ids = HashSet::with_capacity(table.block_ids.len());

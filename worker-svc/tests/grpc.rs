@@ -332,8 +332,12 @@ async fn rejects_tables_that_do_not_match_the_pools() {
         server.forward(vec![seq(7, prompt(), 0, one)]).await,
         &["sequence 7", "no block table for the pool of window 64"],
     );
+    // A beam-search lease: a second table per pool, for beam 1.
     let mut beam = tables(&[1, 2], &[3, 4]);
-    beam[1].beam = 1;
+    beam.push(pb::BlockTable {
+        beam: 1,
+        ..beam[0].clone()
+    });
     assert_invalid(
         server.forward(vec![seq(8, prompt(), 0, beam)]).await,
         &["sequence 8", "beam 1"],
