@@ -128,3 +128,15 @@ async fn a_missing_trace_file_is_a_clear_error() {
     let r = commands::bench("127.0.0.1:1", source, quiet()).await;
     assert!(matches!(r, Err(Error::TraceIo { .. })), "{r:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_demo_ends_with_the_pool_whole() -> TestResult {
+    let options = demo::DemoOptions {
+        requests: 6,
+        concurrency: 6,
+        modes: vec![scheduler_svc::policy::OnExhausted::Reject],
+        ..demo::DemoOptions::default()
+    };
+    assert!(demo::run(options).await?, "the demo did not end clean");
+    Ok(())
+}
