@@ -1030,25 +1030,7 @@ impl Cache {
     }
 
     fn grant_of(&self, seq_id: u64, seq: &SeqState, reused_tokens: u32) -> Grant {
-        let mut tables = Vec::new();
-        for t in &seq.tables {
-            let entry = &self.pools[t.pool];
-            for (beam, bt) in t.beams.iter().enumerate() {
-                tables.push(Table {
-                    pool_id: entry.id,
-                    window: entry.window,
-                    beam: beam as u32,
-                    first_block: bt.first,
-                    block_ids: bt.blocks.iter().copied().collect(),
-                });
-            }
-        }
-        Grant {
-            seq_id,
-            tables,
-            reused_tokens,
-            capacity_tokens: seq.capacity(),
-        }
+        grant_of(&self.pools, seq_id, seq, reused_tokens)
     }
 
     // === extend ===
@@ -1344,7 +1326,7 @@ impl Cache {
                 seq.partial.clear();
             }
         }
-        let seq = seq.clone();
+        let grant = grant_of(&self.pools, seq_id, seq, 0);
         session.references = (session.references as i64 + added).max(0) as u64;
         if !fenced.is_empty() {
             session.fences.entry(step).or_default().extend(fenced);
@@ -1352,7 +1334,7 @@ impl Cache {
         if !pending.is_empty() && !fence_done {
             session.pending.entry(step).or_default().extend(pending);
         }
-        self.grant_of(seq_id, &seq, 0)
+        grant
     }
 
     // === release and fences ===
@@ -1714,6 +1696,29 @@ impl Cache {
                 })
                 .collect(),
         )
+    }
+}
+
+/// The grant describing `seq`'s current tables.
+fn grant_of(pools: &[PoolEntry], seq_id: u64, seq: &SeqState, reused_tokens: u32) -> Grant {
+    let mut tables = Vec::with_capacity(seq.tables.len() * seq.beams as usize);
+    for t in &seq.tables {
+        let entry = &pools[t.pool];
+        for (beam, bt) in t.beams.iter().enumerate() {
+            tables.push(Table {
+                pool_id: entry.id,
+                window: entry.window,
+                beam: beam as u32,
+                first_block: bt.first,
+                block_ids: bt.blocks.iter().copied().collect(),
+            });
+        }
+    }
+    Grant {
+        seq_id,
+        tables,
+        reused_tokens,
+        capacity_tokens: seq.capacity(),
     }
 }
 
