@@ -12,7 +12,7 @@ use kvlease_telemetry::attributes::{self, RejectFigures};
 use kvlease_telemetry::opentelemetry::trace::SpanContext;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Span;
 
@@ -756,7 +756,7 @@ pub async fn run(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(grpc)
-        .serve_with_incoming_shutdown(incoming(listener), async move {
+        .serve_with_incoming_shutdown(kvlease_telemetry::incoming(listener), async move {
             shutdown.await;
             let _ = stop_tx.send(true);
         })
@@ -767,20 +767,6 @@ pub async fn run(
     }
     tracing::info!(%addr, "cache service stopped");
     result.map_err(Error::from)
-}
-
-/// Accepted connections with Nagle's algorithm off: tonic sets TCP_NODELAY
-/// only on listeners it binds itself, and without it a response that spans
-/// several segments waits out the peer's delayed ACK (about 40 ms).
-fn incoming(
-    listener: TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    use tokio_stream::StreamExt;
-    TcpListenerStream::new(listener).map(|conn| {
-        let conn = conn?;
-        conn.set_nodelay(true)?;
-        Ok(conn)
-    })
 }
 
 /// Reclaims expired sessions and runs the periodic leak audit.

@@ -45,7 +45,7 @@ pub use context::{
     in_service, inject_context, set_parent, span_context, with_service,
 };
 pub use error::{Error, Result};
-pub use server::{GrpcTraceLayer, GrpcTraceService, ResponseFuture, TracedBody};
+pub use server::{GrpcTraceLayer, GrpcTraceService, ResponseFuture, TracedBody, incoming};
 pub use setup::{
     TelemetryGuard, init, init_with, subscriber, tracer_provider, tracer_provider_builder,
 };
