@@ -231,6 +231,21 @@ fn grpc_status(headers: &http::HeaderMap) -> Option<(tonic::Code, String)> {
     Some((code, message))
 }
 
+/// The connections a gRPC server should serve from `listener`, with Nagle's
+/// algorithm off. tonic sets TCP_NODELAY only on listeners it binds itself;
+/// without it a response spanning several segments, or a stream of small
+/// messages, waits out the peer's delayed ACK (about 40 ms each time).
+pub fn incoming(
+    listener: tokio::net::TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
+        let conn = conn?;
+        conn.set_nodelay(true)?;
+        Ok(conn)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::split_path;
@@ -247,19 +262,4 @@ mod tests {
         );
         assert_eq!(split_path("/odd"), ("odd", ""));
     }
-}
-
-/// The connections a gRPC server should serve from `listener`, with Nagle's
-/// algorithm off. tonic sets TCP_NODELAY only on listeners it binds itself;
-/// without it a response spanning several segments, or a stream of small
-/// messages, waits out the peer's delayed ACK (about 40 ms each time).
-pub fn incoming(
-    listener: tokio::net::TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    use tokio_stream::StreamExt;
-    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
-        let conn = conn?;
-        conn.set_nodelay(true)?;
-        Ok(conn)
-    })
 }
