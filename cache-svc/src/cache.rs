@@ -1258,10 +1258,16 @@ impl Cache {
         };
         let mut fenced = Vec::new();
         let mut added: i64 = 0;
+        // The grant of an extend is a delta: per (pool, beam) the new first
+        // block and only the blocks appended now.
+        let mut tables = Vec::with_capacity(plan.len() * seq.beams as usize);
         for p in plan {
-            let pool = &mut self.pools[p.pool].pool;
+            let entry = &mut self.pools[p.pool];
+            let (pool_id, window) = (entry.id, entry.window);
+            let pool = &mut entry.pool;
             let t = &mut seq.tables[p.table];
-            for bt in &mut t.beams {
+            for (beam, bt) in t.beams.iter_mut().enumerate() {
+                let mut appended = Vec::new();
                 while bt.first < p.new_first {
                     let Some(block) = bt.blocks.pop_front() else {
                         break;
@@ -1284,11 +1290,19 @@ impl Cache {
                     match pool.allocate(holder, seq.priority) {
                         Some(block) => {
                             bt.blocks.push_back(block);
+                            appended.push(block);
                             added += 1;
                         }
                         None => break,
                     }
                 }
+                tables.push(Table {
+                    pool_id,
+                    window,
+                    beam: beam as u32,
+                    first_block: bt.first,
+                    block_ids: appended,
+                });
             }
         }
         seq.len = seq.len.saturating_add(growth.len());
@@ -1326,7 +1340,12 @@ impl Cache {
                 seq.partial.clear();
             }
         }
-        let grant = grant_of(&self.pools, seq_id, seq, 0);
+        let grant = Grant {
+            seq_id,
+            tables,
+            reused_tokens: 0,
+            capacity_tokens: seq.capacity(),
+        };
         session.references = (session.references as i64 + added).max(0) as u64;
         if !fenced.is_empty() {
             session.fences.entry(step).or_default().extend(fenced);

@@ -316,7 +316,15 @@ async fn lease_extend_release_complete_and_stats() {
         .unwrap()
         .into_inner()
         .outcomes;
-    assert_eq!(grant(&ext[0]).tables[0].block_ids.len(), 4);
+    // An extend grant is a delta: 9 -> 13 tokens appends one block per pool.
+    let delta = grant(&ext[0]);
+    assert_eq!(delta.tables[0].block_ids.len(), 1);
+    assert_eq!(delta.tables[0].first_block, 0);
+    assert!(
+        !g.tables[0]
+            .block_ids
+            .contains(&delta.tables[0].block_ids[0])
+    );
     assert_eq!(reject(&ext[1]).reason(), pb::RejectReason::UnknownSequence);
 
     let done = c

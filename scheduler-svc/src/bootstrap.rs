@@ -286,9 +286,13 @@ async fn run_shape(
     let grow: Vec<(SeqId, u32)> = specs.iter().map(|s| (s.seq_id, 1)).collect();
     let outcomes = cache.extend_by(*step, &grow).await?;
     let mut items = Vec::with_capacity(specs.len());
-    for (s, outcome) in specs.iter().zip(outcomes) {
+    for ((s, outcome), leased) in specs.iter().zip(outcomes).zip(&tables) {
         let tables = match outcome {
-            Outcome::Grant(g) => g.tables,
+            Outcome::Grant(g) => {
+                let mut merged = leased.clone();
+                crate::domain::apply_extend(&mut merged, &g.tables);
+                merged
+            }
             Outcome::Reject(r) => {
                 return Err(Error::WarmupRejected {
                     group: group.name.clone(),

@@ -88,6 +88,27 @@ pub struct Table {
     pub block_ids: Vec<u32>,
 }
 
+impl Table {
+    /// Applies an `Extend` grant's delta for this pool: the blocks before the
+    /// delta's `first_block` slid out; its `block_ids` were appended.
+    pub fn apply_delta(&mut self, delta: &Table) {
+        let slid = delta.first_block.saturating_sub(self.first_block) as usize;
+        self.block_ids.drain(..slid.min(self.block_ids.len()));
+        self.first_block = self.first_block.max(delta.first_block);
+        self.block_ids.extend_from_slice(&delta.block_ids);
+    }
+}
+
+/// Applies the deltas of an `Extend` grant to a sequence's tables (matched by
+/// pool id).
+pub fn apply_extend(tables: &mut [Table], deltas: &[Table]) {
+    for delta in deltas {
+        if let Some(t) = tables.iter_mut().find(|t| t.pool_id == delta.pool_id) {
+            t.apply_delta(delta);
+        }
+    }
+}
+
 /// Why the cache refused a sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RejectReason {
@@ -276,5 +297,50 @@ mod tests {
         // a window of 64 tokens holds at most 4 + 1 blocks of 16
         assert_eq!(blocks_for(1000, 64, 16), 5);
         assert_eq!(blocks_for(40, 64, 16), 3);
+    }
+}
+
+#[cfg(test)]
+mod table_tests {
+    use super::*;
+
+    #[test]
+    fn extend_deltas_slide_and_append() {
+        let mut tables = vec![
+            Table {
+                pool_id: 1,
+                window: 0,
+                first_block: 0,
+                block_ids: vec![4, 5],
+            },
+            Table {
+                pool_id: 2,
+                window: 32,
+                first_block: 0,
+                block_ids: vec![7, 8, 9],
+            },
+        ];
+        apply_extend(
+            &mut tables,
+            &[
+                Table {
+                    pool_id: 1,
+                    window: 0,
+                    first_block: 0,
+                    block_ids: vec![6],
+                },
+                Table {
+                    pool_id: 2,
+                    window: 32,
+                    first_block: 2,
+                    block_ids: vec![3],
+                },
+            ],
+        );
+        assert_eq!(tables[0].block_ids, vec![4, 5, 6]);
+        assert_eq!(
+            (tables[1].first_block, tables[1].block_ids.clone()),
+            (2, vec![9, 3])
+        );
     }
 }

@@ -377,7 +377,7 @@ impl Core {
             match outcome {
                 Outcome::Grant(grant) => {
                     if let Some(seq) = self.running.get_mut(&grant.seq_id) {
-                        seq.tables = grant.tables;
+                        crate::domain::apply_extend(&mut seq.tables, &grant.tables);
                         seq.cache_len = seq.kv_len + 1;
                     }
                 }

@@ -290,20 +290,18 @@ fn invariant_10_windowed_pool_holds_at_most_window_over_block_plus_one() {
     let bound = w.div_ceil(b) as usize + 1;
     for step in 2..40 {
         let out = f.extend(step, &[(1, Growth::Tokens(vec![step as u32]))]);
-        let g = out[0].grant().unwrap();
-        let windowed = g.tables.iter().find(|t| t.window == w).unwrap();
-        assert!(
-            windowed.block_ids.len() <= bound,
-            "step {step}: {windowed:?}"
-        );
+        assert!(out[0].grant().is_some());
+        let tables = f.cache.sequence_tables(f.session, 1).unwrap();
+        let (_, first, blocks) = tables.iter().find(|t| t.0 == w).unwrap();
+        assert!(blocks.len() <= bound, "step {step}: {first} {blocks:?}");
         let len = 30 + step as u32 - 1;
         // Every position the next query reads is still there.
         assert!(
-            windowed.first_block * b <= (len + 1).saturating_sub(w),
-            "{windowed:?}"
+            first * b <= (len + 1).saturating_sub(w),
+            "{first} {blocks:?}"
         );
-        let full = g.tables.iter().find(|t| t.window == 0).unwrap();
-        assert_eq!(full.first_block, 0);
+        let full = tables.iter().find(|t| t.0 == 0).unwrap();
+        assert_eq!(full.1, 0);
         f.complete(step);
     }
     // What slid out went back to the pool once its step completed.

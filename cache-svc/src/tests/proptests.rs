@@ -71,6 +71,9 @@ proptest! {
         let mut f = Fixture::with_config(config, b, &[(0, 24), (w, 14)]);
         let mut step = 1u64;
         let mut extra_of: HashMap<u64, u32> = HashMap::new();
+        // What a holder knows: lease tables with every extend delta applied
+        // (beam 0). Must equal the cache's own tables.
+        let mut mirror: HashMap<u64, Vec<crate::lease::Table>> = HashMap::new();
         for op in ops {
             match op {
                 Op::Lease { seqs, atomic, warmup, reserve } => {
@@ -94,7 +97,15 @@ proptest! {
                     }
                     for (o, s) in out.iter().zip(&specs) {
                         if let Outcome::Grant(g) = o {
-                            extra_of.insert(g.seq_id, s.extra.total());
+                            // A reserved life holds its future blocks on
+                            // purpose; invariant 10 is about the sliding
+                            // table of an ordinary lease.
+                            if s.reserve_full_life {
+                                extra_of.remove(&g.seq_id);
+                            } else {
+                                extra_of.insert(g.seq_id, s.extra.total());
+                            }
+                            mirror.insert(g.seq_id, g.tables.iter().filter(|t| t.beam == 0).cloned().collect());
                             prop_assert!(g.reused_tokens < s.prompt.len());
                         }
                     }
@@ -114,15 +125,28 @@ proptest! {
                     for (o, (s, _)) in out.iter().zip(&items) {
                         match o {
                             Outcome::Grant(g) => {
-                                // Invariant 10: after an extend, a windowed
-                                // table spans at most ceil((W + extra) / B) + 1 blocks.
-                                let e = extra_of.get(s).copied().unwrap_or(0);
-                                let bound = (w + e).div_ceil(b) + 1;
-                                for t in g.tables.iter().filter(|t| t.window == w) {
-                                    prop_assert!(
-                                        t.block_ids.len() as u32 <= bound.max(u32::from(n).div_ceil(b) + bound),
-                                        "window table too long: {:?}", t
-                                    );
+                                if let Some(known) = mirror.get_mut(s) {
+                                    for delta in g.tables.iter().filter(|t| t.beam == 0) {
+                                        if let Some(t) = known.iter_mut().find(|t| t.pool_id == delta.pool_id) {
+                                            t.apply_delta(delta);
+                                        }
+                                    }
+                                }
+                                let tables = f.cache.sequence_tables(f.session, *s).unwrap_or_default();
+                                // The holder's merged view equals the cache's.
+                                for (window, first, blocks) in &tables {
+                                    let known = mirror.get(s).and_then(|m| m.iter().find(|t| t.window == *window));
+                                    prop_assert!(known.is_some_and(|t| t.first_block == *first && &t.block_ids == blocks),
+                                        "delta merge diverged: {:?} vs {} {:?}", known, first, blocks);
+                                }
+                                // Invariant 10: after an extend of n tokens, a
+                                // windowed table spans at most
+                                // ceil((W - 1 + n + extra) / B) + 1 blocks
+                                // (one token: ceil((W + extra) / B) + 1).
+                                let Some(e) = extra_of.get(s).copied() else { continue };
+                                let bound = (w - 1 + u32::from(n) + e).div_ceil(b) + 1;
+                                for (_, _, blocks) in tables.iter().filter(|t| t.0 == w) {
+                                    prop_assert!(blocks.len() as u32 <= bound, "window table too long: {:?}", blocks);
                                 }
                             }
                             Outcome::Reject(r) => {
@@ -143,6 +167,9 @@ proptest! {
                 }
                 Op::Release { seqs, fenced } => {
                     let ids: Vec<u64> = seqs.iter().map(|&s| u64::from(s)).collect();
+                    for id in &ids {
+                        mirror.remove(id);
+                    }
                     f.release(&ids, fenced.then_some(step));
                 }
                 Op::Complete => {
@@ -156,6 +183,7 @@ proptest! {
                     let opened = f.cache.open_session("test", None, f.now).unwrap();
                     f.session = opened.session_id;
                     extra_of.clear();
+                    mirror.clear();
                 }
                 Op::Audit => {
                     let report = f.cache.audit();
