@@ -377,3 +377,53 @@ async fn two_workers_are_two_pool_groups_and_both_serve() {
     }
     s.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_endpoint_counts_steps_and_finished_requests() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let worker = start_worker(small_worker()).await.unwrap();
+    let probe = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let metrics_addr = probe.local_addr().unwrap();
+    drop(probe);
+    let config = scheduler_svc::Config {
+        metrics_listen: Some(metrics_addr),
+        ..config()
+    };
+    let s = start_scheduler(
+        config,
+        &cache.url(),
+        &[worker.url()],
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let mut c = scheduler_client(s.addr).await.unwrap();
+    let g = collect(
+        &mut c,
+        pb::GenerateRequest {
+            tokens: tokens(20, 5),
+            max_tokens: 4,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(g.finish_reason(), pb::FinishReason::Length);
+    let mut conn = tokio::net::TcpStream::connect(metrics_addr).await.unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: scheduler\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await.unwrap();
+    assert!(
+        body.contains("kvlease_requests_finished_total{reason=\"length\"} 1"),
+        "{body}"
+    );
+    assert!(
+        body.contains("kvlease_step_duration_seconds_count"),
+        "{body}"
+    );
+    assert!(body.contains("kvlease_queue_depth 0"), "{body}");
+    s.stop().await.unwrap();
+}

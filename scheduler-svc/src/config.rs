@@ -33,6 +33,9 @@ pub struct Config {
         default_value = "127.0.0.1:50051"
     )]
     pub listen: SocketAddr,
+    /// Address of the Prometheus `GET /metrics` endpoint; off when absent.
+    #[arg(long, env = "KVLEASE_SCHEDULER_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     /// Cache service endpoint.
     #[arg(
         long,
@@ -132,6 +135,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            metrics_listen: None,
             cache_addr: "http://127.0.0.1:50052".into(),
             worker_addrs: vec!["http://127.0.0.1:50053".into()],
             policy: Policy::MaxUtilization,

@@ -25,6 +25,7 @@ use crate::client::{CacheClient, WorkerClient};
 use crate::config::OnCacheRestart;
 use crate::domain::{ForwardResult, GroupGeometry, Outcome, Output, RequestId, SeqId};
 use crate::error::{Error, Result};
+use crate::metrics::SchedulerMetrics;
 use crate::queue::Request;
 use crate::step::{Core, CoreConfig, Counters};
 
@@ -101,6 +102,7 @@ pub struct EngineConfig {
 
 struct InFlight {
     step: u64,
+    launched: std::time::Instant,
     tasks: Vec<(usize, JoinHandle<Result<Vec<ForwardResult>>>)>,
 }
 
@@ -124,6 +126,9 @@ pub struct Engine {
     in_flight: Option<InFlight>,
     pending_complete: Option<u64>,
     backoff: Duration,
+    metrics: SchedulerMetrics,
+    /// Counters as last reported to the metrics.
+    reported: std::cell::Cell<Counters>,
 }
 
 impl std::fmt::Debug for InFlight {
@@ -146,6 +151,7 @@ impl Engine {
         cache: CacheClient,
         workers: Vec<WorkerClient>,
         session_lost: Arc<AtomicBool>,
+        metrics: SchedulerMetrics,
     ) -> (Self, EngineHandle) {
         let (submit, intake) = mpsc::unbounded_channel();
         let (status, status_rx) = watch::channel(StatusSnapshot::default());
@@ -170,6 +176,8 @@ impl Engine {
             in_flight: None,
             pending_complete: None,
             backoff: MIN_BACKOFF,
+            metrics,
+            reported: std::cell::Cell::new(Counters::default()),
         };
         (engine, handle)
     }
@@ -203,7 +211,11 @@ impl Engine {
                 self.recover().await;
             }
             let span = tracing::info_span!("step", kvlease.step = (self.step + 1) as i64);
+            let started = std::time::Instant::now();
             let progressed = self.step_once().instrument(span).await;
+            if progressed {
+                self.metrics.step(started.elapsed());
+            }
             self.route_outputs();
             self.publish();
             if progressed {
@@ -373,13 +385,18 @@ impl Engine {
             tasks.push((g, tokio::spawn(call)));
         }
         self.steps_run += 1;
-        self.in_flight = Some(InFlight { step, tasks });
+        self.in_flight = Some(InFlight {
+            step,
+            launched: std::time::Instant::now(),
+            tasks,
+        });
         true
     }
 
     /// Waits for a forward pass, applies it, streams its tokens, releases
     /// what ended fenced at its step and completes the step.
     async fn finish_forward(&mut self, f: InFlight) {
+        let launched = f.launched;
         for (g, task) in f.tasks {
             match task.await {
                 Ok(Ok(results)) => self.core.apply_forward(g, results),
@@ -392,6 +409,7 @@ impl Engine {
                     .forward_failed(g, &format!("forward task failed: {e}")),
             }
         }
+        self.metrics.forward(launched.elapsed());
         self.route_outputs();
         self.flush_releases(Some(f.step)).await;
         self.complete(f.step).await;
@@ -573,6 +591,7 @@ impl Engine {
                 let _ = kvlease_telemetry::set_parent(&span, cx.clone());
             }
             kvlease_telemetry::record_reject(&span, &figures);
+            self.metrics.reject(method, r.reason.protocol_name());
             tracing::debug!(method, seq_id = r.seq_id, reason = %r.reason, blocks_needed = r.blocks_needed,
                 blocks_free = r.blocks_free, blocks_pending_free = r.blocks_pending_free, "sequence refused");
         }
@@ -590,6 +609,14 @@ impl Engine {
             epoch: session.epoch,
             counters: self.core.counters(),
         };
+        let counters = self.core.counters();
+        self.metrics.update(
+            snapshot.queued,
+            snapshot.running,
+            &self.reported.get(),
+            &counters,
+        );
+        self.reported.set(counters);
         self.status.send_if_modified(|s| {
             let changed = *s != snapshot;
             *s = snapshot;

@@ -20,6 +20,7 @@
 //! - `bootstrap.rs`: start-up: describe workers, register pools, warm up.
 //! - `engine.rs`: the async step loop driving `step.rs` over the clients.
 //! - `service.rs`: the `Scheduler` API; converts messages; validates input.
+//! - `metrics.rs`: Prometheus instruments the loop updates.
 //! - `server.rs`: [`run`], which wires it all to a listener.
 //! - `config.rs`, `error.rs`.
 //!
@@ -32,6 +33,7 @@ pub mod config;
 pub mod domain;
 pub mod engine;
 pub mod error;
+pub mod metrics;
 pub mod policy;
 pub mod queue;
 pub mod server;

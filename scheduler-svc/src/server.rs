@@ -15,6 +15,7 @@ use crate::client::{CacheClient, WorkerClient};
 use crate::config::Config;
 use crate::engine::{Engine, EngineConfig, keep_alive};
 use crate::error::{Error, Result};
+use crate::metrics::SchedulerMetrics;
 use crate::service::{Limits, SchedulerService};
 
 /// The service name in traces.
@@ -70,6 +71,8 @@ pub async fn run(
             .unwrap_or(0),
     };
     let group_names: Vec<String> = started.groups.iter().map(|g| g.name.clone()).collect();
+    let registry = kvlease_telemetry::metrics::Registry::new();
+    let metrics = SchedulerMetrics::register(&registry)?;
     let session_lost = Arc::new(AtomicBool::new(false));
     let (engine, handle) = Engine::new(
         EngineConfig {
@@ -84,13 +87,32 @@ pub async fn run(
         cache.clone(),
         workers,
         session_lost.clone(),
+        metrics,
     );
     let (stop_tx, stop_rx) = watch::channel(false);
     let engine_task = tokio::spawn(kvlease_telemetry::in_service(
         SERVICE,
         engine.run(stop_rx.clone()),
     ));
-    let keep_alive_task = tokio::spawn(keep_alive(cache.clone(), session_lost, stop_rx));
+    let keep_alive_task = tokio::spawn(keep_alive(cache.clone(), session_lost, stop_rx.clone()));
+    let metrics_task = match config.metrics_listen {
+        Some(addr) => {
+            let metrics_listener = TcpListener::bind(addr)
+                .await
+                .map_err(|e| Error::Config(format!("cannot listen for metrics on {addr}: {e}")))?;
+            tracing::info!(%addr, "scheduler metrics serving");
+            let mut stop = stop_rx.clone();
+            let stopped = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            Some(tokio::spawn(kvlease_telemetry::metrics::serve_metrics(
+                metrics_listener,
+                move || registry.render(),
+                stopped,
+            )))
+        }
+        None => None,
+    };
 
     let service = SchedulerService::new(
         handle,
@@ -138,6 +160,11 @@ pub async fn run(
     }
     if let Err(e) = keep_alive_task.await {
         tracing::error!(error = %e, "keep-alive task failed");
+    }
+    if let Some(task) = metrics_task
+        && let Err(e) = task.await
+    {
+        tracing::error!(error = %e, "metrics task failed");
     }
     served.map_err(Error::Serve)
 }
