@@ -145,6 +145,31 @@ fn group() -> GroupGeometry {
     }
 }
 
+/// An Extend grant is a delta; within the 5 leased blocks a decode step
+/// takes no new block.
+fn extend_grant(seq_id: u64) -> Outcome {
+    let tables = vec![
+        Table {
+            pool_id: 1,
+            window: 0,
+            first_block: 0,
+            block_ids: Vec::new(),
+        },
+        Table {
+            pool_id: 2,
+            window: 64,
+            first_block: 0,
+            block_ids: Vec::new(),
+        },
+    ];
+    Outcome::Grant(Grant {
+        seq_id,
+        tables,
+        reused_tokens: 0,
+        capacity_tokens: 0,
+    })
+}
+
 fn grant(seq_id: u64) -> Outcome {
     Outcome::Grant(Grant {
         seq_id,
@@ -193,7 +218,7 @@ fn scheduler_step(draft_k: u32) -> Duration {
         core.begin_step();
         let extends = core.plan_extends();
         let t = Instant::now();
-        let outcomes: Vec<Outcome> = extends.iter().map(|e| grant(e.seq_id)).collect();
+        let outcomes: Vec<Outcome> = extends.iter().map(|e| extend_grant(e.seq_id)).collect();
         scripting += t.elapsed();
         core.apply_extends(outcomes);
         black_box(core.plan_admission());

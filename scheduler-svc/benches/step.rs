@@ -58,6 +58,38 @@ fn tables(seq_id: u64, len: u32) -> Vec<Table> {
     ]
 }
 
+/// An Extend grant is a delta: one new block per pool when the sequence
+/// crosses a block boundary, nothing otherwise.
+fn extend_grant(seq_id: u64, len: u32) -> Outcome {
+    let crossed = (len - 1) % 16 == 0;
+    let new: Vec<u32> = if crossed {
+        vec![(seq_id as u32) * 10_000 + len / 16]
+    } else {
+        Vec::new()
+    };
+    let blocks = len.div_ceil(16);
+    let tables = vec![
+        Table {
+            pool_id: 1,
+            window: 0,
+            first_block: 0,
+            block_ids: new.clone(),
+        },
+        Table {
+            pool_id: 2,
+            window: 64,
+            first_block: blocks.saturating_sub(5),
+            block_ids: new,
+        },
+    ];
+    Outcome::Grant(Grant {
+        seq_id,
+        tables,
+        reused_tokens: 0,
+        capacity_tokens: len,
+    })
+}
+
 fn grant(seq_id: u64, len: u32) -> Outcome {
     Outcome::Grant(Grant {
         seq_id,
@@ -108,7 +140,10 @@ fn step(core: &mut Core, len: u32) -> (Duration, Duration) {
     core.begin_step();
     let extends = core.plan_extends();
     let t = Instant::now();
-    let outcomes: Vec<Outcome> = extends.iter().map(|e| grant(e.seq_id, len)).collect();
+    let outcomes: Vec<Outcome> = extends
+        .iter()
+        .map(|e| extend_grant(e.seq_id, len))
+        .collect();
     scripting += t.elapsed();
     core.apply_extends(outcomes);
     black_box(core.plan_admission());
