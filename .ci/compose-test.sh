@@ -16,6 +16,7 @@ export KVLEASE_SCHEDULER_PORT="${KVLEASE_SCHEDULER_PORT:-55051}"
 export KVLEASE_CACHE_PORT="${KVLEASE_CACHE_PORT:-55052}"
 export KVLEASE_WORKER_1_PORT="${KVLEASE_WORKER_1_PORT:-55053}"
 export KVLEASE_WORKER_2_PORT="${KVLEASE_WORKER_2_PORT:-55054}"
+export KVLEASE_SCHEDULER_METRICS_PORT="${KVLEASE_SCHEDULER_METRICS_PORT:-55090}"
 export KVLEASE_CACHE_METRICS_PORT="${KVLEASE_CACHE_METRICS_PORT:-55091}"
 export KVLEASE_WORKER_1_METRICS_PORT="${KVLEASE_WORKER_1_METRICS_PORT:-55092}"
 export KVLEASE_WORKER_2_METRICS_PORT="${KVLEASE_WORKER_2_METRICS_PORT:-55093}"
@@ -94,9 +95,12 @@ log "all four services healthy"
 "$KV" status --scheduler "$SCHED" | sed 's/^/    /'
 EPOCH0="$(epoch)"
 if command -v curl >/dev/null 2>&1; then
-  for port in "$KVLEASE_CACHE_METRICS_PORT" "$KVLEASE_WORKER_1_METRICS_PORT"; do
-    if ! curl -fsS "http://127.0.0.1:$port/metrics" | grep -q '^kvlease_pool_blocks_total'; then
-      fail "no kvlease_pool_blocks_total on the metrics endpoint 127.0.0.1:$port"
+  for probe in "$KVLEASE_CACHE_METRICS_PORT:kvlease_pool_blocks_total" \
+               "$KVLEASE_WORKER_1_METRICS_PORT:kvlease_pool_blocks_total" \
+               "$KVLEASE_SCHEDULER_METRICS_PORT:kvlease_queue_depth"; do
+    port="${probe%%:*}"; metric="${probe#*:}"
+    if ! curl -fsS "http://127.0.0.1:$port/metrics" | grep -q "^$metric"; then
+      fail "no $metric on the metrics endpoint 127.0.0.1:$port"
     fi
   done
 fi

@@ -28,9 +28,9 @@ pub struct ClusterConfig {
     pub scheduler: scheduler_svc::Config,
     /// How long the scheduler's start-up (warm-up included) may take.
     pub ready_within: Duration,
-    /// Prometheus endpoints on the listen host: the cache on `port + 1` and
-    /// worker i on `port + 2 + i` (`port` is left for the scheduler); `None`
-    /// turns them off.
+    /// Prometheus endpoints on the listen host: the scheduler on `port`, the
+    /// cache on `port + 1` and worker i on `port + 2 + i`; `None` turns them
+    /// off.
     pub metrics_port: Option<u16>,
 }
 
@@ -115,6 +115,10 @@ impl Cluster {
                 .metrics_port
                 .map(|port| SocketAddr::new(cache.ip(), port.saturating_add(offset as u16)))
         };
+        let scheduler_metrics = metrics_at(0);
+        if let Some(addr) = scheduler_metrics {
+            metrics.push(("scheduler".to_string(), addr));
+        }
         let cache_metrics = metrics_at(1);
         if let Some(addr) = cache_metrics {
             metrics.push(("cache".to_string(), addr));
@@ -160,6 +164,7 @@ impl Cluster {
             listen: scheduler,
             cache_addr: format!("http://{cache}"),
             worker_addrs: workers.iter().map(|a| format!("http://{a}")).collect(),
+            metrics_listen: scheduler_metrics.or(config.scheduler.metrics_listen),
             ..config.scheduler
         };
         let mut scheduler_task = JoinSet::new();

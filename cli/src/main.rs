@@ -77,8 +77,8 @@ struct UpArgs {
     /// Compute threads per worker; 0 = the cores divided among the workers.
     #[arg(long, default_value_t = 0)]
     threads: usize,
-    /// Prometheus endpoints: the cache on this port + 1, the workers from
-    /// port + 2 (the port itself is the scheduler's); 0 turns them off.
+    /// Prometheus endpoints: the scheduler on this port, the cache on port + 1,
+    /// the workers from port + 2; 0 turns them off.
     #[arg(long, default_value_t = 9090)]
     metrics_base_port: u16,
 }

@@ -1,6 +1,6 @@
-//! Whole-cluster metrics: each service's Prometheus endpoint is scraped over
-//! HTTP after real traffic, and its pool figures are checked against the
-//! cache's `GetStats`.
+//! Whole-cluster metrics: each service's Prometheus endpoint (cache, worker,
+//! scheduler) is scraped over HTTP after real traffic, and its figures are
+//! checked against the cache's `GetStats` and the scheduler's `GetStatus`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -152,8 +152,12 @@ async fn each_service_metrics_agree_with_get_stats() -> TestResult {
         ..small_model(16)
     })
     .await?;
+    let scheduler_metrics = free_addr()?;
     let scheduler = it::start_scheduler(
-        scheduler_svc::Config::default(),
+        scheduler_svc::Config {
+            metrics_listen: Some(scheduler_metrics),
+            ..scheduler_svc::Config::default()
+        },
         &cache.url(),
         &[worker.url()],
         Duration::from_secs(60),
@@ -282,6 +286,48 @@ async fn each_service_metrics_agree_with_get_stats() -> TestResult {
     )
     .unwrap_or(0.0);
     assert!(forwards > 0.0, "the worker's forward histogram is empty");
+
+    // scheduler: its counters are GetStatus', and it stepped
+    let status = client
+        .get_status(pb::GetStatusRequest {})
+        .await?
+        .into_inner();
+    let s = scrape(scheduler_metrics).await?;
+    let finished = |reason: &str| {
+        value(
+            &s,
+            "kvlease_requests_finished_total",
+            &[(names::REASON, reason)],
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!(
+        finished("length") + finished("stop"),
+        (status.finished_length + status.finished_stop) as f64,
+        "{status:?}"
+    );
+    assert_eq!(finished("length") + finished("stop"), 6.0);
+    assert_eq!(
+        value(&s, names::QUEUE_DEPTH, &[]),
+        Some(f64::from(status.queued)),
+        "{status:?}"
+    );
+    assert_eq!(
+        value(&s, names::RUNNING_SEQUENCES, &[]),
+        Some(f64::from(status.running)),
+        "{status:?}"
+    );
+    assert_eq!(
+        value(&s, "kvlease_preemptions_total", &[]).unwrap_or(0.0),
+        status.preemptions as f64
+    );
+    let steps = value(&s, &format!("{}_count", names::STEP_DURATION_SECONDS), &[]).unwrap_or(0.0);
+    assert!(steps > 0.0, "the scheduler's step histogram is empty");
+    // the pools the scheduler reports are the cache's
+    assert_eq!(
+        status.pools, pools,
+        "GetStatus pools vs the cache's GetStats"
+    );
 
     scheduler.stop().await?;
     worker.stop().await?;
