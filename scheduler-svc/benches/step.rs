@@ -61,7 +61,7 @@ fn tables(seq_id: u64, len: u32) -> Vec<Table> {
 /// An Extend grant is a delta: one new block per pool when the sequence
 /// crosses a block boundary, nothing otherwise.
 fn extend_grant(seq_id: u64, len: u32) -> Outcome {
-    let crossed = (len - 1) % 16 == 0;
+    let crossed = (len - 1).is_multiple_of(16);
     let new: Vec<u32> = if crossed {
         vec![(seq_id as u32) * 10_000 + len / 16]
     } else {
