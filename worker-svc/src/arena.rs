@@ -109,6 +109,14 @@ impl ArenaLayout {
         self.pools.iter().position(|p| p.window == window)
     }
 
+    /// Bytes of every pool together when an element takes `elem_bytes`.
+    pub fn bytes_with(&self, elem_bytes: u64) -> u64 {
+        self.pools
+            .iter()
+            .map(|p| p.elems_per_block() as u64 * elem_bytes * u64::from(p.num_blocks))
+            .sum()
+    }
+
     /// Bytes of every pool together.
     pub fn bytes(&self) -> u64 {
         self.pools

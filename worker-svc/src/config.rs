@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use crate::backend::{BackendChoice, CudaOptions, KvDtype};
 use crate::batch::Limits;
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
@@ -123,6 +124,32 @@ pub struct Config {
     /// Address of the Prometheus `GET /metrics` endpoint; off when absent.
     #[arg(long, env = "KVLEASE_WORKER_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+
+    /// Compute backend: cpu, cuda (fails clearly without a device), or auto
+    /// (cuda when a device and libcuda are present, else cpu).
+    #[arg(long, env = "KVLEASE_WORKER_BACKEND", value_enum, default_value_t = BackendChoice::Cpu)]
+    pub backend: BackendChoice,
+
+    /// Element type of the KV arena on the GPU (the CPU arena is f32).
+    #[arg(long, env = "KVLEASE_WORKER_KV_DTYPE", value_enum, default_value_t = KvDtype::Bf16)]
+    pub kv_dtype: KvDtype,
+
+    /// CUDA device ordinal.
+    #[arg(long, env = "KVLEASE_WORKER_GPU_DEVICE", default_value_t = 0)]
+    pub gpu_device: usize,
+
+    /// Share of the device memory free after weights and activations that
+    /// the GPU arena takes, in (0, 1].
+    #[arg(
+        long,
+        env = "KVLEASE_WORKER_GPU_MEMORY_FRACTION",
+        default_value_t = 0.9
+    )]
+    pub gpu_memory_fraction: f64,
+
+    /// Upper bound on the GPU arena in MiB; 0 = only the fraction limits it.
+    #[arg(long, env = "KVLEASE_WORKER_GPU_MAX_KV_MIB", default_value_t = 0)]
+    pub gpu_max_kv_mib: u64,
 }
 
 impl Default for Config {
@@ -149,6 +176,11 @@ impl Default for Config {
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
             threads: 0,
             metrics_listen: None,
+            backend: BackendChoice::Cpu,
+            kv_dtype: KvDtype::Bf16,
+            gpu_device: 0,
+            gpu_memory_fraction: 0.9,
+            gpu_max_kv_mib: 0,
         }
     }
 }
@@ -196,6 +228,16 @@ impl Config {
         match &self.weights {
             Some(path) => Weights::load_safetensors(config, path),
             None => Weights::seeded(config, self.seed),
+        }
+    }
+
+    /// Device, arena type and memory share of the CUDA backend.
+    pub fn cuda_options(&self) -> CudaOptions {
+        CudaOptions {
+            device: self.gpu_device,
+            kv_dtype: self.kv_dtype,
+            memory_fraction: self.gpu_memory_fraction,
+            max_kv_bytes: self.gpu_max_kv_mib.saturating_mul(1 << 20),
         }
     }
 

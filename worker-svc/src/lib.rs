@@ -3,7 +3,8 @@
 //! The worker owns the physical KV memory of one model replica and runs
 //! forward passes of a Llama-style decoder (RMSNorm, RoPE, grouped-query
 //! attention, SwiGLU, per-layer sliding windows) over the blocks that the
-//! scheduler's leases name. Default backend: CPU.
+//! scheduler's leases name. Default backend: CPU; with the `cuda` feature,
+//! `--backend cuda|auto` runs on an NVIDIA GPU.
 //!
 //! # Layout
 //!
@@ -14,7 +15,9 @@
 //! - [`batch`]: a Forward batch in domain terms; [`batch::validate`] checks all of it
 //!   before anything is written.
 //! - [`backend`]: the compute trait; [`backend::cpu`] owns the host arena and runs
-//!   batched projections (`gemm`) and paged attention (rayon over sequences × KV heads).
+//!   batched projections (`gemm`) and paged attention (rayon over sequences × KV heads);
+//!   `backend::cuda` (feature `cuda`) keeps weights and a 16-bit arena on the GPU,
+//!   with NVRTC kernels and cuBLAS products.
 //! - [`worker`]: sizes the arena from the memory budget, then validate → backend → sample.
 //! - [`sampling`]: greedy, or seeded temperature/top-p keyed by (seed, position).
 //! - [`reference`](mod@reference): a dense, contiguous-KV reference of the same model for tests.
@@ -55,7 +58,12 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
     let weights = config.load_weights()?;
-    let worker = worker::Worker::new_cpu(weights, config.worker_options())?;
+    let worker = worker::Worker::new(
+        weights,
+        config.worker_options(),
+        config.backend,
+        config.cuda_options(),
+    )?;
     let registry = kvlease_telemetry::metrics::Registry::new();
     let metrics = service::WorkerMetrics::register(&registry, worker.info())?;
     let service = service::WorkerGrpc::new(worker, metrics);

@@ -3,8 +3,8 @@
 //! synchronous Rust; `service.rs` puts it behind gRPC.
 
 use crate::arena::{ArenaLayout, SlotLedger};
-use crate::backend::Backend;
 use crate::backend::cpu::{self, CpuBackend};
+use crate::backend::{Backend, BackendChoice, CudaOptions, PhaseTimes};
 use crate::batch::{self, Limits, SeqInput};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
@@ -88,16 +88,90 @@ pub struct Worker {
 }
 
 impl Worker {
+    /// A worker on the backend `choice` names: `Cpu` sizes the arena from
+    /// `options.memory_budget_bytes`; `Cuda` from the device's free memory
+    /// (see [`Worker::new_cuda`]); `Auto` takes CUDA when [`cuda_unavailable`]
+    /// finds nothing wrong, else the CPU, saying why in one log line.
+    pub fn new(
+        weights: Weights,
+        options: WorkerOptions,
+        choice: BackendChoice,
+        gpu: CudaOptions,
+    ) -> Result<Self> {
+        match choice {
+            BackendChoice::Cpu => Self::new_cpu(weights, options),
+            BackendChoice::Cuda => Self::new_cuda(weights, options, gpu),
+            BackendChoice::Auto => match cuda_unavailable() {
+                None => Self::new_cuda(weights, options, gpu),
+                Some(reason) => {
+                    tracing::info!(%reason, "backend auto: no usable CUDA device, running on the CPU");
+                    Self::new_cpu(weights, options)
+                }
+            },
+        }
+    }
+
+    /// A CUDA worker: weights and activations on the device, the arena
+    /// sized from the free device memory left after them times
+    /// `gpu.memory_fraction` (`options.memory_budget_bytes` is not used;
+    /// `Describe` reports the sum of what was placed). Fails with
+    /// [`Error::Config`] when there is no device or the binary was built
+    /// without the `cuda` feature.
+    #[cfg(feature = "cuda")]
+    pub fn new_cuda(weights: Weights, options: WorkerOptions, gpu: CudaOptions) -> Result<Self> {
+        let config = weights.config.clone();
+        config.validate()?;
+        check_limits(options.limits)?;
+        let (backend, sizing) = crate::backend::cuda::CudaBackend::new(
+            weights,
+            options.limits.max_batch_tokens,
+            gpu,
+            None,
+        )?;
+        let layout = backend.layout().clone();
+        tracing::info!(
+            free_bytes = sizing.free_bytes,
+            memory_fraction = gpu.memory_fraction,
+            kv_bytes = sizing.kv_bytes,
+            "cuda arena sized from free device memory"
+        );
+        let budget = sizing.weight_bytes + sizing.activation_bytes + sizing.kv_bytes;
+        Ok(Self::assemble(
+            config,
+            layout,
+            Box::new(backend),
+            options.limits,
+            budget,
+            sizing.weight_bytes,
+            sizing.activation_bytes,
+            crate::backend::GPU_KV_ELEM_BYTES,
+        ))
+    }
+
+    /// Without the `cuda` feature there is no CUDA backend: always an error.
+    #[cfg(not(feature = "cuda"))]
+    pub fn new_cuda(_weights: Weights, _options: WorkerOptions, _gpu: CudaOptions) -> Result<Self> {
+        Err(Error::Config(
+            "backend cuda requested, but this binary was built without the `cuda` feature".into(),
+        ))
+    }
+
+    /// Turns per-phase device timing on or off (CUDA only).
+    pub fn set_profiling(&mut self, on: bool) {
+        self.backend.set_profiling(on);
+    }
+
+    /// Phase times of the last profiled pass, if the backend times phases.
+    pub fn last_profile(&self) -> Option<PhaseTimes> {
+        self.backend.last_profile()
+    }
+
     /// A CPU worker for `weights`, its arena sized from `options`.
     pub fn new_cpu(weights: Weights, options: WorkerOptions) -> Result<Self> {
         let config = weights.config.clone();
         config.validate()?;
         let limits = options.limits;
-        if limits.max_batch_sequences == 0 || limits.max_batch_tokens == 0 {
-            return Err(Error::Config(
-                "max_batch_sequences and max_batch_tokens must be at least 1".into(),
-            ));
-        }
+        check_limits(limits)?;
         let threads = if options.threads == 0 {
             std::thread::available_parallelism()
                 .map_or(1, usize::from)
@@ -115,6 +189,29 @@ impl Worker {
         )?;
         let layout = ArenaLayout::new(&config, &num_blocks);
         let backend = CpuBackend::new(weights, layout.clone(), threads)?;
+        Ok(Self::assemble(
+            config,
+            layout,
+            Box::new(backend),
+            limits,
+            options.memory_budget_bytes,
+            weight_bytes,
+            activation_bytes,
+            crate::arena::KV_ELEM_BYTES,
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)] // the sizing figures, each reported once
+    fn assemble(
+        config: ModelConfig,
+        layout: ArenaLayout,
+        backend: Box<dyn Backend>,
+        limits: Limits,
+        memory_budget_bytes: u64,
+        weight_bytes: u64,
+        activation_bytes: u64,
+        kv_elem_bytes: u64,
+    ) -> Self {
         let info = WorkerInfo {
             pools: layout
                 .pools
@@ -123,13 +220,13 @@ impl Worker {
                     window: p.window,
                     num_layers: p.layers.len() as u32,
                     num_blocks: p.num_blocks,
-                    bytes_per_block: p.bytes_per_block(),
+                    bytes_per_block: p.elems_per_block() as u64 * kv_elem_bytes,
                 })
                 .collect(),
             model: config,
             backend: backend.name(),
             kv_dtype: backend.kv_dtype(),
-            memory_budget_bytes: options.memory_budget_bytes,
+            memory_budget_bytes,
             weight_bytes,
             activation_bytes,
             limits,
@@ -139,16 +236,17 @@ impl Worker {
             backend = info.backend,
             weight_bytes,
             activation_bytes,
-            kv_bytes = layout.bytes(),
+            kv_bytes = layout.bytes_with(kv_elem_bytes),
+            device = %info.device,
             pools = ?info.pools,
             "worker arena sized"
         );
-        Ok(Worker {
+        Worker {
             info,
             ledger: SlotLedger::new(&layout),
             layout,
-            backend: Box::new(backend),
-        })
+            backend,
+        }
     }
 
     /// What `Describe` reports.
@@ -199,6 +297,44 @@ impl Worker {
     }
 }
 
+/// Why the CUDA backend cannot run here, or `None` when it can.
+pub fn cuda_unavailable() -> Option<String> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::backend::cuda::probe().err()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Some("this binary was built without the `cuda` feature".into())
+    }
+}
+
+fn check_limits(limits: Limits) -> Result<()> {
+    if limits.max_batch_sequences == 0 || limits.max_batch_tokens == 0 {
+        return Err(Error::Config(
+            "max_batch_sequences and max_batch_tokens must be at least 1".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Blocks per pool for `kv_bytes` of arena with elements of `elem_bytes`,
+/// split across pools in proportion to their layer counts; `None` when a
+/// pool would get no block.
+pub fn split_kv_bytes(config: &ModelConfig, kv_bytes: u64, elem_bytes: u64) -> Option<Vec<u32>> {
+    let layout = ArenaLayout::new(config, &[]);
+    let total_layers = config.num_layers() as u64;
+    let blocks: Vec<u32> = layout
+        .pools
+        .iter()
+        .map(|p| {
+            let share = kv_bytes / total_layers * p.layers.len() as u64;
+            u32::try_from(share / (p.elems_per_block() as u64 * elem_bytes)).unwrap_or(u32::MAX)
+        })
+        .collect();
+    (!blocks.contains(&0)).then_some(blocks)
+}
+
 /// Blocks per pool: the budget left after weights and activations, split
 /// across pools in proportion to their layer counts.
 fn plan_blocks(
@@ -218,20 +354,7 @@ fn plan_blocks(
     else {
         return Err(too_small);
     };
-    let layout = ArenaLayout::new(config, &[]);
-    let total_layers = config.num_layers() as u64;
-    let blocks: Vec<u32> = layout
-        .pools
-        .iter()
-        .map(|p| {
-            let share = kv_bytes / total_layers * p.layers.len() as u64;
-            u32::try_from(share / p.bytes_per_block()).unwrap_or(u32::MAX)
-        })
-        .collect();
-    if blocks.contains(&0) {
-        return Err(too_small);
-    }
-    Ok(blocks)
+    split_kv_bytes(config, kv_bytes, crate::arena::KV_ELEM_BYTES).ok_or(too_small)
 }
 
 #[cfg(test)]

@@ -1,11 +1,85 @@
 //! Compute backends: each owns the KV arena's memory and runs a validated
-//! [`Batch`]. Only `cpu` exists today; a CUDA backend implements the same
+//! [`Batch`]. `cpu` always exists; `cuda` (feature `cuda`) runs the same
 //! trait over device memory.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::batch::Batch;
 use crate::error::Result;
+
+/// Which backend the worker runs on (`--backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum BackendChoice {
+    /// Host memory and CPU threads.
+    #[default]
+    Cpu,
+    /// An NVIDIA GPU; fails with a clear error when there is none (or when
+    /// the binary was built without the `cuda` feature).
+    Cuda,
+    /// CUDA when a device and libcuda are present, else CPU.
+    Auto,
+}
+
+/// Element type of the device KV arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum KvDtype {
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    #[default]
+    Bf16,
+}
+
+impl KvDtype {
+    /// Name as `Describe` reports it.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F16 => "f16",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// Bytes of one element of a 16-bit (f16 or bf16) GPU arena.
+pub const GPU_KV_ELEM_BYTES: u64 = 2;
+
+/// How the CUDA backend is set up.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CudaOptions {
+    /// Device ordinal.
+    pub device: usize,
+    /// Element type of the arena.
+    pub kv_dtype: KvDtype,
+    /// Share of the device memory left free after weights and activations
+    /// that the arena takes, in (0, 1].
+    pub memory_fraction: f64,
+    /// Upper bound on the arena's bytes; 0 = none.
+    pub max_kv_bytes: u64,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            device: 0,
+            kv_dtype: KvDtype::Bf16,
+            memory_fraction: 0.9,
+            max_kv_bytes: 0,
+        }
+    }
+}
+
+/// Device time of one profiled forward pass, by kind of work.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PhaseTimes {
+    /// Matrix products (projections, MLP, LM head).
+    pub matmul_ms: f64,
+    /// Paged attention and the merge of its splits.
+    pub attention_ms: f64,
+    /// Everything else: embedding, norms, RoPE, K/V scatter, SwiGLU.
+    pub other_ms: f64,
+}
 
 /// Logits of one batch: `rows × vocab`, row-major, the rows of each sequence
 /// in batch order (all its positions when it asked for them, else its last).
@@ -29,4 +103,12 @@ pub trait Backend: Send + std::fmt::Debug {
     /// and returns the logits rows. `batch` has been validated against the
     /// arena layout this backend was built with.
     fn forward(&mut self, batch: &Batch) -> Result<BatchLogits>;
+    /// Turns per-phase timing of later passes on or off; backends that
+    /// cannot time phases ignore it.
+    fn set_profiling(&mut self, _on: bool) {}
+    /// Phase times of the last pass run with profiling on, if the backend
+    /// times phases.
+    fn last_profile(&self) -> Option<PhaseTimes> {
+        None
+    }
 }

@@ -1,0 +1,883 @@
+//! The CUDA backend (feature `cuda`): weights, activations and a 16-bit KV
+//! arena (f16 or bf16) in device memory; kernels compiled at start-up with
+//! NVRTC (`kernels.cu`: embedding, RMSNorm, RoPE, SwiGLU, K/V scatter into
+//! the leased slots, split-key paged attention for decode and prefill rows
+//! with per-layer windows, and the merge of the splits); matrix products as
+//! f32 cuBLAS GEMMs over every token of the batch.
+//!
+//! `cudarc` loads libcuda, NVRTC and cuBLAS at run time, so building needs no
+//! CUDA toolkit; [`probe`] checks for the driver and a device before anything
+//! touches them (cudarc panics when libcuda is missing).
+
+pub mod bench;
+
+use std::sync::Arc;
+
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
+    PushKernelArg, sys::CUdevice_attribute, sys::CUevent_flags,
+};
+use cudarc::nvrtc::CompileOptions;
+
+use super::{Backend, BatchLogits, PhaseTimes};
+pub use super::{CudaOptions, GPU_KV_ELEM_BYTES, KvDtype};
+use crate::arena::ArenaLayout;
+use crate::batch::Batch;
+use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+use crate::model::weights::Weights;
+
+const KERNELS: &str = include_str!("kernels.cu");
+
+/// Most key splits of one query row in paged attention.
+const MAX_SPLITS: usize = 64;
+/// Warps of attention per multiprocessor the split count aims for.
+const WARPS_PER_SM: usize = 64;
+
+/// Checks that libcuda loads and that a device exists; the reason otherwise.
+pub fn probe() -> std::result::Result<(), String> {
+    // SAFETY: only tries to dlopen the library; no symbol is used.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("libcuda (the NVIDIA driver library) is not present".into());
+    }
+    // SAFETY: as above, for NVRTC and cuBLAS.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err("libnvrtc (CUDA run-time compiler) is not present".into());
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err("libcublas is not present".into());
+    }
+    match CudaContext::device_count() {
+        Ok(n) if n > 0 => Ok(()),
+        Ok(_) => Err("no CUDA device found".into()),
+        Err(e) => Err(format!("cannot query CUDA devices: {e}")),
+    }
+}
+
+fn cuda_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::Backend(format!("cuda {what}: {e}"))
+}
+
+fn blas_err(e: cudarc::cublas::result::CublasError) -> Error {
+    Error::Backend(format!("cublas: {e}"))
+}
+
+/// The compiled kernels of one model shape.
+#[derive(Debug)]
+pub(crate) struct Kernels {
+    embed: CudaFunction,
+    rms_norm: CudaFunction,
+    rope: CudaFunction,
+    swiglu: CudaFunction,
+    write_kv: CudaFunction,
+    pub(crate) paged_attention: CudaFunction,
+    pub(crate) attention_combine: CudaFunction,
+    pub(crate) fill_random: CudaFunction,
+}
+
+/// The compile-time constants of the kernels.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KernelShape {
+    pub(crate) head_dim: usize,
+    pub(crate) group: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) tokens_per_block: usize,
+    pub(crate) kv_dtype: KvDtype,
+}
+
+impl Kernels {
+    pub(crate) fn compile(ctx: &Arc<CudaContext>, shape: KernelShape) -> Result<Self> {
+        let dtype = match shape.kv_dtype {
+            KvDtype::F16 => "KV_F16",
+            KvDtype::Bf16 => "KV_BF16",
+        };
+        let src = format!(
+            "#define HEAD_DIM {}\n#define GROUP {}\n#define KV_HEADS {}\n#define TOKENS_PER_BLOCK {}\n#define {dtype} 1\n{KERNELS}",
+            shape.head_dim, shape.group, shape.kv_heads, shape.tokens_per_block
+        );
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda_err("compute capability"))?;
+        let arch = match (major, minor) {
+            (9, 0) => Some("compute_90"),
+            (8, 0) => Some("compute_80"),
+            (8, 6) => Some("compute_86"),
+            (8, 9) => Some("compute_89"),
+            _ => None,
+        };
+        let opts = CompileOptions {
+            arch,
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
+            .map_err(|e| Error::Backend(format!("nvrtc: {e}")))?;
+        let module = ctx.load_module(ptx).map_err(cuda_err("load module"))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(cuda_err("load function"))
+        };
+        Ok(Kernels {
+            embed: f("embed")?,
+            rms_norm: f("rms_norm")?,
+            rope: f("rope")?,
+            swiglu: f("swiglu")?,
+            write_kv: f("write_kv")?,
+            paged_attention: f("paged_attention")?,
+            attention_combine: f("attention_combine")?,
+            fill_random: f("fill_random")?,
+        })
+    }
+}
+
+#[derive(Debug)]
+struct DeviceLayer {
+    attn_norm: CudaSlice<f32>,
+    wqkv: CudaSlice<f32>,
+    wo: CudaSlice<f32>,
+    mlp_norm: CudaSlice<f32>,
+    w_gate_up: CudaSlice<f32>,
+    w_down: CudaSlice<f32>,
+}
+
+#[derive(Debug)]
+struct DeviceWeights {
+    embed: CudaSlice<f32>,
+    layers: Vec<DeviceLayer>,
+    final_norm: CudaSlice<f32>,
+    lm_head: Option<CudaSlice<f32>>,
+}
+
+/// Activation buffers, allocated once for the largest batch.
+#[derive(Debug)]
+struct Activations {
+    x: CudaSlice<f32>,
+    normed: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    gate_up: CudaSlice<f32>,
+    final_rows: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    part_o: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    inv_freq: CudaSlice<f32>,
+}
+
+/// (query row × split) pairs the attention partials hold.
+fn part_capacity(max_tokens: usize) -> usize {
+    max_tokens.max(4096)
+}
+
+/// The CUDA backend.
+#[derive(Debug)]
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: Kernels,
+    config: ModelConfig,
+    layout: ArenaLayout,
+    weights: DeviceWeights,
+    acts: Activations,
+    kv: Vec<CudaSlice<u16>>,
+    kv_dtype: KvDtype,
+    sm_count: usize,
+    part_cap: usize,
+    device_name: String,
+    weight_bytes: u64,
+    activation_bytes: u64,
+    profiling: bool,
+    last_profile: Option<PhaseTimes>,
+}
+
+/// What sizing found: the device's memory and what the arena got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSizing {
+    /// Bytes of weights uploaded.
+    pub weight_bytes: u64,
+    /// Bytes of activation buffers for the largest batch.
+    pub activation_bytes: u64,
+    /// Free device bytes after both.
+    pub free_bytes: u64,
+    /// Bytes given to the arena (free × fraction, whole blocks).
+    pub kv_bytes: u64,
+}
+
+/// Which part of the pass a stretch of device time belongs to.
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    Matmul,
+    Attention,
+    Other,
+}
+
+impl CudaBackend {
+    /// Uploads `weights`, allocates activations for `max_tokens` rows, then
+    /// sizes the arena from the device's free memory: `num_blocks` when
+    /// given, else `free × options.memory_fraction` (at most
+    /// `options.max_kv_bytes` when that is set) split across pools by layer
+    /// count.
+    pub fn new(
+        weights: Weights,
+        max_tokens: usize,
+        options: CudaOptions,
+        num_blocks: Option<&[u32]>,
+    ) -> Result<(Self, DeviceSizing)> {
+        probe().map_err(|reason| Error::Config(format!("cuda backend unavailable: {reason}")))?;
+        if !(options.memory_fraction > 0.0 && options.memory_fraction <= 1.0) {
+            return Err(Error::Config(format!(
+                "gpu memory fraction {} must be in (0, 1]",
+                options.memory_fraction
+            )));
+        }
+        let cfg = weights.config.clone();
+        let group = cfg.num_heads / cfg.num_kv_heads;
+        if cfg.head_dim > 256 || group > 8 {
+            return Err(Error::Config(format!(
+                "the cuda backend supports head_dim up to 256 and up to 8 query heads per KV \
+                 head (got head_dim {}, {group} per KV head)",
+                cfg.head_dim
+            )));
+        }
+        let ctx = CudaContext::new(options.device).map_err(cuda_err("context"))?;
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(blas_err)?;
+        let kernels = Kernels::compile(
+            &ctx,
+            KernelShape {
+                head_dim: cfg.head_dim,
+                group,
+                kv_heads: cfg.num_kv_heads,
+                tokens_per_block: cfg.tokens_per_block as usize,
+                kv_dtype: options.kv_dtype,
+            },
+        )?;
+        let sm_count = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda_err("attribute"))?
+            .max(1) as usize;
+        let device_name = ctx.name().map_err(cuda_err("device name"))?;
+
+        let weight_bytes = weights.bytes();
+        let up = |v: &[f32]| stream.clone_htod(v).map_err(cuda_err("upload"));
+        let layers = weights
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(DeviceLayer {
+                    attn_norm: up(&l.attn_norm)?,
+                    wqkv: up(&[l.wq.as_slice(), &l.wk, &l.wv].concat())?,
+                    wo: up(&l.wo)?,
+                    mlp_norm: up(&l.mlp_norm)?,
+                    w_gate_up: up(&[l.w_gate.as_slice(), &l.w_up].concat())?,
+                    w_down: up(&l.w_down)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let dev_weights = DeviceWeights {
+            embed: up(&weights.embed)?,
+            layers,
+            final_norm: up(&weights.final_norm)?,
+            lm_head: weights.lm_head.as_deref().map(up).transpose()?,
+        };
+
+        let (h, qd, kvd, f, d) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.ffn_size,
+            cfg.head_dim,
+        );
+        let t = max_tokens.max(1);
+        let part_cap = part_capacity(t);
+        let zeros = |n: usize| stream.alloc_zeros::<f32>(n).map_err(cuda_err("alloc"));
+        let inv_freq: Vec<f32> = (0..d / 2)
+            .map(|i| (1.0 / f64::from(cfg.rope_theta).powf(2.0 * i as f64 / d as f64)) as f32)
+            .collect();
+        let acts = Activations {
+            x: zeros(t * h)?,
+            normed: zeros(t * h)?,
+            qkv: zeros(t * (qd + 2 * kvd))?,
+            attn: zeros(t * qd)?,
+            gate_up: zeros(t * 2 * f)?,
+            final_rows: zeros(t * h)?,
+            logits: zeros(t * cfg.vocab_size)?,
+            part_o: zeros(part_cap * cfg.num_heads * d)?,
+            part_ml: zeros(part_cap * cfg.num_heads * 2)?,
+            inv_freq: up(&inv_freq)?,
+        };
+        let activation_floats = t * (3 * h + qd + 2 * kvd + qd + 2 * f + cfg.vocab_size)
+            + part_cap * cfg.num_heads * (d + 2)
+            + d / 2;
+        let activation_bytes = activation_floats as u64 * 4;
+        stream.synchronize().map_err(cuda_err("synchronize"))?;
+
+        let (free, _total) = ctx.mem_get_info().map_err(cuda_err("memory info"))?;
+        let free_bytes = free as u64;
+        let mut kv_budget = (free_bytes as f64 * options.memory_fraction) as u64;
+        if options.max_kv_bytes > 0 {
+            kv_budget = kv_budget.min(options.max_kv_bytes);
+        }
+        let blocks = match num_blocks {
+            Some(b) => b.to_vec(),
+            None => crate::worker::split_kv_bytes(&cfg, kv_budget, GPU_KV_ELEM_BYTES).ok_or(
+                Error::MemoryBudget {
+                    budget_bytes: weight_bytes + activation_bytes + kv_budget,
+                    weight_bytes,
+                    activation_bytes,
+                },
+            )?,
+        };
+        let layout = ArenaLayout::new(&cfg, &blocks);
+        let kv = layout
+            .pools
+            .iter()
+            .map(|p| {
+                stream
+                    .alloc_zeros::<u16>(p.elems())
+                    .map_err(cuda_err("arena alloc"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let sizing = DeviceSizing {
+            weight_bytes,
+            activation_bytes,
+            free_bytes,
+            kv_bytes: layout.bytes_with(GPU_KV_ELEM_BYTES),
+        };
+        Ok((
+            CudaBackend {
+                ctx,
+                stream,
+                blas,
+                kernels,
+                config: cfg,
+                layout,
+                weights: dev_weights,
+                acts,
+                kv,
+                kv_dtype: options.kv_dtype,
+                sm_count,
+                part_cap,
+                device_name,
+                weight_bytes,
+                activation_bytes,
+                profiling: false,
+                last_profile: None,
+            },
+            sizing,
+        ))
+    }
+
+    /// The arena layout the backend allocated.
+    pub fn layout(&self) -> &ArenaLayout {
+        &self.layout
+    }
+
+    /// Bytes of the weights on the device.
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    /// Bytes of the activation buffers.
+    pub fn activation_bytes(&self) -> u64 {
+        self.activation_bytes
+    }
+
+    fn run(&mut self, batch: &Batch) -> Result<BatchLogits> {
+        let cfg = &self.config;
+        let (h, qd, kvd, f, d) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.ffn_size,
+            cfg.head_dim,
+        );
+        let qkv_dim = qd + 2 * kvd;
+        let t = batch.total_tokens();
+        let b = cfg.tokens_per_block as usize;
+        let eps = cfg.rms_norm_eps;
+        let vocab = cfg.vocab_size;
+
+        // Per-row and per-sequence metadata.
+        let mut tokens = Vec::with_capacity(t);
+        let mut positions = Vec::with_capacity(t);
+        let mut tok_seq = Vec::with_capacity(t);
+        let mut logit_rows: Vec<u32> = Vec::new();
+        for (s, seq) in batch.seqs.iter().enumerate() {
+            let row0 = tokens.len();
+            tokens.extend(seq.tokens.iter().copied());
+            positions.extend((seq.start_pos..seq.start_pos + seq.tokens.len()).map(|p| p as i32));
+            tok_seq.extend(std::iter::repeat_n(s as i32, seq.tokens.len()));
+            let n = seq.tokens.len();
+            logit_rows.extend(((row0 + n - seq.logit_rows())..(row0 + n)).map(|r| r as u32));
+        }
+        let r_rows = logit_rows.len();
+        let upload = |stream: &Arc<CudaStream>, err: &'static str| {
+            let stream = stream.clone();
+            move |v: &[u32]| stream.clone_htod(v).map_err(cuda_err(err))
+        };
+        let up_u32 = upload(&self.stream, "upload batch");
+        let tokens_d = up_u32(&tokens)?;
+        let rows_d = up_u32(&logit_rows)?;
+        let up_i32 = |v: &[i32]| self.stream.clone_htod(v).map_err(cuda_err("upload batch"));
+        let positions_d = up_i32(&positions)?;
+        let tok_seq_d = up_i32(&tok_seq)?;
+
+        // Per pool: flat tables, where each sequence's starts, and the
+        // element offset of every row's (block, slot).
+        struct PoolBatch {
+            tables: CudaSlice<u32>,
+            table_off: CudaSlice<i32>,
+            first_block: CudaSlice<i32>,
+            dst_base: CudaSlice<i64>,
+            max_keys: usize,
+        }
+        let mut pools = Vec::with_capacity(self.layout.pools.len());
+        for (pi, geometry) in self.layout.pools.iter().enumerate() {
+            let mut flat = Vec::new();
+            let mut offs = Vec::with_capacity(batch.seqs.len());
+            let mut firsts = Vec::with_capacity(batch.seqs.len());
+            let mut dst = Vec::with_capacity(t);
+            let mut max_keys = 1;
+            let epb = geometry.elems_per_block() as i64;
+            for seq in &batch.seqs {
+                let table = &seq.tables[pi];
+                offs.push(flat.len() as i32);
+                firsts.push(table.first_block as i32);
+                flat.extend(table.block_ids.iter().copied());
+                for pos in seq.start_pos..seq.start_pos + seq.tokens.len() {
+                    let block = table.block_for(pos, b);
+                    dst.push(i64::from(block) * epb + ((pos % b) * d) as i64);
+                    let lo = crate::ops::window_start(pos, geometry.window);
+                    max_keys = max_keys.max(pos + 1 - lo);
+                }
+            }
+            if flat.is_empty() {
+                flat.push(0);
+            }
+            pools.push(PoolBatch {
+                tables: up_u32(&flat)?,
+                table_off: up_i32(&offs)?,
+                first_block: up_i32(&firsts)?,
+                dst_base: self
+                    .stream
+                    .clone_htod(&dst)
+                    .map_err(cuda_err("upload batch"))?,
+                max_keys,
+            });
+        }
+
+        let mut marks: Vec<(Phase, cudarc::driver::CudaEvent)> = Vec::new();
+        let start = if self.profiling {
+            Some(
+                self.stream
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(cuda_err("event"))?,
+            )
+        } else {
+            None
+        };
+        let profiling = self.profiling;
+        let stream = self.stream.clone();
+        let mut mark = |phase: Phase| -> Result<()> {
+            if profiling {
+                let e = stream
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(cuda_err("event"))?;
+                marks.push((phase, e));
+            }
+            Ok(())
+        };
+
+        let k = &self.kernels;
+        let acts = &mut self.acts;
+        let rows_cfg = |threads: u32| LaunchConfig {
+            grid_dim: (t as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (h_i, qkv_i, qd_i, f_i) = (h as i32, qkv_dim as i32, qd as i32, f as i32);
+        let zero = 0i32;
+        let one = 1i32;
+        // SAFETY (every launch below): the arguments match the kernel's
+        // parameters in kernels.cu, and every buffer holds at least the rows
+        // the grid touches (t ≤ max_tokens, validated table indices).
+        unsafe {
+            self.stream
+                .launch_builder(&k.embed)
+                .arg(&self.weights.embed)
+                .arg(&tokens_d)
+                .arg(&mut acts.x)
+                .arg(&h_i)
+                .launch(rows_cfg(256))
+                .map_err(cuda_err("embed"))?;
+        }
+        mark(Phase::Other)?;
+
+        for (layer, lw) in self.weights.layers.iter().enumerate() {
+            let (pi, layer_slot) = self.layout.layer_slots[layer];
+            let geometry = &self.layout.pools[pi];
+            let pool = &pools[pi];
+            let layer_off = (layer_slot * 2 * kvd * b) as i64;
+            unsafe {
+                self.stream
+                    .launch_builder(&k.rms_norm)
+                    .arg(&acts.x)
+                    .arg(&rows_d)
+                    .arg(&zero)
+                    .arg(&lw.attn_norm)
+                    .arg(&mut acts.normed)
+                    .arg(&h_i)
+                    .arg(&eps)
+                    .launch(rows_cfg(256))
+                    .map_err(cuda_err("rms_norm"))?;
+            }
+            mark(Phase::Other)?;
+            linear(
+                &self.blas,
+                &acts.normed.slice(..t * h),
+                h,
+                &lw.wqkv,
+                &mut acts.qkv.slice_mut(..t * qkv_dim),
+                (t, h, qkv_dim),
+                false,
+            )?;
+            mark(Phase::Matmul)?;
+            let rope_heads = (cfg.num_heads + cfg.num_kv_heads) as i32;
+            unsafe {
+                self.stream
+                    .launch_builder(&k.rope)
+                    .arg(&mut acts.qkv)
+                    .arg(&qkv_i)
+                    .arg(&rope_heads)
+                    .arg(&positions_d)
+                    .arg(&acts.inv_freq)
+                    .launch(rows_cfg(128))
+                    .map_err(cuda_err("rope"))?;
+                self.stream
+                    .launch_builder(&k.write_kv)
+                    .arg(&acts.qkv)
+                    .arg(&qkv_i)
+                    .arg(&qd_i)
+                    .arg(&pool.dst_base)
+                    .arg(&layer_off)
+                    .arg(&mut self.kv[pi])
+                    .launch(rows_cfg(128))
+                    .map_err(cuda_err("write_kv"))?;
+            }
+            mark(Phase::Other)?;
+            let plan = SplitPlan::new(
+                pool.max_keys,
+                t,
+                cfg.num_kv_heads,
+                self.sm_count,
+                self.part_cap,
+            );
+            launch_attention(
+                &self.stream,
+                k,
+                AttentionArgs {
+                    q: &acts.qkv,
+                    q_stride: qkv_dim,
+                    arena: &self.kv[pi],
+                    layer_off,
+                    elems_per_block: geometry.elems_per_block() as i64,
+                    tables: &pool.tables,
+                    table_off: &pool.table_off,
+                    first_block: &pool.first_block,
+                    tok_seq: &tok_seq_d,
+                    tok_pos: &positions_d,
+                    window: geometry.window,
+                    rows: t,
+                    num_heads: cfg.num_heads,
+                    num_kv_heads: cfg.num_kv_heads,
+                    head_dim: d,
+                    plan,
+                },
+                &mut acts.part_o,
+                &mut acts.part_ml,
+                &mut acts.attn,
+                qd,
+            )?;
+            mark(Phase::Attention)?;
+            linear(
+                &self.blas,
+                &acts.attn.slice(..t * qd),
+                qd,
+                &lw.wo,
+                &mut acts.x.slice_mut(..t * h),
+                (t, qd, h),
+                true,
+            )?;
+            mark(Phase::Matmul)?;
+            unsafe {
+                self.stream
+                    .launch_builder(&k.rms_norm)
+                    .arg(&acts.x)
+                    .arg(&rows_d)
+                    .arg(&zero)
+                    .arg(&lw.mlp_norm)
+                    .arg(&mut acts.normed)
+                    .arg(&h_i)
+                    .arg(&eps)
+                    .launch(rows_cfg(256))
+                    .map_err(cuda_err("rms_norm"))?;
+            }
+            mark(Phase::Other)?;
+            linear(
+                &self.blas,
+                &acts.normed.slice(..t * h),
+                h,
+                &lw.w_gate_up,
+                &mut acts.gate_up.slice_mut(..t * 2 * f),
+                (t, h, 2 * f),
+                false,
+            )?;
+            mark(Phase::Matmul)?;
+            let n = (t * f) as i32;
+            unsafe {
+                self.stream
+                    .launch_builder(&k.swiglu)
+                    .arg(&mut acts.gate_up)
+                    .arg(&f_i)
+                    .arg(&n)
+                    .launch(LaunchConfig::for_num_elems(n as u32))
+                    .map_err(cuda_err("swiglu"))?;
+            }
+            mark(Phase::Other)?;
+            linear(
+                &self.blas,
+                &acts.gate_up.slice(..t * 2 * f),
+                2 * f,
+                &lw.w_down,
+                &mut acts.x.slice_mut(..t * h),
+                (t, f, h),
+                true,
+            )?;
+            mark(Phase::Matmul)?;
+        }
+
+        unsafe {
+            self.stream
+                .launch_builder(&k.rms_norm)
+                .arg(&acts.x)
+                .arg(&rows_d)
+                .arg(&one)
+                .arg(&self.weights.final_norm)
+                .arg(&mut acts.final_rows)
+                .arg(&h_i)
+                .arg(&eps)
+                .launch(LaunchConfig {
+                    grid_dim: (r_rows as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+                .map_err(cuda_err("rms_norm"))?;
+        }
+        mark(Phase::Other)?;
+        let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
+        linear(
+            &self.blas,
+            &acts.final_rows.slice(..r_rows * h),
+            h,
+            head,
+            &mut acts.logits.slice_mut(..r_rows * vocab),
+            (r_rows, h, vocab),
+            false,
+        )?;
+        mark(Phase::Matmul)?;
+        let values = self
+            .stream
+            .clone_dtoh(&acts.logits.slice(..r_rows * vocab))
+            .map_err(cuda_err("download logits"))?;
+        if let Some(start) = start {
+            self.stream.synchronize().map_err(cuda_err("synchronize"))?;
+            let mut times = PhaseTimes::default();
+            let mut prev = &start;
+            for (phase, e) in &marks {
+                let ms = f64::from(prev.elapsed_ms(e).map_err(cuda_err("event"))?);
+                match phase {
+                    Phase::Matmul => times.matmul_ms += ms,
+                    Phase::Attention => times.attention_ms += ms,
+                    Phase::Other => times.other_ms += ms,
+                }
+                prev = e;
+            }
+            self.last_profile = Some(times);
+        }
+        Ok(BatchLogits { vocab, values })
+    }
+}
+
+/// `out[t × n] (+)= x[t × k] (row stride ldx) · w[n × k]ᵀ`, row-major, f32.
+fn linear(
+    blas: &CudaBlas,
+    x: &CudaView<'_, f32>,
+    ldx: usize,
+    w: &CudaSlice<f32>,
+    out: &mut CudaViewMut<'_, f32>,
+    (t, k, n): (usize, usize, usize),
+    accumulate: bool,
+) -> Result<()> {
+    if t == 0 {
+        return Ok(());
+    }
+    // Column-major view: out (n × t) = wᵀ (n × k) · x (k × t).
+    let cfg = GemmConfig {
+        transa: cublasOperation_t::CUBLAS_OP_T,
+        transb: cublasOperation_t::CUBLAS_OP_N,
+        m: n as i32,
+        n: t as i32,
+        k: k as i32,
+        alpha: 1.0f32,
+        lda: k as i32,
+        ldb: ldx as i32,
+        beta: if accumulate { 1.0 } else { 0.0 },
+        ldc: n as i32,
+    };
+    // SAFETY: w holds n × k, x holds t rows of stride ldx ≥ k, out t × n.
+    unsafe { blas.gemm(cfg, w, x, out) }.map_err(blas_err)
+}
+
+/// How one attention launch splits its keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SplitPlan {
+    pub(crate) num_splits: usize,
+    pub(crate) split_len: usize,
+}
+
+impl SplitPlan {
+    /// Enough (split × KV head × row) warps to fill the device, splits of a
+    /// whole number of 32-key tiles, within the partials' capacity.
+    pub(crate) fn new(
+        max_keys: usize,
+        rows: usize,
+        kv_heads: usize,
+        sm_count: usize,
+        part_cap: usize,
+    ) -> Self {
+        let want = (sm_count * WARPS_PER_SM).div_ceil((rows * kv_heads).max(1));
+        let cap = (part_cap / rows.max(1)).max(1);
+        let splits = want.clamp(1, MAX_SPLITS).min(cap);
+        let split_len = max_keys.div_ceil(splits).div_ceil(32) * 32;
+        SplitPlan {
+            num_splits: max_keys.div_ceil(split_len),
+            split_len,
+        }
+    }
+}
+
+/// Inputs of one paged-attention launch.
+pub(crate) struct AttentionArgs<'a> {
+    pub(crate) q: &'a CudaSlice<f32>,
+    pub(crate) q_stride: usize,
+    pub(crate) arena: &'a CudaSlice<u16>,
+    pub(crate) layer_off: i64,
+    pub(crate) elems_per_block: i64,
+    pub(crate) tables: &'a CudaSlice<u32>,
+    pub(crate) table_off: &'a CudaSlice<i32>,
+    pub(crate) first_block: &'a CudaSlice<i32>,
+    pub(crate) tok_seq: &'a CudaSlice<i32>,
+    pub(crate) tok_pos: &'a CudaSlice<i32>,
+    pub(crate) window: u32,
+    pub(crate) rows: usize,
+    pub(crate) num_heads: usize,
+    pub(crate) num_kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) plan: SplitPlan,
+}
+
+/// Paged attention, then the merge of its splits into `out` (row stride
+/// `out_stride`).
+pub(crate) fn launch_attention(
+    stream: &Arc<CudaStream>,
+    k: &Kernels,
+    a: AttentionArgs<'_>,
+    part_o: &mut CudaSlice<f32>,
+    part_ml: &mut CudaSlice<f32>,
+    out: &mut CudaSlice<f32>,
+    out_stride: usize,
+) -> Result<()> {
+    if a.rows == 0 {
+        return Ok(());
+    }
+    let scale = std::f32::consts::LOG2_E / (a.head_dim as f32).sqrt();
+    let q_stride = a.q_stride as i32;
+    let window = a.window as i32;
+    let split_len = a.plan.split_len as i32;
+    let num_splits = a.plan.num_splits as i32;
+    let out_stride = out_stride as i32;
+    // SAFETY: arguments match `paged_attention` and `attention_combine`;
+    // the partials hold rows × heads × splits entries (SplitPlan caps it).
+    unsafe {
+        stream
+            .launch_builder(&k.paged_attention)
+            .arg(a.q)
+            .arg(&q_stride)
+            .arg(&scale)
+            .arg(a.arena)
+            .arg(&a.layer_off)
+            .arg(&a.elems_per_block)
+            .arg(a.tables)
+            .arg(a.table_off)
+            .arg(a.first_block)
+            .arg(a.tok_seq)
+            .arg(a.tok_pos)
+            .arg(&window)
+            .arg(&split_len)
+            .arg(&mut *part_o)
+            .arg(&mut *part_ml)
+            .launch(LaunchConfig {
+                grid_dim: (
+                    a.plan.num_splits as u32,
+                    a.num_kv_heads as u32,
+                    a.rows as u32,
+                ),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            })
+            .map_err(cuda_err("paged_attention"))?;
+        stream
+            .launch_builder(&k.attention_combine)
+            .arg(&*part_o)
+            .arg(&*part_ml)
+            .arg(&num_splits)
+            .arg(out)
+            .arg(&out_stride)
+            .launch(LaunchConfig {
+                grid_dim: (a.rows as u32, a.num_heads as u32, 1),
+                block_dim: (a.head_dim.min(128) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            })
+            .map_err(cuda_err("attention_combine"))?;
+    }
+    Ok(())
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device(&self) -> String {
+        format!("{} (cuda:{})", self.device_name, self.ctx.ordinal())
+    }
+
+    fn kv_dtype(&self) -> &'static str {
+        self.kv_dtype.name()
+    }
+
+    fn forward(&mut self, batch: &Batch) -> Result<BatchLogits> {
+        self.run(batch)
+    }
+
+    fn set_profiling(&mut self, on: bool) {
+        self.profiling = on;
+    }
+
+    fn last_profile(&self) -> Option<PhaseTimes> {
+        self.last_profile
+    }
+}
