@@ -44,7 +44,6 @@ pub mod worker;
 use std::future::Future;
 
 use kvlease_proto::v1::worker_service_server::WorkerServiceServer;
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub use config::Config;
 pub use error::{Error, Result};
@@ -117,7 +116,7 @@ pub async fn run(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(WorkerServiceServer::new(service))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(kvlease_telemetry::incoming(listener), shutdown)
         .await;
     drop(stop_rx);
     if let Some(task) = metrics_task
