@@ -17,6 +17,7 @@
 //! (accepted drafts whose KV is already written, plus the fed token).
 
 use std::collections::{BTreeMap, HashSet};
+use std::time::{Duration, Instant};
 
 use crate::domain::{
     ExtendSpec, Extra, Finish, ForwardItem, ForwardResult, GroupGeometry, LeaseSpec, Outcome,
@@ -145,13 +146,21 @@ pub struct Core {
     /// The cache refused to grow a sequence this step: the pool is full, so
     /// admitting more this step would only be refused too.
     exhausted_this_step: bool,
+    /// Groups whose worker failed a forward pass: no admissions until then,
+    /// so new requests go to the replicas that still answer.
+    down_until: Vec<Option<Instant>>,
     counters: Counters,
 }
+
+/// How long a group whose worker failed is left out of admission before it
+/// is tried again.
+pub const WORKER_RETRY_AFTER: Duration = Duration::from_secs(5);
 
 impl Core {
     /// A core serving `groups` (at least one).
     pub fn new(config: CoreConfig, groups: Vec<GroupGeometry>) -> Self {
         let budget = vec![0; groups.len()];
+        let down_until = vec![None; groups.len()];
         Self {
             config,
             groups,
@@ -165,6 +174,7 @@ impl Core {
             budget,
             batch_open: true,
             exhausted_this_step: false,
+            down_until,
             counters: Counters::default(),
         }
     }
@@ -460,8 +470,18 @@ impl Core {
             };
             let mut chosen: Option<(usize, u32)> = None;
             let mut never = 0;
+            let now = Instant::now();
             for (g, group) in self.groups.iter().enumerate() {
                 if per_group[g] >= group.max_batch_sequences || self.budget[g] <= reserve[g] {
+                    continue;
+                }
+                if self
+                    .down_until
+                    .get(g)
+                    .copied()
+                    .flatten()
+                    .is_some_and(|t| now < t)
+                {
                     continue;
                 }
                 match policy.admit(group, &loads[g], demand, self.batch_open) {
@@ -736,8 +756,17 @@ impl Core {
         }
     }
 
-    /// One group's forward pass failed: its in-flight requests end `ERROR`.
+    /// One group's forward pass failed: its in-flight requests end `ERROR`,
+    /// and the group takes no new requests for [`WORKER_RETRY_AFTER`].
     pub fn forward_failed(&mut self, group: usize, message: &str) {
+        if let Some(slot) = self.down_until.get_mut(group) {
+            *slot = Some(Instant::now() + WORKER_RETRY_AFTER);
+        }
+        let message = match self.groups.get(group) {
+            Some(g) => format!("worker of group {} failed: {message}", g.name),
+            None => message.to_owned(),
+        };
+        let message = message.as_str();
         let failed: Vec<SeqId> = self
             .running
             .values()
@@ -869,6 +898,7 @@ impl Core {
     /// Replaces a group's geometry (pools re-registered after a restart).
     pub fn set_groups(&mut self, groups: Vec<GroupGeometry>) {
         self.budget = vec![0; groups.len()];
+        self.down_until = vec![None; groups.len()];
         self.groups = groups;
     }
 }

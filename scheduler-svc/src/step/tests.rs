@@ -486,6 +486,39 @@ fn forward_failure_ends_in_flight_requests_with_error() {
     assert_eq!(c.take_releases(), vec![1]);
 }
 
+#[test]
+fn a_failed_worker_takes_no_new_requests_the_other_replica_does() {
+    let config = CoreConfig {
+        policy: Policy::MaxUtilization,
+        ..CoreConfig::default()
+    };
+    let mut second = group(100);
+    second.name = "g1".into();
+    second.pools[0].pool_id = 2;
+    let mut c = Core::new(config, vec![group(100), second]);
+    c.submit(request(1, 4, 8));
+    c.begin_step();
+    let leases = c.plan_admission();
+    assert_eq!(leases[0].pool_group, "g0");
+    c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
+    let batches = c.plan_forward();
+    c.forward_failed(batches[0].0, "connection refused");
+    let ended = finishes(&c.drain_outputs());
+    assert!(
+        matches!(&ended[..], [(1, Finish::Error(m))] if m.contains("g0") && m.contains("connection refused")),
+        "{ended:?}"
+    );
+    c.take_releases();
+    // New requests go to the replica that still answers, even though g0 is
+    // emptier.
+    c.submit(request(2, 4, 8));
+    c.submit(request(3, 4, 8));
+    c.begin_step();
+    let leases = c.plan_admission();
+    assert_eq!(leases.len(), 2);
+    assert!(leases.iter().all(|l| l.pool_group == "g1"), "{leases:?}");
+}
+
 // === speculative decoding ===
 
 #[test]
