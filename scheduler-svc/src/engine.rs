@@ -197,6 +197,19 @@ impl Engine {
                 && !self.core.has_releases()
                 && self.pending_complete.is_none();
             if quiet {
+                // The keep-alive task may find the session lost (the cache
+                // restarted) while nothing runs: re-open it now rather than
+                // on the next request, so the new epoch is in use at once.
+                if self.session_lost.load(Ordering::Relaxed) {
+                    self.recover().await;
+                    if self.session_lost.load(Ordering::Relaxed) {
+                        tokio::select! {
+                            _ = tokio::time::sleep(IDLE_RECHECK) => {}
+                            _ = shutdown.changed() => {}
+                        }
+                    }
+                    continue;
+                }
                 self.publish();
                 tokio::select! {
                     sub = self.intake.recv() => match sub {
@@ -204,6 +217,7 @@ impl Engine {
                         None => break,
                     },
                     _ = shutdown.changed() => {}
+                    _ = tokio::time::sleep(IDLE_RECHECK) => {}
                 }
                 continue;
             }
@@ -624,6 +638,9 @@ impl Engine {
         });
     }
 }
+
+/// How often an idle step loop looks at the session's health.
+const IDLE_RECHECK: Duration = Duration::from_secs(1);
 
 /// Renews the session every third of its TTL; flags it lost when the cache
 /// no longer knows it.
