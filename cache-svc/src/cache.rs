@@ -1661,13 +1661,9 @@ impl Cache {
                             let idx = bt.first + k as u32;
                             let writable = idx >= seq.len / entry.tokens_per_block;
                             let (refs, _) = entry.pool.refs(b);
-                            if writable
-                                && refs
-                                    != u32::from(
-                                        seq.beams == 1
-                                            || idx >= seq.prompt_len / entry.tokens_per_block,
-                                    )
-                            {
+                            // A writable index is past the prompt, so it
+                            // is never one of the beams' shared blocks.
+                            if writable && refs != 1 {
                                 return Err(format!(
                                     "sequence {seq_id} block index {idx} (pool {}, block {b}) is writable but has {refs} holders",
                                     entry.id
