@@ -1,6 +1,17 @@
 //! Small numeric building blocks shared by the paged backend and the dense
 //! reference: RMSNorm, RoPE, SiLU, softmax, argmax, and a safe wrapper over
 //! the `gemm` crate's matrix product.
+//!
+//! The matrix products are *row-exact*: row `i` of a product is the same
+//! bits whatever other rows share the call, so a token's K/V, hidden state
+//! and logits do not depend on the batch it was computed in (that is what
+//! makes a reused prefix bit-identical to a recomputed one). `gemm` sums in
+//! the same order for every row of its main kernel, but takes other paths,
+//! with other summation orders, for one row (a GEMV), for products of at
+//! most 256 outputs (a horizontal kernel), and it blocks the inner dimension
+//! differently for `m, n <= 64` when `k > 512`. [`exact_rows`] says how many
+//! rows keep a call on the main kernel; smaller products are padded with
+//! zero rows up to it.
 
 /// Whether a matrix product may spread over the rayon pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -13,6 +24,7 @@ pub enum Threads {
 
 /// `out[m, n] = a[m, k] · w[n, k]ᵀ` (plus `out` when `accumulate`), all
 /// row-major: the product of activations with a `[out, in]` weight matrix.
+/// Row-exact (see the module doc).
 ///
 /// # Panics
 /// When a slice is shorter than its stated shape (a bug in the caller; the
@@ -46,34 +58,20 @@ pub fn matmul_wt_strided(
         return;
     }
     assert!(lda >= k && a.len() >= (m - 1) * lda + k && w.len() >= n * k && out.len() >= m * n);
-    // SAFETY: the assert above bounds every element the strides reach:
-    // a[i*lda + l], w[j*k + l], out[i*n + j] for i < m, j < n, l < k.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            a.as_ptr(),
-            1,
-            lda as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism(threads),
-        );
-    }
+    let rhs = Rhs {
+        ptr: w.as_ptr(),
+        cs: k as isize,
+        rs: 1,
+    };
+    with_exact_rows(a, lda, out, (m, k, n), accumulate, |a, lda, out, rows| {
+        // SAFETY: `with_exact_rows` hands `rows` rows of `lda` and of `n`
+        // (both bounded as above, or freshly allocated at that size) and
+        // the assert bounds w[j*k + l] for j < n, l < k.
+        unsafe { gemm_raw(a, lda, rhs, out, (rows, k, n), accumulate, threads) }
+    });
 }
 
-/// `out[m, n] = a[m, k] · b[k, n]`, all row-major.
+/// `out[m, n] = a[m, k] · b[k, n]`, all row-major. Row-exact.
 ///
 /// # Panics
 /// When a slice is shorter than its stated shape.
@@ -88,23 +86,95 @@ pub fn matmul(
     if m == 0 || n == 0 {
         return;
     }
-    // SAFETY: bounded by the assert above, as in `matmul_wt`.
+    let rhs = Rhs {
+        ptr: b.as_ptr(),
+        cs: 1,
+        rs: n as isize,
+    };
+    with_exact_rows(a, k, out, (m, k, n), false, |a, lda, out, rows| {
+        // SAFETY: as in `matmul_wt_strided`; the assert bounds b[l*n + j].
+        unsafe { gemm_raw(a, lda, rhs, out, (rows, k, n), false, threads) }
+    });
+}
+
+/// Fewest rows for which `gemm` runs an `[m, k] x [k, n]` product on its
+/// main kernel, whose per-row summation order does not depend on `m`.
+pub fn exact_rows(n: usize, k: usize) -> usize {
+    let mut rows = 2usize.max(256 / n.max(1) + 1);
+    if n <= 64 && k > 512 {
+        rows = rows.max(65);
+    }
+    rows
+}
+
+/// Calls `f(a, lda, out, rows)` with at least [`exact_rows`] rows: the
+/// caller's buffers when `m` is enough, else zero-padded copies (whose
+/// first `m` output rows are copied back).
+fn with_exact_rows(
+    a: &[f32],
+    lda: usize,
+    out: &mut [f32],
+    (m, k, n): (usize, usize, usize),
+    accumulate: bool,
+    f: impl FnOnce(&[f32], usize, &mut [f32], usize),
+) {
+    let rows = exact_rows(n, k);
+    if m >= rows {
+        return f(a, lda, out, m);
+    }
+    let mut pa = vec![0.0f32; rows * k];
+    for (dst, i) in pa.chunks_exact_mut(k).zip(0..m) {
+        dst.copy_from_slice(&a[i * lda..i * lda + k]);
+    }
+    let mut po = vec![0.0f32; rows * n];
+    if accumulate {
+        po[..m * n].copy_from_slice(&out[..m * n]);
+    }
+    f(&pa, k, &mut po, rows);
+    out[..m * n].copy_from_slice(&po[..m * n]);
+}
+
+/// The right-hand matrix of a product: element `(l, j)` at
+/// `ptr[l * rs + j * cs]`.
+#[derive(Clone, Copy)]
+struct Rhs {
+    ptr: *const f32,
+    cs: isize,
+    rs: isize,
+}
+
+/// `out[rows, n] (+)= a[rows, k] · rhs[k, n]`.
+///
+/// # Safety
+/// `a` holds `rows` rows of stride `lda >= k`, `out` holds `rows * n`
+/// elements, and `rhs` addresses `k x n` readable elements.
+unsafe fn gemm_raw(
+    a: &[f32],
+    lda: usize,
+    rhs: Rhs,
+    out: &mut [f32],
+    (rows, k, n): (usize, usize, usize),
+    accumulate: bool,
+    threads: Threads,
+) {
+    debug_assert!(a.len() >= (rows - 1) * lda + k && out.len() >= rows * n);
+    // SAFETY: the caller's contract bounds every element the strides reach.
     unsafe {
         gemm::gemm(
-            m,
+            rows,
             n,
             k,
             out.as_mut_ptr(),
             1,
             n as isize,
-            false,
+            accumulate,
             a.as_ptr(),
             1,
-            k as isize,
-            b.as_ptr(),
-            1,
-            n as isize,
-            0.0,
+            lda as isize,
+            rhs.ptr,
+            rhs.cs,
+            rhs.rs,
+            if accumulate { 1.0 } else { 0.0 },
             1.0,
             false,
             false,
@@ -245,6 +315,72 @@ mod tests {
             for j in 0..n {
                 let dot: f32 = (0..k).map(|l| a[i * k + l] * b[l * n + j]).sum();
                 assert!((out[i * n + j] - dot).abs() < 1e-4);
+            }
+        }
+    }
+
+    /// Values in [-1, 1) from a seeded xorshift, for product inputs.
+    fn noise(len: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn products_are_row_exact_whatever_the_batch() {
+        // (k, n): model-like shapes, tiny ones (horizontal kernel), n <= 64
+        // with k > 512 (other inner blocking), and a GEMV-sized one.
+        let shapes = [
+            (32, 64),
+            (8, 16),
+            (48, 192),
+            (256, 1000),
+            (700, 32),
+            (64, 5),
+            (1100, 300),
+        ];
+        for (si, &(k, n)) in shapes.iter().enumerate() {
+            let w = noise(n * k, 100 + si as u64);
+            let b = noise(k * n, 200 + si as u64);
+            let a = noise(130 * k, 300 + si as u64);
+            let acc = noise(130 * n, 400 + si as u64);
+            // Each row alone is the reference.
+            let mut alone_wt = vec![0.0f32; 130 * n];
+            let mut alone = vec![0.0f32; 130 * n];
+            for i in 0..130 {
+                let row = &a[i * k..(i + 1) * k];
+                let o = &mut alone_wt[i * n..(i + 1) * n];
+                o.copy_from_slice(&acc[i * n..(i + 1) * n]);
+                matmul_wt(row, &w, o, (1, k, n), true, Threads::One);
+                matmul(
+                    row,
+                    &b,
+                    &mut alone[i * n..(i + 1) * n],
+                    (1, k, n),
+                    Threads::One,
+                );
+            }
+            for m in [2, 3, 5, 9, 17, 33, 64, 65, 100, 130] {
+                for threads in [Threads::One, Threads::Pool] {
+                    let mut out = acc[..m * n].to_vec();
+                    matmul_wt(&a[..m * k], &w, &mut out, (m, k, n), true, threads);
+                    assert!(
+                        out == alone_wt[..m * n],
+                        "matmul_wt k={k} n={n}: rows of a {m}-row product differ from single rows"
+                    );
+                    let mut out = vec![0.0f32; m * n];
+                    matmul(&a[..m * k], &b, &mut out, (m, k, n), threads);
+                    assert!(
+                        out == alone[..m * n],
+                        "matmul k={k} n={n}: rows of a {m}-row product differ from single rows"
+                    );
+                }
             }
         }
     }

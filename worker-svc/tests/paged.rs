@@ -232,6 +232,14 @@ fn paged_equals_dense_for_random_shapes_tables_and_mixed_batches() {
     }
 }
 
+/// Panics at the first element where `a` and `b` differ in any bit.
+fn assert_bit_identical(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+        panic!("{what}: element {i} differs: {} vs {}", a[i], b[i]);
+    }
+}
+
 fn fixed_model(windows: Vec<u32>, tokens_per_block: u32) -> Weights {
     let config = ModelConfig {
         name: "fixed".into(),
@@ -244,7 +252,7 @@ fn fixed_model(windows: Vec<u32>, tokens_per_block: u32) -> Weights {
         rope_theta: 10_000.0,
         rms_norm_eps: 1e-5,
         layer_windows: windows,
-        max_context: 256,
+        max_context: 512,
         tokens_per_block,
         tied_embeddings: false,
     };
@@ -332,14 +340,7 @@ fn reused_prefix_gives_the_same_logits_as_recomputing_it() {
     );
     let vocab = weights.config.vocab_size;
     let recomputed_suffix = &recomputed[prefix.len() * vocab..];
-    let err = relative_error(&reused, recomputed_suffix);
-    assert!(err <= 1e-5, "reuse vs recompute: relative error {err}");
-    let argmax = |l: &[f32]| {
-        l.chunks_exact(vocab)
-            .map(worker_svc::ops::argmax)
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(argmax(&reused), argmax(recomputed_suffix));
+    assert_bit_identical(&reused, recomputed_suffix, "reused prefix vs recomputed");
 
     let dense = DenseModel::new(&weights);
     let mut d = dense.sequence();
@@ -347,6 +348,72 @@ fn reused_prefix_gives_the_same_logits_as_recomputing_it() {
     for (row, want) in reused.chunks_exact(vocab).zip(&expected[prefix.len()..]) {
         assert!(relative_error(row, want) <= 1e-4);
     }
+}
+
+#[test]
+fn a_long_reused_prefix_is_bit_identical_in_any_batch_and_through_decode() {
+    // 300 prefix tokens span more than one attention key tile and many
+    // query chunks; the window-40 layer reads only the prefix's last blocks.
+    let weights = fixed_model(vec![0, 40, 0], 4);
+    let mut worker = worker_for(&weights);
+    let vocab = weights.config.vocab_size;
+    let prefix: Vec<u32> = (0..300).map(|i| (i * 11 + 5) % 64).collect();
+    let suffix: Vec<u32> = vec![7, 3, 61, 20, 9, 14, 2];
+    let full: Vec<u32> = prefix.iter().chain(&suffix).copied().collect();
+    let ids = |from: u32, n: u32| (from..from + n).collect::<Vec<u32>>();
+
+    // A writes the prefix (75 blocks) and one token more, alone.
+    let a_blocks = ids(100, 76);
+    let a_tokens: Vec<u32> = prefix.iter().chain(&[1]).copied().collect();
+    run_one(
+        &mut worker,
+        1,
+        &a_tokens,
+        0,
+        vec![table(0, 0, &a_blocks), table(40, 0, &a_blocks)],
+    );
+
+    // B reuses the 75 full prefix blocks (only the last 10 in the window
+    // pool), prefills its suffix, then decodes one token.
+    let b_new = ids(200, 3);
+    let b_full: Vec<u32> = a_blocks[..75].iter().chain(&b_new).copied().collect();
+    let b_window: Vec<u32> = a_blocks[65..75].iter().chain(&b_new).copied().collect();
+    let b_tables = || vec![table(0, 0, &b_full), table(40, 65, &b_window)];
+    let mut reused = run_one(&mut worker, 2, &suffix, 300, b_tables());
+    reused.extend(run_one(&mut worker, 2, &[42], 307, b_tables()));
+
+    // C recomputes everything in fresh blocks, in one batch with an
+    // unrelated sequence D, then decodes the same token.
+    let c_blocks = ids(300, 78);
+    let d_blocks = ids(400, 10);
+    let c_tables = || vec![table(0, 0, &c_blocks), table(40, 0, &c_blocks)];
+    let d_tokens: Vec<u32> = (0..37).map(|i| (i * 3 + 1) % 64).collect();
+    let seq = |id: u64, tokens: &[u32], start: u32, tables| SeqInput {
+        seq_id: id,
+        tokens: tokens.to_vec(),
+        start_pos: start,
+        tables,
+        all_positions: true,
+        sampling: Sampling::GREEDY,
+    };
+    let both = vec![
+        seq(
+            4,
+            &d_tokens,
+            0,
+            vec![table(0, 0, &d_blocks), table(40, 0, &d_blocks)],
+        ),
+        seq(3, &full, 0, c_tables()),
+    ];
+    let mut out = match worker.forward(both) {
+        Ok(out) => out,
+        Err(e) => panic!("forward of C and D: {e}"),
+    };
+    let c_out = out.remove(1).logits;
+    let mut recomputed = c_out[prefix.len() * vocab..].to_vec();
+    recomputed.extend(run_one(&mut worker, 3, &[42], 307, c_tables()));
+
+    assert_bit_identical(&reused, &recomputed, "long reused prefix vs recomputed");
 }
 
 #[test]

@@ -12,9 +12,16 @@ use crate::model::ModelConfig;
 use crate::model::weights::Weights;
 use crate::ops::{self, Rope, Threads};
 
-/// Queries per attention task: bounds a task's score matrix to
-/// `QUERY_CHUNK * group * context` floats.
+/// Queries per attention task.
 const QUERY_CHUNK: usize = 16;
+
+/// Keys per attention tile. Tiles start at multiples of `KEY_TILE` in
+/// absolute positions and the products over them are row-exact, so a query
+/// visits the same tiles with the same arithmetic whatever chunk or batch it
+/// is computed in: a reused prefix gives bit-identical results to a
+/// recomputed one. A task's buffers are bounded by the tile, not the
+/// context.
+const KEY_TILE: usize = 256;
 
 /// The CPU backend.
 #[derive(Debug)]
@@ -355,33 +362,11 @@ impl AttnCtx<'_> {
         let cfg = self.cfg;
         let d = cfg.head_dim;
         let group = cfg.num_heads / cfg.num_kv_heads;
-        let b = self.geometry.tokens_per_block;
         let window = self.geometry.window;
         let start = task.seq.start_pos;
         let first_pos = start + task.queries.start;
         let last_pos = start + task.queries.end - 1;
         let lo = ops::window_start(first_pos, window);
-        let len = last_pos + 1 - lo;
-
-        // Gather this head's keys and values, one run of slots per block.
-        let mut keys = vec![0.0f32; len * d];
-        let mut values = vec![0.0f32; len * d];
-        let mut pos = lo;
-        while pos <= last_pos {
-            let block = task.table.block_for(pos, b);
-            let slot = pos % b;
-            let run = (b - slot).min(last_pos + 1 - pos);
-            let dst = (pos - lo) * d;
-            let src_k = self
-                .geometry
-                .offset(block, self.layer_slot, 0, task.kv_head, slot);
-            keys[dst..dst + run * d].copy_from_slice(&self.arena[src_k..src_k + run * d]);
-            let src_v = self
-                .geometry
-                .offset(block, self.layer_slot, 1, task.kv_head, slot);
-            values[dst..dst + run * d].copy_from_slice(&self.arena[src_v..src_v + run * d]);
-            pos += run;
-        }
 
         // Queries of the group's heads, pre-scaled by 1/sqrt(d).
         let rows = task.queries.len() * group;
@@ -396,26 +381,95 @@ impl AttnCtx<'_> {
             }
         }
 
-        let mut scores = vec![0.0f32; rows * len];
-        ops::matmul_wt(
-            &queries,
-            &keys,
-            &mut scores,
-            (rows, d, len),
-            false,
-            Threads::One,
-        );
-        for (r, row) in scores.chunks_exact_mut(len).enumerate() {
-            let p = first_pos + r / group;
-            let first = ops::window_start(p, window) - lo;
-            let last = p - lo;
-            row[..first].fill(f32::NEG_INFINITY);
-            row[last + 1..].fill(f32::NEG_INFINITY);
-            ops::softmax(row);
+        // Online softmax over the tiles: per row the running max, the
+        // running sum of exponentials, and the unnormalised output.
+        let mut max = vec![f32::NEG_INFINITY; rows];
+        let mut sum = vec![0.0f32; rows];
+        let mut acc = vec![0.0f32; rows * d];
+        // Per row, this tile's rescale of the earlier tiles (None: the tile
+        // holds none of the row's keys and leaves it untouched).
+        let mut corr: Vec<Option<f32>> = vec![None; rows];
+        let mut keys = vec![0.0f32; KEY_TILE * d];
+        let mut values = vec![0.0f32; KEY_TILE * d];
+        let mut scores = vec![0.0f32; rows * KEY_TILE];
+        let mut pv = vec![0.0f32; rows * d];
+        let mut tile0 = lo / KEY_TILE * KEY_TILE;
+        while tile0 <= last_pos {
+            let tile_last = tile0 + KEY_TILE - 1;
+            let (from, to) = (lo.max(tile0), last_pos.min(tile_last));
+            // Slots outside [from, to] hold zeros; every row masks them.
+            keys[..(from - tile0) * d].fill(0.0);
+            keys[(to + 1 - tile0) * d..].fill(0.0);
+            values[..(from - tile0) * d].fill(0.0);
+            values[(to + 1 - tile0) * d..].fill(0.0);
+            self.gather(task, from, to, &mut keys[(from - tile0) * d..], 0);
+            self.gather(task, from, to, &mut values[(from - tile0) * d..], 1);
+
+            ops::matmul_wt(
+                &queries,
+                &keys,
+                &mut scores,
+                (rows, d, KEY_TILE),
+                false,
+                Threads::One,
+            );
+            for (r, row) in scores.chunks_exact_mut(KEY_TILE).enumerate() {
+                let p = first_pos + r / group;
+                let first = ops::window_start(p, window).max(tile0);
+                let last = p.min(tile_last);
+                if first > last {
+                    row.fill(0.0);
+                    corr[r] = None;
+                    continue;
+                }
+                row[..first - tile0].fill(f32::NEG_INFINITY);
+                row[last + 1 - tile0..].fill(f32::NEG_INFINITY);
+                let new_max = row.iter().copied().fold(max[r], f32::max);
+                let mut tile_sum = 0.0f32;
+                for v in row.iter_mut() {
+                    *v = (*v - new_max).exp();
+                    tile_sum += *v;
+                }
+                let c = (max[r] - new_max).exp();
+                sum[r] = sum[r] * c + tile_sum;
+                max[r] = new_max;
+                corr[r] = Some(c);
+            }
+            ops::matmul(&scores, &values, &mut pv, (rows, KEY_TILE, d), Threads::One);
+            for ((a, p), c) in acc.chunks_exact_mut(d).zip(pv.chunks_exact(d)).zip(&corr) {
+                if let Some(c) = *c {
+                    for (a, p) in a.iter_mut().zip(p) {
+                        *a = *a * c + p;
+                    }
+                }
+            }
+            tile0 += KEY_TILE;
         }
-        let mut out = vec![0.0f32; rows * d];
-        ops::matmul(&scores, &values, &mut out, (rows, len, d), Threads::One);
-        out
+        for (a, s) in acc.chunks_exact_mut(d).zip(&sum) {
+            for v in a {
+                *v /= s;
+            }
+        }
+        acc
+    }
+
+    /// Copies K (`kv` 0) or V (1) of this task's head at positions
+    /// `from..=to` into `dst`, one run of slots per block.
+    fn gather(&self, task: &AttnTask<'_>, from: usize, to: usize, dst: &mut [f32], kv: usize) {
+        let d = self.cfg.head_dim;
+        let b = self.geometry.tokens_per_block;
+        let mut pos = from;
+        while pos <= to {
+            let block = task.table.block_for(pos, b);
+            let slot = pos % b;
+            let run = (b - slot).min(to + 1 - pos);
+            let at = (pos - from) * d;
+            let src = self
+                .geometry
+                .offset(block, self.layer_slot, kv, task.kv_head, slot);
+            dst[at..at + run * d].copy_from_slice(&self.arena[src..src + run * d]);
+            pos += run;
+        }
     }
 }
 
@@ -450,28 +504,13 @@ pub fn activation_bytes(cfg: &ModelConfig, max_tokens: usize, threads: usize) ->
     // writer-map entry (key, value, hash-table control byte) per token and pool.
     let pools = cfg.pools().len();
     let bookkeeping = t * pools * (24 + 32 + 1);
-    // One attention task: keys, values, queries, scores, output.
+    // One attention task: a tile of keys and of values, its scores, and
+    // per row the queries, the tile's product with the values, the running
+    // output, and max, sum and rescale.
     let group = cfg.num_heads / cfg.num_kv_heads;
     let rows = QUERY_CHUNK * group;
-    let max_len = max_keys(cfg);
-    let per_task = (2 * max_len * d + 2 * rows * d + rows * max_len) * 4;
+    let per_task = (2 * KEY_TILE * d + rows * KEY_TILE + 3 * rows * d + 4 * rows) * 4;
     (t * per_token_bytes + logit_rows + bookkeeping + threads.max(1) * per_task) as u64
-}
-
-/// Most keys one attention task gathers.
-fn max_keys(cfg: &ModelConfig) -> usize {
-    let max_context = cfg.max_context as usize;
-    cfg.layer_windows
-        .iter()
-        .map(|&w| {
-            if w == 0 {
-                max_context
-            } else {
-                (w as usize + QUERY_CHUNK - 1).min(max_context)
-            }
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 impl Backend for CpuBackend {
