@@ -290,7 +290,8 @@ impl CudaBackend {
             cfg.ffn_size,
             cfg.head_dim,
         );
-        let t = max_tokens.max(1);
+        // Activations have whole GEMM_ROWS calls of rows (see `linear`).
+        let t = padded_rows(max_tokens.max(1));
         let part_cap = part_capacity(t);
         let zeros = |n: usize| stream.alloc_zeros::<f32>(n).map_err(cuda_err("alloc"));
         let inv_freq: Vec<f32> = (0..d / 2)
@@ -396,6 +397,8 @@ impl CudaBackend {
         );
         let qkv_dim = qd + 2 * kvd;
         let t = batch.total_tokens();
+        // Rows the products run over (see `linear`).
+        let tp = padded_rows(t);
         let b = cfg.tokens_per_block as usize;
         let eps = cfg.rms_norm_eps;
         let vocab = cfg.vocab_size;
@@ -537,10 +540,10 @@ impl CudaBackend {
             mark(Phase::Other)?;
             linear(
                 &self.blas,
-                &acts.normed.slice(..t * h),
+                &acts.normed.slice(..tp * h),
                 h,
                 &lw.wqkv,
-                &mut acts.qkv.slice_mut(..t * qkv_dim),
+                &mut acts.qkv.slice_mut(..tp * qkv_dim),
                 (t, h, qkv_dim),
                 false,
             )?;
@@ -604,10 +607,10 @@ impl CudaBackend {
             mark(Phase::Attention)?;
             linear(
                 &self.blas,
-                &acts.attn.slice(..t * qd),
+                &acts.attn.slice(..tp * qd),
                 qd,
                 &lw.wo,
-                &mut acts.x.slice_mut(..t * h),
+                &mut acts.x.slice_mut(..tp * h),
                 (t, qd, h),
                 true,
             )?;
@@ -628,10 +631,10 @@ impl CudaBackend {
             mark(Phase::Other)?;
             linear(
                 &self.blas,
-                &acts.normed.slice(..t * h),
+                &acts.normed.slice(..tp * h),
                 h,
                 &lw.w_gate_up,
-                &mut acts.gate_up.slice_mut(..t * 2 * f),
+                &mut acts.gate_up.slice_mut(..tp * 2 * f),
                 (t, h, 2 * f),
                 false,
             )?;
@@ -649,10 +652,10 @@ impl CudaBackend {
             mark(Phase::Other)?;
             linear(
                 &self.blas,
-                &acts.gate_up.slice(..t * 2 * f),
+                &acts.gate_up.slice(..tp * 2 * f),
                 2 * f,
                 &lw.w_down,
-                &mut acts.x.slice_mut(..t * h),
+                &mut acts.x.slice_mut(..tp * h),
                 (t, f, h),
                 true,
             )?;
@@ -680,10 +683,10 @@ impl CudaBackend {
         let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
         linear(
             &self.blas,
-            &acts.final_rows.slice(..r_rows * h),
+            &acts.final_rows.slice(..padded_rows(r_rows) * h),
             h,
             head,
-            &mut acts.logits.slice_mut(..r_rows * vocab),
+            &mut acts.logits.slice_mut(..padded_rows(r_rows) * vocab),
             (r_rows, h, vocab),
             false,
         )?;
@@ -711,7 +714,23 @@ impl CudaBackend {
     }
 }
 
-/// `out[t × n] (+)= x[t × k] (row stride ldx) · w[n × k]ᵀ`, row-major, f32.
+/// Rows per cuBLAS call. cuBLAS picks its kernel (tile shape, split-K) from
+/// the problem's shape, and kernels sum in different orders; every product
+/// here runs as calls of exactly this many rows (the activation buffers are
+/// padded to a multiple), so a row takes the same kernel and the same
+/// summation order whatever other rows share the pass. That keeps a token's
+/// results independent of its batch, which exact prefix reuse needs. A
+/// decode batch of up to this many sequences is one call, as before.
+const GEMM_ROWS: usize = 64;
+
+/// `rows` rounded up to whole [`GEMM_ROWS`] calls.
+fn padded_rows(rows: usize) -> usize {
+    rows.next_multiple_of(GEMM_ROWS)
+}
+
+/// `out[t × n] (+)= x[t × k] (row stride ldx) · w[n × k]ᵀ`, row-major, f32,
+/// as calls of [`GEMM_ROWS`] rows; `x` and `out` hold [`padded_rows`]`(t)`
+/// rows (what the padding rows compute is never read).
 fn linear(
     blas: &CudaBlas,
     x: &CudaView<'_, f32>,
@@ -721,15 +740,24 @@ fn linear(
     (t, k, n): (usize, usize, usize),
     accumulate: bool,
 ) -> Result<()> {
-    if t == 0 {
+    let rows = padded_rows(t);
+    if rows == 0 {
         return Ok(());
     }
-    // Column-major view: out (n × t) = wᵀ (n × k) · x (k × t).
+    if x.len() < (rows - 1) * ldx + k || out.len() < rows * n || w.len() < n * k {
+        return Err(Error::Backend(format!(
+            "linear ({t} x {k}) · ({n} x {k})ᵀ: buffers of {} / {} / {} elements are short of {rows} padded rows",
+            x.len(),
+            w.len(),
+            out.len()
+        )));
+    }
+    // Column-major view: out (n × GEMM_ROWS) = wᵀ (n × k) · x (k × GEMM_ROWS).
     let cfg = GemmConfig {
         transa: cublasOperation_t::CUBLAS_OP_T,
         transb: cublasOperation_t::CUBLAS_OP_N,
         m: n as i32,
-        n: t as i32,
+        n: GEMM_ROWS as i32,
         k: k as i32,
         alpha: 1.0f32,
         lda: k as i32,
@@ -737,8 +765,14 @@ fn linear(
         beta: if accumulate { 1.0 } else { 0.0 },
         ldc: n as i32,
     };
-    // SAFETY: w holds n × k, x holds t rows of stride ldx ≥ k, out t × n.
-    unsafe { blas.gemm(cfg, w, x, out) }.map_err(blas_err)
+    for r0 in (0..rows).step_by(GEMM_ROWS) {
+        let xs = x.slice(r0 * ldx..(r0 + GEMM_ROWS - 1) * ldx + k);
+        let mut os = out.slice_mut(r0 * n..(r0 + GEMM_ROWS) * n);
+        // SAFETY: checked above: w holds n × k, xs GEMM_ROWS rows of stride
+        // ldx ≥ k, os GEMM_ROWS × n.
+        unsafe { blas.gemm(cfg, w, &xs, &mut os) }.map_err(blas_err)?;
+    }
+    Ok(())
 }
 
 /// How one attention launch splits its keys.
