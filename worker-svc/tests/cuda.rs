@@ -1,71 +1,25 @@
-//! The CUDA backend on a GPU (feature `cuda`): the paged tests of
-//! `paged.rs` rerun on the device against the dense reference (random
+//! The CUDA backend on a GPU (feature `cuda`): the paged scenarios of
+//! `common` that `paged.rs` runs on the CPU, rerun on the device (random
 //! shapes, shuffled tables, mixed prefill/decode batches, prefix reuse,
 //! sliding windows whose blocks are reused), and the default model against
 //! the CPU backend.
 //!
 //! Tolerance (max |gpu − reference| / max |reference| over a logits row):
 //! 3e-2 with a bf16 arena, 5e-3 with f16; the products and activations are
-//! f32, so the error is the K/V rounding. Without a usable GPU every test
-//! prints why and returns; `KVLEASE_REQUIRE_GPU=1` turns that into a failure.
+//! f32, so the error is the K/V rounding. A reused prefix must give logits
+//! bit-identical to recomputing it, whatever the batch, as on the CPU.
+//! Without a usable GPU every test prints why and returns;
+//! `KVLEASE_REQUIRE_GPU=1` turns that into a failure.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::{MaxErr, fixed_model, options, relative_error, table};
 use worker_svc::backend::{CudaOptions, KvDtype};
 use worker_svc::batch::{Limits, Sampling, SeqInput, TableInput};
 use worker_svc::model::ModelConfig;
 use worker_svc::model::weights::Weights;
-use worker_svc::ops::window_start;
-use worker_svc::reference::{DenseModel, DenseSequence};
 use worker_svc::worker::{Worker, WorkerOptions};
-
-/// A tiny deterministic generator for test shapes (SplitMix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len())]
-    }
-
-    fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            items.swap(i, self.below(i + 1));
-        }
-    }
-}
-
-fn tiny_config(rng: &mut Rng) -> ModelConfig {
-    let head_dim = rng.pick(&[4, 8]);
-    let num_kv_heads = rng.pick(&[1, 2]);
-    let num_heads = num_kv_heads * rng.pick(&[1, 2, 3]);
-    let layers = 1 + rng.below(3);
-    ModelConfig {
-        name: "tiny".into(),
-        vocab_size: 40,
-        hidden_size: rng.pick(&[16, 24, 32]),
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        ffn_size: rng.pick(&[24, 40]),
-        rope_theta: 10_000.0,
-        rms_norm_eps: 1e-5,
-        layer_windows: (0..layers).map(|_| rng.pick(&[0, 5, 8, 12])).collect(),
-        max_context: 128,
-        tokens_per_block: rng.pick(&[1, 2, 3, 4, 8]) as u32,
-        tied_embeddings: rng.below(2) == 0,
-    }
-}
 
 /// Whether a GPU is usable; prints why not (or fails when
 /// `KVLEASE_REQUIRE_GPU=1`).
@@ -91,17 +45,6 @@ fn tolerance(dtype: KvDtype) -> f32 {
     }
 }
 
-fn options() -> WorkerOptions {
-    WorkerOptions {
-        memory_budget_bytes: 16 << 20,
-        limits: Limits {
-            max_batch_sequences: 16,
-            max_batch_tokens: 512,
-        },
-        threads: 2,
-    }
-}
-
 fn cuda_worker(weights: &Weights, kv_dtype: KvDtype) -> Worker {
     let gpu = CudaOptions {
         device: 0,
@@ -115,106 +58,8 @@ fn cuda_worker(weights: &Weights, kv_dtype: KvDtype) -> Worker {
     }
 }
 
-fn worker_for(weights: &Weights) -> Worker {
+fn gpu_worker(weights: &Weights) -> Worker {
     cuda_worker(weights, DTYPE)
-}
-
-/// Largest error seen by a test, printed at its end.
-#[derive(Default)]
-struct MaxErr(f32);
-
-impl MaxErr {
-    fn check(&mut self, err: f32, tol: f32, what: impl FnOnce() -> String) {
-        self.0 = self.0.max(err);
-        assert!(err <= tol, "{}: relative error {err} over {tol}", what());
-    }
-}
-
-/// max |a - b| / max |b|: the error relative to the logits' scale.
-fn relative_error(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-    let diff = a
-        .iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-    diff / scale
-}
-
-/// One sequence driven through the paged worker and the dense reference.
-struct Driven {
-    id: u64,
-    tokens: Vec<u32>,
-    done: usize,
-    /// Per pool: (first block index, block ids).
-    tables: Vec<(u32, Vec<u32>)>,
-    dense: DenseSequence,
-}
-
-/// Hands out block ids from a shuffled list and takes back slid-out ones
-/// (last freed, first reused, so freed blocks are rewritten at once).
-struct Blocks {
-    free: Vec<Vec<u32>>,
-}
-
-impl Blocks {
-    fn new(worker: &Worker, rng: &mut Rng, per_pool: usize) -> Self {
-        let free = worker
-            .layout()
-            .pools
-            .iter()
-            .map(|p| {
-                let mut ids: Vec<u32> = (0..p.num_blocks).collect();
-                rng.shuffle(&mut ids);
-                ids.truncate(per_pool);
-                ids
-            })
-            .collect();
-        Blocks { free }
-    }
-
-    /// Grows/shrinks `seq`'s tables for a pass over `[start, end)`.
-    fn fit(&mut self, worker: &Worker, seq: &mut Driven, start: usize, end: usize) {
-        let b = worker.info().model.tokens_per_block as usize;
-        for (pool, geometry) in worker.layout().pools.iter().enumerate() {
-            let (first, ids) = &mut seq.tables[pool];
-            let needed_first = window_start(start, geometry.window) / b;
-            while (*first as usize) < needed_first && !ids.is_empty() {
-                let freed = ids.remove(0);
-                self.free[pool].push(freed);
-                *first += 1;
-            }
-            while (*first as usize) + ids.len() <= (end - 1) / b {
-                let id = match self.free[pool].pop() {
-                    Some(id) => id,
-                    None => panic!("test ran out of blocks in pool {pool}"),
-                };
-                ids.push(id);
-            }
-        }
-    }
-}
-
-fn input(worker: &Worker, seq: &Driven, start: usize, end: usize) -> SeqInput {
-    SeqInput {
-        seq_id: seq.id,
-        tokens: seq.tokens[start..end].to_vec(),
-        start_pos: start as u32,
-        tables: worker
-            .layout()
-            .pools
-            .iter()
-            .zip(&seq.tables)
-            .map(|(p, (first, ids))| TableInput {
-                window: p.window,
-                beam: 0,
-                first_block: *first,
-                block_ids: ids.clone(),
-            })
-            .collect(),
-        all_positions: true,
-        sampling: Sampling::GREEDY,
-    }
 }
 
 #[test]
@@ -223,134 +68,9 @@ fn paged_equals_dense_for_random_shapes_tables_and_mixed_batches() {
         return;
     }
     for dtype in [KvDtype::Bf16, KvDtype::F16] {
-        let max = random_cases(dtype);
+        let build = |w: &Weights| cuda_worker(w, dtype);
+        let max = common::paged_equals_dense(&build, tolerance(dtype));
         println!("paged vs dense, {dtype:?} arena: max relative error {max:.2e}");
-    }
-}
-
-fn random_cases(dtype: KvDtype) -> f32 {
-    let mut max = MaxErr::default();
-    for case in 0..12u64 {
-        let mut rng = Rng(0xC0FFEE + case);
-        let config = tiny_config(&mut rng);
-        let weights = match Weights::seeded(config.clone(), case) {
-            Ok(w) => w,
-            Err(e) => panic!("case {case}: {e}"),
-        };
-        let dense = DenseModel::new(&weights);
-        let mut worker = cuda_worker(&weights, dtype);
-        let mut blocks = Blocks::new(&worker, &mut rng, 400);
-        let pools = worker.layout().pools.len();
-        let mut seqs: Vec<Driven> = (0..1 + rng.below(4))
-            .map(|i| Driven {
-                id: 100 + i as u64,
-                tokens: (0..8 + rng.below(40))
-                    .map(|_| rng.below(40) as u32)
-                    .collect(),
-                done: 0,
-                tables: vec![(0, Vec::new()); pools],
-                dense: dense.sequence(),
-            })
-            .collect();
-
-        while seqs.iter().any(|s| s.done < s.tokens.len()) {
-            // Each unfinished sequence runs a chunk: a prefill piece or one
-            // decode token, in random order within the batch.
-            let mut order: Vec<usize> = (0..seqs.len())
-                .filter(|&i| seqs[i].done < seqs[i].tokens.len())
-                .collect();
-            rng.shuffle(&mut order);
-            let mut spans = Vec::new();
-            let mut batch = Vec::new();
-            for &i in &order {
-                let seq = &mut seqs[i];
-                let left = seq.tokens.len() - seq.done;
-                let n = if rng.below(2) == 0 {
-                    1
-                } else {
-                    1 + rng.below(left.min(9))
-                };
-                let (start, end) = (seq.done, seq.done + n.min(left));
-                blocks.fit(&worker, seq, start, end);
-                batch.push(input(&worker, seq, start, end));
-                spans.push((i, start, end));
-            }
-            let outputs = match worker.forward(batch) {
-                Ok(o) => o,
-                Err(e) => panic!("case {case} ({config:?}): forward failed: {e}"),
-            };
-            for ((i, start, end), out) in spans.into_iter().zip(outputs) {
-                let seq = &mut seqs[i];
-                assert_eq!(out.seq_id, seq.id);
-                let expected = dense.forward(&mut seq.dense, &seq.tokens[start..end]);
-                let vocab = config.vocab_size;
-                assert_eq!(out.logits.len(), (end - start) * vocab);
-                for (row, want) in out.logits.chunks_exact(vocab).zip(&expected) {
-                    let err = relative_error(row, want);
-                    max.check(err, tolerance(dtype), || {
-                        format!(
-                            "case {case} seq {} positions {start}..{end} ({config:?})",
-                            seq.id
-                        )
-                    });
-                }
-                assert_eq!(out.argmax.len(), end - start);
-                seq.done = end;
-            }
-        }
-    }
-    max.0
-}
-
-fn fixed_model(windows: Vec<u32>, tokens_per_block: u32) -> Weights {
-    let config = ModelConfig {
-        name: "fixed".into(),
-        vocab_size: 64,
-        hidden_size: 32,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 8,
-        ffn_size: 48,
-        rope_theta: 10_000.0,
-        rms_norm_eps: 1e-5,
-        layer_windows: windows,
-        max_context: 256,
-        tokens_per_block,
-        tied_embeddings: false,
-    };
-    match Weights::seeded(config, 7) {
-        Ok(w) => w,
-        Err(e) => panic!("weights: {e}"),
-    }
-}
-
-fn table(window: u32, first_block: u32, block_ids: &[u32]) -> TableInput {
-    TableInput {
-        window,
-        beam: 0,
-        first_block,
-        block_ids: block_ids.to_vec(),
-    }
-}
-
-fn run_one(
-    worker: &mut Worker,
-    seq_id: u64,
-    tokens: &[u32],
-    start: u32,
-    tables: Vec<TableInput>,
-) -> Vec<f32> {
-    let input = SeqInput {
-        seq_id,
-        tokens: tokens.to_vec(),
-        start_pos: start,
-        tables,
-        all_positions: true,
-        sampling: Sampling::GREEDY,
-    };
-    match worker.forward(vec![input]) {
-        Ok(mut out) => out.remove(0).logits,
-        Err(e) => panic!("forward of {seq_id}: {e}"),
     }
 }
 
@@ -359,72 +79,15 @@ fn reused_prefix_gives_the_same_logits_as_recomputing_it() {
     if !gpu_available("reused_prefix") {
         return;
     }
-    // Full attention and a window longer than the prompt, so both pools
-    // share the prefix blocks.
-    let weights = fixed_model(vec![0, 32, 0], 4);
-    let mut worker = worker_for(&weights);
-    let prefix: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 64).collect();
-    let suffix: Vec<u32> = vec![5, 9, 33, 1, 60];
-    let full: Vec<u32> = prefix.iter().chain(&suffix).copied().collect();
+    common::reused_prefix_matches_recomputing(&gpu_worker, tolerance(DTYPE));
+}
 
-    // A: the prefix plus its own continuation, in blocks 10, 11, 12 (+13).
-    let a_tokens: Vec<u32> = prefix.iter().chain(&[2, 4]).copied().collect();
-    run_one(
-        &mut worker,
-        1,
-        &a_tokens,
-        0,
-        vec![
-            table(0, 0, &[10, 11, 12, 13]),
-            table(32, 0, &[10, 11, 12, 13]),
-        ],
-    );
-
-    // B reuses A's three full prefix blocks and computes only its suffix.
-    let reused = run_one(
-        &mut worker,
-        2,
-        &suffix,
-        12,
-        vec![
-            table(0, 0, &[10, 11, 12, 20, 21]),
-            table(32, 0, &[10, 11, 12, 20, 21]),
-        ],
-    );
-
-    // C recomputes the whole of B's tokens in fresh blocks.
-    let recomputed = run_one(
-        &mut worker,
-        3,
-        &full,
-        0,
-        vec![
-            table(0, 0, &[30, 31, 32, 33, 34]),
-            table(32, 0, &[30, 31, 32, 33, 34]),
-        ],
-    );
-    let vocab = weights.config.vocab_size;
-    let recomputed_suffix = &recomputed[prefix.len() * vocab..];
-    let err = relative_error(&reused, recomputed_suffix);
-    println!("prefix reuse vs recompute on the GPU: relative error {err:.2e}");
-    assert!(err <= 1e-3, "reuse vs recompute: relative error {err}");
-    let argmax = |l: &[f32]| {
-        l.chunks_exact(vocab)
-            .map(worker_svc::ops::argmax)
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(argmax(&reused), argmax(recomputed_suffix));
-
-    let dense = DenseModel::new(&weights);
-    let mut d = dense.sequence();
-    let expected = dense.forward(&mut d, &full);
-    for (row, want) in reused.chunks_exact(vocab).zip(&expected[prefix.len()..]) {
-        let err = relative_error(row, want);
-        assert!(
-            err <= tolerance(DTYPE),
-            "reuse vs dense: relative error {err}"
-        );
+#[test]
+fn a_long_reused_prefix_is_bit_identical_in_any_batch_and_through_decode() {
+    if !gpu_available("long_reused_prefix") {
+        return;
     }
+    common::long_reused_prefix_is_bit_identical(&gpu_worker);
 }
 
 #[test]
@@ -432,113 +95,7 @@ fn sliding_window_matches_dense_after_blocks_slide_out_and_are_reused() {
     if !gpu_available("sliding_window") {
         return;
     }
-    // Window 6 with 4-token blocks: at most 3 blocks live per sequence.
-    let weights = fixed_model(vec![6, 0, 6], 4);
-    let mut worker = worker_for(&weights);
-    let dense = DenseModel::new(&weights);
-    let tokens_a: Vec<u32> = (0..40).map(|i| (i * 13 + 1) % 64).collect();
-    let tokens_b: Vec<u32> = (0..24).map(|i| (i * 5 + 2) % 64).collect();
-    let mut da = dense.sequence();
-    let mut db = dense.sequence();
-    let vocab = weights.config.vocab_size;
-
-    // Window-pool blocks, recycled by hand: A's slid-out blocks go to B.
-    let mut free: Vec<u32> = vec![7, 3, 11, 0, 9, 5, 2, 8, 1, 4, 6, 10];
-    let (mut a_first, mut a_win) = (0u32, Vec::<u32>::new());
-    let (mut b_first, mut b_win) = (0u32, Vec::<u32>::new());
-    let a_full: Vec<u32> = (100..110).collect();
-    let b_full: Vec<u32> = (200..206).collect();
-    let mut reused_by_b = 0;
-    let mut held_by_a: Vec<u32> = Vec::new();
-
-    let mut pos_a = 0;
-    let mut pos_b = 0;
-    while pos_a < tokens_a.len() {
-        // A: chunks of 3, then decode; B starts once A has slid out blocks.
-        let n_a = if pos_a < 12 { 3 } else { 1 };
-        let end_a = (pos_a + n_a).min(tokens_a.len());
-        let a_ids = slide(&mut a_first, &mut a_win, &mut free, pos_a, end_a);
-        held_by_a.extend(&a_ids);
-        let mut batch = vec![SeqInput {
-            seq_id: 1,
-            tokens: tokens_a[pos_a..end_a].to_vec(),
-            start_pos: pos_a as u32,
-            tables: vec![table(6, a_first, &a_ids), table(0, 0, &a_full)],
-            all_positions: true,
-            sampling: Sampling::GREEDY,
-        }];
-        let mut b_span = None;
-        if pos_a >= 16 && pos_b < tokens_b.len() {
-            let end_b = (pos_b + 2).min(tokens_b.len());
-            let before: Vec<u32> = b_win.clone();
-            let b_ids = slide(&mut b_first, &mut b_win, &mut free, pos_b, end_b);
-            reused_by_b += b_ids
-                .iter()
-                .filter(|id| !before.contains(id) && held_by_a.contains(id))
-                .count();
-            batch.push(SeqInput {
-                seq_id: 2,
-                tokens: tokens_b[pos_b..end_b].to_vec(),
-                start_pos: pos_b as u32,
-                tables: vec![table(6, b_first, &b_ids), table(0, 0, &b_full)],
-                all_positions: true,
-                sampling: Sampling::GREEDY,
-            });
-            b_span = Some((pos_b, end_b));
-        }
-        let outputs = match worker.forward(batch) {
-            Ok(o) => o,
-            Err(e) => panic!("forward at a={pos_a}: {e}"),
-        };
-        let want_a = dense.forward(&mut da, &tokens_a[pos_a..end_a]);
-        for (row, want) in outputs[0].logits.chunks_exact(vocab).zip(&want_a) {
-            let err = relative_error(row, want);
-            assert!(
-                err <= tolerance(DTYPE),
-                "A at {pos_a}: relative error {err}"
-            );
-        }
-        if let Some((start, end)) = b_span {
-            let want_b = dense.forward(&mut db, &tokens_b[start..end]);
-            for (row, want) in outputs[1].logits.chunks_exact(vocab).zip(&want_b) {
-                let err = relative_error(row, want);
-                assert!(
-                    err <= tolerance(DTYPE),
-                    "B at {start}: relative error {err}"
-                );
-            }
-            pos_b = end;
-        }
-        pos_a = end_a;
-    }
-    assert!(
-        a_first >= 8,
-        "A's early blocks slid out (first_block {a_first})"
-    );
-    assert!(
-        reused_by_b >= 2,
-        "B reused blocks A released ({reused_by_b})"
-    );
-}
-
-/// Moves a window-6, 4-token-block table to cover a pass over
-/// `[start, end)`: slid-out blocks go to the front of `free` (reused first).
-fn slide(
-    first: &mut u32,
-    win: &mut Vec<u32>,
-    free: &mut Vec<u32>,
-    start: usize,
-    end: usize,
-) -> Vec<u32> {
-    let keep_from = window_start(start, 6) / 4;
-    while (*first as usize) < keep_from {
-        free.insert(0, win.remove(0));
-        *first += 1;
-    }
-    while (*first as usize) + win.len() <= (end - 1) / 4 {
-        win.push(free.remove(0));
-    }
-    win.clone()
+    common::sliding_window_matches_dense(&gpu_worker, tolerance(DTYPE));
 }
 
 #[test]
