@@ -217,22 +217,63 @@ fn input(worker: &Worker, seq: &Driven, start: usize, end: usize) -> SeqInput {
     }
 }
 
+/// Shapes the tensor-core attention kernel takes (head width 64 or 128, up
+/// to 8 query heads per KV head), with block sizes that do and do not
+/// divide its 16-key tiles.
+fn tensor_core_config(rng: &mut Rng) -> ModelConfig {
+    let head_dim = rng.pick(&[64, 128]);
+    let num_kv_heads = rng.pick(&[1, 2]);
+    let num_heads = num_kv_heads * rng.pick(&[1, 2, 3, 4, 8]);
+    let layers = 1 + rng.below(2);
+    ModelConfig {
+        name: "tensor-core".into(),
+        vocab_size: 40,
+        hidden_size: rng.pick(&[32, 64]),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        ffn_size: 48,
+        rope_theta: 10_000.0,
+        rms_norm_eps: 1e-5,
+        layer_windows: (0..layers).map(|_| rng.pick(&[0, 5, 20, 33])).collect(),
+        max_context: 128,
+        tokens_per_block: rng.pick(&[4, 8, 16, 32]) as u32,
+        tied_embeddings: rng.below(2) == 0,
+    }
+}
+
 #[test]
 fn paged_equals_dense_for_random_shapes_tables_and_mixed_batches() {
     if !gpu_available("paged_equals_dense") {
         return;
     }
     for dtype in [KvDtype::Bf16, KvDtype::F16] {
-        let max = random_cases(dtype);
+        let max = random_cases(dtype, tiny_config, 0xC0FFEE, 12);
         println!("paged vs dense, {dtype:?} arena: max relative error {max:.2e}");
     }
 }
 
-fn random_cases(dtype: KvDtype) -> f32 {
+#[test]
+fn paged_equals_dense_on_tensor_core_shapes() {
+    if !gpu_available("paged_equals_dense_on_tensor_core_shapes") {
+        return;
+    }
+    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+        let max = random_cases(dtype, tensor_core_config, 0x7E45, 8);
+        println!("paged vs dense, head dims 64/128, {dtype:?} arena: max relative error {max:.2e}");
+    }
+}
+
+fn random_cases(
+    dtype: KvDtype,
+    make_config: fn(&mut Rng) -> ModelConfig,
+    seed: u64,
+    cases: u64,
+) -> f32 {
     let mut max = MaxErr::default();
-    for case in 0..12u64 {
-        let mut rng = Rng(0xC0FFEE + case);
-        let config = tiny_config(&mut rng);
+    for case in 0..cases {
+        let mut rng = Rng(seed + case);
+        let config = make_config(&mut rng);
         let weights = match Weights::seeded(config.clone(), case) {
             Ok(w) => w,
             Err(e) => panic!("case {case}: {e}"),
@@ -655,6 +696,77 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
         "gpu vs cpu backend, default model, bf16 arena: max relative error {:.2e}",
         max.0
     );
+}
+
+#[test]
+fn attention_kernels_match_f64_for_decode_prefill_and_windows() {
+    use worker_svc::backend::cuda::AttentionTuning;
+    use worker_svc::backend::cuda::bench::{self, AttentionShape};
+    if !gpu_available("attention_kernels_match_f64") {
+        return;
+    }
+    let general = AttentionTuning {
+        tensor_cores: false,
+        ..AttentionTuning::default()
+    };
+    let small = AttentionTuning {
+        warps: 2,
+        stages: 2,
+        ..AttentionTuning::default()
+    };
+    let wide = AttentionTuning {
+        warps: 8,
+        stages: 4,
+        ctas_per_sm: 32,
+        ..AttentionTuning::default()
+    };
+    // (batch, context, heads, kv heads, head dim, block, dtype, window, rows)
+    let cases = [
+        (3, 300, 8, 2, 128, 16, KvDtype::Bf16, 0, 1),
+        (2, 1000, 32, 8, 128, 16, KvDtype::Bf16, 0, 1),
+        (2, 517, 16, 2, 64, 8, KvDtype::F16, 0, 5),
+        (3, 333, 6, 2, 64, 3, KvDtype::Bf16, 100, 7),
+        (2, 700, 4, 4, 128, 32, KvDtype::F16, 250, 3),
+        (2, 90, 10, 2, 64, 16, KvDtype::Bf16, 37, 20),
+        (2, 200, 8, 2, 96, 16, KvDtype::Bf16, 0, 2),
+    ];
+    let mut worst = 0.0f64;
+    for (i, &(batch, context, heads, kv, d, b, dtype, window, rows)) in cases.iter().enumerate() {
+        let shape = AttentionShape {
+            batch,
+            context,
+            num_heads: heads,
+            num_kv_heads: kv,
+            head_dim: d,
+            tokens_per_block: b,
+            kv_dtype: dtype,
+            window,
+            query_rows: rows,
+        };
+        let tunings: &[AttentionTuning] = if i < 2 {
+            &[AttentionTuning::default(), general, small, wide]
+        } else {
+            &[AttentionTuning::default(), general]
+        };
+        for &tuning in tunings {
+            let r = match bench::attention(shape, tuning, 0) {
+                Ok(r) => r,
+                Err(e) => panic!("{shape:?} {tuning:?}: {e}"),
+            };
+            println!(
+                "{shape:?}: {} ({} splits): max rel err {:.2e}",
+                r.kernel, r.num_splits, r.max_rel_err
+            );
+            assert!(
+                r.max_rel_err <= 2e-4,
+                "{shape:?} {tuning:?} ({}): relative error {} over 2e-4",
+                r.kernel,
+                r.max_rel_err
+            );
+            worst = worst.max(r.max_rel_err);
+        }
+    }
+    println!("attention kernels vs f64: max relative error {worst:.2e}");
 }
 
 #[test]
