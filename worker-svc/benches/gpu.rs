@@ -4,6 +4,7 @@
 //! why and exits 0, unless `KVLEASE_REQUIRE_GPU=1` (then it fails).
 
 use worker_svc::backend::KvDtype;
+use worker_svc::backend::cuda::AttentionTuning;
 use worker_svc::backend::cuda::bench::{self, AttentionShape};
 use worker_svc::model::ModelConfig;
 
@@ -16,16 +17,8 @@ fn main() {
         println!("gpu bench skipped: {reason}");
         return;
     }
-    let shape = AttentionShape {
-        batch: 64,
-        context: 4096,
-        num_heads: 32,
-        num_kv_heads: 8,
-        head_dim: 128,
-        tokens_per_block: 16,
-        kv_dtype: KvDtype::Bf16,
-    };
-    let a = bench::decode_attention(shape, 50).unwrap_or_else(|e| fail(e));
+    let shape = AttentionShape::decode_bench();
+    let a = bench::decode_attention(shape, 100).unwrap_or_else(|e| fail(e));
     println!("device: {}", a.device);
     println!(
         "paged decode attention: batch {} context {} heads {}/{} kv, head dim {}, {} tokens/block, bf16, blocks shuffled",
@@ -35,6 +28,10 @@ fn main() {
         shape.num_kv_heads,
         shape.head_dim,
         shape.tokens_per_block
+    );
+    println!(
+        "kernel: {} ({} registers, {} bytes local)",
+        a.kernel, a.regs, a.local_bytes
     );
     println!("| figure | value |");
     println!("|---|---:|");
@@ -48,6 +45,11 @@ fn main() {
     );
     println!("| achieved | {:.0} GB/s |", a.achieved_gbps);
     println!(
+        "| attention kernel alone (no merge) | {:.1} us ({:.0} GB/s) |",
+        a.kernel_us,
+        a.kv_bytes as f64 / (a.kernel_us * 1e-6) / 1e9
+    );
+    println!(
         "| device-to-device copy (read+write, 1 GiB) | {:.0} GB/s |",
         a.copy_gbps
     );
@@ -57,6 +59,46 @@ fn main() {
         "| max rel. error vs f64 host (2 seqs, all heads) | {:.1e} |",
         a.max_rel_err
     );
+
+    // Launch variants of the same shape, `KVLEASE_ATTN_VARIANTS` (comma
+    // separated: `general` or `WARPSxSTAGESxCTAS_PER_SM`; `none` for none).
+    let variants = std::env::var("KVLEASE_ATTN_VARIANTS")
+        .unwrap_or_else(|_| "general,4x2x8,4x4x8,8x2x8,4x3x4,4x3x16".into());
+    let mut rows = Vec::new();
+    for v in variants
+        .split(',')
+        .map(str::trim)
+        .filter(|v| !v.is_empty() && *v != "none")
+    {
+        let Some(tuning) = parse_tuning(v) else {
+            eprintln!("variant {v}: not general or WxSxC, skipped");
+            continue;
+        };
+        match bench::attention(shape, tuning, 100) {
+            Ok(r) => rows.push((v.to_string(), r)),
+            Err(e) => eprintln!("variant {v}: {e}"),
+        }
+    }
+    if !rows.is_empty() {
+        println!("variants of the same decode attention (each with its own copy figure):");
+        println!(
+            "| variant | kernel | regs | splits | time | kernel alone | GB/s | / copy | max rel. err |"
+        );
+        println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+        for (v, r) in rows {
+            println!(
+                "| {v} | {} | {} | {} | {:.1} us | {:.1} us | {:.0} | {:.2} | {:.1e} |",
+                r.kernel,
+                r.regs,
+                r.num_splits,
+                r.time_us,
+                r.kernel_us,
+                r.achieved_gbps,
+                r.achieved_gbps / r.copy_gbps,
+                r.max_rel_err
+            );
+        }
+    }
 
     let model = ModelConfig {
         name: "bench-1b".into(),
@@ -103,6 +145,30 @@ fn main() {
         "| prefill of {batch} x {context} tokens | {:.1} s |",
         r.prefill_s
     );
+}
+
+/// `general` (the one-warp kernel) or `WxSxC`: tensor cores with W warps
+/// per CTA, S stages, splits aimed at C CTAs per multiprocessor.
+fn parse_tuning(v: &str) -> Option<AttentionTuning> {
+    if v == "general" {
+        return Some(AttentionTuning {
+            tensor_cores: false,
+            ..AttentionTuning::default()
+        });
+    }
+    let n: Vec<usize> = v
+        .split('x')
+        .map(|x| x.parse().ok())
+        .collect::<Option<_>>()?;
+    match n[..] {
+        [warps, stages, ctas_per_sm] => Some(AttentionTuning {
+            tensor_cores: true,
+            warps,
+            stages,
+            ctas_per_sm,
+        }),
+        _ => None,
+    }
 }
 
 fn fail(e: impl std::fmt::Display) -> ! {

@@ -75,6 +75,18 @@ fn paged_equals_dense_for_random_shapes_tables_and_mixed_batches() {
 }
 
 #[test]
+fn paged_equals_dense_on_tensor_core_shapes() {
+    if !gpu_available("paged_equals_dense_on_tensor_core_shapes") {
+        return;
+    }
+    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+        let build = |w: &Weights| cuda_worker(w, dtype);
+        let max = common::paged_equals_dense_wide_heads(&build, tolerance(dtype));
+        println!("paged vs dense, head dims 64/128, {dtype:?} arena: max relative error {max:.2e}");
+    }
+}
+
+#[test]
 fn reused_prefix_gives_the_same_logits_as_recomputing_it() {
     if !gpu_available("reused_prefix") {
         return;
@@ -212,6 +224,77 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
         "gpu vs cpu backend, default model, bf16 arena: max relative error {:.2e}",
         max.0
     );
+}
+
+#[test]
+fn attention_kernels_match_f64_for_decode_prefill_and_windows() {
+    use worker_svc::backend::cuda::AttentionTuning;
+    use worker_svc::backend::cuda::bench::{self, AttentionShape};
+    if !gpu_available("attention_kernels_match_f64") {
+        return;
+    }
+    let general = AttentionTuning {
+        tensor_cores: false,
+        ..AttentionTuning::default()
+    };
+    let small = AttentionTuning {
+        warps: 2,
+        stages: 2,
+        ..AttentionTuning::default()
+    };
+    let wide = AttentionTuning {
+        warps: 8,
+        stages: 4,
+        ctas_per_sm: 32,
+        ..AttentionTuning::default()
+    };
+    // (batch, context, heads, kv heads, head dim, block, dtype, window, rows)
+    let cases = [
+        (3, 300, 8, 2, 128, 16, KvDtype::Bf16, 0, 1),
+        (2, 1000, 32, 8, 128, 16, KvDtype::Bf16, 0, 1),
+        (2, 517, 16, 2, 64, 8, KvDtype::F16, 0, 5),
+        (3, 333, 6, 2, 64, 3, KvDtype::Bf16, 100, 7),
+        (2, 700, 4, 4, 128, 32, KvDtype::F16, 250, 3),
+        (2, 90, 10, 2, 64, 16, KvDtype::Bf16, 37, 20),
+        (2, 200, 8, 2, 96, 16, KvDtype::Bf16, 0, 2),
+    ];
+    let mut worst = 0.0f64;
+    for (i, &(batch, context, heads, kv, d, b, dtype, window, rows)) in cases.iter().enumerate() {
+        let shape = AttentionShape {
+            batch,
+            context,
+            num_heads: heads,
+            num_kv_heads: kv,
+            head_dim: d,
+            tokens_per_block: b,
+            kv_dtype: dtype,
+            window,
+            query_rows: rows,
+        };
+        let tunings: &[AttentionTuning] = if i < 2 {
+            &[AttentionTuning::default(), general, small, wide]
+        } else {
+            &[AttentionTuning::default(), general]
+        };
+        for &tuning in tunings {
+            let r = match bench::attention(shape, tuning, 0) {
+                Ok(r) => r,
+                Err(e) => panic!("{shape:?} {tuning:?}: {e}"),
+            };
+            println!(
+                "{shape:?}: {} ({} splits): max rel err {:.2e}",
+                r.kernel, r.num_splits, r.max_rel_err
+            );
+            assert!(
+                r.max_rel_err <= 2e-4,
+                "{shape:?} {tuning:?} ({}): relative error {} over 2e-4",
+                r.kernel,
+                r.max_rel_err
+            );
+            worst = worst.max(r.max_rel_err);
+        }
+    }
+    println!("attention kernels vs f64: max relative error {worst:.2e}");
 }
 
 #[test]

@@ -27,6 +27,12 @@ fn paged_equals_dense_for_random_shapes_tables_and_mixed_batches() {
 }
 
 #[test]
+fn paged_equals_dense_for_head_widths_64_and_128() {
+    let max = common::paged_equals_dense_wide_heads(&cpu_worker, TOLERANCE);
+    println!("paged vs dense on the CPU, head dims 64/128: max relative error {max:.2e}");
+}
+
+#[test]
 fn reused_prefix_gives_the_same_logits_as_recomputing_it() {
     common::reused_prefix_matches_recomputing(&cpu_worker, TOLERANCE);
 }

@@ -183,14 +183,54 @@ fn input(worker: &Worker, seq: &Driven, start: usize, end: usize) -> SeqInput {
     }
 }
 
-/// Twelve random models, each driving a few sequences in random chunks
+/// Shapes the GPU's tensor-core attention kernel takes (head width 64 or
+/// 128, up to 8 query heads per KV head), with block sizes that do and do not
+/// divide its 16-key tiles.
+fn wide_head_config(rng: &mut Rng) -> ModelConfig {
+    let head_dim = rng.pick(&[64, 128]);
+    let num_kv_heads = rng.pick(&[1, 2]);
+    let num_heads = num_kv_heads * rng.pick(&[1, 2, 3, 4, 8]);
+    let layers = 1 + rng.below(2);
+    ModelConfig {
+        name: "wide-heads".into(),
+        vocab_size: 40,
+        hidden_size: rng.pick(&[32, 64]),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        ffn_size: 48,
+        rope_theta: 10_000.0,
+        rms_norm_eps: 1e-5,
+        layer_windows: (0..layers).map(|_| rng.pick(&[0, 5, 20, 33])).collect(),
+        max_context: 128,
+        tokens_per_block: rng.pick(&[4, 8, 16, 32]) as u32,
+        tied_embeddings: rng.below(2) == 0,
+    }
+}
+
+/// Twelve random tiny models, each driving a few sequences in random chunks
 /// through shuffled blocks, every logits row within `tol` of the dense
 /// reference. Returns the largest relative error seen.
 pub(crate) fn paged_equals_dense(build: Build<'_>, tol: f32) -> f32 {
+    random_cases(build, tol, tiny_config, 0xC0FFEE, 12)
+}
+
+/// [`paged_equals_dense`] over eight models with head widths 64 and 128.
+pub(crate) fn paged_equals_dense_wide_heads(build: Build<'_>, tol: f32) -> f32 {
+    random_cases(build, tol, wide_head_config, 0x7E45, 8)
+}
+
+fn random_cases(
+    build: Build<'_>,
+    tol: f32,
+    make_config: fn(&mut Rng) -> ModelConfig,
+    seed: u64,
+    cases: u64,
+) -> f32 {
     let mut max = MaxErr::default();
-    for case in 0..12u64 {
-        let mut rng = Rng(0xC0FFEE + case);
-        let config = tiny_config(&mut rng);
+    for case in 0..cases {
+        let mut rng = Rng(seed + case);
+        let config = make_config(&mut rng);
         let weights = match Weights::seeded(config.clone(), case) {
             Ok(w) => w,
             Err(e) => panic!("case {case}: {e}"),

@@ -8,7 +8,7 @@ use std::time::Instant;
 use cudarc::driver::{CudaContext, CudaSlice, LaunchConfig, PushKernelArg, sys::CUevent_flags};
 
 use super::{
-    AttentionArgs, KernelShape, Kernels, KvDtype, SplitPlan, cuda_err, launch_attention,
+    AttentionArgs, AttentionTuning, KernelShape, Kernels, KvDtype, cuda_err, launch_attention,
     part_capacity,
 };
 use crate::backend::PhaseTimes;
@@ -18,12 +18,12 @@ use crate::model::ModelConfig;
 use crate::model::weights::Weights;
 use crate::worker::{Worker, WorkerOptions};
 
-/// Shape of the decode attention benchmark.
+/// Shape of the paged attention benchmark and check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionShape {
-    /// Sequences, one query row each.
+    /// Sequences.
     pub batch: usize,
-    /// Keys per sequence.
+    /// Keys per sequence (positions `0..context`).
     pub context: usize,
     /// Query heads.
     pub num_heads: usize,
@@ -35,24 +35,58 @@ pub struct AttentionShape {
     pub tokens_per_block: usize,
     /// Arena element type.
     pub kv_dtype: KvDtype,
+    /// Sliding window (0: none): a query at `p` sees `max(0, p-W+1)..=p`.
+    pub window: usize,
+    /// Query rows per sequence, at the last positions (1: decode; more: a
+    /// prefill chunk, causal).
+    pub query_rows: usize,
 }
 
-/// What the decode attention benchmark measured.
+impl AttentionShape {
+    /// The decode bench's shape: batch 64, context 4096, 32 query / 8 KV
+    /// heads of 128, 16 tokens per block, bf16, one query row, no window.
+    pub fn decode_bench() -> Self {
+        AttentionShape {
+            batch: 64,
+            context: 4096,
+            num_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            tokens_per_block: 16,
+            kv_dtype: KvDtype::Bf16,
+            window: 0,
+            query_rows: 1,
+        }
+    }
+}
+
+/// What the paged attention benchmark measured.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttentionReport {
     /// Device name.
     pub device: String,
-    /// Mean time of one decode attention (kernel and merge), microseconds.
+    /// Which kernel ran and its launch shape.
+    pub kernel: String,
+    /// Registers per thread and local (spill) bytes of that kernel.
+    pub regs: i32,
+    /// Local memory bytes per thread (spills) of that kernel.
+    pub local_bytes: i32,
+    /// Mean time of one attention call (kernel and merge), microseconds
+    /// (0 when not timed).
     pub time_us: f64,
-    /// K and V bytes read per call.
+    /// K and V bytes the rows' keys span, read once.
     pub kv_bytes: u64,
     /// `kv_bytes / time`, GB/s.
     pub achieved_gbps: f64,
-    /// Device-to-device copy in the same run, (read + write) GB/s.
+    /// Mean time of the attention kernel alone (no merge), microseconds.
+    pub kernel_us: f64,
+    /// Device-to-device copy in the same run, (read + write) GB/s (0 when
+    /// not timed).
     pub copy_gbps: f64,
     /// Key splits per query row.
     pub num_splits: usize,
-    /// Largest |gpu − host| over the checked heads, relative to the largest |host|.
+    /// Largest |gpu − host| over the checked rows and heads, relative to
+    /// the largest |host| (NaN when any output was NaN).
     pub max_rel_err: f64,
 }
 
@@ -80,10 +114,30 @@ fn kv_value(bits: u16, dtype: KvDtype) -> f64 {
     }
 }
 
-/// Times paged decode attention at `shape` (blocks shuffled across the
-/// arena) over `iters` calls, measures the copy bandwidth of a 1 GiB
-/// buffer, and checks the first and last sequence against f64 on the host.
+fn nan_bits(dtype: KvDtype) -> u16 {
+    match dtype {
+        KvDtype::Bf16 => 0x7fc0,
+        KvDtype::F16 => 0x7e00,
+    }
+}
+
+/// [`attention`] with the default tuning, `iters` timed calls.
 pub fn decode_attention(shape: AttentionShape, iters: usize) -> Result<AttentionReport> {
+    attention(shape, AttentionTuning::default(), iters)
+}
+
+/// Runs paged attention at `shape` (blocks shuffled across the arena,
+/// random K/V and queries) with the kernels compiled for `tuning`; when
+/// `iters > 0`, times `iters` calls after a warm-up and measures the copy
+/// bandwidth of a 1 GiB buffer. Checks every query row and head of the
+/// first and last sequence against f64 on the host. Arena slots no query
+/// may see (after the last position, blocks before a window) hold NaN, so
+/// a kernel that reads them shows it.
+pub fn attention(
+    shape: AttentionShape,
+    tuning: AttentionTuning,
+    iters: usize,
+) -> Result<AttentionReport> {
     super::probe().map_err(Error::Backend)?;
     let ctx = CudaContext::new(0).map_err(cuda_err("context"))?;
     let stream = ctx.default_stream();
@@ -102,9 +156,16 @@ pub fn decode_attention(shape: AttentionShape, iters: usize) -> Result<Attention
         head_dim: d,
         tokens_per_block: b,
         kv_dtype,
+        window,
+        query_rows,
     } = shape;
+    if batch == 0 || query_rows == 0 || query_rows > context {
+        return Err(Error::Config(format!(
+            "attention bench: bad shape {shape:?}"
+        )));
+    }
     let group = num_heads / num_kv_heads;
-    let kernels = Kernels::compile(
+    let kernels = Kernels::compile_tuned(
         &ctx,
         KernelShape {
             head_dim: d,
@@ -113,7 +174,24 @@ pub fn decode_attention(shape: AttentionShape, iters: usize) -> Result<Attention
             tokens_per_block: b,
             kv_dtype,
         },
+        tuning,
     )?;
+    let (kernel, func) = match &kernels.paged_attention_mma {
+        Some(m) => (
+            format!(
+                "tensor cores, {} warps x {} stages, {} CTAs/SM aimed",
+                m.tuning.warps, m.tuning.stages, m.tuning.ctas_per_sm
+            ),
+            &m.func,
+        ),
+        None => (
+            "general (one warp per split)".to_string(),
+            &kernels.paged_attention,
+        ),
+    };
+    let regs = func.num_regs().map_err(cuda_err("attribute"))?;
+    let local_bytes = func.local_size_bytes().map_err(cuda_err("attribute"))?;
+
     let blocks_per_seq = context.div_ceil(b);
     let total_blocks = batch * blocks_per_seq;
     let epb = 2 * num_kv_heads * b * d;
@@ -143,12 +221,52 @@ pub fn decode_attention(shape: AttentionShape, iters: usize) -> Result<Attention
     for i in (1..perm.len()).rev() {
         perm.swap(i, (rng.next() % (i as u64 + 1)) as usize);
     }
-    let offs: Vec<i32> = (0..batch).map(|s| (s * blocks_per_seq) as i32).collect();
-    let firsts = vec![0i32; batch];
-    let tok_seq: Vec<i32> = (0..batch as i32).collect();
-    let tok_pos = vec![context as i32 - 1; batch];
+    let first_pos = context - query_rows;
+    let lo_of = |pos: usize| crate::ops::window_start(pos, window as u32);
+    // Each sequence's table starts at the block of its first row's window.
+    let first = lo_of(first_pos) / b;
+    let offs: Vec<i32> = (0..batch)
+        .map(|s| (s * blocks_per_seq + first) as i32)
+        .collect();
+    let firsts = vec![first as i32; batch];
+    let rows = batch * query_rows;
+    let tok_seq: Vec<i32> = (0..rows).map(|r| (r / query_rows) as i32).collect();
+    let tok_pos: Vec<i32> = (0..rows)
+        .map(|r| (first_pos + r % query_rows) as i32)
+        .collect();
     let qd = num_heads * d;
-    let q_host: Vec<f32> = (0..batch * qd).map(|_| rng.unit() * 2.0).collect();
+    let q_host: Vec<f32> = (0..rows * qd).map(|_| rng.unit() * 2.0).collect();
+
+    // Poison what no row may read: whole blocks before `first`, and the
+    // slots after the last position in the last block.
+    let per_kv = num_kv_heads * b * d;
+    let mut poison: Vec<(usize, usize)> = Vec::new();
+    for s in 0..batch {
+        for blk in 0..first {
+            let at = perm[s * blocks_per_seq + blk] as usize * epb;
+            poison.push((at, epb));
+        }
+        let tail = context % b;
+        if tail != 0 {
+            let at = perm[s * blocks_per_seq + blocks_per_seq - 1] as usize * epb;
+            for kv in 0..2 {
+                for h in 0..num_kv_heads {
+                    poison.push((at + kv * per_kv + h * b * d + tail * d, (b - tail) * d));
+                }
+            }
+        }
+    }
+    let mut host_arena = stream.clone_dtoh(&arena).map_err(cuda_err("download"))?;
+    if !poison.is_empty() {
+        let nan = nan_bits(kv_dtype);
+        for &(at, len) in &poison {
+            host_arena[at..at + len].fill(nan);
+        }
+        stream
+            .memcpy_htod(&host_arena, &mut arena)
+            .map_err(cuda_err("upload"))?;
+    }
+
     let up_i32 = |v: &[i32]| stream.clone_htod(v).map_err(cuda_err("upload"));
     let tables = stream.clone_htod(&perm).map_err(cuda_err("upload"))?;
     let table_off = up_i32(&offs)?;
@@ -156,14 +274,20 @@ pub fn decode_attention(shape: AttentionShape, iters: usize) -> Result<Attention
     let tok_seq_d = up_i32(&tok_seq)?;
     let tok_pos_d = up_i32(&tok_pos)?;
     let q = stream.clone_htod(&q_host).map_err(cuda_err("upload"))?;
-    let part_cap = part_capacity(batch);
-    let plan = SplitPlan::new(context, batch, num_kv_heads, sm_count, part_cap);
+    let part_cap = part_capacity(rows);
+    let max_keys = (first_pos..context)
+        .map(|p| p + 1 - lo_of(p))
+        .max()
+        .unwrap_or(1);
+    let plan = kernels.split_plan(max_keys, rows, num_kv_heads, sm_count, part_cap);
     let zeros = |n: usize| stream.alloc_zeros::<f32>(n).map_err(cuda_err("alloc"));
-    let mut part_o = zeros(batch * num_heads * plan.num_splits * d)?;
-    let mut part_ml = zeros(batch * num_heads * plan.num_splits * 2)?;
-    let mut out = zeros(batch * qd)?;
+    let mut part_o = zeros(rows * num_heads * plan.num_splits * d)?;
+    let mut part_ml = zeros(rows * num_heads * plan.num_splits * 2)?;
+    let mut out = stream
+        .clone_htod(&vec![f32::NAN; rows * qd])
+        .map_err(cuda_err("upload"))?;
 
-    let mut call = |out: &mut CudaSlice<f32>| {
+    let mut call = |out: Option<&mut CudaSlice<f32>>| {
         launch_attention(
             &stream,
             &kernels,
@@ -178,8 +302,8 @@ pub fn decode_attention(shape: AttentionShape, iters: usize) -> Result<Attention
                 first_block: &first_block,
                 tok_seq: &tok_seq_d,
                 tok_pos: &tok_pos_d,
-                window: 0,
-                rows: batch,
+                window: window as u32,
+                rows,
                 num_heads,
                 num_kv_heads,
                 head_dim: d,
@@ -191,61 +315,97 @@ pub fn decode_attention(shape: AttentionShape, iters: usize) -> Result<Attention
             qd,
         )
     };
-    for _ in 0..3 {
-        call(&mut out)?;
-    }
-    let timed = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    let start = stream.record_event(timed).map_err(cuda_err("event"))?;
-    for _ in 0..iters {
-        call(&mut out)?;
-    }
-    let end = stream.record_event(timed).map_err(cuda_err("event"))?;
-    end.synchronize().map_err(cuda_err("synchronize"))?;
-    let ms = f64::from(start.elapsed_ms(&end).map_err(cuda_err("event"))?);
-    let time_us = ms * 1000.0 / iters as f64;
-    let kv_bytes = (batch * context * num_kv_heads * d * 2 * 2) as u64;
-
-    let copy_gbps = copy_bandwidth(&ctx, 1 << 30, 10)?;
-
-    // Host check of the first and last sequences, every head.
+    call(Some(&mut out))?;
+    stream.synchronize().map_err(cuda_err("synchronize"))?;
     let gpu_out = stream.clone_dtoh(&out).map_err(cuda_err("download"))?;
-    let host_arena = stream.clone_dtoh(&arena).map_err(cuda_err("download"))?;
+
+    let mut time_us = 0.0;
+    let mut kernel_us = 0.0;
+    let mut copy_gbps = 0.0;
+    if iters > 0 {
+        let mut timed_calls = |merge: bool| -> Result<f64> {
+            for _ in 0..3 {
+                call(merge.then_some(&mut out))?;
+            }
+            let timed = Some(CUevent_flags::CU_EVENT_DEFAULT);
+            let start = stream.record_event(timed).map_err(cuda_err("event"))?;
+            for _ in 0..iters {
+                call(merge.then_some(&mut out))?;
+            }
+            let end = stream.record_event(timed).map_err(cuda_err("event"))?;
+            end.synchronize().map_err(cuda_err("synchronize"))?;
+            let ms = f64::from(start.elapsed_ms(&end).map_err(cuda_err("event"))?);
+            Ok(ms * 1000.0 / iters as f64)
+        };
+        time_us = timed_calls(true)?;
+        kernel_us = timed_calls(false)?;
+        copy_gbps = copy_bandwidth(&ctx, 1 << 30, 10)?;
+    }
+    let keys_read = context - lo_of(first_pos);
+    let kv_bytes = (batch * keys_read * num_kv_heads * d * 2 * 2) as u64;
+
+    // Host check of the first and last sequences, every row and head.
     let mut max_err = 0.0f64;
     let mut max_ref = 0.0f64;
-    for s in [0, batch - 1] {
-        for head in 0..num_heads {
-            let kvh = head / group;
-            let qrow = &q_host[s * qd + head * d..s * qd + (head + 1) * d];
-            let scale = 1.0 / (d as f64).sqrt();
-            let at = |pos: usize, kv: usize, i: usize| {
-                let blk = perm[s * blocks_per_seq + pos / b] as usize;
-                let off = blk * epb + kv * num_kv_heads * b * d + kvh * b * d + (pos % b) * d + i;
-                kv_value(host_arena[off], kv_dtype)
-            };
-            let scores: Vec<f64> = (0..context)
-                .map(|p| {
-                    (0..d)
-                        .map(|i| f64::from(qrow[i]) * at(p, 0, i))
+    let mut checked = vec![0];
+    if batch > 1 {
+        checked.push(batch - 1);
+    }
+    for s in checked {
+        for j in 0..query_rows {
+            let r = s * query_rows + j;
+            let pos = first_pos + j;
+            let lo = lo_of(pos);
+            for head in 0..num_heads {
+                let kvh = head / group;
+                let qrow = &q_host[r * qd + head * d..r * qd + (head + 1) * d];
+                let scale = 1.0 / (d as f64).sqrt();
+                let at = |p: usize, kv: usize, i: usize| {
+                    let blk = perm[s * blocks_per_seq + p / b] as usize;
+                    let off = blk * epb + kv * per_kv + kvh * b * d + (p % b) * d + i;
+                    kv_value(host_arena[off], kv_dtype)
+                };
+                let scores: Vec<f64> = (lo..=pos)
+                    .map(|p| {
+                        (0..d)
+                            .map(|i| f64::from(qrow[i]) * at(p, 0, i))
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let mx = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|v| (v - mx).exp()).collect();
+                let sum: f64 = w.iter().sum();
+                for i in 0..d {
+                    let o = (lo..=pos)
+                        .zip(&w)
+                        .map(|(p, wp)| wp * at(p, 1, i))
                         .sum::<f64>()
-                        * scale
-                })
-                .collect();
-            let mx = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let w: Vec<f64> = scores.iter().map(|v| (v - mx).exp()).collect();
-            let sum: f64 = w.iter().sum();
-            for i in 0..d {
-                let o = (0..context).map(|p| w[p] * at(p, 1, i)).sum::<f64>() / sum;
-                let g = f64::from(gpu_out[s * qd + head * d + i]);
-                max_err = max_err.max((g - o).abs());
-                max_ref = max_ref.max(o.abs());
+                        / sum;
+                    let g = f64::from(gpu_out[r * qd + head * d + i]);
+                    if g.is_nan() {
+                        max_err = f64::NAN;
+                    } else if !max_err.is_nan() {
+                        max_err = max_err.max((g - o).abs());
+                    }
+                    max_ref = max_ref.max(o.abs());
+                }
             }
         }
     }
     Ok(AttentionReport {
         device,
+        kernel,
+        regs,
+        local_bytes,
         time_us,
         kv_bytes,
-        achieved_gbps: kv_bytes as f64 / (time_us * 1e-6) / 1e9,
+        achieved_gbps: if time_us > 0.0 {
+            kv_bytes as f64 / (time_us * 1e-6) / 1e9
+        } else {
+            0.0
+        },
+        kernel_us,
         copy_gbps,
         num_splits: plan.num_splits,
         max_rel_err: max_err / max_ref.max(1e-12),

@@ -290,6 +290,298 @@ paged_attention(const float* __restrict__ q, int q_stride, float scale,
     }
 }
 
+#if defined(ATTN_MMA)
+// Paged attention on the tensor cores, for head widths of 64 or 128 and up
+// to 8 query heads per KV head (the host defines ATTN_MMA only then, on
+// sm_80 or newer). Same arguments and partial outputs as paged_attention.
+//
+// One CTA of MMA_WARPS warps per (key split, KV head, query row). Keys go in
+// tiles of 16 positions aligned to multiples of 16; a split is split_len
+// keys (a multiple of 16) from the tile of the window start. Warp w takes
+// the split's tiles w, w + MMA_WARPS, ... through its own MMA_STAGES-deep
+// cp.async pipeline of K and V tiles in shared memory (rows gathered from
+// the block table, 16-byte chunks XOR-swizzled by row so ldmatrix is free
+// of bank conflicts; rows outside [window start, pos] are zero-filled).
+//
+// Both products are mma.m16n8k16 with f32 accumulation. S = Q K^T: A rows
+// 0-7 hold the query heads rounded to 16 bits (hi), rows 8-15 what that
+// rounding lost (lo), so hi + lo carries the f32 query to ~16 mantissa bits;
+// a lane's score is c0 + c2 (row g) and c1 + c3. O = P V: A rows 0-7 are
+// the probabilities' hi halves, rows 8-15 their lo halves, and B comes from
+// the V tile through ldmatrix.trans. Lane (g = lane / 4, c = lane % 4)
+// holds scores of query head g for keys 2c, 2c+1, 8+2c, 9+2c of a tile and
+// the output columns 8n + 2c, +1 of head g; heads g >= G are zero rows.
+// At the end the warps merge their (max, sum, output) in shared memory and
+// the CTA writes one partial per query head.
+#ifndef MMA_WARPS
+#define MMA_WARPS 4
+#endif
+#ifndef MMA_STAGES
+#define MMA_STAGES 3
+#endif
+#define TILE 16
+#define CHUNKS (D / 8)
+#define TILE_ELEMS (TILE * D)
+#define STAGE_ELEMS (2 * TILE_ELEMS)
+#define KSTEPS (D / 16)
+#define NTILES (D / 8)
+#define MERGE_ROW (D + 4)
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned long long a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (unsigned)a;
+}
+
+// 16 bytes global -> shared, bypassing L1; src_bytes 0 zero-fills.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+// acc (16x8 f32) += a (16x16) * b (16x8), 16-bit operands of the arena type.
+__device__ __forceinline__ void mma16816(float* acc, const unsigned* a, unsigned b0, unsigned b1) {
+#ifdef KV_F16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+#endif
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 -> a packed pair of the arena type (x0 in the low half).
+__device__ __forceinline__ unsigned pack2(float x0, float x1) {
+    unsigned r;
+#ifdef KV_F16
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+#endif
+    return r;
+}
+
+// Splits (x0, x1) into a rounded pair (hi) and the pair of what rounding lost (lo).
+__device__ __forceinline__ void split2(float x0, float x1, unsigned& hi, unsigned& lo) {
+    hi = pack2(x0, x1);
+    const float h0 = kv_to_f32((unsigned short)(hi & 0xffffu));
+    const float h1 = kv_to_f32((unsigned short)(hi >> 16));
+    lo = pack2(x0 - h0, x1 - h1);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
+paged_attention_mma(const float* __restrict__ q, int q_stride, float scale,
+                    const kv_t* __restrict__ arena, long long layer_off, long long elems_per_block,
+                    const unsigned int* __restrict__ tables, const int* __restrict__ seq_table_off,
+                    const int* __restrict__ seq_first_block, const int* __restrict__ tok_seq,
+                    const int* __restrict__ tok_pos, int window, int split_len,
+                    float* __restrict__ part_o, float* __restrict__ part_ml) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int split = blockIdx.x, kvh = blockIdx.y, r = blockIdx.z;
+    const int num_splits = gridDim.x, heads = gridDim.y * G;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, c = lane & 3;
+    const bool live = g < G;
+    const int pos = tok_pos[r], s = tok_seq[r];
+    const int lo = window == 0 ? 0 : max(0, pos - window + 1);
+    const int t_begin = lo / TILE + split * (split_len / TILE);
+    const int t_end = min(t_begin + split_len / TILE, pos / TILE + 1);
+    const int n_tiles = t_end - t_begin;
+    const int mine = n_tiles > warp ? (n_tiles - warp + MMA_WARPS - 1) / MMA_WARPS : 0;
+
+    const unsigned int* table = tables + seq_table_off[s];
+    const int first_block = seq_first_block[s];
+    const long long per_kv = (long long)KV_HEADS * B * D;
+    const long long head_off = layer_off + (long long)kvh * B * D;
+    kv_t* stages = (kv_t*)smem + warp * (MMA_STAGES * STAGE_ELEMS);
+    const unsigned stages_addr = smem_addr(stages);
+
+    // Query fragments (A of S = Q K^T), pre-scaled, hi rows 0-7, lo rows 8-15.
+    unsigned qa[KSTEPS][4];
+    {
+        const float* qrow = q + (unsigned long long)r * q_stride + ((unsigned long long)kvh * G + (live ? g : 0)) * D;
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float2 x = make_float2(0.0f, 0.0f);
+                if (live) x = *(const float2*)(qrow + ks * 16 + h * 8 + 2 * c);
+                split2(x.x * scale, x.y * scale, qa[ks][2 * h], qa[ks][2 * h + 1]);
+            }
+        }
+    }
+
+    // Issues the cp.async copies of tile t (keys 16t..16t+15) into stage st.
+    auto issue = [&](int t, int st) {
+        const unsigned k_addr = stages_addr + st * (STAGE_ELEMS * 2);
+        const int p0 = t * TILE;
+#if (B % TILE) == 0
+        const long long blk = table[p0 / B - first_block];
+        const kv_t* base = arena + blk * elems_per_block + head_off + (p0 % B) * D;
+#endif
+#pragma unroll
+        for (int i = 0; i < TILE * CHUNKS / 32; ++i) {
+            const int e = lane + i * 32, row = e / CHUNKS, ch = e % CHUNKS;
+            const int p = p0 + row;
+            const bool ok = p >= lo && p <= pos;
+#if (B % TILE) == 0
+            const kv_t* src = base + row * D + ch * 8;
+#else
+            const long long blk = ok ? table[p / B - first_block] : 0;
+            const kv_t* src = arena + blk * elems_per_block + head_off + (p % B) * D + ch * 8;
+#endif
+            const unsigned dst = k_addr + (row * D + ((ch ^ (row & 7)) * 8)) * 2;
+            cp_async16(dst, ok ? src : arena, ok ? 16 : 0);
+            cp_async16(dst + TILE_ELEMS * 2, ok ? src + per_kv : arena, ok ? 16 : 0);
+        }
+    };
+
+    float o[NTILES][4];
+#pragma unroll
+    for (int n = 0; n < NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m = NEG_INF, l = 0.0f;
+
+    // ldmatrix row addresses: matrix mi = lane / 8, row rr = lane % 8.
+    const int mi = lane >> 3, rr = lane & 7;
+    // K (non-trans): token rr + 8 (mi / 2), chunk 2 ks + mi % 2.
+    const int k_tok = rr + 8 * (mi >> 1), k_ch = mi & 1;
+    // V (trans): token rr + 8 (mi % 2), chunk 2 nb + mi / 2.
+    const int v_tok = rr + 8 * (mi & 1), v_ch = mi >> 1;
+
+#pragma unroll
+    for (int i = 0; i < MMA_STAGES - 1; ++i) {
+        if (i < mine) issue(t_begin + warp + i * MMA_WARPS, i);
+        cp_async_commit();
+    }
+    for (int i = 0; i < mine; ++i) {
+        cp_async_wait<MMA_STAGES - 2>();
+        __syncwarp();
+        {
+            const int nxt = i + MMA_STAGES - 1;
+            if (nxt < mine) issue(t_begin + warp + nxt * MMA_WARPS, nxt % MMA_STAGES);
+            cp_async_commit();
+        }
+        const int st = i % MMA_STAGES;
+        const unsigned k_addr = stages_addr + st * (STAGE_ELEMS * 2);
+        const unsigned v_addr = k_addr + TILE_ELEMS * 2;
+        const int t = t_begin + warp + i * MMA_WARPS;
+
+        float sc[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            unsigned b0, b1, b2, b3;
+            ldsm_x4(k_addr + (k_tok * D + (((2 * ks + k_ch) ^ rr) * 8)) * 2, b0, b1, b2, b3);
+            mma16816(sc[0], qa[ks], b0, b1);
+            mma16816(sc[1], qa[ks], b2, b3);
+        }
+
+        // Scores of keys 16t + 8n + 2c + e, masked to [lo, pos].
+        float sv[2][2];
+        float mx = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int p = t * TILE + 8 * n + 2 * c + e;
+                const float v = sc[n][e] + sc[n][2 + e];
+                sv[n][e] = (p >= lo && p <= pos) ? v : NEG_INF;
+                mx = fmaxf(mx, sv[n][e]);
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m, mx);
+        if (__any_sync(0xffffffffu, mn > m)) {
+            const float corr = exp2f(m - mn);
+            l *= corr;
+#pragma unroll
+            for (int n = 0; n < NTILES; ++n) {
+                o[n][0] *= corr;
+                o[n][1] *= corr;
+                o[n][2] *= corr;
+                o[n][3] *= corr;
+            }
+            m = mn;
+        }
+        unsigned pa[4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            const float p0 = live ? exp2f(sv[n][0] - m) : 0.0f;
+            const float p1 = live ? exp2f(sv[n][1] - m) : 0.0f;
+            l += p0 + p1;
+            split2(p0, p1, pa[2 * n], pa[2 * n + 1]);
+        }
+
+#pragma unroll
+        for (int nb = 0; nb < D / 16; ++nb) {
+            unsigned b0, b1, b2, b3;
+            ldsm_x4_t(v_addr + (v_tok * D + (((2 * nb + v_ch) ^ rr) * 8)) * 2, b0, b1, b2, b3);
+            mma16816(o[2 * nb], pa, b0, b1);
+            mma16816(o[2 * nb + 1], pa, b2, b3);
+        }
+    }
+    cp_async_wait<0>();
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+
+    // Merge the warps: per warp G rows of MERGE_ROW floats (output, then m, l).
+    __syncthreads();
+    float* mrg = (float*)smem;
+    if (live) {
+        float* row = mrg + (warp * G + g) * MERGE_ROW;
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n) {
+            *(float2*)(row + 8 * n + 2 * c) = make_float2(o[n][0] + o[n][2], o[n][1] + o[n][3]);
+        }
+        if (c == 0) {
+            row[D] = m;
+            row[D + 1] = l;
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * D; i += MMA_WARPS * 32) {
+        const int gg = i / D, d = i % D;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < MMA_WARPS; ++w) mx = fmaxf(mx, mrg[(w * G + gg) * MERGE_ROW + D]);
+        float acc = 0.0f, sum = 0.0f;
+        if (mx != NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < MMA_WARPS; ++w) {
+                const float* row = mrg + (w * G + gg) * MERGE_ROW;
+                const float f = exp2f(row[D] - mx);
+                acc += row[d] * f;
+                sum += row[D + 1] * f;
+            }
+        }
+        const unsigned long long idx = ((unsigned long long)r * heads + (unsigned long long)kvh * G + gg) * num_splits + split;
+        part_o[idx * D + d] = acc;
+        if (d == 0) {
+            part_ml[idx * 2] = mx;
+            part_ml[idx * 2 + 1] = sum;
+        }
+    }
+}
+#endif
+
 // Merges the splits of one (query row, head) into out[r][head * D ..].
 extern "C" __global__ void attention_combine(const float* __restrict__ part_o,
                                              const float* __restrict__ part_ml, int num_splits,

@@ -2,8 +2,9 @@
 //! arena (f16 or bf16) in device memory; kernels compiled at start-up with
 //! NVRTC (`kernels.cu`: embedding, RMSNorm, RoPE, SwiGLU, K/V scatter into
 //! the leased slots, split-key paged attention for decode and prefill rows
-//! with per-layer windows, and the merge of the splits); matrix products as
-//! f32 cuBLAS GEMMs over every token of the batch.
+//! with per-layer windows — on the tensor cores for head widths 64 and 128,
+//! see [`AttentionTuning`] — and the merge of the splits); matrix products
+//! as f32 cuBLAS GEMMs over every token of the batch.
 //!
 //! `cudarc` loads libcuda, NVRTC and cuBLAS at run time, so building needs no
 //! CUDA toolkit; [`probe`] checks for the driver and a device before anything
@@ -16,7 +17,7 @@ use std::sync::Arc;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
-    PushKernelArg, sys::CUdevice_attribute, sys::CUevent_flags,
+    PushKernelArg, sys::CUdevice_attribute, sys::CUevent_flags, sys::CUfunction_attribute,
 };
 use cudarc::nvrtc::CompileOptions;
 
@@ -34,6 +35,45 @@ const KERNELS: &str = include_str!("kernels.cu");
 const MAX_SPLITS: usize = 64;
 /// Warps of attention per multiprocessor the split count aims for.
 const WARPS_PER_SM: usize = 64;
+/// Keys per tile of the tensor-core attention kernel.
+const MMA_TILE: usize = 16;
+
+/// Launch shape of the tensor-core paged attention kernel
+/// (`paged_attention_mma`), used where the model allows it: head width 64
+/// or 128, at most 8 query heads per KV head, compute capability 8.0 or
+/// newer. Elsewhere the general kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionTuning {
+    /// Use the tensor-core kernel where the shape allows (else always the
+    /// general one).
+    pub tensor_cores: bool,
+    /// Warps per CTA; each streams its own tiles of the CTA's key split.
+    pub warps: usize,
+    /// cp.async stages (16-key K and V tiles) per warp.
+    pub stages: usize,
+    /// CTAs per multiprocessor the split count aims for.
+    pub ctas_per_sm: usize,
+}
+
+impl Default for AttentionTuning {
+    fn default() -> Self {
+        AttentionTuning {
+            tensor_cores: true,
+            warps: 4,
+            stages: 3,
+            ctas_per_sm: 8,
+        }
+    }
+}
+
+/// The tensor-core attention kernel and how it is launched.
+#[derive(Debug)]
+pub(crate) struct MmaAttention {
+    pub(crate) func: CudaFunction,
+    pub(crate) tuning: AttentionTuning,
+    /// Dynamic shared memory per CTA.
+    pub(crate) smem_bytes: u32,
+}
 
 /// Checks that libcuda loads and that a device exists; the reason otherwise.
 pub fn probe() -> std::result::Result<(), String> {
@@ -73,6 +113,7 @@ pub(crate) struct Kernels {
     swiglu: CudaFunction,
     write_kv: CudaFunction,
     pub(crate) paged_attention: CudaFunction,
+    pub(crate) paged_attention_mma: Option<MmaAttention>,
     pub(crate) attention_combine: CudaFunction,
     pub(crate) fill_random: CudaFunction,
 }
@@ -89,17 +130,47 @@ pub(crate) struct KernelShape {
 
 impl Kernels {
     pub(crate) fn compile(ctx: &Arc<CudaContext>, shape: KernelShape) -> Result<Self> {
+        Self::compile_tuned(ctx, shape, AttentionTuning::default())
+    }
+
+    pub(crate) fn compile_tuned(
+        ctx: &Arc<CudaContext>,
+        shape: KernelShape,
+        tuning: AttentionTuning,
+    ) -> Result<Self> {
         let dtype = match shape.kv_dtype {
             KvDtype::F16 => "KV_F16",
             KvDtype::Bf16 => "KV_BF16",
         };
-        let src = format!(
-            "#define HEAD_DIM {}\n#define GROUP {}\n#define KV_HEADS {}\n#define TOKENS_PER_BLOCK {}\n#define {dtype} 1\n{KERNELS}",
-            shape.head_dim, shape.group, shape.kv_heads, shape.tokens_per_block
-        );
         let (major, minor) = ctx
             .compute_capability()
             .map_err(cuda_err("compute capability"))?;
+        // The tensor-core kernel: its shared memory is the warps' pipelines
+        // (K and V tiles of 16 keys), reused at the end for the warps' merge.
+        let smem_optin = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(cuda_err("attribute"))?
+            .max(0) as usize;
+        let (warps, stages) = (tuning.warps.max(1), tuning.stages.max(2));
+        let pipeline_bytes =
+            warps * stages * 2 * MMA_TILE * shape.head_dim * GPU_KV_ELEM_BYTES as usize;
+        let merge_bytes = warps * shape.group * (shape.head_dim + 4) * 4;
+        let mma_smem = pipeline_bytes.max(merge_bytes);
+        let use_mma = tuning.tensor_cores
+            && major >= 8
+            && matches!(shape.head_dim, 64 | 128)
+            && shape.group <= 8
+            && warps <= 16
+            && mma_smem <= smem_optin;
+        let mma_defines = if use_mma {
+            format!("#define ATTN_MMA 1\n#define MMA_WARPS {warps}\n#define MMA_STAGES {stages}\n")
+        } else {
+            String::new()
+        };
+        let src = format!(
+            "#define HEAD_DIM {}\n#define GROUP {}\n#define KV_HEADS {}\n#define TOKENS_PER_BLOCK {}\n#define {dtype} 1\n{mma_defines}{KERNELS}",
+            shape.head_dim, shape.group, shape.kv_heads, shape.tokens_per_block
+        );
         let arch = match (major, minor) {
             (9, 0) => Some("compute_90"),
             (8, 0) => Some("compute_80"),
@@ -119,6 +190,25 @@ impl Kernels {
                 .load_function(name)
                 .map_err(cuda_err("load function"))
         };
+        let paged_attention_mma = if use_mma {
+            let func = f("paged_attention_mma")?;
+            func.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                mma_smem as i32,
+            )
+            .map_err(cuda_err("shared memory limit"))?;
+            Some(MmaAttention {
+                func,
+                tuning: AttentionTuning {
+                    warps,
+                    stages,
+                    ..tuning
+                },
+                smem_bytes: mma_smem as u32,
+            })
+        } else {
+            None
+        };
         Ok(Kernels {
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
@@ -126,6 +216,7 @@ impl Kernels {
             swiglu: f("swiglu")?,
             write_kv: f("write_kv")?,
             paged_attention: f("paged_attention")?,
+            paged_attention_mma,
             attention_combine: f("attention_combine")?,
             fill_random: f("fill_random")?,
         })
@@ -571,7 +662,7 @@ impl CudaBackend {
                     .map_err(cuda_err("write_kv"))?;
             }
             mark(Phase::Other)?;
-            let plan = SplitPlan::new(
+            let plan = k.split_plan(
                 pool.max_keys,
                 t,
                 cfg.num_kv_heads,
@@ -601,7 +692,7 @@ impl CudaBackend {
                 },
                 &mut acts.part_o,
                 &mut acts.part_ml,
-                &mut acts.attn,
+                Some(&mut acts.attn),
                 qd,
             )?;
             mark(Phase::Attention)?;
@@ -801,6 +892,49 @@ impl SplitPlan {
             split_len,
         }
     }
+
+    /// For the tensor-core kernel: splits of whole 16-key tiles (counted
+    /// from the tile of each row's window start, so a row of `max_keys`
+    /// keys spans at most `(max_keys + 30) / 16` tiles), enough CTAs for
+    /// `tuning.ctas_per_sm` per multiprocessor, at least two tiles per
+    /// warp of a split, within the partials' capacity.
+    pub(crate) fn tiled(
+        max_keys: usize,
+        rows: usize,
+        kv_heads: usize,
+        sm_count: usize,
+        part_cap: usize,
+        tuning: AttentionTuning,
+    ) -> Self {
+        let tiles = (max_keys + 2 * MMA_TILE - 2) / MMA_TILE;
+        let want = (sm_count * tuning.ctas_per_sm).div_ceil((rows * kv_heads).max(1));
+        let most = (tiles / (2 * tuning.warps.max(1))).max(1);
+        let cap = (part_cap / rows.max(1)).max(1);
+        let splits = want.clamp(1, MAX_SPLITS).min(most).min(cap);
+        let split_tiles = tiles.div_ceil(splits);
+        SplitPlan {
+            num_splits: tiles.div_ceil(split_tiles),
+            split_len: split_tiles * MMA_TILE,
+        }
+    }
+}
+
+impl Kernels {
+    /// How to split the keys of one attention launch over `rows` query
+    /// rows of at most `max_keys` keys each, for the kernel that will run.
+    pub(crate) fn split_plan(
+        &self,
+        max_keys: usize,
+        rows: usize,
+        kv_heads: usize,
+        sm_count: usize,
+        part_cap: usize,
+    ) -> SplitPlan {
+        match &self.paged_attention_mma {
+            Some(mma) => SplitPlan::tiled(max_keys, rows, kv_heads, sm_count, part_cap, mma.tuning),
+            None => SplitPlan::new(max_keys, rows, kv_heads, sm_count, part_cap),
+        }
+    }
 }
 
 /// Inputs of one paged-attention launch.
@@ -824,14 +958,15 @@ pub(crate) struct AttentionArgs<'a> {
 }
 
 /// Paged attention, then the merge of its splits into `out` (row stride
-/// `out_stride`).
+/// `out_stride`); with `out` None, only the partials (the bench times the
+/// kernel alone that way).
 pub(crate) fn launch_attention(
     stream: &Arc<CudaStream>,
     k: &Kernels,
     a: AttentionArgs<'_>,
     part_o: &mut CudaSlice<f32>,
     part_ml: &mut CudaSlice<f32>,
-    out: &mut CudaSlice<f32>,
+    out: Option<&mut CudaSlice<f32>>,
     out_stride: usize,
 ) -> Result<()> {
     if a.rows == 0 {
@@ -843,11 +978,36 @@ pub(crate) fn launch_attention(
     let split_len = a.plan.split_len as i32;
     let num_splits = a.plan.num_splits as i32;
     let out_stride = out_stride as i32;
-    // SAFETY: arguments match `paged_attention` and `attention_combine`;
-    // the partials hold rows × heads × splits entries (SplitPlan caps it).
+    let grid_dim = (
+        a.plan.num_splits as u32,
+        a.num_kv_heads as u32,
+        a.rows as u32,
+    );
+    let (func, config) = match &k.paged_attention_mma {
+        Some(mma) => (
+            &mma.func,
+            LaunchConfig {
+                grid_dim,
+                block_dim: (32 * mma.tuning.warps as u32, 1, 1),
+                shared_mem_bytes: mma.smem_bytes,
+            },
+        ),
+        None => (
+            &k.paged_attention,
+            LaunchConfig {
+                grid_dim,
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        ),
+    };
+    // SAFETY: arguments match `paged_attention` (and `paged_attention_mma`,
+    // which takes the same ones, its split_len a multiple of 16 from
+    // `SplitPlan::tiled`) and `attention_combine`; the partials hold rows ×
+    // heads × splits entries (SplitPlan caps it).
     unsafe {
         stream
-            .launch_builder(&k.paged_attention)
+            .launch_builder(func)
             .arg(a.q)
             .arg(&q_stride)
             .arg(&scale)
@@ -863,16 +1023,11 @@ pub(crate) fn launch_attention(
             .arg(&split_len)
             .arg(&mut *part_o)
             .arg(&mut *part_ml)
-            .launch(LaunchConfig {
-                grid_dim: (
-                    a.plan.num_splits as u32,
-                    a.num_kv_heads as u32,
-                    a.rows as u32,
-                ),
-                block_dim: (32, 1, 1),
-                shared_mem_bytes: 0,
-            })
+            .launch(config)
             .map_err(cuda_err("paged_attention"))?;
+        let Some(out) = out else {
+            return Ok(());
+        };
         stream
             .launch_builder(&k.attention_combine)
             .arg(&*part_o)
