@@ -61,9 +61,9 @@ fn main() {
     );
 
     // Launch variants of the same shape, `KVLEASE_ATTN_VARIANTS` (comma
-    // separated: `general` or `WARPSxSTAGESxCTAS_PER_SM`; `none` for none).
+    // separated: `general` or `WARPSxSTAGESxSPLIT_KEYS`; `none` for none).
     let variants = std::env::var("KVLEASE_ATTN_VARIANTS")
-        .unwrap_or_else(|_| "general,4x2x8,4x4x8,8x2x8,4x3x4,4x3x16".into());
+        .unwrap_or_else(|_| "general,4x2x512,4x3x256,4x3x1024,4x3x2048,8x3x1024".into());
     let mut rows = Vec::new();
     for v in variants
         .split(',')
@@ -71,7 +71,7 @@ fn main() {
         .filter(|v| !v.is_empty() && *v != "none")
     {
         let Some(tuning) = parse_tuning(v) else {
-            eprintln!("variant {v}: not general or WxSxC, skipped");
+            eprintln!("variant {v}: not general or WxSxK, skipped");
             continue;
         };
         match bench::attention(shape, tuning, 100) {
@@ -147,8 +147,8 @@ fn main() {
     );
 }
 
-/// `general` (the one-warp kernel) or `WxSxC`: tensor cores with W warps
-/// per CTA, S stages, splits aimed at C CTAs per multiprocessor.
+/// `general` (the one-warp kernel) or `WxSxK`: tensor cores with W warps
+/// per CTA, S stages, splits of K keys.
 fn parse_tuning(v: &str) -> Option<AttentionTuning> {
     if v == "general" {
         return Some(AttentionTuning {
@@ -161,11 +161,11 @@ fn parse_tuning(v: &str) -> Option<AttentionTuning> {
         .map(|x| x.parse().ok())
         .collect::<Option<_>>()?;
     match n[..] {
-        [warps, stages, ctas_per_sm] => Some(AttentionTuning {
+        [warps, stages, split_keys] => Some(AttentionTuning {
             tensor_cores: true,
             warps,
             stages,
-            ctas_per_sm,
+            split_keys,
         }),
         _ => None,
     }

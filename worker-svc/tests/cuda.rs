@@ -245,7 +245,7 @@ fn attention_kernels_match_f64_for_decode_prefill_and_windows() {
     let wide = AttentionTuning {
         warps: 8,
         stages: 4,
-        ctas_per_sm: 32,
+        split_keys: 128,
         ..AttentionTuning::default()
     };
     // (batch, context, heads, kv heads, head dim, block, dtype, window, rows)

@@ -179,8 +179,8 @@ pub fn attention(
     let (kernel, func) = match &kernels.paged_attention_mma {
         Some(m) => (
             format!(
-                "tensor cores, {} warps x {} stages, {} CTAs/SM aimed",
-                m.tuning.warps, m.tuning.stages, m.tuning.ctas_per_sm
+                "tensor cores, {} warps x {} stages, splits of {} keys",
+                m.tuning.warps, m.tuning.stages, m.tuning.split_keys
             ),
             &m.func,
         ),
@@ -279,7 +279,7 @@ pub fn attention(
         .map(|p| p + 1 - lo_of(p))
         .max()
         .unwrap_or(1);
-    let plan = kernels.split_plan(max_keys, rows, num_kv_heads, sm_count, part_cap);
+    let plan = kernels.split_plan(max_keys, part_cap);
     let zeros = |n: usize| stream.alloc_zeros::<f32>(n).map_err(cuda_err("alloc"));
     let mut part_o = zeros(rows * num_heads * plan.num_splits * d)?;
     let mut part_ml = zeros(rows * num_heads * plan.num_splits * 2)?;

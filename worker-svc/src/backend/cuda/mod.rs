@@ -31,10 +31,6 @@ use crate::model::weights::Weights;
 
 const KERNELS: &str = include_str!("kernels.cu");
 
-/// Most key splits of one query row in paged attention.
-const MAX_SPLITS: usize = 64;
-/// Warps of attention per multiprocessor the split count aims for.
-const WARPS_PER_SM: usize = 64;
 /// Keys per tile of the tensor-core attention kernel.
 const MMA_TILE: usize = 16;
 
@@ -51,8 +47,12 @@ pub struct AttentionTuning {
     pub warps: usize,
     /// cp.async stages (16-key K and V tiles) per warp.
     pub stages: usize,
-    /// CTAs per multiprocessor the split count aims for.
-    pub ctas_per_sm: usize,
+    /// Keys per split of a query row (a multiple of 32). A constant of the
+    /// worker, never derived from the batch: a row's splits start at its
+    /// window start and every `split_keys` after, so the row is computed the
+    /// same way whatever shares the launch (batch-invariant results, which
+    /// exact prefix reuse needs).
+    pub split_keys: usize,
 }
 
 impl Default for AttentionTuning {
@@ -61,7 +61,7 @@ impl Default for AttentionTuning {
             tensor_cores: true,
             warps: 4,
             stages: 3,
-            ctas_per_sm: 8,
+            split_keys: 512,
         }
     }
 }
@@ -114,6 +114,8 @@ pub(crate) struct Kernels {
     write_kv: CudaFunction,
     pub(crate) paged_attention: CudaFunction,
     pub(crate) paged_attention_mma: Option<MmaAttention>,
+    /// [`AttentionTuning::split_keys`], for both attention kernels.
+    pub(crate) split_keys: usize,
     pub(crate) attention_combine: CudaFunction,
     pub(crate) fill_random: CudaFunction,
 }
@@ -151,6 +153,12 @@ impl Kernels {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(cuda_err("attribute"))?
             .max(0) as usize;
+        if tuning.split_keys == 0 || !tuning.split_keys.is_multiple_of(32) {
+            return Err(Error::Config(format!(
+                "attention split of {} keys: must be a positive multiple of 32",
+                tuning.split_keys
+            )));
+        }
         let (warps, stages) = (tuning.warps.max(1), tuning.stages.max(2));
         let pipeline_bytes =
             warps * stages * 2 * MMA_TILE * shape.head_dim * GPU_KV_ELEM_BYTES as usize;
@@ -217,6 +225,7 @@ impl Kernels {
             write_kv: f("write_kv")?,
             paged_attention: f("paged_attention")?,
             paged_attention_mma,
+            split_keys: tuning.split_keys,
             attention_combine: f("attention_combine")?,
             fill_random: f("fill_random")?,
         })
@@ -274,7 +283,6 @@ pub struct CudaBackend {
     acts: Activations,
     kv: Vec<CudaSlice<u16>>,
     kv_dtype: KvDtype,
-    sm_count: usize,
     part_cap: usize,
     device_name: String,
     weight_bytes: u64,
@@ -345,10 +353,6 @@ impl CudaBackend {
                 kv_dtype: options.kv_dtype,
             },
         )?;
-        let sm_count = ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(cuda_err("attribute"))?
-            .max(1) as usize;
         let device_name = ctx.name().map_err(cuda_err("device name"))?;
 
         let weight_bytes = weights.bytes();
@@ -450,7 +454,6 @@ impl CudaBackend {
                 acts,
                 kv,
                 kv_dtype: options.kv_dtype,
-                sm_count,
                 part_cap,
                 device_name,
                 weight_bytes,
@@ -662,13 +665,7 @@ impl CudaBackend {
                     .map_err(cuda_err("write_kv"))?;
             }
             mark(Phase::Other)?;
-            let plan = k.split_plan(
-                pool.max_keys,
-                t,
-                cfg.num_kv_heads,
-                self.sm_count,
-                self.part_cap,
-            );
+            let plan = k.split_plan(pool.max_keys, self.part_cap);
             launch_attention(
                 &self.stream,
                 k,
@@ -866,73 +863,34 @@ fn linear(
     Ok(())
 }
 
-/// How one attention launch splits its keys.
+/// How one attention launch splits its keys: each row's keys, from its own
+/// window start, in splits of [`Kernels::split_keys`] (see
+/// [`AttentionTuning::split_keys`]); rows × splits stay within the partials'
+/// capacity by running a long batch as several launches over row ranges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct SplitPlan {
     pub(crate) num_splits: usize,
     pub(crate) split_len: usize,
-}
-
-impl SplitPlan {
-    /// Enough (split × KV head × row) warps to fill the device, splits of a
-    /// whole number of 32-key tiles, within the partials' capacity.
-    pub(crate) fn new(
-        max_keys: usize,
-        rows: usize,
-        kv_heads: usize,
-        sm_count: usize,
-        part_cap: usize,
-    ) -> Self {
-        let want = (sm_count * WARPS_PER_SM).div_ceil((rows * kv_heads).max(1));
-        let cap = (part_cap / rows.max(1)).max(1);
-        let splits = want.clamp(1, MAX_SPLITS).min(cap);
-        let split_len = max_keys.div_ceil(splits).div_ceil(32) * 32;
-        SplitPlan {
-            num_splits: max_keys.div_ceil(split_len),
-            split_len,
-        }
-    }
-
-    /// For the tensor-core kernel: splits of whole 16-key tiles (counted
-    /// from the tile of each row's window start, so a row of `max_keys`
-    /// keys spans at most `(max_keys + 30) / 16` tiles), enough CTAs for
-    /// `tuning.ctas_per_sm` per multiprocessor, at least two tiles per
-    /// warp of a split, within the partials' capacity.
-    pub(crate) fn tiled(
-        max_keys: usize,
-        rows: usize,
-        kv_heads: usize,
-        sm_count: usize,
-        part_cap: usize,
-        tuning: AttentionTuning,
-    ) -> Self {
-        let tiles = (max_keys + 2 * MMA_TILE - 2) / MMA_TILE;
-        let want = (sm_count * tuning.ctas_per_sm).div_ceil((rows * kv_heads).max(1));
-        let most = (tiles / (2 * tuning.warps.max(1))).max(1);
-        let cap = (part_cap / rows.max(1)).max(1);
-        let splits = want.clamp(1, MAX_SPLITS).min(most).min(cap);
-        let split_tiles = tiles.div_ceil(splits);
-        SplitPlan {
-            num_splits: tiles.div_ceil(split_tiles),
-            split_len: split_tiles * MMA_TILE,
-        }
-    }
+    pub(crate) rows_per_launch: usize,
 }
 
 impl Kernels {
-    /// How to split the keys of one attention launch over `rows` query
-    /// rows of at most `max_keys` keys each, for the kernel that will run.
-    pub(crate) fn split_plan(
-        &self,
-        max_keys: usize,
-        rows: usize,
-        kv_heads: usize,
-        sm_count: usize,
-        part_cap: usize,
-    ) -> SplitPlan {
-        match &self.paged_attention_mma {
-            Some(mma) => SplitPlan::tiled(max_keys, rows, kv_heads, sm_count, part_cap, mma.tuning),
-            None => SplitPlan::new(max_keys, rows, kv_heads, sm_count, part_cap),
+    /// The split plan for rows of at most `max_keys` keys each, with partials
+    /// for `part_cap` (row × split) pairs.
+    pub(crate) fn split_plan(&self, max_keys: usize, part_cap: usize) -> SplitPlan {
+        // The tensor-core kernel walks 16-key tiles from the tile of a row's
+        // window start, so a row of `max_keys` keys spans up to
+        // `(max_keys + 30) / 16` tiles.
+        let span = if self.paged_attention_mma.is_some() {
+            (max_keys + 2 * MMA_TILE - 2) / MMA_TILE * MMA_TILE
+        } else {
+            max_keys
+        };
+        let num_splits = span.div_ceil(self.split_keys).max(1);
+        SplitPlan {
+            num_splits,
+            split_len: self.split_keys,
+            rows_per_launch: (part_cap / num_splits).max(1),
         }
     }
 }
@@ -977,70 +935,70 @@ pub(crate) fn launch_attention(
     let window = a.window as i32;
     let split_len = a.plan.split_len as i32;
     let num_splits = a.plan.num_splits as i32;
-    let out_stride = out_stride as i32;
-    let grid_dim = (
-        a.plan.num_splits as u32,
-        a.num_kv_heads as u32,
-        a.rows as u32,
-    );
-    let (func, config) = match &k.paged_attention_mma {
-        Some(mma) => (
-            &mma.func,
-            LaunchConfig {
-                grid_dim,
-                block_dim: (32 * mma.tuning.warps as u32, 1, 1),
-                shared_mem_bytes: mma.smem_bytes,
-            },
-        ),
-        None => (
-            &k.paged_attention,
-            LaunchConfig {
-                grid_dim,
-                block_dim: (32, 1, 1),
-                shared_mem_bytes: 0,
-            },
-        ),
+    let block_dim = match &k.paged_attention_mma {
+        Some(mma) => (32 * mma.tuning.warps as u32, 1, 1),
+        None => (32, 1, 1),
     };
-    // SAFETY: arguments match `paged_attention` (and `paged_attention_mma`,
-    // which takes the same ones, its split_len a multiple of 16 from
-    // `SplitPlan::tiled`) and `attention_combine`; the partials hold rows ×
-    // heads × splits entries (SplitPlan caps it).
-    unsafe {
-        stream
-            .launch_builder(func)
-            .arg(a.q)
-            .arg(&q_stride)
-            .arg(&scale)
-            .arg(a.arena)
-            .arg(&a.layer_off)
-            .arg(&a.elems_per_block)
-            .arg(a.tables)
-            .arg(a.table_off)
-            .arg(a.first_block)
-            .arg(a.tok_seq)
-            .arg(a.tok_pos)
-            .arg(&window)
-            .arg(&split_len)
-            .arg(&mut *part_o)
-            .arg(&mut *part_ml)
-            .launch(config)
-            .map_err(cuda_err("paged_attention"))?;
-        let Some(out) = out else {
-            return Ok(());
-        };
-        stream
-            .launch_builder(&k.attention_combine)
-            .arg(&*part_o)
-            .arg(&*part_ml)
-            .arg(&num_splits)
-            .arg(out)
-            .arg(&out_stride)
-            .launch(LaunchConfig {
-                grid_dim: (a.rows as u32, a.num_heads as u32, 1),
-                block_dim: (a.head_dim.min(128) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            })
-            .map_err(cuda_err("attention_combine"))?;
+    let (func, shared_mem_bytes) = match &k.paged_attention_mma {
+        Some(mma) => (&mma.func, mma.smem_bytes),
+        None => (&k.paged_attention, 0),
+    };
+    let mut out = out;
+    let mut r0 = 0;
+    while r0 < a.rows {
+        let n = a.plan.rows_per_launch.min(a.rows - r0);
+        let q = a.q.slice(r0 * a.q_stride..);
+        let tok_seq = a.tok_seq.slice(r0..);
+        let tok_pos = a.tok_pos.slice(r0..);
+        // SAFETY: arguments match `paged_attention` (and
+        // `paged_attention_mma`, which takes the same ones; split_len is a
+        // multiple of 32, so of its 16-key tiles) and `attention_combine`;
+        // the launch covers rows r0..r0 + n of q, tok_seq, tok_pos and out,
+        // and the partials hold n × heads × splits ≤ part_cap entries
+        // (`rows_per_launch`).
+        unsafe {
+            stream
+                .launch_builder(func)
+                .arg(&q)
+                .arg(&q_stride)
+                .arg(&scale)
+                .arg(a.arena)
+                .arg(&a.layer_off)
+                .arg(&a.elems_per_block)
+                .arg(a.tables)
+                .arg(a.table_off)
+                .arg(a.first_block)
+                .arg(&tok_seq)
+                .arg(&tok_pos)
+                .arg(&window)
+                .arg(&split_len)
+                .arg(&mut *part_o)
+                .arg(&mut *part_ml)
+                .launch(LaunchConfig {
+                    grid_dim: (a.plan.num_splits as u32, a.num_kv_heads as u32, n as u32),
+                    block_dim,
+                    shared_mem_bytes,
+                })
+                .map_err(cuda_err("paged_attention"))?;
+            if let Some(out) = out.as_deref_mut() {
+                let mut dst = out.slice_mut(r0 * out_stride..);
+                let out_stride = out_stride as i32;
+                stream
+                    .launch_builder(&k.attention_combine)
+                    .arg(&*part_o)
+                    .arg(&*part_ml)
+                    .arg(&num_splits)
+                    .arg(&mut dst)
+                    .arg(&out_stride)
+                    .launch(LaunchConfig {
+                        grid_dim: (n as u32, a.num_heads as u32, 1),
+                        block_dim: (a.head_dim.min(128) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+                    .map_err(cuda_err("attention_combine"))?;
+            }
+        }
+        r0 += n;
     }
     Ok(())
 }
