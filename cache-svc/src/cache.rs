@@ -14,7 +14,7 @@
 //! `ceil((W + extra) / B) + 1` blocks of a windowed pool (invariant 10). A
 //! lease holds the whole prompt, which its own prefill reads.
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -1053,74 +1053,89 @@ impl Cache {
                 )));
             }
         }
+        let mut seen = HashSet::with_capacity(items.len());
+        let duplicate = |seq_id: u64| {
+            Outcome::Reject(Reject::plain(
+                seq_id,
+                RejectReason::DuplicateSequence,
+                format!("sequence {seq_id} is named twice in one extend"),
+            ))
+        };
+        if !atomic {
+            // Per-sequence all-or-nothing: plan, check and execute each in
+            // turn, reusing one plan buffer (a decode step's Extend carries
+            // hundreds of sequences).
+            let mut outcomes = Vec::with_capacity(items.len());
+            let mut plan = Vec::new();
+            for (seq_id, growth) in items {
+                let outcome = if !seen.insert(*seq_id) {
+                    duplicate(*seq_id)
+                } else {
+                    match self.plan_extend(session_id, *seq_id, growth.len(), &mut plan) {
+                        Err(reject) => Outcome::Reject(reject),
+                        Ok(()) => {
+                            let outcome = match self.check_extend(*seq_id, &plan, None) {
+                                Ok(()) => Outcome::Grant(
+                                    self.execute_extend(session_id, *seq_id, growth, &plan, step),
+                                ),
+                                Err(reject) => Outcome::Reject(reject),
+                            };
+                            self.count_extend(&outcome, &plan);
+                            outcome
+                        }
+                    }
+                };
+                outcomes.push(outcome);
+            }
+            self.flush_events();
+            return Ok(outcomes);
+        }
         let mut outcomes: Vec<Option<Outcome>> = vec![None; items.len()];
         let mut plans = Vec::new();
-        let mut seen = HashSet::new();
         for (i, (seq_id, growth)) in items.iter().enumerate() {
             if !seen.insert(*seq_id) {
-                outcomes[i] = Some(Outcome::Reject(Reject::plain(
-                    *seq_id,
-                    RejectReason::DuplicateSequence,
-                    format!("sequence {seq_id} is named twice in one extend"),
-                )));
+                outcomes[i] = Some(duplicate(*seq_id));
                 continue;
             }
-            let plan = match self.plan_extend(session_id, *seq_id, growth.len()) {
-                Ok(plan) => plan,
-                Err(reject) => {
-                    outcomes[i] = Some(Outcome::Reject(reject));
-                    continue;
-                }
-            };
-            if atomic {
-                plans.push((i, plan));
-            } else {
-                let outcome = match self.check_extend(*seq_id, &plan, None) {
-                    Ok(()) => Outcome::Grant(
-                        self.execute_extend(session_id, *seq_id, growth, &plan, step),
-                    ),
-                    Err(reject) => Outcome::Reject(reject),
-                };
-                self.count_extend(&outcome, &plan);
-                outcomes[i] = Some(outcome);
+            let mut plan = Vec::new();
+            match self.plan_extend(session_id, *seq_id, growth.len(), &mut plan) {
+                Ok(()) => plans.push((i, plan)),
+                Err(reject) => outcomes[i] = Some(Outcome::Reject(reject)),
             }
         }
-        if atomic {
-            let mut first_reject = outcomes.iter().position(Option::is_some);
-            if first_reject.is_none() {
-                let mut tally = Tally::default();
-                for (i, plan) in &plans {
-                    if let Err(reject) = self.check_extend(items[*i].0, plan, Some(&mut tally)) {
-                        outcomes[*i] = Some(Outcome::Reject(reject));
-                        first_reject = Some(*i);
-                        break;
-                    }
-                }
-            }
-            if let Some(bad) = first_reject {
-                let cause = items[bad].0;
-                for (i, (seq_id, _)) in items.iter().enumerate() {
-                    if outcomes[i].is_none() {
-                        outcomes[i] = Some(Outcome::Reject(Reject::plain(
-                            *seq_id,
-                            RejectReason::RolledBack,
-                            format!("atomic batch rolled back: sequence {cause} was rejected"),
-                        )));
-                    }
-                }
-            } else {
-                for (i, plan) in &plans {
-                    let (seq_id, growth) = &items[*i];
-                    outcomes[*i] = Some(Outcome::Grant(
-                        self.execute_extend(session_id, *seq_id, growth, plan, step),
-                    ));
-                }
-            }
+        let mut first_reject = outcomes.iter().position(Option::is_some);
+        if first_reject.is_none() {
+            let mut tally = Tally::default();
             for (i, plan) in &plans {
-                if let Some(o) = &outcomes[*i] {
-                    let o = o.clone();
-                    self.count_extend(&o, plan);
+                if let Err(reject) = self.check_extend(items[*i].0, plan, Some(&mut tally)) {
+                    outcomes[*i] = Some(Outcome::Reject(reject));
+                    first_reject = Some(*i);
+                    break;
                 }
+            }
+        }
+        if let Some(bad) = first_reject {
+            let cause = items[bad].0;
+            for (i, (seq_id, _)) in items.iter().enumerate() {
+                if outcomes[i].is_none() {
+                    outcomes[i] = Some(Outcome::Reject(Reject::plain(
+                        *seq_id,
+                        RejectReason::RolledBack,
+                        format!("atomic batch rolled back: sequence {cause} was rejected"),
+                    )));
+                }
+            }
+        } else {
+            for (i, plan) in &plans {
+                let (seq_id, growth) = &items[*i];
+                outcomes[*i] = Some(Outcome::Grant(
+                    self.execute_extend(session_id, *seq_id, growth, plan, step),
+                ));
+            }
+        }
+        for (i, plan) in &plans {
+            if let Some(o) = &outcomes[*i] {
+                self.count_extend(o, plan);
             }
         }
         self.flush_events();
@@ -1138,7 +1153,14 @@ impl Cache {
         }
     }
 
-    fn plan_extend(&self, session_id: u64, seq_id: u64, n: u32) -> Result<Vec<PoolExtend>, Reject> {
+    /// The per-pool plan of growing `seq_id` by `n` tokens, into `plan`.
+    fn plan_extend(
+        &self,
+        session_id: u64,
+        seq_id: u64,
+        n: u32,
+        plan: &mut Vec<PoolExtend>,
+    ) -> Result<(), Reject> {
         let seq = self
             .sessions
             .get(&session_id)
@@ -1152,29 +1174,26 @@ impl Cache {
             })?;
         let new_len = seq.len.saturating_add(n);
         let capacity = new_len.saturating_add(seq.extra).max(seq.reserved_capacity);
-        Ok(seq
-            .tables
-            .iter()
-            .enumerate()
-            .map(|(ti, t)| {
-                let entry = &self.pools[t.pool];
-                let b = entry.tokens_per_block;
-                let (first, end) = t.beams.first().map_or((0, 0), |bt| (bt.first, bt.end()));
-                let new_first = if entry.window == 0 {
-                    first
-                } else {
-                    first.max((seq.len + 1).saturating_sub(entry.window) / b)
-                };
-                let new_end = end.max(ceil_div(capacity, b));
-                PoolExtend {
-                    table: ti,
-                    pool: t.pool,
-                    new_first,
-                    new_end,
-                    new_blocks: u64::from(seq.beams) * u64::from(new_end - end),
-                }
-            })
-            .collect())
+        plan.clear();
+        plan.extend(seq.tables.iter().enumerate().map(|(ti, t)| {
+            let entry = &self.pools[t.pool];
+            let b = entry.tokens_per_block;
+            let (first, end) = t.beams.first().map_or((0, 0), |bt| (bt.first, bt.end()));
+            let new_first = if entry.window == 0 {
+                first
+            } else {
+                first.max((seq.len + 1).saturating_sub(entry.window) / b)
+            };
+            let new_end = end.max(ceil_div(capacity, b));
+            PoolExtend {
+                table: ti,
+                pool: t.pool,
+                new_first,
+                new_end,
+                new_blocks: u64::from(seq.beams) * u64::from(new_end - end),
+            }
+        }));
+        Ok(())
     }
 
     fn check_extend(
@@ -1260,7 +1279,7 @@ impl Cache {
         let mut added: i64 = 0;
         // The grant of an extend is a delta: per (pool, beam) the new first
         // block and only the blocks appended now.
-        let mut tables = Vec::with_capacity(plan.len() * seq.beams as usize);
+        let mut tables = Vec::new();
         for p in plan {
             let entry = &mut self.pools[p.pool];
             let (pool_id, window) = (entry.id, entry.window);
@@ -1268,6 +1287,7 @@ impl Cache {
             let t = &mut seq.tables[p.table];
             for (beam, bt) in t.beams.iter_mut().enumerate() {
                 let mut appended = Vec::new();
+                let old_first = bt.first;
                 while bt.first < p.new_first {
                     let Some(block) = bt.blocks.pop_front() else {
                         break;
@@ -1296,13 +1316,17 @@ impl Cache {
                         None => break,
                     }
                 }
-                tables.push(Table {
-                    pool_id,
-                    window,
-                    beam: beam as u32,
-                    first_block: bt.first,
-                    block_ids: appended,
-                });
+                // A table this call left alone (no slide, no new block) is
+                // left out: most decode steps change no table at all.
+                if bt.first != old_first || !appended.is_empty() {
+                    tables.push(Table {
+                        pool_id,
+                        window,
+                        beam: beam as u32,
+                        first_block: bt.first,
+                        block_ids: appended,
+                    });
+                }
             }
         }
         seq.len = seq.len.saturating_add(growth.len());

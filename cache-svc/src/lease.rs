@@ -149,7 +149,8 @@ pub struct Grant {
     pub seq_id: u64,
     /// One table per (pool, beam). From `Lease`: the whole table. From
     /// `Extend`: a delta: `first_block` after any slide, and only the block
-    /// ids appended by this call (see [`Table::apply_delta`]).
+    /// ids appended by this call (see [`Table::apply_delta`]); tables the
+    /// call did not change are left out.
     pub tables: Vec<Table>,
     /// Leading prompt tokens already in reused blocks.
     pub reused_tokens: u32,

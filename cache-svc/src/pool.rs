@@ -16,7 +16,7 @@
 //! holder reports that step complete; only then are they published (indexed
 //! and reusable), so nobody reuses KV that was never written.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 
 use crate::eviction::{EvictionPolicy, PriorityLru};
 

@@ -4,7 +4,9 @@
 //! the block hashes that wait for its steps to complete. Expiry or close hands
 //! all of it back (see `Cache::reclaim_session`).
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::time::{Duration, Instant};
 
 use crate::pool::BlockId;
