@@ -1,0 +1,546 @@
+//! `Lease`: plan what a new sequence takes from each pool of its group
+//! (reusing published prefix blocks), check that it fits (alone, or with the
+//! members of its atomic batch before it), then pin the reused blocks and
+//! take the new ones.
+
+use foldhash::{HashSet, HashSetExt};
+use std::time::Instant;
+
+use super::{Batch, Cache, PoolEntry, Tally, ceil_div};
+use crate::error::{Error, Result};
+use crate::lease::{Grant, Outcome, Prompt, Reject, RejectReason, SeqSpec, Table};
+use crate::pool::{BlockId, BlockState, Holder};
+use crate::prefix;
+use crate::session::{BeamTable, BlockRef, PoolTables, SeqState};
+
+/// The blocks one new sequence takes from one pool.
+#[derive(Clone, Debug)]
+struct PoolLease {
+    pool: usize,
+    /// First block index held.
+    first: u32,
+    /// Reused published blocks for indices `[first, first + reuse.len())`.
+    reuse: Vec<BlockId>,
+    /// New blocks shared by the beams (prompt blocks), after the reused ones.
+    shared_new: u32,
+    /// End of the shared (prompt) blocks.
+    shared_end: u32,
+    /// One past the last block index.
+    end: u32,
+}
+
+impl PoolLease {
+    fn new_blocks(&self, beams: u32) -> u64 {
+        u64::from(self.shared_new) + u64::from(beams) * u64::from(self.per_beam())
+    }
+
+    fn per_beam(&self) -> u32 {
+        self.end - self.shared_end.max(self.first)
+    }
+
+    fn held(&self, beams: u32) -> u64 {
+        self.reuse.len() as u64 + self.new_blocks(beams)
+    }
+
+    fn references(&self, beams: u32) -> u64 {
+        u64::from(beams) * u64::from(self.end - self.first)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct LeasePlan {
+    seq_id: u64,
+    pools: Vec<PoolLease>,
+    /// Full-block hashes of the prompt, when hashable.
+    hashes: Vec<u64>,
+    reused_tokens: u32,
+    prompt_len: u32,
+    extra: u32,
+    reserved_capacity: u32,
+    beams: u32,
+    priority: u8,
+    salt: u64,
+    hashable: bool,
+    partial: Vec<u32>,
+    group: String,
+}
+
+impl Cache {
+    /// Leases blocks for new sequences; one outcome per spec, in order.
+    pub fn lease(
+        &mut self,
+        session_id: u64,
+        epoch: u64,
+        batch: Batch,
+        specs: &[SeqSpec],
+        now: Instant,
+    ) -> Result<Vec<Outcome>> {
+        let Batch {
+            step,
+            atomic,
+            warmup,
+        } = batch;
+        self.touch(session_id, epoch, now)?;
+        for spec in specs {
+            self.validate_spec(spec)?;
+        }
+        let holder = |seq| Holder {
+            session: session_id,
+            seq,
+        };
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; specs.len()];
+        let mut seen = HashSet::new();
+        let mut plans: Vec<(usize, LeasePlan)> = Vec::new();
+        for (i, spec) in specs.iter().enumerate() {
+            let held = self
+                .sessions
+                .get(&session_id)
+                .is_some_and(|s| s.seqs.contains_key(&spec.seq_id));
+            if !seen.insert(spec.seq_id) || held {
+                outcomes[i] = Some(Outcome::Reject(Reject::plain(
+                    spec.seq_id,
+                    RejectReason::DuplicateSequence,
+                    format!("sequence {} is already leased by this session", spec.seq_id),
+                )));
+                continue;
+            }
+            if atomic {
+                plans.push((i, self.plan_lease(spec, warmup)));
+            } else {
+                // One at a time: each plan sees the blocks earlier ones took.
+                let plan = self.plan_lease(spec, warmup);
+                let outcome = match self.check_lease(session_id, &plan, None) {
+                    Ok(()) => Outcome::Grant(self.execute_lease(
+                        session_id,
+                        plan,
+                        step,
+                        holder(spec.seq_id),
+                    )),
+                    Err(reject) => Outcome::Reject(reject),
+                };
+                self.count_outcome(&outcome, spec);
+                outcomes[i] = Some(outcome);
+            }
+        }
+        if atomic {
+            let failed = outcomes.iter().position(Option::is_some);
+            let mut tally = Tally::default();
+            let mut first_reject = failed;
+            if first_reject.is_none() {
+                for (i, plan) in &plans {
+                    if let Err(reject) = self.check_lease(session_id, plan, Some(&mut tally)) {
+                        outcomes[*i] = Some(Outcome::Reject(reject));
+                        first_reject = Some(*i);
+                        break;
+                    }
+                }
+            }
+            if let Some(bad) = first_reject {
+                let cause = specs[bad].seq_id;
+                for (i, spec) in specs.iter().enumerate() {
+                    if outcomes[i].is_none() {
+                        outcomes[i] = Some(Outcome::Reject(Reject::plain(
+                            spec.seq_id,
+                            RejectReason::RolledBack,
+                            format!("atomic batch rolled back: sequence {cause} was rejected"),
+                        )));
+                    }
+                }
+            } else {
+                // Pin every reused block first, so no allocation of the batch
+                // can evict a block that a later member planned to reuse.
+                for (_, plan) in &plans {
+                    self.pin_reused(plan, holder(plan.seq_id));
+                }
+                for (i, plan) in plans {
+                    let seq_id = plan.seq_id;
+                    let grant = self.execute_lease_pinned(session_id, plan, step, holder(seq_id));
+                    outcomes[i] = Some(Outcome::Grant(grant));
+                }
+            }
+            for (outcome, spec) in outcomes.iter().zip(specs) {
+                if let Some(o) = outcome {
+                    self.count_outcome(o, spec);
+                }
+            }
+        }
+        self.flush_events();
+        Ok(outcomes.into_iter().flatten().collect())
+    }
+
+    pub(super) fn validate_spec(&self, spec: &SeqSpec) -> Result<()> {
+        if !self.groups.contains_key(&spec.group) {
+            return Err(Error::UnknownGroup(spec.group.clone()));
+        }
+        if spec.prompt.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {}: give prompt_tokens or num_tokens > 0",
+                spec.seq_id
+            )));
+        }
+        if spec.beam_width == 0 || spec.beam_width > self.config.max_beam_width {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {}: beam_width must be 1 to {}, got {}",
+                spec.seq_id, self.config.max_beam_width, spec.beam_width
+            )));
+        }
+        if spec.priority > crate::eviction::MAX_PRIORITY {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {}: priority must be 0 to 100, got {}",
+                spec.seq_id, spec.priority
+            )));
+        }
+        let life = u64::from(spec.prompt.len())
+            + u64::from(spec.max_new_tokens)
+            + u64::from(spec.extra.total());
+        if life > u64::from(u32::MAX / 2) {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {}: prompt + max_new_tokens + extra tokens is too large ({life})",
+                spec.seq_id
+            )));
+        }
+        Ok(())
+    }
+
+    fn count_outcome(&mut self, outcome: &Outcome, spec: &SeqSpec) {
+        let Some(group) = self.groups.get(&spec.group) else {
+            return;
+        };
+        match outcome {
+            Outcome::Grant(_) => {
+                for &i in &group.pools {
+                    self.pools[i].pool.counters.grants += 1;
+                }
+            }
+            Outcome::Reject(r) => {
+                let target = group
+                    .pools
+                    .iter()
+                    .copied()
+                    .find(|&i| self.pools[i].id == r.pool_id)
+                    .or(group.pools.first().copied());
+                if let Some(i) = target {
+                    self.pools[i].pool.counters.rejects += 1;
+                }
+            }
+        }
+    }
+
+    /// Works out what a new sequence would take, without changing anything.
+    fn plan_lease(&self, spec: &SeqSpec, warmup: bool) -> LeasePlan {
+        let group = &self.groups[&spec.group];
+        let b = group.tokens_per_block;
+        let prompt_len = spec.prompt.len();
+        let extra = spec.extra.total();
+        let salt = prefix::salt_hash(&spec.cache_salt);
+        let (hashable, hashes, partial) = match (&spec.prompt, warmup) {
+            (Prompt::Tokens(tokens), false) => {
+                let hashes = prefix::chain(salt, tokens, b as usize);
+                let partial = tokens[hashes.len() * b as usize..].to_vec();
+                (true, hashes, partial)
+            }
+            _ => (false, Vec::new(), Vec::new()),
+        };
+        // Reuse at most the full blocks before the last prompt token, so at
+        // least one token is computed (its logits start the output).
+        let mut reuse_blocks = if hashable {
+            ((prompt_len - 1) / b).min(hashes.len() as u32)
+        } else {
+            0
+        };
+        let first_of = |window: u32, r: u32| {
+            if window == 0 {
+                0
+            } else {
+                (r * b + 1).saturating_sub(window) / b
+            }
+        };
+        // The longest reusable prefix that every pool can serve: full-attention
+        // pools need every block before it, windowed pools only those the
+        // first computed token's window reaches.
+        'shrink: while reuse_blocks > 0 {
+            for &i in &group.pools {
+                let entry = &self.pools[i];
+                let first = first_of(entry.window, reuse_blocks);
+                for idx in (first..reuse_blocks).rev() {
+                    if entry.pool.lookup(hashes[idx as usize]).is_none() {
+                        reuse_blocks = idx;
+                        continue 'shrink;
+                    }
+                }
+            }
+            break;
+        }
+        let capacity = prompt_len + extra;
+        let final_len = prompt_len + spec.max_new_tokens.max(1) - 1;
+        let reserved_capacity = if spec.reserve_full_life {
+            final_len + extra
+        } else {
+            0
+        };
+        let end = ceil_div(capacity.max(reserved_capacity), b);
+        let shared_end = prompt_len / b;
+        let pools = group
+            .pools
+            .iter()
+            .map(|&i| {
+                let entry = &self.pools[i];
+                let first = first_of(entry.window, reuse_blocks);
+                let reuse: Vec<BlockId> = (first..reuse_blocks)
+                    .filter_map(|idx| entry.pool.lookup(hashes[idx as usize]))
+                    .collect();
+                PoolLease {
+                    pool: i,
+                    first,
+                    shared_new: shared_end.saturating_sub(reuse_blocks.max(first)),
+                    reuse,
+                    shared_end,
+                    end,
+                }
+            })
+            .collect();
+        LeasePlan {
+            seq_id: spec.seq_id,
+            pools,
+            hashes,
+            reused_tokens: reuse_blocks * b,
+            prompt_len,
+            extra,
+            reserved_capacity,
+            beams: spec.beam_width,
+            priority: spec.priority,
+            salt,
+            hashable,
+            partial,
+            group: spec.group.clone(),
+        }
+    }
+
+    /// Whether a planned lease fits now (and, for an atomic batch, together
+    /// with the members before it in `tally`).
+    fn check_lease(
+        &self,
+        session_id: u64,
+        plan: &LeasePlan,
+        mut tally: Option<&mut Tally>,
+    ) -> Result<(), Reject> {
+        for p in &plan.pools {
+            let entry = &self.pools[p.pool];
+            let held = p.held(plan.beams);
+            if held > u64::from(entry.pool.len()) {
+                return Err(self.pool_reject(
+                    plan.seq_id,
+                    p.pool,
+                    RejectReason::ExceedsCapacity,
+                    held,
+                    format!(
+                        "needs {held} blocks in pool {} (window {}), which has {} in all",
+                        entry.id,
+                        entry.window,
+                        entry.pool.len()
+                    ),
+                ));
+            }
+        }
+        for p in &plan.pools {
+            let entry = &self.pools[p.pool];
+            let counts = entry.pool.counts();
+            let mut pinned_cached: u64 = p
+                .reuse
+                .iter()
+                .filter(|&&b| entry.pool.state(b) == BlockState::Cached)
+                .count() as u64;
+            let mut need = p.new_blocks(plan.beams);
+            if let Some(t) = tally.as_deref_mut() {
+                let pinned = t.pinned.entry(p.pool).or_default();
+                pinned_cached = 0;
+                for &b in &p.reuse {
+                    if entry.pool.state(b) == BlockState::Cached {
+                        pinned.insert(b);
+                    }
+                }
+                pinned_cached += pinned.len() as u64;
+                let taken = t.new_blocks.entry(p.pool).or_default();
+                *taken += need;
+                need = *taken;
+            }
+            let available = u64::from(counts.available()).saturating_sub(pinned_cached);
+            if need > available {
+                return Err(self.pool_reject(
+                    plan.seq_id,
+                    p.pool,
+                    RejectReason::PoolExhausted,
+                    p.new_blocks(plan.beams),
+                    format!(
+                        "pool {} (window {}) has {available} blocks free or evictable, {need} needed; {} wait on fences",
+                        entry.id, entry.window, counts.fenced
+                    ),
+                ));
+            }
+        }
+        let quota = self.config.session_quota;
+        if quota > 0 {
+            let mut refs: u64 = plan.pools.iter().map(|p| p.references(plan.beams)).sum();
+            if let Some(t) = tally {
+                t.references += refs;
+                refs = t.references;
+            }
+            let held = self.sessions.get(&session_id).map_or(0, |s| s.references);
+            if held + refs > quota {
+                return Err(Reject::plain(
+                    plan.seq_id,
+                    RejectReason::QuotaExceeded,
+                    format!(
+                        "session holds {held} block references, {refs} more would pass its quota of {quota}"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn pin_reused(&mut self, plan: &LeasePlan, holder: Holder) {
+        for p in &plan.pools {
+            let pool = &mut self.pools[p.pool].pool;
+            for &b in &p.reuse {
+                for _ in 0..plan.beams {
+                    pool.acquire(b, holder, plan.priority);
+                }
+            }
+        }
+    }
+
+    fn execute_lease(
+        &mut self,
+        session_id: u64,
+        plan: LeasePlan,
+        step: u64,
+        holder: Holder,
+    ) -> Grant {
+        self.pin_reused(&plan, holder);
+        self.execute_lease_pinned(session_id, plan, step, holder)
+    }
+
+    /// Takes the planned blocks (reused ones already pinned). Capacity was
+    /// checked, so allocation cannot fail; if it ever did, the sequence keeps
+    /// what it got and the audit sees a consistent (shorter) table.
+    fn execute_lease_pinned(
+        &mut self,
+        session_id: u64,
+        plan: LeasePlan,
+        step: u64,
+        holder: Holder,
+    ) -> Grant {
+        let mut tables = Vec::with_capacity(plan.pools.len());
+        let mut pending = Vec::new();
+        let mut references = 0;
+        for p in &plan.pools {
+            let entry = &mut self.pools[p.pool];
+            if plan.hashable {
+                let b = entry.tokens_per_block;
+                let eligible = ((plan.prompt_len - 1) / b).min(plan.hashes.len() as u32);
+                entry.pool.counters.reuse_lookups += u64::from(eligible);
+                entry.pool.counters.reuse_hits += u64::from(plan.reused_tokens / b);
+            }
+            let pool = &mut entry.pool;
+            let mut shared: Vec<BlockId> = p.reuse.clone();
+            let shared_start = p.first + p.reuse.len() as u32;
+            for idx in shared_start..shared_start + p.shared_new {
+                let Some(block) = pool.allocate(holder, plan.priority) else {
+                    break;
+                };
+                for _ in 1..plan.beams {
+                    pool.acquire(block, holder, plan.priority);
+                }
+                if plan.hashable {
+                    let i = idx as usize;
+                    let parent = if i == 0 {
+                        prefix::ROOT_PARENT
+                    } else {
+                        plan.hashes[i - 1]
+                    };
+                    pool.set_pending(block, plan.hashes[i], parent);
+                    pending.push(BlockRef {
+                        pool: p.pool,
+                        block,
+                        generation: pool.generation(block),
+                    });
+                }
+                shared.push(block);
+            }
+            let mut beams = Vec::with_capacity(plan.beams as usize);
+            for _ in 0..plan.beams {
+                let mut blocks: std::collections::VecDeque<BlockId> =
+                    shared.iter().copied().collect();
+                for _ in 0..p.per_beam() {
+                    match pool.allocate(holder, plan.priority) {
+                        Some(b) => blocks.push_back(b),
+                        None => break,
+                    }
+                }
+                references += blocks.len() as u64;
+                beams.push(BeamTable {
+                    first: p.first,
+                    blocks,
+                });
+            }
+            tables.push(PoolTables {
+                pool: p.pool,
+                beams,
+            });
+        }
+        let seq = SeqState {
+            group: plan.group,
+            len: plan.prompt_len,
+            prompt_len: plan.prompt_len,
+            extra: plan.extra,
+            reserved_capacity: plan.reserved_capacity,
+            beams: plan.beams,
+            priority: plan.priority,
+            salt: plan.salt,
+            hashes: plan.hashes,
+            partial: plan.partial,
+            hashable: plan.hashable && plan.beams == 1,
+            tables,
+        };
+        let grant = self.grant_of(plan.seq_id, &seq, plan.reused_tokens);
+        if let Some(session) = self.sessions.get_mut(&session_id) {
+            session.references += references;
+            session.forget_released(plan.seq_id);
+            // A lease at a step already reported complete cannot be known to
+            // have written its KV: its hashes are not published.
+            if !pending.is_empty() && !session.step_completed(step) {
+                session.pending.entry(step).or_default().extend(pending);
+            }
+            session.seqs.insert(plan.seq_id, seq);
+        }
+        grant
+    }
+
+    fn grant_of(&self, seq_id: u64, seq: &SeqState, reused_tokens: u32) -> Grant {
+        grant_of(&self.pools, seq_id, seq, reused_tokens)
+    }
+}
+
+/// The grant describing `seq`'s current tables.
+fn grant_of(pools: &[PoolEntry], seq_id: u64, seq: &SeqState, reused_tokens: u32) -> Grant {
+    let mut tables = Vec::with_capacity(seq.tables.len() * seq.beams as usize);
+    for t in &seq.tables {
+        let entry = &pools[t.pool];
+        for (beam, bt) in t.beams.iter().enumerate() {
+            tables.push(Table {
+                pool_id: entry.id,
+                window: entry.window,
+                beam: beam as u32,
+                first_block: bt.first,
+                block_ids: bt.blocks.iter().copied().collect(),
+            });
+        }
+    }
+    Grant {
+        seq_id,
+        tables,
+        reused_tokens,
+        capacity_tokens: seq.capacity(),
+    }
+}

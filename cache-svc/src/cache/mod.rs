@@ -1,0 +1,237 @@
+//! The cache: pool groups, sessions and the lease protocol over them.
+//!
+//! Every operation checks capacity for a sequence (or a whole atomic batch)
+//! before it mutates anything, so a sequence gets all its blocks in every pool
+//! or none (invariant 3), and running out of blocks is a [`Reject`], never a
+//! panic (invariant 8).
+//!
+//! Positions and blocks: block `i` of a sequence holds positions
+//! `[i * B, (i + 1) * B)`. A lease covers `len + extra` slots. In a pool of
+//! window `W`, the query at position `p` reads keys `p - W + 1 ..= p`; an
+//! `Extend` from length `L` keeps the blocks from `floor((L - W + 1) / B)` on
+//! and releases the older ones fenced at the extend's step (the step before
+//! may still read them), so after an extend a sequence holds at most
+//! `ceil((W + extra) / B) + 1` blocks of a windowed pool (invariant 10). A
+//! lease holds the whole prompt, which its own prefill reads.
+//!
+//! # Layout
+//! This module holds the state ([`Cache`]) and what its operations share;
+//! each submodule adds the `impl Cache` of one concern:
+//! - `pools`: registering pool groups and looking pools up.
+//! - `sessions`: opening, renewing, closing and expiring sessions, and
+//!   reclaiming what they held.
+//! - `lease`: `Lease` of new sequences (plan, check, pin, execute).
+//! - `extend`: `Extend` of held sequences (plan, check, execute).
+//! - `release`: `Release` and `CompleteStep` (fences and hash publication).
+//! - `stats`: estimates and pool figures.
+//! - `audit`: the leak audit, `check_invariants` and views for tests.
+
+mod audit;
+mod extend;
+mod lease;
+mod pools;
+mod release;
+mod sessions;
+mod stats;
+
+use foldhash::{HashMap, HashMapExt, HashSet};
+use std::time::Duration;
+
+use crate::events::{EventKind, EventLog, EventsSince};
+use crate::lease::{Reject, RejectReason};
+use crate::pool::{BlockId, BlockPool, IndexEvent};
+use crate::session::Session;
+
+pub use audit::{AuditReport, Leak};
+pub use pools::PoolInfo;
+pub use sessions::{Opened, Reclaimed};
+pub use stats::{PoolEstimate, PoolStats, ShapeEstimate, Stats};
+
+/// How a batch of `Lease` or `Extend` is applied.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// The holder's step (fences and hash publication key on it).
+    pub step: u64,
+    /// All-or-nothing.
+    pub atomic: bool,
+    /// Warm-up traffic: not cached, not counted in hit rates (`Lease` only).
+    pub warmup: bool,
+}
+
+/// Limits and defaults of the cache.
+#[derive(Clone, Debug)]
+pub struct CacheConfig {
+    /// TTL of a session that asks for none.
+    pub default_ttl: Duration,
+    /// Smallest TTL granted.
+    pub min_ttl: Duration,
+    /// Largest TTL granted.
+    pub max_ttl: Duration,
+    /// Block references one session may hold (0: unlimited).
+    pub session_quota: u64,
+    /// Events kept for `WatchEvents`.
+    pub event_capacity: usize,
+    /// Largest pool accepted by `RegisterPool`, in blocks.
+    pub max_pool_blocks: u32,
+    /// Largest beam width accepted.
+    pub max_beam_width: u32,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self {
+            default_ttl: Duration::from_secs(30),
+            min_ttl: Duration::from_secs(1),
+            max_ttl: Duration::from_secs(600),
+            session_quota: 0,
+            event_capacity: 65_536,
+            max_pool_blocks: 1 << 24,
+            max_beam_width: 64,
+        }
+    }
+}
+
+/// A registered pool.
+#[derive(Debug)]
+pub struct PoolEntry {
+    /// Service-wide id (from 1).
+    pub id: u32,
+    /// Its group.
+    pub group: String,
+    /// Attention window (0 = full).
+    pub window: u32,
+    /// Tokens per block.
+    pub tokens_per_block: u32,
+    /// The blocks.
+    pub pool: BlockPool,
+}
+
+#[derive(Debug)]
+struct Group {
+    tokens_per_block: u32,
+    /// Indices into `Cache::pools`, in registration order.
+    pools: Vec<usize>,
+}
+
+/// The cache service's state. Plain, synchronous, single-threaded: the gRPC
+/// layer serialises calls through a mutex.
+#[derive(Debug)]
+pub struct Cache {
+    config: CacheConfig,
+    epoch: u64,
+    groups: HashMap<String, Group>,
+    pools: Vec<PoolEntry>,
+    sessions: HashMap<u64, Session>,
+    next_session: u64,
+    events: EventLog,
+}
+
+/// Running totals of an atomic batch, per pool.
+#[derive(Debug, Default)]
+struct Tally {
+    new_blocks: HashMap<usize, u64>,
+    pinned: HashMap<usize, HashSet<BlockId>>,
+    references: u64,
+}
+
+fn ceil_div(a: u32, b: u32) -> u32 {
+    a.div_ceil(b)
+}
+
+impl Cache {
+    /// An empty cache with a fresh epoch.
+    pub fn new(config: CacheConfig) -> Self {
+        Self::with_epoch(config, fresh_epoch())
+    }
+
+    /// An empty cache with the given epoch (tests).
+    pub fn with_epoch(config: CacheConfig, epoch: u64) -> Self {
+        let events = EventLog::new(config.event_capacity);
+        Self {
+            config,
+            epoch,
+            groups: HashMap::new(),
+            pools: Vec::new(),
+            sessions: HashMap::new(),
+            next_session: 1,
+            events,
+        }
+    }
+
+    /// The epoch of this start.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    // === events ===
+
+    /// Events after `after`, at most `max`.
+    pub fn events_since(&self, after: u64, max: usize) -> EventsSince {
+        self.events.since(after, max)
+    }
+
+    /// Id of the newest event.
+    pub fn last_event_id(&self) -> u64 {
+        self.events.last_id()
+    }
+
+    fn flush_events(&mut self) {
+        for entry in &mut self.pools {
+            let raw = entry.pool.drain_events();
+            if raw.is_empty() {
+                continue;
+            }
+            let kinds = raw
+                .into_iter()
+                .map(|e| match e {
+                    IndexEvent::Stored { hash, parent } => EventKind::Stored {
+                        hashes: vec![hash],
+                        parent,
+                    },
+                    IndexEvent::Removed { hash } => EventKind::Removed { hashes: vec![hash] },
+                })
+                .collect();
+            self.events.push_batch(entry.id, kinds);
+        }
+    }
+
+    // === rejects ===
+
+    /// A reject naming one pool, with its current free and fenced counts.
+    fn pool_reject(
+        &self,
+        seq_id: u64,
+        pool: usize,
+        reason: RejectReason,
+        needed: u64,
+        message: String,
+    ) -> Reject {
+        let entry = &self.pools[pool];
+        let counts = entry.pool.counts();
+        Reject {
+            seq_id,
+            reason,
+            pool_id: entry.id,
+            window: entry.window,
+            blocks_needed: u32::try_from(needed).unwrap_or(u32::MAX),
+            blocks_free: counts.available(),
+            blocks_pending_free: counts.fenced,
+            message,
+        }
+    }
+}
+
+/// An epoch that differs between starts: wall-clock nanoseconds mixed with the
+/// process id.
+fn fresh_epoch() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mixed = nanos ^ (u64::from(std::process::id()) << 48);
+    mixed.max(1)
+}

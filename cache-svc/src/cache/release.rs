@@ -1,0 +1,115 @@
+//! `Release` and `CompleteStep`: giving sequences back (at once or fenced at
+//! a step), publishing a completed step's hashes and lifting its fences.
+
+use std::time::Instant;
+
+use super::Cache;
+use crate::error::{Error, Result};
+use crate::lease::{ReleaseResult, ReleaseStatus};
+use crate::session::BlockRef;
+
+impl Cache {
+    /// Releases sequences, optionally fenced at a step.
+    pub fn release(
+        &mut self,
+        session_id: u64,
+        epoch: u64,
+        seq_ids: &[u64],
+        fence_step: Option<u64>,
+        now: Instant,
+    ) -> Result<Vec<ReleaseResult>> {
+        self.touch(session_id, epoch, now)?;
+        let Some(session) = self.sessions.get_mut(&session_id) else {
+            return Err(Error::UnknownSession(session_id));
+        };
+        let fence = fence_step.filter(|&s| !session.step_completed(s));
+        let mut results = Vec::with_capacity(seq_ids.len());
+        for &seq_id in seq_ids {
+            let Some(seq) = session.seqs.remove(&seq_id) else {
+                let status = if session.was_released(seq_id) {
+                    ReleaseStatus::AlreadyReleased
+                } else {
+                    ReleaseStatus::Unknown
+                };
+                results.push(ReleaseResult {
+                    seq_id,
+                    status,
+                    blocks_freed: 0,
+                    blocks_fenced: 0,
+                });
+                continue;
+            };
+            let mut result = ReleaseResult {
+                seq_id,
+                status: ReleaseStatus::Released,
+                blocks_freed: 0,
+                blocks_fenced: 0,
+            };
+            let mut fenced = Vec::new();
+            for t in &seq.tables {
+                let pool = &mut self.pools[t.pool].pool;
+                for bt in &t.beams {
+                    for &block in &bt.blocks {
+                        pool.release(block, fence.is_some());
+                        if pool.refs(block).0 == 0 {
+                            if fence.is_some() {
+                                result.blocks_fenced += 1;
+                            } else {
+                                result.blocks_freed += 1;
+                            }
+                        }
+                        if fence.is_some() {
+                            fenced.push(BlockRef {
+                                pool: t.pool,
+                                block,
+                                generation: pool.generation(block),
+                            });
+                        }
+                    }
+                }
+            }
+            session.references = session.references.saturating_sub(seq.references());
+            if let Some(step) = fence
+                && !fenced.is_empty()
+            {
+                session.fences.entry(step).or_default().extend(fenced);
+            }
+            session.remember_released(seq_id);
+            results.push(result);
+        }
+        self.flush_events();
+        Ok(results)
+    }
+
+    /// The holder finished `step`: publish the hashes its forward pass wrote,
+    /// then lift the fences at steps <= it. Returns the blocks that left the
+    /// fenced state.
+    pub fn complete_step(
+        &mut self,
+        session_id: u64,
+        epoch: u64,
+        step: u64,
+        now: Instant,
+    ) -> Result<u64> {
+        self.touch(session_id, epoch, now)?;
+        let Some(session) = self.sessions.get_mut(&session_id) else {
+            return Err(Error::UnknownSession(session_id));
+        };
+        session.completed_step = Some(session.completed_step.map_or(step, |s| s.max(step)));
+        let later_pending = session.pending.split_off(&(step + 1));
+        let due_pending = std::mem::replace(&mut session.pending, later_pending);
+        let later_fences = session.fences.split_off(&(step + 1));
+        let due_fences = std::mem::replace(&mut session.fences, later_fences);
+        for r in due_pending.into_values().flatten() {
+            self.pools[r.pool].pool.publish(r.block, r.generation);
+        }
+        let mut returned = 0;
+        for r in due_fences.into_values().flatten() {
+            if self.pools[r.pool].pool.unfence(r.block) {
+                returned += 1;
+            }
+        }
+        self.flush_events();
+        Ok(returned)
+    }
+}

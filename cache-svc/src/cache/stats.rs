@@ -1,0 +1,124 @@
+//! Read-only figures: per-shape block estimates and pool stats.
+
+use super::{Cache, PoolInfo};
+use crate::error::{Error, Result};
+use crate::estimate::{self, Shape};
+use crate::lease::SeqSpec;
+use crate::pool::{PoolCounters, PoolCounts};
+
+/// Figures of one pool for `GetStats`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Its group.
+    pub group: String,
+    /// Pool and geometry.
+    pub info: PoolInfo,
+    /// Blocks by state.
+    pub counts: PoolCounts,
+    /// Counters since start.
+    pub counters: PoolCounters,
+}
+
+/// Figures of the whole cache.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stats {
+    /// Per pool.
+    pub pools: Vec<PoolStats>,
+    /// Current epoch.
+    pub epoch: u64,
+    /// Live sessions.
+    pub sessions: u32,
+    /// Leased sequences.
+    pub sequences: u32,
+}
+
+/// Estimate of one shape in one pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolEstimate {
+    /// The pool.
+    pub pool_id: u32,
+    /// Its window.
+    pub window: u32,
+    /// Blocks over the whole life.
+    pub total: u32,
+    /// Most held at once.
+    pub peak: u32,
+    /// Blocks in the pool.
+    pub pool_blocks: u32,
+}
+
+/// Estimate of one shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShapeEstimate {
+    /// Per pool of the group.
+    pub pools: Vec<PoolEstimate>,
+    /// Whether the peak fits every empty pool.
+    pub fits: bool,
+}
+
+impl Cache {
+    /// Blocks each shape needs in every pool of its group over its life.
+    pub fn estimate(&self, specs: &[SeqSpec]) -> Result<Vec<ShapeEstimate>> {
+        specs
+            .iter()
+            .map(|spec| {
+                self.validate_spec(spec)?;
+                let group = &self.groups[&spec.group];
+                let shape = Shape {
+                    prompt: spec.prompt.len(),
+                    max_new_tokens: spec.max_new_tokens,
+                    extra: spec.extra.total(),
+                    beam_width: spec.beam_width,
+                };
+                let pools: Vec<PoolEstimate> = group
+                    .pools
+                    .iter()
+                    .map(|&i| {
+                        let entry = &self.pools[i];
+                        let need = estimate::pool_need(shape, entry.window, entry.tokens_per_block);
+                        PoolEstimate {
+                            pool_id: entry.id,
+                            window: entry.window,
+                            total: need.total,
+                            peak: if spec.reserve_full_life {
+                                need.total
+                            } else {
+                                need.peak
+                            },
+                            pool_blocks: entry.pool.len(),
+                        }
+                    })
+                    .collect();
+                let fits = pools.iter().all(|p| p.peak <= p.pool_blocks);
+                Ok(ShapeEstimate { pools, fits })
+            })
+            .collect()
+    }
+
+    /// Pool figures, optionally for one group.
+    pub fn stats(&self, group: Option<&str>) -> Result<Stats> {
+        if let Some(g) = group
+            && !self.groups.contains_key(g)
+        {
+            return Err(Error::UnknownGroup(g.to_owned()));
+        }
+        let pools = self
+            .pools
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| group.is_none_or(|g| p.group == g))
+            .map(|(i, p)| PoolStats {
+                group: p.group.clone(),
+                info: self.info(i),
+                counts: p.pool.counts(),
+                counters: p.pool.counters,
+            })
+            .collect();
+        Ok(Stats {
+            pools,
+            epoch: self.epoch,
+            sessions: self.sessions.len() as u32,
+            sequences: self.sessions.values().map(|s| s.seqs.len() as u32).sum(),
+        })
+    }
+}
