@@ -141,6 +141,11 @@ fn main() {
         100.0 * p.attention_ms / total,
         100.0 * p.other_ms / total
     );
+    let h = p.host;
+    println!(
+        "| host wall of that step | validate {:.2} ms, metadata + uploads {:.2} ms, launches {:.2} ms, wait + logits download {:.2} ms, sampling + outputs {:.2} ms |",
+        h.validate_ms, h.upload_ms, h.launch_ms, h.download_ms, h.outputs_ms
+    );
     println!(
         "| prefill of {batch} x {context} tokens | {:.1} s |",
         r.prefill_s

@@ -134,57 +134,121 @@ impl ArenaLayout {
 #[derive(Debug, Clone)]
 pub struct SlotLedger {
     tokens_per_block: usize,
-    /// Per pool, `num_blocks * tokens_per_block` flags.
-    written: Vec<Vec<bool>>,
+    /// 64-bit words of slot flags per block.
+    words_per_block: usize,
+    /// Per pool, `num_blocks * words_per_block` words; bit `s % 64` of word
+    /// `s / 64` of a block is its slot `s`. A decode step checks every slot
+    /// its sequences read, so a block's run of slots is one mask test.
+    written: Vec<Vec<u64>>,
 }
 
 impl SlotLedger {
     /// An empty ledger for `layout`.
     pub fn new(layout: &ArenaLayout) -> Self {
         let tokens_per_block = layout.pools.first().map_or(1, |p| p.tokens_per_block);
+        let words_per_block = tokens_per_block.div_ceil(64);
         SlotLedger {
             tokens_per_block,
+            words_per_block,
             written: layout
                 .pools
                 .iter()
-                .map(|p| vec![false; p.num_blocks as usize * tokens_per_block])
+                .map(|p| vec![0; p.num_blocks as usize * words_per_block])
                 .collect(),
         }
     }
 
+    fn words(&self, pool: usize, block: u32) -> Option<&[u64]> {
+        let at = block as usize * self.words_per_block;
+        self.written.get(pool)?.get(at..at + self.words_per_block)
+    }
+
     /// Whether `slot` of `block` in `pool` holds K/V.
     pub fn is_written(&self, pool: usize, block: u32, slot: usize) -> bool {
-        self.written
-            .get(pool)
-            .and_then(|w| w.get(block as usize * self.tokens_per_block + slot))
-            .copied()
-            .unwrap_or(false)
+        self.all_written(pool, block, slot..slot + 1)
+    }
+
+    /// Whether every slot in `slots` of `block` in `pool` holds K/V.
+    pub fn all_written(&self, pool: usize, block: u32, slots: std::ops::Range<usize>) -> bool {
+        if slots.end > self.tokens_per_block {
+            return false;
+        }
+        let Some(words) = self.words(pool, block) else {
+            return false;
+        };
+        let mut s = slots.start;
+        while s < slots.end {
+            let (w, bit) = (s / 64, s % 64);
+            let n = (slots.end - s).min(64 - bit);
+            let mask = if n == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << n) - 1) << bit
+            };
+            if words[w] & mask != mask {
+                return false;
+            }
+            s += n;
+        }
+        true
     }
 
     /// Records one batch's writes: `(pool, block, slot)` triples. Blocks
     /// written at slot 0 are cleared first.
     pub fn record(&mut self, writes: &[(usize, u32, usize)]) {
-        let b = self.tokens_per_block;
+        let wpb = self.words_per_block;
         for &(pool, block, slot) in writes {
             if slot == 0 {
-                let start = block as usize * b;
-                if let Some(flags) = self
+                let start = block as usize * wpb;
+                if let Some(words) = self
                     .written
                     .get_mut(pool)
-                    .and_then(|w| w.get_mut(start..start + b))
+                    .and_then(|w| w.get_mut(start..start + wpb))
                 {
-                    flags.fill(false);
+                    words.fill(0);
                 }
             }
         }
         for &(pool, block, slot) in writes {
-            if let Some(flag) = self
+            if slot >= self.tokens_per_block {
+                continue;
+            }
+            if let Some(word) = self
                 .written
                 .get_mut(pool)
-                .and_then(|w| w.get_mut(block as usize * b + slot))
+                .and_then(|w| w.get_mut(block as usize * wpb + slot / 64))
             {
-                *flag = true;
+                *word |= 1 << (slot % 64);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ledger_tracks_runs_of_slots_across_words_and_restarts() {
+        // 100 slots per block: two words per block.
+        let config = ModelConfig {
+            layer_windows: vec![0],
+            tokens_per_block: 100,
+            ..ModelConfig::small()
+        };
+        let layout = ArenaLayout::new(&config, &[4]);
+        let mut ledger = SlotLedger::new(&layout);
+        assert!(!ledger.is_written(0, 2, 0));
+        ledger.record(&(0..90).map(|s| (0, 2, s)).collect::<Vec<_>>());
+        assert!(ledger.all_written(0, 2, 0..90));
+        assert!(ledger.all_written(0, 2, 60..70));
+        assert!(!ledger.all_written(0, 2, 0..91));
+        assert!(!ledger.all_written(0, 1, 0..1));
+        assert!(!ledger.all_written(0, 2, 95..101), "past the block");
+        assert!(!ledger.all_written(0, 9, 0..1), "past the pool");
+        // A write at slot 0 starts the block over.
+        ledger.record(&[(0, 2, 0)]);
+        assert!(ledger.is_written(0, 2, 0));
+        assert!(!ledger.all_written(0, 2, 0..2));
     }
 }

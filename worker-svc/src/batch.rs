@@ -220,6 +220,15 @@ pub fn validate(
                 let run_end = ((pos / b + 1) * b).min(seq.start_pos);
                 let is_touched = touched.contains(&(pool, block));
                 let is_restarted = restarted.contains(&(pool, block));
+                // Blocks this batch does not write (all but a decode step's
+                // last): one mask test for the whole run.
+                if !is_touched
+                    && !is_restarted
+                    && ledger.all_written(pool, block, pos % b..(run_end - 1) % b + 1)
+                {
+                    pos = run_end;
+                    continue;
+                }
                 for p in pos..run_end {
                     let slot = p % b;
                     let ok = (is_touched && writers.contains_key(&(pool, block, slot)))

@@ -126,7 +126,7 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
                     metrics.forward_tokens.inc_by(tokens as u64);
                     tracing::info!(step, sequences, tokens, compute_us, "forward done");
                     Ok(Response::new(pb::ForwardResponse {
-                        results: outputs.into_iter().map(forward_result).collect(),
+                        results: outputs.seqs.into_iter().map(forward_result).collect(),
                         compute_us,
                     }))
                 }

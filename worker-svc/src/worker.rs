@@ -2,9 +2,11 @@
 //! batch, hands it to the backend and picks the next tokens. Plain
 //! synchronous Rust; `service.rs` puts it behind gRPC.
 
+use std::time::Instant;
+
 use crate::arena::{ArenaLayout, SlotLedger};
 use crate::backend::cpu::{self, CpuBackend};
-use crate::backend::{Backend, BackendChoice, CudaOptions, PhaseTimes};
+use crate::backend::{Backend, BackendChoice, BatchLogits, CudaOptions, PhaseTimes};
 use crate::batch::{self, Limits, SeqInput};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
@@ -74,8 +76,35 @@ pub struct SeqOutput {
     pub next_token: u32,
     /// Argmax after each input position (empty unless all positions were asked).
     pub argmax: Vec<u32>,
-    /// Logits rows: every position when asked, else the last one.
-    pub logits: Vec<f32>,
+    /// This sequence's rows of [`ForwardOutput::logits`]: every position
+    /// when asked, else the last one.
+    pub rows: std::ops::Range<usize>,
+}
+
+/// What one [`Worker::forward`] produced. The logits stay in one buffer, as
+/// the backend returned them: a decode step of a large vocabulary does not
+/// copy them out per sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ForwardOutput {
+    /// One per input sequence, in batch order.
+    pub seqs: Vec<SeqOutput>,
+    logits: BatchLogits,
+}
+
+impl ForwardOutput {
+    /// Logits rows of the `i`-th sequence of the batch (`vocab` wide).
+    ///
+    /// # Panics
+    /// When the batch has no `i`-th sequence.
+    pub fn logits(&self, i: usize) -> &[f32] {
+        let (rows, vocab) = (&self.seqs[i].rows, self.logits.vocab);
+        &self.logits.values[rows.start * vocab..rows.end * vocab]
+    }
+
+    /// Vocabulary size: the width of a logits row.
+    pub fn vocab(&self) -> usize {
+        self.logits.vocab
+    }
 }
 
 /// The worker: weights, arena and backend of one model replica.
@@ -85,6 +114,9 @@ pub struct Worker {
     layout: ArenaLayout,
     ledger: SlotLedger,
     backend: Box<dyn Backend>,
+    /// Host milliseconds of the last pass spent validating and building the
+    /// outputs (for [`Worker::last_profile`]).
+    host_times: (f64, f64),
 }
 
 impl Worker {
@@ -161,9 +193,12 @@ impl Worker {
         self.backend.set_profiling(on);
     }
 
-    /// Phase times of the last profiled pass, if the backend times phases.
+    /// Phase times of the last profiled pass, if the backend times phases,
+    /// with this worker's own host stages of the last pass.
     pub fn last_profile(&self) -> Option<PhaseTimes> {
-        self.backend.last_profile()
+        let mut p = self.backend.last_profile()?;
+        (p.host.validate_ms, p.host.outputs_ms) = self.host_times;
+        Some(p)
     }
 
     /// A CPU worker for `weights`, its arena sized from `options`.
@@ -246,6 +281,7 @@ impl Worker {
             ledger: SlotLedger::new(&layout),
             layout,
             backend,
+            host_times: (0.0, 0.0),
         }
     }
 
@@ -261,7 +297,8 @@ impl Worker {
 
     /// Runs one batch: validates all of it (an error writes nothing), writes
     /// K/V, attends, and picks each sequence's next token.
-    pub fn forward(&mut self, inputs: Vec<SeqInput>) -> Result<Vec<SeqOutput>> {
+    pub fn forward(&mut self, inputs: Vec<SeqInput>) -> Result<ForwardOutput> {
+        let t_start = Instant::now();
         let batch = batch::validate(
             inputs,
             &self.info.model,
@@ -269,20 +306,23 @@ impl Worker {
             &self.ledger,
             self.info.limits,
         )?;
+        let t_validated = Instant::now();
         let logits = self.backend.forward(&batch)?;
+        let t_forward = Instant::now();
         self.ledger.record(&batch.writes);
 
-        let vocab = logits.vocab;
-        let mut rows = logits.values.chunks_exact(vocab.max(1));
+        let vocab = logits.vocab.max(1);
         let mut outputs = Vec::with_capacity(batch.seqs.len());
+        let mut row = 0;
         for seq in &batch.seqs {
-            let n = seq.logit_rows();
-            let seq_rows: Vec<&[f32]> = rows.by_ref().take(n).collect();
-            let last = seq_rows.last().copied().unwrap_or(&[]);
+            let rows = row..row + seq.logit_rows();
+            row = rows.end;
+            let seq_rows = logits.values[rows.start * vocab..rows.end * vocab].chunks_exact(vocab);
+            let last = seq_rows.clone().next_back().unwrap_or(&[]);
             let last_pos = seq.start_pos + seq.tokens.len() - 1;
             let next_token = sample(last, &seq.sampling, last_pos + 1);
             let argmax = if seq.all_positions {
-                seq_rows.iter().map(|r| argmax(r) as u32).collect()
+                seq_rows.map(|r| argmax(r) as u32).collect()
             } else {
                 Vec::new()
             };
@@ -290,10 +330,15 @@ impl Worker {
                 seq_id: seq.seq_id,
                 next_token,
                 argmax,
-                logits: seq_rows.concat(),
+                rows,
             });
         }
-        Ok(outputs)
+        let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+        self.host_times = (ms(t_start, t_validated), ms(t_forward, Instant::now()));
+        Ok(ForwardOutput {
+            seqs: outputs,
+            logits,
+        })
     }
 }
 

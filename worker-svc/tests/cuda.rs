@@ -166,18 +166,18 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
             Ok(o) => o,
             Err(e) => panic!("gpu {what}: {e}"),
         };
-        for (co, go) in c.iter().zip(&g) {
-            for (cr, gr) in co
-                .logits
+        for (k, co) in c.seqs.iter().enumerate() {
+            for (cr, gr) in c
+                .logits(k)
                 .chunks_exact(vocab)
-                .zip(go.logits.chunks_exact(vocab))
+                .zip(g.logits(k).chunks_exact(vocab))
             {
                 max.check(relative_error(gr, cr), tolerance(DTYPE), || {
                     format!("{what}, seq {}", co.seq_id)
                 });
             }
         }
-        c.iter().map(|o| o.next_token).collect()
+        c.seqs.iter().map(|o| o.next_token).collect()
     };
     // Prefill in chunks of up to 96 tokens, all sequences in each batch.
     let mut done = vec![0usize; prompts.len()];

@@ -79,6 +79,23 @@ pub struct PhaseTimes {
     pub attention_ms: f64,
     /// Everything else: embedding, norms, RoPE, K/V scatter, SwiGLU.
     pub other_ms: f64,
+    /// Host wall time of the same pass, by stage.
+    pub host: HostTimes,
+}
+
+/// Host wall time of one profiled pass, by stage, milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HostTimes {
+    /// Checking the batch against the model, the tables and the slot ledger.
+    pub validate_ms: f64,
+    /// Building the per-row metadata and uploading it.
+    pub upload_ms: f64,
+    /// Enqueueing the kernels and products.
+    pub launch_ms: f64,
+    /// Waiting for the device and copying the logits back.
+    pub download_ms: f64,
+    /// Sampling and building the per-sequence outputs.
+    pub outputs_ms: f64,
 }
 
 /// Logits of one batch: `rows × vocab`, row-major, the rows of each sequence

@@ -277,13 +277,14 @@ fn random_cases(
                 Ok(o) => o,
                 Err(e) => panic!("case {case} ({config:?}): forward failed: {e}"),
             };
-            for ((i, start, end), out) in spans.into_iter().zip(outputs) {
+            for (k, (i, start, end)) in spans.into_iter().enumerate() {
+                let (out, logits) = (&outputs.seqs[k], outputs.logits(k));
                 let seq = &mut seqs[i];
                 assert_eq!(out.seq_id, seq.id);
                 let expected = dense.forward(&mut seq.dense, &seq.tokens[start..end]);
                 let vocab = config.vocab_size;
-                assert_eq!(out.logits.len(), (end - start) * vocab);
-                for (row, want) in out.logits.chunks_exact(vocab).zip(&expected) {
+                assert_eq!(logits.len(), (end - start) * vocab);
+                for (row, want) in logits.chunks_exact(vocab).zip(&expected) {
                     max.check(relative_error(row, want), tol, || {
                         format!(
                             "case {case} seq {} positions {start}..{end} ({config:?})",
@@ -351,7 +352,7 @@ fn run_one(
     tables: Vec<TableInput>,
 ) -> Vec<f32> {
     match worker.forward(vec![seq_input(seq_id, tokens, start, tables)]) {
-        Ok(mut out) => out.remove(0).logits,
+        Ok(out) => out.logits(0).to_vec(),
         Err(e) => panic!("forward of {seq_id}: {e}"),
     }
 }
@@ -437,11 +438,11 @@ pub(crate) fn long_reused_prefix_is_bit_identical(build: Build<'_>) {
         seq_input(4, &d_tokens, 0, d_tables),
         seq_input(3, &full, 0, c_tables()),
     ];
-    let mut out = match worker.forward(both) {
+    let out = match worker.forward(both) {
         Ok(out) => out,
         Err(e) => panic!("forward of C and D: {e}"),
     };
-    let c_out = out.remove(1).logits;
+    let c_out = out.logits(1);
     let mut recomputed = c_out[prefix.len() * vocab..].to_vec();
     recomputed.extend(run_one(&mut worker, 3, &[42], 307, c_tables()));
 
@@ -506,13 +507,13 @@ pub(crate) fn sliding_window_matches_dense(build: Build<'_>, tol: f32) {
             Err(e) => panic!("forward at a={pos_a}: {e}"),
         };
         let want_a = dense.forward(&mut da, &tokens_a[pos_a..end_a]);
-        for (row, want) in outputs[0].logits.chunks_exact(vocab).zip(&want_a) {
+        for (row, want) in outputs.logits(0).chunks_exact(vocab).zip(&want_a) {
             let err = relative_error(row, want);
             assert!(err <= tol, "A at {pos_a}: relative error {err} over {tol}");
         }
         if let Some((start, end)) = b_span {
             let want_b = dense.forward(&mut db, &tokens_b[start..end]);
-            for (row, want) in outputs[1].logits.chunks_exact(vocab).zip(&want_b) {
+            for (row, want) in outputs.logits(1).chunks_exact(vocab).zip(&want_b) {
                 let err = relative_error(row, want);
                 assert!(err <= tol, "B at {start}: relative error {err} over {tol}");
             }

@@ -509,7 +509,7 @@ pub fn decode_step(
             let inputs = (first..(first + seqs_per_prefill).min(batch))
                 .map(|s| seq(s, start, (start..end).map(|p| token(s, p)).collect()))
                 .collect();
-            for out in worker.forward(inputs)? {
+            for out in worker.forward(inputs)?.seqs {
                 next[out.seq_id as usize] = out.next_token;
             }
         }
@@ -519,7 +519,7 @@ pub fn decode_step(
     let mut pos = context;
     let step = |worker: &mut Worker, pos: usize, next: &mut Vec<u32>| -> Result<()> {
         let inputs = (0..batch).map(|s| seq(s, pos, vec![next[s]])).collect();
-        for out in worker.forward(inputs)? {
+        for out in worker.forward(inputs)?.seqs {
             next[out.seq_id as usize] = out.next_token;
         }
         Ok(())

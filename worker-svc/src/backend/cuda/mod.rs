@@ -13,6 +13,7 @@
 pub mod bench;
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{
@@ -21,7 +22,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::CompileOptions;
 
-use super::{Backend, BatchLogits, PhaseTimes};
+use super::{Backend, BatchLogits, HostTimes, PhaseTimes};
 pub use super::{CudaOptions, GPU_KV_ELEM_BYTES, KvDtype};
 use crate::arena::ArenaLayout;
 use crate::batch::Batch;
@@ -481,6 +482,7 @@ impl CudaBackend {
     }
 
     fn run(&mut self, batch: &Batch) -> Result<BatchLogits> {
+        let t_start = Instant::now();
         let cfg = &self.config;
         let (h, qd, kvd, f, d) = (
             cfg.hidden_size,
@@ -566,6 +568,7 @@ impl CudaBackend {
             });
         }
 
+        let t_uploaded = Instant::now();
         let mut marks: Vec<(Phase, cudarc::driver::CudaEvent)> = Vec::new();
         let start = if self.profiling {
             Some(
@@ -779,13 +782,24 @@ impl CudaBackend {
             false,
         )?;
         mark(Phase::Matmul)?;
+        let t_launched = Instant::now();
         let values = self
             .stream
             .clone_dtoh(&acts.logits.slice(..r_rows * vocab))
             .map_err(cuda_err("download logits"))?;
+        let t_downloaded = Instant::now();
         if let Some(start) = start {
             self.stream.synchronize().map_err(cuda_err("synchronize"))?;
-            let mut times = PhaseTimes::default();
+            let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+            let mut times = PhaseTimes {
+                host: HostTimes {
+                    upload_ms: ms(t_start, t_uploaded),
+                    launch_ms: ms(t_uploaded, t_launched),
+                    download_ms: ms(t_launched, t_downloaded),
+                    ..HostTimes::default()
+                },
+                ..PhaseTimes::default()
+            };
             let mut prev = &start;
             for (phase, e) in &marks {
                 let ms = f64::from(prev.elapsed_ms(e).map_err(cuda_err("event"))?);
