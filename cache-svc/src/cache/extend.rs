@@ -243,22 +243,19 @@ impl Cache {
         plan: &[PoolExtend],
         step: u64,
     ) -> Grant {
+        // The plan found the sequence; should it be gone, grant nothing.
+        let nothing = || Grant {
+            seq_id,
+            tables: Vec::new(),
+            reused_tokens: 0,
+            capacity_tokens: 0,
+        };
         let Some(session) = self.sessions.get_mut(&session_id) else {
-            return Grant {
-                seq_id,
-                tables: Vec::new(),
-                reused_tokens: 0,
-                capacity_tokens: 0,
-            };
+            return nothing();
         };
         let fence_done = session.step_completed(step);
         let Some(seq) = session.seqs.get_mut(&seq_id) else {
-            return Grant {
-                seq_id,
-                tables: Vec::new(),
-                reused_tokens: 0,
-                capacity_tokens: 0,
-            };
+            return nothing();
         };
         let holder = Holder {
             session: session_id,

@@ -89,14 +89,16 @@ impl std::fmt::Debug for Weights {
 /// SplitMix64: a tiny, fixed generator so that seeded weights are the same
 /// on every platform and every version of every dependency.
 #[derive(Debug, Clone)]
-pub(crate) struct SplitMix64(u64);
+pub struct SplitMix64(u64);
 
 impl SplitMix64 {
-    pub(crate) fn new(seed: u64) -> Self {
+    /// The generator seeded with `seed`.
+    pub fn new(seed: u64) -> Self {
         SplitMix64(seed)
     }
 
-    pub(crate) fn next_u64(&mut self) -> u64 {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -105,7 +107,7 @@ impl SplitMix64 {
     }
 
     /// Uniform in [0, 1).
-    pub(crate) fn next_f64(&mut self) -> f64 {
+    pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 

@@ -7,7 +7,7 @@
 
 use worker_svc::batch::{Limits, Sampling, SeqInput, TableInput};
 use worker_svc::model::ModelConfig;
-use worker_svc::model::weights::Weights;
+use worker_svc::model::weights::{SplitMix64, Weights};
 use worker_svc::ops::window_start;
 use worker_svc::reference::{DenseModel, DenseSequence};
 use worker_svc::worker::{Worker, WorkerOptions};
@@ -15,20 +15,16 @@ use worker_svc::worker::{Worker, WorkerOptions};
 /// Builds the worker under test for some weights.
 pub(crate) type Build<'a> = &'a dyn Fn(&Weights) -> Worker;
 
-/// A tiny deterministic generator for test shapes (SplitMix64).
-struct Rng(u64);
+/// A tiny deterministic generator for test shapes.
+struct Rng(SplitMix64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+    fn new(seed: u64) -> Self {
+        Rng(SplitMix64::new(seed))
     }
 
     fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+        (self.0.next_u64() % n as u64) as usize
     }
 
     fn pick<T: Copy>(&mut self, items: &[T]) -> T {
@@ -229,7 +225,7 @@ fn random_cases(
 ) -> f32 {
     let mut max = MaxErr::default();
     for case in 0..cases {
-        let mut rng = Rng(seed + case);
+        let mut rng = Rng::new(seed + case);
         let config = make_config(&mut rng);
         let weights = match Weights::seeded(config.clone(), case) {
             Ok(w) => w,

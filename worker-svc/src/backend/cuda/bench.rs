@@ -15,7 +15,7 @@ use crate::backend::PhaseTimes;
 use crate::batch::{Limits, Sampling, SeqInput, TableInput};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
-use crate::model::weights::Weights;
+use crate::model::weights::{SplitMix64, Weights};
 use crate::worker::{Worker, WorkerOptions};
 
 /// Shape of the paged attention benchmark and check.
@@ -91,15 +91,11 @@ pub struct AttentionReport {
 }
 
 /// SplitMix64, for shuffled tables and queries.
-struct Mix(u64);
+struct Mix(SplitMix64);
 
 impl Mix {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     fn unit(&mut self) -> f32 {
@@ -216,7 +212,7 @@ pub fn attention(
             .map_err(cuda_err("fill"))?;
     }
 
-    let mut rng = Mix(11);
+    let mut rng = Mix(SplitMix64::new(11));
     let mut perm: Vec<u32> = (0..total_blocks as u32).collect();
     for i in (1..perm.len()).rev() {
         perm.swap(i, (rng.next() % (i as u64 + 1)) as usize);
