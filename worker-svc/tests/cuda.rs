@@ -294,6 +294,42 @@ fn attention_kernels_match_f64_for_decode_prefill_and_windows() {
             worst = worst.max(r.max_rel_err);
         }
     }
+    // Partials for fewer (row x split) pairs than the batch needs: the rows
+    // run as several launches, each row computed exactly as in one launch.
+    let prefill = AttentionShape {
+        batch: 2,
+        context: 1100,
+        num_heads: 16,
+        num_kv_heads: 2,
+        head_dim: 64,
+        tokens_per_block: 8,
+        kv_dtype: KvDtype::Bf16,
+        window: 0,
+        query_rows: 9,
+    };
+    for tuning in [AttentionTuning::default(), general] {
+        let whole = bench::attention(prefill, tuning, 0);
+        let chunked = bench::attention_with_partials(prefill, tuning, 0, 7);
+        let (whole, chunked) = match (whole, chunked) {
+            (Ok(w), Ok(c)) => (w, c),
+            (w, c) => panic!("{tuning:?}: {w:?} / {c:?}"),
+        };
+        println!(
+            "{}: {} launches of {} splits: max rel err {:.2e} (one launch: {:.2e})",
+            chunked.kernel,
+            chunked.launches,
+            chunked.num_splits,
+            chunked.max_rel_err,
+            whole.max_rel_err
+        );
+        assert!(whole.launches == 1 && chunked.launches > 1);
+        assert_eq!(
+            chunked.max_rel_err.to_bits(),
+            whole.max_rel_err.to_bits(),
+            "row-range launches changed the result"
+        );
+        assert!(chunked.max_rel_err <= 2e-4);
+    }
     println!("attention kernels vs f64: max relative error {worst:.2e}");
 }
 

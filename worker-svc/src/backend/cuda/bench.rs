@@ -85,6 +85,8 @@ pub struct AttentionReport {
     pub copy_gbps: f64,
     /// Key splits per query row.
     pub num_splits: usize,
+    /// Launches the rows took (more than one when the partials are short).
+    pub launches: usize,
     /// Largest |gpu − host| over the checked rows and heads, relative to
     /// the largest |host| (NaN when any output was NaN).
     pub max_rel_err: f64,
@@ -133,6 +135,18 @@ pub fn attention(
     shape: AttentionShape,
     tuning: AttentionTuning,
     iters: usize,
+) -> Result<AttentionReport> {
+    let rows = shape.batch * shape.query_rows;
+    attention_with_partials(shape, tuning, iters, part_capacity(rows))
+}
+
+/// [`attention`] with partials for only `part_cap` (row × split) pairs, so
+/// a batch with more runs as several launches over row ranges.
+pub fn attention_with_partials(
+    shape: AttentionShape,
+    tuning: AttentionTuning,
+    iters: usize,
+    part_cap: usize,
 ) -> Result<AttentionReport> {
     super::probe().map_err(Error::Backend)?;
     let ctx = CudaContext::new(0).map_err(cuda_err("context"))?;
@@ -270,7 +284,6 @@ pub fn attention(
     let tok_seq_d = up_i32(&tok_seq)?;
     let tok_pos_d = up_i32(&tok_pos)?;
     let q = stream.clone_htod(&q_host).map_err(cuda_err("upload"))?;
-    let part_cap = part_capacity(rows);
     let max_keys = (first_pos..context)
         .map(|p| p + 1 - lo_of(p))
         .max()
@@ -404,6 +417,7 @@ pub fn attention(
         kernel_us,
         copy_gbps,
         num_splits: plan.num_splits,
+        launches: rows.div_ceil(plan.rows_per_launch),
         max_rel_err: max_err / max_ref.max(1e-12),
     })
 }
