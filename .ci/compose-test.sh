@@ -146,7 +146,7 @@ fi
 
 # === stop one worker in the middle of a bench ===
 log "bench 3 (worker-2 stopped mid-run)"
-"$KV" bench --scheduler "$SCHED" --requests 60 --concurrency 12 --output-min 48 --output-max 96 \
+"$KV" bench --scheduler "$SCHED" --requests 120 --concurrency 12 --output-min 48 --output-max 96 \
   --timeout-s 90 --no-progress >"$LOGS/bench3.log" 2>&1 &
 BENCH=$!
 sleep 4

@@ -32,7 +32,9 @@ use crate::spec;
 pub struct CoreConfig {
     pub policy: Policy,
     pub on_exhausted: OnExhausted,
-    /// Preemptions a request may suffer before it is rejected instead.
+    /// Times a request may be requeued for recompute (preempted when a
+    /// pool ran out, or its worker failed a forward pass) before it ends
+    /// instead (`REJECTED` or `ERROR`).
     pub max_preemptions: u32,
     /// Sequences running (leased) at once, at most.
     pub max_seqs: u32,
@@ -756,8 +758,11 @@ impl Core {
         }
     }
 
-    /// One group's forward pass failed: its in-flight requests end `ERROR`,
-    /// and the group takes no new requests for [`WORKER_RETRY_AFTER`].
+    /// One group's forward pass failed: the group takes no new requests for
+    /// [`WORKER_RETRY_AFTER`], and its in-flight requests are requeued for
+    /// recompute on whichever replica admits them next (their tokens so far
+    /// kept, their blocks released), like a preemption; a request already
+    /// requeued `max_preemptions` times ends `ERROR`, naming the group.
     pub fn forward_failed(&mut self, group: usize, message: &str) {
         if let Some(slot) = self.down_until.get_mut(group) {
             *slot = Some(Instant::now() + WORKER_RETRY_AFTER);
@@ -774,7 +779,28 @@ impl Core {
             .map(|s| s.seq_id)
             .collect();
         for seq_id in failed {
-            self.end_sequence(seq_id, Finish::Error(format!("forward failed: {message}")));
+            let retry = self
+                .running
+                .get(&seq_id)
+                .is_some_and(|s| s.request.preemptions < self.config.max_preemptions);
+            match self.running.remove(&seq_id) {
+                Some(seq) if retry => {
+                    tracing::warn!(seq_id, request = seq.request.id, %message, "requeued for recompute after a worker failure");
+                    self.releases.push(seq_id);
+                    let mut request = seq.request;
+                    request.preemptions += 1;
+                    self.counters.preemptions += 1;
+                    self.queue.requeue(request);
+                }
+                Some(seq) => {
+                    self.releases.push(seq_id);
+                    self.finish_request(
+                        &seq.request,
+                        Finish::Error(format!("forward failed: {message}")),
+                    );
+                }
+                None => {}
+            }
         }
     }
 

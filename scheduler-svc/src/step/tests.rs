@@ -471,8 +471,12 @@ fn lost_leases_are_recomputed_with_their_tokens() {
 }
 
 #[test]
-fn forward_failure_ends_in_flight_requests_with_error() {
-    let mut c = core(Policy::MaxUtilization, 100);
+fn forward_failure_with_no_requeues_left_ends_in_flight_requests_with_error() {
+    let config = CoreConfig {
+        max_preemptions: 0,
+        ..CoreConfig::default()
+    };
+    let mut c = Core::new(config, vec![group(100)]);
     c.submit(request(1, 4, 8));
     c.begin_step();
     let leases = c.plan_admission();
@@ -503,20 +507,51 @@ fn a_failed_worker_takes_no_new_requests_the_other_replica_does() {
     c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
     let batches = c.plan_forward();
     c.forward_failed(batches[0].0, "connection refused");
-    let ended = finishes(&c.drain_outputs());
-    assert!(
-        matches!(&ended[..], [(1, Finish::Error(m))] if m.contains("g0") && m.contains("connection refused")),
-        "{ended:?}"
-    );
-    c.take_releases();
-    // New requests go to the replica that still answers, even though g0 is
-    // emptier.
+    // The request does not end: its blocks are released and it is requeued.
+    assert!(finishes(&c.drain_outputs()).is_empty());
+    assert_eq!(c.take_releases().len(), 1);
+    // It and new requests go to the replica that still answers, even though
+    // g0 is emptier.
     c.submit(request(2, 4, 8));
     c.submit(request(3, 4, 8));
     c.begin_step();
     let leases = c.plan_admission();
-    assert_eq!(leases.len(), 2);
+    assert_eq!(leases.len(), 3);
     assert!(leases.iter().all(|l| l.pool_group == "g1"), "{leases:?}");
+    c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
+    let batches = c.plan_forward();
+    assert_eq!(batches.len(), 1);
+    c.apply_forward(batches[0].0, results(&batches[0].1, 5, false));
+    assert!(finishes(&c.drain_outputs()).is_empty());
+}
+
+#[test]
+fn a_request_whose_worker_keeps_failing_ends_with_an_error_naming_the_group() {
+    let config = CoreConfig {
+        policy: Policy::MaxUtilization,
+        max_preemptions: 1,
+        ..CoreConfig::default()
+    };
+    let mut second = group(100);
+    second.name = "g1".into();
+    second.pools[0].pool_id = 2;
+    let mut c = Core::new(config, vec![group(100), second]);
+    c.submit(request(1, 4, 8));
+    for (attempt, name) in ["g0", "g1"].into_iter().enumerate() {
+        c.begin_step();
+        let leases = c.plan_admission();
+        assert_eq!(leases.len(), 1, "attempt {attempt}");
+        assert_eq!(leases[0].pool_group, name);
+        c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
+        let batches = c.plan_forward();
+        c.forward_failed(batches[0].0, "connection refused");
+        assert_eq!(c.take_releases().len(), 1);
+    }
+    let ended = finishes(&c.drain_outputs());
+    assert!(
+        matches!(&ended[..], [(1, Finish::Error(m))] if m.contains("g1") && m.contains("connection refused")),
+        "{ended:?}"
+    );
 }
 
 // === speculative decoding ===
