@@ -104,9 +104,12 @@ async fn a_cluster_serves_benches_status_and_health() -> TestResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_warm_up_that_cannot_fit_is_a_start_error_not_a_hang() -> TestResult {
-    // a pool far too small for the scheduler's largest warm-up shape
+    // a pool far too small for the scheduler's largest warm-up shape: one
+    // sequence at the longest context needs 512 blocks of 8 KiB in the
+    // full-attention pool, more than the whole 4 MiB budget
     let mut config = small_cluster(1);
     config.worker = demo::demo_worker(4);
+    config.worker.max_context = 8192;
     match Cluster::start(config).await {
         Err(Error::Service { service, message }) => {
             assert_eq!(service, "scheduler");
