@@ -8,8 +8,25 @@ use std::time::Duration;
 use kvlease_integration_tests::*;
 use kvlease_proto::v1 as pb;
 
-/// The small worker's pools hold 20 blocks of 16 tokens: 320 slots.
-const POOL_SLOTS: u32 = 320;
+/// Blocks in the small worker's full-attention pool (what its budget leaves
+/// after weights and activations; 23 of 16 tokens today), from `Describe`,
+/// so the scenarios below sit exactly at the pool's edge.
+async fn full_pool_blocks(worker: &Service) -> u32 {
+    let mut w = worker_client(worker.addr).await.unwrap();
+    let d = w
+        .describe(pb::DescribeRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(d.tokens_per_block, 16);
+    let pool = d
+        .pools
+        .iter()
+        .find(|p| p.window == 0)
+        .expect("a full-attention pool");
+    assert!(pool.num_blocks < 32, "the 512-token context must not fit");
+    pool.num_blocks
+}
 
 fn scheduler(max_context: u32, spec_draft_k: u32) -> scheduler_svc::Config {
     scheduler_svc::Config {
@@ -53,12 +70,13 @@ async fn assert_whole(cache: &Service) {
 async fn pool_too_small_for_the_longest_shape_fails_start_up_and_stays_whole() {
     let cache = start_cache(cache_svc::Config::default()).await.unwrap();
     let worker = start_worker(small_worker()).await.unwrap();
+    let blocks = full_pool_blocks(&worker).await;
     let started = std::time::Instant::now();
     let err = start_up(scheduler(512, 0), &cache, &worker).await.err();
     assert!(started.elapsed() < Duration::from_secs(30));
     let message = err.as_ref().map(ToString::to_string).unwrap_or_default();
     assert!(
-        matches!(err, Some(scheduler_svc::Error::WarmupDoesNotFit { ref shape, window: 0, needed: 32, available: 20, .. }) if shape == "longest"),
+        matches!(err, Some(scheduler_svc::Error::WarmupDoesNotFit { ref shape, window: 0, needed: 32, available, .. }) if shape == "longest" && available == blocks),
         "{message}"
     );
     assert!(
@@ -68,13 +86,15 @@ async fn pool_too_small_for_the_longest_shape_fails_start_up_and_stays_whole() {
     assert_whole(&cache).await;
 }
 
-/// 321 - 1 slots fill the 20 blocks exactly; four draft slots need a 21st.
-/// A warm-up that forgot the drafts would start here.
+/// A context of 16 x blocks + 1 (its last token is never written) fills the
+/// pool exactly; four draft slots need one block more. A warm-up that forgot
+/// the drafts would start here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn draft_tokens_are_counted_in_the_warm_up_estimate() {
     let cache = start_cache(cache_svc::Config::default()).await.unwrap();
     let worker = start_worker(small_worker()).await.unwrap();
-    let max_context = POOL_SLOTS + 1;
+    let blocks = full_pool_blocks(&worker).await;
+    let max_context = blocks * 16 + 1;
     // without speculation the same limits fit, and the warm-up really runs
     let ok = start_up(scheduler(max_context, 0), &cache, &worker).await;
     assert!(ok.is_ok(), "{ok:?}");
@@ -98,10 +118,10 @@ async fn draft_tokens_are_counted_in_the_warm_up_estimate() {
             err,
             Some(scheduler_svc::Error::WarmupDoesNotFit {
                 window: 0,
-                needed: 21,
-                available: 20,
+                needed,
+                available,
                 ..
-            })
+            }) if needed == blocks + 1 && available == blocks
         ),
         "{message}"
     );
@@ -168,7 +188,8 @@ async fn refused_atomic_warm_up_takes_nothing() {
     ));
     let held = pool_stats(cache.addr, GROUP).await.unwrap();
 
-    let err = start_up(scheduler(POOL_SLOTS + 1, 0), &cache, &worker)
+    let blocks = full_pool_blocks(&worker).await;
+    let err = start_up(scheduler(blocks * 16 + 1, 0), &cache, &worker)
         .await
         .err();
     let message = err.as_ref().map(ToString::to_string).unwrap_or_default();
