@@ -101,22 +101,6 @@ fn free_addr() -> Result<SocketAddr, std::io::Error> {
     std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()
 }
 
-fn small_model(memory_budget_mib: u64) -> worker_svc::Config {
-    worker_svc::Config {
-        hidden_size: 64,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 16,
-        ffn_size: 128,
-        max_context: 512,
-        memory_budget_mib,
-        max_batch_sequences: 64,
-        max_batch_tokens: 256,
-        threads: 1,
-        ..worker_svc::Config::default()
-    }
-}
-
 #[test]
 fn the_text_format_parses() -> Result<(), String> {
     let text = "# HELP x y\n# TYPE x gauge\nkvlease_pool_blocks{pool_id=\"1\",window=\"0\",state=\"free\"} 12\nplain 3.5\n";
@@ -149,7 +133,7 @@ async fn each_service_metrics_agree_with_get_stats() -> TestResult {
     .await?;
     let worker = it::start_worker(worker_svc::Config {
         metrics_listen: Some(worker_metrics),
-        ..small_model(16)
+        ..it::small_worker_with(16, 256)
     })
     .await?;
     let scheduler_metrics = free_addr()?;

@@ -235,25 +235,6 @@ async fn generate(
     Ok(g)
 }
 
-/// A small, fast CPU model (pools of window 0 and 64, 16 tokens a block)
-/// whose KV pools get what `memory_budget_mib` leaves after the weights and
-/// the activations of a `max_batch_tokens` batch.
-fn small_model(memory_budget_mib: u64, max_batch_tokens: usize) -> worker_svc::Config {
-    worker_svc::Config {
-        hidden_size: 64,
-        num_heads: 4,
-        num_kv_heads: 2,
-        head_dim: 16,
-        ffn_size: 128,
-        max_context: 512,
-        memory_budget_mib,
-        max_batch_sequences: 64,
-        max_batch_tokens,
-        threads: 1,
-        ..worker_svc::Config::default()
-    }
-}
-
 struct Cluster {
     cache: it::Service,
     worker: it::Service,
@@ -293,7 +274,11 @@ impl Cluster {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_request_is_one_trace_across_scheduler_cache_and_worker() -> TestResult {
     let collector = collector()?;
-    let cluster = Cluster::start(small_model(16, 256), scheduler_svc::Config::default()).await?;
+    let cluster = Cluster::start(
+        it::small_worker_with(16, 256),
+        scheduler_svc::Config::default(),
+    )
+    .await?;
     let trace = trace_id(1, 0);
     let request = pb::GenerateRequest {
         text: "one trace, three services".into(),
@@ -363,7 +348,7 @@ async fn a_rejected_request_trace_holds_the_reject_span_with_its_figures() -> Te
         max_tokens: 200,
         ..scheduler_svc::Config::default()
     };
-    let cluster = Cluster::start(small_model(2, 192), scheduler).await?;
+    let cluster = Cluster::start(it::small_worker_with(2, 192), scheduler).await?;
     let pools = it::pool_stats(cluster.cache.addr, it::GROUP).await?;
     let total = pools.iter().map(|p| p.total).max().unwrap_or(0);
     let requests = 24u32;
@@ -453,7 +438,11 @@ async fn a_rejected_request_trace_holds_the_reject_span_with_its_figures() -> Te
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fenced_release_is_linked_to_the_complete_step_that_freed_it() -> TestResult {
     let collector = collector()?;
-    let cluster = Cluster::start(small_model(16, 256), scheduler_svc::Config::default()).await?;
+    let cluster = Cluster::start(
+        it::small_worker_with(16, 256),
+        scheduler_svc::Config::default(),
+    )
+    .await?;
     let traces: Vec<[u8; 16]> = (0..3).map(|n| trace_id(3, n)).collect();
     for (n, trace) in traces.iter().enumerate() {
         let request = pb::GenerateRequest {

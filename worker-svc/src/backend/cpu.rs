@@ -368,11 +368,16 @@ impl AttnCtx<'_> {
         let last_pos = start + task.queries.end - 1;
         let lo = ops::window_start(first_pos, window);
 
-        // Queries of the group's heads, pre-scaled by 1/sqrt(d).
+        // Queries of the group's heads, pre-scaled by 1/sqrt(d). The
+        // products run over `padded` rows (zero queries past `rows`), enough
+        // for `gemm`'s main kernel, so no call makes a padded copy per tile.
         let rows = task.queries.len() * group;
+        let padded = rows
+            .max(ops::exact_rows(KEY_TILE, d))
+            .max(ops::exact_rows(d, KEY_TILE));
         let scale = 1.0 / (d as f32).sqrt();
-        let mut queries = vec![0.0f32; rows * d];
-        for (r, dst) in queries.chunks_exact_mut(d).enumerate() {
+        let mut queries = vec![0.0f32; padded * d];
+        for (r, dst) in queries.chunks_exact_mut(d).take(rows).enumerate() {
             let i = task.queries.start + r / group;
             let head = task.kv_head * group + r % group;
             let src = (task.row0 + i) * self.q_stride + head * d;
@@ -391,8 +396,8 @@ impl AttnCtx<'_> {
         let mut corr: Vec<Option<f32>> = vec![None; rows];
         let mut keys = vec![0.0f32; KEY_TILE * d];
         let mut values = vec![0.0f32; KEY_TILE * d];
-        let mut scores = vec![0.0f32; rows * KEY_TILE];
-        let mut pv = vec![0.0f32; rows * d];
+        let mut scores = vec![0.0f32; padded * KEY_TILE];
+        let mut pv = vec![0.0f32; padded * d];
         let mut tile0 = lo / KEY_TILE * KEY_TILE;
         while tile0 <= last_pos {
             let tile_last = tile0 + KEY_TILE - 1;
@@ -409,11 +414,11 @@ impl AttnCtx<'_> {
                 &queries,
                 &keys,
                 &mut scores,
-                (rows, d, KEY_TILE),
+                (padded, d, KEY_TILE),
                 false,
                 Threads::One,
             );
-            for (r, row) in scores.chunks_exact_mut(KEY_TILE).enumerate() {
+            for (r, row) in scores.chunks_exact_mut(KEY_TILE).take(rows).enumerate() {
                 let p = first_pos + r / group;
                 let first = ops::window_start(p, window).max(tile0);
                 let last = p.min(tile_last);
@@ -435,7 +440,13 @@ impl AttnCtx<'_> {
                 max[r] = new_max;
                 corr[r] = Some(c);
             }
-            ops::matmul(&scores, &values, &mut pv, (rows, KEY_TILE, d), Threads::One);
+            ops::matmul(
+                &scores,
+                &values,
+                &mut pv,
+                (padded, KEY_TILE, d),
+                Threads::One,
+            );
             for ((a, p), c) in acc.chunks_exact_mut(d).zip(pv.chunks_exact(d)).zip(&corr) {
                 if let Some(c) = *c {
                     for (a, p) in a.iter_mut().zip(p) {
@@ -509,7 +520,11 @@ pub fn activation_bytes(cfg: &ModelConfig, max_tokens: usize, threads: usize) ->
     // output, and max, sum and rescale.
     let group = cfg.num_heads / cfg.num_kv_heads;
     let rows = QUERY_CHUNK * group;
-    let per_task = (2 * KEY_TILE * d + rows * KEY_TILE + 3 * rows * d + 4 * rows) * 4;
+    let padded = rows
+        .max(ops::exact_rows(KEY_TILE, d))
+        .max(ops::exact_rows(d, KEY_TILE));
+    let per_task =
+        (2 * KEY_TILE * d + padded * KEY_TILE + 2 * padded * d + rows * d + 4 * rows) * 4;
     (t * per_token_bytes + logit_rows + bookkeeping + threads.max(1) * per_task) as u64
 }
 
