@@ -10,6 +10,29 @@ pub type SeqId = u64;
 /// The scheduler's id of one client request (stable across preemptions).
 pub type RequestId = u64;
 
+/// A step of the scheduler's session: fences and `CompleteStep` key on it.
+/// Step 0 is before the first; each step planned takes the next number.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Step(pub u64);
+
+impl Step {
+    /// The step after this one.
+    pub fn next(self) -> Self {
+        Self(self.0 + 1)
+    }
+
+    /// The number as the protocol carries it.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// One pool of a worker group as registered with the cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolGeometry {

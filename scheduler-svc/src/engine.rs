@@ -1,13 +1,14 @@
 //! The async step loop: drives `step::Core` with the cache and worker
 //! clients, one batched Extend and one batched Lease per step, forwards on
-//! the workers, streams outputs, releases ended sequences fenced at the last
-//! step whose forward pass could read them, and completes each step once its
-//! forward pass has returned.
+//! the workers, streams outputs, sends the releases the core hands out with
+//! the fence it chose, and sends `CompleteStep` for the step the core says
+//! is complete. The rule behind both (no block reaches another sequence
+//! before the forward pass that could read it returned) lives in
+//! `step/fence.rs`, where unit tests pin it; this loop only does the I/O.
 //!
 //! With overlap on, step N+1's releases and admission leases run while step
-//! N's forward pass is in flight; the releases are then fenced at N, so the
-//! cache cannot hand their blocks to the new leases before `CompleteStep(N)`,
-//! which is sent only after forward N returned.
+//! N's forward pass is in flight (so the core fences those releases at N);
+//! without it, every call of a step runs before its forward pass.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -23,7 +24,7 @@ use tracing::Instrument;
 
 use crate::client::{CacheClient, WorkerClient};
 use crate::config::OnCacheRestart;
-use crate::domain::{ForwardResult, GroupGeometry, Outcome, Output, RequestId, SeqId};
+use crate::domain::{ForwardResult, GroupGeometry, Outcome, Output, RequestId, SeqId, Step};
 use crate::error::{Error, Result};
 use crate::metrics::SchedulerMetrics;
 use crate::queue::Request;
@@ -96,12 +97,12 @@ pub struct EngineConfig {
     pub holder: String,
     pub session_ttl_ms: u64,
     pub on_cache_restart: OnCacheRestart,
-    /// The step number to continue from (after warm-up).
+    /// The last step warm-up used; the loop's steps come after it.
     pub first_step: u64,
 }
 
 struct InFlight {
-    step: u64,
+    step: Step,
     launched: std::time::Instant,
     tasks: Vec<(usize, JoinHandle<Result<Vec<ForwardResult>>>)>,
 }
@@ -113,18 +114,17 @@ pub struct Engine {
     config: EngineConfig,
     cache: CacheClient,
     workers: Vec<WorkerClient>,
-    step: u64,
     steps_run: u64,
     streams: HashMap<RequestId, mpsc::UnboundedSender<Output>>,
     /// Trace context of each live request.
     traces: HashMap<RequestId, Context>,
-    /// Trace context of each leased (or leasing) sequence, until released.
+    /// Trace context of each leased (or leasing) sequence, until the core
+    /// says it is released.
     seq_traces: HashMap<SeqId, Context>,
     intake: mpsc::UnboundedReceiver<Submission>,
     status: watch::Sender<StatusSnapshot>,
     session_lost: Arc<AtomicBool>,
     in_flight: Option<InFlight>,
-    pending_complete: Option<u64>,
     backoff: Duration,
     metrics: SchedulerMetrics,
     /// Counters as last reported to the metrics.
@@ -160,9 +160,10 @@ impl Engine {
             status: status_rx,
             next_id: Arc::new(AtomicU64::new(1)),
         };
+        let mut core = Core::new(config.core.clone(), groups);
+        core.continue_after(Step(config.first_step));
         let engine = Self {
-            core: Core::new(config.core.clone(), groups),
-            step: config.first_step,
+            core,
             config,
             cache,
             workers,
@@ -174,7 +175,6 @@ impl Engine {
             status,
             session_lost,
             in_flight: None,
-            pending_complete: None,
             backoff: MIN_BACKOFF,
             metrics,
             reported: std::cell::Cell::new(Counters::default()),
@@ -192,11 +192,7 @@ impl Engine {
             }
             self.take_submissions();
             self.reap_cancelled();
-            let quiet = self.core.is_idle()
-                && self.in_flight.is_none()
-                && !self.core.has_releases()
-                && self.pending_complete.is_none();
-            if quiet {
+            if self.core.is_quiet() {
                 // The keep-alive task may find the session lost (the cache
                 // restarted) while nothing runs: re-open it now rather than
                 // on the next request, so the new epoch is in use at once.
@@ -224,9 +220,10 @@ impl Engine {
             if self.session_lost.load(Ordering::Relaxed) {
                 self.recover().await;
             }
-            let span = tracing::info_span!("step", kvlease.step = (self.step + 1) as i64);
             let started = std::time::Instant::now();
-            let progressed = self.step_once().instrument(span).await;
+            let step = self.core.begin_step();
+            let span = tracing::info_span!("step", kvlease.step = step.get() as i64);
+            let progressed = self.step_once(step).instrument(span).await;
             if progressed {
                 self.metrics.step(started.elapsed());
             }
@@ -254,7 +251,7 @@ impl Engine {
         self.take_submissions();
         self.core.cancel_all("the scheduler is shutting down");
         self.route_outputs();
-        self.flush_releases(None).await;
+        self.flush_releases().await;
         if let Err(e) = self.cache.close_session().await {
             tracing::warn!(error = %e, "closing the cache session failed");
         }
@@ -288,15 +285,12 @@ impl Engine {
         }
     }
 
-    /// One step; returns whether any forward pass ran or finished.
-    async fn step_once(&mut self) -> bool {
-        self.step += 1;
-        let step = self.step;
-        self.core.begin_step();
+    /// One step (begun in the core); returns whether any forward pass ran
+    /// or finished.
+    async fn step_once(&mut self, step: Step) -> bool {
         let mut progressed = false;
         if self.config.overlap {
-            let fence = self.in_flight.as_ref().map(|f| f.step);
-            self.flush_releases(fence).await;
+            self.flush_releases().await;
             self.admit(step).await;
             if let Some(f) = self.in_flight.take() {
                 self.finish_forward(f).await;
@@ -305,7 +299,7 @@ impl Engine {
             self.extend(step).await;
             progressed |= self.launch(step);
         } else {
-            self.flush_releases(None).await;
+            self.flush_releases().await;
             self.extend(step).await;
             self.admit(step).await;
             if self.launch(step) {
@@ -315,19 +309,20 @@ impl Engine {
                 progressed = true;
             }
         }
-        if let (false, Some(s)) = (progressed, self.pending_complete) {
-            self.complete(s).await;
+        if !progressed {
+            // a CompleteStep the cache did not acknowledge is tried again
+            self.complete().await;
         }
         progressed
     }
 
-    async fn extend(&mut self, step: u64) {
+    async fn extend(&mut self, step: Step) {
         let specs = self.core.plan_extends();
         if specs.is_empty() {
             return;
         }
         let span = self.batch_span("extend", step, specs.iter().map(|s| s.seq_id));
-        match self.cache.extend(step, &specs).instrument(span).await {
+        match self.cache.extend(step.get(), &specs).instrument(span).await {
             Ok(outcomes) => {
                 self.trace_rejects("Extend", &outcomes);
                 self.core.apply_extends(outcomes)
@@ -339,7 +334,7 @@ impl Engine {
         }
     }
 
-    async fn admit(&mut self, step: u64) {
+    async fn admit(&mut self, step: Step) {
         if !self.cache.is_up() {
             // probing with leases while the cache is down only adds load;
             // the keep-alive task notices when it is back
@@ -357,31 +352,22 @@ impl Engine {
         let span = self.batch_span("lease", step, specs.iter().map(|s| s.seq_id));
         match self
             .cache
-            .lease(step, false, false, &specs)
+            .lease(step.get(), false, false, &specs)
             .instrument(span)
             .await
         {
             Ok(outcomes) => {
                 self.trace_rejects("Lease", &outcomes);
-                for o in &outcomes {
-                    // a refused lease holds nothing: the sequence id is done
-                    if let Outcome::Reject(r) = o {
-                        self.seq_traces.remove(&r.seq_id);
-                    }
-                }
                 self.core.apply_leases(outcomes)
             }
             Err(e) => {
-                for spec in &specs {
-                    self.seq_traces.remove(&spec.seq_id);
-                }
                 self.core.leases_failed();
                 self.note("Lease", &e);
             }
         }
     }
 
-    fn launch(&mut self, step: u64) -> bool {
+    fn launch(&mut self, step: Step) -> bool {
         let batches = self.core.plan_forward();
         if batches.is_empty() {
             return false;
@@ -393,7 +379,7 @@ impl Engine {
                 continue;
             };
             let span = self.batch_span("forward", step, items.iter().map(|i| i.seq_id));
-            let call = async move { worker.forward(step, &items).await }.instrument(span);
+            let call = async move { worker.forward(step.get(), &items).await }.instrument(span);
             // the spawned task runs outside the loop's logical-service context
             let call = kvlease_telemetry::in_service(crate::server::SERVICE, call);
             tasks.push((g, tokio::spawn(call)));
@@ -408,14 +394,14 @@ impl Engine {
     }
 
     /// Waits for a forward pass, applies it, streams its tokens, releases
-    /// what ended fenced at its step and completes the step.
+    /// what ended (fenced at its step) and completes the step.
     async fn finish_forward(&mut self, f: InFlight) {
         let launched = f.launched;
         for (g, task) in f.tasks {
             match task.await {
                 Ok(Ok(results)) => self.core.apply_forward(g, results),
                 Ok(Err(e)) => {
-                    tracing::warn!(step = f.step, group = g, error = %e, "forward failed");
+                    tracing::warn!(step = f.step.get(), group = g, error = %e, "forward failed");
                     self.core.forward_failed(g, &e.to_string());
                 }
                 Err(e) => self
@@ -425,51 +411,59 @@ impl Engine {
         }
         self.metrics.forward(launched.elapsed());
         self.route_outputs();
-        self.flush_releases(Some(f.step)).await;
-        self.complete(f.step).await;
+        self.flush_releases().await;
+        self.complete().await;
     }
 
-    async fn complete(&mut self, step: u64) {
-        let step = self.pending_complete.map_or(step, |p| p.max(step));
-        match self.cache.complete_step(step).await {
-            Ok(_) => self.pending_complete = None,
-            Err(e) => {
-                self.pending_complete = Some(step);
-                self.note("CompleteStep", &e);
-            }
+    /// Sends `CompleteStep` for the step the core says is complete, if any.
+    async fn complete(&mut self) {
+        let Some(step) = self.core.complete_through() else {
+            return;
+        };
+        match self.cache.complete_step(step.get()).await {
+            Ok(_) => self.core.step_completed(step),
+            Err(e) => self.note("CompleteStep", &e),
         }
     }
 
-    async fn flush_releases(&mut self, fence: Option<u64>) {
-        let ids = self.core.take_releases();
-        if ids.is_empty() {
+    /// Sends the releases the core hands out, fenced where it says.
+    async fn flush_releases(&mut self) {
+        let batch = self.core.take_releases();
+        if batch.is_empty() {
             return;
         }
-        let span = self.batch_span("release", fence.unwrap_or(self.step), ids.iter().copied());
-        match self.cache.release(&ids, fence).instrument(span).await {
+        let fence = batch.fence_step;
+        let span = self.batch_span(
+            "release",
+            fence.unwrap_or(self.core.step()),
+            batch.seq_ids.iter().copied(),
+        );
+        match self
+            .cache
+            .release(&batch.seq_ids, fence.map(Step::get))
+            .instrument(span)
+            .await
+        {
             Ok((freed, fenced)) => {
-                for id in &ids {
-                    self.seq_traces.remove(id);
-                }
                 tracing::debug!(
-                    sequences = ids.len(),
+                    sequences = batch.seq_ids.len(),
                     freed,
                     fenced,
-                    fence_step = fence,
+                    fence_step = fence.map(Step::get),
                     "released"
                 );
+                self.core.releases_sent(batch);
             }
             Err(e @ Error::CacheUnavailable(_)) => {
-                self.core.restore_releases(ids);
+                self.core.restore_releases(batch);
                 self.note("Release", &e);
             }
             Err(e) => {
-                for id in &ids {
-                    self.seq_traces.remove(id);
-                }
+                self.core.releases_sent(batch);
                 self.note("Release", &e);
             }
         }
+        self.forget_released();
     }
 
     fn note(&self, method: &'static str, e: &Error) {
@@ -521,8 +515,6 @@ impl Engine {
         self.core.set_groups(groups);
         let recompute = self.config.on_cache_restart == OnCacheRestart::Recompute;
         self.core.leases_lost(recompute);
-        self.seq_traces.clear();
-        self.pending_complete = None;
         self.session_lost.store(false, Ordering::Relaxed);
         tracing::info!(
             session_id = session.id,
@@ -533,7 +525,15 @@ impl Engine {
         self.route_outputs();
     }
 
+    /// Drops the trace contexts of sequences the core says are released.
+    fn forget_released(&mut self) {
+        for seq_id in self.core.take_released() {
+            self.seq_traces.remove(&seq_id);
+        }
+    }
+
     fn route_outputs(&mut self) {
+        self.forget_released();
         // the status is current before a client sees its request end
         self.publish();
         for output in self.core.drain_outputs() {
@@ -555,11 +555,11 @@ impl Engine {
     fn batch_span(
         &self,
         name: &'static str,
-        step: u64,
+        step: Step,
         seqs: impl Iterator<Item = SeqId>,
     ) -> tracing::Span {
         const MAX_LINKS: usize = 16;
-        let span = tracing::info_span!(parent: None, "scheduler.batch", otel.name = name, kvlease.step = step as i64);
+        let span = tracing::info_span!(parent: None, "scheduler.batch", otel.name = name, kvlease.step = step.get() as i64);
         let mut parented = false;
         let mut links = 0;
         for seq in seqs {

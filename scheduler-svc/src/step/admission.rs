@@ -1,0 +1,317 @@
+//! Admission: which queued requests to lease this step, and what the Lease
+//! outcomes mean for them.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use super::{Core, Leasing, Sequence, Work};
+use crate::domain::{Extra, Finish, LeaseSpec, Outcome, Reject, RejectReason, SeqId};
+use crate::policy::{Admission, Demand, PoolLoad};
+use crate::queue::Request;
+
+impl Core {
+    /// Extra slots the lease of `request` keeps: drafts for greedy requests
+    /// when speculation is on.
+    pub fn extra_for(&self, request: &Request) -> Extra {
+        let draft = if self.config.draft_k > 0 && request.sampling.is_greedy() {
+            self.config.draft_k
+        } else {
+            0
+        };
+        Extra {
+            draft,
+            ..Extra::default()
+        }
+    }
+
+    /// Queues a new request, or finishes it `REJECTED` at once when its whole
+    /// life cannot fit in any group's empty pools.
+    pub fn submit(&mut self, request: Request) {
+        let extra = self.extra_for(&request);
+        let demand = Demand {
+            next_tokens: request.lease_tokens(extra),
+            life_tokens: request.full_life_tokens(extra),
+        };
+        let mut never = None;
+        for group in &self.groups {
+            let empty: Vec<PoolLoad> = group
+                .pools
+                .iter()
+                .map(|p| PoolLoad {
+                    window: p.window,
+                    total: p.num_blocks,
+                    committed: 0,
+                })
+                .collect();
+            match self.config.policy.admit(group, &empty, demand, true) {
+                Admission::Never {
+                    window,
+                    needed,
+                    total,
+                } => {
+                    let pool_id = group
+                        .pools
+                        .iter()
+                        .find(|p| p.window == window)
+                        .map_or(0, |p| p.pool_id);
+                    never = Some(Reject {
+                        seq_id: 0,
+                        reason: RejectReason::ExceedsCapacity,
+                        pool_id,
+                        window,
+                        blocks_needed: needed,
+                        blocks_free: total,
+                        blocks_pending_free: 0,
+                        message: format!(
+                            "request needs {needed} blocks over its life in pool window {window}, which has {total}"
+                        ),
+                    });
+                }
+                Admission::Admit | Admission::Wait => {
+                    never = None;
+                    break;
+                }
+            }
+        }
+        match never {
+            Some(reject) if !self.groups.is_empty() => {
+                self.finish_request(&request, Finish::Rejected(reject))
+            }
+            _ => self.queue.push(request),
+        }
+    }
+
+    /// Admits requests from the head of the queue while the policy lets them
+    /// in, and returns the leases to take.
+    pub fn plan_admission(&mut self) -> Vec<LeaseSpec> {
+        let policy = self.config.policy;
+        let mut leases = Vec::new();
+        if self.exhausted_this_step {
+            return leases;
+        }
+        let mut loads: Vec<Vec<PoolLoad>> = (0..self.groups.len()).map(|g| self.loads(g)).collect();
+        let mut per_group: Vec<u32> = vec![0; self.groups.len()];
+        // running sequences not planned yet (in flight under overlap, or
+        // left without budget) keep a token each: newcomers never take the
+        // decode budget of running requests
+        let mut reserve: Vec<u32> = vec![0; self.groups.len()];
+        for seq in self.running.values() {
+            per_group[seq.group] += 1;
+            if seq.planned.is_none() {
+                reserve[seq.group] += 1;
+            }
+        }
+        for l in &self.leasing {
+            per_group[l.group] += 1;
+        }
+        loop {
+            if self.running() >= self.config.max_seqs as usize {
+                break;
+            }
+            let Some(head) = self.queue.front() else {
+                break;
+            };
+            let extra = self.extra_for(head);
+            let demand = Demand {
+                next_tokens: head.lease_tokens(extra),
+                life_tokens: head.full_life_tokens(extra),
+            };
+            let mut chosen: Option<(usize, u32)> = None;
+            let mut never = 0;
+            let now = Instant::now();
+            for (g, group) in self.groups.iter().enumerate() {
+                if per_group[g] >= group.max_batch_sequences || self.budget[g] <= reserve[g] {
+                    continue;
+                }
+                if self
+                    .down_until
+                    .get(g)
+                    .copied()
+                    .flatten()
+                    .is_some_and(|t| now < t)
+                {
+                    continue;
+                }
+                match policy.admit(group, &loads[g], demand, self.batch_open) {
+                    Admission::Admit => {
+                        let committed: u32 = loads[g].iter().map(|l| l.committed).sum();
+                        if chosen.is_none_or(|(_, c)| committed < c) {
+                            chosen = Some((g, committed));
+                        }
+                    }
+                    Admission::Never { .. } => never += 1,
+                    Admission::Wait => {}
+                }
+            }
+            let Some((g, _)) = chosen else {
+                if never == self.groups.len() {
+                    if let Some(request) = self.queue.pop() {
+                        // capacity shrank (re-registered pools): finish it
+                        self.submit(request);
+                    }
+                    continue;
+                }
+                break;
+            };
+            let Some(request) = self.queue.pop() else {
+                break;
+            };
+            let group = &self.groups[g];
+            for load in loads[g].iter_mut() {
+                load.committed += policy.charge(group, load.window, demand);
+            }
+            per_group[g] += 1;
+            let seq_id = self.next_seq;
+            self.next_seq += 1;
+            let context = request.context();
+            let lease_len = u32::try_from(context.len()).unwrap_or(u32::MAX);
+            leases.push(LeaseSpec {
+                seq_id,
+                request: request.id,
+                pool_group: group.name.clone(),
+                prompt_tokens: context,
+                extra,
+                max_new_tokens: request.remaining(),
+                priority: request.priority,
+                cache_salt: request.cache_salt.clone(),
+                reserve_full_life: policy.reserves_full_life(),
+            });
+            // the first prefill chunk is taken from this step's budget
+            let first = self
+                .config
+                .prefill_chunk
+                .max(1)
+                .min(lease_len)
+                .min(self.budget[g].saturating_sub(reserve[g]));
+            self.budget[g] -= first;
+            self.leasing.push(Leasing {
+                seq_id,
+                request,
+                group: g,
+                extra,
+                lease_len,
+                first_chunk: first,
+            });
+        }
+        leases
+    }
+
+    /// The pools of group `g` with what running sequences are charged.
+    fn loads(&self, g: usize) -> Vec<PoolLoad> {
+        let group = &self.groups[g];
+        group
+            .pools
+            .iter()
+            .map(|pool| {
+                let mut committed = 0u32;
+                for seq in self.running.values().filter(|s| s.group == g) {
+                    committed = committed.saturating_add(self.config.policy.charge(
+                        group,
+                        pool.window,
+                        seq.demand(),
+                    ));
+                }
+                PoolLoad {
+                    window: pool.window,
+                    total: pool.num_blocks,
+                    committed,
+                }
+            })
+            .collect()
+    }
+
+    /// The Lease RPC failed as a whole: the requests go back to the queue.
+    pub fn leases_failed(&mut self) {
+        for l in std::mem::take(&mut self.leasing) {
+            self.released.push(l.seq_id);
+            if self.cancelled_leasing.remove(&l.request.id) {
+                self.finish_request(&l.request, Finish::Cancelled("client went away".into()));
+            } else {
+                self.queue.requeue(l.request);
+            }
+        }
+    }
+
+    /// Applies the Lease outcomes: granted sequences start prefilling this
+    /// step; transient refusals wait at the head of the queue; a refusal
+    /// that can never succeed finishes the request `REJECTED` at once.
+    pub fn apply_leases(&mut self, outcomes: Vec<Outcome>) {
+        let mut leasing: BTreeMap<SeqId, Leasing> = std::mem::take(&mut self.leasing)
+            .into_iter()
+            .map(|l| (l.seq_id, l))
+            .collect();
+        let have_running = !self.running.is_empty();
+        for outcome in outcomes {
+            match outcome {
+                Outcome::Grant(grant) => {
+                    let Some(l) = leasing.remove(&grant.seq_id) else {
+                        // a grant for nothing we asked: give it back
+                        self.releases.push(grant.seq_id);
+                        continue;
+                    };
+                    if self.cancelled_leasing.remove(&l.request.id) {
+                        self.releases.push(l.seq_id);
+                        self.finish_request(
+                            &l.request,
+                            Finish::Cancelled("client went away".into()),
+                        );
+                        continue;
+                    }
+                    let reused = grant.reused_tokens.min(l.lease_len.saturating_sub(1));
+                    let len = l.first_chunk.min(l.lease_len - reused);
+                    let context = l.request.context();
+                    self.running.insert(
+                        l.seq_id,
+                        Sequence {
+                            seq_id: l.seq_id,
+                            group: l.group,
+                            context,
+                            tables: grant.tables,
+                            extra: l.extra,
+                            lease_len: l.lease_len,
+                            kv_len: reused,
+                            cache_len: l.lease_len,
+                            reused_tokens: reused,
+                            planned: (len > 0).then_some(Work::Prefill { len }),
+                            in_flight: None,
+                            request: l.request,
+                        },
+                    );
+                }
+                Outcome::Reject(reject) => {
+                    let Some(l) = leasing.remove(&reject.seq_id) else {
+                        continue;
+                    };
+                    // a refused lease holds nothing: the sequence id is done
+                    self.released.push(l.seq_id);
+                    if self.cancelled_leasing.remove(&l.request.id) {
+                        self.finish_request(
+                            &l.request,
+                            Finish::Cancelled("client went away".into()),
+                        );
+                        continue;
+                    }
+                    let wait = match reject.reason {
+                        RejectReason::PoolExhausted | RejectReason::RolledBack => true,
+                        // a quota frees up only when something of ours ends
+                        RejectReason::QuotaExceeded => have_running,
+                        _ => false,
+                    };
+                    if wait {
+                        tracing::debug!(seq_id = reject.seq_id, reason = %reject.reason,
+                            blocks_needed = reject.blocks_needed, blocks_free = reject.blocks_free,
+                            blocks_pending_free = reject.blocks_pending_free, "lease refused, waiting");
+                        self.queue.requeue(l.request);
+                    } else {
+                        self.finish_request(&l.request, Finish::Rejected(reject));
+                    }
+                }
+            }
+        }
+        // leases with no outcome: nothing was taken, try again later
+        for (seq_id, l) in leasing {
+            self.released.push(seq_id);
+            self.queue.requeue(l.request);
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! Steps and fences: the founding rule of the protocol, kept where unit
+//! tests reach it.
+//!
+//! A forward pass of step N reads the blocks of every sequence in its batch,
+//! and those blocks must not reach another sequence before that pass
+//! returned. So:
+//! - a release is fenced at the step of the last forward pass that was
+//!   launched and not yet handed to [`Core::complete_through`] (the cache
+//!   parks the blocks until `CompleteStep` of that step); with no such pass,
+//!   nothing can read the blocks and the release is not fenced;
+//! - [`Core::complete_through`] names a step only once its forward pass
+//!   returned from every group, never a step whose forward is in flight;
+//! - a `CompleteStep` the cache did not acknowledge stays pending and is
+//!   folded into the next one (completing N completes every step <= N).
+
+use super::Core;
+use crate::domain::{SeqId, Step};
+
+/// Sequences to release in one `Release` call, and the step the cache must
+/// fence their blocks at (`None`: free them at once).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReleaseBatch {
+    pub seq_ids: Vec<SeqId>,
+    pub fence_step: Option<Step>,
+}
+
+impl ReleaseBatch {
+    /// Whether there is nothing to release.
+    pub fn is_empty(&self) -> bool {
+        self.seq_ids.is_empty()
+    }
+}
+
+/// One forward pass launched by the core.
+#[derive(Debug)]
+struct Forward {
+    step: Step,
+    /// Groups whose results have not come back yet.
+    out: Vec<usize>,
+}
+
+/// The step numbering and what the forward passes still hold.
+#[derive(Debug, Default)]
+pub(super) struct Steps {
+    /// The step being planned (the last one begun).
+    current: Step,
+    /// The last forward pass launched and not yet handed to
+    /// `complete_through`.
+    forward: Option<Forward>,
+    /// A step handed to `complete_through` whose `CompleteStep` the cache
+    /// has not acknowledged yet.
+    pending_complete: Option<Step>,
+}
+
+impl Steps {
+    fn fold_pending(&mut self, step: Step) {
+        self.pending_complete = Some(self.pending_complete.map_or(step, |p| p.max(step)));
+    }
+}
+
+impl Core {
+    /// Continues the step numbering after `last` (the steps warm-up used).
+    pub fn continue_after(&mut self, last: Step) {
+        self.steps.current = self.steps.current.max(last);
+    }
+
+    /// The step being planned (the last one begun).
+    pub fn step(&self) -> Step {
+        self.steps.current
+    }
+
+    /// Starts planning the next step and returns its number; resets the
+    /// token budgets.
+    pub fn begin_step(&mut self) -> Step {
+        self.steps.current = self.steps.current.next();
+        self.batch_open = self.running.is_empty() && self.leasing.is_empty();
+        self.exhausted_this_step = false;
+        for (budget, group) in self.budget.iter_mut().zip(&self.groups) {
+            *budget = self
+                .config
+                .max_tokens_per_step
+                .min(group.max_batch_tokens)
+                .max(1);
+        }
+        for seq in self.running.values_mut() {
+            seq.planned = None;
+        }
+        self.steps.current
+    }
+
+    /// The current step's forward pass was launched on `groups` (from
+    /// `plan_forward`).
+    pub(super) fn forward_launched(&mut self, mut groups: Vec<usize>) {
+        if groups.is_empty() {
+            return;
+        }
+        if let Some(previous) = self.steps.forward.take() {
+            // The loop waits for a pass before it launches the next; should
+            // one still be out, the new fence covers it and completion waits
+            // for both.
+            groups.extend(previous.out);
+        }
+        self.steps.forward = Some(Forward {
+            step: self.steps.current,
+            out: groups,
+        });
+    }
+
+    /// One group's forward results came back (applied, or failed).
+    pub(super) fn forward_returned(&mut self, group: usize) {
+        if let Some(f) = &mut self.steps.forward
+            && let Some(i) = f.out.iter().position(|&g| g == group)
+        {
+            f.out.swap_remove(i);
+        }
+    }
+
+    /// The step of the forward pass in flight (launched, not returned from
+    /// every group), if any.
+    pub fn forward_in_flight(&self) -> Option<Step> {
+        self.steps
+            .forward
+            .as_ref()
+            .filter(|f| !f.out.is_empty())
+            .map(|f| f.step)
+    }
+
+    /// Sequences to release now, fenced at the last step whose forward pass
+    /// could read their blocks and is not complete yet (see the module
+    /// documentation). Send them, then call [`Core::releases_sent`], or
+    /// [`Core::restore_releases`] when the call should be tried again.
+    pub fn take_releases(&mut self) -> ReleaseBatch {
+        ReleaseBatch {
+            seq_ids: std::mem::take(&mut self.releases),
+            fence_step: self.steps.forward.as_ref().map(|f| f.step),
+        }
+    }
+
+    /// The cache answered a release (or refused it for good): its
+    /// sequences hold nothing there any more.
+    pub fn releases_sent(&mut self, batch: ReleaseBatch) {
+        self.released.extend(batch.seq_ids);
+    }
+
+    /// Puts back releases whose call did not reach the cache, to try again
+    /// (with the fence of that later moment).
+    pub fn restore_releases(&mut self, batch: ReleaseBatch) {
+        self.releases.extend(batch.seq_ids);
+    }
+
+    /// Whether any release is waiting to be sent.
+    pub fn has_releases(&self) -> bool {
+        !self.releases.is_empty()
+    }
+
+    /// The step to report complete now, if any: the last one whose forward
+    /// pass returned from every group, or an earlier one whose
+    /// `CompleteStep` was not acknowledged. Never a step whose forward pass
+    /// is still in flight. Call [`Core::step_completed`] once the cache
+    /// acknowledged it; until then it stays pending.
+    pub fn complete_through(&mut self) -> Option<Step> {
+        if self
+            .steps
+            .forward
+            .as_ref()
+            .is_some_and(|f| f.out.is_empty())
+            && let Some(f) = self.steps.forward.take()
+        {
+            self.steps.fold_pending(f.step);
+        }
+        self.steps.pending_complete
+    }
+
+    /// The cache acknowledged `CompleteStep(step)`.
+    pub fn step_completed(&mut self, step: Step) {
+        if self.steps.pending_complete.is_some_and(|p| p <= step) {
+            self.steps.pending_complete = None;
+        }
+    }
+
+    /// Whether nothing is left to do: no request, no forward pass, release
+    /// or `CompleteStep` outstanding.
+    pub fn is_quiet(&self) -> bool {
+        self.is_idle()
+            && self.steps.forward.is_none()
+            && self.steps.pending_complete.is_none()
+            && self.releases.is_empty()
+    }
+
+    /// Forgets the old session's steps (its leases are lost): nothing fenced
+    /// there matters any more.
+    pub(super) fn forget_fences(&mut self) {
+        self.steps.forward = None;
+        self.steps.pending_complete = None;
+    }
+}

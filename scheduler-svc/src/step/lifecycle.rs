@@ -1,0 +1,137 @@
+//! Lifecycle: how requests and sequences end (finished, cancelled,
+//! preempted and requeued, lost with the cache), and the outputs that say so.
+
+use super::Core;
+use crate::domain::{Finish, GroupGeometry, Output, Reject, RejectReason, RequestId, SeqId};
+use crate::queue::Request;
+
+impl Core {
+    /// Cancels a request wherever it is; a running one is released with the
+    /// next release batch.
+    pub fn cancel(&mut self, id: RequestId, why: &str) {
+        if let Some(request) = self.queue.remove(id) {
+            self.finish_request(&request, Finish::Cancelled(why.to_string()));
+            return;
+        }
+        if self.leasing.iter().any(|l| l.request.id == id) {
+            self.cancelled_leasing.insert(id);
+            return;
+        }
+        let seq_id = self
+            .running
+            .values()
+            .find(|s| s.request.id == id)
+            .map(|s| s.seq_id);
+        if let Some(seq_id) = seq_id {
+            self.end_sequence(seq_id, Finish::Cancelled(why.to_string()));
+        }
+    }
+
+    /// Releases a running sequence and requeues its request for recompute
+    /// (its tokens so far kept, a new lease taken when it is admitted
+    /// again), counted as a preemption; a request already requeued
+    /// `max_preemptions` times ends with `otherwise` instead.
+    pub(super) fn preempt(&mut self, seq_id: SeqId, cause: &str, otherwise: Finish) {
+        let Some(seq) = self.running.remove(&seq_id) else {
+            return;
+        };
+        self.releases.push(seq_id);
+        if seq.request.preemptions < self.config.max_preemptions {
+            tracing::debug!(
+                seq_id,
+                request = seq.request.id,
+                cause,
+                "requeued for recompute"
+            );
+            let mut request = seq.request;
+            request.preemptions += 1;
+            self.counters.preemptions += 1;
+            self.queue.requeue(request);
+        } else {
+            self.finish_request(&seq.request, otherwise);
+        }
+    }
+
+    pub(super) fn end_sequence(&mut self, seq_id: SeqId, finish: Finish) {
+        if let Some(seq) = self.running.remove(&seq_id) {
+            self.releases.push(seq_id);
+            self.finish_request(&seq.request, finish);
+        }
+    }
+
+    pub(super) fn finish_request(&mut self, request: &Request, finish: Finish) {
+        match &finish {
+            Finish::Length => self.counters.finished_length += 1,
+            Finish::Stop => self.counters.finished_stop += 1,
+            Finish::Cancelled(_) => self.counters.cancelled += 1,
+            Finish::Rejected(_) => self.counters.rejected += 1,
+            Finish::Error(_) => self.counters.errors += 1,
+        }
+        self.outputs.push(Output::Finished {
+            request: request.id,
+            finish,
+            preemptions: request.preemptions,
+        });
+    }
+
+    /// Outputs for the request streams since the last call.
+    pub fn drain_outputs(&mut self) -> Vec<Output> {
+        std::mem::take(&mut self.outputs)
+    }
+
+    /// Sequences that hold nothing at the cache any more, since the last
+    /// call: refused or failed leases, releases the cache answered, leases
+    /// the cache lost. The core never names them again, so the loop can
+    /// forget what it kept for them (their trace contexts).
+    pub fn take_released(&mut self) -> Vec<SeqId> {
+        std::mem::take(&mut self.released)
+    }
+
+    /// The cache lost every lease (restart, expired session): running
+    /// requests are requeued for recompute (their tokens so far are kept), or
+    /// finished `REJECTED` when `recompute` is false. Pending releases are
+    /// dropped and fences forgotten: the old session's blocks went with it.
+    pub fn leases_lost(&mut self, recompute: bool) {
+        self.released.append(&mut self.releases);
+        self.forget_fences();
+        self.leases_failed();
+        for (_, seq) in std::mem::take(&mut self.running) {
+            self.released.push(seq.seq_id);
+            if recompute {
+                self.queue.requeue(seq.request);
+            } else {
+                let reject = Reject {
+                    seq_id: seq.seq_id,
+                    reason: RejectReason::UnknownSequence,
+                    pool_id: 0,
+                    window: 0,
+                    blocks_needed: 0,
+                    blocks_free: 0,
+                    blocks_pending_free: 0,
+                    message: "the cache service restarted and lost the lease".into(),
+                };
+                self.finish_request(&seq.request, Finish::Rejected(reject));
+            }
+        }
+    }
+
+    /// Finishes every request (shutdown); running ones are released.
+    pub fn cancel_all(&mut self, why: &str) {
+        self.leases_failed();
+        let queued: Vec<Request> = self.queue.drain().collect();
+        for r in queued {
+            self.finish_request(&r, Finish::Cancelled(why.to_string()));
+        }
+        let ids: Vec<SeqId> = self.running.keys().copied().collect();
+        for seq_id in ids {
+            self.end_sequence(seq_id, Finish::Cancelled(why.to_string()));
+        }
+    }
+
+    /// Replaces a group's geometry (pools re-registered after a restart).
+    pub fn set_groups(&mut self, groups: Vec<GroupGeometry>) {
+        self.budget = vec![0; groups.len()];
+        self.down_until = vec![None; groups.len()];
+        self.groups = groups;
+    }
+}

@@ -1,0 +1,253 @@
+//! The scheduler core: the step loop's decisions, in plain synchronous code.
+//! Which sequences run each step and how, what to lease, extend and
+//! release, what each lease outcome and forward result means for the
+//! requests, and the founding rule of the protocol: blocks a forward pass
+//! could read never reach another sequence before that pass returned. The
+//! async loop in `step_loop.rs` only does the I/O around these calls:
+//!
+//! ```text
+//! begin_step -> plan_extends -> [Extend] -> apply_extends
+//!            -> plan_admission -> [Lease] -> apply_leases
+//!            -> plan_forward -> [Forward] -> apply_forward (per group)
+//!            -> take_releases -> [Release fenced at batch.fence_step] -> releases_sent
+//!            -> complete_through -> [CompleteStep] -> step_completed
+//! ```
+//!
+//! With overlap on, the loop takes step N+1's releases and leases while step
+//! N's forward pass is in flight; `take_releases` then fences them at N, and
+//! `complete_through` never names a step whose forward has not returned.
+//!
+//! A sequence is one lease of a request. Its KV bookkeeping: `kv_len`
+//! positions hold KV; the cache has accounted `cache_len` slots (plus the
+//! lease's extra slots). In decode, the token fed next is `context[kv_len]`
+//! and each step first extends the lease by `kv_len + 1 - cache_len` tokens
+//! (accepted drafts whose KV is already written, plus the fed token).
+//!
+//! # Layout
+//! This module holds the state ([`Core`]) and its small accessors; each
+//! submodule adds the `impl Core` of one concern:
+//! - `fence`: step numbering, the fence of each release, when a step may be
+//!   reported complete (the founding rule).
+//! - `admission`: submitting requests, planning the step's leases, applying
+//!   the Lease outcomes.
+//! - `outcomes`: planning the running sequences' extends and forward batches,
+//!   applying the Extend outcomes and the forward results.
+//! - `lifecycle`: cancellation, preemption and requeue, finishing requests,
+//!   lost leases, and the outputs that tell the loop about each of them.
+
+mod admission;
+mod fence;
+mod lifecycle;
+mod outcomes;
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::{Duration, Instant};
+
+use crate::domain::{Extra, GroupGeometry, Output, RequestId, SeqId, Table};
+use crate::policy::{Demand, OnExhausted, Policy};
+use crate::queue::{Queue, Request};
+
+pub use fence::ReleaseBatch;
+
+/// The knobs of the core.
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    pub policy: Policy,
+    pub on_exhausted: OnExhausted,
+    /// Times a request may be requeued for recompute (preempted when a
+    /// pool ran out, or its worker failed a forward pass) before it ends
+    /// instead (`REJECTED` or `ERROR`).
+    pub max_preemptions: u32,
+    /// Sequences running (leased) at once, at most.
+    pub max_seqs: u32,
+    /// Tokens in one step's forward batch, at most (per worker group).
+    pub max_tokens_per_step: u32,
+    /// Prompt tokens one sequence prefills per step, at most.
+    pub prefill_chunk: u32,
+    /// Prompt-lookup draft tokens per decode step; 0 turns speculation off.
+    pub draft_k: u32,
+}
+
+impl Default for CoreConfig {
+    fn default() -> Self {
+        Self {
+            policy: Policy::MaxUtilization,
+            on_exhausted: OnExhausted::Preempt,
+            max_preemptions: 4,
+            max_seqs: 256,
+            max_tokens_per_step: 2048,
+            prefill_chunk: 512,
+            draft_k: 0,
+        }
+    }
+}
+
+/// Requests finished by reason, and preemptions, since start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub finished_length: u64,
+    pub finished_stop: u64,
+    pub cancelled: u64,
+    pub rejected: u64,
+    pub errors: u64,
+    pub preemptions: u64,
+}
+
+/// What a sequence does in the step being planned or run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Work {
+    /// Prefill `len` context tokens from `kv_len`.
+    Prefill { len: u32 },
+    /// Feed `context[kv_len]` and verify `drafts`.
+    Decode { drafts: Vec<u32> },
+}
+
+#[derive(Debug)]
+struct Sequence {
+    seq_id: SeqId,
+    request: Request,
+    group: usize,
+    /// Prompt and generated tokens.
+    context: Vec<u32>,
+    tables: Vec<Table>,
+    extra: Extra,
+    /// Context length the lease was taken for.
+    lease_len: u32,
+    kv_len: u32,
+    cache_len: u32,
+    reused_tokens: u32,
+    /// Planned this step, not yet sent to the worker.
+    planned: Option<Work>,
+    /// Sent to the worker, result not yet applied.
+    in_flight: Option<Work>,
+}
+
+impl Sequence {
+    fn decoding(&self) -> bool {
+        self.kv_len >= self.lease_len
+    }
+
+    fn demand(&self) -> Demand {
+        let next = if self.decoding() {
+            self.kv_len.saturating_add(2)
+        } else {
+            self.lease_len
+        };
+        Demand {
+            next_tokens: next.saturating_add(self.extra.total()),
+            life_tokens: self.request.full_life_tokens(self.extra),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Leasing {
+    seq_id: SeqId,
+    request: Request,
+    group: usize,
+    extra: Extra,
+    lease_len: u32,
+    /// Prompt tokens budgeted for the first prefill chunk this step.
+    first_chunk: u32,
+}
+
+/// The scheduler core. See the module documentation for the call order.
+#[derive(Debug)]
+pub struct Core {
+    config: CoreConfig,
+    groups: Vec<GroupGeometry>,
+    queue: Queue,
+    running: BTreeMap<SeqId, Sequence>,
+    leasing: Vec<Leasing>,
+    /// Requests cancelled while their lease was in flight.
+    cancelled_leasing: HashSet<RequestId>,
+    /// Ended sequences whose blocks are still held at the cache.
+    releases: Vec<SeqId>,
+    outputs: Vec<Output>,
+    /// Sequences that hold nothing at the cache any more (see
+    /// [`Core::take_released`]).
+    released: Vec<SeqId>,
+    /// The step numbering and what each step's forward pass still holds.
+    steps: fence::Steps,
+    next_seq: SeqId,
+    /// Tokens left in this step's batch, per group.
+    budget: Vec<u32>,
+    batch_open: bool,
+    /// The cache refused to grow a sequence this step: the pool is full, so
+    /// admitting more this step would only be refused too.
+    exhausted_this_step: bool,
+    /// Groups whose worker failed a forward pass: no admissions until then,
+    /// so new requests go to the replicas that still answer.
+    down_until: Vec<Option<Instant>>,
+    counters: Counters,
+}
+
+/// How long a group whose worker failed is left out of admission before it
+/// is tried again.
+pub const WORKER_RETRY_AFTER: Duration = Duration::from_secs(5);
+
+impl Core {
+    /// A core serving `groups` (at least one).
+    pub fn new(config: CoreConfig, groups: Vec<GroupGeometry>) -> Self {
+        let budget = vec![0; groups.len()];
+        let down_until = vec![None; groups.len()];
+        Self {
+            config,
+            groups,
+            queue: Queue::new(),
+            running: BTreeMap::new(),
+            leasing: Vec::new(),
+            cancelled_leasing: HashSet::new(),
+            releases: Vec::new(),
+            outputs: Vec::new(),
+            released: Vec::new(),
+            steps: fence::Steps::default(),
+            next_seq: 1,
+            budget,
+            batch_open: true,
+            exhausted_this_step: false,
+            down_until,
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn config(&self) -> &CoreConfig {
+        &self.config
+    }
+
+    pub fn groups(&self) -> &[GroupGeometry] {
+        &self.groups
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    pub fn preempted(&self) -> usize {
+        self.queue.preempted()
+    }
+
+    pub fn running(&self) -> usize {
+        self.running.len() + self.leasing.len()
+    }
+
+    /// Whether anything is waiting, leasing or running.
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty() && self.running.is_empty() && self.leasing.is_empty()
+    }
+
+    /// Requests the core holds (queued, leasing or running).
+    pub fn live_requests(&self) -> Vec<RequestId> {
+        let mut ids: Vec<RequestId> = self.queue.ids().collect();
+        ids.extend(self.leasing.iter().map(|l| l.request.id));
+        ids.extend(self.running.values().map(|s| s.request.id));
+        ids
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,280 @@
+//! Outcomes: the running sequences' work for the step (extends, forward
+//! batches) and what the Extend outcomes and forward results mean for them.
+
+use std::time::Instant;
+
+use super::{Core, WORKER_RETRY_AFTER, Work};
+use crate::domain::{
+    ExtendSpec, Finish, ForwardItem, ForwardResult, Outcome, Output, Reject, RejectReason, SeqId,
+};
+use crate::policy::{OnExhausted, Policy};
+use crate::spec;
+
+impl Core {
+    /// Plans the running sequences' work for this step (decode first, then
+    /// prefill chunks) and returns the extends decode needs.
+    pub fn plan_extends(&mut self) -> Vec<ExtendSpec> {
+        let mut extends = Vec::new();
+        let draft_k = self.config.draft_k;
+        for seq in self.running.values_mut() {
+            if !seq.decoding() || seq.in_flight.is_some() || seq.planned.is_some() {
+                continue;
+            }
+            let budget = &mut self.budget[seq.group];
+            if *budget == 0 {
+                continue;
+            }
+            let remaining = seq.request.remaining();
+            let room = (*budget - 1)
+                .min(remaining.saturating_sub(1))
+                .min(seq.extra.draft);
+            let drafts = if draft_k > 0 && room > 0 {
+                spec::draft(&seq.context[..=seq.kv_len as usize], room as usize)
+            } else {
+                Vec::new()
+            };
+            *budget -= 1 + drafts.len() as u32;
+            let from = seq.cache_len as usize;
+            let to = seq.kv_len as usize + 1;
+            extends.push(ExtendSpec {
+                seq_id: seq.seq_id,
+                new_tokens: seq.context[from.min(to)..to].to_vec(),
+            });
+            seq.planned = Some(Work::Decode { drafts });
+        }
+        let chunk_limit = self.config.prefill_chunk.max(1);
+        for seq in self.running.values_mut() {
+            if seq.decoding() || seq.in_flight.is_some() || seq.planned.is_some() {
+                continue;
+            }
+            let budget = &mut self.budget[seq.group];
+            let len = chunk_limit.min(seq.lease_len - seq.kv_len).min(*budget);
+            if len > 0 {
+                *budget -= len;
+                seq.planned = Some(Work::Prefill { len });
+            }
+        }
+        extends
+    }
+
+    /// The Extend RPC failed as a whole (cache unreachable): decode sequences
+    /// sit this step out and try again next step.
+    pub fn extends_failed(&mut self) {
+        for seq in self.running.values_mut() {
+            if matches!(seq.planned, Some(Work::Decode { .. })) {
+                seq.planned = None;
+            }
+        }
+    }
+
+    /// Applies the Extend outcomes: grants update tables; a refused sequence
+    /// is dropped from the step and preempted or finished `REJECTED`.
+    pub fn apply_extends(&mut self, outcomes: Vec<Outcome>) {
+        for outcome in outcomes {
+            match outcome {
+                Outcome::Grant(grant) => {
+                    if let Some(seq) = self.running.get_mut(&grant.seq_id) {
+                        crate::domain::apply_extend(&mut seq.tables, &grant.tables);
+                        seq.cache_len = seq.kv_len + 1;
+                    }
+                }
+                Outcome::Reject(reject) => self.extend_refused(reject),
+            }
+        }
+        // a planned decode that got no outcome at all must not run
+        for seq in self.running.values_mut() {
+            if matches!(seq.planned, Some(Work::Decode { .. })) && seq.cache_len < seq.kv_len + 1 {
+                seq.planned = None;
+            }
+        }
+    }
+
+    fn extend_refused(&mut self, reject: Reject) {
+        let seq_id = reject.seq_id;
+        if !self.running.contains_key(&seq_id) {
+            return;
+        }
+        let transient = matches!(
+            reject.reason,
+            RejectReason::PoolExhausted | RejectReason::QuotaExceeded
+        );
+        self.exhausted_this_step |= transient;
+        let preempt = transient
+            && self.config.policy == Policy::MaxUtilization
+            && self.config.on_exhausted == OnExhausted::Preempt;
+        if preempt {
+            self.preempt(seq_id, "extend refused", Finish::Rejected(reject));
+        } else {
+            if self.config.policy != Policy::MaxUtilization {
+                tracing::error!(seq_id, reason = %reject.reason, "extend refused under a reserving policy");
+            }
+            self.end_sequence(seq_id, Finish::Rejected(reject));
+        }
+    }
+
+    /// The forward batches of this step, per group index. Planned sequences
+    /// become in flight, and so does the step's forward pass: until every
+    /// group's results are applied (or failed), releases are fenced at this
+    /// step and it cannot be reported complete.
+    pub fn plan_forward(&mut self) -> Vec<(usize, Vec<ForwardItem>)> {
+        let mut batches: Vec<Vec<ForwardItem>> = vec![Vec::new(); self.groups.len()];
+        for seq in self.running.values_mut() {
+            let Some(work) = seq.planned.take() else {
+                continue;
+            };
+            let start = seq.kv_len as usize;
+            let (tokens, all_argmax) = match &work {
+                Work::Prefill { len } => {
+                    (seq.context[start..start + *len as usize].to_vec(), false)
+                }
+                Work::Decode { drafts } => {
+                    let mut t = Vec::with_capacity(1 + drafts.len());
+                    t.push(seq.context[start]);
+                    t.extend_from_slice(drafts);
+                    (t, !drafts.is_empty())
+                }
+            };
+            batches[seq.group].push(ForwardItem {
+                seq_id: seq.seq_id,
+                tokens,
+                start_pos: seq.kv_len,
+                tables: seq.tables.clone(),
+                return_all_argmax: all_argmax,
+                sampling: seq.request.sampling,
+            });
+            seq.in_flight = Some(work);
+        }
+        let batches: Vec<(usize, Vec<ForwardItem>)> = batches
+            .into_iter()
+            .enumerate()
+            .filter(|(_, b)| !b.is_empty())
+            .collect();
+        self.forward_launched(batches.iter().map(|(g, _)| *g).collect());
+        batches
+    }
+
+    /// Applies one group's forward results: prefill progress, new tokens,
+    /// finished requests. An in-flight sequence without a result fails.
+    pub fn apply_forward(&mut self, group: usize, results: Vec<ForwardResult>) {
+        for result in results {
+            let Some(seq) = self.running.get_mut(&result.seq_id) else {
+                continue;
+            };
+            let Some(work) = seq.in_flight.take() else {
+                continue;
+            };
+            let emit = match work {
+                Work::Prefill { len } => {
+                    seq.kv_len += len;
+                    if seq.kv_len < seq.lease_len {
+                        continue;
+                    }
+                    vec![result.next_token]
+                }
+                Work::Decode { drafts } => {
+                    if drafts.is_empty() {
+                        seq.kv_len += 1;
+                        vec![result.next_token]
+                    } else {
+                        match spec::verify(&drafts, &result.argmax) {
+                            Some((accepted, emit)) => {
+                                seq.kv_len += 1 + accepted as u32;
+                                emit
+                            }
+                            None => {
+                                let id = seq.seq_id;
+                                self.end_sequence(
+                                    id,
+                                    Finish::Error("worker returned too few argmax tokens".into()),
+                                );
+                                continue;
+                            }
+                        }
+                    }
+                }
+            };
+            self.emit(result.seq_id, emit);
+        }
+        let missing: Vec<SeqId> = self
+            .running
+            .values()
+            .filter(|s| s.group == group && s.in_flight.is_some())
+            .map(|s| s.seq_id)
+            .collect();
+        for seq_id in missing {
+            self.end_sequence(
+                seq_id,
+                Finish::Error("worker returned no result for the sequence".into()),
+            );
+        }
+        self.forward_returned(group);
+    }
+
+    /// One group's forward pass failed: the group takes no new requests for
+    /// [`WORKER_RETRY_AFTER`], and its in-flight requests are requeued for
+    /// recompute on whichever replica admits them next (their tokens so far
+    /// kept, their blocks released), like a preemption; a request already
+    /// requeued `max_preemptions` times ends `ERROR`, naming the group.
+    pub fn forward_failed(&mut self, group: usize, message: &str) {
+        if let Some(slot) = self.down_until.get_mut(group) {
+            *slot = Some(Instant::now() + WORKER_RETRY_AFTER);
+        }
+        let message = match self.groups.get(group) {
+            Some(g) => format!("worker of group {} failed: {message}", g.name),
+            None => message.to_owned(),
+        };
+        let message = message.as_str();
+        let failed: Vec<SeqId> = self
+            .running
+            .values()
+            .filter(|s| s.group == group && s.in_flight.is_some())
+            .map(|s| s.seq_id)
+            .collect();
+        if !failed.is_empty() {
+            tracing::warn!(sequences = failed.len(), %message, "forward failed: requeuing its sequences for recompute");
+        }
+        for seq_id in failed {
+            self.preempt(
+                seq_id,
+                "worker failed",
+                Finish::Error(format!("forward failed: {message}")),
+            );
+        }
+        self.forward_returned(group);
+    }
+
+    fn emit(&mut self, seq_id: SeqId, tokens: Vec<u32>) {
+        let Some(seq) = self.running.get_mut(&seq_id) else {
+            return;
+        };
+        let mut out = Vec::with_capacity(tokens.len());
+        let mut finish = None;
+        for t in tokens {
+            out.push(t);
+            seq.context.push(t);
+            seq.request.generated.push(t);
+            if seq.request.stop_tokens.contains(&t) {
+                finish = Some(Finish::Stop);
+                break;
+            }
+            if seq.request.remaining() == 0 {
+                finish = Some(Finish::Length);
+                break;
+            }
+        }
+        let reused_tokens = if seq.request.reported_reuse {
+            None
+        } else {
+            seq.request.reported_reuse = true;
+            Some(seq.reused_tokens)
+        };
+        self.outputs.push(Output::Tokens {
+            request: seq.request.id,
+            tokens: out,
+            reused_tokens,
+        });
+        if let Some(finish) = finish {
+            self.end_sequence(seq_id, finish);
+        }
+    }
+}
