@@ -2,7 +2,8 @@
 //! largest shapes (`warmup.rs`) using *atomic* leases, so a shape that does
 //! not fit takes nothing; every warm-up sequence is released and the pools
 //! must be whole again before the scheduler serves. The whole start-up runs
-//! under a deadline and fails with a clear error instead of hanging.
+//! under a deadline and fails with a clear error instead of hanging, and
+//! renews the cache session while it runs.
 
 use std::sync::Mutex;
 
@@ -10,6 +11,7 @@ use crate::client::{CacheClient, WorkerClient};
 use crate::config::Config;
 use crate::domain::{ForwardItem, GroupGeometry, LeaseSpec, Outcome, SeqId, Table};
 use crate::error::{Error, Result};
+use crate::session;
 use crate::warmup::{self, WarmupLimits, WarmupShape};
 
 /// Warm-up sequence ids live far above the ids of real sequences.
@@ -31,7 +33,15 @@ pub async fn start(
     workers: &[WorkerClient],
 ) -> Result<Started> {
     let held = Mutex::new(Vec::new());
-    let run = start_inner(config, cache, workers, &held);
+    let start = start_inner(config, cache, workers, &held);
+    // warm-up may outlast the session's TTL (a debug build, a large model):
+    // the session is renewed while it runs
+    let run = async {
+        tokio::select! {
+            started = start => started,
+            never = session::keep_alive_while_awaited(cache) => match never {},
+        }
+    };
     match tokio::time::timeout(config.warmup_deadline(), run).await {
         Ok(result) => result,
         Err(_) => {

@@ -3,8 +3,7 @@
 //! the domain types of `domain.rs`, and classifies call failures
 //! (unreachable, lost session, other) into [`Error`].
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvlease_proto::v1 as pb;
@@ -14,10 +13,11 @@ use kvlease_telemetry::{TracedChannel, traced};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::domain::{
-    ExtendSpec, Extra, ForwardItem, ForwardResult, Grant, LeaseSpec, Outcome, PoolGeometry, Reject,
-    RejectReason, SeqId, Table,
+    Epoch, ExtendSpec, Extra, ForwardItem, ForwardResult, Grant, LeaseSpec, Outcome, PoolGeometry,
+    Reject, RejectReason, SeqId, SessionId, Table,
 };
 use crate::error::{Error, Result};
+use crate::session::{Session, SessionState};
 
 fn endpoint(peer: &'static str, addr: &str, timeout: Option<Duration>) -> Result<Channel> {
     let addr = if addr.contains("://") {
@@ -39,14 +39,6 @@ fn endpoint(peer: &'static str, addr: &str, timeout: Option<Duration>) -> Result
     Ok(ep.connect_lazy())
 }
 
-/// The session this scheduler holds at the cache.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Session {
-    pub id: u64,
-    pub epoch: u64,
-    pub ttl_ms: u64,
-}
-
 /// One pool's state figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolState {
@@ -59,13 +51,12 @@ pub struct PoolState {
     pub fenced: u32,
 }
 
-/// The cache service client, with the session and a reachability flag
-/// shared by every clone.
+/// The cache service client, with the session state (`session.rs`) shared
+/// by every clone.
 #[derive(Debug, Clone)]
 pub struct CacheClient {
     inner: CacheServiceClient<TracedChannel>,
-    session: Arc<Mutex<Session>>,
-    up: Arc<AtomicBool>,
+    state: Arc<SessionState>,
 }
 
 impl CacheClient {
@@ -75,19 +66,23 @@ impl CacheClient {
         let channel = endpoint("cache", addr, Some(timeout))?;
         Ok(Self {
             inner: CacheServiceClient::new(traced(channel)),
-            session: Arc::new(Mutex::new(Session::default())),
-            up: Arc::new(AtomicBool::new(true)),
+            state: Arc::default(),
         })
     }
 
     /// The session in use.
     pub fn session(&self) -> Session {
-        *self.session.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.session()
+    }
+
+    /// What the calls so far say about the cache and the session.
+    pub fn state(&self) -> &SessionState {
+        &self.state
     }
 
     /// Whether the last call reached the cache service.
     pub fn is_up(&self) -> bool {
-        self.up.load(Ordering::Relaxed)
+        self.state.is_up()
     }
 
     fn seen<T>(
@@ -97,15 +92,12 @@ impl CacheClient {
     ) -> Result<T> {
         match r {
             Ok(resp) => {
-                self.up.store(true, Ordering::Relaxed);
+                self.state.saw(Ok(()));
                 Ok(resp.into_inner())
             }
             Err(status) => {
                 let e = Error::from_cache(method, &status);
-                match &e {
-                    Error::CacheUnavailable(_) => self.up.store(false, Ordering::Relaxed),
-                    _ => self.up.store(true, Ordering::Relaxed),
-                }
+                self.state.saw(Err(&e));
                 Err(e)
             }
         }
@@ -123,11 +115,11 @@ impl CacheClient {
             .await;
         let r = self.seen("OpenSession", r)?;
         let session = Session {
-            id: r.session_id,
-            epoch: r.epoch,
+            id: SessionId(r.session_id),
+            epoch: Epoch(r.epoch),
             ttl_ms: r.ttl_ms,
         };
-        *self.session.lock().unwrap_or_else(|e| e.into_inner()) = session;
+        self.state.opened(session);
         Ok(session)
     }
 
@@ -137,8 +129,8 @@ impl CacheClient {
             .inner
             .clone()
             .keep_alive(pb::KeepAliveRequest {
-                session_id: s.id,
-                epoch: s.epoch,
+                session_id: s.id.get(),
+                epoch: s.epoch.get(),
             })
             .await;
         Ok(self.seen("KeepAlive", r)?.ttl_ms)
@@ -150,8 +142,8 @@ impl CacheClient {
             .inner
             .clone()
             .close_session(pb::CloseSessionRequest {
-                session_id: s.id,
-                epoch: s.epoch,
+                session_id: s.id.get(),
+                epoch: s.epoch.get(),
             })
             .await;
         self.seen("CloseSession", r).map(|_| ())
@@ -195,8 +187,8 @@ impl CacheClient {
     ) -> Result<Vec<Outcome>> {
         let s = self.session();
         let req = pb::LeaseRequest {
-            session_id: s.id,
-            epoch: s.epoch,
+            session_id: s.id.get(),
+            epoch: s.epoch.get(),
             step,
             atomic,
             warmup,
@@ -211,8 +203,8 @@ impl CacheClient {
     pub async fn extend(&self, step: u64, specs: &[ExtendSpec]) -> Result<Vec<Outcome>> {
         let s = self.session();
         let req = pb::ExtendRequest {
-            session_id: s.id,
-            epoch: s.epoch,
+            session_id: s.id.get(),
+            epoch: s.epoch.get(),
             step,
             atomic: false,
             items: specs
@@ -234,8 +226,8 @@ impl CacheClient {
     pub async fn extend_by(&self, step: u64, items: &[(SeqId, u32)]) -> Result<Vec<Outcome>> {
         let s = self.session();
         let req = pb::ExtendRequest {
-            session_id: s.id,
-            epoch: s.epoch,
+            session_id: s.id.get(),
+            epoch: s.epoch.get(),
             step,
             atomic: true,
             items: items
@@ -257,8 +249,8 @@ impl CacheClient {
     pub async fn release(&self, seq_ids: &[SeqId], fence_step: Option<u64>) -> Result<(u64, u64)> {
         let s = self.session();
         let req = pb::ReleaseRequest {
-            session_id: s.id,
-            epoch: s.epoch,
+            session_id: s.id.get(),
+            epoch: s.epoch.get(),
             seq_ids: seq_ids.to_vec(),
             fence_step,
         };
@@ -273,8 +265,8 @@ impl CacheClient {
     pub async fn complete_step(&self, step: u64) -> Result<u64> {
         let s = self.session();
         let req = pb::CompleteStepRequest {
-            session_id: s.id,
-            epoch: s.epoch,
+            session_id: s.id.get(),
+            epoch: s.epoch.get(),
             step,
         };
         let r = self.inner.clone().complete_step(req).await;
@@ -430,6 +422,7 @@ fn reject_reason(r: pb::RejectReason) -> RejectReason {
         pb::RejectReason::UnknownSequence => RejectReason::UnknownSequence,
         pb::RejectReason::DuplicateSequence => RejectReason::DuplicateSequence,
         pb::RejectReason::QuotaExceeded => RejectReason::QuotaExceeded,
+        pb::RejectReason::CacheRestarted => RejectReason::CacheRestarted,
         pb::RejectReason::Unspecified => RejectReason::Other,
     }
 }
@@ -443,6 +436,7 @@ pub fn reject_to_proto(r: &Reject) -> pb::Reject {
         RejectReason::UnknownSequence => pb::RejectReason::UnknownSequence,
         RejectReason::DuplicateSequence => pb::RejectReason::DuplicateSequence,
         RejectReason::QuotaExceeded => pb::RejectReason::QuotaExceeded,
+        RejectReason::CacheRestarted => pb::RejectReason::CacheRestarted,
         RejectReason::Other => pb::RejectReason::Unspecified,
     };
     pb::Reject {

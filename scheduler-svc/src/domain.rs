@@ -10,26 +10,50 @@ pub type SeqId = u64;
 /// The scheduler's id of one client request (stable across preemptions).
 pub type RequestId = u64;
 
-/// A step of the scheduler's session: fences and `CompleteStep` key on it.
-/// Step 0 is before the first; each step planned takes the next number.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Step(pub u64);
+/// A `u64` number of the protocol, typed so that one kind cannot pass for
+/// another (a session id for an epoch, a step for a sequence).
+macro_rules! protocol_number {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub struct $name(pub u64);
+
+        impl $name {
+            /// The number as the protocol carries it.
+            pub fn get(self) -> u64 {
+                self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+    };
+}
+
+protocol_number!(
+    /// A step of the scheduler's session: fences and `CompleteStep` key on
+    /// it. Step 0 is before the first; each step planned takes the next.
+    Step
+);
+
+protocol_number!(
+    /// The cache's id of this scheduler's session (a secret bound to it).
+    SessionId
+);
+
+protocol_number!(
+    /// The cache service's epoch: a restarted cache has a new one, and calls
+    /// carrying the old one fail.
+    Epoch
+);
 
 impl Step {
     /// The step after this one.
     pub fn next(self) -> Self {
         Self(self.0 + 1)
-    }
-
-    /// The number as the protocol carries it.
-    pub fn get(self) -> u64 {
-        self.0
-    }
-}
-
-impl fmt::Display for Step {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
     }
 }
 
@@ -141,6 +165,9 @@ pub enum RejectReason {
     UnknownSequence,
     DuplicateSequence,
     QuotaExceeded,
+    /// The scheduler's own reason: the cache service restarted and lost the
+    /// lease of a live sequence, which is not recomputed (reject mode).
+    CacheRestarted,
     /// A reason this scheduler does not know (newer cache service).
     Other,
 }
@@ -155,6 +182,7 @@ impl RejectReason {
             Self::UnknownSequence => "UNKNOWN_SEQUENCE",
             Self::DuplicateSequence => "DUPLICATE_SEQUENCE",
             Self::QuotaExceeded => "QUOTA_EXCEEDED",
+            Self::CacheRestarted => "CACHE_RESTARTED",
             Self::Other => "REJECT_REASON_UNSPECIFIED",
         }
     }
@@ -169,6 +197,7 @@ impl fmt::Display for RejectReason {
             Self::UnknownSequence => "unknown sequence",
             Self::DuplicateSequence => "duplicate sequence",
             Self::QuotaExceeded => "quota exceeded",
+            Self::CacheRestarted => "cache restarted",
             Self::Other => "other",
         };
         f.write_str(s)

@@ -11,35 +11,41 @@
 //! - `queue.rs`: waiting requests, first come first served.
 //! - `policy.rs`: the capacity policies (what to admit given pool figures).
 //! - `spec.rs`: prompt-lookup drafting and verification.
-//! - `step.rs`: the core: plans each step (extends, admissions, forward
-//!   batch), applies lease outcomes and forward results, says what to release.
+//! - `step/`: the step loop's core (`step::Core`): plans each step
+//!   (extends, admissions, forward batch), applies lease outcomes and
+//!   forward results, says what to release, fenced at which step, and when a
+//!   step is complete.
 //! - `warmup.rs`: the warm-up shapes and their block estimate.
 //! - `tokenizer.rs`: byte-level text.
 //!   (All of the above are synchronous and free of protobuf types.)
 //! - `client.rs`: the cache and worker gRPC clients; converts messages.
+//! - `session.rs`: the cache session every client clone shares (id, epoch,
+//!   up, lost), its keep-alive, and re-opening it after a loss.
 //! - `bootstrap.rs`: start-up: describe workers, register pools, warm up.
-//! - `engine.rs`: the async step loop driving `step.rs` over the clients.
+//! - `step_loop.rs`: the async step loop: drives `step::Core` over the
+//!   clients (I/O only).
 //! - `service.rs`: the `Scheduler` API; converts messages; validates input.
 //! - `metrics.rs`: Prometheus instruments the loop updates.
 //! - `server.rs`: [`run`], which wires it all to a listener.
 //! - `config.rs`, `error.rs`.
 //!
-//! Data flow: `service` -> (submission) -> `engine` -> `step::Core` plans ->
+//! Data flow: `service` -> (submission) -> `step_loop` -> `step::Core` plans ->
 //! `client` RPCs -> outcomes back into `Core` -> outputs -> `service` streams.
 
 pub mod bootstrap;
 pub mod client;
 pub mod config;
 pub mod domain;
-pub mod engine;
 pub mod error;
 pub mod metrics;
 pub mod policy;
 pub mod queue;
 pub mod server;
 pub mod service;
+pub mod session;
 pub mod spec;
 pub mod step;
+pub mod step_loop;
 pub mod tokenizer;
 pub mod warmup;
 

@@ -3,8 +3,6 @@
 //! the shutdown future resolves.
 
 use std::future::Future;
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
 use kvlease_proto::v1::scheduler_server::SchedulerServer;
 use tokio::net::TcpListener;
@@ -13,10 +11,11 @@ use tokio::sync::watch;
 use crate::bootstrap;
 use crate::client::{CacheClient, WorkerClient};
 use crate::config::Config;
-use crate::engine::{Engine, EngineConfig, keep_alive};
 use crate::error::{Error, Result};
 use crate::metrics::SchedulerMetrics;
 use crate::service::{Limits, SchedulerService};
+use crate::session::keep_alive;
+use crate::step_loop::{StepLoop, StepLoopConfig};
 
 /// The service name in traces.
 pub const SERVICE: &str = "kvlease-scheduler";
@@ -41,8 +40,8 @@ pub async fn run(
         .open_session(&config.holder, config.session_ttl_ms)
         .await?;
     tracing::info!(
-        session_id = session.id,
-        epoch = session.epoch,
+        session_id = session.id.get(),
+        epoch = session.epoch.get(),
         ttl_ms = session.ttl_ms,
         "cache session opened"
     );
@@ -73,9 +72,8 @@ pub async fn run(
     let group_names: Vec<String> = started.groups.iter().map(|g| g.name.clone()).collect();
     let registry = kvlease_telemetry::metrics::Registry::new();
     let metrics = SchedulerMetrics::register(&registry)?;
-    let session_lost = Arc::new(AtomicBool::new(false));
-    let (engine, handle) = Engine::new(
-        EngineConfig {
+    let (engine, handle) = StepLoop::new(
+        StepLoopConfig {
             core: config.core(),
             overlap: config.overlap,
             holder: config.holder.clone(),
@@ -86,7 +84,6 @@ pub async fn run(
         started.groups,
         cache.clone(),
         workers,
-        session_lost.clone(),
         metrics,
     );
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -94,7 +91,7 @@ pub async fn run(
         SERVICE,
         engine.run(stop_rx.clone()),
     ));
-    let keep_alive_task = tokio::spawn(keep_alive(cache.clone(), session_lost, stop_rx.clone()));
+    let keep_alive_task = tokio::spawn(keep_alive(cache.clone(), stop_rx.clone()));
     let metrics_task = match config.metrics_listen {
         Some(addr) => {
             let metrics_listener = TcpListener::bind(addr)

@@ -14,10 +14,10 @@ use tonic::{Request as GrpcRequest, Response, Status};
 
 use crate::client::{CacheClient, reject_to_proto};
 use crate::domain::{Finish, Output, Sampling};
-use crate::engine::EngineHandle;
 use crate::error::Error;
 use crate::policy::{OnExhausted, Policy};
 use crate::queue::Request;
+use crate::step_loop::StepLoopHandle;
 use crate::tokenizer::{TextDecoder, encode};
 
 /// Limits a request is validated against.
@@ -34,7 +34,7 @@ pub struct Limits {
 /// The Scheduler service.
 #[derive(Debug, Clone)]
 pub struct SchedulerService {
-    engine: EngineHandle,
+    engine: StepLoopHandle,
     cache: CacheClient,
     limits: Limits,
     policy: Policy,
@@ -44,7 +44,7 @@ pub struct SchedulerService {
 
 impl SchedulerService {
     pub fn new(
-        engine: EngineHandle,
+        engine: StepLoopHandle,
         cache: CacheClient,
         limits: Limits,
         policy: Policy,

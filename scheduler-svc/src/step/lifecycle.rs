@@ -102,7 +102,7 @@ impl Core {
             } else {
                 let reject = Reject {
                     seq_id: seq.seq_id,
-                    reason: RejectReason::UnknownSequence,
+                    reason: RejectReason::CacheRestarted,
                     pool_id: 0,
                     window: 0,
                     blocks_needed: 0,

@@ -1154,3 +1154,24 @@ fn plain_no_block_reaches_another_sequence_early_and_every_fenced_block_comes_ba
         "the runs exercised too little: {total:?}"
     );
 }
+
+#[test]
+fn live_sequences_lost_to_a_cache_restart_in_reject_mode_end_rejected_cache_restarted() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 4, 8));
+    c.submit(request(2, 4, 8));
+    step_granting(&mut c, 5);
+    c.submit(request(3, 4, 8)); // queued: kept, leased again later
+    c.drain_outputs();
+    c.leases_lost(false);
+    let ended = finishes(&c.drain_outputs());
+    assert_eq!(ended.len(), 2, "{ended:?}");
+    for (_, finish) in &ended {
+        assert!(
+            matches!(finish, Finish::Rejected(r) if r.reason == RejectReason::CacheRestarted
+                && r.reason.protocol_name() == "CACHE_RESTARTED"),
+            "{finish:?}"
+        );
+    }
+    assert_eq!(c.queued(), 1);
+}

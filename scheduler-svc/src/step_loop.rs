@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvlease_telemetry::attributes::REJECT_SPAN;
@@ -28,6 +28,7 @@ use crate::domain::{ForwardResult, GroupGeometry, Outcome, Output, RequestId, Se
 use crate::error::{Error, Result};
 use crate::metrics::SchedulerMetrics;
 use crate::queue::Request;
+use crate::session;
 use crate::step::{Core, CoreConfig, Counters};
 
 /// A request handed to the loop, with the stream its outputs go to and the
@@ -54,13 +55,13 @@ pub struct StatusSnapshot {
 
 /// The service side of the loop: submit requests, read the status.
 #[derive(Debug, Clone)]
-pub struct EngineHandle {
+pub struct StepLoopHandle {
     submit: mpsc::UnboundedSender<Submission>,
     status: watch::Receiver<StatusSnapshot>,
     next_id: Arc<AtomicU64>,
 }
 
-impl EngineHandle {
+impl StepLoopHandle {
     /// A fresh request id (also its arrival order).
     pub fn next_request_id(&self) -> RequestId {
         self.next_id.fetch_add(1, Ordering::Relaxed)
@@ -91,7 +92,7 @@ impl EngineHandle {
 
 /// Everything the loop needs besides the core.
 #[derive(Debug, Clone)]
-pub struct EngineConfig {
+pub struct StepLoopConfig {
     pub core: CoreConfig,
     pub overlap: bool,
     pub holder: String,
@@ -107,11 +108,11 @@ struct InFlight {
     tasks: Vec<(usize, JoinHandle<Result<Vec<ForwardResult>>>)>,
 }
 
-/// The step loop. Build with [`Engine::new`], run with [`Engine::run`].
+/// The step loop. Build with [`StepLoop::new`], run with [`StepLoop::run`].
 #[derive(Debug)]
-pub struct Engine {
+pub struct StepLoop {
     core: Core,
-    config: EngineConfig,
+    config: StepLoopConfig,
     cache: CacheClient,
     workers: Vec<WorkerClient>,
     steps_run: u64,
@@ -123,7 +124,6 @@ pub struct Engine {
     seq_traces: HashMap<SeqId, Context>,
     intake: mpsc::UnboundedReceiver<Submission>,
     status: watch::Sender<StatusSnapshot>,
-    session_lost: Arc<AtomicBool>,
     in_flight: Option<InFlight>,
     backoff: Duration,
     metrics: SchedulerMetrics,
@@ -143,26 +143,25 @@ impl std::fmt::Debug for InFlight {
 const MIN_BACKOFF: Duration = Duration::from_millis(5);
 const MAX_BACKOFF: Duration = Duration::from_millis(500);
 
-impl Engine {
+impl StepLoop {
     /// A loop over `groups` (index i served by `workers[i]`).
     pub fn new(
-        config: EngineConfig,
+        config: StepLoopConfig,
         groups: Vec<GroupGeometry>,
         cache: CacheClient,
         workers: Vec<WorkerClient>,
-        session_lost: Arc<AtomicBool>,
         metrics: SchedulerMetrics,
-    ) -> (Self, EngineHandle) {
+    ) -> (Self, StepLoopHandle) {
         let (submit, intake) = mpsc::unbounded_channel();
         let (status, status_rx) = watch::channel(StatusSnapshot::default());
-        let handle = EngineHandle {
+        let handle = StepLoopHandle {
             submit,
             status: status_rx,
             next_id: Arc::new(AtomicU64::new(1)),
         };
         let mut core = Core::new(config.core.clone(), groups);
         core.continue_after(Step(config.first_step));
-        let engine = Self {
+        let step_loop = Self {
             core,
             config,
             cache,
@@ -173,13 +172,12 @@ impl Engine {
             seq_traces: HashMap::new(),
             intake,
             status,
-            session_lost,
             in_flight: None,
             backoff: MIN_BACKOFF,
             metrics,
             reported: std::cell::Cell::new(Counters::default()),
         };
-        (engine, handle)
+        (step_loop, handle)
     }
 
     /// Runs until `shutdown` turns true; then finishes every request
@@ -196,9 +194,9 @@ impl Engine {
                 // The keep-alive task may find the session lost (the cache
                 // restarted) while nothing runs: re-open it now rather than
                 // on the next request, so the new epoch is in use at once.
-                if self.session_lost.load(Ordering::Relaxed) {
+                if self.cache.state().is_lost() {
                     self.recover().await;
-                    if self.session_lost.load(Ordering::Relaxed) {
+                    if self.cache.state().is_lost() {
                         tokio::select! {
                             _ = tokio::time::sleep(IDLE_RECHECK) => {}
                             _ = shutdown.changed() => {}
@@ -217,7 +215,7 @@ impl Engine {
                 }
                 continue;
             }
-            if self.session_lost.load(Ordering::Relaxed) {
+            if self.cache.state().is_lost() {
                 self.recover().await;
             }
             let started = std::time::Instant::now();
@@ -468,10 +466,8 @@ impl Engine {
 
     fn note(&self, method: &'static str, e: &Error) {
         match e {
-            Error::SessionLost(_) => {
-                tracing::warn!(method, error = %e, "cache session lost");
-                self.session_lost.store(true, Ordering::Relaxed);
-            }
+            // the client flagged the session lost; the loop re-opens it
+            Error::SessionLost(_) => tracing::warn!(method, error = %e, "cache session lost"),
             _ => tracing::warn!(method, error = %e, "cache call failed"),
         }
     }
@@ -482,43 +478,27 @@ impl Engine {
         if let Some(f) = self.in_flight.take() {
             self.finish_forward(f).await;
         }
-        let session = match self
-            .cache
-            .open_session(&self.config.holder, self.config.session_ttl_ms)
-            .await
-        {
-            Ok(s) => s,
+        let reopened = session::reopen(
+            &self.cache,
+            &self.config.holder,
+            self.config.session_ttl_ms,
+            self.core.groups(),
+        )
+        .await;
+        let (session, groups) = match reopened {
+            Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "re-opening the cache session failed");
                 return;
             }
         };
-        let mut groups = self.core.groups().to_vec();
-        for group in &mut groups {
-            let pools: Vec<(u32, u32)> = group
-                .pools
-                .iter()
-                .map(|p| (p.window, p.num_blocks))
-                .collect();
-            match self
-                .cache
-                .register_pool(&group.name, group.tokens_per_block, &pools)
-                .await
-            {
-                Ok(p) => group.pools = p,
-                Err(e) => {
-                    tracing::warn!(group = %group.name, error = %e, "re-registering pools failed");
-                    return;
-                }
-            }
-        }
         self.core.set_groups(groups);
         let recompute = self.config.on_cache_restart == OnCacheRestart::Recompute;
         self.core.leases_lost(recompute);
-        self.session_lost.store(false, Ordering::Relaxed);
+        self.cache.state().recovered();
         tracing::info!(
-            session_id = session.id,
-            epoch = session.epoch,
+            session_id = session.id.get(),
+            epoch = session.epoch.get(),
             recompute,
             "cache session re-opened"
         );
@@ -619,8 +599,8 @@ impl Engine {
             running: to_u32(self.core.running()),
             preempted: to_u32(self.core.preempted()),
             steps: self.steps_run,
-            session_id: session.id,
-            epoch: session.epoch,
+            session_id: session.id.get(),
+            epoch: session.epoch.get(),
             counters: self.core.counters(),
         };
         let counters = self.core.counters();
@@ -641,30 +621,3 @@ impl Engine {
 
 /// How often an idle step loop looks at the session's health.
 const IDLE_RECHECK: Duration = Duration::from_secs(1);
-
-/// Renews the session every third of its TTL; flags it lost when the cache
-/// no longer knows it.
-pub async fn keep_alive(
-    cache: CacheClient,
-    session_lost: Arc<AtomicBool>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    loop {
-        let ttl = cache.session().ttl_ms.max(30);
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(ttl / 3)) => {}
-            _ = shutdown.changed() => return,
-        }
-        if *shutdown.borrow() {
-            return;
-        }
-        match cache.keep_alive().await {
-            Ok(_) => {}
-            Err(Error::SessionLost(m)) => {
-                tracing::warn!(message = %m, "keep-alive: cache session lost");
-                session_lost.store(true, Ordering::Relaxed);
-            }
-            Err(e) => tracing::warn!(error = %e, "keep-alive failed"),
-        }
-    }
-}
