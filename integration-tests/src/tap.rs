@@ -3,6 +3,11 @@
 //! unchanged; the taps only note what was granted, released, completed and
 //! forwarded, stamped with one global order, so a test can check *when* a
 //! block changed hands relative to the forward passes that used it.
+//!
+//! A [`Gate`] is a pass-through proxy of a real worker whose forward passes
+//! wait while the test holds it closed: a way to keep a request in flight
+//! (and unfinished) for as long as a test needs, whatever the machine's
+//! speed.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -15,6 +20,7 @@ use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::cache_service_server::{CacheService, CacheServiceServer};
 use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
 use kvlease_proto::v1::worker_service_server::{WorkerService, WorkerServiceServer};
+use tokio::sync::watch;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
@@ -224,12 +230,14 @@ impl CacheService for CacheTap {
 }
 
 /// A recording proxy of a worker that holds every forward pass `delay`
-/// longer, so that the scheduler's overlapped work lands inside it.
+/// longer, so that the scheduler's overlapped work lands inside it, and
+/// while its gate (if any) is closed.
 #[derive(Debug, Clone)]
 pub struct WorkerTap {
     inner: WorkerServiceClient<Channel>,
     log: Log,
     delay: Duration,
+    gate: Option<GateSide>,
 }
 
 #[tonic::async_trait]
@@ -244,6 +252,9 @@ impl WorkerService for WorkerTap {
         &self,
         r: Request<pb::ForwardRequest>,
     ) -> Result<Response<pb::ForwardResponse>, Status> {
+        if let Some(gate) = &self.gate {
+            gate.pass().await;
+        }
         let req = r.into_inner();
         let start = self.log.tick();
         let step = req.step;
@@ -281,6 +292,7 @@ pub async fn start_taps(
         inner: crate::worker_client(worker).await?,
         log: log.clone(),
         delay,
+        gate: None,
     };
     let c = crate::spawn("cache tap", |l, rx| {
         tonic::transport::Server::builder()
@@ -288,11 +300,80 @@ pub async fn start_taps(
             .serve_with_incoming_shutdown(TcpListenerStream::new(l), crate::shutdown(rx))
     })
     .await?;
-    let w = crate::spawn("worker tap", |l, rx| {
+    let w = serve_worker_tap("worker tap", worker_tap).await?;
+    Ok((c, w, log))
+}
+
+/// The test's handle on a gated worker (see [`start_gate`]).
+#[derive(Debug, Clone)]
+pub struct Gate {
+    open: Arc<watch::Sender<bool>>,
+    waiting: watch::Receiver<usize>,
+}
+
+impl Gate {
+    /// Forward passes that arrive from now on wait.
+    pub fn close(&self) {
+        self.open.send_replace(false);
+    }
+
+    /// Lets every waiting and later forward pass through.
+    pub fn open(&self) {
+        self.open.send_replace(true);
+    }
+
+    /// Waits until at least one forward pass is held at the closed gate.
+    pub async fn holding(&self) {
+        let mut waiting = self.waiting.clone();
+        let _ = waiting.wait_for(|n| *n > 0).await;
+    }
+}
+
+/// The proxy's side of a [`Gate`].
+#[derive(Debug, Clone)]
+struct GateSide {
+    open: watch::Receiver<bool>,
+    waiting: Arc<watch::Sender<usize>>,
+}
+
+impl GateSide {
+    async fn pass(&self) {
+        let mut open = self.open.clone();
+        if !*open.borrow_and_update() {
+            self.waiting.send_modify(|n| *n += 1);
+            let _ = open.wait_for(|o| *o).await;
+            self.waiting.send_modify(|n| *n -= 1);
+        }
+    }
+}
+
+/// Starts a pass-through proxy in front of `worker` whose forward passes
+/// wait while the returned [`Gate`] is closed (it starts open).
+pub async fn start_gate(worker: SocketAddr) -> Result<(Service, Gate), Error> {
+    let (open_tx, open_rx) = watch::channel(true);
+    let (waiting_tx, waiting_rx) = watch::channel(0);
+    let proxy = WorkerTap {
+        inner: crate::worker_client(worker).await?,
+        log: Log::default(),
+        delay: Duration::ZERO,
+        gate: Some(GateSide {
+            open: open_rx,
+            waiting: Arc::new(waiting_tx),
+        }),
+    };
+    let service = serve_worker_tap("worker gate", proxy).await?;
+    let gate = Gate {
+        open: Arc::new(open_tx),
+        waiting: waiting_rx,
+    };
+    Ok((service, gate))
+}
+
+async fn serve_worker_tap(name: &'static str, tap: WorkerTap) -> Result<Service, Error> {
+    crate::spawn(name, |l, rx| {
         tonic::transport::Server::builder()
-            .add_service(WorkerServiceServer::new(worker_tap))
+            .add_service(WorkerServiceServer::new(tap))
             .serve_with_incoming_shutdown(TcpListenerStream::new(l), crate::shutdown(rx))
     })
-    .await?;
-    Ok((c, w, log))
+    .await
 }

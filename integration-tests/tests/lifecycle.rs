@@ -1,7 +1,7 @@
 //! Request lifecycle against real services: validation, text, cancellation
 //! and deadlines (blocks released), STATIC_BATCH, a cache that goes down
 //! (fail fast with UNAVAILABLE) and comes back with a new epoch (live
-//! requests recomputed).
+//! requests recomputed, or rejected `CACHE_RESTARTED` in reject mode).
 
 use std::time::Duration;
 
@@ -39,10 +39,11 @@ async fn status(addr: std::net::SocketAddr) -> pb::GetStatusResponse {
 async fn validation_text_cancellation_and_deadline() {
     let cache = start_cache(cache_svc::Config::default()).await.unwrap();
     let worker = start_worker(small_worker()).await.unwrap();
+    let (gated, gate) = tap::start_gate(worker.addr).await.unwrap();
     let s = start_scheduler(
         config(),
         &cache.url(),
-        &[worker.url()],
+        &[gated.url()],
         Duration::from_secs(60),
     )
     .await
@@ -130,7 +131,9 @@ async fn validation_text_cancellation_and_deadline() {
         assert!(stream.next().await.is_some());
     }
     drop(stream);
-    // a deadline cancels too
+    // a deadline cancels too: the worker holds the request's forward passes
+    // until the deadline has ended the stream, so it cannot finish first
+    gate.close();
     let mut req = tonic::Request::new(pb::GenerateRequest {
         tokens: tokens(60, 2),
         max_tokens: 190,
@@ -142,6 +145,7 @@ async fn validation_text_cancellation_and_deadline() {
     while let Some(Ok(m)) = stream.next().await {
         last = Some(m);
     }
+    gate.open();
     let last = last.expect("a final message");
     assert_eq!(
         last.finish_reason,
@@ -218,10 +222,7 @@ async fn static_batch_serves_every_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_down_fails_fast_and_a_restarted_cache_is_rejoined() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let cache_addr = listener.local_addr().unwrap();
-    drop(listener);
-    let cache = start_cache_at(cache_addr).await;
+    let (cache_addr, cache) = start_restartable_cache().await;
     let worker = start_worker(small_worker()).await.unwrap();
     let s = start_scheduler(
         config(),
@@ -235,20 +236,7 @@ async fn cache_down_fails_fast_and_a_restarted_cache_is_rejoined() {
     let before = status(s.addr).await;
 
     // a long request is running when the cache goes away
-    let long = {
-        let mut c = c.clone();
-        tokio::spawn(async move {
-            collect(
-                &mut c,
-                pb::GenerateRequest {
-                    tokens: tokens(40, 3),
-                    max_tokens: 150,
-                    ..Default::default()
-                },
-            )
-            .await
-        })
-    };
+    let long = spawn_long_request(&c);
     tokio::time::sleep(Duration::from_millis(100)).await;
     cache.stop().await.unwrap();
     // new requests fail fast with UNAVAILABLE once the scheduler noticed
@@ -273,11 +261,7 @@ async fn cache_down_fails_fast_and_a_restarted_cache_is_rejoined() {
     // the cache comes back (new epoch): the session is re-opened, the
     // running request is recomputed and finishes, new requests are served
     let cache = start_cache_at(cache_addr).await;
-    let g = tokio::time::timeout(Duration::from_secs(60), long)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let g = long_request_result(long).await;
     assert_eq!(g.finish_reason(), pb::FinishReason::Length, "{}", g.message);
     assert_eq!(g.tokens.len(), 150);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -308,6 +292,86 @@ async fn cache_down_fails_fast_and_a_restarted_cache_is_rejoined() {
     assert_ne!(after.session_id, 0);
     s.stop().await.unwrap();
     cache.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_cache_in_reject_mode_ends_live_requests_rejected_cache_restarted() {
+    let (cache_addr, cache) = start_restartable_cache().await;
+    let worker = start_worker(small_worker()).await.unwrap();
+    let (gated, gate) = tap::start_gate(worker.addr).await.unwrap();
+    let config = scheduler_svc::Config {
+        on_cache_restart: scheduler_svc::config::OnCacheRestart::Reject,
+        ..config()
+    };
+    let s = start_scheduler(
+        config,
+        &cache.url(),
+        &[gated.url()],
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let c = scheduler_client(s.addr).await.unwrap();
+    // the request is leased and its forward pass held while the cache
+    // restarts (new epoch, every lease gone)
+    gate.close();
+    let long = spawn_long_request(&c);
+    gate.holding().await;
+    cache.stop().await.unwrap();
+    let cache = start_cache_at(cache_addr).await;
+    gate.open();
+    let g = long_request_result(long).await;
+    assert_eq!(
+        g.finish_reason(),
+        pb::FinishReason::Rejected,
+        "{}",
+        g.message
+    );
+    let reject = g.reject.as_ref().expect("the reject's figures");
+    assert_eq!(
+        reject.reason(),
+        pb::RejectReason::CacheRestarted,
+        "{reject:?}"
+    );
+    assert!(g.message.contains("restarted"), "{}", g.message);
+    s.stop().await.unwrap();
+    cache.stop().await.unwrap();
+}
+
+/// A 150-token request of its own, run to its end.
+fn spawn_long_request(
+    c: &pb::scheduler_client::SchedulerClient<tonic::transport::Channel>,
+) -> tokio::task::JoinHandle<Result<Generated, tonic::Status>> {
+    let mut c = c.clone();
+    tokio::spawn(async move {
+        collect(
+            &mut c,
+            pb::GenerateRequest {
+                tokens: tokens(40, 3),
+                max_tokens: 150,
+                ..Default::default()
+            },
+        )
+        .await
+    })
+}
+
+async fn long_request_result(
+    long: tokio::task::JoinHandle<Result<Generated, tonic::Status>>,
+) -> Generated {
+    tokio::time::timeout(Duration::from_secs(60), long)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap()
+}
+
+/// A cache on a port of its own that a test can stop and start again.
+async fn start_restartable_cache() -> (std::net::SocketAddr, Service) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    (addr, start_cache_at(addr).await)
 }
 
 async fn start_cache_at(addr: std::net::SocketAddr) -> Service {

@@ -1,7 +1,8 @@
 //! The warm-up scenario: a pool too small for one warm-up shape fails
 //! start-up with a clear error in bounded time and leaves the pool whole;
 //! draft tokens are counted in the warm-up estimate; an atomic warm-up lease
-//! that is refused takes nothing.
+//! that is refused takes nothing; a warm-up longer than the session TTL keeps
+//! the session.
 
 use std::time::Duration;
 
@@ -241,5 +242,34 @@ async fn warm_up_past_its_deadline_fails_in_bounded_time() {
         ),
         "{err:?}"
     );
+    assert_whole(&cache).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_up_longer_than_the_session_ttl_keeps_the_session() {
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let worker = start_worker(small_worker()).await.unwrap();
+    let (gated, gate) = tap::start_gate(worker.addr).await.unwrap();
+    let config = scheduler_svc::Config {
+        session_ttl_ms: 1_000,
+        ..scheduler(256, 0)
+    };
+    // the first warm-up forward pass is held for three TTLs: without
+    // renewals the cache expires the session meanwhile, and the warm-up's
+    // release and CompleteStep fail with FAILED_PRECONDITION
+    gate.close();
+    let (cache_url, workers) = (cache.url(), [gated.url()]);
+    let start = tokio::spawn(async move {
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            run_scheduler_start(config, &cache_url, &workers),
+        )
+        .await
+    });
+    gate.holding().await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    gate.open();
+    let started = start.await.unwrap().expect("start-up ends in bounded time");
+    assert!(started.is_ok(), "{started:?}");
     assert_whole(&cache).await;
 }
