@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use kvlease_integration_tests::{start_worker, worker_client};
 use kvlease_proto::v1 as pb;
-use scheduler_svc::domain::{ForwardResult, Grant, GroupGeometry, Outcome, PoolGeometry, Table};
+use scheduler_svc::domain::{
+    ForwardResult, Grant, GroupGeometry, Outcome, PoolGeometry, RequestId, SeqId, Table,
+};
 use scheduler_svc::queue::Request;
 use scheduler_svc::step::{Core, CoreConfig};
 
@@ -147,7 +149,7 @@ fn group() -> GroupGeometry {
 
 /// An Extend grant is a delta; within the 5 leased blocks a decode step
 /// takes no new block.
-fn extend_grant(seq_id: u64) -> Outcome {
+fn extend_grant(seq_id: SeqId) -> Outcome {
     let tables = vec![
         Table {
             pool_id: 1,
@@ -170,10 +172,10 @@ fn extend_grant(seq_id: u64) -> Outcome {
     })
 }
 
-fn grant(seq_id: u64) -> Outcome {
+fn grant(seq_id: SeqId) -> Outcome {
     Outcome::Grant(Grant {
         seq_id,
-        tables: tables(seq_id as u32),
+        tables: tables(seq_id.get() as u32),
         reused_tokens: 0,
         capacity_tokens: 0,
     })
@@ -191,7 +193,11 @@ fn scheduler_step(draft_k: u32) -> Duration {
     };
     let mut core = Core::new(config, vec![group()]);
     for s in 0..SEQS {
-        core.submit(Request::new(u64::from(s) + 1, prompt(s), 1_000_000));
+        core.submit(Request::new(
+            RequestId(u64::from(s) + 1),
+            prompt(s),
+            1_000_000,
+        ));
     }
     core.begin_step();
     let leases = core.plan_admission();

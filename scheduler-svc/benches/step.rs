@@ -9,7 +9,9 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use scheduler_svc::domain::{ForwardResult, Grant, GroupGeometry, Outcome, PoolGeometry, Table};
+use scheduler_svc::domain::{
+    ForwardResult, Grant, GroupGeometry, Outcome, PoolGeometry, RequestId, SeqId, Table,
+};
 use scheduler_svc::queue::Request;
 use scheduler_svc::step::{Core, CoreConfig};
 
@@ -60,10 +62,10 @@ fn tables(seq_id: u64, len: u32) -> Vec<Table> {
 
 /// An Extend grant is a delta: one new block per pool when the sequence
 /// crosses a block boundary, nothing otherwise.
-fn extend_grant(seq_id: u64, len: u32) -> Outcome {
+fn extend_grant(seq_id: SeqId, len: u32) -> Outcome {
     let crossed = (len - 1).is_multiple_of(16);
     let new: Vec<u32> = if crossed {
-        vec![(seq_id as u32) * 10_000 + len / 16]
+        vec![(seq_id.get() as u32) * 10_000 + len / 16]
     } else {
         Vec::new()
     };
@@ -90,10 +92,10 @@ fn extend_grant(seq_id: u64, len: u32) -> Outcome {
     })
 }
 
-fn grant(seq_id: u64, len: u32) -> Outcome {
+fn grant(seq_id: SeqId, len: u32) -> Outcome {
     Outcome::Grant(Grant {
         seq_id,
-        tables: tables(seq_id, len),
+        tables: tables(seq_id.get(), len),
         reused_tokens: 0,
         capacity_tokens: len,
     })
@@ -114,7 +116,7 @@ fn running_core(draft_k: u32) -> Core {
         let prompt = (0..PROMPT)
             .map(|p| (p % 37 + id as u32) % 250 + 1)
             .collect();
-        core.submit(Request::new(id, prompt, 1_000_000));
+        core.submit(Request::new(RequestId(id), prompt, 1_000_000));
     }
     core.begin_step();
     let leases = core.plan_admission();

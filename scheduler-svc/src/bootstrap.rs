@@ -9,13 +9,13 @@ use std::sync::Mutex;
 
 use crate::client::{CacheClient, WorkerClient};
 use crate::config::Config;
-use crate::domain::{ForwardItem, GroupGeometry, LeaseSpec, Outcome, SeqId, Table};
+use crate::domain::{ForwardItem, GroupGeometry, LeaseSpec, Outcome, RequestId, SeqId, Table};
 use crate::error::{Error, Result};
 use crate::session;
 use crate::warmup::{self, WarmupLimits, WarmupShape};
 
 /// Warm-up sequence ids live far above the ids of real sequences.
-const WARMUP_SEQ_BASE: SeqId = 1 << 62;
+const WARMUP_SEQ_BASE: SeqId = SeqId(1 << 62);
 
 /// What start-up produced.
 #[derive(Debug, Clone)]
@@ -161,10 +161,10 @@ async fn warm_up(
     for shape in &shapes {
         let specs: Vec<LeaseSpec> = (0..shape.num_seqs)
             .map(|n| {
-                let seq_id = *next_seq + u64::from(n);
+                let seq_id = SeqId(next_seq.get() + u64::from(n));
                 LeaseSpec {
                     seq_id,
-                    request: 0,
+                    request: RequestId(0),
                     pool_group: group.name.clone(),
                     // distinct per sequence so nothing is shared between them
                     prompt_tokens: (0..shape.prompt_len).map(|p| (p + n) % 250 + 1).collect(),
@@ -176,7 +176,7 @@ async fn warm_up(
                 }
             })
             .collect();
-        *next_seq += u64::from(shape.num_seqs);
+        *next_seq = SeqId(next_seq.get() + u64::from(shape.num_seqs));
         // the cache's own estimate must agree that the shape fits
         if let Some(first) = specs.first() {
             let estimates = cache.estimate(std::slice::from_ref(first)).await?;

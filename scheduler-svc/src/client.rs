@@ -210,7 +210,7 @@ impl CacheClient {
             items: specs
                 .iter()
                 .map(|e| pb::ExtendItem {
-                    seq_id: e.seq_id,
+                    seq_id: e.seq_id.get(),
                     new_tokens: e.new_tokens.clone(),
                     num_tokens: 0,
                 })
@@ -233,7 +233,7 @@ impl CacheClient {
             items: items
                 .iter()
                 .map(|&(seq_id, n)| pb::ExtendItem {
-                    seq_id,
+                    seq_id: seq_id.get(),
                     new_tokens: Vec::new(),
                     num_tokens: n,
                 })
@@ -251,7 +251,7 @@ impl CacheClient {
         let req = pb::ReleaseRequest {
             session_id: s.id.get(),
             epoch: s.epoch.get(),
-            seq_ids: seq_ids.to_vec(),
+            seq_ids: seq_ids.iter().map(|s| s.get()).collect(),
             fence_step,
         };
         let r = self.inner.clone().release(req).await;
@@ -330,7 +330,7 @@ impl CacheClient {
 
 fn sequence_spec(s: &LeaseSpec) -> pb::SequenceSpec {
     pb::SequenceSpec {
-        seq_id: s.seq_id,
+        seq_id: s.seq_id.get(),
         pool_group: s.pool_group.clone(),
         prompt_tokens: s.prompt_tokens.clone(),
         num_tokens: 0,
@@ -440,7 +440,7 @@ pub fn reject_to_proto(r: &Reject) -> pb::Reject {
         RejectReason::Other => pb::RejectReason::Unspecified,
     };
     pb::Reject {
-        seq_id: r.seq_id,
+        seq_id: r.seq_id.get(),
         reason: reason as i32,
         pool_id: r.pool_id,
         window: r.window,
@@ -511,7 +511,7 @@ impl WorkerClient {
             sequences: items
                 .iter()
                 .map(|i| pb::ForwardSequence {
-                    seq_id: i.seq_id,
+                    seq_id: i.seq_id.get(),
                     tokens: i.tokens.clone(),
                     start_pos: i.start_pos,
                     tables: i
@@ -554,7 +554,7 @@ impl WorkerClient {
         Ok(r.results
             .into_iter()
             .map(|x| ForwardResult {
-                seq_id: x.seq_id,
+                seq_id: SeqId(x.seq_id),
                 next_token: x.next_token,
                 argmax: x.argmax,
             })

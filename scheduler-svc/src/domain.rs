@@ -3,15 +3,9 @@
 
 use std::fmt;
 
-/// The scheduler's id of one lease attempt of a request (unique within the
-/// session; a preempted request is leased again under a new id).
-pub type SeqId = u64;
-
-/// The scheduler's id of one client request (stable across preemptions).
-pub type RequestId = u64;
-
-/// A `u64` number of the protocol, typed so that one kind cannot pass for
-/// another (a session id for an epoch, a step for a sequence).
+/// A `u64` number of the protocol (or of the scheduler alone), typed so that
+/// one kind cannot pass for another (a session id for an epoch, a step for
+/// a sequence, a sequence for a request).
 macro_rules! protocol_number {
     ($(#[$doc:meta])* $name:ident) => {
         $(#[$doc])*
@@ -50,8 +44,27 @@ protocol_number!(
     Epoch
 );
 
+protocol_number!(
+    /// The scheduler's id of one lease attempt of a request (unique within
+    /// the session; a preempted request is leased again under a new id).
+    SeqId
+);
+
+protocol_number!(
+    /// The scheduler's id of one client request (stable across
+    /// preemptions; also its arrival order). Never sent to the cache.
+    RequestId
+);
+
 impl Step {
     /// The step after this one.
+    pub fn next(self) -> Self {
+        Self(self.0 + 1)
+    }
+}
+
+impl SeqId {
+    /// The id after this one.
     pub fn next(self) -> Self {
         Self(self.0 + 1)
     }

@@ -154,19 +154,22 @@ mod tests {
     fn requeued_request_goes_ahead_of_later_arrivals() {
         let mut q = Queue::new();
         for id in [2, 3, 5] {
-            q.push(Request::new(id, vec![1], 1));
+            q.push(Request::new(RequestId(id), vec![1], 1));
         }
-        q.requeue(Request::new(1, vec![1], 1));
-        q.requeue(Request::new(4, vec![1], 1));
-        assert_eq!(q.ids().collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
-        assert_eq!(q.remove(3).map(|r| r.id), Some(3));
-        assert_eq!(q.pop().map(|r| r.id), Some(1));
+        q.requeue(Request::new(RequestId(1), vec![1], 1));
+        q.requeue(Request::new(RequestId(4), vec![1], 1));
+        assert_eq!(
+            q.ids().map(RequestId::get).collect::<Vec<_>>(),
+            vec![1, 2, 3, 4, 5]
+        );
+        assert_eq!(q.remove(RequestId(3)).map(|r| r.id.get()), Some(3));
+        assert_eq!(q.pop().map(|r| r.id.get()), Some(1));
         assert_eq!(q.len(), 3);
     }
 
     #[test]
     fn life_and_lease_tokens_count_extra_slots() {
-        let mut r = Request::new(1, vec![7; 10], 5);
+        let mut r = Request::new(RequestId(1), vec![7; 10], 5);
         let extra = Extra {
             draft: 3,
             ..Extra::default()

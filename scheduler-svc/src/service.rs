@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tonic::{Request as GrpcRequest, Response, Status};
 
 use crate::client::{CacheClient, reject_to_proto};
-use crate::domain::{Finish, Output, Sampling};
+use crate::domain::{Finish, Output, RequestId, Sampling};
 use crate::error::Error;
 use crate::policy::{OnExhausted, Policy};
 use crate::queue::Request;
@@ -134,7 +134,7 @@ pub fn validate(
             "cache_salt and request_id are limited to {MAX_LABEL} bytes"
         ));
     }
-    let mut r = Request::new(id, prompt, req.max_tokens);
+    let mut r = Request::new(RequestId(id), prompt, req.max_tokens);
     r.sampling = Sampling {
         temperature: req.temperature,
         top_p: req.top_p,
@@ -275,14 +275,14 @@ impl Scheduler for SchedulerService {
         let deadline = grpc_timeout(request.metadata()).map(|t| Instant::now() + t);
         let req = request.into_inner();
         let id = self.engine.next_request_id();
-        let (r, is_text) = validate(id, &req, &self.limits)?;
+        let (r, is_text) = validate(id.get(), &req, &self.limits)?;
         if !self.cache.is_up() {
             return Err(Error::CacheUnavailable(
                 "the cache service cannot be reached; try again later".into(),
             )
             .into());
         }
-        tracing::debug!(request = id, request_id = %req.request_id, prompt_tokens = r.prompt.len(),
+        tracing::debug!(request = id.get(), request_id = %req.request_id, prompt_tokens = r.prompt.len(),
             max_tokens = r.max_tokens, "generate");
         let rx = self
             .engine
@@ -390,7 +390,9 @@ mod tests {
             },
             &l,
         );
-        assert!(matches!(ok, Ok((r, true)) if r.prompt == vec![104, 0xC3, 0xA9] && r.id == 7));
+        assert!(
+            matches!(ok, Ok((r, true)) if r.prompt == vec![104, 0xC3, 0xA9] && r.id == RequestId(7))
+        );
     }
 
     #[test]

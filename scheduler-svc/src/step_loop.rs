@@ -64,7 +64,7 @@ pub struct StepLoopHandle {
 impl StepLoopHandle {
     /// A fresh request id (also its arrival order).
     pub fn next_request_id(&self) -> RequestId {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+        RequestId(self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
     /// Hands a request to the loop; its outputs arrive on the receiver, the
@@ -278,7 +278,7 @@ impl StepLoop {
             .map(|(id, _)| *id)
             .collect();
         for id in gone {
-            tracing::debug!(request = id, "client went away");
+            tracing::debug!(request = id.get(), "client went away");
             self.core.cancel(id, "client went away");
         }
     }
@@ -571,7 +571,7 @@ impl StepLoop {
                 continue;
             };
             let figures = kvlease_telemetry::RejectFigures {
-                seq_id: r.seq_id,
+                seq_id: r.seq_id.get(),
                 reason: r.reason.protocol_name(),
                 pool_id: r.pool_id,
                 window: r.window,
@@ -586,7 +586,7 @@ impl StepLoop {
             }
             kvlease_telemetry::record_reject(&span, &figures);
             self.metrics.reject(method, r.reason.protocol_name());
-            tracing::debug!(method, seq_id = r.seq_id, reason = %r.reason, blocks_needed = r.blocks_needed,
+            tracing::debug!(method, seq_id = r.seq_id.get(), reason = %r.reason, blocks_needed = r.blocks_needed,
                 blocks_free = r.blocks_free, blocks_pending_free = r.blocks_pending_free, "sequence refused");
         }
     }

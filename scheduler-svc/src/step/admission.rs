@@ -55,7 +55,7 @@ impl Core {
                         .find(|p| p.window == window)
                         .map_or(0, |p| p.pool_id);
                     never = Some(Reject {
-                        seq_id: 0,
+                        seq_id: SeqId(0),
                         reason: RejectReason::ExceedsCapacity,
                         pool_id,
                         window,
@@ -162,7 +162,7 @@ impl Core {
             }
             per_group[g] += 1;
             let seq_id = self.next_seq;
-            self.next_seq += 1;
+            self.next_seq = self.next_seq.next();
             let context = request.context();
             let lease_len = u32::try_from(context.len()).unwrap_or(u32::MAX);
             leases.push(LeaseSpec {
@@ -298,7 +298,7 @@ impl Core {
                         _ => false,
                     };
                     if wait {
-                        tracing::debug!(seq_id = reject.seq_id, reason = %reject.reason,
+                        tracing::debug!(seq_id = reject.seq_id.get(), reason = %reject.reason,
                             blocks_needed = reject.blocks_needed, blocks_free = reject.blocks_free,
                             blocks_pending_free = reject.blocks_pending_free, "lease refused, waiting");
                         self.queue.requeue(l.request);

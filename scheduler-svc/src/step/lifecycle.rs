@@ -38,8 +38,8 @@ impl Core {
         self.releases.push(seq_id);
         if seq.request.preemptions < self.config.max_preemptions {
             tracing::debug!(
-                seq_id,
-                request = seq.request.id,
+                seq_id = seq_id.get(),
+                request = seq.request.id.get(),
                 cause,
                 "requeued for recompute"
             );

@@ -202,7 +202,7 @@ impl Core {
             outputs: Vec::new(),
             released: Vec::new(),
             steps: fence::Steps::default(),
-            next_seq: 1,
+            next_seq: SeqId(1),
             budget,
             batch_open: true,
             exhausted_this_step: false,

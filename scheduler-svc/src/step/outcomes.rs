@@ -106,7 +106,7 @@ impl Core {
             self.preempt(seq_id, "extend refused", Finish::Rejected(reject));
         } else {
             if self.config.policy != Policy::MaxUtilization {
-                tracing::error!(seq_id, reason = %reject.reason, "extend refused under a reserving policy");
+                tracing::error!(seq_id = seq_id.get(), reason = %reject.reason, "extend refused under a reserving policy");
             }
             self.end_sequence(seq_id, Finish::Rejected(reject));
         }

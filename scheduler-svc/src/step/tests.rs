@@ -34,9 +34,9 @@ fn core(policy: Policy, blocks: u32) -> Core {
     Core::new(config, vec![group(blocks)])
 }
 
-fn request(id: RequestId, prompt_len: usize, max_tokens: u32) -> Request {
+fn request(id: u64, prompt_len: usize, max_tokens: u32) -> Request {
     Request::new(
-        id,
+        RequestId(id),
         (0..prompt_len as u32).map(|t| t % 200 + 1).collect(),
         max_tokens,
     )
@@ -49,7 +49,7 @@ fn grant(seq_id: SeqId) -> Outcome {
             pool_id: 1,
             window: 0,
             first_block: 0,
-            block_ids: vec![seq_id as u32],
+            block_ids: vec![seq_id.get() as u32],
         }],
         reused_tokens: 0,
         capacity_tokens: 0,
@@ -126,25 +126,26 @@ fn step_granting(core: &mut Core, token: u32) -> Vec<ForwardItem> {
     step_with(core, |e| grant(e.seq_id), |l| grant(l.seq_id), token)
 }
 
-fn finishes(outputs: &[Output]) -> Vec<(RequestId, Finish)> {
+/// The requests that finished, by id, and how.
+fn finishes(outputs: &[Output]) -> Vec<(u64, Finish)> {
     outputs
         .iter()
         .filter_map(|o| match o {
             Output::Finished {
                 request, finish, ..
-            } => Some((*request, finish.clone())),
+            } => Some((request.get(), finish.clone())),
             Output::Tokens { .. } => None,
         })
         .collect()
 }
 
-fn tokens_of(outputs: &[Output], id: RequestId) -> Vec<u32> {
+fn tokens_of(outputs: &[Output], id: u64) -> Vec<u32> {
     outputs
         .iter()
         .filter_map(|o| match o {
             Output::Tokens {
                 request, tokens, ..
-            } if *request == id => Some(tokens.clone()),
+            } if request.get() == id => Some(tokens.clone()),
             _ => None,
         })
         .flatten()
@@ -164,7 +165,7 @@ fn request_runs_prefill_then_decode_to_length() {
     let out = c.drain_outputs();
     assert_eq!(tokens_of(&out, 1), vec![42, 43, 44]);
     assert_eq!(finishes(&out), vec![(1, Finish::Length)]);
-    assert_eq!(c.take_releases().seq_ids, vec![1]);
+    assert_eq!(c.take_releases().seq_ids, vec![SeqId(1)]);
     assert!(c.is_idle());
 }
 
@@ -178,7 +179,7 @@ fn extend_reports_the_fed_token_ids() {
     assert_eq!(
         e,
         vec![ExtendSpec {
-            seq_id: 1,
+            seq_id: SeqId(1),
             new_tokens: vec![7]
         }]
     );
@@ -196,15 +197,15 @@ fn chunked_prefill_respects_chunk_and_step_budget() {
     c.submit(request(2, 3, 2));
     let b = step_granting(&mut c, 9);
     // seq 1 takes a chunk of 4, seq 2 the 2 tokens left in the budget
-    let shape: Vec<(SeqId, u32, usize)> = b
+    let shape: Vec<(u64, u32, usize)> = b
         .iter()
-        .map(|i| (i.seq_id, i.start_pos, i.tokens.len()))
+        .map(|i| (i.seq_id.get(), i.start_pos, i.tokens.len()))
         .collect();
     assert_eq!(shape, vec![(1, 0, 4), (2, 0, 2)]);
     let b = step_granting(&mut c, 9);
-    let shape: Vec<(SeqId, u32, usize)> = b
+    let shape: Vec<(u64, u32, usize)> = b
         .iter()
-        .map(|i| (i.seq_id, i.start_pos, i.tokens.len()))
+        .map(|i| (i.seq_id.get(), i.start_pos, i.tokens.len()))
         .collect();
     assert_eq!(shape, vec![(1, 4, 4), (2, 2, 1)]);
     let out = c.drain_outputs();
@@ -260,8 +261,8 @@ fn max_utilization_preempts_on_mid_flight_exhaustion_and_keeps_stepping() {
     let b = step_with(
         &mut c,
         |e| {
-            if e.seq_id == 2 {
-                exhausted(2)
+            if e.seq_id == SeqId(2) {
+                exhausted(SeqId(2))
             } else {
                 grant(e.seq_id)
             }
@@ -269,8 +270,11 @@ fn max_utilization_preempts_on_mid_flight_exhaustion_and_keeps_stepping() {
         |l| grant(l.seq_id),
         8,
     );
-    assert_eq!(b.iter().map(|i| i.seq_id).collect::<Vec<_>>(), vec![1]);
-    assert_eq!(c.take_releases().seq_ids, vec![2]);
+    assert_eq!(
+        b.iter().map(|i| i.seq_id.get()).collect::<Vec<_>>(),
+        vec![1]
+    );
+    assert_eq!(c.take_releases().seq_ids, vec![SeqId(2)]);
     assert_eq!((c.queued(), c.preempted()), (1, 1));
     assert_eq!(c.counters().preemptions, 1);
     // next step: the request comes back under a new sequence and recomputes
@@ -280,7 +284,7 @@ fn max_utilization_preempts_on_mid_flight_exhaustion_and_keeps_stepping() {
     c.apply_extends(ext.iter().map(|e| grant(e.seq_id)).collect());
     let leases = c.plan_admission();
     assert_eq!(leases.len(), 1);
-    assert_eq!(leases[0].seq_id, 3);
+    assert_eq!(leases[0].seq_id, SeqId(3));
     assert_eq!(leases[0].prompt_tokens.len(), 5);
     assert_eq!(leases[0].max_new_tokens, 3);
     let out = c.drain_outputs();
@@ -302,7 +306,7 @@ fn max_utilization_reject_mode_finishes_rejected_with_reason() {
     let f = finishes(&out);
     assert_eq!(f.len(), 1);
     assert!(matches!(&f[0].1, Finish::Rejected(r) if r.reason == RejectReason::PoolExhausted));
-    assert_eq!(c.take_releases().seq_ids, vec![1]);
+    assert_eq!(c.take_releases().seq_ids, vec![SeqId(1)]);
     assert_eq!(c.counters().rejected, 1);
 }
 
@@ -340,10 +344,10 @@ fn transient_lease_refusal_waits_permanent_one_rejects() {
         &mut c,
         |e| grant(e.seq_id),
         |l| {
-            if l.seq_id == 1 {
-                exhausted(1)
+            if l.seq_id == SeqId(1) {
+                exhausted(SeqId(1))
             } else {
-                reject(2, RejectReason::ExceedsCapacity)
+                reject(SeqId(2), RejectReason::ExceedsCapacity)
             }
         },
         7,
@@ -352,7 +356,7 @@ fn transient_lease_refusal_waits_permanent_one_rejects() {
     let f = finishes(&out);
     assert_eq!(f.len(), 1);
     assert_eq!(f[0].0, 2);
-    assert_eq!(c.queue.front().map(|r| r.id), Some(1));
+    assert_eq!(c.queue.front().map(|r| r.id.get()), Some(1));
     assert_eq!(c.queued(), 1);
 }
 
@@ -376,8 +380,14 @@ fn head_of_line_is_not_skipped() {
     c.submit(request(3, 2, 2)); // would fit, but waits behind 2
     c.begin_step();
     let leases = c.plan_admission();
-    assert_eq!(leases.iter().map(|l| l.seq_id).collect::<Vec<_>>(), vec![1]);
-    assert_eq!(c.queue.ids().collect::<Vec<_>>(), vec![2, 3]);
+    assert_eq!(
+        leases.iter().map(|l| l.seq_id.get()).collect::<Vec<_>>(),
+        vec![1]
+    );
+    assert_eq!(
+        c.queue.ids().map(RequestId::get).collect::<Vec<_>>(),
+        vec![2, 3]
+    );
 }
 
 // === GUARANTEED_NO_EVICT ===
@@ -426,12 +436,15 @@ fn static_batch_admits_only_between_batches() {
     // 1 and 2 are running: 3 waits although it fits
     for _ in 0..2 {
         let b = step_granting(&mut c, 1);
-        assert!(b.iter().all(|i| i.seq_id != 3));
+        assert!(b.iter().all(|i| i.seq_id != SeqId(3)));
     }
     assert_eq!(finishes(&c.drain_outputs()).len(), 2);
     c.take_releases();
     let b = step_granting(&mut c, 1);
-    assert_eq!(b.iter().map(|i| i.seq_id).collect::<Vec<_>>(), vec![3]);
+    assert_eq!(
+        b.iter().map(|i| i.seq_id.get()).collect::<Vec<_>>(),
+        vec![3]
+    );
 }
 
 // === cancellation and recovery ===
@@ -442,13 +455,16 @@ fn cancelled_running_request_is_released_and_finished() {
     c.submit(request(1, 4, 8));
     c.submit(request(2, 4, 8));
     step_granting(&mut c, 1);
-    c.cancel(2, "client went away");
-    c.cancel(99, "unknown is fine");
-    assert_eq!(c.take_releases().seq_ids, vec![2]);
+    c.cancel(RequestId(2), "client went away");
+    c.cancel(RequestId(99), "unknown is fine");
+    assert_eq!(c.take_releases().seq_ids, vec![SeqId(2)]);
     let out = c.drain_outputs();
     assert!(matches!(finishes(&out)[..], [(2, Finish::Cancelled(_))]));
     let b = step_granting(&mut c, 1);
-    assert_eq!(b.iter().map(|i| i.seq_id).collect::<Vec<_>>(), vec![1]);
+    assert_eq!(
+        b.iter().map(|i| i.seq_id.get()).collect::<Vec<_>>(),
+        vec![1]
+    );
 }
 
 #[test]
@@ -457,9 +473,9 @@ fn cancel_during_lease_releases_the_grant() {
     c.submit(request(1, 4, 8));
     c.begin_step();
     let leases = c.plan_admission();
-    c.cancel(1, "gone");
+    c.cancel(RequestId(1), "gone");
     c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
-    assert_eq!(c.take_releases().seq_ids, vec![1]);
+    assert_eq!(c.take_releases().seq_ids, vec![SeqId(1)]);
     assert!(c.is_idle());
 }
 
@@ -493,7 +509,7 @@ fn forward_failure_with_no_requeues_left_ends_in_flight_requests_with_error() {
         finishes(&c.drain_outputs())[..],
         [(1, Finish::Error(_))]
     ));
-    assert_eq!(c.take_releases().seq_ids, vec![1]);
+    assert_eq!(c.take_releases().seq_ids, vec![SeqId(1)]);
 }
 
 #[test]
@@ -570,7 +586,7 @@ fn speculative_decode_feeds_drafts_and_extends_by_accepted_plus_one() {
     };
     let mut c = Core::new(config, vec![group(100)]);
     // prompt 1 2 3 1 2: after the model emits 3, "2 3" was seen -> draft "1 2 ..."
-    c.submit(Request::new(1, vec![1, 2, 3, 1, 2], 10));
+    c.submit(Request::new(RequestId(1), vec![1, 2, 3, 1, 2], 10));
     c.begin_step();
     let leases = c.plan_admission();
     assert_eq!(leases[0].extra.draft, 3);
@@ -604,7 +620,7 @@ fn drafts_never_overshoot_max_tokens() {
         ..CoreConfig::default()
     };
     let mut c = Core::new(config, vec![group(100)]);
-    c.submit(Request::new(1, vec![1, 2, 1, 2, 1, 2], 3));
+    c.submit(Request::new(RequestId(1), vec![1, 2, 1, 2, 1, 2], 3));
     step_granting(&mut c, 1);
     c.begin_step();
     let e = c.plan_extends();
@@ -644,7 +660,7 @@ fn newcomers_do_not_take_the_decode_budget_of_running_requests() {
     assert_eq!(
         b[0].1
             .iter()
-            .find(|i| i.seq_id == 4)
+            .find(|i| i.seq_id == SeqId(4))
             .map(|i| i.tokens.len()),
         Some(5)
     );
@@ -656,7 +672,7 @@ fn lost_leases_can_be_rejected_cleanly() {
     c.submit(request(1, 4, 8));
     c.submit(request(2, 4, 8));
     step_granting(&mut c, 5);
-    c.cancel(2, "gone");
+    c.cancel(RequestId(2), "gone");
     c.drain_outputs();
     c.leases_lost(false);
     let out = c.drain_outputs();
@@ -692,10 +708,10 @@ fn overlap_a_release_while_a_forward_is_in_flight_is_fenced_at_its_step() {
     let batches = c.plan_forward();
     assert_eq!(c.forward_in_flight(), Some(first));
     // the client of request 1 goes away while forward `first` reads its blocks
-    c.cancel(1, "gone");
+    c.cancel(RequestId(1), "gone");
     let next = c.begin_step();
     let batch = c.take_releases();
-    assert_eq!(batch.seq_ids, vec![1]);
+    assert_eq!(batch.seq_ids, vec![SeqId(1)]);
     assert_eq!(batch.fence_step, Some(first), "{batch:?}");
     assert_eq!(c.complete_through(), None, "forward {first} is in flight");
     c.releases_sent(batch);
@@ -721,7 +737,7 @@ fn plain_releases_after_a_forward_are_fenced_at_it_and_its_step_completes() {
     let batch = c.take_releases();
     assert_eq!(
         (batch.seq_ids.clone(), batch.fence_step),
-        (vec![1], Some(step))
+        (vec![SeqId(1)], Some(step))
     );
     c.releases_sent(batch);
     assert_eq!(c.complete_through(), Some(step));
@@ -731,9 +747,12 @@ fn plain_releases_after_a_forward_are_fenced_at_it_and_its_step_completes() {
     c.begin_step();
     let leases = c.plan_admission();
     c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
-    c.cancel(2, "gone");
+    c.cancel(RequestId(2), "gone");
     let batch = c.take_releases();
-    assert_eq!((batch.seq_ids.clone(), batch.fence_step), (vec![2], None));
+    assert_eq!(
+        (batch.seq_ids.clone(), batch.fence_step),
+        (vec![SeqId(2)], None)
+    );
     c.releases_sent(batch);
     assert!(c.is_quiet());
 }
@@ -798,7 +817,7 @@ fn releases_that_did_not_reach_the_cache_are_sent_again_with_the_fence_of_then()
     let leases = c.plan_admission();
     c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
     let batches = c.plan_forward();
-    c.cancel(1, "gone");
+    c.cancel(RequestId(1), "gone");
     let batch = c.take_releases();
     assert_eq!(batch.fence_step, Some(step));
     c.restore_releases(batch);
@@ -807,9 +826,12 @@ fn releases_that_did_not_reach_the_cache_are_sent_again_with_the_fence_of_then()
     assert_eq!(c.complete_through(), Some(step));
     c.step_completed(step);
     let batch = c.take_releases();
-    assert_eq!((batch.seq_ids.clone(), batch.fence_step), (vec![1], None));
+    assert_eq!(
+        (batch.seq_ids.clone(), batch.fence_step),
+        (vec![SeqId(1)], None)
+    );
     c.releases_sent(batch);
-    assert_eq!(c.take_released(), vec![1]);
+    assert_eq!(c.take_released(), vec![SeqId(1)]);
 }
 
 #[test]
@@ -822,40 +844,40 @@ fn released_names_every_sequence_once_it_holds_nothing() {
     let leases = c.plan_admission();
     // 1 granted, 2 refused for good, 3 waits, 4 gets no outcome at all
     c.apply_leases(vec![
-        grant(1),
-        reject(2, RejectReason::ExceedsCapacity),
-        exhausted(3),
+        grant(SeqId(1)),
+        reject(SeqId(2), RejectReason::ExceedsCapacity),
+        exhausted(SeqId(3)),
     ]);
     assert_eq!(leases.len(), 4);
     let mut released = c.take_released();
     released.sort_unstable();
-    assert_eq!(released, vec![2, 3, 4]);
+    assert_eq!(released, vec![SeqId(2), SeqId(3), SeqId(4)]);
     c.begin_step();
     let leases = c.plan_admission();
     assert_eq!(leases.len(), 2);
     c.leases_failed();
-    assert_eq!(c.take_released(), vec![5, 6]);
-    c.cancel(1, "gone");
+    assert_eq!(c.take_released(), vec![SeqId(5), SeqId(6)]);
+    c.cancel(RequestId(1), "gone");
     let batch = c.take_releases();
     assert!(
         c.take_released().is_empty(),
         "not before the cache answered"
     );
     c.releases_sent(batch);
-    assert_eq!(c.take_released(), vec![1]);
+    assert_eq!(c.take_released(), vec![SeqId(1)]);
     // lost leases: running sequences and unsent releases alike
     c.begin_step();
     let leases = c.plan_admission();
     assert_eq!(
-        leases.iter().map(|l| l.request).collect::<Vec<_>>(),
+        leases.iter().map(|l| l.request.get()).collect::<Vec<_>>(),
         vec![3, 4]
     );
     c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
-    c.cancel(3, "gone");
+    c.cancel(RequestId(3), "gone");
     c.leases_lost(true);
     let mut released = c.take_released();
     released.sort_unstable();
-    assert_eq!(released, vec![7, 8]);
+    assert_eq!(released, vec![SeqId(7), SeqId(8)]);
 }
 
 /// The cache's block bookkeeping as the protocol specifies it, for one pool
