@@ -7,7 +7,7 @@
 //! `MAX_UTILIZATION`). Blocks released under a fence are not charged: they are
 //! pending-free, so parked frees never hold the queue back. The cache has the
 //! last word: a lease the view lets through may still be refused, and the
-//! refusal is handled as data by `step.rs`.
+//! refusal is handled as data by `step/` (the core).
 
 use std::fmt;
 use std::str::FromStr;
