@@ -120,7 +120,7 @@ async fn renew_every_third_of_ttl(cache: &CacheClient) {
 /// Opens a new session after the cache lost the old one and registers
 /// `groups`' pools again; returns the session and the groups with their new
 /// pool ids. The session stays flagged lost until the caller has dealt with
-/// the live sequences ([`SessionState::recovered`]).
+/// the live sequences (`SessionState::recovered`).
 pub async fn reopen(
     cache: &CacheClient,
     holder: &str,
