@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use crate::arena::{ArenaLayout, SlotLedger};
+use crate::arena::{ArenaLayout, SlotLedger, plan_blocks};
 use crate::backend::cpu::{self, CpuBackend};
 use crate::backend::{Backend, BackendChoice, BatchLogits, CudaOptions, PhaseTimes};
 use crate::batch::{self, Limits, SeqInput};
@@ -361,85 +361,4 @@ fn check_limits(limits: Limits) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// Blocks per pool for `kv_bytes` of arena with elements of `elem_bytes`,
-/// split across pools in proportion to their layer counts; `None` when a
-/// pool would get no block.
-pub fn split_kv_bytes(config: &ModelConfig, kv_bytes: u64, elem_bytes: u64) -> Option<Vec<u32>> {
-    let layout = ArenaLayout::new(config, &[]);
-    let total_layers = config.num_layers() as u64;
-    let blocks: Vec<u32> = layout
-        .pools
-        .iter()
-        .map(|p| {
-            let share = kv_bytes / total_layers * p.layers.len() as u64;
-            u32::try_from(share / (p.elems_per_block() as u64 * elem_bytes)).unwrap_or(u32::MAX)
-        })
-        .collect();
-    (!blocks.contains(&0)).then_some(blocks)
-}
-
-/// Blocks per pool: the budget left after weights and activations, split
-/// across pools in proportion to their layer counts.
-fn plan_blocks(
-    config: &ModelConfig,
-    budget_bytes: u64,
-    weight_bytes: u64,
-    activation_bytes: u64,
-) -> Result<Vec<u32>> {
-    let too_small = Error::MemoryBudget {
-        budget_bytes,
-        weight_bytes,
-        activation_bytes,
-    };
-    let Some(kv_bytes) = budget_bytes
-        .checked_sub(weight_bytes)
-        .and_then(|b| b.checked_sub(activation_bytes))
-    else {
-        return Err(too_small);
-    };
-    split_kv_bytes(config, kv_bytes, crate::arena::KV_ELEM_BYTES).ok_or(too_small)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kv_bytes_are_split_by_layer_count_within_the_budget() {
-        let config = ModelConfig {
-            layer_windows: vec![0, 64, 64, 64],
-            ..ModelConfig::small()
-        };
-        let (budget, weights, activations) = (10 << 20, 1 << 20, 1 << 20);
-        let blocks =
-            plan_blocks(&config, budget, weights, activations).unwrap_or_else(|e| panic!("{e}"));
-        let layout = ArenaLayout::new(&config, &blocks);
-        let bytes: Vec<u64> = layout
-            .pools
-            .iter()
-            .map(|p| p.bytes_per_block() * u64::from(p.num_blocks))
-            .collect();
-        let kv = budget - weights - activations;
-        assert!(bytes.iter().sum::<u64>() <= kv);
-        // One layer's share versus three layers' share.
-        assert!(bytes[0] <= kv / 4 && bytes[0] + layout.pools[0].bytes_per_block() > kv / 4);
-        assert!(
-            bytes[1] <= kv / 4 * 3 && bytes[1] + layout.pools[1].bytes_per_block() > kv / 4 * 3
-        );
-    }
-
-    #[test]
-    fn a_budget_without_room_for_kv_is_refused() {
-        let config = ModelConfig::small();
-        assert!(matches!(
-            plan_blocks(&config, 3 << 20, 2 << 20, 1 << 20),
-            Err(Error::MemoryBudget { .. })
-        ));
-        assert!(matches!(
-            plan_blocks(&config, 1 << 20, 2 << 20, 0),
-            Err(Error::MemoryBudget { .. })
-        ));
-    }
 }

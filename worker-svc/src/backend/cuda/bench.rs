@@ -5,12 +5,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaContext, CudaSlice, LaunchConfig, PushKernelArg, sys::CUevent_flags};
+use cudarc::driver::{CudaContext, CudaSlice, sys::CUevent_flags};
 
-use super::{
-    AttentionArgs, AttentionTuning, KernelShape, Kernels, KvDtype, cuda_err, launch_attention,
-    part_capacity,
-};
+use super::kernels::{AttentionTuning, KernelShape, Kernels};
+use super::launches::{AttentionArgs, Launcher};
+use super::uploads::part_capacity;
+use super::{KvDtype, cuda_err};
 use crate::backend::PhaseTimes;
 use crate::batch::{Limits, Sampling, SeqInput, TableInput};
 use crate::error::{Error, Result};
@@ -209,22 +209,11 @@ pub fn attention_with_partials(
     let mut arena = stream
         .alloc_zeros::<u16>(arena_elems)
         .map_err(cuda_err("alloc"))?;
-    let n = arena_elems as i64;
-    let seed = 7u32;
-    // SAFETY: fill_random(kv_t*, long long, unsigned) over the whole arena.
-    unsafe {
-        stream
-            .launch_builder(&kernels.fill_random)
-            .arg(&mut arena)
-            .arg(&n)
-            .arg(&seed)
-            .launch(LaunchConfig {
-                grid_dim: (sm_count as u32 * 8, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            })
-            .map_err(cuda_err("fill"))?;
-    }
+    let launch = Launcher {
+        stream: &stream,
+        kernels: &kernels,
+    };
+    launch.fill_random(&mut arena, 7, sm_count as u32 * 8)?;
 
     let mut rng = Mix(SplitMix64::new(11));
     let mut perm: Vec<u32> = (0..total_blocks as u32).collect();
@@ -297,9 +286,7 @@ pub fn attention_with_partials(
         .map_err(cuda_err("upload"))?;
 
     let mut call = |out: Option<&mut CudaSlice<f32>>| {
-        launch_attention(
-            &stream,
-            &kernels,
+        launch.attention(
             AttentionArgs {
                 q: &q,
                 q_stride: qd,

@@ -1,0 +1,515 @@
+//! [`CudaBackend`]: sizes and owns the device memory, and runs a validated
+//! batch as a sequence of launches (see `launches`) and products (`gemm`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, sys::CUevent_flags};
+
+use super::gemm::{linear, padded_rows};
+use super::kernels::{KernelShape, Kernels};
+use super::launches::{AttentionArgs, Launcher};
+use super::uploads::{Activations, DeviceBatch, DeviceWeights};
+use super::{CudaOptions, GPU_KV_ELEM_BYTES, KvDtype, blas_err, cuda_err, probe};
+use crate::arena::{ArenaLayout, split_kv_bytes};
+use crate::backend::{Backend, BatchLogits, HostTimes, PhaseTimes};
+use crate::batch::Batch;
+use crate::error::{Error, Result};
+use crate::model::ModelConfig;
+use crate::model::weights::Weights;
+
+/// The CUDA backend.
+#[derive(Debug)]
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: Kernels,
+    config: ModelConfig,
+    layout: ArenaLayout,
+    weights: DeviceWeights,
+    acts: Activations,
+    kv: Vec<CudaSlice<u16>>,
+    kv_dtype: KvDtype,
+    device_name: String,
+    weight_bytes: u64,
+    profiling: bool,
+    last_profile: Option<PhaseTimes>,
+}
+
+/// What sizing found: the device's memory and what the arena got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSizing {
+    /// Bytes of weights uploaded.
+    pub weight_bytes: u64,
+    /// Bytes of activation buffers for the largest batch.
+    pub activation_bytes: u64,
+    /// Free device bytes after both.
+    pub free_bytes: u64,
+    /// Bytes given to the arena (free × fraction, whole blocks).
+    pub kv_bytes: u64,
+}
+
+impl CudaBackend {
+    /// Uploads `weights`, allocates activations for `max_tokens` rows, then
+    /// sizes the arena from the device's free memory: `num_blocks` when
+    /// given, else `free × options.memory_fraction` (at most
+    /// `options.max_kv_bytes` when that is set) split across pools by layer
+    /// count.
+    pub fn new(
+        weights: Weights,
+        max_tokens: usize,
+        options: CudaOptions,
+        num_blocks: Option<&[u32]>,
+    ) -> Result<(Self, DeviceSizing)> {
+        probe().map_err(|reason| Error::Config(format!("cuda backend unavailable: {reason}")))?;
+        if !(options.memory_fraction > 0.0 && options.memory_fraction <= 1.0) {
+            return Err(Error::Config(format!(
+                "gpu memory fraction {} must be in (0, 1]",
+                options.memory_fraction
+            )));
+        }
+        let cfg = weights.config.clone();
+        let group = cfg.num_heads / cfg.num_kv_heads;
+        if cfg.head_dim > 256 || group > 8 {
+            return Err(Error::Config(format!(
+                "the cuda backend supports head_dim up to 256 and up to 8 query heads per KV \
+                 head (got head_dim {}, {group} per KV head)",
+                cfg.head_dim
+            )));
+        }
+        let ctx = CudaContext::new(options.device).map_err(cuda_err("context"))?;
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(blas_err)?;
+        let kernels = Kernels::compile(
+            &ctx,
+            KernelShape {
+                head_dim: cfg.head_dim,
+                group,
+                kv_heads: cfg.num_kv_heads,
+                tokens_per_block: cfg.tokens_per_block as usize,
+                kv_dtype: options.kv_dtype,
+            },
+        )?;
+        let device_name = ctx.name().map_err(cuda_err("device name"))?;
+
+        let weight_bytes = weights.bytes();
+        let dev_weights = DeviceWeights::upload(&stream, &weights)?;
+        let acts = Activations::alloc(&stream, &cfg, max_tokens)?;
+        let activation_bytes = acts.bytes;
+        stream.synchronize().map_err(cuda_err("synchronize"))?;
+
+        let (free, _total) = ctx.mem_get_info().map_err(cuda_err("memory info"))?;
+        let free_bytes = free as u64;
+        let mut kv_budget = (free_bytes as f64 * options.memory_fraction) as u64;
+        if options.max_kv_bytes > 0 {
+            kv_budget = kv_budget.min(options.max_kv_bytes);
+        }
+        let blocks = match num_blocks {
+            Some(b) => b.to_vec(),
+            None => {
+                split_kv_bytes(&cfg, kv_budget, GPU_KV_ELEM_BYTES).ok_or(Error::MemoryBudget {
+                    budget_bytes: weight_bytes + activation_bytes + kv_budget,
+                    weight_bytes,
+                    activation_bytes,
+                })?
+            }
+        };
+        let layout = ArenaLayout::new(&cfg, &blocks);
+        let kv = layout
+            .pools
+            .iter()
+            .map(|p| {
+                stream
+                    .alloc_zeros::<u16>(p.elems())
+                    .map_err(cuda_err("arena alloc"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let sizing = DeviceSizing {
+            weight_bytes,
+            activation_bytes,
+            free_bytes,
+            kv_bytes: layout.bytes_with(GPU_KV_ELEM_BYTES),
+        };
+        Ok((
+            CudaBackend {
+                ctx,
+                stream,
+                blas,
+                kernels,
+                config: cfg,
+                layout,
+                weights: dev_weights,
+                acts,
+                kv,
+                kv_dtype: options.kv_dtype,
+                device_name,
+                weight_bytes,
+                profiling: false,
+                last_profile: None,
+            },
+            sizing,
+        ))
+    }
+
+    /// The arena layout the backend allocated.
+    pub fn layout(&self) -> &ArenaLayout {
+        &self.layout
+    }
+
+    /// Bytes of the weights on the device.
+    pub fn weight_bytes(&self) -> u64 {
+        self.weight_bytes
+    }
+
+    /// Bytes of the activation buffers.
+    pub fn activation_bytes(&self) -> u64 {
+        self.acts.bytes
+    }
+
+    /// One pass: upload the batch's metadata, embed, the layers, the final
+    /// norm and LM head over the logit rows, then the logits back.
+    fn run(&mut self, batch: &Batch) -> Result<BatchLogits> {
+        let t_start = Instant::now();
+        let dev = DeviceBatch::upload(&self.stream, batch, &self.layout, &self.config)?;
+        let t_uploaded = Instant::now();
+        let mut prof = Profiler::start(&self.stream, self.profiling)?;
+
+        let launch = Launcher {
+            stream: &self.stream,
+            kernels: &self.kernels,
+        };
+        let h = self.config.hidden_size;
+        launch.embed(
+            &self.weights.embed,
+            &dev.tokens,
+            &mut self.acts.x,
+            dev.rows,
+            h,
+        )?;
+        prof.mark(Phase::Other)?;
+        for layer in 0..self.weights.layers.len() {
+            self.attention_block(layer, &dev, &mut prof)?;
+            self.mlp_block(layer, &dev, &mut prof)?;
+        }
+        let vocab = self.config.vocab_size;
+        self.logits(&dev, &mut prof)?;
+        let t_launched = Instant::now();
+        let values = self
+            .stream
+            .clone_dtoh(&self.acts.logits.slice(..dev.num_logit_rows * vocab))
+            .map_err(cuda_err("download logits"))?;
+        let t_downloaded = Instant::now();
+        if prof.is_on() {
+            self.stream.synchronize().map_err(cuda_err("synchronize"))?;
+            let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+            let host = HostTimes {
+                upload_ms: ms(t_start, t_uploaded),
+                launch_ms: ms(t_uploaded, t_launched),
+                download_ms: ms(t_launched, t_downloaded),
+                ..HostTimes::default()
+            };
+            self.last_profile = Some(prof.finish(host)?);
+        }
+        Ok(BatchLogits { vocab, values })
+    }
+
+    /// RMSNorm, the QKV product, RoPE, the K/V scatter into the arena, paged
+    /// attention and the output product added to the residual.
+    fn attention_block(
+        &mut self,
+        layer: usize,
+        dev: &DeviceBatch,
+        prof: &mut Profiler,
+    ) -> Result<()> {
+        let cfg = &self.config;
+        let (h, qd, kvd, d) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+        let qkv_dim = qd + 2 * kvd;
+        let (t, tp) = (dev.rows, padded_rows(dev.rows));
+        let b = cfg.tokens_per_block as usize;
+        let lw = &self.weights.layers[layer];
+        let acts = &mut self.acts;
+        let launch = Launcher {
+            stream: &self.stream,
+            kernels: &self.kernels,
+        };
+        let (pi, layer_slot) = self.layout.layer_slots[layer];
+        let geometry = &self.layout.pools[pi];
+        let pool = &dev.pools[pi];
+        let layer_off = (layer_slot * 2 * kvd * b) as i64;
+
+        let norm = RowNorm {
+            launch: &launch,
+            weight: &lw.attn_norm,
+            eps: cfg.rms_norm_eps,
+        };
+        norm.then_product(
+            &self.blas,
+            &acts.x,
+            &mut acts.normed,
+            &lw.wqkv,
+            &mut acts.qkv,
+            (t, h, qkv_dim),
+            prof,
+        )?;
+        let rope_heads = cfg.num_heads + cfg.num_kv_heads;
+        launch.rope(
+            &mut acts.qkv,
+            qkv_dim,
+            rope_heads,
+            &dev.positions,
+            &acts.inv_freq,
+            t,
+        )?;
+        launch.write_kv(
+            &acts.qkv,
+            qkv_dim,
+            qd,
+            &pool.dst_base,
+            layer_off,
+            &mut self.kv[pi],
+            t,
+        )?;
+        prof.mark(Phase::Other)?;
+        let plan = self.kernels.split_plan(pool.max_keys, acts.part_cap);
+        launch.attention(
+            AttentionArgs {
+                q: &acts.qkv,
+                q_stride: qkv_dim,
+                arena: &self.kv[pi],
+                layer_off,
+                elems_per_block: geometry.elems_per_block() as i64,
+                tables: &pool.tables,
+                table_off: &pool.table_off,
+                first_block: &pool.first_block,
+                tok_seq: &dev.tok_seq,
+                tok_pos: &dev.positions,
+                window: geometry.window,
+                rows: t,
+                num_heads: cfg.num_heads,
+                num_kv_heads: cfg.num_kv_heads,
+                head_dim: d,
+                plan,
+            },
+            &mut acts.part_o,
+            &mut acts.part_ml,
+            Some(&mut acts.attn),
+            qd,
+        )?;
+        prof.mark(Phase::Attention)?;
+        linear(
+            &self.blas,
+            &acts.attn.slice(..tp * qd),
+            qd,
+            &lw.wo,
+            &mut acts.x.slice_mut(..tp * h),
+            (t, qd, h),
+            true,
+        )?;
+        prof.mark(Phase::Matmul)
+    }
+
+    /// RMSNorm, the gate/up product, SwiGLU and the down product added to
+    /// the residual.
+    fn mlp_block(&mut self, layer: usize, dev: &DeviceBatch, prof: &mut Profiler) -> Result<()> {
+        let cfg = &self.config;
+        let (h, f) = (cfg.hidden_size, cfg.ffn_size);
+        let (t, tp) = (dev.rows, padded_rows(dev.rows));
+        let lw = &self.weights.layers[layer];
+        let acts = &mut self.acts;
+        let launch = Launcher {
+            stream: &self.stream,
+            kernels: &self.kernels,
+        };
+        let norm = RowNorm {
+            launch: &launch,
+            weight: &lw.mlp_norm,
+            eps: cfg.rms_norm_eps,
+        };
+        norm.then_product(
+            &self.blas,
+            &acts.x,
+            &mut acts.normed,
+            &lw.w_gate_up,
+            &mut acts.gate_up,
+            (t, h, 2 * f),
+            prof,
+        )?;
+        launch.swiglu(&mut acts.gate_up, f, t)?;
+        prof.mark(Phase::Other)?;
+        linear(
+            &self.blas,
+            &acts.gate_up.slice(..tp * 2 * f),
+            2 * f,
+            &lw.w_down,
+            &mut acts.x.slice_mut(..tp * h),
+            (t, f, h),
+            true,
+        )?;
+        prof.mark(Phase::Matmul)
+    }
+
+    /// The final norm of the logit rows and the LM head over them, into the
+    /// first `dev.num_logit_rows` rows of `acts.logits`.
+    fn logits(&mut self, dev: &DeviceBatch, prof: &mut Profiler) -> Result<()> {
+        let cfg = &self.config;
+        let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        let r = dev.num_logit_rows;
+        let acts = &mut self.acts;
+        let launch = Launcher {
+            stream: &self.stream,
+            kernels: &self.kernels,
+        };
+        launch.rms_norm(
+            &acts.x,
+            Some(&dev.logit_rows),
+            &self.weights.final_norm,
+            &mut acts.final_rows,
+            r,
+            h,
+            cfg.rms_norm_eps,
+        )?;
+        prof.mark(Phase::Other)?;
+        linear(
+            &self.blas,
+            &acts.final_rows.slice(..padded_rows(r) * h),
+            h,
+            self.weights.head(),
+            &mut acts.logits.slice_mut(..padded_rows(r) * vocab),
+            (r, h, vocab),
+            false,
+        )?;
+        prof.mark(Phase::Matmul)
+    }
+}
+
+/// The RMSNorm in front of a layer's first product.
+struct RowNorm<'a> {
+    launch: &'a Launcher<'a>,
+    weight: &'a CudaSlice<f32>,
+    eps: f32,
+}
+
+impl RowNorm<'_> {
+    /// `out[t × n] = rms_norm(x[t × k]) · w[n × k]ᵀ`, the norm through `normed`.
+    #[allow(clippy::too_many_arguments)] // both buffers of each stage
+    fn then_product(
+        &self,
+        blas: &CudaBlas,
+        x: &CudaSlice<f32>,
+        normed: &mut CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        (t, k, n): (usize, usize, usize),
+        prof: &mut Profiler,
+    ) -> Result<()> {
+        let tp = padded_rows(t);
+        self.launch
+            .rms_norm(x, None, self.weight, normed, t, k, self.eps)?;
+        prof.mark(Phase::Other)?;
+        linear(
+            blas,
+            &normed.slice(..tp * k),
+            k,
+            w,
+            &mut out.slice_mut(..tp * n),
+            (t, k, n),
+            false,
+        )?;
+        prof.mark(Phase::Matmul)
+    }
+}
+
+/// Which part of the pass a stretch of device time belongs to.
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    Matmul,
+    Attention,
+    Other,
+}
+
+/// Device events between the phases of one pass, when profiling is on.
+struct Profiler {
+    stream: Arc<CudaStream>,
+    start: Option<CudaEvent>,
+    marks: Vec<(Phase, CudaEvent)>,
+}
+
+impl Profiler {
+    fn start(stream: &Arc<CudaStream>, on: bool) -> Result<Self> {
+        let start = if on { Some(Self::event(stream)?) } else { None };
+        Ok(Profiler {
+            stream: stream.clone(),
+            start,
+            marks: Vec::new(),
+        })
+    }
+
+    fn event(stream: &Arc<CudaStream>) -> Result<CudaEvent> {
+        stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(cuda_err("event"))
+    }
+
+    fn is_on(&self) -> bool {
+        self.start.is_some()
+    }
+
+    /// Ends a stretch of `phase` work.
+    fn mark(&mut self, phase: Phase) -> Result<()> {
+        if self.is_on() {
+            let e = Self::event(&self.stream)?;
+            self.marks.push((phase, e));
+        }
+        Ok(())
+    }
+
+    /// The device time of each phase (the stream has finished), with `host`.
+    fn finish(self, host: HostTimes) -> Result<PhaseTimes> {
+        let mut times = PhaseTimes {
+            host,
+            ..PhaseTimes::default()
+        };
+        let Some(start) = self.start else {
+            return Ok(times);
+        };
+        let mut prev = &start;
+        for (phase, e) in &self.marks {
+            let ms = f64::from(prev.elapsed_ms(e).map_err(cuda_err("event"))?);
+            match phase {
+                Phase::Matmul => times.matmul_ms += ms,
+                Phase::Attention => times.attention_ms += ms,
+                Phase::Other => times.other_ms += ms,
+            }
+            prev = e;
+        }
+        Ok(times)
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device(&self) -> String {
+        format!("{} (cuda:{})", self.device_name, self.ctx.ordinal())
+    }
+
+    fn kv_dtype(&self) -> &'static str {
+        self.kv_dtype.name()
+    }
+
+    fn forward(&mut self, batch: &Batch) -> Result<BatchLogits> {
+        self.run(batch)
+    }
+
+    fn set_profiling(&mut self, on: bool) {
+        self.profiling = on;
+    }
+
+    fn last_profile(&self) -> Option<PhaseTimes> {
+        self.last_profile
+    }
+}

@@ -1,0 +1,221 @@
+//! The kernels of `kernels.cu`, compiled with NVRTC for one model shape,
+//! and how the attention kernels split a row's keys.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, sys::CUdevice_attribute, sys::CUfunction_attribute,
+};
+use cudarc::nvrtc::CompileOptions;
+
+use super::{GPU_KV_ELEM_BYTES, KvDtype, cuda_err};
+use crate::error::{Error, Result};
+
+const KERNELS: &str = include_str!("kernels.cu");
+
+/// Keys per tile of the tensor-core attention kernel.
+const MMA_TILE: usize = 16;
+
+/// Launch shape of the tensor-core paged attention kernel
+/// (`paged_attention_mma`), used where the model allows it: head width 64
+/// or 128, at most 8 query heads per KV head, compute capability 8.0 or
+/// newer. Elsewhere the general kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionTuning {
+    /// Use the tensor-core kernel where the shape allows (else always the
+    /// general one).
+    pub tensor_cores: bool,
+    /// Warps per CTA; each streams its own tiles of the CTA's key split.
+    pub warps: usize,
+    /// cp.async stages (16-key K and V tiles) per warp.
+    pub stages: usize,
+    /// Keys per split of a query row (a multiple of 32). A constant of the
+    /// worker, never derived from the batch: a row's splits start at its
+    /// window start and every `split_keys` after, so the row is computed the
+    /// same way whatever shares the launch (batch-invariant results, which
+    /// exact prefix reuse needs).
+    pub split_keys: usize,
+}
+
+impl Default for AttentionTuning {
+    fn default() -> Self {
+        AttentionTuning {
+            tensor_cores: true,
+            warps: 4,
+            stages: 3,
+            split_keys: 512,
+        }
+    }
+}
+
+/// The tensor-core attention kernel and how it is launched.
+#[derive(Debug)]
+pub(super) struct MmaAttention {
+    pub(super) func: CudaFunction,
+    pub(super) tuning: AttentionTuning,
+    /// Dynamic shared memory per CTA.
+    pub(super) smem_bytes: u32,
+}
+
+/// The compiled kernels of one model shape.
+#[derive(Debug)]
+pub(super) struct Kernels {
+    pub(super) embed: CudaFunction,
+    pub(super) rms_norm: CudaFunction,
+    pub(super) rope: CudaFunction,
+    pub(super) swiglu: CudaFunction,
+    pub(super) write_kv: CudaFunction,
+    pub(super) paged_attention: CudaFunction,
+    pub(super) paged_attention_mma: Option<MmaAttention>,
+    /// [`AttentionTuning::split_keys`], for both attention kernels.
+    pub(super) split_keys: usize,
+    pub(super) attention_combine: CudaFunction,
+    /// The bench's K/V filler.
+    #[cfg(feature = "bench")]
+    pub(super) fill_random: CudaFunction,
+}
+
+/// The compile-time constants of the kernels.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct KernelShape {
+    pub(super) head_dim: usize,
+    pub(super) group: usize,
+    pub(super) kv_heads: usize,
+    pub(super) tokens_per_block: usize,
+    pub(super) kv_dtype: KvDtype,
+}
+
+impl Kernels {
+    pub(super) fn compile(ctx: &Arc<CudaContext>, shape: KernelShape) -> Result<Self> {
+        Self::compile_tuned(ctx, shape, AttentionTuning::default())
+    }
+
+    pub(super) fn compile_tuned(
+        ctx: &Arc<CudaContext>,
+        shape: KernelShape,
+        tuning: AttentionTuning,
+    ) -> Result<Self> {
+        let dtype = match shape.kv_dtype {
+            KvDtype::F16 => "KV_F16",
+            KvDtype::Bf16 => "KV_BF16",
+        };
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda_err("compute capability"))?;
+        // The tensor-core kernel: its shared memory is the warps' pipelines
+        // (K and V tiles of 16 keys), reused at the end for the warps' merge.
+        let smem_optin = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(cuda_err("attribute"))?
+            .max(0) as usize;
+        if tuning.split_keys == 0 || !tuning.split_keys.is_multiple_of(32) {
+            return Err(Error::Config(format!(
+                "attention split of {} keys: must be a positive multiple of 32",
+                tuning.split_keys
+            )));
+        }
+        let (warps, stages) = (tuning.warps.max(1), tuning.stages.max(2));
+        let pipeline_bytes =
+            warps * stages * 2 * MMA_TILE * shape.head_dim * GPU_KV_ELEM_BYTES as usize;
+        let merge_bytes = warps * shape.group * (shape.head_dim + 4) * 4;
+        let mma_smem = pipeline_bytes.max(merge_bytes);
+        let use_mma = tuning.tensor_cores
+            && major >= 8
+            && matches!(shape.head_dim, 64 | 128)
+            && shape.group <= 8
+            && warps <= 16
+            && mma_smem <= smem_optin;
+        let mma_defines = if use_mma {
+            format!("#define ATTN_MMA 1\n#define MMA_WARPS {warps}\n#define MMA_STAGES {stages}\n")
+        } else {
+            String::new()
+        };
+        let src = format!(
+            "#define HEAD_DIM {}\n#define GROUP {}\n#define KV_HEADS {}\n#define TOKENS_PER_BLOCK {}\n#define {dtype} 1\n{mma_defines}{KERNELS}",
+            shape.head_dim, shape.group, shape.kv_heads, shape.tokens_per_block
+        );
+        let arch = match (major, minor) {
+            (9, 0) => Some("compute_90"),
+            (8, 0) => Some("compute_80"),
+            (8, 6) => Some("compute_86"),
+            (8, 9) => Some("compute_89"),
+            _ => None,
+        };
+        let opts = CompileOptions {
+            arch,
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
+            .map_err(|e| Error::Backend(format!("nvrtc: {e}")))?;
+        let module = ctx.load_module(ptx).map_err(cuda_err("load module"))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(cuda_err("load function"))
+        };
+        let paged_attention_mma = if use_mma {
+            let func = f("paged_attention_mma")?;
+            func.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                mma_smem as i32,
+            )
+            .map_err(cuda_err("shared memory limit"))?;
+            Some(MmaAttention {
+                func,
+                tuning: AttentionTuning {
+                    warps,
+                    stages,
+                    ..tuning
+                },
+                smem_bytes: mma_smem as u32,
+            })
+        } else {
+            None
+        };
+        Ok(Kernels {
+            embed: f("embed")?,
+            rms_norm: f("rms_norm")?,
+            rope: f("rope")?,
+            swiglu: f("swiglu")?,
+            write_kv: f("write_kv")?,
+            paged_attention: f("paged_attention")?,
+            paged_attention_mma,
+            split_keys: tuning.split_keys,
+            attention_combine: f("attention_combine")?,
+            #[cfg(feature = "bench")]
+            fill_random: f("fill_random")?,
+        })
+    }
+}
+
+/// How one attention launch splits its keys: each row's keys, from its own
+/// window start, in splits of [`Kernels::split_keys`] (see
+/// [`AttentionTuning::split_keys`]); rows × splits stay within the partials'
+/// capacity by running a long batch as several launches over row ranges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct SplitPlan {
+    pub(super) num_splits: usize,
+    pub(super) split_len: usize,
+    pub(super) rows_per_launch: usize,
+}
+
+impl Kernels {
+    /// The split plan for rows of at most `max_keys` keys each, with partials
+    /// for `part_cap` (row × split) pairs.
+    pub(super) fn split_plan(&self, max_keys: usize, part_cap: usize) -> SplitPlan {
+        // The tensor-core kernel walks 16-key tiles from the tile of a row's
+        // window start, so a row of `max_keys` keys spans up to
+        // `(max_keys + 30) / 16` tiles.
+        let span = if self.paged_attention_mma.is_some() {
+            (max_keys + 2 * MMA_TILE - 2) / MMA_TILE * MMA_TILE
+        } else {
+            max_keys
+        };
+        let num_splits = span.div_ceil(self.split_keys).max(1);
+        SplitPlan {
+            num_splits,
+            split_len: self.split_keys,
+            rows_per_launch: (part_cap / num_splits).max(1),
+        }
+    }
+}

@@ -1,0 +1,428 @@
+//! One typed, safe wrapper per kernel of `kernels.cu`.
+//!
+//! Each wrapper checks on the host that every buffer holds the rows its grid
+//! touches, then launches in a single `unsafe` block whose `SAFETY` comment
+//! names the kernel signature the arguments must match. Indices that arrive
+//! from a peer (token ids, block ids) are read by the kernels from device
+//! memory, where the host cannot check them per launch: they come from a
+//! [`Batch`](crate::batch::Batch) that passed [`batch::validate`]
+//! (token ids below the vocabulary, every position a pass touches covered by
+//! a listed block id below the pool's block count), uploaded by
+//! [`DeviceBatch::upload`](super::uploads::DeviceBatch::upload).
+//!
+//! [`batch::validate`]: crate::batch::validate
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+
+use super::cuda_err;
+use super::kernels::{Kernels, SplitPlan};
+use crate::error::{Error, Result};
+
+/// Launches the kernels of one compiled module on one stream.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Launcher<'a> {
+    pub(super) stream: &'a Arc<CudaStream>,
+    pub(super) kernels: &'a Kernels,
+}
+
+/// Fails unless a buffer of `have` elements holds the `need` a launch touches.
+fn check_len(kernel: &str, buffer: &str, have: usize, need: usize) -> Result<()> {
+    if have < need {
+        return Err(Error::Backend(format!(
+            "{kernel}: {buffer} holds {have} elements, the launch touches {need}"
+        )));
+    }
+    Ok(())
+}
+
+/// One block of `threads` threads per row.
+fn per_row(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Inputs of one paged-attention launch.
+pub(super) struct AttentionArgs<'a> {
+    pub(super) q: &'a CudaSlice<f32>,
+    pub(super) q_stride: usize,
+    pub(super) arena: &'a CudaSlice<u16>,
+    pub(super) layer_off: i64,
+    pub(super) elems_per_block: i64,
+    pub(super) tables: &'a CudaSlice<u32>,
+    pub(super) table_off: &'a CudaSlice<i32>,
+    pub(super) first_block: &'a CudaSlice<i32>,
+    pub(super) tok_seq: &'a CudaSlice<i32>,
+    pub(super) tok_pos: &'a CudaSlice<i32>,
+    pub(super) window: u32,
+    pub(super) rows: usize,
+    pub(super) num_heads: usize,
+    pub(super) num_kv_heads: usize,
+    pub(super) head_dim: usize,
+    pub(super) plan: SplitPlan,
+}
+
+impl Launcher<'_> {
+    /// `x[r] = table[tokens[r]]` for `rows` rows of width `h`.
+    pub(super) fn embed(
+        &self,
+        table: &CudaSlice<f32>,
+        tokens: &CudaSlice<u32>,
+        x: &mut CudaSlice<f32>,
+        rows: usize,
+        h: usize,
+    ) -> Result<()> {
+        check_len("embed", "tokens", tokens.len(), rows)?;
+        check_len("embed", "x", x.len(), rows * h)?;
+        let h_i = h as i32;
+        // SAFETY: matches `embed(const float*, const unsigned int*, float*,
+        // int h)`; the grid covers `rows` rows of `tokens` and `x` (checked
+        // above); every token id is below the vocabulary (`batch::validate`),
+        // so `table` (vocab × h) holds the row read.
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.embed)
+                .arg(table)
+                .arg(tokens)
+                .arg(x)
+                .arg(&h_i)
+                .launch(per_row(rows, 256))
+        }
+        .map_err(cuda_err("embed"))?;
+        Ok(())
+    }
+
+    /// `out[r] = x[src] / rms(x[src]) * w` for `rows` rows of width `h`,
+    /// `src = gather[r]` when `gather` is given, else `r`.
+    #[allow(clippy::too_many_arguments)] // the kernel's own parameters
+    pub(super) fn rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        gather: Option<&CudaSlice<u32>>,
+        w: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        rows: usize,
+        h: usize,
+        eps: f32,
+    ) -> Result<()> {
+        check_len("rms_norm", "w", w.len(), h)?;
+        check_len("rms_norm", "out", out.len(), rows * h)?;
+        match gather {
+            Some(g) => check_len("rms_norm", "gather", g.len(), rows)?,
+            None => check_len("rms_norm", "x", x.len(), rows * h)?,
+        }
+        let h_i = h as i32;
+        let use_rows = i32::from(gather.is_some());
+        // SAFETY: matches `rms_norm(const float* x, const unsigned int* rows,
+        // int use_rows, const float* w, float* out, int h, float eps)`; the
+        // grid covers `rows` rows of `out` (and of `gather`, or of `x` when
+        // there is none: the kernel reads `rows` only when use_rows is 1, so
+        // a null pointer stands in). Gathered row indices are the batch's
+        // own logit rows, below its token count (`DeviceBatch::upload`), so
+        // inside `x`.
+        unsafe {
+            let mut b = self.stream.launch_builder(&self.kernels.rms_norm);
+            b.arg(x);
+            let null = 0u64;
+            match gather {
+                Some(g) => b.arg(g),
+                None => b.arg(&null),
+            };
+            b.arg(&use_rows)
+                .arg(w)
+                .arg(out)
+                .arg(&h_i)
+                .arg(&eps)
+                .launch(per_row(rows, 256))
+        }
+        .map_err(cuda_err("rms_norm"))?;
+        Ok(())
+    }
+
+    /// Rotates the first `heads` heads of `rows` rows of `qkv` (row stride
+    /// `stride`) to each row's position.
+    pub(super) fn rope(
+        &self,
+        qkv: &mut CudaSlice<f32>,
+        stride: usize,
+        heads: usize,
+        positions: &CudaSlice<i32>,
+        inv_freq: &CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<()> {
+        check_len("rope", "positions", positions.len(), rows)?;
+        check_len("rope", "qkv", qkv.len(), rows * stride)?;
+        let (stride_i, heads_i) = (stride as i32, heads as i32);
+        // SAFETY: matches `rope(float* qkv, int stride, int heads, const int*
+        // positions, const float* inv_freq)`; the grid covers `rows` rows of
+        // `qkv` and `positions` (checked above); `inv_freq` holds HEAD_DIM/2
+        // entries (uploaded with the activations).
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.rope)
+                .arg(qkv)
+                .arg(&stride_i)
+                .arg(&heads_i)
+                .arg(positions)
+                .arg(inv_freq)
+                .launch(per_row(rows, 128))
+        }
+        .map_err(cuda_err("rope"))?;
+        Ok(())
+    }
+
+    /// `gate = silu(gate) * up` over `rows` rows `[gate | up]` of width `2f`.
+    pub(super) fn swiglu(&self, gate_up: &mut CudaSlice<f32>, f: usize, rows: usize) -> Result<()> {
+        check_len("swiglu", "gate_up", gate_up.len(), rows * 2 * f)?;
+        let (f_i, n) = (f as i32, (rows * f) as i32);
+        // SAFETY: matches `swiglu(float* gate_up, int f, int n)`; threads
+        // past n return, and n = rows × f elements lie in rows × 2f (checked).
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.swiglu)
+                .arg(gate_up)
+                .arg(&f_i)
+                .arg(&n)
+                .launch(LaunchConfig::for_num_elems(n as u32))
+        }
+        .map_err(cuda_err("swiglu"))?;
+        Ok(())
+    }
+
+    /// Copies the K and V columns (`k_col..`) of `rows` rows of `qkv` into
+    /// the arena slots `dst_base[r] + layer_off`.
+    #[allow(clippy::too_many_arguments)] // the kernel's own parameters
+    pub(super) fn write_kv(
+        &self,
+        qkv: &CudaSlice<f32>,
+        stride: usize,
+        k_col: usize,
+        dst_base: &CudaSlice<i64>,
+        layer_off: i64,
+        arena: &mut CudaSlice<u16>,
+        rows: usize,
+    ) -> Result<()> {
+        check_len("write_kv", "dst_base", dst_base.len(), rows)?;
+        check_len("write_kv", "qkv", qkv.len(), rows * stride)?;
+        let (stride_i, k_col_i) = (stride as i32, k_col as i32);
+        // SAFETY: matches `write_kv(const float* qkv, int stride, int k_col,
+        // const long long* dst_base, long long layer_off, kv_t* arena)`; the
+        // grid covers `rows` rows of `qkv` and `dst_base` (checked above);
+        // each `dst_base` is a (block, slot) offset of a block id that
+        // `batch::validate` found below the pool's block count, and
+        // `layer_off` a layer slot of the pool, so every element written lies
+        // inside the pool's arena.
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.write_kv)
+                .arg(qkv)
+                .arg(&stride_i)
+                .arg(&k_col_i)
+                .arg(dst_base)
+                .arg(&layer_off)
+                .arg(arena)
+                .launch(per_row(rows, 128))
+        }
+        .map_err(cuda_err("write_kv"))?;
+        Ok(())
+    }
+
+    /// Paged attention, then the merge of its splits into `out` (row stride
+    /// `out_stride`); with `out` None, only the partials (the bench times the
+    /// kernel alone that way).
+    pub(super) fn attention(
+        &self,
+        a: AttentionArgs<'_>,
+        part_o: &mut CudaSlice<f32>,
+        part_ml: &mut CudaSlice<f32>,
+        out: Option<&mut CudaSlice<f32>>,
+        out_stride: usize,
+    ) -> Result<()> {
+        if a.rows == 0 {
+            return Ok(());
+        }
+        let k = self.kernels;
+        let heads_d = a.num_heads * a.head_dim;
+        let per_launch = a.plan.rows_per_launch.min(a.rows);
+        check_len(
+            "paged_attention",
+            "q",
+            a.q.len(),
+            (a.rows - 1) * a.q_stride + heads_d,
+        )?;
+        check_len("paged_attention", "tok_seq", a.tok_seq.len(), a.rows)?;
+        check_len("paged_attention", "tok_pos", a.tok_pos.len(), a.rows)?;
+        let partials = per_launch * a.num_heads * a.plan.num_splits;
+        check_len(
+            "paged_attention",
+            "part_o",
+            part_o.len(),
+            partials * a.head_dim,
+        )?;
+        check_len("paged_attention", "part_ml", part_ml.len(), partials * 2)?;
+        let scale = std::f32::consts::LOG2_E / (a.head_dim as f32).sqrt();
+        let q_stride = a.q_stride as i32;
+        let window = a.window as i32;
+        let split_len = a.plan.split_len as i32;
+        let (func, block_dim, shared_mem_bytes) = match &k.paged_attention_mma {
+            Some(mma) => (
+                &mma.func,
+                (32 * mma.tuning.warps as u32, 1, 1),
+                mma.smem_bytes,
+            ),
+            None => (&k.paged_attention, (32, 1, 1), 0),
+        };
+        let mut out = out;
+        let mut r0 = 0;
+        while r0 < a.rows {
+            let n = a.plan.rows_per_launch.min(a.rows - r0);
+            let q = a.q.slice(r0 * a.q_stride..);
+            let tok_seq = a.tok_seq.slice(r0..);
+            let tok_pos = a.tok_pos.slice(r0..);
+            // SAFETY: matches `paged_attention(const float* q, int q_stride,
+            // float scale, const kv_t* arena, long long layer_off, long long
+            // elems_per_block, const unsigned int* tables, const int*
+            // seq_table_off, const int* seq_first_block, const int* tok_seq,
+            // const int* tok_pos, int window, int split_len, float* part_o,
+            // float* part_ml)`, which `paged_attention_mma` shares (split_len
+            // is a multiple of 32, so of its 16-key tiles). The launch covers
+            // rows r0..r0 + n of q, tok_seq and tok_pos, and n × heads ×
+            // splits ≤ `rows_per_launch` × heads × splits partials (checked
+            // above). Each row reads the keys of its window through its
+            // sequence's table: `batch::validate` checked that every such
+            // position lies in a listed block whose id is below the pool's
+            // block count (the bench builds in-range tables itself).
+            unsafe {
+                self.stream
+                    .launch_builder(func)
+                    .arg(&q)
+                    .arg(&q_stride)
+                    .arg(&scale)
+                    .arg(a.arena)
+                    .arg(&a.layer_off)
+                    .arg(&a.elems_per_block)
+                    .arg(a.tables)
+                    .arg(a.table_off)
+                    .arg(a.first_block)
+                    .arg(&tok_seq)
+                    .arg(&tok_pos)
+                    .arg(&window)
+                    .arg(&split_len)
+                    .arg(&mut *part_o)
+                    .arg(&mut *part_ml)
+                    .launch(LaunchConfig {
+                        grid_dim: (a.plan.num_splits as u32, a.num_kv_heads as u32, n as u32),
+                        block_dim,
+                        shared_mem_bytes,
+                    })
+            }
+            .map_err(cuda_err("paged_attention"))?;
+            if let Some(out) = out.as_deref_mut() {
+                let merge = Merge {
+                    num_splits: a.plan.num_splits,
+                    rows: n,
+                    heads: a.num_heads,
+                    head_dim: a.head_dim,
+                };
+                self.attention_combine(part_o, part_ml, merge, out, r0, out_stride)?;
+            }
+            r0 += n;
+        }
+        Ok(())
+    }
+
+    /// Merges the splits of `merge.rows` rows (every head) into rows
+    /// `row0..` of `out` (row stride `out_stride`).
+    fn attention_combine(
+        &self,
+        part_o: &CudaSlice<f32>,
+        part_ml: &CudaSlice<f32>,
+        merge: Merge,
+        out: &mut CudaSlice<f32>,
+        row0: usize,
+        out_stride: usize,
+    ) -> Result<()> {
+        let Merge {
+            num_splits,
+            rows,
+            heads,
+            head_dim,
+        } = merge;
+        if rows == 0 {
+            return Ok(());
+        }
+        let partials = rows * heads * num_splits;
+        check_len(
+            "attention_combine",
+            "part_o",
+            part_o.len(),
+            partials * head_dim,
+        )?;
+        check_len("attention_combine", "part_ml", part_ml.len(), partials * 2)?;
+        let need = (row0 + rows - 1) * out_stride + heads * head_dim;
+        check_len("attention_combine", "out", out.len(), need)?;
+        let mut dst = out.slice_mut(row0 * out_stride..);
+        let (num_splits_i, out_stride_i) = (num_splits as i32, out_stride as i32);
+        // SAFETY: matches `attention_combine(const float* part_o, const
+        // float* part_ml, int num_splits, float* out, int out_stride)`; the
+        // grid (rows × heads) reads rows × heads × num_splits partials and
+        // writes rows rows of `out` from `row0` (checked above).
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.attention_combine)
+                .arg(part_o)
+                .arg(part_ml)
+                .arg(&num_splits_i)
+                .arg(&mut dst)
+                .arg(&out_stride_i)
+                .launch(LaunchConfig {
+                    grid_dim: (rows as u32, heads as u32, 1),
+                    block_dim: (head_dim.min(128) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+        }
+        .map_err(cuda_err("attention_combine"))?;
+        Ok(())
+    }
+
+    /// Fills `arena` with values in [-0.5, 0.5) hashed from (index, seed),
+    /// on `ctas` blocks of 256 threads (the bench's K/V).
+    #[cfg(feature = "bench")]
+    pub(super) fn fill_random(
+        &self,
+        arena: &mut CudaSlice<u16>,
+        seed: u32,
+        ctas: u32,
+    ) -> Result<()> {
+        let n = arena.len() as i64;
+        // SAFETY: matches `fill_random(kv_t* a, long long n, unsigned int
+        // seed)`; the kernel's grid-stride loop stops at n = arena.len().
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.fill_random)
+                .arg(arena)
+                .arg(&n)
+                .arg(&seed)
+                .launch(LaunchConfig {
+                    grid_dim: (ctas.max(1), 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+        }
+        .map_err(cuda_err("fill_random"))?;
+        Ok(())
+    }
+}
+
+/// The shape of one merge of attention splits.
+#[derive(Debug, Clone, Copy)]
+struct Merge {
+    num_splits: usize,
+    rows: usize,
+    heads: usize,
+    head_dim: usize,
+}

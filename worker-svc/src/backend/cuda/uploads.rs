@@ -1,0 +1,235 @@
+//! What goes to the device: the weights once, the activation buffers once
+//! (sized for the largest batch), and each batch's row and table metadata.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+
+use super::cuda_err;
+use super::gemm::padded_rows;
+use crate::arena::ArenaLayout;
+use crate::batch::Batch;
+use crate::error::Result;
+use crate::model::ModelConfig;
+use crate::model::weights::Weights;
+
+fn upload<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    v: &[T],
+    what: &'static str,
+) -> Result<CudaSlice<T>> {
+    stream.clone_htod(v).map_err(cuda_err(what))
+}
+
+/// One layer's weights; Q/K/V and gate/up are concatenated so each is one
+/// product.
+#[derive(Debug)]
+pub(super) struct DeviceLayer {
+    pub(super) attn_norm: CudaSlice<f32>,
+    pub(super) wqkv: CudaSlice<f32>,
+    pub(super) wo: CudaSlice<f32>,
+    pub(super) mlp_norm: CudaSlice<f32>,
+    pub(super) w_gate_up: CudaSlice<f32>,
+    pub(super) w_down: CudaSlice<f32>,
+}
+
+/// The model's weights in device memory.
+#[derive(Debug)]
+pub(super) struct DeviceWeights {
+    pub(super) embed: CudaSlice<f32>,
+    pub(super) layers: Vec<DeviceLayer>,
+    pub(super) final_norm: CudaSlice<f32>,
+    pub(super) lm_head: Option<CudaSlice<f32>>,
+}
+
+impl DeviceWeights {
+    pub(super) fn upload(stream: &Arc<CudaStream>, weights: &Weights) -> Result<Self> {
+        let up = |v: &[f32]| upload(stream, v, "upload");
+        let layers = weights
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(DeviceLayer {
+                    attn_norm: up(&l.attn_norm)?,
+                    wqkv: up(&[l.wq.as_slice(), &l.wk, &l.wv].concat())?,
+                    wo: up(&l.wo)?,
+                    mlp_norm: up(&l.mlp_norm)?,
+                    w_gate_up: up(&[l.w_gate.as_slice(), &l.w_up].concat())?,
+                    w_down: up(&l.w_down)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(DeviceWeights {
+            embed: up(&weights.embed)?,
+            layers,
+            final_norm: up(&weights.final_norm)?,
+            lm_head: weights.lm_head.as_deref().map(up).transpose()?,
+        })
+    }
+
+    /// The LM head: its own matrix, or the embedding when tied.
+    pub(super) fn head(&self) -> &CudaSlice<f32> {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+}
+
+/// (query row × split) pairs the attention partials hold.
+pub(super) fn part_capacity(max_tokens: usize) -> usize {
+    max_tokens.max(4096)
+}
+
+/// Activation buffers, allocated once for the largest batch.
+#[derive(Debug)]
+pub(super) struct Activations {
+    pub(super) x: CudaSlice<f32>,
+    pub(super) normed: CudaSlice<f32>,
+    pub(super) qkv: CudaSlice<f32>,
+    pub(super) attn: CudaSlice<f32>,
+    pub(super) gate_up: CudaSlice<f32>,
+    pub(super) final_rows: CudaSlice<f32>,
+    pub(super) logits: CudaSlice<f32>,
+    pub(super) part_o: CudaSlice<f32>,
+    pub(super) part_ml: CudaSlice<f32>,
+    pub(super) inv_freq: CudaSlice<f32>,
+    /// (row × split) pairs `part_o` and `part_ml` hold.
+    pub(super) part_cap: usize,
+    /// Bytes of all of the above.
+    pub(super) bytes: u64,
+}
+
+impl Activations {
+    /// Buffers for batches of up to `max_tokens` rows of `cfg`.
+    pub(super) fn alloc(
+        stream: &Arc<CudaStream>,
+        cfg: &ModelConfig,
+        max_tokens: usize,
+    ) -> Result<Self> {
+        let (h, qd, kvd, f, d) = (
+            cfg.hidden_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+            cfg.ffn_size,
+            cfg.head_dim,
+        );
+        // Activations have whole GEMM_ROWS calls of rows (see `gemm::linear`).
+        let t = padded_rows(max_tokens.max(1));
+        let part_cap = part_capacity(t);
+        let zeros = |n: usize| stream.alloc_zeros::<f32>(n).map_err(cuda_err("alloc"));
+        let inv_freq: Vec<f32> = (0..d / 2)
+            .map(|i| (1.0 / f64::from(cfg.rope_theta).powf(2.0 * i as f64 / d as f64)) as f32)
+            .collect();
+        let activation_floats = t * (3 * h + qd + 2 * kvd + qd + 2 * f + cfg.vocab_size)
+            + part_cap * cfg.num_heads * (d + 2)
+            + d / 2;
+        Ok(Activations {
+            x: zeros(t * h)?,
+            normed: zeros(t * h)?,
+            qkv: zeros(t * (qd + 2 * kvd))?,
+            attn: zeros(t * qd)?,
+            gate_up: zeros(t * 2 * f)?,
+            final_rows: zeros(t * h)?,
+            logits: zeros(t * cfg.vocab_size)?,
+            part_o: zeros(part_cap * cfg.num_heads * d)?,
+            part_ml: zeros(part_cap * cfg.num_heads * 2)?,
+            inv_freq: upload(stream, &inv_freq, "upload")?,
+            part_cap,
+            bytes: activation_floats as u64 * 4,
+        })
+    }
+}
+
+/// One pool's tables for a batch: every sequence's block ids back to back,
+/// where each sequence's start, and the element offset of every row's
+/// (block, slot).
+#[derive(Debug)]
+pub(super) struct PoolBatch {
+    pub(super) tables: CudaSlice<u32>,
+    pub(super) table_off: CudaSlice<i32>,
+    pub(super) first_block: CudaSlice<i32>,
+    pub(super) dst_base: CudaSlice<i64>,
+    /// Most keys any row of the batch attends in this pool.
+    pub(super) max_keys: usize,
+}
+
+/// A validated batch's metadata in device memory.
+#[derive(Debug)]
+pub(super) struct DeviceBatch {
+    /// Rows (input tokens of every sequence).
+    pub(super) rows: usize,
+    pub(super) tokens: CudaSlice<u32>,
+    pub(super) positions: CudaSlice<i32>,
+    /// Sequence index of every row.
+    pub(super) tok_seq: CudaSlice<i32>,
+    /// The rows whose logits the batch returns.
+    pub(super) logit_rows: CudaSlice<u32>,
+    pub(super) num_logit_rows: usize,
+    /// Indexed like `ArenaLayout::pools`.
+    pub(super) pools: Vec<PoolBatch>,
+}
+
+impl DeviceBatch {
+    /// Builds and uploads the metadata of `batch`, which passed
+    /// [`crate::batch::validate`] against `layout`.
+    pub(super) fn upload(
+        stream: &Arc<CudaStream>,
+        batch: &Batch,
+        layout: &ArenaLayout,
+        cfg: &ModelConfig,
+    ) -> Result<Self> {
+        let t = batch.total_tokens();
+        let b = cfg.tokens_per_block as usize;
+        let d = cfg.head_dim;
+        let mut tokens = Vec::with_capacity(t);
+        let mut positions = Vec::with_capacity(t);
+        let mut tok_seq = Vec::with_capacity(t);
+        let mut logit_rows: Vec<u32> = Vec::new();
+        for (s, seq) in batch.seqs.iter().enumerate() {
+            let row0 = tokens.len();
+            tokens.extend(seq.tokens.iter().copied());
+            positions.extend((seq.start_pos..seq.start_pos + seq.tokens.len()).map(|p| p as i32));
+            tok_seq.extend(std::iter::repeat_n(s as i32, seq.tokens.len()));
+            let n = seq.tokens.len();
+            logit_rows.extend(((row0 + n - seq.logit_rows())..(row0 + n)).map(|r| r as u32));
+        }
+        let mut pools = Vec::with_capacity(layout.pools.len());
+        for (pi, geometry) in layout.pools.iter().enumerate() {
+            let mut flat = Vec::new();
+            let mut offs = Vec::with_capacity(batch.seqs.len());
+            let mut firsts = Vec::with_capacity(batch.seqs.len());
+            let mut dst = Vec::with_capacity(t);
+            let mut max_keys = 1;
+            let epb = geometry.elems_per_block() as i64;
+            for seq in &batch.seqs {
+                let table = &seq.tables[pi];
+                offs.push(flat.len() as i32);
+                firsts.push(table.first_block as i32);
+                flat.extend(table.block_ids.iter().copied());
+                for pos in seq.start_pos..seq.start_pos + seq.tokens.len() {
+                    let block = table.block_for(pos, b);
+                    dst.push(i64::from(block) * epb + ((pos % b) * d) as i64);
+                    let lo = crate::ops::window_start(pos, geometry.window);
+                    max_keys = max_keys.max(pos + 1 - lo);
+                }
+            }
+            if flat.is_empty() {
+                flat.push(0);
+            }
+            pools.push(PoolBatch {
+                tables: upload(stream, &flat, "upload batch")?,
+                table_off: upload(stream, &offs, "upload batch")?,
+                first_block: upload(stream, &firsts, "upload batch")?,
+                dst_base: upload(stream, &dst, "upload batch")?,
+                max_keys,
+            });
+        }
+        Ok(DeviceBatch {
+            rows: t,
+            tokens: upload(stream, &tokens, "upload batch")?,
+            positions: upload(stream, &positions, "upload batch")?,
+            tok_seq: upload(stream, &tok_seq, "upload batch")?,
+            num_logit_rows: logit_rows.len(),
+            logit_rows: upload(stream, &logit_rows, "upload batch")?,
+            pools,
+        })
+    }
+}
