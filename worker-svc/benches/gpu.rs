@@ -1,9 +1,11 @@
 //! `cargo bench -p worker-svc --features cuda --bench gpu`: paged decode
-//! attention on the GPU against the copy bandwidth measured in the same run,
-//! and whole decode steps of a CUDA worker. Without a usable device it says
+//! attention on the GPU against the copy bandwidth measured in the same run;
+//! then issue 12's targets 1 and 2: decode steps of a CUDA worker against
+//! the memory-bandwidth limit (bytes the step must read / copy bandwidth),
+//! and prefill against the bf16 GEMM rate cuBLAS reaches, both limits
+//! measured in the same run. Without a usable device it says
 //! why and exits 0, unless `KVLEASE_REQUIRE_GPU=1` (then it fails).
 
-use worker_svc::backend::KvDtype;
 use worker_svc::backend::cuda::AttentionTuning;
 use worker_svc::backend::cuda::bench::{self, AttentionShape};
 use worker_svc::model::ModelConfig;
@@ -63,7 +65,7 @@ fn main() {
     // Launch variants of the same shape, `KVLEASE_ATTN_VARIANTS` (comma
     // separated: `general` or `WARPSxSTAGESxSPLIT_KEYS`; `none` for none).
     let variants = std::env::var("KVLEASE_ATTN_VARIANTS")
-        .unwrap_or_else(|_| "general,4x2x512,4x3x256,4x3x1024,4x3x2048,8x3x1024".into());
+        .unwrap_or_else(|_| "general,4x3x1024,4x3x2048".into());
     let mut rows = Vec::new();
     for v in variants
         .split(',')
@@ -100,6 +102,10 @@ fn main() {
         }
     }
 
+    // Targets 1 and 2 of issue 12, each against a limit measured here.
+    let copy_gbps = bench::device_copy_bandwidth(1 << 30, 20).unwrap_or_else(|e| fail(e));
+    let (gm, gk, gn) = (8192, 8192, 8192);
+    let gemm_tflops = bench::gemm_rate(gm, gk, gn, 20).unwrap_or_else(|e| fail(e));
     let model = ModelConfig {
         name: "bench-1b".into(),
         vocab_size: 32000,
@@ -115,13 +121,13 @@ fn main() {
         tokens_per_block: 16,
         tied_embeddings: false,
     };
-    let (batch, context, steps) = (64, 1024, 50);
-    let r = bench::decode_step(model.clone(), batch, context, steps, KvDtype::Bf16)
-        .unwrap_or_else(|e| fail(e));
-    let p = r.phases;
-    let total = p.matmul_ms + p.attention_ms + p.other_ms;
+    let (context, steps) = (1024, 50);
+    let prefills = [(64, 1024), (8, 4096)];
+    let batches = [64, 256];
+    let r =
+        bench::model_bench(&model, &prefills, &batches, context, steps).unwrap_or_else(|e| fail(e));
     println!(
-        "decode step: {} layers, hidden {}, heads {}/{} kv x {}, ffn {}, vocab {}, {:.0} M params (f32 weights, bf16 KV), batch {batch}, context {context}",
+        "model: {} layers, hidden {}, heads {}/{} kv x {}, ffn {}, vocab {}, {:.0} M params; bf16 weights and products (f32 accumulation, calls of a fixed row count), bf16 KV",
         model.num_layers(),
         model.hidden_size,
         model.num_heads,
@@ -131,25 +137,74 @@ fn main() {
         model.vocab_size,
         model.num_params() as f64 / 1e6
     );
-    println!("| figure | value |");
-    println!("|---|---:|");
-    println!("| step (Worker::forward, wall) | {:.2} ms |", r.step_ms);
-    println!("| tokens/s | {:.0} |", r.tokens_per_s);
     println!(
-        "| device time of a profiled step | {total:.2} ms: matmul {:.0}%, attention {:.0}%, other {:.0}% |",
-        100.0 * p.matmul_ms / total,
-        100.0 * p.attention_ms / total,
-        100.0 * p.other_ms / total
-    );
-    let h = p.host;
-    println!(
-        "| host wall of that step | validate {:.2} ms, metadata + uploads {:.2} ms, launches {:.2} ms, wait + logits download {:.2} ms, sampling + outputs {:.2} ms |",
-        h.validate_ms, h.upload_ms, h.launch_ms, h.download_ms, h.outputs_ms
+        "limits measured in this run: device-to-device copy {copy_gbps:.0} GB/s (read + write, 1 GiB); cuBLAS bf16 GEMM {gm}x{gk}x{gn} (f32 accumulation) {gemm_tflops:.0} TFLOP/s"
     );
     println!(
-        "| prefill of {batch} x {context} tokens | {:.1} s |",
-        r.prefill_s
+        "target 1: decode step (Worker::forward_tokens, greedy tokens back), context {context}"
     );
+    println!(
+        "| batch | step | bytes it must read | limit at copy bandwidth | limit / step | target |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for d in &r.decodes {
+        let limit_ms = d.bytes as f64 / (copy_gbps * 1e9) * 1e3;
+        println!(
+            "| {} | {:.3} ms | {:.2} GB | {:.3} ms | {:.2} | >= 0.6 |",
+            d.batch,
+            d.step_ms,
+            d.bytes as f64 / 1e9,
+            limit_ms,
+            limit_ms / d.step_ms
+        );
+    }
+    println!(
+        "target 2: prefill (Worker::forward_tokens, {} tokens per forward)",
+        bench::PREFILL_BATCH_TOKENS
+    );
+    println!("| prefill | time | TFLOP | TFLOP/s | / cuBLAS bf16 rate | target |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for p in &r.prefills {
+        let rate = p.flops / p.seconds / 1e12;
+        println!(
+            "| {} x {} | {:.3} s | {:.1} | {:.0} | {:.2} | >= 0.5 |",
+            p.seqs,
+            p.tokens,
+            p.seconds,
+            p.flops / 1e12,
+            rate,
+            rate / gemm_tflops
+        );
+    }
+    println!("profile of one forward (device time by phase, ms; host wall by stage, ms):");
+    println!(
+        "| forward | device | matmul | attention | other | host: validate | upload | launch | wait + tokens back | outputs |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let rows = r
+        .decodes
+        .iter()
+        .map(|d| (format!("decode step, batch {}", d.batch), d.phases))
+        .chain(r.prefills.iter().map(|p| {
+            let len = p.tokens.min(bench::PREFILL_BATCH_TOKENS);
+            let per_forward = (bench::PREFILL_BATCH_TOKENS / len).clamp(1, p.seqs);
+            (format!("prefill, {per_forward} x {len}"), p.phases)
+        }));
+    for (what, p) in rows {
+        let h = p.host;
+        let total = p.matmul_ms + p.attention_ms + p.other_ms;
+        println!(
+            "| {what} | {total:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |",
+            p.matmul_ms,
+            p.attention_ms,
+            p.other_ms,
+            h.validate_ms,
+            h.upload_ms,
+            h.launch_ms,
+            h.download_ms,
+            h.outputs_ms
+        );
+    }
 }
 
 /// `general` (the one-warp kernel) or `WxSxK`: tensor cores with W warps

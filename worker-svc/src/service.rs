@@ -115,7 +115,8 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
                     .map_err(|_| Status::internal("worker state poisoned by an earlier panic"))?;
                 // Timed after the lock: queueing behind another pass is not compute.
                 let started = Instant::now();
-                let outputs = worker.forward(inputs).map_err(Status::from)?;
+                // Only the tokens: logits stay where the backend computed them.
+                let outputs = worker.forward_tokens(inputs).map_err(Status::from)?;
                 Ok::<_, Status>((outputs, started.elapsed().as_micros() as u64))
             })
             .await
@@ -126,7 +127,7 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
                     metrics.forward_tokens.inc_by(tokens as u64);
                     tracing::info!(step, sequences, tokens, compute_us, "forward done");
                     Ok(Response::new(pb::ForwardResponse {
-                        results: outputs.seqs.into_iter().map(forward_result).collect(),
+                        results: outputs.into_iter().map(forward_result).collect(),
                         compute_us,
                     }))
                 }

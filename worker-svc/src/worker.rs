@@ -7,7 +7,7 @@ use std::time::Instant;
 use crate::arena::{ArenaLayout, SlotLedger, plan_blocks};
 use crate::backend::cpu::{self, CpuBackend};
 use crate::backend::{Backend, BackendChoice, BatchLogits, CudaOptions, PhaseTimes};
-use crate::batch::{self, Limits, SeqInput};
+use crate::batch::{self, Batch, Limits, PlannedSeq, SeqInput};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::weights::Weights;
@@ -299,33 +299,73 @@ impl Worker {
     /// K/V, attends, and picks each sequence's next token.
     pub fn forward(&mut self, inputs: Vec<SeqInput>) -> Result<ForwardOutput> {
         let t_start = Instant::now();
-        let batch = batch::validate(
+        let batch = self.validate(inputs)?;
+        let t_validated = Instant::now();
+        let logits = self.backend.forward(&batch)?;
+        let seqs = self.outputs(&batch, t_start, t_validated, |seq, rows| {
+            sample_rows(&logits, seq, rows)
+        });
+        Ok(ForwardOutput { seqs, logits })
+    }
+
+    /// Runs one batch as [`Worker::forward`] does, but keeps no logits: when
+    /// every sequence is greedy the backend picks the tokens where the
+    /// logits are (on a GPU only one token per logits row comes back); a
+    /// batch with a sampled sequence takes [`Worker::forward`]'s path, since
+    /// sampling needs the logits on the host. The outputs are the same
+    /// either way ([`SeqOutput::rows`] still numbers the logits rows the
+    /// sequence had).
+    pub fn forward_tokens(&mut self, inputs: Vec<SeqInput>) -> Result<Vec<SeqOutput>> {
+        let t_start = Instant::now();
+        let batch = self.validate(inputs)?;
+        let t_validated = Instant::now();
+        if batch.seqs.iter().any(|s| s.sampling.temperature != 0.0) {
+            let logits = self.backend.forward(&batch)?;
+            return Ok(self.outputs(&batch, t_start, t_validated, |seq, rows| {
+                sample_rows(&logits, seq, rows)
+            }));
+        }
+        let tokens = self.backend.forward_argmax(&batch)?;
+        Ok(self.outputs(&batch, t_start, t_validated, |seq, rows| {
+            let seq_tokens = tokens.get(rows).unwrap_or(&[]);
+            let next_token = seq_tokens.last().copied().unwrap_or(0);
+            let argmax = if seq.all_positions {
+                seq_tokens.to_vec()
+            } else {
+                Vec::new()
+            };
+            (next_token, argmax)
+        }))
+    }
+
+    fn validate(&self, inputs: Vec<SeqInput>) -> Result<Batch> {
+        batch::validate(
             inputs,
             &self.info.model,
             &self.layout,
             &self.ledger,
             self.info.limits,
-        )?;
-        let t_validated = Instant::now();
-        let logits = self.backend.forward(&batch)?;
+        )
+    }
+
+    /// After the backend ran `batch`: records its writes in the ledger and
+    /// builds each sequence's output from `pick(seq, its logits rows)` →
+    /// (next token, argmax per position).
+    fn outputs(
+        &mut self,
+        batch: &Batch,
+        t_start: Instant,
+        t_validated: Instant,
+        mut pick: impl FnMut(&PlannedSeq, std::ops::Range<usize>) -> (u32, Vec<u32>),
+    ) -> Vec<SeqOutput> {
         let t_forward = Instant::now();
         self.ledger.record(&batch.writes);
-
-        let vocab = logits.vocab.max(1);
         let mut outputs = Vec::with_capacity(batch.seqs.len());
         let mut row = 0;
         for seq in &batch.seqs {
             let rows = row..row + seq.logit_rows();
             row = rows.end;
-            let seq_rows = logits.values[rows.start * vocab..rows.end * vocab].chunks_exact(vocab);
-            let last = seq_rows.clone().next_back().unwrap_or(&[]);
-            let last_pos = seq.start_pos + seq.tokens.len() - 1;
-            let next_token = sample(last, &seq.sampling, last_pos + 1);
-            let argmax = if seq.all_positions {
-                seq_rows.map(|r| argmax(r) as u32).collect()
-            } else {
-                Vec::new()
-            };
+            let (next_token, argmax) = pick(seq, rows.clone());
             outputs.push(SeqOutput {
                 seq_id: seq.seq_id,
                 next_token,
@@ -335,11 +375,28 @@ impl Worker {
         }
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
         self.host_times = (ms(t_start, t_validated), ms(t_forward, Instant::now()));
-        Ok(ForwardOutput {
-            seqs: outputs,
-            logits,
-        })
+        outputs
     }
+}
+
+/// The next token of `seq` sampled from its last logits row (of `rows`),
+/// and the argmax of every row when it asked for all positions.
+fn sample_rows(
+    logits: &BatchLogits,
+    seq: &PlannedSeq,
+    rows: std::ops::Range<usize>,
+) -> (u32, Vec<u32>) {
+    let vocab = logits.vocab.max(1);
+    let seq_rows = logits.values[rows.start * vocab..rows.end * vocab].chunks_exact(vocab);
+    let last = seq_rows.clone().next_back().unwrap_or(&[]);
+    let last_pos = seq.start_pos + seq.tokens.len() - 1;
+    let next_token = sample(last, &seq.sampling, last_pos + 1);
+    let argmax = if seq.all_positions {
+        seq_rows.map(|r| argmax(r) as u32).collect()
+    } else {
+        Vec::new()
+    };
+    (next_token, argmax)
 }
 
 /// Why the CUDA backend cannot run here, or `None` when it can.

@@ -5,9 +5,11 @@
 //! the CPU backend.
 //!
 //! Tolerance (max |gpu − reference| / max |reference| over a logits row):
-//! 3e-2 with a bf16 arena, 5e-3 with f16; the products and activations are
-//! f32, so the error is the K/V rounding. A reused prefix must give logits
-//! bit-identical to recomputing it, whatever the batch, as on the CPU.
+//! 3e-2 with a bf16 arena, 5e-3 with f16; the error is the rounding of the
+//! weights and the products' inputs to bf16 (f32 accumulation) and of K/V
+//! to 16 bits. A reused prefix must give logits bit-identical to
+//! recomputing it, whatever the batch, as on the CPU. Greedy tokens picked
+//! on the device must equal the host's argmax of the same logits.
 //! Without a usable GPU every test prints why and returns;
 //! `KVLEASE_REQUIRE_GPU=1` turns that into a failure.
 #![cfg(feature = "cuda")]
@@ -224,6 +226,67 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
         "gpu vs cpu backend, default model, bf16 arena: max relative error {:.2e}",
         max.0
     );
+}
+
+#[test]
+fn greedy_tokens_picked_on_the_device_equal_the_hosts_argmax() {
+    if !gpu_available("greedy_tokens_on_the_device") {
+        return;
+    }
+    let weights = match Weights::seeded(ModelConfig::small(), 9) {
+        Ok(w) => w,
+        Err(e) => panic!("weights: {e}"),
+    };
+    let mut worker = gpu_worker(&weights);
+    let windows: Vec<u32> = worker.layout().pools.iter().map(|p| p.window).collect();
+    let tables = |s: u32| -> Vec<TableInput> {
+        let ids: Vec<u32> = (s * 20..(s + 1) * 20).collect();
+        windows.iter().map(|&w| table(w, 0, &ids)).collect()
+    };
+    let vocab = weights.config.vocab_size as u32;
+    let seq = |s: u32, n: u32, start: u32, all_positions: bool, sampling: Sampling| SeqInput {
+        seq_id: u64::from(s),
+        tokens: (0..n).map(|i| (i * 11 + s * 29 + 3) % vocab).collect(),
+        start_pos: start,
+        tables: tables(s),
+        all_positions,
+        sampling,
+    };
+    let sampled = Sampling {
+        temperature: 0.8,
+        top_p: 0.9,
+        seed: 17,
+    };
+    // Greedy prefill rows (every position, and the last only), then a batch
+    // with a sampled sequence, which takes the logits path.
+    let batches = [
+        vec![
+            seq(0, 40, 0, true, Sampling::GREEDY),
+            seq(1, 25, 0, false, Sampling::GREEDY),
+            seq(2, 7, 0, true, Sampling::GREEDY),
+        ],
+        vec![
+            seq(0, 1, 40, false, Sampling::GREEDY),
+            seq(1, 3, 25, true, sampled),
+            seq(2, 1, 7, false, Sampling::GREEDY),
+        ],
+    ];
+    for (i, batch) in batches.into_iter().enumerate() {
+        // The same batch twice writes the same K/V into the same slots.
+        let with_logits = match worker.forward(batch.clone()) {
+            Ok(o) => o,
+            Err(e) => panic!("forward of batch {i}: {e}"),
+        };
+        let tokens_only = match worker.forward_tokens(batch) {
+            Ok(o) => o,
+            Err(e) => panic!("forward_tokens of batch {i}: {e}"),
+        };
+        assert_eq!(tokens_only, with_logits.seqs, "batch {i}");
+        println!(
+            "batch {i}: {:?}",
+            tokens_only.iter().map(|o| o.next_token).collect::<Vec<_>>()
+        );
+    }
 }
 
 #[test]

@@ -120,6 +120,20 @@ pub trait Backend: Send + std::fmt::Debug {
     /// and returns the logits rows. `batch` has been validated against the
     /// arena layout this backend was built with.
     fn forward(&mut self, batch: &Batch) -> Result<BatchLogits>;
+    /// Runs `batch` as [`Backend::forward`] does, but returns only the
+    /// argmax (first index of the largest value, as [`crate::ops::argmax`])
+    /// of each logits row `forward` would return, so a backend whose logits
+    /// live in device memory copies back one token per row instead of the
+    /// row. The default takes it on the host from `forward`'s rows.
+    fn forward_argmax(&mut self, batch: &Batch) -> Result<Vec<u32>> {
+        let logits = self.forward(batch)?;
+        let vocab = logits.vocab.max(1);
+        Ok(logits
+            .values
+            .chunks_exact(vocab)
+            .map(|row| crate::ops::argmax(row) as u32)
+            .collect())
+    }
     /// Turns per-phase timing of later passes on or off; backends that
     /// cannot time phases ignore it.
     fn set_profiling(&mut self, _on: bool) {}

@@ -4,14 +4,14 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, sys::CUevent_flags};
+use half::bf16;
 
-use super::gemm::{linear, padded_rows};
+use super::gemm::{Products, padded_rows};
 use super::kernels::{KernelShape, Kernels};
-use super::launches::{AttentionArgs, Launcher};
+use super::launches::{AttentionArgs, AttnOut, Launcher};
 use super::uploads::{Activations, DeviceBatch, DeviceWeights};
-use super::{CudaOptions, GPU_KV_ELEM_BYTES, KvDtype, blas_err, cuda_err, probe};
+use super::{CudaOptions, GPU_KV_ELEM_BYTES, KvDtype, cuda_err, probe};
 use crate::arena::{ArenaLayout, split_kv_bytes};
 use crate::backend::{Backend, BatchLogits, HostTimes, PhaseTimes};
 use crate::batch::Batch;
@@ -24,7 +24,7 @@ use crate::model::weights::Weights;
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    blas: CudaBlas,
+    products: Products,
     kernels: Kernels,
     config: ModelConfig,
     layout: ArenaLayout,
@@ -81,7 +81,7 @@ impl CudaBackend {
         }
         let ctx = CudaContext::new(options.device).map_err(cuda_err("context"))?;
         let stream = ctx.default_stream();
-        let blas = CudaBlas::new(stream.clone()).map_err(blas_err)?;
+        let products = Products::new(&stream)?;
         let kernels = Kernels::compile(
             &ctx,
             KernelShape {
@@ -94,8 +94,8 @@ impl CudaBackend {
         )?;
         let device_name = ctx.name().map_err(cuda_err("device name"))?;
 
-        let weight_bytes = weights.bytes();
         let dev_weights = DeviceWeights::upload(&stream, &weights)?;
+        let weight_bytes = dev_weights.bytes;
         let acts = Activations::alloc(&stream, &cfg, max_tokens)?;
         let activation_bytes = acts.bytes;
         stream.synchronize().map_err(cuda_err("synchronize"))?;
@@ -136,7 +136,7 @@ impl CudaBackend {
             CudaBackend {
                 ctx,
                 stream,
-                blas,
+                products,
                 kernels,
                 config: cfg,
                 layout,
@@ -158,7 +158,8 @@ impl CudaBackend {
         &self.layout
     }
 
-    /// Bytes of the weights on the device.
+    /// Bytes of the weights on the device (matrices bf16, norms and the
+    /// embedding table f32).
     pub fn weight_bytes(&self) -> u64 {
         self.weight_bytes
     }
@@ -168,14 +169,18 @@ impl CudaBackend {
         self.acts.bytes
     }
 
-    /// One pass: upload the batch's metadata, embed, the layers, the final
-    /// norm and LM head over the logit rows, then the logits back.
-    fn run(&mut self, batch: &Batch) -> Result<BatchLogits> {
-        let t_start = Instant::now();
-        let dev = DeviceBatch::upload(&self.stream, batch, &self.layout, &self.config)?;
-        let t_uploaded = Instant::now();
-        let mut prof = Profiler::start(&self.stream, self.profiling)?;
+    /// Bytes a decode step must read of the weights: every matrix and norm,
+    /// not the embedding table (one row per sequence).
+    pub fn weight_bytes_per_step(&self) -> u64 {
+        self.weights.bytes_read_per_step()
+    }
 
+    /// One pass up to the logits: upload the batch's metadata, embed, the
+    /// layers, the final norm and LM head over the logit rows, which stay on
+    /// the device in `acts.logits`. Profiling marks go into `prof`.
+    fn pass(&mut self, batch: &Batch, prof: &mut Profiler) -> Result<DeviceBatch> {
+        let dev = DeviceBatch::upload(&self.stream, batch, &self.layout, &self.config)?;
+        prof.uploaded();
         let launch = Launcher {
             stream: &self.stream,
             kernels: &self.kernels,
@@ -190,29 +195,57 @@ impl CudaBackend {
         )?;
         prof.mark(Phase::Other)?;
         for layer in 0..self.weights.layers.len() {
-            self.attention_block(layer, &dev, &mut prof)?;
-            self.mlp_block(layer, &dev, &mut prof)?;
+            self.attention_block(layer, &dev, prof)?;
+            self.mlp_block(layer, &dev, prof)?;
         }
+        self.logits(&dev, prof)?;
+        Ok(dev)
+    }
+
+    /// A pass, then the logits rows back to the host.
+    fn run(&mut self, batch: &Batch) -> Result<BatchLogits> {
+        let mut prof = Profiler::start(&self.stream, self.profiling)?;
+        let dev = self.pass(batch, &mut prof)?;
+        prof.launched();
         let vocab = self.config.vocab_size;
-        self.logits(&dev, &mut prof)?;
-        let t_launched = Instant::now();
         let values = self
             .stream
             .clone_dtoh(&self.acts.logits.slice(..dev.num_logit_rows * vocab))
             .map_err(cuda_err("download logits"))?;
-        let t_downloaded = Instant::now();
-        if prof.is_on() {
-            self.stream.synchronize().map_err(cuda_err("synchronize"))?;
-            let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-            let host = HostTimes {
-                upload_ms: ms(t_start, t_uploaded),
-                launch_ms: ms(t_uploaded, t_launched),
-                download_ms: ms(t_launched, t_downloaded),
-                ..HostTimes::default()
-            };
-            self.last_profile = Some(prof.finish(host)?);
-        }
+        self.finish_profile(prof)?;
         Ok(BatchLogits { vocab, values })
+    }
+
+    /// A pass, then the argmax of every logits row on the device: one token
+    /// per row comes back instead of the row.
+    fn run_argmax(&mut self, batch: &Batch) -> Result<Vec<u32>> {
+        let mut prof = Profiler::start(&self.stream, self.profiling)?;
+        let dev = self.pass(batch, &mut prof)?;
+        let rows = dev.num_logit_rows;
+        let launch = Launcher {
+            stream: &self.stream,
+            kernels: &self.kernels,
+        };
+        let vocab = self.config.vocab_size;
+        launch.argmax_rows(&self.acts.logits, vocab, rows, &mut self.acts.argmax)?;
+        prof.mark(Phase::Other)?;
+        prof.launched();
+        let tokens = self
+            .stream
+            .clone_dtoh(&self.acts.argmax.slice(..rows))
+            .map_err(cuda_err("download tokens"))?;
+        self.finish_profile(prof)?;
+        Ok(tokens)
+    }
+
+    /// Keeps the phase times of a profiled pass whose results came back.
+    fn finish_profile(&mut self, prof: Profiler) -> Result<()> {
+        if prof.is_on() {
+            let downloaded = Instant::now();
+            self.stream.synchronize().map_err(cuda_err("synchronize"))?;
+            self.last_profile = Some(prof.finish(downloaded)?);
+        }
+        Ok(())
     }
 
     /// RMSNorm, the QKV product, RoPE, the K/V scatter into the arena, paged
@@ -245,7 +278,7 @@ impl CudaBackend {
             eps: cfg.rms_norm_eps,
         };
         norm.then_product(
-            &self.blas,
+            &self.products,
             &acts.x,
             &mut acts.normed,
             &lw.wqkv,
@@ -294,12 +327,11 @@ impl CudaBackend {
             },
             &mut acts.part_o,
             &mut acts.part_ml,
-            Some(&mut acts.attn),
+            Some(AttnOut::Bf16(&mut acts.attn)),
             qd,
         )?;
         prof.mark(Phase::Attention)?;
-        linear(
-            &self.blas,
+        self.products.linear(
             &acts.attn.slice(..tp * qd),
             qd,
             &lw.wo,
@@ -328,7 +360,7 @@ impl CudaBackend {
             eps: cfg.rms_norm_eps,
         };
         norm.then_product(
-            &self.blas,
+            &self.products,
             &acts.x,
             &mut acts.normed,
             &lw.w_gate_up,
@@ -336,12 +368,11 @@ impl CudaBackend {
             (t, h, 2 * f),
             prof,
         )?;
-        launch.swiglu(&mut acts.gate_up, f, t)?;
+        launch.swiglu(&acts.gate_up, f, t, &mut acts.act)?;
         prof.mark(Phase::Other)?;
-        linear(
-            &self.blas,
-            &acts.gate_up.slice(..tp * 2 * f),
-            2 * f,
+        self.products.linear(
+            &acts.act.slice(..tp * f),
+            f,
             &lw.w_down,
             &mut acts.x.slice_mut(..tp * h),
             (t, f, h),
@@ -371,11 +402,10 @@ impl CudaBackend {
             cfg.rms_norm_eps,
         )?;
         prof.mark(Phase::Other)?;
-        linear(
-            &self.blas,
+        self.products.linear(
             &acts.final_rows.slice(..padded_rows(r) * h),
             h,
-            self.weights.head(),
+            &self.weights.head,
             &mut acts.logits.slice_mut(..padded_rows(r) * vocab),
             (r, h, vocab),
             false,
@@ -396,10 +426,10 @@ impl RowNorm<'_> {
     #[allow(clippy::too_many_arguments)] // both buffers of each stage
     fn then_product(
         &self,
-        blas: &CudaBlas,
+        products: &Products,
         x: &CudaSlice<f32>,
-        normed: &mut CudaSlice<f32>,
-        w: &CudaSlice<f32>,
+        normed: &mut CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
         out: &mut CudaSlice<f32>,
         (t, k, n): (usize, usize, usize),
         prof: &mut Profiler,
@@ -408,8 +438,7 @@ impl RowNorm<'_> {
         self.launch
             .rms_norm(x, None, self.weight, normed, t, k, self.eps)?;
         prof.mark(Phase::Other)?;
-        linear(
-            blas,
+        products.linear(
             &normed.slice(..tp * k),
             k,
             w,
@@ -429,21 +458,36 @@ enum Phase {
     Other,
 }
 
-/// Device events between the phases of one pass, when profiling is on.
+/// Device events between the phases of one pass, when profiling is on,
+/// and the host's clock at its stages.
 struct Profiler {
     stream: Arc<CudaStream>,
     start: Option<CudaEvent>,
     marks: Vec<(Phase, CudaEvent)>,
+    /// Host instants: start, metadata uploaded, everything enqueued.
+    host: [Instant; 3],
 }
 
 impl Profiler {
     fn start(stream: &Arc<CudaStream>, on: bool) -> Result<Self> {
+        let now = Instant::now();
         let start = if on { Some(Self::event(stream)?) } else { None };
         Ok(Profiler {
             stream: stream.clone(),
             start,
             marks: Vec::new(),
+            host: [now; 3],
         })
+    }
+
+    /// The batch's metadata is on the device.
+    fn uploaded(&mut self) {
+        self.host[1] = Instant::now();
+    }
+
+    /// Every launch of the pass is enqueued.
+    fn launched(&mut self) {
+        self.host[2] = Instant::now();
     }
 
     fn event(stream: &Arc<CudaStream>) -> Result<CudaEvent> {
@@ -465,10 +509,18 @@ impl Profiler {
         Ok(())
     }
 
-    /// The device time of each phase (the stream has finished), with `host`.
-    fn finish(self, host: HostTimes) -> Result<PhaseTimes> {
+    /// The device time of each phase and the host's stages; called once
+    /// the results are back (and the stream has finished).
+    fn finish(self, downloaded: Instant) -> Result<PhaseTimes> {
+        let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+        let [started, uploaded, launched] = self.host;
         let mut times = PhaseTimes {
-            host,
+            host: HostTimes {
+                upload_ms: ms(started, uploaded),
+                launch_ms: ms(uploaded, launched),
+                download_ms: ms(launched, downloaded),
+                ..HostTimes::default()
+            },
             ..PhaseTimes::default()
         };
         let Some(start) = self.start else {
@@ -503,6 +555,10 @@ impl Backend for CudaBackend {
 
     fn forward(&mut self, batch: &Batch) -> Result<BatchLogits> {
         self.run(batch)
+    }
+
+    fn forward_argmax(&mut self, batch: &Batch) -> Result<Vec<u32>> {
+        self.run_argmax(batch)
     }
 
     fn set_profiling(&mut self, on: bool) {

@@ -1,16 +1,19 @@
 //! Measurements behind `cargo bench -p worker-svc --features cuda --bench gpu`:
 //! the paged decode attention kernel against the device's copy bandwidth
-//! (with a host check of its output), and whole decode steps of a worker.
+//! (with a host check of its output), cuBLAS's bf16 GEMM rate, and a
+//! worker's prefill and whole decode steps.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaSlice, sys::CUevent_flags};
+use half::bf16;
 
+use super::gemm::Products;
 use super::kernels::{AttentionTuning, KernelShape, Kernels};
-use super::launches::{AttentionArgs, Launcher};
+use super::launches::{AttentionArgs, AttnOut, Launcher};
 use super::uploads::part_capacity;
-use super::{KvDtype, cuda_err};
+use super::{GPU_KV_ELEM_BYTES, KvDtype, cuda_err};
 use crate::backend::PhaseTimes;
 use crate::batch::{Limits, Sampling, SeqInput, TableInput};
 use crate::error::{Error, Result};
@@ -307,7 +310,7 @@ pub fn attention_with_partials(
             },
             &mut part_o,
             &mut part_ml,
-            out,
+            out.map(AttnOut::F32),
             qd,
         )
     };
@@ -409,6 +412,13 @@ pub fn attention_with_partials(
     })
 }
 
+/// [`copy_bandwidth`] on device 0.
+pub fn device_copy_bandwidth(bytes: usize, iters: usize) -> Result<f64> {
+    super::probe().map_err(Error::Backend)?;
+    let ctx = CudaContext::new(0).map_err(cuda_err("context"))?;
+    copy_bandwidth(&ctx, bytes, iters)
+}
+
 /// Device-to-device copy of `bytes`, best of `iters`, as (read + write) GB/s.
 pub fn copy_bandwidth(ctx: &Arc<CudaContext>, bytes: usize, iters: usize) -> Result<f64> {
     let stream = ctx.default_stream();
@@ -430,116 +440,265 @@ pub fn copy_bandwidth(ctx: &Arc<CudaContext>, bytes: usize, iters: usize) -> Res
     Ok(2.0 * bytes as f64 / (best * 1e-3) / 1e9)
 }
 
-/// What the whole-decode-step benchmark measured.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DecodeStepReport {
-    /// Mean wall time of one `Worker::forward` decode step, ms.
-    pub step_ms: f64,
-    /// Sequences × steps / time.
-    pub tokens_per_s: f64,
-    /// Device phase times of one profiled step.
-    pub phases: PhaseTimes,
-    /// Seconds the prefill of every sequence took.
-    pub prefill_s: f64,
+/// bf16 × bf16 → f32 GEMM rate cuBLAS reaches here: the best of `iters`
+/// calls of `m × k · (n × k)ᵀ` (the products' own configuration, one call
+/// of the whole shape) on random operands, TFLOP/s.
+pub fn gemm_rate(m: usize, k: usize, n: usize, iters: usize) -> Result<f64> {
+    super::probe().map_err(Error::Backend)?;
+    let ctx = CudaContext::new(0).map_err(cuda_err("context"))?;
+    let stream = ctx.default_stream();
+    let products = Products::new(&stream)?;
+    let mut rng = Mix(SplitMix64::new(5));
+    let mut random = |len: usize| -> Result<CudaSlice<bf16>> {
+        let host: Vec<bf16> = (0..len).map(|_| bf16::from_f32(rng.unit())).collect();
+        stream.clone_htod(&host).map_err(cuda_err("upload"))
+    };
+    let a = random(n * k)?;
+    let b = random(m * k)?;
+    let mut c = stream
+        .alloc_zeros::<f32>(m * n)
+        .map_err(cuda_err("alloc"))?;
+    let timed = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    products.gemm(&a, &b, k, &mut c, (m, k, n), false)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..iters {
+        let start = stream.record_event(timed).map_err(cuda_err("event"))?;
+        products.gemm(&a, &b, k, &mut c, (m, k, n), false)?;
+        let end = stream.record_event(timed).map_err(cuda_err("event"))?;
+        end.synchronize().map_err(cuda_err("synchronize"))?;
+        best = best.min(f64::from(
+            start.elapsed_ms(&end).map_err(cuda_err("event"))?,
+        ));
+    }
+    Ok(2.0 * (m * n * k) as f64 / (best * 1e-3) / 1e12)
 }
 
-/// Prefills `batch` sequences to `context` tokens on a CUDA worker for
-/// `model` (seeded weights), then times `steps` decode steps of the whole
-/// batch through `Worker::forward` (validation, uploads, kernels, logits
-/// back, sampling), and profiles one more.
-pub fn decode_step(
-    model: ModelConfig,
-    batch: usize,
+/// Bytes of the weights a decode step reads: every matrix (bf16) and norm
+/// (f32), the LM head included; not the embedding table, of which it reads
+/// one row per sequence.
+pub fn weight_bytes_per_step(model: &ModelConfig) -> u64 {
+    let (h, qd, kvd, f) = (
+        model.hidden_size,
+        model.q_dim(),
+        model.kv_dim(),
+        model.ffn_size,
+    );
+    let matrices =
+        model.num_layers() * (h * (qd + 2 * kvd) + qd * h + 3 * h * f) + model.vocab_size * h;
+    let norms = (2 * model.num_layers() + 1) * h;
+    (matrices * 2 + norms * 4) as u64
+}
+
+/// Bytes of K and V a row at position `pos` reads (keys `0..=pos`, every
+/// layer; the bench's models have no windows).
+pub fn kv_bytes_read(model: &ModelConfig, pos: usize) -> u64 {
+    ((pos + 1) * model.num_layers() * 2 * model.kv_dim()) as u64 * GPU_KV_ELEM_BYTES
+}
+
+/// FLOPs of prefilling one sequence of `n` tokens: the products over every
+/// token (the LM head over the last only) and causal attention.
+pub fn prefill_flops(model: &ModelConfig, n: usize) -> f64 {
+    let (h, qd, kvd, f) = (
+        model.hidden_size,
+        model.q_dim(),
+        model.kv_dim(),
+        model.ffn_size,
+    );
+    let per_token = model.num_layers() * (h * (qd + 2 * kvd) + qd * h + 3 * h * f);
+    let pairs = n * (n + 1) / 2;
+    let attention = model.num_layers() * pairs * model.num_heads * model.head_dim * 4;
+    2.0 * (per_token * n + model.vocab_size * h) as f64 + attention as f64
+}
+
+/// One timed decode step size of [`model_bench`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeFigures {
+    /// Sequences per step.
+    pub batch: usize,
+    /// Mean wall time of one `Worker::forward_tokens` decode step, ms.
+    pub step_ms: f64,
+    /// Bytes the step must read: weights and every sequence's K/V (mean
+    /// over the timed steps).
+    pub bytes: u64,
+    /// Device phase times (and host stages) of one profiled step.
+    pub phases: PhaseTimes,
+}
+
+/// One timed prefill of [`model_bench`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillFigures {
+    /// Sequences.
+    pub seqs: usize,
+    /// Tokens per sequence.
+    pub tokens: usize,
+    /// Wall time of all of it, through `Worker::forward_tokens` in batches
+    /// of [`PREFILL_BATCH_TOKENS`].
+    pub seconds: f64,
+    /// [`prefill_flops`] of every sequence.
+    pub flops: f64,
+    /// Device phase times (and host stages) of one more, profiled, forward
+    /// of the same shape.
+    pub phases: PhaseTimes,
+}
+
+/// Tokens per prefill forward in [`model_bench`].
+pub const PREFILL_BATCH_TOKENS: usize = 8192;
+
+/// What [`model_bench`] measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelReport {
+    /// Prefills, in `prefills` order.
+    pub prefills: Vec<PrefillFigures>,
+    /// Decode steps, in `decode_batches` order.
+    pub decodes: Vec<DecodeFigures>,
+}
+
+/// A CUDA worker for `model` (seeded weights, bf16 KV) that prefills
+/// `(sequences, tokens)` for each of `prefills`, timed, then for each batch
+/// of `decode_batches` prefills that many sequences to `context` tokens
+/// (untimed) and times `steps` decode steps of the whole batch through
+/// `Worker::forward_tokens` (validation, uploads, kernels, greedy tokens
+/// back), and profiles one more.
+pub fn model_bench(
+    model: &ModelConfig,
+    prefills: &[(usize, usize)],
+    decode_batches: &[usize],
     context: usize,
     steps: usize,
-    kv_dtype: KvDtype,
-) -> Result<DecodeStepReport> {
-    let prefill_chunk = 1024usize;
-    let seqs_per_prefill = (4096 / prefill_chunk).max(1);
+) -> Result<ModelReport> {
+    let max_batch = decode_batches.iter().copied().max().unwrap_or(1);
     let weights = Weights::seeded(model.clone(), 3)?;
     let options = WorkerOptions {
         memory_budget_bytes: 0,
         limits: Limits {
-            max_batch_sequences: batch.max(seqs_per_prefill),
-            max_batch_tokens: (seqs_per_prefill * prefill_chunk).max(batch),
+            max_batch_sequences: max_batch.max(256),
+            max_batch_tokens: PREFILL_BATCH_TOKENS.max(max_batch),
         },
         threads: 1,
     };
     let gpu = super::CudaOptions {
         device: 0,
-        kv_dtype,
-        memory_fraction: 0.5,
+        kv_dtype: KvDtype::Bf16,
+        memory_fraction: 0.6,
         max_kv_bytes: 0,
     };
     let mut worker = Worker::new_cuda(weights, options, gpu)?;
+    let pools: Vec<u32> = model.pools().into_iter().map(|p| p.window).collect();
     let b = model.tokens_per_block as usize;
-    let blocks_per_seq = (context + steps + 2).div_ceil(b);
-    let tables = |s: usize| -> Vec<TableInput> {
-        worker_pools(&model)
-            .into_iter()
-            .map(|window| TableInput {
+    let vocab = model.vocab_size as u64;
+    let mut next_block = 0u32;
+    let mut next_seq = 0u64;
+    // A fresh sequence with room for `len` tokens in blocks nobody else holds.
+    let mut new_seq = |len: usize| -> (u64, Vec<TableInput>) {
+        let n = len.div_ceil(b) as u32;
+        let ids: Vec<u32> = (next_block..next_block + n).collect();
+        next_block += n;
+        next_seq += 1;
+        let tables = pools
+            .iter()
+            .map(|&window| TableInput {
                 window,
                 beam: 0,
                 first_block: 0,
-                block_ids: (0..blocks_per_seq)
-                    .map(|i| (s * blocks_per_seq + i) as u32)
-                    .collect(),
+                block_ids: ids.clone(),
             })
-            .collect()
+            .collect();
+        (next_seq, tables)
     };
-    let vocab = model.vocab_size as u64;
-    let token = |s: usize, p: usize| ((s as u64 * 131 + p as u64 * 31) % vocab) as u32;
-    let seq = |s: usize, start: usize, tokens: Vec<u32>| SeqInput {
-        seq_id: s as u64,
-        tokens,
+    let token = |s: u64, p: usize| ((s * 131 + p as u64 * 31) % vocab) as u32;
+    let input = |s: u64, tables: &[TableInput], start: usize, end: usize| SeqInput {
+        seq_id: s,
+        tokens: (start..end).map(|p| token(s, p)).collect(),
         start_pos: start as u32,
-        tables: tables(s),
+        tables: tables.to_vec(),
         all_positions: false,
         sampling: Sampling::GREEDY,
     };
-
-    let t0 = Instant::now();
-    let mut next = vec![0u32; batch];
-    for first in (0..batch).step_by(seqs_per_prefill) {
-        for start in (0..context).step_by(prefill_chunk) {
-            let end = (start + prefill_chunk).min(context);
-            let inputs = (first..(first + seqs_per_prefill).min(batch))
-                .map(|s| seq(s, start, (start..end).map(|p| token(s, p)).collect()))
-                .collect();
-            for out in worker.forward(inputs)?.seqs {
-                next[out.seq_id as usize] = out.next_token;
+    // Prefills `seqs` in forwards of up to PREFILL_BATCH_TOKENS tokens, in
+    // chunks of at most that many per sequence; returns each one's next token.
+    let prefill = |worker: &mut Worker, seqs: &[(u64, Vec<TableInput>)], len: usize| {
+        let chunk = len.min(PREFILL_BATCH_TOKENS);
+        let per_forward = (PREFILL_BATCH_TOKENS / chunk).max(1);
+        let mut next = vec![0u32; seqs.len()];
+        for (g, group) in seqs.chunks(per_forward).enumerate() {
+            for start in (0..len).step_by(chunk) {
+                let end = (start + chunk).min(len);
+                let inputs = group
+                    .iter()
+                    .map(|(s, t)| input(*s, t, start, end))
+                    .collect();
+                for (i, out) in worker.forward_tokens(inputs)?.into_iter().enumerate() {
+                    next[g * per_forward + i] = out.next_token;
+                }
             }
         }
-    }
-    let prefill_s = t0.elapsed().as_secs_f64();
-
-    let mut pos = context;
-    let step = |worker: &mut Worker, pos: usize, next: &mut Vec<u32>| -> Result<()> {
-        let inputs = (0..batch).map(|s| seq(s, pos, vec![next[s]])).collect();
-        for out in worker.forward(inputs)?.seqs {
-            next[out.seq_id as usize] = out.next_token;
-        }
-        Ok(())
+        Ok::<_, Error>(next)
     };
-    step(&mut worker, pos, &mut next)?;
-    pos += 1;
-    let t1 = Instant::now();
-    for _ in 0..steps {
-        step(&mut worker, pos, &mut next)?;
-        pos += 1;
-    }
-    let elapsed = t1.elapsed().as_secs_f64();
-    worker.set_profiling(true);
-    step(&mut worker, pos, &mut next)?;
-    let phases = worker.last_profile().unwrap_or_default();
-    Ok(DecodeStepReport {
-        step_ms: elapsed * 1e3 / steps as f64,
-        tokens_per_s: (batch * steps) as f64 / elapsed,
-        phases,
-        prefill_s,
-    })
-}
 
-fn worker_pools(model: &ModelConfig) -> Vec<u32> {
-    model.pools().into_iter().map(|p| p.window).collect()
+    let mut report = ModelReport {
+        prefills: Vec::new(),
+        decodes: Vec::new(),
+    };
+    for &(count, len) in prefills {
+        let seqs: Vec<_> = (0..count).map(|_| new_seq(len)).collect();
+        // One untimed forward first, so the timing starts warm.
+        prefill(&mut worker, &seqs[..1], len.min(64))?;
+        let t0 = Instant::now();
+        prefill(&mut worker, &seqs, len)?;
+        let seconds = t0.elapsed().as_secs_f64();
+        let per_forward = (PREFILL_BATCH_TOKENS / len.min(PREFILL_BATCH_TOKENS)).clamp(1, count);
+        let more: Vec<_> = (0..per_forward).map(|_| new_seq(len)).collect();
+        worker.set_profiling(true);
+        prefill(&mut worker, &more, len.min(PREFILL_BATCH_TOKENS))?;
+        worker.set_profiling(false);
+        report.prefills.push(PrefillFigures {
+            seqs: count,
+            tokens: len,
+            seconds,
+            flops: prefill_flops(model, len) * count as f64,
+            phases: worker.last_profile().unwrap_or_default(),
+        });
+    }
+    for &batch in decode_batches {
+        let seqs: Vec<_> = (0..batch).map(|_| new_seq(context + steps + 2)).collect();
+        let mut next = prefill(&mut worker, &seqs, context)?;
+        let mut step = |worker: &mut Worker, pos: usize| -> Result<()> {
+            let inputs = seqs
+                .iter()
+                .zip(&next)
+                .map(|((s, t), &tok)| SeqInput {
+                    seq_id: *s,
+                    tokens: vec![tok],
+                    start_pos: pos as u32,
+                    tables: t.clone(),
+                    all_positions: false,
+                    sampling: Sampling::GREEDY,
+                })
+                .collect();
+            for (n, out) in next.iter_mut().zip(worker.forward_tokens(inputs)?) {
+                *n = out.next_token;
+            }
+            Ok(())
+        };
+        step(&mut worker, context)?;
+        let t1 = Instant::now();
+        for i in 0..steps {
+            step(&mut worker, context + 1 + i)?;
+        }
+        let elapsed = t1.elapsed().as_secs_f64();
+        worker.set_profiling(true);
+        step(&mut worker, context + 1 + steps)?;
+        worker.set_profiling(false);
+        let kv: u64 = (0..steps)
+            .map(|i| kv_bytes_read(model, context + 1 + i))
+            .sum::<u64>()
+            / steps.max(1) as u64;
+        report.decodes.push(DecodeFigures {
+            batch,
+            step_ms: elapsed * 1e3 / steps.max(1) as f64,
+            bytes: weight_bytes_per_step(model) + kv * batch as u64,
+            phases: worker.last_profile().unwrap_or_default(),
+        });
+    }
+    Ok(report)
 }

@@ -1,7 +1,9 @@
 // kvlease worker kernels, compiled at run time with NVRTC. The host
 // prepends `#define`s for HEAD_DIM, GROUP (query heads per KV head),
 // KV_HEADS, TOKENS_PER_BLOCK and KV_F16 or KV_BF16 (element type of the
-// arena). Activations and weights are f32; the arena stores 16-bit K/V.
+// arena). The residual stream, Q/K/V and logits are f32; the inputs of the
+// matrix products (normed rows, attention output, SwiGLU output) are bf16,
+// like the weights; the arena stores 16-bit K/V.
 
 #define D HEAD_DIM
 #define G GROUP
@@ -37,20 +39,28 @@ __device__ __forceinline__ float kv_to_f32(unsigned short h) {
 #endif
 }
 
-__device__ __forceinline__ unsigned short f32_to_kv(float f) {
-#ifdef KV_F16
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-#else
+// Round to nearest even; NaN stays a (quiet) NaN.
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
     unsigned int u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
         return (unsigned short)((u >> 16) | 0x40u);
     }
     u += 0x7fffu + ((u >> 16) & 1u);
     return (unsigned short)(u >> 16);
+}
+
+__device__ __forceinline__ unsigned short f32_to_kv(float f) {
+#ifdef KV_F16
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
+    return f32_to_bf16(f);
 #endif
 }
+
+// bf16 bits: the element type of the products' inputs.
+typedef unsigned short act_t;
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -71,11 +81,11 @@ extern "C" __global__ void embed(const float* __restrict__ table,
     for (int i = threadIdx.x; i < h; i += blockDim.x) x[(unsigned long long)r * h + i] = src[i];
 }
 
-// out[r] = x[src] / rms(x[src]) * w, src = rows[r] when use_rows else r.
-// One block of 256 threads per row.
+// out[r] = x[src] / rms(x[src]) * w, src = rows[r] when use_rows else r,
+// rounded to bf16 (the input of a product). One block of 256 threads per row.
 extern "C" __global__ void rms_norm(const float* __restrict__ x,
                                     const unsigned int* __restrict__ rows, int use_rows,
-                                    const float* __restrict__ w, float* __restrict__ out,
+                                    const float* __restrict__ w, act_t* __restrict__ out,
                                     int h, float eps) {
     __shared__ float partial[32];
     const int r = blockIdx.x;
@@ -93,7 +103,9 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x,
     }
     __syncthreads();
     const float scale = rsqrtf(partial[0] / (float)h + eps);
-    for (int i = threadIdx.x; i < h; i += blockDim.x) out[(unsigned long long)r * h + i] = row[i] * scale * w[i];
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        out[(unsigned long long)r * h + i] = f32_to_bf16(row[i] * scale * w[i]);
+    }
 }
 
 // Rotates the first `heads` heads of every qkv row ("rotate half" pairs
@@ -116,14 +128,16 @@ extern "C" __global__ void rope(float* __restrict__ qkv, int stride, int heads,
     }
 }
 
-// gate = silu(gate) * up over rows [gate | up] of width 2f.
-extern "C" __global__ void swiglu(float* __restrict__ gate_up, int f, int n) {
+// out[r][c] = silu(gate) * up over rows [gate | up] of width 2f, in bf16
+// (the input of the down product); out rows are f wide.
+extern "C" __global__ void swiglu(const float* __restrict__ gate_up, int f, int n,
+                                  act_t* __restrict__ out) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const int r = i / f, c = i % f;
-    float* row = gate_up + (unsigned long long)r * 2 * f;
+    const float* row = gate_up + (unsigned long long)r * 2 * f;
     const float g = row[c];
-    row[c] = g / (1.0f + __expf(-g)) * row[f + c];
+    out[i] = f32_to_bf16(g / (1.0f + __expf(-g)) * row[f + c]);
 }
 
 // Copies the new K and V of every row (columns k_col.. of qkv) into the
@@ -582,10 +596,14 @@ paged_attention_mma(const float* __restrict__ q, int q_stride, float scale,
 }
 #endif
 
+__device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_out(act_t* p, float v) { *p = f32_to_bf16(v); }
+
 // Merges the splits of one (query row, head) into out[r][head * D ..].
-extern "C" __global__ void attention_combine(const float* __restrict__ part_o,
-                                             const float* __restrict__ part_ml, int num_splits,
-                                             float* __restrict__ out, int out_stride) {
+template <typename T>
+__device__ __forceinline__ void combine_splits(const float* __restrict__ part_o,
+                                               const float* __restrict__ part_ml, int num_splits,
+                                               T* __restrict__ out, int out_stride) {
     const int r = blockIdx.x, h = blockIdx.y, heads = gridDim.y;
     const unsigned long long base = ((unsigned long long)r * heads + h) * num_splits;
     float mx = NEG_INF;
@@ -601,7 +619,59 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_o,
             const float ms = part_ml[(base + s) * 2];
             if (ms != NEG_INF) o += part_o[(base + s) * D + d] * exp2f(ms - mx);
         }
-        out[(unsigned long long)r * out_stride + (unsigned long long)h * D + d] = o / total;
+        store_out(out + (unsigned long long)r * out_stride + (unsigned long long)h * D + d, o / total);
+    }
+}
+
+// The merge in f32 (the kernel check compares it with f64).
+extern "C" __global__ void attention_combine(const float* __restrict__ part_o,
+                                             const float* __restrict__ part_ml, int num_splits,
+                                             float* __restrict__ out, int out_stride) {
+    combine_splits(part_o, part_ml, num_splits, out, out_stride);
+}
+
+// The merge in bf16, the input of the output product.
+extern "C" __global__ void attention_combine_bf16(const float* __restrict__ part_o,
+                                                  const float* __restrict__ part_ml, int num_splits,
+                                                  act_t* __restrict__ out, int out_stride) {
+    combine_splits(part_o, part_ml, num_splits, out, out_stride);
+}
+
+// out[r] = the first index of the largest value of row r of `logits` (NaN
+// never wins; a row of NaN gives 0), as `ops::argmax` on the host. One
+// block of 1024 threads per row.
+extern "C" __global__ void __launch_bounds__(1024)
+argmax_rows(const float* __restrict__ logits, int vocab, unsigned int* __restrict__ out) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float* row = logits + (unsigned long long)r * vocab;
+    float mx = NEG_INF;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, row[i]);
+    mx = warp_max(mx);
+    if (lane == 0) best_v[warp] = mx;
+    __syncthreads();
+    if (warp == 0) {
+        float v = lane < (int)(blockDim.x >> 5) ? best_v[lane] : NEG_INF;
+        v = warp_max(v);
+        if (lane == 0) best_v[0] = v;
+    }
+    __syncthreads();
+    mx = best_v[0];
+    int first = vocab;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        if (row[i] == mx) {
+            first = i;
+            break;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+    if (lane == 0) best_i[warp] = first;
+    __syncthreads();
+    if (warp == 0) {
+        int i = lane < (int)(blockDim.x >> 5) ? best_i[lane] : vocab;
+        for (int o = 16; o > 0; o >>= 1) i = min(i, __shfl_xor_sync(0xffffffffu, i, o));
+        if (lane == 0) out[r] = i < vocab ? (unsigned int)i : 0u;
     }
 }
 

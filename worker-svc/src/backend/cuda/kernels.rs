@@ -70,6 +70,8 @@ pub(super) struct Kernels {
     /// [`AttentionTuning::split_keys`], for both attention kernels.
     pub(super) split_keys: usize,
     pub(super) attention_combine: CudaFunction,
+    pub(super) attention_combine_bf16: CudaFunction,
+    pub(super) argmax_rows: CudaFunction,
     /// The bench's K/V filler.
     #[cfg(feature = "bench")]
     pub(super) fill_random: CudaFunction,
@@ -182,6 +184,8 @@ impl Kernels {
             paged_attention_mma,
             split_keys: tuning.split_keys,
             attention_combine: f("attention_combine")?,
+            attention_combine_bf16: f("attention_combine_bf16")?,
+            argmax_rows: f("argmax_rows")?,
             #[cfg(feature = "bench")]
             fill_random: f("fill_random")?,
         })

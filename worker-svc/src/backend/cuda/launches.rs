@@ -15,6 +15,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use half::bf16;
 
 use super::cuda_err;
 use super::kernels::{Kernels, SplitPlan};
@@ -96,15 +97,15 @@ impl Launcher<'_> {
         Ok(())
     }
 
-    /// `out[r] = x[src] / rms(x[src]) * w` for `rows` rows of width `h`,
-    /// `src = gather[r]` when `gather` is given, else `r`.
+    /// `out[r] = x[src] / rms(x[src]) * w` in bf16 for `rows` rows of width
+    /// `h`, `src = gather[r]` when `gather` is given, else `r`.
     #[allow(clippy::too_many_arguments)] // the kernel's own parameters
     pub(super) fn rms_norm(
         &self,
         x: &CudaSlice<f32>,
         gather: Option<&CudaSlice<u32>>,
         w: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<bf16>,
         rows: usize,
         h: usize,
         eps: f32,
@@ -118,7 +119,7 @@ impl Launcher<'_> {
         let h_i = h as i32;
         let use_rows = i32::from(gather.is_some());
         // SAFETY: matches `rms_norm(const float* x, const unsigned int* rows,
-        // int use_rows, const float* w, float* out, int h, float eps)`; the
+        // int use_rows, const float* w, act_t* out, int h, float eps)`; the
         // grid covers `rows` rows of `out` (and of `gather`, or of `x` when
         // there is none: the kernel reads `rows` only when use_rows is 1, so
         // a null pointer stands in). Gathered row indices are the batch's
@@ -175,21 +176,61 @@ impl Launcher<'_> {
         Ok(())
     }
 
-    /// `gate = silu(gate) * up` over `rows` rows `[gate | up]` of width `2f`.
-    pub(super) fn swiglu(&self, gate_up: &mut CudaSlice<f32>, f: usize, rows: usize) -> Result<()> {
+    /// `out = silu(gate) * up` in bf16 over `rows` rows `[gate | up]` of
+    /// width `2f` (`out` rows are `f` wide).
+    pub(super) fn swiglu(
+        &self,
+        gate_up: &CudaSlice<f32>,
+        f: usize,
+        rows: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
         check_len("swiglu", "gate_up", gate_up.len(), rows * 2 * f)?;
+        check_len("swiglu", "out", out.len(), rows * f)?;
         let (f_i, n) = (f as i32, (rows * f) as i32);
-        // SAFETY: matches `swiglu(float* gate_up, int f, int n)`; threads
-        // past n return, and n = rows × f elements lie in rows × 2f (checked).
+        // SAFETY: matches `swiglu(const float* gate_up, int f, int n, act_t*
+        // out)`; threads past n return; n = rows × f elements of `out` and
+        // their rows of width 2f in `gate_up` exist (checked above).
         unsafe {
             self.stream
                 .launch_builder(&self.kernels.swiglu)
                 .arg(gate_up)
                 .arg(&f_i)
                 .arg(&n)
+                .arg(out)
                 .launch(LaunchConfig::for_num_elems(n as u32))
         }
         .map_err(cuda_err("swiglu"))?;
+        Ok(())
+    }
+
+    /// `out[r]` = the first index of the largest value of row `r` of
+    /// `logits` (`rows` rows of width `vocab`), as `ops::argmax`.
+    pub(super) fn argmax_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        rows: usize,
+        out: &mut CudaSlice<u32>,
+    ) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        check_len("argmax_rows", "logits", logits.len(), rows * vocab)?;
+        check_len("argmax_rows", "out", out.len(), rows)?;
+        let vocab_i = vocab as i32;
+        // SAFETY: matches `argmax_rows(const float* logits, int vocab,
+        // unsigned int* out)`; one block per row reads rows × vocab logits
+        // and writes rows entries of `out` (checked above).
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.argmax_rows)
+                .arg(logits)
+                .arg(&vocab_i)
+                .arg(out)
+                .launch(per_row(rows, 1024))
+        }
+        .map_err(cuda_err("argmax_rows"))?;
         Ok(())
     }
 
@@ -239,7 +280,7 @@ impl Launcher<'_> {
         a: AttentionArgs<'_>,
         part_o: &mut CudaSlice<f32>,
         part_ml: &mut CudaSlice<f32>,
-        out: Option<&mut CudaSlice<f32>>,
+        out: Option<AttnOut<'_>>,
         out_stride: usize,
     ) -> Result<()> {
         if a.rows == 0 {
@@ -321,14 +362,21 @@ impl Launcher<'_> {
                     })
             }
             .map_err(cuda_err("paged_attention"))?;
-            if let Some(out) = out.as_deref_mut() {
+            if let Some(out) = out.as_mut() {
                 let merge = Merge {
                     num_splits: a.plan.num_splits,
                     rows: n,
                     heads: a.num_heads,
                     head_dim: a.head_dim,
                 };
-                self.attention_combine(part_o, part_ml, merge, out, r0, out_stride)?;
+                match out {
+                    AttnOut::F32(o) => {
+                        self.attention_combine(part_o, part_ml, merge, *o, r0, out_stride)?
+                    }
+                    AttnOut::Bf16(o) => {
+                        self.attention_combine(part_o, part_ml, merge, *o, r0, out_stride)?
+                    }
+                }
             }
             r0 += n;
         }
@@ -336,13 +384,13 @@ impl Launcher<'_> {
     }
 
     /// Merges the splits of `merge.rows` rows (every head) into rows
-    /// `row0..` of `out` (row stride `out_stride`).
-    fn attention_combine(
+    /// `row0..` of `out` (row stride `out_stride`), f32 or bf16.
+    fn attention_combine<T: CombineOut>(
         &self,
         part_o: &CudaSlice<f32>,
         part_ml: &CudaSlice<f32>,
         merge: Merge,
-        out: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<T>,
         row0: usize,
         out_stride: usize,
     ) -> Result<()> {
@@ -368,12 +416,14 @@ impl Launcher<'_> {
         let mut dst = out.slice_mut(row0 * out_stride..);
         let (num_splits_i, out_stride_i) = (num_splits as i32, out_stride as i32);
         // SAFETY: matches `attention_combine(const float* part_o, const
-        // float* part_ml, int num_splits, float* out, int out_stride)`; the
-        // grid (rows × heads) reads rows × heads × num_splits partials and
-        // writes rows rows of `out` from `row0` (checked above).
+        // float* part_ml, int num_splits, float* out, int out_stride)` (or
+        // `attention_combine_bf16`, the same with `act_t* out`, which
+        // `T::kernel` picks for bf16 `out`); the grid (rows × heads) reads
+        // rows × heads × num_splits partials and writes rows rows of `out`
+        // from `row0` (checked above).
         unsafe {
             self.stream
-                .launch_builder(&self.kernels.attention_combine)
+                .launch_builder(T::kernel(self.kernels))
                 .arg(part_o)
                 .arg(part_ml)
                 .arg(&num_splits_i)
@@ -415,6 +465,31 @@ impl Launcher<'_> {
         }
         .map_err(cuda_err("fill_random"))?;
         Ok(())
+    }
+}
+
+/// Where the merged attention output goes: f32 rows (the kernel check) or
+/// bf16 rows (the input of the output product).
+#[derive(Debug)]
+pub(super) enum AttnOut<'a> {
+    F32(&'a mut CudaSlice<f32>),
+    Bf16(&'a mut CudaSlice<bf16>),
+}
+
+/// Element types the merge writes, each with its kernel.
+trait CombineOut: cudarc::driver::DeviceRepr {
+    fn kernel(k: &Kernels) -> &cudarc::driver::CudaFunction;
+}
+
+impl CombineOut for f32 {
+    fn kernel(k: &Kernels) -> &cudarc::driver::CudaFunction {
+        &k.attention_combine
+    }
+}
+
+impl CombineOut for bf16 {
+    fn kernel(k: &Kernels) -> &cudarc::driver::CudaFunction {
+        &k.attention_combine_bf16
     }
 }
 

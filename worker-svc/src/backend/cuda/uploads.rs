@@ -4,6 +4,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use half::bf16;
+use rayon::prelude::*;
 
 use super::cuda_err;
 use super::gemm::padded_rows;
@@ -21,55 +23,92 @@ fn upload<T: DeviceRepr>(
     stream.clone_htod(v).map_err(cuda_err(what))
 }
 
-/// One layer's weights; Q/K/V and gate/up are concatenated so each is one
-/// product.
+/// `parts` back to back, rounded to bf16 (nearest even).
+fn bf16_concat(parts: &[&[f32]]) -> Vec<bf16> {
+    let mut out = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+    for p in parts {
+        out.par_extend(p.par_iter().map(|&v| bf16::from_f32(v)));
+    }
+    out
+}
+
+/// One layer's weights: the matrices in bf16 (the products' operand type),
+/// Q/K/V and gate/up concatenated so each is one product; the norms in f32.
 #[derive(Debug)]
 pub(super) struct DeviceLayer {
     pub(super) attn_norm: CudaSlice<f32>,
-    pub(super) wqkv: CudaSlice<f32>,
-    pub(super) wo: CudaSlice<f32>,
+    pub(super) wqkv: CudaSlice<bf16>,
+    pub(super) wo: CudaSlice<bf16>,
     pub(super) mlp_norm: CudaSlice<f32>,
-    pub(super) w_gate_up: CudaSlice<f32>,
-    pub(super) w_down: CudaSlice<f32>,
+    pub(super) w_gate_up: CudaSlice<bf16>,
+    pub(super) w_down: CudaSlice<bf16>,
 }
 
-/// The model's weights in device memory.
+/// The model's weights in device memory. Host weights stay f32 whatever
+/// their source; they are rounded to bf16 here, on upload.
 #[derive(Debug)]
 pub(super) struct DeviceWeights {
+    /// The embedding table, f32: the lookup copies rows of it into the f32
+    /// residual stream.
     pub(super) embed: CudaSlice<f32>,
     pub(super) layers: Vec<DeviceLayer>,
     pub(super) final_norm: CudaSlice<f32>,
-    pub(super) lm_head: Option<CudaSlice<f32>>,
+    /// The LM head in bf16: its own matrix, or the embedding when tied.
+    pub(super) head: CudaSlice<bf16>,
+    /// Bytes of all of the above.
+    pub(super) bytes: u64,
 }
 
 impl DeviceWeights {
     pub(super) fn upload(stream: &Arc<CudaStream>, weights: &Weights) -> Result<Self> {
         let up = |v: &[f32]| upload(stream, v, "upload");
+        let up_bf16 = |parts: &[&[f32]]| upload(stream, &bf16_concat(parts), "upload");
         let layers = weights
             .layers
             .iter()
             .map(|l| {
                 Ok(DeviceLayer {
                     attn_norm: up(&l.attn_norm)?,
-                    wqkv: up(&[l.wq.as_slice(), &l.wk, &l.wv].concat())?,
-                    wo: up(&l.wo)?,
+                    wqkv: up_bf16(&[&l.wq, &l.wk, &l.wv])?,
+                    wo: up_bf16(&[&l.wo])?,
                     mlp_norm: up(&l.mlp_norm)?,
-                    w_gate_up: up(&[l.w_gate.as_slice(), &l.w_up].concat())?,
-                    w_down: up(&l.w_down)?,
+                    w_gate_up: up_bf16(&[&l.w_gate, &l.w_up])?,
+                    w_down: up_bf16(&[&l.w_down])?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let head = up_bf16(&[weights.lm_head.as_deref().unwrap_or(&weights.embed)])?;
+        let f32_bytes = |v: &CudaSlice<f32>| v.len() as u64 * 4;
+        let bf16_bytes = |v: &CudaSlice<bf16>| v.len() as u64 * 2;
+        let embed = up(&weights.embed)?;
+        let final_norm = up(&weights.final_norm)?;
+        let bytes = f32_bytes(&embed)
+            + f32_bytes(&final_norm)
+            + bf16_bytes(&head)
+            + layers
+                .iter()
+                .map(|l| {
+                    f32_bytes(&l.attn_norm)
+                        + f32_bytes(&l.mlp_norm)
+                        + bf16_bytes(&l.wqkv)
+                        + bf16_bytes(&l.wo)
+                        + bf16_bytes(&l.w_gate_up)
+                        + bf16_bytes(&l.w_down)
+                })
+                .sum::<u64>();
         Ok(DeviceWeights {
-            embed: up(&weights.embed)?,
+            embed,
             layers,
-            final_norm: up(&weights.final_norm)?,
-            lm_head: weights.lm_head.as_deref().map(up).transpose()?,
+            final_norm,
+            head,
+            bytes,
         })
     }
 
-    /// The LM head: its own matrix, or the embedding when tied.
-    pub(super) fn head(&self) -> &CudaSlice<f32> {
-        self.lm_head.as_ref().unwrap_or(&self.embed)
+    /// Bytes a decode step must read of the weights: every matrix and norm
+    /// (not the embedding table, of which it reads one row per sequence).
+    pub(super) fn bytes_read_per_step(&self) -> u64 {
+        self.bytes - self.embed.len() as u64 * 4
     }
 }
 
@@ -78,16 +117,22 @@ pub(super) fn part_capacity(max_tokens: usize) -> usize {
     max_tokens.max(4096)
 }
 
-/// Activation buffers, allocated once for the largest batch.
+/// Activation buffers, allocated once for the largest batch. The residual
+/// stream, Q/K/V, the gate/up products and the logits are f32; what feeds a
+/// product (normed rows, attention output, SwiGLU output) is bf16.
 #[derive(Debug)]
 pub(super) struct Activations {
     pub(super) x: CudaSlice<f32>,
-    pub(super) normed: CudaSlice<f32>,
+    pub(super) normed: CudaSlice<bf16>,
     pub(super) qkv: CudaSlice<f32>,
-    pub(super) attn: CudaSlice<f32>,
+    pub(super) attn: CudaSlice<bf16>,
     pub(super) gate_up: CudaSlice<f32>,
-    pub(super) final_rows: CudaSlice<f32>,
+    pub(super) act: CudaSlice<bf16>,
+    pub(super) final_rows: CudaSlice<bf16>,
     pub(super) logits: CudaSlice<f32>,
+    /// The argmax of every logits row, when the pass picks tokens on the
+    /// device.
+    pub(super) argmax: CudaSlice<u32>,
     pub(super) part_o: CudaSlice<f32>,
     pub(super) part_ml: CudaSlice<f32>,
     pub(super) inv_freq: CudaSlice<f32>,
@@ -111,29 +156,33 @@ impl Activations {
             cfg.ffn_size,
             cfg.head_dim,
         );
-        // Activations have whole GEMM_ROWS calls of rows (see `gemm::linear`).
+        // Activations have whole GEMM_ROWS calls of rows (see `Products::linear`).
         let t = padded_rows(max_tokens.max(1));
         let part_cap = part_capacity(t);
         let zeros = |n: usize| stream.alloc_zeros::<f32>(n).map_err(cuda_err("alloc"));
+        let zeros_bf16 = |n: usize| stream.alloc_zeros::<bf16>(n).map_err(cuda_err("alloc"));
         let inv_freq: Vec<f32> = (0..d / 2)
             .map(|i| (1.0 / f64::from(cfg.rope_theta).powf(2.0 * i as f64 / d as f64)) as f32)
             .collect();
-        let activation_floats = t * (3 * h + qd + 2 * kvd + qd + 2 * f + cfg.vocab_size)
+        let f32_elems = t * (h + qd + 2 * kvd + 2 * f + cfg.vocab_size)
             + part_cap * cfg.num_heads * (d + 2)
             + d / 2;
+        let bf16_elems = t * (2 * h + qd + f);
         Ok(Activations {
             x: zeros(t * h)?,
-            normed: zeros(t * h)?,
+            normed: zeros_bf16(t * h)?,
             qkv: zeros(t * (qd + 2 * kvd))?,
-            attn: zeros(t * qd)?,
+            attn: zeros_bf16(t * qd)?,
             gate_up: zeros(t * 2 * f)?,
-            final_rows: zeros(t * h)?,
+            act: zeros_bf16(t * f)?,
+            final_rows: zeros_bf16(t * h)?,
             logits: zeros(t * cfg.vocab_size)?,
+            argmax: stream.alloc_zeros::<u32>(t).map_err(cuda_err("alloc"))?,
             part_o: zeros(part_cap * cfg.num_heads * d)?,
             part_ml: zeros(part_cap * cfg.num_heads * 2)?,
             inv_freq: upload(stream, &inv_freq, "upload")?,
             part_cap,
-            bytes: activation_floats as u64 * 4,
+            bytes: f32_elems as u64 * 4 + bf16_elems as u64 * 2 + t as u64 * 4,
         })
     }
 }
