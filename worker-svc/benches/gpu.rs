@@ -223,6 +223,7 @@ fn parse_tuning(v: &str) -> Option<AttentionTuning> {
     match n[..] {
         [warps, stages, split_keys] => Some(AttentionTuning {
             tensor_cores: true,
+            prefill_frags: AttentionTuning::default().prefill_frags,
             warps,
             stages,
             split_keys,

@@ -81,7 +81,7 @@ impl CudaBackend {
         }
         let ctx = CudaContext::new(options.device).map_err(cuda_err("context"))?;
         let stream = ctx.default_stream();
-        let products = Products::new(&stream)?;
+        let products = Products::new(&ctx, &stream)?;
         let kernels = Kernels::compile(
             &ctx,
             KernelShape {
@@ -179,7 +179,14 @@ impl CudaBackend {
     /// layers, the final norm and LM head over the logit rows, which stay on
     /// the device in `acts.logits`. Profiling marks go into `prof`.
     fn pass(&mut self, batch: &Batch, prof: &mut Profiler) -> Result<DeviceBatch> {
-        let dev = DeviceBatch::upload(&self.stream, batch, &self.layout, &self.config)?;
+        let (kernels, part_cap) = (&self.kernels, self.acts.part_cap);
+        let dev = DeviceBatch::upload(
+            &self.stream,
+            batch,
+            &self.layout,
+            &self.config,
+            |w, keys| kernels.max_group(w, kernels.split_plan(keys, part_cap)),
+        )?;
         prof.uploaded();
         let launch = Launcher {
             stream: &self.stream,
@@ -318,6 +325,8 @@ impl CudaBackend {
                 first_block: &pool.first_block,
                 tok_seq: &dev.tok_seq,
                 tok_pos: &dev.positions,
+                groups: &pool.groups,
+                group_first: &pool.group_first,
                 window: geometry.window,
                 rows: t,
                 num_heads: cfg.num_heads,

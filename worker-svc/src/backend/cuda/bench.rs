@@ -10,7 +10,7 @@ use cudarc::driver::{CudaContext, CudaSlice, sys::CUevent_flags};
 use half::bf16;
 
 use super::gemm::Products;
-use super::kernels::{AttentionTuning, KernelShape, Kernels};
+use super::kernels::{AttentionTuning, KernelShape, Kernels, group_launches, row_groups};
 use super::launches::{AttentionArgs, AttnOut, Launcher};
 use super::uploads::part_capacity;
 use super::{GPU_KV_ELEM_BYTES, KvDtype, cuda_err};
@@ -281,6 +281,13 @@ pub fn attention_with_partials(
         .max()
         .unwrap_or(1);
     let plan = kernels.split_plan(max_keys, part_cap);
+    let group_first = row_groups(
+        std::iter::repeat_n(query_rows, batch),
+        kernels.max_group(window as u32, plan),
+    );
+    let groups = stream
+        .clone_htod(&group_first)
+        .map_err(cuda_err("upload"))?;
     let zeros = |n: usize| stream.alloc_zeros::<f32>(n).map_err(cuda_err("alloc"));
     let mut part_o = zeros(rows * num_heads * plan.num_splits * d)?;
     let mut part_ml = zeros(rows * num_heads * plan.num_splits * 2)?;
@@ -301,6 +308,8 @@ pub fn attention_with_partials(
                 first_block: &first_block,
                 tok_seq: &tok_seq_d,
                 tok_pos: &tok_pos_d,
+                groups: &groups,
+                group_first: &group_first,
                 window: window as u32,
                 rows,
                 num_heads,
@@ -407,7 +416,7 @@ pub fn attention_with_partials(
         kernel_us,
         copy_gbps,
         num_splits: plan.num_splits,
-        launches: rows.div_ceil(plan.rows_per_launch),
+        launches: group_launches(&group_first, plan.rows_per_launch).len(),
         max_rel_err: max_err / max_ref.max(1e-12),
     })
 }
@@ -447,7 +456,7 @@ pub fn gemm_rate(m: usize, k: usize, n: usize, iters: usize) -> Result<f64> {
     super::probe().map_err(Error::Backend)?;
     let ctx = CudaContext::new(0).map_err(cuda_err("context"))?;
     let stream = ctx.default_stream();
-    let products = Products::new(&stream)?;
+    let products = Products::new(&ctx, &stream)?;
     let mut rng = Mix(SplitMix64::new(5));
     let mut random = |len: usize| -> Result<CudaSlice<bf16>> {
         let host: Vec<bf16> = (0..len).map(|_| bf16::from_f32(rng.unit())).collect();

@@ -157,7 +157,9 @@ extern "C" __global__ void write_kv(const float* __restrict__ qkv, int stride, i
     }
 }
 
-// Paged attention, one warp per (key split, KV head, query row). The warp
+// Paged attention, one warp per (key split, KV head, query row); rows come
+// as groups of one (`group_first[z]` is the row of block z, less
+// `row_base`, the first row of the launch). The warp
 // attends the G query heads of its KV head over keys
 // [lo + split * split_len, min(lo + (split + 1) * split_len, pos + 1)),
 // lo = window start, in tiles of 32 keys staged in shared memory, with an
@@ -168,9 +170,11 @@ paged_attention(const float* __restrict__ q, int q_stride, float scale,
                 const kv_t* __restrict__ arena, long long layer_off, long long elems_per_block,
                 const unsigned int* __restrict__ tables, const int* __restrict__ seq_table_off,
                 const int* __restrict__ seq_first_block, const int* __restrict__ tok_seq,
-                const int* __restrict__ tok_pos, int window, int split_len,
+                const int* __restrict__ tok_pos, const int* __restrict__ group_first,
+                int row_base, int window, int split_len,
                 float* __restrict__ part_o, float* __restrict__ part_ml) {
-    const int split = blockIdx.x, kvh = blockIdx.y, r = blockIdx.z;
+    // Groups of one row here: row group_first[z] - row_base.
+    const int split = blockIdx.x, kvh = blockIdx.y, r = group_first[blockIdx.z] - row_base;
     const int num_splits = gridDim.x, heads = gridDim.y * G;
     const int lane = threadIdx.x;
     const int pos = tok_pos[r], s = tok_seq[r];
@@ -309,7 +313,10 @@ paged_attention(const float* __restrict__ q, int q_stride, float scale,
 // to 8 query heads per KV head (the host defines ATTN_MMA only then, on
 // sm_80 or newer). Same arguments and partial outputs as paged_attention.
 //
-// One CTA of MMA_WARPS warps per (key split, KV head, query row). Keys go in
+// One CTA of MMA_WARPS warps per (key split, KV head, group of query rows).
+// A group (rows group_first[z] - row_base .. group_first[z + 1] - row_base)
+// is up to ROWS_CTA consecutive rows of one sequence, one row where the
+// layer has a window; its rows share every K/V tile the CTA loads. Keys go in
 // tiles of 16 positions aligned to multiples of 16; a split is split_len
 // keys (a multiple of 16) from the tile of the window start. Warp w takes
 // the split's tiles w, w + MMA_WARPS, ... through its own MMA_STAGES-deep
@@ -322,17 +329,27 @@ paged_attention(const float* __restrict__ q, int q_stride, float scale,
 // rounding lost (lo), so hi + lo carries the f32 query to ~16 mantissa bits;
 // a lane's score is c0 + c2 (row g) and c1 + c3. O = P V: A rows 0-7 are
 // the probabilities' hi halves, rows 8-15 their lo halves, and B comes from
-// the V tile through ldmatrix.trans. Lane (g = lane / 4, c = lane % 4)
-// holds scores of query head g for keys 2c, 2c+1, 8+2c, 9+2c of a tile and
-// the output columns 8n + 2c, +1 of head g; heads g >= G are zero rows.
+// the V tile through ldmatrix.trans. A rows 0-7 hold PACK = 8 / G query
+// rows of G heads each (A row g: row g / G, head g % G), and a warp runs
+// MMA_FRAGS such A operands against each K and V tile it loads. Lane
+// (g = lane / 4, c = lane % 4) holds scores of its (row, head) for keys 2c,
+// 2c+1, 8+2c, 9+2c of a tile and the output columns 8n + 2c, +1; unused A
+// rows are zero. A row's arithmetic is the same whatever shares its group
+// (its own mask, its own online softmax; keys past its position score
+// -inf and add exact zeros), so a row gives the same bits alone or in a
+// group: batch invariance, and prefill rows equal to decode rows.
 // At the end the warps merge their (max, sum, output) in shared memory and
-// the CTA writes one partial per query head.
+// the CTA writes one partial per (row, query head).
 #ifndef MMA_WARPS
 #define MMA_WARPS 4
 #endif
 #ifndef MMA_STAGES
 #define MMA_STAGES 3
 #endif
+#ifndef MMA_FRAGS
+#define MMA_FRAGS 2
+#endif
+#define PACK (8 / G)
 #define TILE 16
 #define CHUNKS (D / 8)
 #define TILE_ELEMS (TILE * D)
@@ -399,25 +416,43 @@ __device__ __forceinline__ void split2(float x0, float x1, unsigned& hi, unsigne
     lo = pack2(x0 - h0, x1 - h1);
 }
 
-extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
-paged_attention_mma(const float* __restrict__ q, int q_stride, float scale,
+template <int FRAGS>
+__device__ __forceinline__ void attention_mma(const float* __restrict__ q, int q_stride, float scale,
                     const kv_t* __restrict__ arena, long long layer_off, long long elems_per_block,
                     const unsigned int* __restrict__ tables, const int* __restrict__ seq_table_off,
                     const int* __restrict__ seq_first_block, const int* __restrict__ tok_seq,
-                    const int* __restrict__ tok_pos, int window, int split_len,
+                    const int* __restrict__ tok_pos, const int* __restrict__ group_first,
+                    int row_base, int window, int split_len,
                     float* __restrict__ part_o, float* __restrict__ part_ml) {
+    constexpr int MROWS = FRAGS * 8;
     extern __shared__ __align__(128) unsigned char smem[];
-    const int split = blockIdx.x, kvh = blockIdx.y, r = blockIdx.z;
+    const int split = blockIdx.x, kvh = blockIdx.y;
+    const int r0 = group_first[blockIdx.z] - row_base;
+    const int n_rows = group_first[blockIdx.z + 1] - group_first[blockIdx.z];
     const int num_splits = gridDim.x, heads = gridDim.y * G;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, c = lane & 3;
-    const bool live = g < G;
-    const int pos = tok_pos[r], s = tok_seq[r];
-    const int lo = window == 0 ? 0 : max(0, pos - window + 1);
+    const int hh = g % G, jg = g / G;
+    const int s = tok_seq[r0];
+    const int pos_last = tok_pos[r0 + n_rows - 1];
+    // The group's window start: its only row's when the layer has a window.
+    const int lo = window == 0 ? 0 : max(0, tok_pos[r0] - window + 1);
     const int t_begin = lo / TILE + split * (split_len / TILE);
-    const int t_end = min(t_begin + split_len / TILE, pos / TILE + 1);
+    const int t_end = min(t_begin + split_len / TILE, pos_last / TILE + 1);
     const int n_tiles = t_end - t_begin;
     const int mine = n_tiles > warp ? (n_tiles - warp + MMA_WARPS - 1) / MMA_WARPS : 0;
+
+    // Each fragment's row for this lane, and that row's keys [lo_f, pos_f].
+    bool live[FRAGS];
+    int row_f[FRAGS], pos_f[FRAGS], lo_f[FRAGS];
+#pragma unroll
+    for (int f = 0; f < FRAGS; ++f) {
+        const int j = f * PACK + jg;
+        live[f] = g < PACK * G && j < n_rows;
+        row_f[f] = r0 + (live[f] ? j : 0);
+        pos_f[f] = live[f] ? tok_pos[row_f[f]] : pos_last;
+        lo_f[f] = window == 0 ? 0 : max(0, pos_f[f] - window + 1);
+    }
 
     const unsigned int* table = tables + seq_table_off[s];
     const int first_block = seq_first_block[s];
@@ -427,21 +462,23 @@ paged_attention_mma(const float* __restrict__ q, int q_stride, float scale,
     const unsigned stages_addr = smem_addr(stages);
 
     // Query fragments (A of S = Q K^T), pre-scaled, hi rows 0-7, lo rows 8-15.
-    unsigned qa[KSTEPS][4];
-    {
-        const float* qrow = q + (unsigned long long)r * q_stride + ((unsigned long long)kvh * G + (live ? g : 0)) * D;
+    unsigned qa[FRAGS][KSTEPS][4];
+#pragma unroll
+    for (int f = 0; f < FRAGS; ++f) {
+        const float* qrow = q + (unsigned long long)row_f[f] * q_stride + ((unsigned long long)kvh * G + (live[f] ? hh : 0)) * D;
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float2 x = make_float2(0.0f, 0.0f);
-                if (live) x = *(const float2*)(qrow + ks * 16 + h * 8 + 2 * c);
-                split2(x.x * scale, x.y * scale, qa[ks][2 * h], qa[ks][2 * h + 1]);
+                if (live[f]) x = *(const float2*)(qrow + ks * 16 + h * 8 + 2 * c);
+                split2(x.x * scale, x.y * scale, qa[f][ks][2 * h], qa[f][ks][2 * h + 1]);
             }
         }
     }
 
-    // Issues the cp.async copies of tile t (keys 16t..16t+15) into stage st.
+    // Issues the cp.async copies of tile t (keys 16t..16t+15) into stage st;
+    // keys outside the group's [lo, last position] are zero-filled.
     auto issue = [&](int t, int st) {
         const unsigned k_addr = stages_addr + st * (STAGE_ELEMS * 2);
         const int p0 = t * TILE;
@@ -453,7 +490,7 @@ paged_attention_mma(const float* __restrict__ q, int q_stride, float scale,
         for (int i = 0; i < TILE * CHUNKS / 32; ++i) {
             const int e = lane + i * 32, row = e / CHUNKS, ch = e % CHUNKS;
             const int p = p0 + row;
-            const bool ok = p >= lo && p <= pos;
+            const bool ok = p >= lo && p <= pos_last;
 #if (B % TILE) == 0
             const kv_t* src = base + row * D + ch * 8;
 #else
@@ -466,10 +503,15 @@ paged_attention_mma(const float* __restrict__ q, int q_stride, float scale,
         }
     };
 
-    float o[NTILES][4];
+    float o[FRAGS][NTILES][4];
+    float m[FRAGS], l[FRAGS];
 #pragma unroll
-    for (int n = 0; n < NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m = NEG_INF, l = 0.0f;
+    for (int f = 0; f < FRAGS; ++f) {
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n) o[f][n][0] = o[f][n][1] = o[f][n][2] = o[f][n][3] = 0.0f;
+        m[f] = NEG_INF;
+        l[f] = 0.0f;
+    }
 
     // ldmatrix row addresses: matrix mi = lane / 8, row rr = lane % 8.
     const int mi = lane >> 3, rr = lane & 7;
@@ -496,103 +538,147 @@ paged_attention_mma(const float* __restrict__ q, int q_stride, float scale,
         const unsigned v_addr = k_addr + TILE_ELEMS * 2;
         const int t = t_begin + warp + i * MMA_WARPS;
 
-        float sc[2][4];
+        float sc[FRAGS][2][4];
 #pragma unroll
-        for (int n = 0; n < 2; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+        for (int f = 0; f < FRAGS; ++f) {
+#pragma unroll
+            for (int n = 0; n < 2; ++n) sc[f][n][0] = sc[f][n][1] = sc[f][n][2] = sc[f][n][3] = 0.0f;
+        }
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
             unsigned b0, b1, b2, b3;
             ldsm_x4(k_addr + (k_tok * D + (((2 * ks + k_ch) ^ rr) * 8)) * 2, b0, b1, b2, b3);
-            mma16816(sc[0], qa[ks], b0, b1);
-            mma16816(sc[1], qa[ks], b2, b3);
+#pragma unroll
+            for (int f = 0; f < FRAGS; ++f) {
+                mma16816(sc[f][0], qa[f][ks], b0, b1);
+                mma16816(sc[f][1], qa[f][ks], b2, b3);
+            }
         }
 
-        // Scores of keys 16t + 8n + 2c + e, masked to [lo, pos].
-        float sv[2][2];
-        float mx = NEG_INF;
+        unsigned pa[FRAGS][4];
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
+        for (int f = 0; f < FRAGS; ++f) {
+            // Scores of keys 16t + 8n + 2c + e, masked to the row's [lo, pos].
+            float sv[2][2];
+            float mx = NEG_INF;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int p = t * TILE + 8 * n + 2 * c + e;
-                const float v = sc[n][e] + sc[n][2 + e];
-                sv[n][e] = (p >= lo && p <= pos) ? v : NEG_INF;
-                mx = fmaxf(mx, sv[n][e]);
+            for (int n = 0; n < 2; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int p = t * TILE + 8 * n + 2 * c + e;
+                    const float v = sc[f][n][e] + sc[f][n][2 + e];
+                    sv[n][e] = (p >= lo_f[f] && p <= pos_f[f]) ? v : NEG_INF;
+                    mx = fmaxf(mx, sv[n][e]);
+                }
             }
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mn = fmaxf(m, mx);
-        if (__any_sync(0xffffffffu, mn > m)) {
-            const float corr = exp2f(m - mn);
-            l *= corr;
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mn = fmaxf(m[f], mx);
+            if (__any_sync(0xffffffffu, mn > m[f])) {
+                // A row with no key yet (m = mn = -inf) keeps its zeros.
+                const float corr = mn == m[f] ? 1.0f : exp2f(m[f] - mn);
+                l[f] *= corr;
 #pragma unroll
-            for (int n = 0; n < NTILES; ++n) {
-                o[n][0] *= corr;
-                o[n][1] *= corr;
-                o[n][2] *= corr;
-                o[n][3] *= corr;
+                for (int n = 0; n < NTILES; ++n) {
+                    o[f][n][0] *= corr;
+                    o[f][n][1] *= corr;
+                    o[f][n][2] *= corr;
+                    o[f][n][3] *= corr;
+                }
+                m[f] = mn;
             }
-            m = mn;
-        }
-        unsigned pa[4];
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-            const float p0 = live ? exp2f(sv[n][0] - m) : 0.0f;
-            const float p1 = live ? exp2f(sv[n][1] - m) : 0.0f;
-            l += p0 + p1;
-            split2(p0, p1, pa[2 * n], pa[2 * n + 1]);
+            for (int n = 0; n < 2; ++n) {
+                const float p0 = live[f] && sv[n][0] != NEG_INF ? exp2f(sv[n][0] - m[f]) : 0.0f;
+                const float p1 = live[f] && sv[n][1] != NEG_INF ? exp2f(sv[n][1] - m[f]) : 0.0f;
+                l[f] += p0 + p1;
+                split2(p0, p1, pa[f][2 * n], pa[f][2 * n + 1]);
+            }
         }
 
 #pragma unroll
         for (int nb = 0; nb < D / 16; ++nb) {
             unsigned b0, b1, b2, b3;
             ldsm_x4_t(v_addr + (v_tok * D + (((2 * nb + v_ch) ^ rr) * 8)) * 2, b0, b1, b2, b3);
-            mma16816(o[2 * nb], pa, b0, b1);
-            mma16816(o[2 * nb + 1], pa, b2, b3);
+#pragma unroll
+            for (int f = 0; f < FRAGS; ++f) {
+                mma16816(o[f][2 * nb], pa[f], b0, b1);
+                mma16816(o[f][2 * nb + 1], pa[f], b2, b3);
+            }
         }
     }
     cp_async_wait<0>();
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+    for (int f = 0; f < FRAGS; ++f) {
+        l[f] += __shfl_xor_sync(0xffffffffu, l[f], 1);
+        l[f] += __shfl_xor_sync(0xffffffffu, l[f], 2);
+    }
 
-    // Merge the warps: per warp G rows of MERGE_ROW floats (output, then m, l).
+    // Merge the warps: per warp MROWS rows of MERGE_ROW floats (output, then
+    // m, l), row f * 8 + g for fragment f's A row g.
     __syncthreads();
     float* mrg = (float*)smem;
-    if (live) {
-        float* row = mrg + (warp * G + g) * MERGE_ROW;
 #pragma unroll
-        for (int n = 0; n < NTILES; ++n) {
-            *(float2*)(row + 8 * n + 2 * c) = make_float2(o[n][0] + o[n][2], o[n][1] + o[n][3]);
-        }
-        if (c == 0) {
-            row[D] = m;
-            row[D + 1] = l;
+    for (int f = 0; f < FRAGS; ++f) {
+        if (live[f]) {
+            float* row = mrg + (warp * MROWS + f * 8 + g) * MERGE_ROW;
+#pragma unroll
+            for (int n = 0; n < NTILES; ++n) {
+                *(float2*)(row + 8 * n + 2 * c) = make_float2(o[f][n][0] + o[f][n][2], o[f][n][1] + o[f][n][3]);
+            }
+            if (c == 0) {
+                row[D] = m[f];
+                row[D + 1] = l[f];
+            }
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < G * D; i += MMA_WARPS * 32) {
-        const int gg = i / D, d = i % D;
+    for (int i = threadIdx.x; i < n_rows * G * D; i += MMA_WARPS * 32) {
+        const int pair = i / D, d = i % D;
+        const int j = pair / G, gg = pair % G;
+        const int at = (j / PACK) * 8 + (j % PACK) * G + gg;
         float mx = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < MMA_WARPS; ++w) mx = fmaxf(mx, mrg[(w * G + gg) * MERGE_ROW + D]);
+        for (int w = 0; w < MMA_WARPS; ++w) mx = fmaxf(mx, mrg[(w * MROWS + at) * MERGE_ROW + D]);
         float acc = 0.0f, sum = 0.0f;
         if (mx != NEG_INF) {
 #pragma unroll
             for (int w = 0; w < MMA_WARPS; ++w) {
-                const float* row = mrg + (w * G + gg) * MERGE_ROW;
+                const float* row = mrg + (w * MROWS + at) * MERGE_ROW;
                 const float f = exp2f(row[D] - mx);
                 acc += row[d] * f;
                 sum += row[D + 1] * f;
             }
         }
-        const unsigned long long idx = ((unsigned long long)r * heads + (unsigned long long)kvh * G + gg) * num_splits + split;
+        const unsigned long long idx = ((unsigned long long)(r0 + j) * heads + (unsigned long long)kvh * G + gg) * num_splits + split;
         part_o[idx * D + d] = acc;
         if (d == 0) {
             part_ml[idx * 2] = mx;
             part_ml[idx * 2 + 1] = sum;
         }
     }
+}
+
+#define ATTN_MMA_PARAMS                                                                              \
+    const float* __restrict__ q, int q_stride, float scale, const kv_t* __restrict__ arena,          \
+        long long layer_off, long long elems_per_block, const unsigned int* __restrict__ tables,    \
+        const int* __restrict__ seq_table_off, const int* __restrict__ seq_first_block,             \
+        const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,                           \
+        const int* __restrict__ group_first, int row_base, int window, int split_len,               \
+        float* __restrict__ part_o, float* __restrict__ part_ml
+#define ATTN_MMA_ARGS                                                                                \
+    q, q_stride, scale, arena, layer_off, elems_per_block, tables, seq_table_off, seq_first_block, \
+        tok_seq, tok_pos, group_first, row_base, window, split_len, part_o, part_ml
+
+// Groups of up to PACK rows (decode: one row per sequence).
+extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) paged_attention_mma(ATTN_MMA_PARAMS) {
+    attention_mma<1>(ATTN_MMA_ARGS);
+}
+
+// Groups of up to MMA_FRAGS * PACK rows (prefill chunks): MMA_FRAGS A
+// operands share each K and V tile.
+extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) paged_attention_mma_rows(ATTN_MMA_PARAMS) {
+    attention_mma<MMA_FRAGS>(ATTN_MMA_ARGS);
 }
 #endif
 

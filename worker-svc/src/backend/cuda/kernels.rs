@@ -29,6 +29,11 @@ pub struct AttentionTuning {
     pub warps: usize,
     /// cp.async stages (16-key K and V tiles) per warp.
     pub stages: usize,
+    /// Tensor-core A operands per warp for the rows of a prefill chunk: a
+    /// CTA takes up to `prefill_frags × (8 / group)` consecutive rows of one
+    /// sequence and loads each K and V tile once for all of them (1 for
+    /// head width 128, where two operands would not fit the registers).
+    pub prefill_frags: usize,
     /// Keys per split of a query row (a multiple of 32). A constant of the
     /// worker, never derived from the batch: a row's splits start at its
     /// window start and every `split_keys` after, so the row is computed the
@@ -43,6 +48,7 @@ impl Default for AttentionTuning {
             tensor_cores: true,
             warps: 4,
             stages: 3,
+            prefill_frags: 2,
             split_keys: 512,
         }
     }
@@ -51,7 +57,14 @@ impl Default for AttentionTuning {
 /// The tensor-core attention kernel and how it is launched.
 #[derive(Debug)]
 pub(super) struct MmaAttention {
+    /// For groups of up to `pack` rows (decode).
     pub(super) func: CudaFunction,
+    /// For groups of up to `frags × pack` rows (prefill chunks).
+    pub(super) func_rows: CudaFunction,
+    /// Query rows one A operand holds: 8 / group.
+    pub(super) pack: usize,
+    /// A operands per warp of `func_rows`.
+    pub(super) frags: usize,
     pub(super) tuning: AttentionTuning,
     /// Dynamic shared memory per CTA.
     pub(super) smem_bytes: u32,
@@ -119,7 +132,13 @@ impl Kernels {
         let (warps, stages) = (tuning.warps.max(1), tuning.stages.max(2));
         let pipeline_bytes =
             warps * stages * 2 * MMA_TILE * shape.head_dim * GPU_KV_ELEM_BYTES as usize;
-        let merge_bytes = warps * shape.group * (shape.head_dim + 4) * 4;
+        let frags = if shape.head_dim > 64 {
+            1
+        } else {
+            tuning.prefill_frags.clamp(1, 4)
+        };
+        // The merge holds 8 (row, head) pairs per A operand and warp.
+        let merge_bytes = warps * 8 * frags * (shape.head_dim + 4) * 4;
         let mma_smem = pipeline_bytes.max(merge_bytes);
         let use_mma = tuning.tensor_cores
             && major >= 8
@@ -128,7 +147,9 @@ impl Kernels {
             && warps <= 16
             && mma_smem <= smem_optin;
         let mma_defines = if use_mma {
-            format!("#define ATTN_MMA 1\n#define MMA_WARPS {warps}\n#define MMA_STAGES {stages}\n")
+            format!(
+                "#define ATTN_MMA 1\n#define MMA_WARPS {warps}\n#define MMA_STAGES {stages}\n#define MMA_FRAGS {frags}\n"
+            )
         } else {
             String::new()
         };
@@ -156,17 +177,24 @@ impl Kernels {
                 .map_err(cuda_err("load function"))
         };
         let paged_attention_mma = if use_mma {
-            let func = f("paged_attention_mma")?;
-            func.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                mma_smem as i32,
-            )
-            .map_err(cuda_err("shared memory limit"))?;
+            let with_smem = |name: &str| {
+                let func = f(name)?;
+                func.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    mma_smem as i32,
+                )
+                .map_err(cuda_err("shared memory limit"))?;
+                Ok::<_, Error>(func)
+            };
             Some(MmaAttention {
-                func,
+                func: with_smem("paged_attention_mma")?,
+                func_rows: with_smem("paged_attention_mma_rows")?,
+                pack: 8 / shape.group,
+                frags,
                 tuning: AttentionTuning {
                     warps,
                     stages,
+                    prefill_frags: frags,
                     ..tuning
                 },
                 smem_bytes: mma_smem as u32,
@@ -204,6 +232,17 @@ pub(super) struct SplitPlan {
 }
 
 impl Kernels {
+    /// Most consecutive rows of one sequence a CTA of the attention kernel
+    /// takes in a layer of `window` under `plan`: the tensor-core kernel's
+    /// groups where the layer has no window (rows with windows start their
+    /// keys at different tiles), else one; never more than a launch holds.
+    pub(super) fn max_group(&self, window: u32, plan: SplitPlan) -> usize {
+        match &self.paged_attention_mma {
+            Some(mma) if window == 0 => (mma.frags * mma.pack).min(plan.rows_per_launch).max(1),
+            _ => 1,
+        }
+    }
+
     /// The split plan for rows of at most `max_keys` keys each, with partials
     /// for `part_cap` (row × split) pairs.
     pub(super) fn split_plan(&self, max_keys: usize, part_cap: usize) -> SplitPlan {
@@ -222,4 +261,45 @@ impl Kernels {
             rows_per_launch: (part_cap / num_splits).max(1),
         }
     }
+}
+
+/// Group boundaries for rows that come as `rows_per_seq` consecutive rows
+/// of each sequence in turn: each sequence's rows cut into groups of at
+/// most `max_group`; `first[i]` is group `i`'s first row and a last entry
+/// the total row count.
+pub(super) fn row_groups(
+    rows_per_seq: impl IntoIterator<Item = usize>,
+    max_group: usize,
+) -> Vec<i32> {
+    let mut first = vec![0i32];
+    let mut row = 0usize;
+    for n in rows_per_seq {
+        let mut done = 0;
+        while done < n {
+            let take = (n - done).min(max_group.max(1));
+            done += take;
+            row += take;
+            first.push(row as i32);
+        }
+    }
+    first
+}
+
+/// The launches over `group_first`'s groups: `(g0, g1)` ranges of whole
+/// groups of at most `rows_per_launch` rows together (a group larger than
+/// that is a launch of its own).
+pub(super) fn group_launches(group_first: &[i32], rows_per_launch: usize) -> Vec<(usize, usize)> {
+    let groups = group_first.len().saturating_sub(1);
+    let mut launches = Vec::new();
+    let mut g0 = 0;
+    while g0 < groups {
+        let r0 = group_first[g0];
+        let mut g1 = g0 + 1;
+        while g1 < groups && (group_first[g1 + 1] - r0) as usize <= rows_per_launch {
+            g1 += 1;
+        }
+        launches.push((g0, g1));
+        g0 = g1;
+    }
+    launches
 }

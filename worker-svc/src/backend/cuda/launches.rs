@@ -18,7 +18,7 @@ use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::cuda_err;
-use super::kernels::{Kernels, SplitPlan};
+use super::kernels::{Kernels, SplitPlan, group_launches};
 use crate::error::{Error, Result};
 
 /// Launches the kernels of one compiled module on one stream.
@@ -59,6 +59,10 @@ pub(super) struct AttentionArgs<'a> {
     pub(super) first_block: &'a CudaSlice<i32>,
     pub(super) tok_seq: &'a CudaSlice<i32>,
     pub(super) tok_pos: &'a CudaSlice<i32>,
+    /// Row groups (see `kernels::row_groups`): first row of each, then the
+    /// row count; on the device and on the host.
+    pub(super) groups: &'a CudaSlice<i32>,
+    pub(super) group_first: &'a [i32],
     pub(super) window: u32,
     pub(super) rows: usize,
     pub(super) num_heads: usize,
@@ -309,34 +313,73 @@ impl Launcher<'_> {
         let q_stride = a.q_stride as i32;
         let window = a.window as i32;
         let split_len = a.plan.split_len as i32;
-        let (func, block_dim, shared_mem_bytes) = match &k.paged_attention_mma {
+        let groups = a.group_first.len().saturating_sub(1);
+        let largest = a
+            .group_first
+            .windows(2)
+            .map(|w| (w[1] - w[0]).max(0) as usize)
+            .max()
+            .unwrap_or(0);
+        if a.group_first.first() != Some(&0)
+            || a.group_first.last() != Some(&(a.rows as i32))
+            || a.group_first.windows(2).any(|w| w[1] <= w[0])
+        {
+            return Err(Error::Backend(format!(
+                "paged_attention: row groups {:?} do not cover {} rows",
+                a.group_first, a.rows
+            )));
+        }
+        check_len("paged_attention", "groups", a.groups.len(), groups + 1)?;
+        // Groups of one row run the per-row kernels; larger ones (rows of
+        // one prefill chunk) the tensor-core kernel whose warps hold several
+        // A operands. A row's results are the same bits either way.
+        let (func, block_dim, shared_mem_bytes, max_rows) = match &k.paged_attention_mma {
+            Some(mma) if largest > mma.pack => (
+                &mma.func_rows,
+                (32 * mma.tuning.warps as u32, 1, 1),
+                mma.smem_bytes,
+                mma.frags * mma.pack,
+            ),
             Some(mma) => (
                 &mma.func,
                 (32 * mma.tuning.warps as u32, 1, 1),
                 mma.smem_bytes,
+                mma.pack,
             ),
-            None => (&k.paged_attention, (32, 1, 1), 0),
+            None => (&k.paged_attention, (32, 1, 1), 0, 1),
         };
+        if largest > max_rows || largest > a.plan.rows_per_launch {
+            return Err(Error::Backend(format!(
+                "paged_attention: a group of {largest} rows; the kernel takes {max_rows}, a launch {}",
+                a.plan.rows_per_launch
+            )));
+        }
         let mut out = out;
-        let mut r0 = 0;
-        while r0 < a.rows {
-            let n = a.plan.rows_per_launch.min(a.rows - r0);
+        for (g0, g1) in group_launches(a.group_first, a.plan.rows_per_launch) {
+            let r0 = a.group_first[g0] as usize;
+            let n = a.group_first[g1] as usize - r0;
             let q = a.q.slice(r0 * a.q_stride..);
             let tok_seq = a.tok_seq.slice(r0..);
             let tok_pos = a.tok_pos.slice(r0..);
+            let group_first = a.groups.slice(g0..);
+            let row_base = r0 as i32;
             // SAFETY: matches `paged_attention(const float* q, int q_stride,
             // float scale, const kv_t* arena, long long layer_off, long long
             // elems_per_block, const unsigned int* tables, const int*
             // seq_table_off, const int* seq_first_block, const int* tok_seq,
-            // const int* tok_pos, int window, int split_len, float* part_o,
-            // float* part_ml)`, which `paged_attention_mma` shares (split_len
-            // is a multiple of 32, so of its 16-key tiles). The launch covers
-            // rows r0..r0 + n of q, tok_seq and tok_pos, and n × heads ×
-            // splits ≤ `rows_per_launch` × heads × splits partials (checked
-            // above). Each row reads the keys of its window through its
-            // sequence's table: `batch::validate` checked that every such
-            // position lies in a listed block whose id is below the pool's
-            // block count (the bench builds in-range tables itself).
+            // const int* tok_pos, const int* group_first, int row_base, int
+            // window, int split_len, float* part_o, float* part_ml)`, which
+            // `paged_attention_mma` and `paged_attention_mma_rows` share
+            // (split_len is a multiple of 32, so of their 16-key tiles). The
+            // launch covers groups g0..g1, whose rows r0..r0 + n (n ≤
+            // `rows_per_launch`, each group within the kernel's group size,
+            // checked above) index q, tok_seq and tok_pos from r0, and n ×
+            // heads × splits partials (checked above). Each row reads the
+            // keys of its window through its sequence's table:
+            // `batch::validate` checked that every such position lies in a
+            // listed block whose id is below the pool's block count (the
+            // bench builds in-range tables itself); a group's rows are
+            // consecutive rows of one sequence (`row_groups`).
             unsafe {
                 self.stream
                     .launch_builder(func)
@@ -351,12 +394,18 @@ impl Launcher<'_> {
                     .arg(a.first_block)
                     .arg(&tok_seq)
                     .arg(&tok_pos)
+                    .arg(&group_first)
+                    .arg(&row_base)
                     .arg(&window)
                     .arg(&split_len)
                     .arg(&mut *part_o)
                     .arg(&mut *part_ml)
                     .launch(LaunchConfig {
-                        grid_dim: (a.plan.num_splits as u32, a.num_kv_heads as u32, n as u32),
+                        grid_dim: (
+                            a.plan.num_splits as u32,
+                            a.num_kv_heads as u32,
+                            (g1 - g0) as u32,
+                        ),
                         block_dim,
                         shared_mem_bytes,
                     })
@@ -378,7 +427,6 @@ impl Launcher<'_> {
                     }
                 }
             }
-            r0 += n;
         }
         Ok(())
     }

@@ -9,6 +9,7 @@ use rayon::prelude::*;
 
 use super::cuda_err;
 use super::gemm::padded_rows;
+use super::kernels::row_groups;
 use crate::arena::ArenaLayout;
 use crate::batch::Batch;
 use crate::error::Result;
@@ -198,6 +199,10 @@ pub(super) struct PoolBatch {
     pub(super) dst_base: CudaSlice<i64>,
     /// Most keys any row of the batch attends in this pool.
     pub(super) max_keys: usize,
+    /// The attention kernel's row groups (`kernels::row_groups`), on the
+    /// host and on the device.
+    pub(super) group_first: Vec<i32>,
+    pub(super) groups: CudaSlice<i32>,
 }
 
 /// A validated batch's metadata in device memory.
@@ -218,12 +223,14 @@ pub(super) struct DeviceBatch {
 
 impl DeviceBatch {
     /// Builds and uploads the metadata of `batch`, which passed
-    /// [`crate::batch::validate`] against `layout`.
+    /// [`crate::batch::validate`] against `layout`; a pool's attention row
+    /// groups hold at most `max_group(window, max_keys)` rows.
     pub(super) fn upload(
         stream: &Arc<CudaStream>,
         batch: &Batch,
         layout: &ArenaLayout,
         cfg: &ModelConfig,
+        max_group: impl Fn(u32, usize) -> usize,
     ) -> Result<Self> {
         let t = batch.total_tokens();
         let b = cfg.tokens_per_block as usize;
@@ -263,7 +270,13 @@ impl DeviceBatch {
             if flat.is_empty() {
                 flat.push(0);
             }
+            let group_first = row_groups(
+                batch.seqs.iter().map(|s| s.tokens.len()),
+                max_group(geometry.window, max_keys),
+            );
             pools.push(PoolBatch {
+                groups: upload(stream, &group_first, "upload batch")?,
+                group_first,
                 tables: upload(stream, &flat, "upload batch")?,
                 table_off: upload(stream, &offs, "upload batch")?,
                 first_block: upload(stream, &firsts, "upload batch")?,
