@@ -65,7 +65,7 @@ fn main() {
     // Launch variants of the same shape, `KVLEASE_ATTN_VARIANTS` (comma
     // separated: `general` or `WARPSxSTAGESxSPLIT_KEYS`; `none` for none).
     let variants = std::env::var("KVLEASE_ATTN_VARIANTS")
-        .unwrap_or_else(|_| "general,4x3x1024,4x3x2048".into());
+        .unwrap_or_else(|_| "general,4x3x512,4x3x1024".into());
     let mut rows = Vec::new();
     for v in variants
         .split(',')
@@ -99,6 +99,71 @@ fn main() {
                 r.achieved_gbps / r.copy_gbps,
                 r.max_rel_err
             );
+        }
+    }
+
+    // The attention of the model bench below, at a decode step's shape and
+    // at a prefill chunk's, by launch shape (`KVLEASE_MODEL_ATTN_VARIANTS`,
+    // as above, plus `fN`: N A operands per warp for grouped rows).
+    let step_shape = AttentionShape {
+        context: 1024,
+        head_dim: 64,
+        ..shape
+    };
+    let chunk_shape = AttentionShape {
+        batch: 2,
+        context: 4096,
+        head_dim: 64,
+        query_rows: 4096,
+        ..shape
+    };
+    let variants = std::env::var("KVLEASE_MODEL_ATTN_VARIANTS")
+        .unwrap_or_else(|_| "4x3x512,4x3x1024,4x3x2048,f1".into());
+    println!("attention at the model's shapes (head dim 64, 32/8 heads, bf16 KV):");
+    println!(
+        "| shape | variant | kernel | regs | local bytes | time per layer | figure | max rel. err |"
+    );
+    println!("|---|---|---|---:|---:|---:|---:|---:|");
+    for (name, s, iters) in [
+        ("decode, 64 x 1 row, context 1024", step_shape, 50),
+        ("prefill, 2 x 4096 rows", chunk_shape, 5),
+    ] {
+        for v in variants
+            .split(',')
+            .map(str::trim)
+            .filter(|v| !v.is_empty() && *v != "none")
+        {
+            let tuning = match v.strip_prefix('f').and_then(|n| n.parse().ok()) {
+                Some(frags) => Some(AttentionTuning {
+                    prefill_frags: frags,
+                    ..AttentionTuning::default()
+                }),
+                None => parse_tuning(v),
+            };
+            let Some(tuning) = tuning else {
+                eprintln!("variant {v}: not general, WxSxK or fN, skipped");
+                continue;
+            };
+            match bench::attention(s, tuning, iters) {
+                Ok(r) => {
+                    let figure = if s.query_rows == 1 {
+                        format!(
+                            "{:.0} GB/s ({:.2} of copy)",
+                            r.achieved_gbps,
+                            r.achieved_gbps / r.copy_gbps
+                        )
+                    } else {
+                        let pairs = (s.context * (s.context + 1) / 2 * s.batch) as f64;
+                        let flops = 4.0 * pairs * (s.num_heads * s.head_dim) as f64;
+                        format!("{:.0} TFLOP/s", flops / (r.time_us * 1e-6) / 1e12)
+                    };
+                    println!(
+                        "| {name} | {v} | {} | {} | {} | {:.1} us | {figure} | {:.1e} |",
+                        r.kernel, r.regs, r.local_bytes, r.time_us, r.max_rel_err
+                    );
+                }
+                Err(e) => eprintln!("{name} {v}: {e}"),
+            }
         }
     }
 

@@ -366,13 +366,17 @@ fn attention_kernels_match_f64_for_decode_prefill_and_windows() {
     if !gpu_available("attention_kernels_match_f64") {
         return;
     }
+    // Splits of 512 keys besides the default's 2048, so rows of up to
+    // 1100 keys merge several splits in both kernels.
     let general = AttentionTuning {
         tensor_cores: false,
+        split_keys: 512,
         ..AttentionTuning::default()
     };
     let small = AttentionTuning {
         warps: 2,
         stages: 2,
+        split_keys: 512,
         ..AttentionTuning::default()
     };
     let wide = AttentionTuning {

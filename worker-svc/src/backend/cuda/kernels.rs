@@ -38,7 +38,10 @@ pub struct AttentionTuning {
     /// worker, never derived from the batch: a row's splits start at its
     /// window start and every `split_keys` after, so the row is computed the
     /// same way whatever shares the launch (batch-invariant results, which
-    /// exact prefix reuse needs).
+    /// exact prefix reuse needs). 2048 by measurement on the H200: against
+    /// 512, a decode step's attention at context 1024 took 41.5 us instead
+    /// of 44.8 us per layer, a 2 x 4096-row prefill chunk's 2.08 ms instead
+    /// of 3.06 ms (fewer partials to write and merge).
     pub split_keys: usize,
 }
 
@@ -49,7 +52,7 @@ impl Default for AttentionTuning {
             warps: 4,
             stages: 3,
             prefill_frags: 2,
-            split_keys: 512,
+            split_keys: 2048,
         }
     }
 }
