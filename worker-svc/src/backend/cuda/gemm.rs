@@ -141,7 +141,9 @@ impl Products {
         Ok(())
     }
 
-    /// One cuBLAS call on the pass's stream (see [`gemm`]).
+    /// One cuBLAS call on the pass's stream (see [`gemm`]); the bench
+    /// times cuBLAS's rate with it.
+    #[cfg(feature = "bench")]
     pub(super) fn gemm(
         &self,
         a: &impl DevicePtr<bf16>,

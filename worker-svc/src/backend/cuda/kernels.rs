@@ -85,6 +85,8 @@ pub(super) struct Kernels {
     pub(super) paged_attention_mma: Option<MmaAttention>,
     /// [`AttentionTuning::split_keys`], for both attention kernels.
     pub(super) split_keys: usize,
+    /// The merge in f32, for the bench's check against f64.
+    #[cfg(feature = "bench")]
     pub(super) attention_combine: CudaFunction,
     pub(super) attention_combine_bf16: CudaFunction,
     pub(super) argmax_rows: CudaFunction,
@@ -214,6 +216,7 @@ impl Kernels {
             paged_attention: f("paged_attention")?,
             paged_attention_mma,
             split_keys: tuning.split_keys,
+            #[cfg(feature = "bench")]
             attention_combine: f("attention_combine")?,
             attention_combine_bf16: f("attention_combine_bf16")?,
             argmax_rows: f("argmax_rows")?,

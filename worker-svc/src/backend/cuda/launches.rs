@@ -419,6 +419,7 @@ impl Launcher<'_> {
                     head_dim: a.head_dim,
                 };
                 match out {
+                    #[cfg(feature = "bench")]
                     AttnOut::F32(o) => {
                         self.attention_combine(part_o, part_ml, merge, *o, r0, out_stride)?
                     }
@@ -520,6 +521,7 @@ impl Launcher<'_> {
 /// bf16 rows (the input of the output product).
 #[derive(Debug)]
 pub(super) enum AttnOut<'a> {
+    #[cfg(feature = "bench")]
     F32(&'a mut CudaSlice<f32>),
     Bf16(&'a mut CudaSlice<bf16>),
 }
@@ -529,6 +531,7 @@ trait CombineOut: cudarc::driver::DeviceRepr {
     fn kernel(k: &Kernels) -> &cudarc::driver::CudaFunction;
 }
 
+#[cfg(feature = "bench")]
 impl CombineOut for f32 {
     fn kernel(k: &Kernels) -> &cudarc::driver::CudaFunction {
         &k.attention_combine
