@@ -16,8 +16,8 @@ pub enum Error {
     #[error("chat template: {0}")]
     Template(String),
     /// The model has no chat template.
-    #[error("the model {0} has no chat template")]
-    NoChatTemplate(String),
+    #[error("the model has no chat template")]
+    NoChatTemplate,
 }
 
 /// `Result` with this crate's [`Error`].
