@@ -245,7 +245,8 @@ pub async fn cache_client(addr: SocketAddr) -> Result<CacheServiceClient<Channel
 }
 
 pub async fn worker_client(addr: SocketAddr) -> Result<WorkerServiceClient<Channel>, Error> {
-    Ok(WorkerServiceClient::new(channel(addr).await?))
+    Ok(WorkerServiceClient::new(channel(addr).await?)
+        .max_decoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES))
 }
 
 /// A whole Generate call.

@@ -10,7 +10,7 @@
 //! - `hf.rs`: a Hugging Face directory's `tokenizer.json`,
 //!   `tokenizer_config.json` (special tokens, chat template) and
 //!   end-of-sequence ids.
-//! - `bytes.rs`: the seeded model's byte-level tokenizer.
+//! - `byte_level.rs`: the seeded model's byte-level tokenizer.
 //! - `stream.rs`: [`StreamDecoder`] (text as tokens arrive, only complete
 //!   characters) and [`StopStrings`].
 //! - `chat.rs`: chat templates rendered with `minijinja`.
@@ -23,7 +23,7 @@
 
 #![forbid(unsafe_code)]
 
-mod bytes;
+pub mod byte_level;
 mod chat;
 mod error;
 pub mod gguf;
@@ -40,6 +40,11 @@ pub use chat::Message;
 pub use error::{Error, Result};
 pub use gguf::GgufVocab;
 pub use stream::{StopStrings, StreamDecoder};
+
+/// The largest tokenizer message (a `tokenizer.json` with its chat template)
+/// the services send and accept: tonic's default cap of 4 MiB is below the
+/// size of large vocabularies' files (Llama 3's is 9 MB).
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// Which tokenizer [`TokenizerParts::tokenizer_json`] describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -128,6 +133,11 @@ struct Shared {
     chat: Option<chat::ChatTemplate>,
     fingerprint: String,
     vocab_size: u32,
+    /// Whether each id is a byte-fallback token (`<0x41>`); empty when the
+    /// tokenizer has none.
+    byte_tokens: Vec<bool>,
+    /// Special tokens (left out of decoded text).
+    special_tokens: Vec<bool>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -148,7 +158,7 @@ impl Tokenizer {
             kind: TokenizerKind::ByteLevel,
             tokenizer_json: String::new(),
             chat_template: None,
-            specials: bytes::specials(),
+            specials: byte_level::specials(),
         })
         .expect("the byte-level tokenizer has no parts that can fail")
     }
@@ -199,7 +209,7 @@ impl Tokenizer {
         };
         let vocab_size = match &hf {
             Some(t) => t.get_vocab_size(true) as u32,
-            None => bytes::VOCAB_SIZE,
+            None => byte_level::VOCAB_SIZE,
         };
         let s = &parts.specials;
         if let Some(id) = s
@@ -218,12 +228,27 @@ impl Tokenizer {
             .map(|source| chat::ChatTemplate::new(source, s))
             .transpose()?;
         let fingerprint = fingerprint(&parts)?;
+        let byte_tokens = hf
+            .as_ref()
+            .map(|t| byte_fallback_tokens(t, &parts.tokenizer_json, vocab_size))
+            .unwrap_or_default();
+        let mut special_tokens = Vec::new();
+        if let Some(t) = &hf {
+            special_tokens = vec![false; vocab_size as usize];
+            for (id, token) in t.get_added_tokens_decoder() {
+                if let Some(slot) = special_tokens.get_mut(id as usize) {
+                    *slot = token.special;
+                }
+            }
+        }
         Ok(Tokenizer(Arc::new(Shared {
             parts,
             hf,
             chat,
             fingerprint,
             vocab_size,
+            byte_tokens,
+            special_tokens,
         })))
     }
 
@@ -271,7 +296,7 @@ impl Tokenizer {
             ids.push(bos);
         }
         match &self.0.hf {
-            None => ids.extend(bytes::encode(text)),
+            None => ids.extend(byte_level::bytes(text)),
             Some(t) => ids.extend_from_slice(
                 t.encode(text, false)
                     .map_err(|e| Error::Tokenizer(e.to_string()))?
@@ -285,11 +310,30 @@ impl Tokenizer {
     /// vocabulary are dropped; invalid UTF-8 becomes U+FFFD).
     pub fn decode(&self, ids: &[u32]) -> String {
         match &self.0.hf {
-            None => bytes::decode(ids),
+            None => byte_level::decode(ids),
             // decoding fails only inside a custom decoder, which a
             // tokenizer.json cannot name
             Some(t) => t.decode(ids, true).unwrap_or_default(),
         }
+    }
+
+    /// Whether `id` is a byte-fallback token (`<0x41>`).
+    pub fn is_byte_token(&self, id: u32) -> bool {
+        self.0
+            .byte_tokens
+            .get(id as usize)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// Whether `id` is a special token of a Hugging Face tokenizer (left out
+    /// of decoded text).
+    pub fn is_special(&self, id: u32) -> bool {
+        self.0
+            .special_tokens
+            .get(id as usize)
+            .copied()
+            .unwrap_or(false)
     }
 
     /// A decoder of an output stream.
@@ -317,6 +361,33 @@ impl Tokenizer {
 fn load_json(json: &str) -> Result<tokenizers::Tokenizer> {
     json.parse::<tokenizers::Tokenizer>()
         .map_err(|e| Error::Invalid(format!("not a usable tokenizer.json: {e}")))
+}
+
+/// Which ids are `<0xNN>` byte tokens, when the model falls back to bytes.
+fn byte_fallback_tokens(t: &tokenizers::Tokenizer, json: &str, vocab_size: u32) -> Vec<bool> {
+    #[derive(Deserialize)]
+    struct Model {
+        #[serde(default)]
+        byte_fallback: bool,
+    }
+    #[derive(Deserialize)]
+    struct File {
+        model: Model,
+    }
+    if !serde_json::from_str::<File>(json).is_ok_and(|f| f.model.byte_fallback) {
+        return Vec::new();
+    }
+    let mut out = vec![false; vocab_size as usize];
+    for (token, id) in t.get_vocab(false) {
+        let is_byte = token.len() == 6
+            && token.starts_with("<0x")
+            && token.ends_with('>')
+            && u8::from_str_radix(&token[3..5], 16).is_ok();
+        if let Some(slot) = out.get_mut(id as usize) {
+            *slot = is_byte;
+        }
+    }
+    out
 }
 
 fn to_json(tokenizer: &tokenizers::Tokenizer) -> Result<String> {

@@ -20,6 +20,9 @@ pub struct StreamDecoder {
     prefix: usize,
     /// End of the tokens whose text was emitted.
     read: usize,
+    /// Bytes of the window's new text already emitted (the text before an
+    /// incomplete character).
+    partial: usize,
     /// Everything emitted so far.
     emitted: String,
 }
@@ -31,6 +34,7 @@ impl StreamDecoder {
             ids: Vec::new(),
             prefix: 0,
             read: 0,
+            partial: 0,
             emitted: String::new(),
         }
     }
@@ -38,25 +42,40 @@ impl StreamDecoder {
     /// The new complete text after `ids`.
     pub fn push(&mut self, ids: &[u32]) -> String {
         self.ids.extend_from_slice(ids);
-        if self.read == self.ids.len() {
+        // a run of byte-fallback tokens (special tokens between them are
+        // left out) decodes as a whole, one character or U+FFFD for each
+        // byte: wait for its end
+        let tok = &self.tokenizer;
+        let last = self.ids.iter().rev().find(|&&id| !tok.is_special(id));
+        if self.read == self.ids.len() || last.is_some_and(|&id| tok.is_byte_token(id)) {
             return String::new();
         }
         let before = self.tokenizer.decode(&self.ids[self.prefix..self.read]);
         let after = self.tokenizer.decode(&self.ids[self.prefix..]);
-        // U+FFFD at the end: a character still waiting for its bytes
-        if after.len() <= before.len() || after.ends_with('\u{FFFD}') {
+        let Some(new) = after.strip_prefix(&before) else {
+            // the context changed the text before: wait for the end
             return String::new();
-        }
-        match after.strip_prefix(&before) {
-            Some(new) => {
+        };
+        // U+FFFD at the end: a character still waiting for its bytes; the
+        // text before it is final
+        let complete = new.trim_end_matches('\u{FFFD}');
+        let out = if complete.len() == new.len() {
+            let out = new.get(self.partial..).unwrap_or_default().to_string();
+            if after.len() > before.len() {
                 self.prefix = self.read;
                 self.read = self.ids.len();
-                self.emitted.push_str(new);
-                new.to_string()
+                self.partial = 0;
             }
-            // the context changed the text before: wait for the end
-            None => String::new(),
-        }
+            out
+        } else if complete.len() > self.partial {
+            let out = complete[self.partial..].to_string();
+            self.partial = complete.len();
+            out
+        } else {
+            String::new()
+        };
+        self.emitted.push_str(&out);
+        out
     }
 
     /// Whatever is still held back (end of the stream).
@@ -74,6 +93,7 @@ impl StreamDecoder {
         };
         self.prefix = self.ids.len();
         self.read = self.ids.len();
+        self.partial = 0;
         self.emitted.push_str(&rest);
         rest
     }

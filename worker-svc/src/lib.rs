@@ -115,7 +115,10 @@ pub async fn run(
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(WorkerServiceServer::new(service))
+        .add_service(
+            WorkerServiceServer::new(service)
+                .max_encoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES),
+        )
         .serve_with_incoming_shutdown(kvlease_telemetry::incoming(listener), shutdown)
         .await;
     drop(stop_rx);

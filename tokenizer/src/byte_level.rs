@@ -4,11 +4,11 @@
 use crate::Specials;
 
 /// Beginning-of-sequence token id.
-pub(crate) const BOS: u32 = 256;
+pub const BOS: u32 = 256;
 /// End-of-sequence token id.
-pub(crate) const EOS: u32 = 257;
+pub const EOS: u32 = 257;
 /// 256 bytes plus BOS and EOS.
-pub(crate) const VOCAB_SIZE: u32 = 258;
+pub const VOCAB_SIZE: u32 = 258;
 
 /// BOS and EOS; text prompts go without BOS (as the seeded model always had).
 pub(crate) fn specials() -> Specials {
@@ -16,13 +16,23 @@ pub(crate) fn specials() -> Specials {
 }
 
 /// One token per UTF-8 byte.
-pub(crate) fn encode(text: &str) -> impl Iterator<Item = u32> + '_ {
+pub(crate) fn bytes(text: &str) -> impl Iterator<Item = u32> + '_ {
     text.bytes().map(u32::from)
+}
+
+/// Text to token ids: one token per UTF-8 byte, with BOS first when asked.
+pub fn encode(text: &str, add_bos: bool) -> Vec<u32> {
+    let mut tokens = Vec::with_capacity(text.len() + usize::from(add_bos));
+    if add_bos {
+        tokens.push(BOS);
+    }
+    tokens.extend(bytes(text));
+    tokens
 }
 
 /// Byte tokens become bytes (invalid UTF-8 is replaced); specials and ids
 /// past the byte range are dropped.
-pub(crate) fn decode(ids: &[u32]) -> String {
+pub fn decode(ids: &[u32]) -> String {
     let bytes: Vec<u8> = ids.iter().filter_map(|&t| u8::try_from(t).ok()).collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
