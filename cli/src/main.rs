@@ -139,6 +139,12 @@ struct GenerateArgs {
     seed: u64,
     #[arg(long, default_value = "")]
     cache_salt: String,
+    /// Send TEXT as a user message, rendered with the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Stop when the output contains this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -294,6 +300,8 @@ async fn main() -> ExitCode {
                 top_p: a.top_p,
                 seed: a.seed,
                 cache_salt: a.cache_salt,
+                chat: a.chat,
+                stop: a.stop,
             };
             match commands::generate(options).await {
                 Ok(true) => ExitCode::SUCCESS,
