@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use crate::backend::{BackendChoice, CudaOptions, KvDtype};
 use crate::batch::Limits;
 use crate::error::{Error, Result};
-use crate::model::ModelConfig;
+use crate::model::{ModelConfig, RopeScaling};
 use crate::model::tokenizer::VOCAB_SIZE;
 use crate::model::weights::Weights;
 use crate::worker::WorkerOptions;
@@ -212,6 +212,7 @@ impl Config {
             head_dim: self.head_dim,
             ffn_size: self.ffn_size,
             rope_theta: self.rope_theta,
+            rope_scaling: RopeScaling::None,
             rms_norm_eps: self.rms_norm_eps,
             layer_windows,
             max_context: self.max_context,
