@@ -4,8 +4,8 @@ use std::path::PathBuf;
 
 use safetensors::tensor::{Dtype, TensorView};
 use worker_svc::Config;
-use worker_svc::model::{ModelConfig, RopeScaling};
 use worker_svc::model::weights::Weights;
+use worker_svc::model::{ModelConfig, RopeScaling};
 
 fn small_config(tied: bool) -> ModelConfig {
     ModelConfig {

@@ -89,7 +89,9 @@ impl GgmlType {
         let mut out = Vec::with_capacity(blocks.len() * self.block_elems());
         for block in blocks {
             match self {
-                GgmlType::F32 => out.push(f32::from_le_bytes([block[0], block[1], block[2], block[3]])),
+                GgmlType::F32 => {
+                    out.push(f32::from_le_bytes([block[0], block[1], block[2], block[3]]))
+                }
                 GgmlType::F16 => out.push(half_at(block, 0)),
                 GgmlType::Bf16 => out.push(bf16::from_le_bytes([block[0], block[1]]).to_f32()),
                 GgmlType::Q4_0 => q4_0(block, &mut out),
@@ -209,7 +211,9 @@ mod tests {
     fn every_type_matches_the_gguf_python_package() {
         let golden: serde_json::Value =
             serde_json::from_str(GOLDEN).unwrap_or_else(|e| panic!("{e}"));
-        let cases = golden.as_object().unwrap_or_else(|| panic!("not an object"));
+        let cases = golden
+            .as_object()
+            .unwrap_or_else(|| panic!("not an object"));
         let mut seen = Vec::new();
         for (name, case) in cases {
             let id = case["type_id"].as_u64().unwrap_or(u64::MAX) as u32;

@@ -123,14 +123,21 @@ const MAX_DEPTH: usize = 4;
 impl GgufFile {
     /// Parses `bytes` as a GGUF file. The error says what could not be read.
     pub fn parse(bytes: Vec<u8>) -> Result<Self, String> {
-        let mut r = Reader { bytes: &bytes, pos: 0 };
+        let mut r = Reader {
+            bytes: &bytes,
+            pos: 0,
+        };
         let magic = r.take(4, "the magic number")?;
         if magic != MAGIC {
-            return Err(format!("not a GGUF file (magic {magic:02x?}, expected \"GGUF\")"));
+            return Err(format!(
+                "not a GGUF file (magic {magic:02x?}, expected \"GGUF\")"
+            ));
         }
         let version = r.u32("the version")?;
         if !(2..=3).contains(&version) {
-            return Err(format!("unsupported GGUF version {version} (2 and 3 are read)"));
+            return Err(format!(
+                "unsupported GGUF version {version} (2 and 3 are read)"
+            ));
         }
         let tensor_count = r.u64("the tensor count")?;
         let kv_count = r.u64("the metadata count")?;
@@ -249,7 +256,10 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], String> {
-        let end = self.pos.checked_add(n).filter(|end| *end <= self.bytes.len());
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|end| *end <= self.bytes.len());
         match end {
             Some(end) => {
                 let out = &self.bytes[self.pos..end];
@@ -429,7 +439,12 @@ mod tests {
                 ),
             ],
             &[
-                ("x", vec![3, 2], 0, f32_bytes(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])),
+                (
+                    "x",
+                    vec![3, 2],
+                    0,
+                    f32_bytes(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+                ),
                 ("y", vec![1], 0, f32_bytes(&[7.0])),
             ],
         )

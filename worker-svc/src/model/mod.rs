@@ -1,7 +1,16 @@
 //! The model: its shape, its weights and its tokenizer.
+//!
+//! The seeded model (`weights::Weights::seeded`, byte-level `tokenizer`) is
+//! the default; [`load::open`] reads a real one from a GGUF file (`gguf`
+//! parses the container, `dequant` the tensor types, `gguf_llama` maps
+//! llama.cpp's names and layout onto ours) or a Hugging Face directory
+//! (`hf_dir`).
 
 pub mod dequant;
 pub mod gguf;
+mod gguf_llama;
+mod hf_dir;
+pub mod load;
 pub mod tokenizer;
 pub mod weights;
 

@@ -6,8 +6,8 @@
 //! compares with the dense reference, the tolerated relative error.
 
 use worker_svc::batch::{Limits, Sampling, SeqInput, TableInput};
-use worker_svc::model::{ModelConfig, RopeScaling};
 use worker_svc::model::weights::{SplitMix64, Weights};
+use worker_svc::model::{ModelConfig, RopeScaling};
 use worker_svc::ops::window_start;
 use worker_svc::reference::{DenseModel, DenseSequence};
 use worker_svc::worker::{Worker, WorkerOptions};
