@@ -220,3 +220,61 @@ fn smollm2_says_the_capital_of_france_is_paris() {
     println!("The capital of France is{text:?}");
     assert!(text.contains("Paris"), "{text:?}");
 }
+
+#[tokio::test]
+async fn the_worker_serves_a_hf_directory_with_its_shape_and_its_tokenizer() {
+    use kvlease_proto::v1 as pb;
+
+    let dir = TempDir::new("serve");
+    write_hf_checkpoint(&dir.0, false);
+    let serving = ServingShape {
+        max_context: 128,
+        tokens_per_block: 8,
+    };
+    let expected = load::open(&dir.0, serving).unwrap_or_else(|e| panic!("{e}"));
+    let config = worker_svc::Config {
+        model: Some(dir.0.clone()),
+        max_context: 128,
+        tokens_per_block: 8,
+        ..worker_svc::Config::default()
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("bind: {e}"));
+    let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(worker_svc::run(listener, config, async {
+        let _ = stopped.await;
+    }));
+    let mut client =
+        pb::worker_service_client::WorkerServiceClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap_or_else(|e| panic!("connect: {e}"));
+    let describe = client
+        .describe(pb::DescribeRequest {})
+        .await
+        .unwrap_or_else(|e| panic!("describe: {e}"))
+        .into_inner();
+    let model = describe.model.unwrap_or_default();
+    assert_eq!(model.name, expected.weights.config.name);
+    assert_eq!(
+        (
+            model.vocab_size,
+            model.hidden_size,
+            model.num_layers,
+            model.max_context
+        ),
+        (64, 32, 3, 128)
+    );
+    assert_eq!(describe.tokens_per_block, 8);
+    assert_eq!(
+        model.tokenizer_fingerprint,
+        expected.tokenizer.fingerprint()
+    );
+    let _ = stop.send(());
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => panic!("worker failed: {e}"),
+        Err(e) => panic!("worker task: {e}"),
+    }
+}
