@@ -211,6 +211,8 @@ pub async fn generate(
         tokens: request.tokens,
         max_tokens: request.max_tokens,
         request_id: format!("bench-{}", request.index),
+        // a workload's output lengths are part of it: no early end of sequence
+        ignore_eos: true,
         ..Default::default()
     };
     let run = async {

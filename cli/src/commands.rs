@@ -56,6 +56,10 @@ pub struct GenerateOptions {
     pub top_p: f32,
     pub seed: u64,
     pub cache_salt: String,
+    /// Send the text as one user message of a chat (the model's template).
+    pub chat: bool,
+    /// Stop strings.
+    pub stop: Vec<String>,
 }
 
 /// `kvlease generate`: streams the completion of `text` to stdout as it
@@ -66,7 +70,20 @@ pub async fn generate(options: GenerateOptions) -> Result<bool> {
     let sent = Instant::now();
     let mut stream = client
         .generate(pb::GenerateRequest {
-            text: options.text.clone(),
+            text: if options.chat {
+                String::new()
+            } else {
+                options.text.clone()
+            },
+            messages: if options.chat {
+                vec![pb::ChatMessage {
+                    role: "user".into(),
+                    content: options.text.clone(),
+                }]
+            } else {
+                Vec::new()
+            },
+            stop: options.stop.clone(),
             max_tokens: options.max_tokens,
             temperature: options.temperature,
             top_p: options.top_p,
@@ -79,7 +96,9 @@ pub async fn generate(options: GenerateOptions) -> Result<bool> {
         .map_err(|s| Error::rpc("Generate", s))?
         .into_inner();
     let mut out = std::io::stdout();
-    let _ = write!(out, "{}", options.text);
+    if !options.chat {
+        let _ = write!(out, "{}", options.text);
+    }
     let mut tokens = 0usize;
     let mut first_token = None;
     let mut reused = 0;

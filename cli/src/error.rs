@@ -51,6 +51,9 @@ pub enum Error {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    /// A model cannot be fetched or found.
+    #[error("model: {0}")]
+    Model(String),
     /// A service of the in-process cluster stopped or failed to start.
     #[error("{service} failed: {message}")]
     Service {
@@ -87,7 +90,7 @@ impl From<Error> for tonic::Status {
             Error::Rpc { code, .. } => *code,
             Error::Timeout { .. } => Code::DeadlineExceeded,
             Error::TraceIo { .. } => Code::NotFound,
-            Error::Bind { .. } | Error::Service { .. } => Code::Internal,
+            Error::Bind { .. } | Error::Service { .. } | Error::Model(_) => Code::Internal,
         };
         tonic::Status::new(code, e.to_string())
     }

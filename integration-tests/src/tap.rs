@@ -248,6 +248,12 @@ impl WorkerService for WorkerTap {
     ) -> Result<Response<pb::DescribeResponse>, Status> {
         self.inner.clone().describe(r.into_inner()).await
     }
+    async fn get_tokenizer(
+        &self,
+        r: Request<pb::GetTokenizerRequest>,
+    ) -> Result<Response<pb::GetTokenizerResponse>, Status> {
+        self.inner.clone().get_tokenizer(r.into_inner()).await
+    }
     async fn forward(
         &self,
         r: Request<pb::ForwardRequest>,
@@ -372,7 +378,10 @@ pub async fn start_gate(worker: SocketAddr) -> Result<(Service, Gate), Error> {
 async fn serve_worker_tap(name: &'static str, tap: WorkerTap) -> Result<Service, Error> {
     crate::spawn(name, |l, rx| {
         tonic::transport::Server::builder()
-            .add_service(WorkerServiceServer::new(tap))
+            .add_service(
+                WorkerServiceServer::new(tap)
+                    .max_encoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES),
+            )
             .serve_with_incoming_shutdown(TcpListenerStream::new(l), crate::shutdown(rx))
     })
     .await

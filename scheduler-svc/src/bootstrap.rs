@@ -7,7 +7,9 @@
 
 use std::sync::Mutex;
 
-use crate::client::{CacheClient, WorkerClient};
+use kvlease_tokenizer::Tokenizer;
+
+use crate::client::{CacheClient, WorkerClient, WorkerDescription};
 use crate::config::Config;
 use crate::domain::{ForwardItem, GroupGeometry, LeaseSpec, Outcome, RequestId, SeqId, Table};
 use crate::error::{Error, Result};
@@ -24,6 +26,8 @@ pub struct Started {
     pub groups: Vec<GroupGeometry>,
     /// The last step number warm-up used.
     pub last_step: u64,
+    /// The models' tokenizer (every worker's is the same).
+    pub tokenizer: Tokenizer,
 }
 
 /// Describes, registers and warms up every worker within the deadline.
@@ -64,11 +68,15 @@ async fn start_inner(
     workers: &[WorkerClient],
     held: &Mutex<Vec<SeqId>>,
 ) -> Result<Started> {
+    let mut descriptions = Vec::with_capacity(workers.len());
+    for worker in workers {
+        descriptions.push(worker.describe().await?);
+    }
+    let tokenizer = one_tokenizer(workers, &descriptions).await?;
     let mut groups = Vec::with_capacity(workers.len());
     let mut step = 0u64;
     let mut next_seq = WARMUP_SEQ_BASE;
-    for (i, worker) in workers.iter().enumerate() {
-        let d = worker.describe().await?;
+    for (i, (worker, d)) in workers.iter().zip(descriptions).enumerate() {
         if d.pools.is_empty() || d.tokens_per_block == 0 {
             return Err(Error::Protocol {
                 peer: "worker",
@@ -117,7 +125,39 @@ async fn start_inner(
     Ok(Started {
         groups,
         last_step: step,
+        tokenizer,
     })
+}
+
+/// The tokenizer every worker serves, fetched from the first; start-up
+/// fails, naming both, when two workers' fingerprints differ.
+async fn one_tokenizer(
+    workers: &[WorkerClient],
+    descriptions: &[WorkerDescription],
+) -> Result<Tokenizer> {
+    let (Some(first), Some(d0)) = (workers.first(), descriptions.first()) else {
+        return Err(Error::Config("no worker to serve".into()));
+    };
+    for (worker, d) in workers.iter().zip(descriptions).skip(1) {
+        if d.tokenizer_fingerprint != d0.tokenizer_fingerprint {
+            let side = |w: &WorkerClient, d: &WorkerDescription| {
+                format!(
+                    "{} serves {:?} (tokenizer {})",
+                    w.addr(),
+                    d.model_name,
+                    d.tokenizer_fingerprint
+                )
+            };
+            return Err(Error::TokenizerMismatch {
+                first: side(first, d0),
+                other: side(worker, d),
+            });
+        }
+    }
+    let tokenizer = first.get_tokenizer(&d0.tokenizer_fingerprint).await?;
+    tracing::info!(model = %d0.model_name, fingerprint = tokenizer.fingerprint(),
+        vocab_size = tokenizer.vocab_size(), chat_template = tokenizer.has_chat_template(), "tokenizer loaded");
+    Ok(tokenizer)
 }
 
 /// The limits the warm-up shapes are built from.

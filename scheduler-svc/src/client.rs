@@ -10,6 +10,7 @@ use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
 use kvlease_telemetry::{TracedChannel, traced};
+use kvlease_tokenizer::{Specials, Tokenizer, TokenizerKind, TokenizerParts};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::domain::{
@@ -455,6 +456,8 @@ pub fn reject_to_proto(r: &Reject) -> pb::Reject {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerDescription {
     pub model_name: String,
+    /// The fingerprint of the model's tokenizer.
+    pub tokenizer_fingerprint: String,
     pub tokens_per_block: u32,
     /// (window, blocks) per pool.
     pub pools: Vec<(u32, u32)>,
@@ -476,7 +479,9 @@ impl WorkerClient {
         let channel = endpoint("worker", addr, None)?;
         Ok(Self {
             addr: addr.to_string(),
-            inner: WorkerServiceClient::new(traced(channel)),
+            // GetTokenizer answers with a whole tokenizer.json
+            inner: WorkerServiceClient::new(traced(channel))
+                .max_decoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES),
         })
     }
 
@@ -495,6 +500,7 @@ impl WorkerClient {
         let model = r.model.unwrap_or_default();
         Ok(WorkerDescription {
             model_name: model.name,
+            tokenizer_fingerprint: model.tokenizer_fingerprint,
             tokens_per_block: r.tokens_per_block,
             pools: r.pools.iter().map(|p| (p.window, p.num_blocks)).collect(),
             max_context: model.max_context,
@@ -502,6 +508,49 @@ impl WorkerClient {
             max_batch_sequences: r.max_batch_sequences,
             max_batch_tokens: r.max_batch_tokens,
         })
+    }
+
+    /// The model's tokenizer, which must have `fingerprint`; its parts are
+    /// checked against the fingerprint they arrive with.
+    pub async fn get_tokenizer(&self, fingerprint: &str) -> Result<Tokenizer> {
+        let r = self
+            .inner
+            .clone()
+            .get_tokenizer(pb::GetTokenizerRequest {
+                fingerprint: fingerprint.to_string(),
+            })
+            .await
+            .map_err(|s| Error::from_worker("GetTokenizer", &s))?
+            .into_inner();
+        let bad = |message: String| Error::Protocol {
+            peer: "worker",
+            message: format!("GetTokenizer from {}: {message}", self.addr),
+        };
+        let kind = TokenizerKind::parse(&r.kind)
+            .ok_or_else(|| bad(format!("unknown tokenizer kind {:?}", r.kind)))?;
+        let text = |s: String| (!s.is_empty()).then_some(s);
+        let parts = TokenizerParts {
+            kind,
+            tokenizer_json: r.tokenizer_json,
+            chat_template: text(r.chat_template),
+            specials: Specials::new(
+                r.bos_id,
+                text(r.bos_token),
+                text(r.eos_token),
+                r.end_ids,
+                r.add_bos,
+            ),
+        };
+        let tokenizer = Tokenizer::from_parts(parts).map_err(|e| bad(e.to_string()))?;
+        if tokenizer.fingerprint() != r.fingerprint || r.fingerprint != fingerprint {
+            return Err(bad(format!(
+                "the tokenizer received has fingerprint {}, the worker said {} and Describe {}",
+                tokenizer.fingerprint(),
+                r.fingerprint,
+                fingerprint
+            )));
+        }
+        Ok(tokenizer)
     }
 
     /// One forward pass; one result per item, in order.

@@ -72,6 +72,14 @@ pub enum Error {
     /// Warm-up did not finish before its deadline.
     #[error("warm-up did not finish within {deadline_ms} ms; start-up aborted")]
     WarmupDeadline { deadline_ms: u64 },
+    /// The request needs something the model does not have (a chat
+    /// template).
+    #[error("failed precondition: {0}")]
+    FailedPrecondition(String),
+    /// Two workers serve models whose tokenizers differ: start-up fails.
+    /// Each side reads "ADDR serves MODEL (tokenizer FINGERPRINT)".
+    #[error("workers disagree on the tokenizer: {first} but {other}; start-up aborted")]
+    TokenizerMismatch { first: String, other: String },
     /// The step loop has stopped.
     #[error("the scheduler is shutting down")]
     ShuttingDown,
@@ -115,7 +123,9 @@ impl From<Error> for Status {
             Error::Config(_) | Error::InvalidArgument(_) => Status::invalid_argument(message),
             Error::CacheUnavailable(_) | Error::ShuttingDown => Status::unavailable(message),
             Error::SessionLost(_) => Status::unavailable(message),
-            Error::WarmupDoesNotFit { .. }
+            Error::FailedPrecondition(_)
+            | Error::TokenizerMismatch { .. }
+            | Error::WarmupDoesNotFit { .. }
             | Error::WarmupRejected { .. }
             | Error::PoolNotWhole { .. } => Status::failed_precondition(message),
             Error::WarmupDeadline { .. } => Status::deadline_exceeded(message),

@@ -16,8 +16,9 @@
 //!   forward results, says what to release, fenced at which step, and when a
 //!   step is complete.
 //! - `warmup.rs`: the warm-up shapes and their block estimate.
-//! - `tokenizer.rs`: byte-level text.
 //!   (All of the above are synchronous and free of protobuf types.)
+//!   Prompts are encoded and output decoded with the model's tokenizer
+//!   (`kvlease-tokenizer`), fetched from the workers at start-up.
 //! - `client.rs`: the cache and worker gRPC clients; converts messages.
 //! - `session.rs`: the cache session every client clone shares (id, epoch,
 //!   up, lost), its keep-alive, and re-opening it after a loss.
@@ -46,7 +47,6 @@ pub mod session;
 pub mod spec;
 pub mod step;
 pub mod step_loop;
-pub mod tokenizer;
 pub mod warmup;
 
 pub use config::Config;

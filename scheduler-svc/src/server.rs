@@ -70,6 +70,7 @@ pub async fn run(
             .unwrap_or(0),
     };
     let group_names: Vec<String> = started.groups.iter().map(|g| g.name.clone()).collect();
+    let tokenizer = started.tokenizer.clone();
     let registry = kvlease_telemetry::metrics::Registry::new();
     let metrics = SchedulerMetrics::register(&registry)?;
     let (engine, handle) = StepLoop::new(
@@ -115,6 +116,7 @@ pub async fn run(
         handle,
         cache,
         limits,
+        tokenizer,
         config.policy,
         config.on_exhausted,
         group_names,

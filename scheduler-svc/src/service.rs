@@ -18,7 +18,7 @@ use crate::error::Error;
 use crate::policy::{OnExhausted, Policy};
 use crate::queue::Request;
 use crate::step_loop::StepLoopHandle;
-use crate::tokenizer::{TextDecoder, encode};
+use kvlease_tokenizer::{Message, StopStrings, StreamDecoder, Tokenizer};
 
 /// Limits a request is validated against.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,16 +37,19 @@ pub struct SchedulerService {
     engine: StepLoopHandle,
     cache: CacheClient,
     limits: Limits,
+    tokenizer: Tokenizer,
     policy: Policy,
     on_exhausted: OnExhausted,
     groups: Vec<String>,
 }
 
 impl SchedulerService {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         engine: StepLoopHandle,
         cache: CacheClient,
         limits: Limits,
+        tokenizer: Tokenizer,
         policy: Policy,
         on_exhausted: OnExhausted,
         groups: Vec<String>,
@@ -55,6 +58,7 @@ impl SchedulerService {
             engine,
             cache,
             limits,
+            tokenizer,
             policy,
             on_exhausted,
             groups,
@@ -63,23 +67,68 @@ impl SchedulerService {
 }
 
 const MAX_LABEL: usize = 256;
+/// Limits on stop strings: how many, and the bytes of each.
+const MAX_STOPS: usize = 16;
+const MAX_STOP_BYTES: usize = 256;
 
-/// Checks a Generate request and turns it into a queue request.
+/// How a request's output text is made: `None` for token-id prompts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TextOutput {
+    /// Stop strings.
+    pub stop: Vec<String>,
+}
+
+/// The prompt of a request: its text, its chat or its token ids.
+fn prompt_ids(req: &pb::GenerateRequest, tokenizer: &Tokenizer) -> Result<Vec<u32>, Error> {
+    let given = [
+        !req.text.is_empty(),
+        !req.tokens.is_empty(),
+        !req.messages.is_empty(),
+    ];
+    if given.iter().filter(|g| **g).count() > 1 {
+        return Err(Error::InvalidArgument(
+            "give exactly one of text, tokens and messages".into(),
+        ));
+    }
+    let failed = |e: kvlease_tokenizer::Error| match e {
+        kvlease_tokenizer::Error::NoChatTemplate => Error::FailedPrecondition(
+            "the model has no chat template: send text or tokens instead of messages".into(),
+        ),
+        other => Error::InvalidArgument(other.to_string()),
+    };
+    if !req.messages.is_empty() {
+        if let Some((i, _)) = req
+            .messages
+            .iter()
+            .enumerate()
+            .find(|(_, m)| m.role.is_empty())
+        {
+            return Err(Error::InvalidArgument(format!("message {i} has no role")));
+        }
+        let messages: Vec<Message> = req
+            .messages
+            .iter()
+            .map(|m| Message::new(m.role.clone(), m.content.clone()))
+            .collect();
+        return tokenizer.encode_chat(&messages).map_err(failed);
+    }
+    if !req.text.is_empty() {
+        return tokenizer.encode(&req.text).map_err(failed);
+    }
+    Ok(req.tokens.clone())
+}
+
+/// Checks a Generate request and turns it into a queue request, with how
+/// its output text is made (`None` for a token-id prompt).
 pub fn validate(
     id: u64,
     req: &pb::GenerateRequest,
     limits: &Limits,
-) -> Result<(Request, bool), Error> {
+    tokenizer: &Tokenizer,
+) -> Result<(Request, Option<TextOutput>), Error> {
     let bad = |m: String| Err(Error::InvalidArgument(m));
-    let is_text = !req.text.is_empty();
-    if is_text && !req.tokens.is_empty() {
-        return bad("give exactly one of text and tokens, not both".into());
-    }
-    let prompt = if is_text {
-        encode(&req.text)
-    } else {
-        req.tokens.clone()
-    };
+    let is_text = !req.text.is_empty() || !req.messages.is_empty();
+    let prompt = prompt_ids(req, tokenizer)?;
     if prompt.is_empty() {
         return bad("empty prompt: give text or tokens".into());
     }
@@ -126,6 +175,24 @@ pub fn validate(
             limits.vocab_size
         ));
     }
+    if req.stop.len() > MAX_STOPS {
+        return bad(format!(
+            "{} stop strings; at most {MAX_STOPS}",
+            req.stop.len()
+        ));
+    }
+    if let Some(s) = req
+        .stop
+        .iter()
+        .find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+    {
+        return bad(format!(
+            "stop string {s:?} must be 1 to {MAX_STOP_BYTES} bytes"
+        ));
+    }
+    if !req.stop.is_empty() && !is_text {
+        return bad("stop strings need a text or messages prompt".into());
+    }
     if req.priority > 100 {
         return bad(format!("priority must be 0 to 100, got {}", req.priority));
     }
@@ -141,18 +208,42 @@ pub fn validate(
         seed: req.seed,
     };
     r.stop_tokens = req.stop_tokens.clone();
+    if !req.ignore_eos {
+        r.stop_tokens.extend_from_slice(tokenizer.end_ids());
+    }
     r.priority = req.priority;
     r.cache_salt = req.cache_salt.clone();
-    Ok((r, is_text))
+    let text = is_text.then(|| TextOutput {
+        stop: req.stop.clone(),
+    });
+    Ok((r, text))
 }
 
 type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
 struct StreamState {
     rx: mpsc::UnboundedReceiver<Output>,
-    text: Option<TextDecoder>,
+    text: Option<TextStream>,
     deadline: Option<Instant>,
     done: bool,
+}
+
+/// The output text of a text or chat request.
+struct TextStream {
+    decoder: StreamDecoder,
+    stops: StopStrings,
+}
+
+impl TextStream {
+    fn push(&mut self, tokens: &[u32]) -> String {
+        self.stops.push(&self.decoder.push(tokens))
+    }
+
+    fn finish(&mut self) -> String {
+        let mut text = self.stops.push(&self.decoder.finish());
+        text.push_str(&self.stops.finish());
+        text
+    }
 }
 
 /// The client's deadline from the `grpc-timeout` header (`<digits><unit>`,
@@ -178,12 +269,15 @@ pub fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Duration>
 /// the request's blocks).
 fn response_stream(
     rx: mpsc::UnboundedReceiver<Output>,
-    is_text: bool,
+    text: Option<(TextOutput, &Tokenizer)>,
     deadline: Option<Instant>,
 ) -> GenerateStream {
     let state = StreamState {
         rx,
-        text: is_text.then(TextDecoder::new),
+        text: text.map(|(out, tokenizer)| TextStream {
+            decoder: tokenizer.stream(),
+            stops: StopStrings::new(out.stop),
+        }),
         deadline,
         done: false,
     };
@@ -210,16 +304,26 @@ fn response_stream(
                 tokens,
                 reused_tokens,
                 ..
-            }) => pb::GenerateResponse {
-                text: st
-                    .text
-                    .as_mut()
-                    .map(|d| d.push(&tokens))
-                    .unwrap_or_default(),
-                tokens,
-                reused_tokens: reused_tokens.unwrap_or(0),
-                ..Default::default()
-            },
+            }) => {
+                let mut m = pb::GenerateResponse {
+                    text: st
+                        .text
+                        .as_mut()
+                        .map(|t| t.push(&tokens))
+                        .unwrap_or_default(),
+                    tokens,
+                    reused_tokens: reused_tokens.unwrap_or(0),
+                    ..Default::default()
+                };
+                if st.text.as_ref().is_some_and(|t| t.stops.stopped()) {
+                    // a stop string ends the request here; the step loop
+                    // sees the stream gone and releases its blocks
+                    st.done = true;
+                    st.rx.close();
+                    m.finish_reason = pb::FinishReason::Stop as i32;
+                }
+                m
+            }
             Some(Output::Finished {
                 finish,
                 preemptions,
@@ -227,11 +331,13 @@ fn response_stream(
             }) => {
                 st.done = true;
                 let mut m = pb::GenerateResponse {
-                    text: st.text.as_mut().map(|d| d.finish()).unwrap_or_default(),
+                    text: st.text.as_mut().map(|t| t.finish()).unwrap_or_default(),
                     preemptions,
                     ..Default::default()
                 };
+                let stopped = st.text.as_ref().is_some_and(|t| t.stops.stopped());
                 let reason = match finish {
+                    Finish::Length | Finish::Stop if stopped => pb::FinishReason::Stop,
                     Finish::Length => pb::FinishReason::Length,
                     Finish::Stop => pb::FinishReason::Stop,
                     Finish::Cancelled(why) => {
@@ -275,7 +381,7 @@ impl Scheduler for SchedulerService {
         let deadline = grpc_timeout(request.metadata()).map(|t| Instant::now() + t);
         let req = request.into_inner();
         let id = self.engine.next_request_id();
-        let (r, is_text) = validate(id.get(), &req, &self.limits)?;
+        let (r, text) = validate(id.get(), &req, &self.limits, &self.tokenizer)?;
         if !self.cache.is_up() {
             return Err(Error::CacheUnavailable(
                 "the cache service cannot be reached; try again later".into(),
@@ -287,7 +393,8 @@ impl Scheduler for SchedulerService {
         let rx = self
             .engine
             .submit(r, kvlease_telemetry::current_context())?;
-        Ok(Response::new(response_stream(rx, is_text, deadline)))
+        let text = text.map(|t| (t, &self.tokenizer));
+        Ok(Response::new(response_stream(rx, text, deadline)))
     }
 
     async fn get_status(
@@ -339,6 +446,14 @@ mod tests {
         }
     }
 
+    fn validate_bytes(
+        id: u64,
+        req: &pb::GenerateRequest,
+        limits: &Limits,
+    ) -> Result<(Request, Option<TextOutput>), Error> {
+        validate(id, req, limits, &Tokenizer::byte_level())
+    }
+
     fn req(tokens: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
         pb::GenerateRequest {
             tokens,
@@ -347,7 +462,7 @@ mod tests {
         }
     }
 
-    fn message(r: Result<(Request, bool), Error>) -> String {
+    fn message(r: Result<(Request, Option<TextOutput>), Error>) -> String {
         match r {
             Ok(_) => "ok".into(),
             Err(e) => e.to_string(),
@@ -357,31 +472,34 @@ mod tests {
     #[test]
     fn validation_names_what_is_wrong() {
         let l = limits();
-        assert!(message(validate(1, &req(vec![], 4), &l)).contains("empty prompt"));
+        assert!(message(validate_bytes(1, &req(vec![], 4), &l)).contains("empty prompt"));
         assert!(
-            message(validate(1, &req(vec![1], 0), &l)).contains("max_tokens must be at least 1")
+            message(validate_bytes(1, &req(vec![1], 0), &l))
+                .contains("max_tokens must be at least 1")
         );
-        assert!(message(validate(1, &req(vec![1], 65), &l)).contains("over the limit of 64"));
-        assert!(message(validate(1, &req(vec![1; 100], 64), &l)).contains("context limit"));
-        assert!(message(validate(1, &req(vec![300], 4), &l)).contains("outside the vocabulary"));
+        assert!(message(validate_bytes(1, &req(vec![1], 65), &l)).contains("over the limit of 64"));
+        assert!(message(validate_bytes(1, &req(vec![1; 100], 64), &l)).contains("context limit"));
+        assert!(
+            message(validate_bytes(1, &req(vec![300], 4), &l)).contains("outside the vocabulary")
+        );
         let both = pb::GenerateRequest {
             text: "a".into(),
             tokens: vec![1],
             max_tokens: 1,
             ..Default::default()
         };
-        assert!(message(validate(1, &both, &l)).contains("exactly one"));
+        assert!(message(validate_bytes(1, &both, &l)).contains("exactly one"));
         let hot = pb::GenerateRequest {
             temperature: -1.0,
             ..req(vec![1], 1)
         };
-        assert!(message(validate(1, &hot, &l)).contains("temperature"));
+        assert!(message(validate_bytes(1, &hot, &l)).contains("temperature"));
         let top = pb::GenerateRequest {
             top_p: 1.5,
             ..req(vec![1], 1)
         };
-        assert!(message(validate(1, &top, &l)).contains("top_p"));
-        let ok = validate(
+        assert!(message(validate_bytes(1, &top, &l)).contains("top_p"));
+        let ok = validate_bytes(
             7,
             &pb::GenerateRequest {
                 text: "hé".into(),
@@ -391,7 +509,7 @@ mod tests {
             &l,
         );
         assert!(
-            matches!(ok, Ok((r, true)) if r.prompt == vec![104, 0xC3, 0xA9] && r.id == RequestId(7))
+            matches!(ok, Ok((r, Some(_))) if r.prompt == vec![104, 0xC3, 0xA9] && r.id == RequestId(7))
         );
     }
 

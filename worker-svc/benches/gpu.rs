@@ -8,7 +8,7 @@
 
 use worker_svc::backend::cuda::AttentionTuning;
 use worker_svc::backend::cuda::bench::{self, AttentionShape};
-use worker_svc::model::ModelConfig;
+use worker_svc::model::{ModelConfig, RopeScaling};
 
 fn main() {
     if let Err(reason) = worker_svc::backend::cuda::probe() {
@@ -180,6 +180,7 @@ fn main() {
         head_dim: 64,
         ffn_size: 5632,
         rope_theta: 10_000.0,
+        rope_scaling: RopeScaling::None,
         rms_norm_eps: 1e-5,
         layer_windows: vec![0; 16],
         max_context: 4096,

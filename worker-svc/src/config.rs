@@ -7,9 +7,10 @@ use std::path::PathBuf;
 use crate::backend::{BackendChoice, CudaOptions, KvDtype};
 use crate::batch::Limits;
 use crate::error::{Error, Result};
-use crate::model::ModelConfig;
+use crate::model::load::{self, LoadedModel, ServingShape};
 use crate::model::tokenizer::VOCAB_SIZE;
 use crate::model::weights::Weights;
+use crate::model::{ModelConfig, RopeScaling};
 use crate::worker::WorkerOptions;
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:50053";
@@ -37,6 +38,13 @@ pub struct Config {
     /// Address the gRPC server listens on.
     #[arg(long, env = "KVLEASE_WORKER_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
+
+    /// A real model: a GGUF file (architecture llama) or a Hugging Face
+    /// directory (config.json, safetensors, tokenizer.json). Its shape
+    /// comes from the file; the shape flags are ignored. Without it the
+    /// seeded model runs.
+    #[arg(long, env = "KVLEASE_WORKER_MODEL", conflicts_with = "weights")]
+    pub model: Option<PathBuf>,
 
     /// Safetensors file with HF Llama tensor names; weights are drawn from
     /// `--seed` when absent. Shapes must match the model flags.
@@ -156,6 +164,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 50053)),
+            model: None,
             weights: None,
             seed: 0,
             vocab_size: VOCAB_SIZE as usize,
@@ -212,6 +221,7 @@ impl Config {
             head_dim: self.head_dim,
             ffn_size: self.ffn_size,
             rope_theta: self.rope_theta,
+            rope_scaling: RopeScaling::None,
             rms_norm_eps: self.rms_norm_eps,
             layer_windows,
             max_context: self.max_context,
@@ -222,13 +232,27 @@ impl Config {
         Ok(config)
     }
 
-    /// The weights: read from `--weights`, or drawn from `--seed`.
+    /// The weights: read from `--model` or `--weights`, or drawn from `--seed`.
     pub fn load_weights(&self) -> Result<Weights> {
+        if let Some(path) = &self.model {
+            return Ok(self.load_model(path)?.weights);
+        }
         let config = self.model_config()?;
         match &self.weights {
             Some(path) => Weights::load_safetensors(config, path),
             None => Weights::seeded(config, self.seed),
         }
+    }
+
+    /// The model at `path` with this config's context and block size.
+    pub fn load_model(&self, path: &std::path::Path) -> Result<LoadedModel> {
+        load::open(
+            path,
+            ServingShape {
+                max_context: self.max_context,
+                tokens_per_block: self.tokens_per_block,
+            },
+        )
     }
 
     /// Device, arena type and memory share of the CUDA backend.

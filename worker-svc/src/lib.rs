@@ -10,7 +10,8 @@
 //!
 //! - [`config`]: flags (`KVLEASE_WORKER_*` fallbacks) → model shape, weights, options.
 //! - [`model`]: [`ModelConfig`](model::ModelConfig), [`Weights`](model::weights::Weights)
-//!   (seeded or safetensors), the byte-level [`tokenizer`](model::tokenizer).
+//!   (seeded or safetensors), the byte-level [`tokenizer`](model::tokenizer), and
+//!   [`model::load`]: a real model from a GGUF file or a Hugging Face directory.
 //! - [`arena`]: pool geometry (where each K/V row lives) and the ledger of written slots.
 //! - [`batch`]: a Forward batch in domain terms; [`batch::validate`] checks all of it
 //!   before anything is written.
@@ -56,7 +57,15 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    let weights = config.load_weights()?;
+    // A real model (`--model`) brings its own tokenizer; the seeded model
+    // serves the byte-level one.
+    let (weights, tokenizer) = match &config.model {
+        Some(path) => {
+            let model = config.load_model(path)?;
+            (model.weights, Some(model.tokenizer))
+        }
+        None => (config.load_weights()?, None),
+    };
     let worker = worker::Worker::new(
         weights,
         config.worker_options(),
@@ -65,7 +74,10 @@ pub async fn run(
     )?;
     let registry = kvlease_telemetry::metrics::Registry::new();
     let metrics = service::WorkerMetrics::register(&registry, worker.info())?;
-    let service = service::WorkerGrpc::new(worker, metrics);
+    let mut service = service::WorkerGrpc::new(worker, metrics);
+    if let Some(tokenizer) = tokenizer {
+        service = service.with_tokenizer(tokenizer)?;
+    }
 
     // One shutdown signal for the gRPC server and the metrics endpoint.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -115,7 +127,10 @@ pub async fn run(
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(WorkerServiceServer::new(service))
+        .add_service(
+            WorkerServiceServer::new(service)
+                .max_encoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES),
+        )
         .serve_with_incoming_shutdown(kvlease_telemetry::incoming(listener), shutdown)
         .await;
     drop(stop_rx);

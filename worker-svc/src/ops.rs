@@ -218,6 +218,13 @@ impl Rope {
         Rope { inv_freq }
     }
 
+    /// RoPE with the model's (possibly rescaled) frequencies.
+    pub fn for_model(config: &crate::model::ModelConfig) -> Self {
+        Rope {
+            inv_freq: config.rope_inv_freq(),
+        }
+    }
+
     /// Cosine and sine of every frequency at `pos`.
     pub fn table(&self, pos: usize) -> Vec<(f32, f32)> {
         self.inv_freq

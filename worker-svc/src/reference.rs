@@ -40,7 +40,7 @@ impl<'w> DenseModel<'w> {
         let c = &weights.config;
         DenseModel {
             weights,
-            rope: Rope::new(c.head_dim, c.rope_theta),
+            rope: Rope::for_model(c),
         }
     }
 

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use kvlease_proto::v1 as pb;
 use kvlease_telemetry::metrics::{self, Counter, Histogram, Registry, names};
+use kvlease_tokenizer::Tokenizer;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
@@ -19,6 +20,7 @@ pub struct WorkerGrpc {
     worker: Arc<Mutex<Worker>>,
     describe: pb::DescribeResponse,
     metrics: WorkerMetrics,
+    tokenizer: Tokenizer,
 }
 
 /// The worker's Prometheus series.
@@ -71,13 +73,37 @@ impl WorkerMetrics {
 
 impl WorkerGrpc {
     /// Serves `worker`, recording into `metrics`.
+    /// Serves `worker`, recording into `metrics`, with the seeded model's
+    /// byte-level tokenizer.
     pub fn new(worker: Worker, metrics: WorkerMetrics) -> Self {
-        let describe = describe_response(worker.info());
+        let tokenizer = Tokenizer::byte_level();
+        let describe = describe_response(worker.info(), &tokenizer);
         WorkerGrpc {
             worker: Arc::new(Mutex::new(worker)),
             describe,
             metrics,
+            tokenizer,
         }
+    }
+
+    /// Serves the model's own `tokenizer` (from its GGUF or tokenizer.json)
+    /// instead; every id it can produce must be inside the model's
+    /// vocabulary.
+    pub fn with_tokenizer(mut self, tokenizer: Tokenizer) -> crate::Result<Self> {
+        let model = self.describe.model.clone().unwrap_or_default();
+        if tokenizer.vocab_size() > model.vocab_size {
+            return Err(crate::Error::Config(format!(
+                "the tokenizer of {} has {} tokens but the model's vocabulary only {}",
+                model.name,
+                tokenizer.vocab_size(),
+                model.vocab_size
+            )));
+        }
+        if let Some(m) = self.describe.model.as_mut() {
+            m.tokenizer_fingerprint = tokenizer.fingerprint().to_string();
+        }
+        self.tokenizer = tokenizer;
+        Ok(self)
     }
 }
 
@@ -88,6 +114,31 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         _request: Request<pb::DescribeRequest>,
     ) -> Result<Response<pb::DescribeResponse>, Status> {
         Ok(Response::new(self.describe.clone()))
+    }
+
+    async fn get_tokenizer(
+        &self,
+        request: Request<pb::GetTokenizerRequest>,
+    ) -> Result<Response<pb::GetTokenizerResponse>, Status> {
+        let want = request.into_inner().fingerprint;
+        let have = self.tokenizer.fingerprint();
+        if !want.is_empty() {
+            if want.len() != 16 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(Status::invalid_argument(format!(
+                    "fingerprint {want:?} is not 16 hex digits"
+                )));
+            }
+            if want != have {
+                return Err(Status::failed_precondition(format!(
+                    "this worker's tokenizer has fingerprint {have}, not {want}"
+                )));
+            }
+        }
+        let model = self.describe.model.as_ref().map(|m| m.name.clone());
+        Ok(Response::new(tokenizer_response(
+            model.unwrap_or_default(),
+            &self.tokenizer,
+        )))
     }
 
     async fn forward(
@@ -176,7 +227,24 @@ fn forward_result(out: SeqOutput) -> pb::ForwardResult {
     }
 }
 
-fn describe_response(info: &WorkerInfo) -> pb::DescribeResponse {
+fn tokenizer_response(model: String, tokenizer: &Tokenizer) -> pb::GetTokenizerResponse {
+    let parts = tokenizer.parts();
+    let s = &parts.specials;
+    pb::GetTokenizerResponse {
+        model,
+        fingerprint: tokenizer.fingerprint().to_string(),
+        kind: parts.kind.as_str().to_string(),
+        tokenizer_json: parts.tokenizer_json.clone(),
+        chat_template: parts.chat_template.clone().unwrap_or_default(),
+        bos_id: s.bos_id,
+        bos_token: s.bos_token.clone().unwrap_or_default(),
+        eos_token: s.eos_token.clone().unwrap_or_default(),
+        end_ids: s.end_ids.clone(),
+        add_bos: s.add_bos,
+    }
+}
+
+fn describe_response(info: &WorkerInfo, tokenizer: &Tokenizer) -> pb::DescribeResponse {
     let m = &info.model;
     pb::DescribeResponse {
         model: Some(pb::ModelShape {
@@ -191,6 +259,7 @@ fn describe_response(info: &WorkerInfo) -> pb::DescribeResponse {
             rope_theta: m.rope_theta,
             layer_windows: m.layer_windows.clone(),
             max_context: m.max_context,
+            tokenizer_fingerprint: tokenizer.fingerprint().to_string(),
         }),
         tokens_per_block: m.tokens_per_block,
         pools: info

@@ -4,8 +4,8 @@ use std::path::PathBuf;
 
 use safetensors::tensor::{Dtype, TensorView};
 use worker_svc::Config;
-use worker_svc::model::ModelConfig;
 use worker_svc::model::weights::Weights;
+use worker_svc::model::{ModelConfig, RopeScaling};
 
 fn small_config(tied: bool) -> ModelConfig {
     ModelConfig {
@@ -17,6 +17,7 @@ fn small_config(tied: bool) -> ModelConfig {
         head_dim: 4,
         ffn_size: 24,
         rope_theta: 10_000.0,
+        rope_scaling: RopeScaling::None,
         rms_norm_eps: 1e-5,
         layer_windows: vec![0, 8],
         max_context: 64,

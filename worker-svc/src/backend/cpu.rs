@@ -102,7 +102,7 @@ impl CpuBackend {
             .build()
             .map_err(|e| Error::Config(format!("cannot start the compute threads: {e}")))?;
         let kv = layout.pools.iter().map(|p| vec![0.0; p.elems()]).collect();
-        let rope = Rope::new(weights.config.head_dim, weights.config.rope_theta);
+        let rope = Rope::for_model(&weights.config);
         Ok(CpuBackend {
             pool,
             state: CpuState {

@@ -1,5 +1,16 @@
 //! The model: its shape, its weights and its tokenizer.
+//!
+//! The seeded model (`weights::Weights::seeded`, byte-level `tokenizer`) is
+//! the default; [`load::open`] reads a real one from a GGUF file (`gguf`
+//! parses the container, `dequant` the tensor types, `gguf_llama` maps
+//! llama.cpp's names and layout onto ours) or a Hugging Face directory
+//! (`hf_dir`).
 
+pub mod dequant;
+pub mod gguf;
+mod gguf_llama;
+mod hf_dir;
+pub mod load;
 pub mod tokenizer;
 pub mod weights;
 
@@ -24,6 +35,8 @@ pub struct ModelConfig {
     pub ffn_size: usize,
     /// RoPE base frequency.
     pub rope_theta: f32,
+    /// How the RoPE frequencies are rescaled for long contexts.
+    pub rope_scaling: RopeScaling,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
     /// Attention window of each layer in tokens (0 = full attention); its
@@ -35,6 +48,30 @@ pub struct ModelConfig {
     pub tokens_per_block: u32,
     /// The LM head is the embedding matrix (no separate `lm_head.weight`).
     pub tied_embeddings: bool,
+}
+
+/// How RoPE frequencies are rescaled to stretch the context a model was
+/// trained on.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE: frequency `i` is `theta^(-2i/head_dim)`.
+    None,
+    /// Llama 3.1's scheme (`rope_scaling.rope_type == "llama3"` in HF
+    /// configs): long wavelengths are divided by `factor`, short ones kept,
+    /// and the band between blended smoothly.
+    Llama3 {
+        /// Divisor of the low frequencies.
+        factor: f64,
+        /// Wavelengths longer than `original_context / low_freq_factor` are scaled fully.
+        low_freq_factor: f64,
+        /// Wavelengths shorter than `original_context / high_freq_factor` are kept.
+        high_freq_factor: f64,
+        /// Context length of the unscaled model.
+        original_context: f64,
+    },
+    /// One divisor per frequency, as GGUF files store them (`rope_freqs.weight`,
+    /// llama.cpp's precomputed form of the Llama 3 scheme).
+    Factors(Vec<f32>),
 }
 
 /// The layers that share one attention window, and so one KV pool.
@@ -59,6 +96,7 @@ impl ModelConfig {
             head_dim: 32,
             ffn_size: 768,
             rope_theta: 10_000.0,
+            rope_scaling: RopeScaling::None,
             rms_norm_eps: 1e-5,
             layer_windows: vec![0, 64, 0, 64],
             max_context: 2048,
@@ -80,6 +118,45 @@ impl ModelConfig {
     /// Width of all key (or value) heads together.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+
+    /// The RoPE inverse frequencies of one head (`head_dim / 2` of them),
+    /// with [`ModelConfig::rope_scaling`] applied; computed in f64 like
+    /// transformers' `_compute_llama3_parameters`.
+    pub fn rope_inv_freq(&self) -> Vec<f64> {
+        let d = self.head_dim;
+        let base = f64::from(self.rope_theta);
+        let plain = (0..d / 2).map(|i| 1.0 / base.powf(2.0 * i as f64 / d as f64));
+        match &self.rope_scaling {
+            RopeScaling::None => plain.collect(),
+            RopeScaling::Factors(factors) => plain
+                .zip(factors)
+                .map(|(f, &div)| f / f64::from(div))
+                .collect(),
+            &RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => {
+                let low_freq_wavelen = original_context / low_freq_factor;
+                let high_freq_wavelen = original_context / high_freq_factor;
+                plain
+                    .map(|f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_freq_wavelen {
+                            f
+                        } else if wavelen > low_freq_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (original_context / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
     }
 
     /// Checks that the shape is usable.
@@ -117,6 +194,41 @@ impl ModelConfig {
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(Error::Config("rope_theta must be positive".into()));
+        }
+        match &self.rope_scaling {
+            RopeScaling::None => {}
+            RopeScaling::Factors(factors) => {
+                if factors.len() != self.head_dim / 2 {
+                    return Err(Error::Config(format!(
+                        "rope frequency factors have {} entries, head_dim {} needs {}",
+                        factors.len(),
+                        self.head_dim,
+                        self.head_dim / 2
+                    )));
+                }
+                if factors.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
+                    return Err(Error::Config(
+                        "rope frequency factors must be positive".into(),
+                    ));
+                }
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => {
+                let all_positive = [factor, low_freq_factor, high_freq_factor, original_context]
+                    .iter()
+                    .all(|v| v.is_finite() && **v > 0.0);
+                if !all_positive || high_freq_factor <= low_freq_factor {
+                    return Err(Error::Config(format!(
+                        "llama3 rope scaling needs positive factors and high_freq_factor > \
+                         low_freq_factor (got factor {factor}, low {low_freq_factor}, \
+                         high {high_freq_factor}, original context {original_context})"
+                    )));
+                }
+            }
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return Err(Error::Config("rms_norm_eps must be positive".into()));

@@ -170,19 +170,37 @@ impl Weights {
     /// tensors are accepted; every shape must match `config`. A file without
     /// `lm_head.weight` is read as tied embeddings.
     pub fn load_safetensors(mut config: ModelConfig, path: &Path) -> Result<Self> {
-        config.validate()?;
         let fail = |reason: String| Error::Weights {
             path: path.display().to_string(),
             reason,
         };
         let bytes = std::fs::read(path).map_err(|e| fail(e.to_string()))?;
         let file = SafeTensors::deserialize(&bytes).map_err(|e| fail(e.to_string()))?;
+        if config.name.is_empty() {
+            config.name = path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+        }
+        Self::from_source(config, &SafetensorsSource { files: vec![file] }, path)
+    }
+
+    /// Weights read by HF Llama name from `source`, every shape checked
+    /// against `config`; tied when the source has no `lm_head.weight`.
+    /// Errors name `path`.
+    pub(crate) fn from_source(
+        mut config: ModelConfig,
+        source: &dyn TensorSource,
+        path: &Path,
+    ) -> Result<Self> {
+        config.validate()?;
+        let fail = |reason: String| Error::Weights {
+            path: path.display().to_string(),
+            reason,
+        };
         let h = config.hidden_size;
         let read = |name: &str, rows: usize, cols: usize| -> Result<Vec<f32>> {
-            let view = file
-                .tensor(name)
-                .map_err(|_| fail(format!("missing tensor {name}")))?;
-            tensor_to_f32(&view, name, rows, cols).map_err(fail)
+            source.read(name, rows, cols).map_err(fail)
         };
         let embed = read("model.embed_tokens.weight", config.vocab_size, h)?;
         let mut layers = Vec::with_capacity(config.num_layers());
@@ -201,18 +219,12 @@ impl Weights {
             });
         }
         let final_norm = read("model.norm.weight", 1, h)?;
-        let lm_head = if file.names().contains(&"lm_head.weight") {
+        let lm_head = if source.contains("lm_head.weight") {
             Some(read("lm_head.weight", config.vocab_size, h)?)
         } else {
             None
         };
         config.tied_embeddings = lm_head.is_none();
-        if config.name.is_empty() {
-            config.name = path
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
-        }
         Ok(Weights {
             config,
             embed,
@@ -289,6 +301,35 @@ impl Weights {
     /// The LM head matrix `[vocab, hidden]` (the embedding when tied).
     pub fn lm_head(&self) -> &[f32] {
         self.lm_head.as_deref().unwrap_or(&self.embed)
+    }
+}
+
+/// Where a model's tensors come from, by HF Llama name.
+pub(crate) trait TensorSource {
+    /// Whether the source has tensor `name`.
+    fn contains(&self, name: &str) -> bool;
+    /// Tensor `name` as f32, checked to be `[rows, cols]` (or `[cols]` when
+    /// `rows == 1`); the error says what is wrong.
+    fn read(&self, name: &str, rows: usize, cols: usize) -> std::result::Result<Vec<f32>, String>;
+}
+
+/// One or more safetensors files (the shards of one checkpoint).
+pub(crate) struct SafetensorsSource<'a> {
+    pub(crate) files: Vec<SafeTensors<'a>>,
+}
+
+impl TensorSource for SafetensorsSource<'_> {
+    fn contains(&self, name: &str) -> bool {
+        self.files.iter().any(|f| f.names().contains(&name))
+    }
+
+    fn read(&self, name: &str, rows: usize, cols: usize) -> std::result::Result<Vec<f32>, String> {
+        let view = self
+            .files
+            .iter()
+            .find_map(|f| f.tensor(name).ok())
+            .ok_or_else(|| format!("missing tensor {name}"))?;
+        tensor_to_f32(&view, name, rows, cols)
     }
 }
 

@@ -6,8 +6,8 @@
 //! compares with the dense reference, the tolerated relative error.
 
 use worker_svc::batch::{Limits, Sampling, SeqInput, TableInput};
-use worker_svc::model::ModelConfig;
 use worker_svc::model::weights::{SplitMix64, Weights};
+use worker_svc::model::{ModelConfig, RopeScaling};
 use worker_svc::ops::window_start;
 use worker_svc::reference::{DenseModel, DenseSequence};
 use worker_svc::worker::{Worker, WorkerOptions};
@@ -52,6 +52,7 @@ fn tiny_config(rng: &mut Rng) -> ModelConfig {
         head_dim,
         ffn_size: rng.pick(&[24, 40]),
         rope_theta: 10_000.0,
+        rope_scaling: RopeScaling::None,
         rms_norm_eps: 1e-5,
         layer_windows: (0..layers).map(|_| rng.pick(&[0, 5, 8, 12])).collect(),
         max_context: 128,
@@ -196,6 +197,7 @@ fn wide_head_config(rng: &mut Rng) -> ModelConfig {
         head_dim,
         ffn_size: 48,
         rope_theta: 10_000.0,
+        rope_scaling: RopeScaling::None,
         rms_norm_eps: 1e-5,
         layer_windows: (0..layers).map(|_| rng.pick(&[0, 5, 20, 33])).collect(),
         max_context: 128,
@@ -308,6 +310,7 @@ pub(crate) fn fixed_model(windows: Vec<u32>, tokens_per_block: u32) -> Weights {
         head_dim: 8,
         ffn_size: 48,
         rope_theta: 10_000.0,
+        rope_scaling: RopeScaling::None,
         rms_norm_eps: 1e-5,
         layer_windows: windows,
         max_context: 512,

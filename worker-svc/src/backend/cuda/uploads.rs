@@ -162,9 +162,9 @@ impl Activations {
         let part_cap = part_capacity(t);
         let zeros = |n: usize| stream.alloc_zeros::<f32>(n).map_err(cuda_err("alloc"));
         let zeros_bf16 = |n: usize| stream.alloc_zeros::<bf16>(n).map_err(cuda_err("alloc"));
-        let inv_freq: Vec<f32> = (0..d / 2)
-            .map(|i| (1.0 / f64::from(cfg.rope_theta).powf(2.0 * i as f64 / d as f64)) as f32)
-            .collect();
+        // The same frequencies as the CPU pass, RoPE scaling (llama3, GGUF
+        // frequency factors) included.
+        let inv_freq: Vec<f32> = cfg.rope_inv_freq().iter().map(|&f| f as f32).collect();
         let f32_elems = t * (h + qd + 2 * kvd + 2 * f + cfg.vocab_size)
             + part_cap * cfg.num_heads * (d + 2)
             + d / 2;
