@@ -18,8 +18,13 @@ fn config() -> scheduler_svc::Config {
 }
 
 /// A byte-level BPE with a chat template whose tokenizer.json is over
-/// 4 MiB: 258 tokens, most of them 20 KB long.
+/// 4 MiB: 258 tokens, most of them 20 KB long (built once per run).
 fn big_tokenizer() -> Tokenizer {
+    static BIG: std::sync::OnceLock<Tokenizer> = std::sync::OnceLock::new();
+    BIG.get_or_init(build_big_tokenizer).clone()
+}
+
+fn build_big_tokenizer() -> Tokenizer {
     let mut tokens: Vec<String> = (0..=255u8).map(|b| format!("{b:03}")).collect();
     for (i, t) in tokens.iter_mut().enumerate().skip(2) {
         *t = format!("{i:03}{}", "x".repeat(20_000));
@@ -100,13 +105,9 @@ async fn get_tokenizer_serves_the_model_tokenizer_and_refuses_malformed_requests
     worker.stop().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn scheduler_uses_the_workers_tokenizer_for_chat_and_end_ids() {
+/// A cache and a scheduler over `worker`: (cache, worker, scheduler).
+async fn cluster(worker: Service) -> [Service; 3] {
     let cache = start_cache(cache_svc::Config::default()).await.unwrap();
-    let big = big_tokenizer();
-    let worker = start_worker_with_tokenizer(small_worker(), big.clone())
-        .await
-        .unwrap();
     let s = start_scheduler(
         config(),
         &cache.url(),
@@ -115,7 +116,23 @@ async fn scheduler_uses_the_workers_tokenizer_for_chat_and_end_ids() {
     )
     .await
     .unwrap();
-    let mut c = scheduler_client(s.addr).await.unwrap();
+    [cache, worker, s]
+}
+
+async fn stop_all(services: [Service; 3]) {
+    for s in services.into_iter().rev() {
+        s.stop().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scheduler_uses_the_workers_tokenizer_for_chat_and_end_ids() {
+    let big = big_tokenizer();
+    let worker = start_worker_with_tokenizer(small_worker(), big.clone())
+        .await
+        .unwrap();
+    let services = cluster(worker).await;
+    let mut c = scheduler_client(services[2].addr).await.unwrap();
     // the chat is rendered and encoded by the worker's tokenizer: "<|start|>"
     // is id 1, "a" 256, "b" 257
     let g = collect(
@@ -148,24 +165,13 @@ async fn scheduler_uses_the_workers_tokenizer_for_chat_and_end_ids() {
         "{}",
         e.message()
     );
-    s.stop().await.unwrap();
-    worker.stop().await.unwrap();
-    cache.stop().await.unwrap();
+    stop_all(services).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn byte_level_chat_is_refused_and_stop_strings_end_the_text() {
-    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
-    let worker = start_worker(small_worker()).await.unwrap();
-    let s = start_scheduler(
-        config(),
-        &cache.url(),
-        &[worker.url()],
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap();
-    let mut c = scheduler_client(s.addr).await.unwrap();
+    let services = cluster(start_worker(small_worker()).await.unwrap()).await;
+    let mut c = scheduler_client(services[2].addr).await.unwrap();
     let e = c
         .generate(pb::GenerateRequest {
             messages: vec![pb::ChatMessage {
@@ -210,9 +216,7 @@ async fn byte_level_chat_is_refused_and_stop_strings_end_the_text() {
         assert_eq!(e.code(), tonic::Code::InvalidArgument);
         assert!(e.message().contains(what), "{}", e.message());
     }
-    s.stop().await.unwrap();
-    worker.stop().await.unwrap();
-    cache.stop().await.unwrap();
+    stop_all(services).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
