@@ -22,6 +22,7 @@
 
 pub mod cache;
 mod config;
+pub mod convert;
 pub mod error;
 pub mod estimate;
 pub mod events;
@@ -30,13 +31,14 @@ pub mod lease;
 pub mod metrics;
 pub mod pool;
 pub mod prefix;
+pub mod server;
 pub mod service;
 pub mod session;
 
 pub use cache::{Batch, Cache, CacheConfig};
 pub use config::Config;
 pub use error::{Error, Result};
-pub use service::run;
+pub use server::run;
 
 #[cfg(test)]
 mod tests;

@@ -35,6 +35,7 @@
 pub mod bootstrap;
 pub mod client;
 pub mod config;
+pub mod convert;
 pub mod domain;
 pub mod error;
 pub mod metrics;

@@ -12,13 +12,13 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::{Request as GrpcRequest, Response, Status};
 
-use crate::client::{CacheClient, reject_to_proto};
-use crate::domain::{Finish, Output, RequestId, Sampling};
+use crate::client::CacheClient;
+use crate::convert::reject_to_proto;
+use crate::domain::{Finish, Output};
 use crate::error::Error;
 use crate::policy::{OnExhausted, Policy};
-use crate::queue::Request;
 use crate::step_loop::StepLoopHandle;
-use crate::tokenizer::{TextDecoder, encode};
+use crate::tokenizer::TextDecoder;
 
 /// Limits a request is validated against.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,90 +60,6 @@ impl SchedulerService {
             groups,
         }
     }
-}
-
-const MAX_LABEL: usize = 256;
-
-/// Checks a Generate request and turns it into a queue request.
-pub fn validate(
-    id: u64,
-    req: &pb::GenerateRequest,
-    limits: &Limits,
-) -> Result<(Request, bool), Error> {
-    let bad = |m: String| Err(Error::InvalidArgument(m));
-    let is_text = !req.text.is_empty();
-    if is_text && !req.tokens.is_empty() {
-        return bad("give exactly one of text and tokens, not both".into());
-    }
-    let prompt = if is_text {
-        encode(&req.text)
-    } else {
-        req.tokens.clone()
-    };
-    if prompt.is_empty() {
-        return bad("empty prompt: give text or tokens".into());
-    }
-    if let Some((i, t)) = prompt
-        .iter()
-        .enumerate()
-        .find(|(_, t)| **t >= limits.vocab_size)
-    {
-        return bad(format!(
-            "prompt token {t} at index {i} is outside the vocabulary of {}",
-            limits.vocab_size
-        ));
-    }
-    if req.max_tokens == 0 {
-        return bad("max_tokens must be at least 1".into());
-    }
-    if req.max_tokens > limits.max_tokens {
-        return bad(format!(
-            "max_tokens {} is over the limit of {}",
-            req.max_tokens, limits.max_tokens
-        ));
-    }
-    let total = prompt.len() as u64 + u64::from(req.max_tokens);
-    if total > u64::from(limits.max_context) {
-        return bad(format!(
-            "prompt of {} tokens plus max_tokens {} exceeds the context limit of {} tokens",
-            prompt.len(),
-            req.max_tokens,
-            limits.max_context
-        ));
-    }
-    if !req.temperature.is_finite() || req.temperature < 0.0 {
-        return bad(format!(
-            "temperature must be a finite number >= 0, got {}",
-            req.temperature
-        ));
-    }
-    if !req.top_p.is_finite() || !(0.0..=1.0).contains(&req.top_p) {
-        return bad(format!("top_p must be in [0, 1], got {}", req.top_p));
-    }
-    if let Some(t) = req.stop_tokens.iter().find(|t| **t >= limits.vocab_size) {
-        return bad(format!(
-            "stop token {t} is outside the vocabulary of {}",
-            limits.vocab_size
-        ));
-    }
-    if req.priority > 100 {
-        return bad(format!("priority must be 0 to 100, got {}", req.priority));
-    }
-    if req.cache_salt.len() > MAX_LABEL || req.request_id.len() > MAX_LABEL {
-        return bad(format!(
-            "cache_salt and request_id are limited to {MAX_LABEL} bytes"
-        ));
-    }
-    let mut r = Request::new(RequestId(id), prompt, req.max_tokens);
-    r.sampling = Sampling {
-        temperature: req.temperature,
-        top_p: req.top_p,
-        seed: req.seed,
-    };
-    r.stop_tokens = req.stop_tokens.clone();
-    r.priority = req.priority;
-    r.cache_salt = req.cache_salt.clone();
-    Ok((r, is_text))
 }
 
 type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
@@ -275,7 +191,7 @@ impl Scheduler for SchedulerService {
         let deadline = grpc_timeout(request.metadata()).map(|t| Instant::now() + t);
         let req = request.into_inner();
         let id = self.engine.next_request_id();
-        let (r, is_text) = validate(id.get(), &req, &self.limits)?;
+        let (r, is_text) = crate::convert::validate(id.get(), &req, &self.limits)?;
         if !self.cache.is_up() {
             return Err(Error::CacheUnavailable(
                 "the cache service cannot be reached; try again later".into(),
@@ -330,70 +246,6 @@ impl Scheduler for SchedulerService {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn limits() -> Limits {
-        Limits {
-            max_tokens: 64,
-            max_context: 128,
-            vocab_size: 258,
-        }
-    }
-
-    fn req(tokens: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
-        pb::GenerateRequest {
-            tokens,
-            max_tokens,
-            ..Default::default()
-        }
-    }
-
-    fn message(r: Result<(Request, bool), Error>) -> String {
-        match r {
-            Ok(_) => "ok".into(),
-            Err(e) => e.to_string(),
-        }
-    }
-
-    #[test]
-    fn validation_names_what_is_wrong() {
-        let l = limits();
-        assert!(message(validate(1, &req(vec![], 4), &l)).contains("empty prompt"));
-        assert!(
-            message(validate(1, &req(vec![1], 0), &l)).contains("max_tokens must be at least 1")
-        );
-        assert!(message(validate(1, &req(vec![1], 65), &l)).contains("over the limit of 64"));
-        assert!(message(validate(1, &req(vec![1; 100], 64), &l)).contains("context limit"));
-        assert!(message(validate(1, &req(vec![300], 4), &l)).contains("outside the vocabulary"));
-        let both = pb::GenerateRequest {
-            text: "a".into(),
-            tokens: vec![1],
-            max_tokens: 1,
-            ..Default::default()
-        };
-        assert!(message(validate(1, &both, &l)).contains("exactly one"));
-        let hot = pb::GenerateRequest {
-            temperature: -1.0,
-            ..req(vec![1], 1)
-        };
-        assert!(message(validate(1, &hot, &l)).contains("temperature"));
-        let top = pb::GenerateRequest {
-            top_p: 1.5,
-            ..req(vec![1], 1)
-        };
-        assert!(message(validate(1, &top, &l)).contains("top_p"));
-        let ok = validate(
-            7,
-            &pb::GenerateRequest {
-                text: "hé".into(),
-                max_tokens: 3,
-                ..Default::default()
-            },
-            &l,
-        );
-        assert!(
-            matches!(ok, Ok((r, true)) if r.prompt == vec![104, 0xC3, 0xA9] && r.id == RequestId(7))
-        );
-    }
 
     #[test]
     fn grpc_timeout_header_is_parsed() {
