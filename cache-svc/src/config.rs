@@ -3,6 +3,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use kvlease_telemetry::process::{ListenAddrs, ServiceConfig};
+
 use crate::cache::CacheConfig;
 
 /// Configuration of the cache service.
@@ -55,6 +57,16 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         <Self as clap::Parser>::parse_from(["kvlease-cache"])
+    }
+}
+
+impl ServiceConfig for Config {
+    fn listen_addrs(&self) -> Result<ListenAddrs, String> {
+        self.validate()?;
+        Ok(ListenAddrs {
+            grpc: self.listen,
+            metrics: self.metrics_listen,
+        })
     }
 }
 

@@ -35,12 +35,12 @@ pub enum Error {
         /// What differs.
         detail: String,
     },
-    /// The listener or transport failed.
-    #[error("transport: {0}")]
-    Transport(#[from] tonic::transport::Error),
     /// An I/O error (binding, reading the listener address).
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+    /// Serving failed (listeners, reflection, the gRPC server).
+    #[error("{0}")]
+    Serve(#[from] kvlease_telemetry::Error),
 }
 
 /// Result alias of the crate.
@@ -57,7 +57,7 @@ impl From<Error> for tonic::Status {
             }
             Error::UnknownGroup(_) => tonic::Status::not_found(message),
             Error::GeometryConflict { .. } => tonic::Status::already_exists(message),
-            Error::Transport(_) | Error::Io(_) => tonic::Status::internal(message),
+            Error::Io(_) | Error::Serve(_) => tonic::Status::internal(message),
         }
     }
 }

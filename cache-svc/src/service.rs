@@ -9,6 +9,7 @@ use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_server::CacheService;
 use kvlease_telemetry::attributes::{self, RejectFigures};
 use kvlease_telemetry::opentelemetry::trace::SpanContext;
+use kvlease_telemetry::serve::StopWatch;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
@@ -95,9 +96,9 @@ pub struct CacheServiceImpl {
     max_message_bytes: usize,
     /// Id of the newest event, for WatchEvents streams to wait on.
     events: watch::Sender<u64>,
-    /// Turns true when the server starts shutting down, so streams end and
+    /// Set when the server starts shutting down, so streams end and
     /// graceful shutdown does not wait on them forever.
-    stopping: watch::Receiver<bool>,
+    stopping: StopWatch,
 }
 
 /// The time the core sees: tokio's clock, so paused-time tests drive TTLs.
@@ -112,7 +113,7 @@ impl CacheServiceImpl {
         metrics: CacheMetrics,
         max_batch: usize,
         max_message_bytes: usize,
-        stopping: watch::Receiver<bool>,
+        stopping: StopWatch,
     ) -> Self {
         let (events, _) = watch::channel(cache.last_event_id());
         Self {
@@ -463,7 +464,7 @@ impl CacheService for CacheServiceImpl {
                     tokio::select! {
                         res = changed.changed() => if res.is_err() { return },
                         () = tx.closed() => return,
-                        _ = stopping.wait_for(|&stop| stop) => return,
+                        () = stopping.stopped() => return,
                     }
                 }
             }

@@ -177,21 +177,14 @@ async fn validation_text_cancellation_and_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn static_batch_serves_every_request() {
-    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
-    let worker = start_worker(small_worker()).await.unwrap();
-    let config = scheduler_svc::Config {
+    let cluster = SmallCluster::start(scheduler_svc::Config {
         policy: Policy::StaticBatch,
         ..config()
-    };
-    let s = start_scheduler(
-        config,
-        &cache.url(),
-        &[worker.url()],
-        Duration::from_secs(60),
-    )
+    })
     .await
     .unwrap();
-    let client = scheduler_client(s.addr).await.unwrap();
+    let s = &cluster.scheduler;
+    let client = cluster.client().await.unwrap();
     let mut tasks = Vec::new();
     for i in 0..10 {
         let mut c = client.clone();
@@ -217,7 +210,7 @@ async fn static_batch_serves_every_request() {
         (st.rejected, st.preemptions, st.finished_length),
         (0, 0, 10)
     );
-    s.stop().await.unwrap();
+    cluster.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -445,24 +438,9 @@ async fn two_workers_are_two_pool_groups_and_both_serve() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_endpoint_counts_steps_and_finished_requests() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
-    let worker = start_worker(small_worker()).await.unwrap();
-    let probe = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let metrics_addr = probe.local_addr().unwrap();
-    drop(probe);
-    let config = scheduler_svc::Config {
-        metrics_listen: Some(metrics_addr),
-        ..config()
-    };
-    let s = start_scheduler(
-        config,
-        &cache.url(),
-        &[worker.url()],
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap();
-    let mut c = scheduler_client(s.addr).await.unwrap();
+    let cluster = SmallCluster::start(config()).await.unwrap();
+    let metrics_addr = cluster.scheduler.metrics.expect("a metrics endpoint");
+    let mut c = cluster.client().await.unwrap();
     let g = collect(
         &mut c,
         pb::GenerateRequest {
@@ -489,5 +467,5 @@ async fn metrics_endpoint_counts_steps_and_finished_requests() {
         "{body}"
     );
     assert!(body.contains("kvlease_queue_depth 0"), "{body}");
-    s.stop().await.unwrap();
+    cluster.stop().await.unwrap();
 }

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Parser;
+use kvlease_telemetry::process::{ListenAddrs, ServiceConfig};
 
 use crate::error::{Error, Result};
 use crate::policy::{OnExhausted, Policy};
@@ -154,6 +155,16 @@ impl Default for Config {
             holder: "kvlease-scheduler".into(),
             on_cache_restart: OnCacheRestart::Recompute,
         }
+    }
+}
+
+impl ServiceConfig for Config {
+    fn listen_addrs(&self) -> std::result::Result<ListenAddrs, String> {
+        self.validate().map_err(|e| e.to_string())?;
+        Ok(ListenAddrs {
+            grpc: self.listen,
+            metrics: self.metrics_listen,
+        })
     }
 }
 

@@ -4,6 +4,8 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use kvlease_telemetry::process::{ListenAddrs, ServiceConfig};
+
 use crate::backend::{BackendChoice, CudaOptions, KvDtype};
 use crate::batch::Limits;
 use crate::error::{Error, Result};
@@ -32,7 +34,12 @@ fn default_windows() -> Vec<u32> {
 }
 
 /// Configuration of one worker.
-#[derive(Debug, Clone, PartialEq, clap::Args)]
+#[derive(Debug, Clone, PartialEq, clap::Parser)]
+#[command(
+    name = "kvlease-worker",
+    version,
+    about = "kvlease worker: a Llama-style model over leased KV blocks"
+)]
 pub struct Config {
     /// Address the gRPC server listens on.
     #[arg(long, env = "KVLEASE_WORKER_LISTEN", default_value = DEFAULT_LISTEN)]
@@ -185,7 +192,22 @@ impl Default for Config {
     }
 }
 
+impl ServiceConfig for Config {
+    fn listen_addrs(&self) -> std::result::Result<ListenAddrs, String> {
+        self.validate().map_err(|e| e.to_string())?;
+        Ok(ListenAddrs {
+            grpc: self.listen,
+            metrics: self.metrics_listen,
+        })
+    }
+}
+
 impl Config {
+    /// Checks what can be checked before anything is built: the model shape.
+    pub fn validate(&self) -> Result<()> {
+        self.model_config().map(drop)
+    }
+
     /// The model shape the flags describe.
     pub fn model_config(&self) -> Result<ModelConfig> {
         let layer_windows = match self.layer_windows.as_slice() {
