@@ -51,7 +51,7 @@ pub async fn run(
         (config.audit_interval_ms > 0).then(|| Duration::from_millis(config.audit_interval_ms)),
         stop.watch(),
     ));
-    tracing::info!(epoch, "cache service starting");
+    tracing::info!(epoch = epoch.0, "cache service starting");
     let grpc = CacheServiceServer::new(service.clone())
         .max_decoding_message_size(config.max_message_bytes.saturating_mul(4))
         .max_encoding_message_size(config.max_message_bytes.saturating_mul(4));
@@ -95,7 +95,7 @@ async fn housekeeping(
                 let mut cache = service.lock();
                 for r in cache.expire_sessions(now()) {
                     tracing::warn!(
-                        session_id = r.session_id,
+                        session_id = r.session_id.0,
                         sequences = r.sequences,
                         blocks = r.blocks,
                         "session expired; reclaimed what it held"

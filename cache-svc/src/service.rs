@@ -18,6 +18,7 @@ use tracing::Span;
 use crate::cache::{Batch, Cache};
 use crate::convert::{estimate_to_pb, event_to_pb, outcomes_to_pb, spec_from_pb, stats_to_pb};
 use crate::error::{Error, Result};
+use crate::ids::{Epoch, SessionId};
 use crate::lease::{Growth, Outcome, ReleaseStatus};
 use crate::metrics::CacheMetrics;
 
@@ -88,7 +89,7 @@ fn trace_call(session_id: u64, step: Option<u64>) {
 
 /// The `CacheService` implementation.
 #[derive(Debug, Clone)]
-pub struct CacheServiceImpl {
+pub(crate) struct CacheServiceImpl {
     cache: Arc<Mutex<Cache>>,
     metrics: CacheMetrics,
     fence_links: Arc<Mutex<FenceLinks>>,
@@ -108,7 +109,7 @@ pub(crate) fn now() -> Instant {
 
 impl CacheServiceImpl {
     /// A service over `cache`.
-    pub fn new(
+    pub(crate) fn new(
         cache: Cache,
         metrics: CacheMetrics,
         max_batch: usize,
@@ -127,13 +128,8 @@ impl CacheServiceImpl {
         }
     }
 
-    /// The shared core (for background tasks and in-process tools).
-    pub fn cache(&self) -> Arc<Mutex<Cache>> {
-        Arc::clone(&self.cache)
-    }
-
     /// Renders the Prometheus text of the service.
-    pub fn render_metrics(&self) -> String {
+    pub(crate) fn render_metrics(&self) -> String {
         let cache = self.lock();
         self.metrics.render(&cache)
     }
@@ -216,10 +212,10 @@ impl CacheService for CacheServiceImpl {
         let r = request.into_inner();
         let ttl = (r.ttl_ms > 0).then(|| Duration::from_millis(r.ttl_ms));
         let opened = self.lock().open_session(&r.holder, ttl, now())?;
-        tracing::info!(session_id = opened.session_id, holder = %r.holder, "session opened");
+        tracing::info!(session_id = opened.session_id.0, holder = %r.holder, "session opened");
         Ok(Response::new(pb::OpenSessionResponse {
-            session_id: opened.session_id,
-            epoch: opened.epoch,
+            session_id: opened.session_id.0,
+            epoch: opened.epoch.0,
             ttl_ms: opened.ttl.as_millis() as u64,
         }))
     }
@@ -229,7 +225,9 @@ impl CacheService for CacheServiceImpl {
         request: Request<pb::KeepAliveRequest>,
     ) -> Result<Response<pb::KeepAliveResponse>, Status> {
         let r = request.into_inner();
-        let ttl = self.lock().keep_alive(r.session_id, r.epoch, now())?;
+        let ttl = self
+            .lock()
+            .keep_alive(SessionId(r.session_id), Epoch(r.epoch), now())?;
         Ok(Response::new(pb::KeepAliveResponse {
             ttl_ms: ttl.as_millis() as u64,
         }))
@@ -241,7 +239,7 @@ impl CacheService for CacheServiceImpl {
     ) -> Result<Response<pb::CloseSessionResponse>, Status> {
         let r = request.into_inner();
         let mut cache = self.lock();
-        let reclaimed = cache.close_session(r.session_id, r.epoch, now())?;
+        let reclaimed = cache.close_session(SessionId(r.session_id), Epoch(r.epoch), now())?;
         self.notify_events(&cache);
         Ok(Response::new(pb::CloseSessionResponse {
             sequences_released: reclaimed.sequences,
@@ -264,8 +262,8 @@ impl CacheService for CacheServiceImpl {
         let mut cache = self.lock();
         trace_call(r.session_id, Some(r.step));
         let outcomes = cache.lease(
-            r.session_id,
-            r.epoch,
+            SessionId(r.session_id),
+            Epoch(r.epoch),
             Batch {
                 step: r.step,
                 atomic: r.atomic,
@@ -309,8 +307,8 @@ impl CacheService for CacheServiceImpl {
         let mut cache = self.lock();
         trace_call(r.session_id, Some(r.step));
         let outcomes = cache.extend(
-            r.session_id,
-            r.epoch,
+            SessionId(r.session_id),
+            Epoch(r.epoch),
             Batch {
                 step: r.step,
                 atomic: r.atomic,
@@ -337,7 +335,13 @@ impl CacheService for CacheServiceImpl {
         self.check_batch("seq_ids", r.seq_ids.len())?;
         let mut cache = self.lock();
         trace_call(r.session_id, None);
-        let results = cache.release(r.session_id, r.epoch, &r.seq_ids, r.fence_step, now())?;
+        let results = cache.release(
+            SessionId(r.session_id),
+            Epoch(r.epoch),
+            &r.seq_ids,
+            r.fence_step,
+            now(),
+        )?;
         self.notify_events(&cache);
         drop(cache);
         if let Some(step) = r.fence_step {
@@ -372,7 +376,8 @@ impl CacheService for CacheServiceImpl {
         let r = request.into_inner();
         let mut cache = self.lock();
         trace_call(r.session_id, Some(r.step));
-        let returned = cache.complete_step(r.session_id, r.epoch, r.step, now())?;
+        let returned =
+            cache.complete_step(SessionId(r.session_id), Epoch(r.epoch), r.step, now())?;
         self.notify_events(&cache);
         drop(cache);
         let span = Span::current();
@@ -417,7 +422,7 @@ impl CacheService for CacheServiceImpl {
         let stats = self.lock().stats(group)?;
         Ok(Response::new(pb::GetStatsResponse {
             pools: stats.pools.into_iter().map(stats_to_pb).collect(),
-            epoch: stats.epoch,
+            epoch: stats.epoch.0,
             sessions: stats.sessions,
             sequences: stats.sequences,
         }))

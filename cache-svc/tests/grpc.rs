@@ -1,6 +1,7 @@
 //! The cache service over real gRPC on 127.0.0.1:0: every RPC, malformed
 //! requests, unknown sessions, stale epochs, double release, limits, health,
 //! reflection, and session expiry under paused time.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use std::time::Duration;
 

@@ -145,7 +145,7 @@ pub async fn listeners(grpc: SocketAddr, metrics: Option<SocketAddr>) -> Result<
 pub async fn start_cache(listeners: Listeners, config: cache_svc::Config) -> Result<Service> {
     Service::start(
         "cache",
-        cache_svc::server::SERVICE,
+        cache_svc::SERVICE,
         listeners,
         Duration::from_secs(30),
         |l, stop| async move {
@@ -178,7 +178,7 @@ pub async fn start_worker_for(
 ) -> Result<Service> {
     Service::start(
         "worker",
-        worker_svc::server::SERVICE,
+        worker_svc::SERVICE,
         listeners,
         within,
         move |l, stop| async move {
@@ -200,7 +200,7 @@ pub async fn start_scheduler(
 ) -> Result<Service> {
     Service::start(
         "scheduler",
-        scheduler_svc::server::SERVICE,
+        scheduler_svc::SERVICE,
         listeners,
         within,
         |l, stop| async move {

@@ -2,6 +2,7 @@
 //! `MAX_UTILIZATION` with prefix reuse at 10x over-subscription. Every
 //! request ends (completed, or `REJECTED` with a reason), the step loop is
 //! still stepping afterwards, and every pool is whole once the queue drains.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use std::time::Duration;
 

@@ -2,6 +2,7 @@
 //! and deadlines (blocks released), STATIC_BATCH, a cache that goes down
 //! (fail fast with UNAVAILABLE) and comes back with a new epoch (live
 //! requests recomputed, or rejected `CACHE_RESTARTED` in reject mode).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use std::time::Duration;
 
@@ -293,7 +294,7 @@ async fn a_restarted_cache_in_reject_mode_ends_live_requests_rejected_cache_rest
     let worker = start_worker(small_worker()).await.unwrap();
     let (gated, gate) = tap::start_gate(worker.addr).await.unwrap();
     let config = scheduler_svc::Config {
-        on_cache_restart: scheduler_svc::config::OnCacheRestart::Reject,
+        on_cache_restart: scheduler_svc::OnCacheRestart::Reject,
         ..config()
     };
     let s = start_scheduler(

@@ -17,7 +17,7 @@ use crate::tokenizer::encode;
 const MAX_LABEL: usize = 256;
 
 /// Checks a Generate request and turns it into a queue request.
-pub fn validate(
+pub(crate) fn validate(
     id: u64,
     req: &pb::GenerateRequest,
     limits: &Limits,
@@ -200,7 +200,7 @@ pub(crate) fn reject_reason(r: pb::RejectReason) -> RejectReason {
 }
 
 /// The protocol's form of a domain reject (for the client stream).
-pub fn reject_to_proto(r: &Reject) -> pb::Reject {
+pub(crate) fn reject_to_proto(r: &Reject) -> pb::Reject {
     let reason = match r.reason {
         RejectReason::PoolExhausted => pb::RejectReason::PoolExhausted,
         RejectReason::ExceedsCapacity => pb::RejectReason::ExceedsCapacity,

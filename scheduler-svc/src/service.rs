@@ -22,7 +22,7 @@ use crate::tokenizer::TextDecoder;
 
 /// Limits a request is validated against.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// Largest `max_tokens`.
     pub max_tokens: u32,
     /// Largest prompt + `max_tokens`.
@@ -33,7 +33,7 @@ pub struct Limits {
 
 /// The Scheduler service.
 #[derive(Debug, Clone)]
-pub struct SchedulerService {
+pub(crate) struct SchedulerService {
     engine: StepLoopHandle,
     cache: CacheClient,
     limits: Limits,
@@ -43,7 +43,7 @@ pub struct SchedulerService {
 }
 
 impl SchedulerService {
-    pub fn new(
+    pub(crate) fn new(
         engine: StepLoopHandle,
         cache: CacheClient,
         limits: Limits,
@@ -73,7 +73,7 @@ struct StreamState {
 
 /// The client's deadline from the `grpc-timeout` header (`<digits><unit>`,
 /// unit one of H M S m u n), if any.
-pub fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Duration> {
+pub(crate) fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Duration> {
     let v = metadata.get("grpc-timeout")?.to_str().ok()?;
     let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
     let n: u64 = digits.parse().ok()?;

@@ -49,6 +49,17 @@ where
     <C as clap::FromArgMatches>::from_arg_matches_mut(&mut matches)
 }
 
+/// Runs the binary at `bin` with `args` and an empty environment and
+/// returns its exit code: for each service's test that its binary exits as
+/// this module says.
+pub fn exit_code_of(bin: &str, args: &[&str]) -> Option<i32> {
+    let out = std::process::Command::new(bin)
+        .args(args)
+        .env_clear()
+        .output();
+    out.ok()?.status.code()
+}
+
 /// Resolves on the first SIGINT (Ctrl-C in a terminal) or SIGTERM (a
 /// container stop). Where SIGTERM cannot be watched, on SIGINT alone; where
 /// neither can, never (the process runs until killed).

@@ -8,7 +8,7 @@
 //!
 //! # Layout
 //!
-//! - [`config`]: flags (`KVLEASE_WORKER_*` fallbacks) → model shape, weights, options.
+//! - `config`: flags (`KVLEASE_WORKER_*` fallbacks) → model shape, weights, options ([`Config`]).
 //! - [`model`]: [`ModelConfig`](model::ModelConfig), [`Weights`](model::weights::Weights)
 //!   (seeded or safetensors), the byte-level [`tokenizer`](model::tokenizer).
 //! - [`arena`]: pool geometry (where each K/V row lives) and the ledger of written slots.
@@ -19,10 +19,12 @@
 //!   `backend::cuda` (feature `cuda`) keeps weights and a 16-bit arena on the GPU,
 //!   with NVRTC kernels and cuBLAS products.
 //! - [`worker`]: sizes the arena from the memory budget, then validate → backend → sample.
-//! - [`sampling`]: greedy, or seeded temperature/top-p keyed by (seed, position).
+//! - `sampling`: greedy, or seeded temperature/top-p keyed by (seed, position).
 //! - [`reference`](mod@reference): a dense, contiguous-KV reference of the same model for tests.
-//! - [`service`]: the gRPC edge (`kvlease.v1.WorkerService`) and the worker's
-//!   Prometheus series; the only place that touches protobuf types.
+//! - The gRPC edge: `convert` (protobuf <-> domain; with `service` the only
+//!   place that touches protobuf types), `service` (`kvlease.v1.WorkerService`),
+//!   `metrics` (the worker's Prometheus series) and `server` ([`run`]: health,
+//!   reflection and the metrics endpoint).
 //!
 //! Data flow of one Forward: `service` converts the request to
 //! [`SeqInput`](batch::SeqInput)s → `Worker::forward` validates them against the
@@ -32,18 +34,18 @@
 pub mod arena;
 pub mod backend;
 pub mod batch;
-pub mod config;
-pub mod convert;
-pub mod error;
-pub mod metrics;
+mod config;
+mod convert;
+mod error;
+mod metrics;
 pub mod model;
 pub mod ops;
 pub mod reference;
-pub mod sampling;
-pub mod server;
-pub mod service;
+mod sampling;
+mod server;
+mod service;
 pub mod worker;
 
 pub use config::Config;
 pub use error::{Error, Result};
-pub use server::run;
+pub use server::{SERVICE, run};

@@ -6,7 +6,7 @@ use crate::worker::WorkerInfo;
 
 /// The worker's Prometheus series.
 #[derive(Debug, Clone)]
-pub struct WorkerMetrics {
+pub(crate) struct WorkerMetrics {
     pub(crate) forward_seconds: Histogram,
     pub(crate) forward_tokens: Counter,
     pub(crate) forward_rejected: Counter,
@@ -14,7 +14,7 @@ pub struct WorkerMetrics {
 
 impl WorkerMetrics {
     /// Registers the worker's series in `registry`, with each pool's size.
-    pub fn register(registry: &Registry, info: &WorkerInfo) -> crate::Result<Self> {
+    pub(crate) fn register(registry: &Registry, info: &WorkerInfo) -> crate::Result<Self> {
         let fail = |e: kvlease_telemetry::Error| crate::Error::Config(format!("metrics: {e}"));
         let pool_blocks = registry
             .gauge_vec(

@@ -16,7 +16,7 @@ use crate::worker::Worker;
 /// The gRPC service. Forward passes run one at a time on a blocking thread
 /// (the worker owns one arena); Describe answers from a snapshot.
 #[derive(Debug, Clone)]
-pub struct WorkerGrpc {
+pub(crate) struct WorkerGrpc {
     worker: Arc<Mutex<Worker>>,
     describe: pb::DescribeResponse,
     metrics: WorkerMetrics,
@@ -24,7 +24,7 @@ pub struct WorkerGrpc {
 
 impl WorkerGrpc {
     /// Serves `worker`, recording into `metrics`.
-    pub fn new(worker: Worker, metrics: WorkerMetrics) -> Self {
+    pub(crate) fn new(worker: Worker, metrics: WorkerMetrics) -> Self {
         let describe = describe_response(worker.info());
         WorkerGrpc {
             worker: Arc::new(Mutex::new(worker)),
