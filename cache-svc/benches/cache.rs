@@ -7,6 +7,7 @@
 //!
 //! Figures from one run are only comparable with each other: the machines
 //! are shared and noisy.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the bench
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -40,7 +41,7 @@ fn pool_alloc_free(seconds: f64) -> f64 {
 }
 
 fn lease_release_blocks(seconds: f64) -> f64 {
-    let mut cache = Cache::with_epoch(CacheConfig::default(), 1);
+    let mut cache = Cache::with_epoch(CacheConfig::default(), cache_svc::Epoch(1));
     cache
         .register_pool("g", 16, &[(0, 65_536)])
         .expect("register");
@@ -68,7 +69,7 @@ fn lease_release_blocks(seconds: f64) -> f64 {
 /// The core's share of a 256-sequence Extend: the same shapes as the gRPC
 /// measurement, without the transport.
 fn core_extend_256(iterations: u32) -> Duration {
-    let mut cache = Cache::with_epoch(CacheConfig::default(), 1);
+    let mut cache = Cache::with_epoch(CacheConfig::default(), cache_svc::Epoch(1));
     cache
         .register_pool("g", 16, &[(0, 65_536), (256, 65_536)])
         .expect("register");

@@ -1,12 +1,27 @@
-//! Command-line flags, each with an environment fallback.
+//! Command-line flags, each with an environment fallback. Each default is
+//! one const that both clap and [`Default`] use; `Default` reads nothing
+//! from the process environment.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
+
+use kvlease_telemetry::process::{ListenAddrs, ServiceConfig};
 
 use crate::cache::CacheConfig;
 
+const DEFAULT_LISTEN: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 50052);
+const DEFAULT_SESSION_TTL_MS: u64 = 30_000;
+const DEFAULT_MIN_TTL_MS: u64 = 1_000;
+const DEFAULT_MAX_TTL_MS: u64 = 600_000;
+const DEFAULT_SESSION_QUOTA: u64 = 0;
+const DEFAULT_MAX_BATCH: usize = 4096;
+const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
+const DEFAULT_EVENT_BUFFER: usize = 65_536;
+const DEFAULT_EXPIRY_INTERVAL_MS: u64 = 500;
+const DEFAULT_AUDIT_INTERVAL_MS: u64 = 60_000;
+
 /// Configuration of the cache service.
-#[derive(Clone, Debug, clap::Parser)]
+#[derive(Clone, Debug, PartialEq, Eq, clap::Parser)]
 #[command(
     name = "kvlease-cache",
     version,
@@ -14,47 +29,69 @@ use crate::cache::CacheConfig;
 )]
 pub struct Config {
     /// Address to serve gRPC on.
-    #[arg(long, env = "KVLEASE_CACHE_LISTEN", default_value = "127.0.0.1:50052")]
+    #[arg(long, env = "KVLEASE_CACHE_LISTEN", default_value_t = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
     /// Address of the Prometheus `GET /metrics` endpoint; off when absent.
     #[arg(long, env = "KVLEASE_CACHE_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
     /// Session TTL when the holder asks for none, in milliseconds.
-    #[arg(long, env = "KVLEASE_CACHE_SESSION_TTL_MS", default_value_t = 30_000)]
+    #[arg(long, env = "KVLEASE_CACHE_SESSION_TTL_MS", default_value_t = DEFAULT_SESSION_TTL_MS)]
     pub session_ttl_ms: u64,
     /// Smallest session TTL granted, in milliseconds.
-    #[arg(long, env = "KVLEASE_CACHE_MIN_TTL_MS", default_value_t = 1_000)]
+    #[arg(long, env = "KVLEASE_CACHE_MIN_TTL_MS", default_value_t = DEFAULT_MIN_TTL_MS)]
     pub min_ttl_ms: u64,
     /// Largest session TTL granted, in milliseconds.
-    #[arg(long, env = "KVLEASE_CACHE_MAX_TTL_MS", default_value_t = 600_000)]
+    #[arg(long, env = "KVLEASE_CACHE_MAX_TTL_MS", default_value_t = DEFAULT_MAX_TTL_MS)]
     pub max_ttl_ms: u64,
     /// Block references one session may hold; 0 for no quota.
-    #[arg(long, env = "KVLEASE_CACHE_SESSION_QUOTA", default_value_t = 0)]
+    #[arg(long, env = "KVLEASE_CACHE_SESSION_QUOTA", default_value_t = DEFAULT_SESSION_QUOTA)]
     pub session_quota: u64,
     /// Most sequences in one Lease / Extend / Release / Estimate call.
-    #[arg(long, env = "KVLEASE_CACHE_MAX_BATCH", default_value_t = 4096)]
+    #[arg(long, env = "KVLEASE_CACHE_MAX_BATCH", default_value_t = DEFAULT_MAX_BATCH)]
     pub max_batch: usize,
     /// Largest request message, in bytes.
-    #[arg(long, env = "KVLEASE_CACHE_MAX_MESSAGE_BYTES", default_value_t = 16 << 20)]
+    #[arg(long, env = "KVLEASE_CACHE_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
     pub max_message_bytes: usize,
     /// Block-hash events kept for WatchEvents.
-    #[arg(long, env = "KVLEASE_CACHE_EVENT_BUFFER", default_value_t = 65_536)]
+    #[arg(long, env = "KVLEASE_CACHE_EVENT_BUFFER", default_value_t = DEFAULT_EVENT_BUFFER)]
     pub event_buffer: usize,
     /// How often expired sessions are reclaimed, in milliseconds.
-    #[arg(long, env = "KVLEASE_CACHE_EXPIRY_INTERVAL_MS", default_value_t = 500)]
+    #[arg(long, env = "KVLEASE_CACHE_EXPIRY_INTERVAL_MS", default_value_t = DEFAULT_EXPIRY_INTERVAL_MS)]
     pub expiry_interval_ms: u64,
     /// How often the leak audit runs, in milliseconds; 0 turns it off.
     #[arg(
         long,
         env = "KVLEASE_CACHE_AUDIT_INTERVAL_MS",
-        default_value_t = 60_000
+        default_value_t = DEFAULT_AUDIT_INTERVAL_MS
     )]
     pub audit_interval_ms: u64,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        <Self as clap::Parser>::parse_from(["kvlease-cache"])
+        Self {
+            listen: DEFAULT_LISTEN,
+            metrics_listen: None,
+            session_ttl_ms: DEFAULT_SESSION_TTL_MS,
+            min_ttl_ms: DEFAULT_MIN_TTL_MS,
+            max_ttl_ms: DEFAULT_MAX_TTL_MS,
+            session_quota: DEFAULT_SESSION_QUOTA,
+            max_batch: DEFAULT_MAX_BATCH,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            event_buffer: DEFAULT_EVENT_BUFFER,
+            expiry_interval_ms: DEFAULT_EXPIRY_INTERVAL_MS,
+            audit_interval_ms: DEFAULT_AUDIT_INTERVAL_MS,
+        }
+    }
+}
+
+impl ServiceConfig for Config {
+    fn listen_addrs(&self) -> Result<ListenAddrs, String> {
+        self.validate()?;
+        Ok(ListenAddrs {
+            grpc: self.listen,
+            metrics: self.metrics_listen,
+        })
     }
 }
 
@@ -86,5 +123,39 @@ impl Config {
             return Err("--max-message-bytes must be at least 1024".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvlease_telemetry::process::parse_without_env;
+
+    use super::*;
+
+    #[test]
+    fn default_is_what_the_flags_give_with_no_flags_and_no_environment() {
+        let parsed = parse_without_env::<Config, _, _>("kvlease-cache", ["kvlease-cache"]);
+        assert_eq!(parsed.map_err(|e| e.to_string()), Ok(Config::default()));
+        assert_eq!(Config::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn flags_override_the_defaults() {
+        let parsed = parse_without_env::<Config, _, _>(
+            "kvlease-cache",
+            [
+                "kvlease-cache",
+                "--max-batch",
+                "8",
+                "--listen",
+                "127.0.0.1:0",
+            ],
+        );
+        let expected = Config {
+            max_batch: 8,
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            ..Config::default()
+        };
+        assert_eq!(parsed.map_err(|e| e.to_string()), Ok(expected));
     }
 }

@@ -1,6 +1,8 @@
 //! Errors of the cache service. Per-sequence outcomes (grants and rejects) are
 //! data, never errors: these are for the call itself.
 
+use crate::ids::{Epoch, SessionId};
+
 /// A cache service error.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -12,17 +14,17 @@ pub enum Error {
     LimitExceeded(String),
     /// No such session (never opened, closed, or reclaimed after expiry).
     #[error("unknown session {0}")]
-    UnknownSession(u64),
+    UnknownSession(SessionId),
     /// The session's TTL ran out; everything it held was reclaimed.
     #[error("session expired: session {0} missed its keep-alive and was reclaimed")]
-    SessionExpired(u64),
+    SessionExpired(SessionId),
     /// The call carries the epoch of an earlier start of the service.
     #[error("stale epoch {got}: the cache service restarted, current epoch is {current}")]
     StaleEpoch {
         /// The epoch in the request.
-        got: u64,
+        got: Epoch,
         /// The service's epoch.
-        current: u64,
+        current: Epoch,
     },
     /// No pool group of that name is registered.
     #[error("unknown pool group {0:?}")]
@@ -35,12 +37,12 @@ pub enum Error {
         /// What differs.
         detail: String,
     },
-    /// The listener or transport failed.
-    #[error("transport: {0}")]
-    Transport(#[from] tonic::transport::Error),
     /// An I/O error (binding, reading the listener address).
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+    /// Serving failed (listeners, reflection, the gRPC server).
+    #[error("{0}")]
+    Serve(#[from] kvlease_telemetry::Error),
 }
 
 /// Result alias of the crate.
@@ -57,7 +59,7 @@ impl From<Error> for tonic::Status {
             }
             Error::UnknownGroup(_) => tonic::Status::not_found(message),
             Error::GeometryConflict { .. } => tonic::Status::already_exists(message),
-            Error::Transport(_) | Error::Io(_) => tonic::Status::internal(message),
+            Error::Io(_) | Error::Serve(_) => tonic::Status::internal(message),
         }
     }
 }

@@ -13,7 +13,7 @@
 
 /// One request shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Shape {
+pub(crate) struct Shape {
     /// Prompt tokens (>= 1).
     pub prompt: u32,
     /// Output tokens (0 is read as 1).
@@ -26,7 +26,7 @@ pub struct Shape {
 
 /// Blocks of one pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PoolNeed {
+pub(crate) struct PoolNeed {
     /// Taken by the lease and every extend of the life.
     pub total: u32,
     /// Most held at once.
@@ -47,7 +47,7 @@ fn held(first: u64, end: u64, shared_end: u64, beams: u64) -> u64 {
 
 /// The blocks `shape` needs in a pool of `window` (0 = full attention) with
 /// `tokens_per_block` tokens per block. Saturates at `u32::MAX`.
-pub fn pool_need(shape: Shape, window: u32, tokens_per_block: u32) -> PoolNeed {
+pub(crate) fn pool_need(shape: Shape, window: u32, tokens_per_block: u32) -> PoolNeed {
     let b = u64::from(tokens_per_block.max(1));
     let beams = u64::from(shape.beam_width.max(1));
     let prompt = u64::from(shape.prompt);

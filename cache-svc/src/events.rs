@@ -32,7 +32,7 @@ pub struct Event {
 
 /// The last `capacity` events.
 #[derive(Debug)]
-pub struct EventLog {
+pub(crate) struct EventLog {
     buf: VecDeque<Event>,
     capacity: usize,
     next_id: u64,
@@ -50,7 +50,7 @@ pub struct EventsSince {
 
 impl EventLog {
     /// A log that keeps `capacity` events (at least 1).
-    pub fn new(capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize) -> Self {
         Self {
             buf: VecDeque::new(),
             capacity: capacity.max(1),
@@ -59,7 +59,7 @@ impl EventLog {
     }
 
     /// Id of the newest event (0 when none yet).
-    pub fn last_id(&self) -> u64 {
+    pub(crate) fn last_id(&self) -> u64 {
         self.next_id - 1
     }
 
@@ -78,7 +78,7 @@ impl EventLog {
 
     /// Appends the events of one operation on one pool, coalescing runs of
     /// stored chains and of removals.
-    pub fn push_batch(&mut self, pool_id: u32, kinds: Vec<EventKind>) {
+    pub(crate) fn push_batch(&mut self, pool_id: u32, kinds: Vec<EventKind>) {
         let mut pending: Option<EventKind> = None;
         for kind in kinds {
             pending = match (pending, kind) {
@@ -109,7 +109,7 @@ impl EventLog {
     }
 
     /// Up to `max` events with id > `after`.
-    pub fn since(&self, after: u64, max: usize) -> EventsSince {
+    pub(crate) fn since(&self, after: u64, max: usize) -> EventsSince {
         let oldest = self.buf.front().map_or(self.next_id, |e| e.id);
         let lost_before = (after + 1 < oldest && after < self.last_id()).then_some(oldest);
         let start = (after + 1).max(oldest);

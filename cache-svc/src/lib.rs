@@ -7,36 +7,44 @@
 //! - [`eviction`]: the swappable eviction policy (priority, then LRU, leaves
 //!   before parents).
 //! - [`prefix`]: chained block hashes.
-//! - [`lease`]: the domain types of requests and answers.
-//! - [`session`]: holder sessions, their sequences' block tables, fences and
+//! - [`lease`]: the domain types of requests and answers; `ids`: the
+//!   numbers the cache is handed ([`SessionId`], [`Epoch`], [`BlockId`]).
+//! - `session`: holder sessions, their sequences' block tables, fences and
 //!   hashes waiting for a step to complete.
-//! - [`cache`]: the protocol over all of the above (`Cache`), plain and
-//!   synchronous; [`estimate`] derives block needs in closed form.
-//! - [`events`]: the bounded stream of stored / removed hashes.
-//! - [`service`]: the gRPC edge, the only module that knows protobuf;
-//!   [`run`] serves it with tracing (reject spans, fenced-release links) and
-//!   [`metrics`] (Prometheus, read from the core at scrape time).
+//! - [`cache`]: the protocol over all of the above ([`Cache`]), plain and
+//!   synchronous; `estimate` derives block needs in closed form.
+//! - `events`: the bounded stream of stored / removed hashes.
+//! - The gRPC edge: `convert` (protobuf <-> domain, the only module besides
+//!   `service` that knows protobuf), `service` (the `CacheService`
+//!   implementation, with reject spans and fenced-release links), `server`
+//!   ([`run`]: health, reflection, the metrics endpoint, session expiry and
+//!   leak audits) and `metrics` (Prometheus, read from the core at scrape
+//!   time).
 //!
 //! Data flows one way: `service` converts a request into domain types, calls
 //! `Cache` under a mutex, and converts the outcomes back.
 
 pub mod cache;
 mod config;
-pub mod error;
-pub mod estimate;
-pub mod events;
+mod convert;
+mod error;
+mod estimate;
+mod events;
 pub mod eviction;
+mod ids;
 pub mod lease;
-pub mod metrics;
+mod metrics;
 pub mod pool;
 pub mod prefix;
-pub mod service;
-pub mod session;
+mod server;
+mod service;
+mod session;
 
 pub use cache::{Batch, Cache, CacheConfig};
 pub use config::Config;
 pub use error::{Error, Result};
-pub use service::run;
+pub use ids::{BlockId, Epoch, SessionId};
+pub use server::{SERVICE, run};
 
 #[cfg(test)]
 mod tests;

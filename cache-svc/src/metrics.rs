@@ -9,7 +9,7 @@ use crate::lease::Outcome;
 
 /// Handles to the series.
 #[derive(Debug, Clone)]
-pub struct CacheMetrics {
+pub(crate) struct CacheMetrics {
     registry: Registry,
     blocks: GaugeVec<3>,
     blocks_total: GaugeVec<2>,
@@ -24,7 +24,7 @@ pub struct CacheMetrics {
 
 impl CacheMetrics {
     /// Registers the series.
-    pub fn new() -> Result<Self> {
+    pub(crate) fn new() -> Result<Self> {
         let registry = Registry::new();
         let fail = |e: kvlease_telemetry::Error| Error::InvalidArgument(format!("metrics: {e}"));
         Ok(Self {
@@ -96,7 +96,7 @@ impl CacheMetrics {
     }
 
     /// Counts the outcomes of one `op` ("lease" or "extend").
-    pub fn record(&self, op: &str, outcomes: &[Outcome]) {
+    pub(crate) fn record(&self, op: &str, outcomes: &[Outcome]) {
         // One label lookup per call, not per sequence: a decode step's
         // Extend carries hundreds of grants.
         let mut grants = 0;
@@ -112,7 +112,7 @@ impl CacheMetrics {
     }
 
     /// Mirrors the pools' figures and renders the text format.
-    pub fn render(&self, cache: &Cache) -> String {
+    pub(crate) fn render(&self, cache: &Cache) -> String {
         for p in cache.pools() {
             let (id, window) = (p.id.to_string(), p.window.to_string());
             let c = p.pool.counts();
@@ -159,7 +159,7 @@ mod tests {
 
     #[test]
     fn rendered_pool_figures_match_the_core() {
-        let mut cache = Cache::with_epoch(CacheConfig::default(), 1);
+        let mut cache = Cache::with_epoch(CacheConfig::default(), crate::Epoch(1));
         cache.register_pool("g", 4, &[(0, 8)]).unwrap();
         let now = Instant::now();
         let s = cache.open_session("t", None, now).unwrap();

@@ -20,8 +20,7 @@ use foldhash::{HashMap, HashMapExt};
 
 use crate::eviction::{EvictionPolicy, PriorityLru};
 
-/// Index of a block in its pool (and in the worker's KV arena for that pool).
-pub type BlockId = u32;
+pub use crate::ids::BlockId;
 
 /// Who last held a block, for the leak audit's log.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,29 +1,25 @@
-//! The gRPC edge: converts `kvlease.v1` messages to domain types and back,
-//! and serves them with health and reflection.
+//! The gRPC edge: the `CacheService` implementation over the core, with the
+//! reject spans and fenced-release links of its calls.
 
 use std::collections::{BTreeMap, HashMap};
-use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvlease_proto::v1 as pb;
-use kvlease_proto::v1::cache_service_server::{CacheService, CacheServiceServer};
+use kvlease_proto::v1::cache_service_server::CacheService;
 use kvlease_telemetry::attributes::{self, RejectFigures};
 use kvlease_telemetry::opentelemetry::trace::SpanContext;
-use tokio::net::TcpListener;
+use kvlease_telemetry::serve::StopWatch;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Span;
 
-use crate::cache::{Batch, Cache, PoolStats, ShapeEstimate};
-use crate::config::Config;
+use crate::cache::{Batch, Cache};
+use crate::convert::{estimate_to_pb, event_to_pb, outcomes_to_pb, spec_from_pb, stats_to_pb};
 use crate::error::{Error, Result};
-use crate::events::EventKind;
-use crate::lease::{
-    DEFAULT_PRIORITY, Extra, Grant, Growth, Outcome, Prompt, Reject, RejectReason, ReleaseStatus,
-    SeqSpec,
-};
+use crate::ids::{Epoch, SessionId};
+use crate::lease::{Growth, Outcome, ReleaseStatus};
 use crate::metrics::CacheMetrics;
 
 /// Events sent per read of the log by one WatchEvents stream.
@@ -93,7 +89,7 @@ fn trace_call(session_id: u64, step: Option<u64>) {
 
 /// The `CacheService` implementation.
 #[derive(Debug, Clone)]
-pub struct CacheServiceImpl {
+pub(crate) struct CacheServiceImpl {
     cache: Arc<Mutex<Cache>>,
     metrics: CacheMetrics,
     fence_links: Arc<Mutex<FenceLinks>>,
@@ -101,24 +97,24 @@ pub struct CacheServiceImpl {
     max_message_bytes: usize,
     /// Id of the newest event, for WatchEvents streams to wait on.
     events: watch::Sender<u64>,
-    /// Turns true when the server starts shutting down, so streams end and
+    /// Set when the server starts shutting down, so streams end and
     /// graceful shutdown does not wait on them forever.
-    stopping: watch::Receiver<bool>,
+    stopping: StopWatch,
 }
 
 /// The time the core sees: tokio's clock, so paused-time tests drive TTLs.
-fn now() -> Instant {
+pub(crate) fn now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
 
 impl CacheServiceImpl {
     /// A service over `cache`.
-    pub fn new(
+    pub(crate) fn new(
         cache: Cache,
         metrics: CacheMetrics,
         max_batch: usize,
         max_message_bytes: usize,
-        stopping: watch::Receiver<bool>,
+        stopping: StopWatch,
     ) -> Self {
         let (events, _) = watch::channel(cache.last_event_id());
         Self {
@@ -132,18 +128,13 @@ impl CacheServiceImpl {
         }
     }
 
-    /// The shared core (for background tasks and in-process tools).
-    pub fn cache(&self) -> Arc<Mutex<Cache>> {
-        Arc::clone(&self.cache)
-    }
-
     /// Renders the Prometheus text of the service.
-    pub fn render_metrics(&self) -> String {
+    pub(crate) fn render_metrics(&self) -> String {
         let cache = self.lock();
         self.metrics.render(&cache)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Cache> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Cache> {
         // A panic while holding the lock cannot leave the pools half-changed
         // in a way later calls would trust less than a dead service, and the
         // audit re-derives every count; keep serving.
@@ -175,189 +166,13 @@ impl CacheServiceImpl {
         Ok(())
     }
 
-    fn notify_events(&self, cache: &Cache) {
+    pub(crate) fn notify_events(&self, cache: &Cache) {
         let last = cache.last_event_id();
         self.events.send_if_modified(|v| {
             let changed = *v != last;
             *v = last;
             changed
         });
-    }
-}
-
-// === conversions ===
-
-fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
-    let prompt = match (s.prompt_tokens.is_empty(), s.num_tokens) {
-        (false, 0) => Prompt::Tokens(s.prompt_tokens),
-        (true, n) if n > 0 => Prompt::Count(n),
-        (true, _) => {
-            return Err(Error::InvalidArgument(format!(
-                "sequence {}: give prompt_tokens or num_tokens > 0",
-                s.seq_id
-            )));
-        }
-        (false, _) => {
-            return Err(Error::InvalidArgument(format!(
-                "sequence {}: give only one of prompt_tokens and num_tokens",
-                s.seq_id
-            )));
-        }
-    };
-    if s.pool_group.is_empty() {
-        return Err(Error::InvalidArgument(format!(
-            "sequence {}: pool_group is empty",
-            s.seq_id
-        )));
-    }
-    let priority = match s.priority {
-        0 => DEFAULT_PRIORITY,
-        p if p <= u32::from(crate::eviction::MAX_PRIORITY) => p as u8,
-        p => {
-            return Err(Error::InvalidArgument(format!(
-                "sequence {}: priority must be 0 to 100, got {p}",
-                s.seq_id
-            )));
-        }
-    };
-    let extra = s.extra.unwrap_or_default();
-    Ok(SeqSpec {
-        seq_id: s.seq_id,
-        group: s.pool_group,
-        prompt,
-        extra: Extra {
-            draft: extra.draft,
-            extra_kv: extra.extra_kv,
-            extra_decoding_steps: extra.extra_decoding_steps,
-        },
-        beam_width: s.beam_width.max(1),
-        max_new_tokens: s.max_new_tokens,
-        priority,
-        cache_salt: s.cache_salt,
-        reserve_full_life: s.reserve_full_life,
-    })
-}
-
-fn reason_to_pb(r: RejectReason) -> pb::RejectReason {
-    match r {
-        RejectReason::PoolExhausted => pb::RejectReason::PoolExhausted,
-        RejectReason::ExceedsCapacity => pb::RejectReason::ExceedsCapacity,
-        RejectReason::RolledBack => pb::RejectReason::RolledBack,
-        RejectReason::UnknownSequence => pb::RejectReason::UnknownSequence,
-        RejectReason::DuplicateSequence => pb::RejectReason::DuplicateSequence,
-        RejectReason::QuotaExceeded => pb::RejectReason::QuotaExceeded,
-    }
-}
-
-fn grant_to_pb(g: Grant) -> pb::Grant {
-    pb::Grant {
-        seq_id: g.seq_id,
-        tables: g
-            .tables
-            .into_iter()
-            .map(|t| pb::BlockTable {
-                pool_id: t.pool_id,
-                window: t.window,
-                beam: t.beam,
-                first_block: t.first_block,
-                block_ids: t.block_ids,
-            })
-            .collect(),
-        reused_tokens: g.reused_tokens,
-        capacity_tokens: g.capacity_tokens,
-    }
-}
-
-fn reject_to_pb(r: Reject) -> pb::Reject {
-    pb::Reject {
-        seq_id: r.seq_id,
-        reason: reason_to_pb(r.reason) as i32,
-        pool_id: r.pool_id,
-        window: r.window,
-        blocks_needed: r.blocks_needed,
-        blocks_free: r.blocks_free,
-        blocks_pending_free: r.blocks_pending_free,
-        message: r.message,
-    }
-}
-
-fn outcomes_to_pb(outcomes: Vec<Outcome>) -> Vec<pb::SequenceOutcome> {
-    outcomes
-        .into_iter()
-        .map(|o| {
-            if let Outcome::Reject(r) = &o {
-                tracing::info!(
-                    seq_id = r.seq_id,
-                    reason = r.reason.as_str(),
-                    pool_id = r.pool_id,
-                    window = r.window,
-                    blocks_needed = r.blocks_needed,
-                    blocks_free = r.blocks_free,
-                    blocks_pending_free = r.blocks_pending_free,
-                    "sequence rejected"
-                );
-            }
-            pb::SequenceOutcome {
-                outcome: Some(match o {
-                    Outcome::Grant(g) => pb::sequence_outcome::Outcome::Grant(grant_to_pb(g)),
-                    Outcome::Reject(r) => pb::sequence_outcome::Outcome::Reject(reject_to_pb(r)),
-                }),
-            }
-        })
-        .collect()
-}
-
-fn stats_to_pb(p: PoolStats) -> pb::PoolStats {
-    pb::PoolStats {
-        pool_group: p.group,
-        pool_id: p.info.pool_id,
-        window: p.info.window,
-        tokens_per_block: p.info.tokens_per_block,
-        total: p.counts.total,
-        free: p.counts.free,
-        cached_evictable: p.counts.cached,
-        in_use: p.counts.in_use,
-        fenced: p.counts.fenced,
-        grants: p.counters.grants,
-        rejects: p.counters.rejects,
-        evictions: p.counters.evictions,
-        reuse_lookups: p.counters.reuse_lookups,
-        reuse_hits: p.counters.reuse_hits,
-        leaks_reclaimed: p.counters.leaks_reclaimed,
-    }
-}
-
-fn estimate_to_pb(e: ShapeEstimate) -> pb::ShapeEstimate {
-    pb::ShapeEstimate {
-        pools: e
-            .pools
-            .into_iter()
-            .map(|p| pb::PoolEstimate {
-                pool_id: p.pool_id,
-                window: p.window,
-                total_blocks: p.total,
-                peak_blocks: p.peak,
-                pool_blocks: p.pool_blocks,
-            })
-            .collect(),
-        fits: e.fits,
-    }
-}
-
-fn event_to_pb(e: crate::events::Event) -> pb::CacheEvent {
-    let kind = match e.kind {
-        EventKind::Stored { hashes, parent } => pb::cache_event::Kind::Stored(pb::BlocksStored {
-            block_hashes: hashes,
-            parent_hash: parent,
-        }),
-        EventKind::Removed { hashes } => pb::cache_event::Kind::Removed(pb::BlocksRemoved {
-            block_hashes: hashes,
-        }),
-    };
-    pb::CacheEvent {
-        id: e.id,
-        pool_id: e.pool_id,
-        kind: Some(kind),
     }
 }
 
@@ -397,10 +212,10 @@ impl CacheService for CacheServiceImpl {
         let r = request.into_inner();
         let ttl = (r.ttl_ms > 0).then(|| Duration::from_millis(r.ttl_ms));
         let opened = self.lock().open_session(&r.holder, ttl, now())?;
-        tracing::info!(session_id = opened.session_id, holder = %r.holder, "session opened");
+        tracing::info!(session_id = opened.session_id.0, holder = %r.holder, "session opened");
         Ok(Response::new(pb::OpenSessionResponse {
-            session_id: opened.session_id,
-            epoch: opened.epoch,
+            session_id: opened.session_id.0,
+            epoch: opened.epoch.0,
             ttl_ms: opened.ttl.as_millis() as u64,
         }))
     }
@@ -410,7 +225,9 @@ impl CacheService for CacheServiceImpl {
         request: Request<pb::KeepAliveRequest>,
     ) -> Result<Response<pb::KeepAliveResponse>, Status> {
         let r = request.into_inner();
-        let ttl = self.lock().keep_alive(r.session_id, r.epoch, now())?;
+        let ttl = self
+            .lock()
+            .keep_alive(SessionId(r.session_id), Epoch(r.epoch), now())?;
         Ok(Response::new(pb::KeepAliveResponse {
             ttl_ms: ttl.as_millis() as u64,
         }))
@@ -422,7 +239,7 @@ impl CacheService for CacheServiceImpl {
     ) -> Result<Response<pb::CloseSessionResponse>, Status> {
         let r = request.into_inner();
         let mut cache = self.lock();
-        let reclaimed = cache.close_session(r.session_id, r.epoch, now())?;
+        let reclaimed = cache.close_session(SessionId(r.session_id), Epoch(r.epoch), now())?;
         self.notify_events(&cache);
         Ok(Response::new(pb::CloseSessionResponse {
             sequences_released: reclaimed.sequences,
@@ -445,8 +262,8 @@ impl CacheService for CacheServiceImpl {
         let mut cache = self.lock();
         trace_call(r.session_id, Some(r.step));
         let outcomes = cache.lease(
-            r.session_id,
-            r.epoch,
+            SessionId(r.session_id),
+            Epoch(r.epoch),
             Batch {
                 step: r.step,
                 atomic: r.atomic,
@@ -490,8 +307,8 @@ impl CacheService for CacheServiceImpl {
         let mut cache = self.lock();
         trace_call(r.session_id, Some(r.step));
         let outcomes = cache.extend(
-            r.session_id,
-            r.epoch,
+            SessionId(r.session_id),
+            Epoch(r.epoch),
             Batch {
                 step: r.step,
                 atomic: r.atomic,
@@ -518,7 +335,13 @@ impl CacheService for CacheServiceImpl {
         self.check_batch("seq_ids", r.seq_ids.len())?;
         let mut cache = self.lock();
         trace_call(r.session_id, None);
-        let results = cache.release(r.session_id, r.epoch, &r.seq_ids, r.fence_step, now())?;
+        let results = cache.release(
+            SessionId(r.session_id),
+            Epoch(r.epoch),
+            &r.seq_ids,
+            r.fence_step,
+            now(),
+        )?;
         self.notify_events(&cache);
         drop(cache);
         if let Some(step) = r.fence_step {
@@ -553,7 +376,8 @@ impl CacheService for CacheServiceImpl {
         let r = request.into_inner();
         let mut cache = self.lock();
         trace_call(r.session_id, Some(r.step));
-        let returned = cache.complete_step(r.session_id, r.epoch, r.step, now())?;
+        let returned =
+            cache.complete_step(SessionId(r.session_id), Epoch(r.epoch), r.step, now())?;
         self.notify_events(&cache);
         drop(cache);
         let span = Span::current();
@@ -598,7 +422,7 @@ impl CacheService for CacheServiceImpl {
         let stats = self.lock().stats(group)?;
         Ok(Response::new(pb::GetStatsResponse {
             pools: stats.pools.into_iter().map(stats_to_pb).collect(),
-            epoch: stats.epoch,
+            epoch: stats.epoch.0,
             sessions: stats.sessions,
             sequences: stats.sequences,
         }))
@@ -645,7 +469,7 @@ impl CacheService for CacheServiceImpl {
                     tokio::select! {
                         res = changed.changed() => if res.is_err() { return },
                         () = tx.closed() => return,
-                        _ = stopping.wait_for(|&stop| stop) => return,
+                        () = stopping.stopped() => return,
                     }
                 }
             }
@@ -679,135 +503,5 @@ impl CacheService for CacheServiceImpl {
                 .collect(),
             blocks_checked: report.blocks_checked,
         }))
-    }
-}
-
-// === serving ===
-
-/// Serves the cache service on `listener` until `shutdown` resolves, with gRPC
-/// health and reflection, and background session expiry and leak audits.
-pub async fn run(
-    listener: TcpListener,
-    config: Config,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<()> {
-    config.validate().map_err(Error::InvalidArgument)?;
-    let cache = Cache::new(config.cache_config());
-    let epoch = cache.epoch();
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let metrics = CacheMetrics::new()?;
-    let service = CacheServiceImpl::new(
-        cache,
-        metrics,
-        config.max_batch,
-        config.max_message_bytes,
-        stop_rx.clone(),
-    );
-    let addr = listener.local_addr()?;
-
-    let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<CacheServiceServer<CacheServiceImpl>>()
-        .await;
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(kvlease_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .map_err(|e| Error::InvalidArgument(format!("reflection: {e}")))?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(kvlease_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()
-        .map_err(|e| Error::InvalidArgument(format!("reflection: {e}")))?;
-
-    let housekeeping = tokio::spawn(housekeeping(
-        service.clone(),
-        Duration::from_millis(config.expiry_interval_ms),
-        (config.audit_interval_ms > 0).then(|| Duration::from_millis(config.audit_interval_ms)),
-        stop_rx.clone(),
-    ));
-
-    let metrics_task = match config.metrics_listen {
-        Some(metrics_addr) => {
-            let metrics_listener = TcpListener::bind(metrics_addr).await.map_err(|e| {
-                Error::InvalidArgument(format!("cannot listen for metrics on {metrics_addr}: {e}"))
-            })?;
-            tracing::info!(addr = %metrics_addr, "cache metrics serving");
-            let scrape = service.clone();
-            let mut stop = stop_rx.clone();
-            Some(tokio::spawn(kvlease_telemetry::metrics::serve_metrics(
-                metrics_listener,
-                move || scrape.render_metrics(),
-                async move {
-                    let _ = stop.wait_for(|&s| s).await;
-                },
-            )))
-        }
-        None => None,
-    };
-
-    tracing::info!(%addr, epoch, "cache service listening");
-    let grpc = CacheServiceServer::new(service.clone())
-        .max_decoding_message_size(config.max_message_bytes.saturating_mul(4))
-        .max_encoding_message_size(config.max_message_bytes.saturating_mul(4));
-    let result = tonic::transport::Server::builder()
-        .layer(kvlease_telemetry::GrpcTraceLayer::new("kvlease-cache"))
-        .add_service(health)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(grpc)
-        .serve_with_incoming_shutdown(kvlease_telemetry::incoming(listener), async move {
-            shutdown.await;
-            let _ = stop_tx.send(true);
-        })
-        .await;
-    let _ = housekeeping.await;
-    if let Some(task) = metrics_task {
-        let _ = task.await;
-    }
-    tracing::info!(%addr, "cache service stopped");
-    result.map_err(Error::from)
-}
-
-/// Reclaims expired sessions and runs the periodic leak audit.
-async fn housekeeping(
-    service: CacheServiceImpl,
-    expiry_every: Duration,
-    audit_every: Option<Duration>,
-    mut stop: watch::Receiver<bool>,
-) {
-    let stop_requested = async move {
-        let _ = stop.wait_for(|&s| s).await;
-    };
-    tokio::pin!(stop_requested);
-    let mut expiry = tokio::time::interval(expiry_every);
-    expiry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut audit = tokio::time::interval(audit_every.unwrap_or(Duration::from_secs(3600)));
-    audit.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    audit.tick().await;
-    loop {
-        tokio::select! {
-            () = &mut stop_requested => return,
-            _ = expiry.tick() => {
-                let mut cache = service.lock();
-                for r in cache.expire_sessions(now()) {
-                    tracing::warn!(
-                        session_id = r.session_id,
-                        sequences = r.sequences,
-                        blocks = r.blocks,
-                        "session expired; reclaimed what it held"
-                    );
-                }
-                service.notify_events(&cache);
-            }
-            _ = audit.tick(), if audit_every.is_some() => {
-                let mut cache = service.lock();
-                let report = cache.audit();
-                if !report.reclaimed.is_empty() {
-                    tracing::warn!(reclaimed = report.reclaimed.len(), "periodic leak audit reclaimed blocks");
-                }
-                service.notify_events(&cache);
-            }
-        }
     }
 }

@@ -6,15 +6,15 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
+use foldhash::{HashMap, HashMapExt};
 use std::time::{Duration, Instant};
 
-use crate::pool::BlockId;
+use crate::ids::{BlockId, SessionId};
 
 /// The blocks of one beam of a sequence in one pool: block indices
 /// `[first, first + blocks.len())` of the sequence.
 #[derive(Clone, Debug, Default)]
-pub struct BeamTable {
+pub(crate) struct BeamTable {
     /// Sequence block index of `blocks[0]`.
     pub first: u32,
     /// Block ids.
@@ -23,14 +23,14 @@ pub struct BeamTable {
 
 impl BeamTable {
     /// One past the last block index.
-    pub fn end(&self) -> u32 {
+    pub(crate) fn end(&self) -> u32 {
         self.first + self.blocks.len() as u32
     }
 }
 
 /// A sequence's tables in one pool.
 #[derive(Clone, Debug)]
-pub struct PoolTables {
+pub(crate) struct PoolTables {
     /// Index of the pool in the cache's pool list.
     pub pool: usize,
     /// One table per beam.
@@ -39,13 +39,9 @@ pub struct PoolTables {
 
 /// A leased sequence.
 #[derive(Clone, Debug)]
-pub struct SeqState {
-    /// Pool group.
-    pub group: String,
+pub(crate) struct SeqState {
     /// Committed tokens (prompt plus extends).
     pub len: u32,
-    /// Prompt length.
-    pub prompt_len: u32,
     /// Extra slots kept beyond `len`.
     pub extra: u32,
     /// Slots reserved at lease time for the whole life (0 when not reserved).
@@ -68,24 +64,14 @@ pub struct SeqState {
 
 impl SeqState {
     /// Slots the lease covers.
-    pub fn capacity(&self) -> u32 {
+    pub(crate) fn capacity(&self) -> u32 {
         self.len
             .saturating_add(self.extra)
             .max(self.reserved_capacity)
     }
 
-    /// Distinct blocks held in the pool at position `i` of `tables`.
-    pub fn held_in(&self, i: usize) -> u32 {
-        let t = &self.tables[i];
-        let mut seen = HashSet::new();
-        for beam in &t.beams {
-            seen.extend(beam.blocks.iter().copied());
-        }
-        seen.len() as u32
-    }
-
     /// Block references held (a shared block counts once per beam).
-    pub fn references(&self) -> u64 {
+    pub(crate) fn references(&self) -> u64 {
         self.tables
             .iter()
             .flat_map(|t| &t.beams)
@@ -96,7 +82,7 @@ impl SeqState {
 
 /// A block parked or waiting on a step of the session.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BlockRef {
+pub(crate) struct BlockRef {
     /// Pool index.
     pub pool: usize,
     /// Block id.
@@ -111,11 +97,9 @@ const RELEASED_MEMORY: usize = 65_536;
 
 /// A holder's session.
 #[derive(Debug)]
-pub struct Session {
+pub(crate) struct Session {
     /// Its id.
-    pub id: u64,
-    /// The holder's name.
-    pub holder: String,
+    pub id: SessionId,
     /// Time-to-live without a keep-alive.
     pub ttl: Duration,
     /// When it expires.
@@ -130,16 +114,51 @@ pub struct Session {
     pub completed_step: Option<u64>,
     /// Block references held by its sequences (for the quota).
     pub references: u64,
-    released: HashSet<u64>,
-    released_order: VecDeque<u64>,
+    released: Released,
+}
+
+/// The released sequence ids a session remembers, oldest forgotten first
+/// once there are more than `RELEASED_MEMORY`: each id with the ordinal of
+/// its release, and the ids by ordinal. Remembering, forgetting and the
+/// lookup are O(log n) or better, whichever id it is.
+#[derive(Debug, Default)]
+struct Released {
+    ordinal_of: HashMap<u64, u64>,
+    by_ordinal: BTreeMap<u64, u64>,
+    next: u64,
+}
+
+impl Released {
+    fn remember(&mut self, seq_id: u64, limit: usize) {
+        if self.ordinal_of.contains_key(&seq_id) {
+            return;
+        }
+        self.ordinal_of.insert(seq_id, self.next);
+        self.by_ordinal.insert(self.next, seq_id);
+        self.next += 1;
+        if self.by_ordinal.len() > limit
+            && let Some((_, oldest)) = self.by_ordinal.pop_first()
+        {
+            self.ordinal_of.remove(&oldest);
+        }
+    }
+
+    fn forget(&mut self, seq_id: u64) {
+        if let Some(ordinal) = self.ordinal_of.remove(&seq_id) {
+            self.by_ordinal.remove(&ordinal);
+        }
+    }
+
+    fn contains(&self, seq_id: u64) -> bool {
+        self.ordinal_of.contains_key(&seq_id)
+    }
 }
 
 impl Session {
     /// A new session expiring `ttl` after `now`.
-    pub fn new(id: u64, holder: String, ttl: Duration, now: Instant) -> Self {
+    pub(crate) fn new(id: SessionId, ttl: Duration, now: Instant) -> Self {
         Self {
             id,
-            holder,
             ttl,
             expires_at: now + ttl,
             seqs: HashMap::new(),
@@ -147,42 +166,73 @@ impl Session {
             pending: BTreeMap::new(),
             completed_step: None,
             references: 0,
-            released: HashSet::new(),
-            released_order: VecDeque::new(),
+            released: Released::default(),
         }
     }
 
     /// Whether a fence at `step` is already satisfied.
-    pub fn step_completed(&self, step: u64) -> bool {
+    pub(crate) fn step_completed(&self, step: u64) -> bool {
         self.completed_step.is_some_and(|done| step <= done)
     }
 
     /// Remembers that `seq_id` was released.
-    pub fn remember_released(&mut self, seq_id: u64) {
-        if self.released.insert(seq_id) {
-            self.released_order.push_back(seq_id);
-            if self.released_order.len() > RELEASED_MEMORY
-                && let Some(old) = self.released_order.pop_front()
-            {
-                self.released.remove(&old);
-            }
-        }
+    pub(crate) fn remember_released(&mut self, seq_id: u64) {
+        self.released.remember(seq_id, RELEASED_MEMORY);
     }
 
     /// Forgets a released id that is being leased again.
-    pub fn forget_released(&mut self, seq_id: u64) {
-        if self.released.remove(&seq_id) {
-            self.released_order.retain(|&s| s != seq_id);
-        }
+    pub(crate) fn forget_released(&mut self, seq_id: u64) {
+        self.released.forget(seq_id);
     }
 
     /// Whether `seq_id` was released before.
-    pub fn was_released(&self, seq_id: u64) -> bool {
-        self.released.contains(&seq_id)
+    pub(crate) fn was_released(&self, seq_id: u64) -> bool {
+        self.released.contains(seq_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn released_ids_are_forgotten_oldest_first_and_on_demand() {
+        let mut r = Released::default();
+        for id in 1..=4 {
+            r.remember(id, 3);
+        }
+        // over the limit of 3: the oldest (1) went
+        assert!(!r.contains(1));
+        assert!((2..=4).all(|id| r.contains(id)));
+        // forgetting one in the middle leaves the order of the rest
+        r.forget(3);
+        assert!(!r.contains(3));
+        r.remember(5, 3);
+        r.remember(6, 3);
+        assert!(!r.contains(2), "2 is now the oldest and goes first");
+        assert!([4, 5, 6].iter().all(|&id| r.contains(id)));
+        // an id remembered again after being forgotten counts as new
+        r.forget(4);
+        r.remember(4, 3);
+        r.remember(7, 3);
+        assert!(!r.contains(5));
+        assert!([6, 4, 7].iter().all(|&id| r.contains(id)));
+        assert_eq!((r.ordinal_of.len(), r.by_ordinal.len()), (3, 3));
     }
 
-    /// Fenced block references, over all steps.
-    pub fn fenced_blocks(&self) -> usize {
-        self.fences.values().map(Vec::len).sum()
+    #[test]
+    fn forgetting_keeps_both_indexes_in_step() {
+        let mut r = Released::default();
+        for id in 0..1000 {
+            r.remember(id, 100);
+            if id % 3 == 0 {
+                r.forget(id);
+            }
+        }
+        assert_eq!(r.ordinal_of.len(), r.by_ordinal.len());
+        assert!(r.by_ordinal.len() <= 100);
+        for (ordinal, id) in &r.by_ordinal {
+            assert_eq!(r.ordinal_of.get(id), Some(ordinal));
+        }
     }
 }

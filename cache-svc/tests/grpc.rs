@@ -1,6 +1,7 @@
 //! The cache service over real gRPC on 127.0.0.1:0: every RPC, malformed
 //! requests, unknown sessions, stale epochs, double release, limits, health,
 //! reflection, and session expiry under paused time.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use std::time::Duration;
 
@@ -647,6 +648,20 @@ async fn health_and_reflection_are_served() {
         tonic_health::pb::health_check_response::ServingStatus::Serving
     );
 
+    let names = listed_services(channel).await;
+    assert!(
+        names.contains(&"kvlease.v1.CacheService".to_owned()),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"grpc.health.v1.Health".to_owned()),
+        "{names:?}"
+    );
+    s.shutdown().await;
+}
+
+/// The services gRPC reflection (v1) lists on `channel`.
+async fn listed_services(channel: Channel) -> Vec<String> {
     use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
     use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
     use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
@@ -664,14 +679,28 @@ async fn health_and_reflection_are_served() {
     let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
         panic!("expected a service list");
     };
-    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-    assert!(
-        names.contains(&"kvlease.v1.CacheService".to_owned()),
-        "{names:?}"
-    );
-    assert!(
-        names.contains(&"grpc.health.v1.Health".to_owned()),
-        "{names:?}"
+    list.service.into_iter().map(|s| s.name).collect()
+}
+
+#[tokio::test]
+async fn reflection_lists_only_the_services_this_port_serves() {
+    let s = Server::start(config()).await;
+    let channel = Channel::from_shared(format!("http://{}", s.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut names = listed_services(channel).await;
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+            "kvlease.v1.CacheService",
+        ],
+        "the scheduler's and the worker's services are not served here"
     );
     s.shutdown().await;
 }

@@ -60,6 +60,17 @@ pub enum Error {
         service: &'static str,
         message: String,
     },
+    /// A worker's memory budget cannot even hold the model.
+    #[error(
+        "--memory-budget-mib must be at least {at_least_mib} (got {budget_mib}): the model's \
+         weights and activations take {taken_mib:.1} MiB, and the KV blocks of its longest \
+         sequence the rest"
+    )]
+    MemoryBudget {
+        budget_mib: u64,
+        taken_mib: f64,
+        at_least_mib: u64,
+    },
     /// A service of the in-process cluster did not become ready.
     #[error("{service} did not become ready within {within:?}")]
     NotReady {
@@ -83,9 +94,10 @@ impl From<Error> for tonic::Status {
     fn from(e: Error) -> Self {
         use tonic::Code;
         let code = match &e {
-            Error::Usage(_) | Error::Address { .. } | Error::TraceParse { .. } => {
-                Code::InvalidArgument
-            }
+            Error::Usage(_)
+            | Error::Address { .. }
+            | Error::TraceParse { .. }
+            | Error::MemoryBudget { .. } => Code::InvalidArgument,
             Error::Connect { .. } | Error::NotReady { .. } => Code::Unavailable,
             Error::Rpc { code, .. } => *code,
             Error::Timeout { .. } => Code::DeadlineExceeded,

@@ -9,7 +9,7 @@
 //! - [`workload`]: requests to send; the synthetic workload with shared
 //!   prefixes and the deterministic token expansion of block ids.
 //! - [`mooncake`]: Mooncake trace files (JSON lines) to requests.
-//! - [`bench`]: the load driver (concurrency, rate or trace arrivals,
+//! - [`bench`](mod@bench): the load driver (concurrency, rate or trace arrivals,
 //!   progress bar) and one request's outcome.
 //! - [`report`]: percentiles, finishes by reason and cluster counters as the
 //!   closing table.
@@ -19,7 +19,7 @@
 //!   PyPI wheel into the model cache) and `--model` names.
 //! - [`commands`]: the subcommands, glued from the above.
 //!
-//! Data flows one way: a workload becomes [`workload::Request`]s, [`bench`]
+//! Data flows one way: a workload becomes [`workload::Request`]s, [`bench`](mod@bench)
 //! turns them into [`bench::Outcome`]s over gRPC, [`report`] summarises them.
 
 pub mod bench;

@@ -13,10 +13,8 @@ use kvlease::demo::{self, DemoOptions};
 use kvlease::models;
 use kvlease::mooncake::Expand;
 use kvlease::workload::Synthetic;
+use kvlease_telemetry::process::{self, EXIT_USAGE};
 use scheduler_svc::policy::{OnExhausted, Policy};
-
-/// Exit code for unusable arguments (EX_USAGE).
-const EXIT_USAGE: u8 = 64;
 
 /// kvlease: paged KV cache leases over gRPC.
 #[derive(Debug, Parser)]
@@ -222,25 +220,11 @@ fn failed(e: impl std::fmt::Display) -> ExitCode {
     ExitCode::FAILURE
 }
 
-async fn ctrl_c() {
-    // without a signal handler, run until killed
-    if tokio::signal::ctrl_c().await.is_err() {
-        std::future::pending::<()>().await;
-    }
-}
-
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match process::parse_args::<Cli>() {
         Ok(cli) => cli,
-        Err(e) if !e.use_stderr() => {
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(EXIT_USAGE);
-        }
+        Err(code) => return code,
     };
     // in-process services log and export traces; the clients stay quiet
     let telemetry = match &cli.command {
@@ -269,7 +253,7 @@ async fn main() -> ExitCode {
             config.scheduler.policy = a.policy;
             config.scheduler.on_exhausted = a.on_exhausted;
             config.metrics_port = (a.metrics_base_port != 0).then_some(a.metrics_base_port);
-            match commands::up(config, ctrl_c()).await {
+            match commands::up(config, process::shutdown_signal()).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => failed(e),
             }

@@ -120,6 +120,50 @@ async fn a_warm_up_that_cannot_fit_is_a_start_error_not_a_hang() -> TestResult {
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_too_small_is_the_first_error_and_names_the_least_that_starts() -> TestResult {
+    let mut config = small_cluster(1);
+    config.worker.memory_budget_mib = 1;
+    let at_least = match Cluster::start(config.clone()).await {
+        Err(Error::MemoryBudget {
+            budget_mib: 1,
+            at_least_mib,
+            ..
+        }) => at_least_mib,
+        other => panic!("expected the worker's budget as the first error, got {other:?}"),
+    };
+    assert!(at_least > 1, "{at_least}");
+    // the least it names is enough: the worker starts and warm-up fits
+    config.worker.memory_budget_mib = at_least;
+    let cluster = Cluster::start(config).await?;
+    cluster.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_up_example_starts() -> TestResult {
+    let readme = include_str!("../README.md");
+    let line = readme
+        .lines()
+        .find(|l| l.contains("-- up --workers 1"))
+        .ok_or("no `up --workers 1` example in the README")?;
+    let flag = |name: &str| {
+        let mut words = line.split_whitespace();
+        words.find(|w| *w == name).and(words.next())
+    };
+    let budget: u64 = flag("--memory-budget-mib")
+        .ok_or("the example gives no --memory-budget-mib")?
+        .parse()?;
+    // what `up` starts, on any free ports, with the most compute threads a
+    // worker takes (the most activation memory)
+    let mut config = ClusterConfig::on_ports(IpAddr::V4(Ipv4Addr::LOCALHOST), 0, 1);
+    config.worker.memory_budget_mib = budget;
+    config.worker.threads = worker_svc::worker::DEFAULT_MAX_THREADS;
+    let cluster = Cluster::start(config).await?;
+    cluster.shutdown().await;
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_missing_trace_file_is_a_clear_error() {
     let source = Source::Trace {

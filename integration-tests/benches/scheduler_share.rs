@@ -5,6 +5,7 @@
 //! and the share the scheduler adds.
 //!
 //! `cargo bench -p kvlease-integration-tests --bench scheduler_share`
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the bench
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};

@@ -3,10 +3,12 @@
 //!
 //! # Layout
 //!
-//! - [`Service`]: one running server (address, shutdown, join).
+//! - [`Service`]: one running server (address, metrics address, shutdown,
+//!   join), from the one cluster builder (`kvlease::cluster`).
 //! - [`start_cache`], [`start_worker`], [`start_scheduler`]: start one
-//!   service on `127.0.0.1:0`; `start_scheduler` waits until it serves, or
-//!   returns its start-up error.
+//!   service on `127.0.0.1:0` (with a metrics endpoint) and wait until it
+//!   serves, or return its start-up error; [`SmallCluster`]: the three
+//!   together.
 //! - [`small_worker`]: a small, fast CPU model for tests.
 //! - [`collect`]: runs a `Generate` call to its end.
 //! - [`pool_stats`], [`wait_whole`]: the cache's figures for one pool group.
@@ -14,20 +16,21 @@
 //!
 //! The tests themselves are under `tests/`.
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use kvlease::cluster;
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::scheduler_client::SchedulerClient;
 use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
+use kvlease_telemetry::serve::Listeners;
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
 pub mod tap;
+
+pub use kvlease::cluster::Service;
 
 /// What can go wrong while setting up a cluster.
 #[derive(Debug, thiserror::Error)]
@@ -36,92 +39,35 @@ pub enum Error {
     Bind(#[from] std::io::Error),
     #[error("cannot connect to {addr}: {message}")]
     Connect { addr: SocketAddr, message: String },
-    #[error("scheduler start-up failed: {0}")]
-    SchedulerStart(scheduler_svc::Error),
-    #[error("{service} stopped: {message}")]
-    Stopped {
-        service: &'static str,
-        message: String,
-    },
-    #[error("{0} did not become ready in time")]
-    NotReady(&'static str),
+    #[error(transparent)]
+    Cluster(#[from] kvlease::Error),
     #[error("rpc failed: {0}")]
     Rpc(#[from] tonic::Status),
 }
 
-/// One running service.
-#[derive(Debug)]
-pub struct Service {
-    pub addr: SocketAddr,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<Result<(), String>>,
+/// How long a test service may take to start (a scheduler's warm-up included).
+pub(crate) const READY_WITHIN: Duration = Duration::from_secs(60);
+
+/// A gRPC and a metrics listener on `127.0.0.1:0`.
+async fn loopback() -> Result<Listeners, Error> {
+    Ok(Listeners::from(TcpListener::bind("127.0.0.1:0").await?)
+        .with_metrics(TcpListener::bind("127.0.0.1:0").await?))
 }
 
-impl Service {
-    /// `http://addr`, for clients and for the scheduler's flags.
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
-    /// Asks the service to stop and waits for it.
-    pub async fn stop(mut self) -> Result<(), String> {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        self.task.await.map_err(|e| e.to_string())?
-    }
-}
-
-async fn spawn<F, Fut, E>(service: &'static str, start: F) -> Result<Service, Error>
-where
-    F: FnOnce(TcpListener, oneshot::Receiver<()>) -> Fut,
-    Fut: Future<Output = Result<(), E>> + Send + 'static,
-    E: std::fmt::Display,
-{
-    spawn_on(TcpListener::bind("127.0.0.1:0").await?, service, start)
-}
-
-fn spawn_on<F, Fut, E>(
-    listener: TcpListener,
-    service: &'static str,
-    start: F,
-) -> Result<Service, Error>
-where
-    F: FnOnce(TcpListener, oneshot::Receiver<()>) -> Fut,
-    Fut: Future<Output = Result<(), E>> + Send + 'static,
-    E: std::fmt::Display,
-{
-    let addr = listener.local_addr()?;
-    let (stop, stopped) = oneshot::channel();
-    let fut = start(listener, stopped);
-    let task = tokio::spawn(async move { fut.await.map_err(|e| format!("{service}: {e}")) });
-    Ok(Service {
-        addr,
-        stop: Some(stop),
-        task,
-    })
-}
-
-async fn shutdown(rx: oneshot::Receiver<()>) {
-    let _ = rx.await;
-}
-
-/// Starts a cache service.
+/// Starts a cache service (with a metrics endpoint).
 pub async fn start_cache(config: cache_svc::Config) -> Result<Service, Error> {
-    spawn("cache", |l, rx| cache_svc::run(l, config, shutdown(rx))).await
+    Ok(cluster::start_cache(loopback().await?, config).await?)
 }
 
 /// Starts a cache service on a given address (a restart on the same port).
 pub async fn start_cache_on(addr: SocketAddr) -> Result<Service, Error> {
-    let listener = TcpListener::bind(addr).await?;
-    spawn_on(listener, "cache", |l, rx| {
-        cache_svc::run(l, cache_svc::Config::default(), shutdown(rx))
-    })
+    let listeners = Listeners::from(TcpListener::bind(addr).await?);
+    Ok(cluster::start_cache(listeners, cache_svc::Config::default()).await?)
 }
 
-/// Starts a worker.
+/// Starts a worker (with a metrics endpoint) and waits until it serves.
 pub async fn start_worker(config: worker_svc::Config) -> Result<Service, Error> {
-    spawn("worker", |l, rx| worker_svc::run(l, config, shutdown(rx))).await
+    Ok(cluster::start_worker(loopback().await?, config, READY_WITHIN).await?)
 }
 
 /// Starts a CPU worker of `config`'s model that serves `tokenizer` instead
@@ -130,34 +76,21 @@ pub async fn start_worker_with_tokenizer(
     config: worker_svc::Config,
     tokenizer: kvlease_tokenizer::Tokenizer,
 ) -> Result<Service, Error> {
-    use kvlease_proto::v1::worker_service_server::WorkerServiceServer;
-    let failed = |e: worker_svc::Error| Error::Stopped {
-        service: "worker",
-        message: e.to_string(),
-    };
-    let worker = worker_svc::worker::Worker::new_cpu(
-        config.load_weights().map_err(failed)?,
-        config.worker_options(),
+    Ok(cluster::Service::start(
+        "worker",
+        worker_svc::SERVICE,
+        loopback().await?,
+        READY_WITHIN,
+        move |l, stop| async move {
+            worker_svc::run_with_tokenizer(l, config, tokenizer, stop)
+                .await
+                .map_err(|e| kvlease::Error::Service {
+                    service: "worker",
+                    message: e.to_string(),
+                })
+        },
     )
-    .map_err(failed)?;
-    let registry = kvlease_telemetry::metrics::Registry::new();
-    let metrics =
-        worker_svc::service::WorkerMetrics::register(&registry, worker.info()).map_err(failed)?;
-    let service = worker_svc::service::WorkerGrpc::new(worker, metrics)
-        .with_tokenizer(tokenizer)
-        .map_err(failed)?;
-    spawn("worker", |l, rx| {
-        tonic::transport::Server::builder()
-            .add_service(
-                WorkerServiceServer::new(service)
-                    .max_encoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES),
-            )
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(l),
-                shutdown(rx),
-            )
-    })
-    .await
+    .await?)
 }
 
 /// A small CPU model (two pools: windows 0 and 64, 16 tokens per block)
@@ -186,8 +119,9 @@ pub fn small_worker_with(memory_budget_mib: u64, max_batch_tokens: usize) -> wor
     }
 }
 
-/// Starts a scheduler over `cache` and `workers` and waits until it serves;
-/// a start-up failure is returned as [`Error::SchedulerStart`].
+/// Starts a scheduler (with a metrics endpoint) over `cache` and `workers`
+/// and waits until it serves; a start-up failure is returned as the
+/// cluster's error.
 pub async fn start_scheduler(
     mut config: scheduler_svc::Config,
     cache: &str,
@@ -196,51 +130,43 @@ pub async fn start_scheduler(
 ) -> Result<Service, Error> {
     config.cache_addr = cache.to_string();
     config.worker_addrs = workers.to_vec();
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let (stop, stopped) = oneshot::channel();
-    let mut task = tokio::spawn(scheduler_svc::run(listener, config, shutdown(stopped)));
-    let deadline = tokio::time::Instant::now() + ready_within;
-    loop {
-        if task.is_finished() {
-            return match (&mut task).await {
-                Ok(Err(e)) => Err(Error::SchedulerStart(e)),
-                Ok(Ok(())) => Err(Error::Stopped {
-                    service: "scheduler",
-                    message: "exited".into(),
-                }),
-                Err(e) => Err(Error::Stopped {
-                    service: "scheduler",
-                    message: e.to_string(),
-                }),
-            };
-        }
-        if let Ok(mut client) = scheduler_client(addr).await {
-            let probe = tokio::time::timeout(
-                Duration::from_millis(300),
-                client.get_status(pb::GetStatusRequest {}),
-            );
-            if let Ok(Ok(_)) = probe.await {
-                break;
-            }
-        }
-        if tokio::time::Instant::now() > deadline {
-            task.abort();
-            return Err(Error::NotReady("scheduler"));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    Ok(cluster::start_scheduler(loopback().await?, config, ready_within).await?)
+}
+
+/// A default cache, one [`small_worker`] and a scheduler over them.
+#[derive(Debug)]
+pub struct SmallCluster {
+    pub cache: Service,
+    pub worker: Service,
+    pub scheduler: Service,
+}
+
+impl SmallCluster {
+    /// Starts the three with the scheduler's `config`.
+    pub async fn start(config: scheduler_svc::Config) -> Result<Self, Error> {
+        let cache = start_cache(cache_svc::Config::default()).await?;
+        let worker = start_worker(small_worker()).await?;
+        let scheduler =
+            start_scheduler(config, &cache.url(), &[worker.url()], READY_WITHIN).await?;
+        Ok(Self {
+            cache,
+            worker,
+            scheduler,
+        })
     }
-    let task = tokio::spawn(async move {
-        match task.await {
-            Ok(r) => r.map_err(|e| format!("scheduler: {e}")),
-            Err(e) => Err(e.to_string()),
-        }
-    });
-    Ok(Service {
-        addr,
-        stop: Some(stop),
-        task,
-    })
+
+    /// A client of the scheduler.
+    pub async fn client(&self) -> Result<SchedulerClient<Channel>, Error> {
+        scheduler_client(self.scheduler.addr).await
+    }
+
+    /// Stops the scheduler, then the worker and the cache.
+    pub async fn stop(self) -> Result<(), Error> {
+        self.scheduler.stop().await?;
+        self.worker.stop().await?;
+        self.cache.stop().await?;
+        Ok(())
+    }
 }
 
 /// Runs a scheduler to its start-up result (used when start-up must fail).

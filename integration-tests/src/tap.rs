@@ -20,12 +20,13 @@ use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::cache_service_server::{CacheService, CacheServiceServer};
 use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
 use kvlease_proto::v1::worker_service_server::{WorkerService, WorkerServiceServer};
+use kvlease_telemetry::serve::{Listeners, ServerInfo, serve};
+use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use crate::{Error, Service};
+use crate::{Error, READY_WITHIN, Service};
 
 /// One recorded event; `at` orders all events of both taps.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -300,12 +301,7 @@ pub async fn start_taps(
         delay,
         gate: None,
     };
-    let c = crate::spawn("cache tap", |l, rx| {
-        tonic::transport::Server::builder()
-            .add_service(CacheServiceServer::new(cache_tap))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(l), crate::shutdown(rx))
-    })
-    .await?;
+    let c = serve_tap("cache tap", CacheServiceServer::new(cache_tap)).await?;
     let w = serve_worker_tap("worker tap", worker_tap).await?;
     Ok((c, w, log))
 }
@@ -376,13 +372,42 @@ pub async fn start_gate(worker: SocketAddr) -> Result<(Service, Gate), Error> {
 }
 
 async fn serve_worker_tap(name: &'static str, tap: WorkerTap) -> Result<Service, Error> {
-    crate::spawn(name, |l, rx| {
-        tonic::transport::Server::builder()
-            .add_service(
-                WorkerServiceServer::new(tap)
-                    .max_encoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES),
-            )
-            .serve_with_incoming_shutdown(TcpListenerStream::new(l), crate::shutdown(rx))
-    })
+    serve_tap(
+        name,
+        WorkerServiceServer::new(tap)
+            .max_encoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES),
+    )
     .await
+}
+
+/// Serves one tap on `127.0.0.1:0`, as every kvlease server is served.
+async fn serve_tap<S>(name: &'static str, tap: S) -> Result<Service, Error>
+where
+    S: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let listeners = Listeners::from(TcpListener::bind("127.0.0.1:0").await?);
+    let info = ServerInfo {
+        name,
+        descriptors: kvlease_proto::FILE_DESCRIPTOR_SET,
+    };
+    Ok(
+        Service::start(name, name, listeners, READY_WITHIN, |l, stop| async move {
+            serve(info, l, tap, String::new, stop)
+                .await
+                .map_err(|e| kvlease::Error::Service {
+                    service: name,
+                    message: e.to_string(),
+                })
+        })
+        .await?,
+    )
 }

@@ -95,10 +95,11 @@ async fn scrape(addr: SocketAddr) -> Result<Vec<Sample>, Box<dyn std::error::Err
     Ok(parse(body)?)
 }
 
-/// A loopback address that was free a moment ago (the services bind their
-/// metrics listener themselves).
-fn free_addr() -> Result<SocketAddr, std::io::Error> {
-    std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()
+/// The metrics endpoint of a service the test started.
+fn metrics_of(service: &it::Service) -> Result<SocketAddr, String> {
+    service
+        .metrics
+        .ok_or_else(|| format!("{} has no metrics endpoint", service.name))
 }
 
 #[test]
@@ -124,29 +125,17 @@ fn the_text_format_parses() -> Result<(), String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_service_metrics_agree_with_get_stats() -> TestResult {
-    let worker_metrics = free_addr()?;
-    let cache_metrics = free_addr()?;
-    let cache = it::start_cache(cache_svc::Config {
-        metrics_listen: Some(cache_metrics),
-        ..cache_svc::Config::default()
-    })
-    .await?;
-    let worker = it::start_worker(worker_svc::Config {
-        metrics_listen: Some(worker_metrics),
-        ..it::small_worker_with(16, 256)
-    })
-    .await?;
-    let scheduler_metrics = free_addr()?;
+    let cache = it::start_cache(cache_svc::Config::default()).await?;
+    let worker = it::start_worker(it::small_worker_with(16, 256)).await?;
     let scheduler = it::start_scheduler(
-        scheduler_svc::Config {
-            metrics_listen: Some(scheduler_metrics),
-            ..scheduler_svc::Config::default()
-        },
+        scheduler_svc::Config::default(),
         &cache.url(),
         &[worker.url()],
         Duration::from_secs(60),
     )
     .await?;
+    let (cache_metrics, worker_metrics) = (metrics_of(&cache)?, metrics_of(&worker)?);
+    let scheduler_metrics = metrics_of(&scheduler)?;
 
     // traffic with a shared prefix, so grants and reuse move
     let mut client = it::scheduler_client(scheduler.addr).await?;

@@ -2,6 +2,7 @@
 //! `MAX_UTILIZATION` with prefix reuse at 10x over-subscription. Every
 //! request ends (completed, or `REJECTED` with a reason), the step loop is
 //! still stepping afterwards, and every pool is whole once the queue drains.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use std::time::Duration;
 
@@ -28,8 +29,6 @@ struct Outcome {
 }
 
 async fn over_subscribe(policy: Policy, on_exhausted: OnExhausted, overlap: bool) -> Outcome {
-    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
-    let worker = start_worker(small_worker()).await.unwrap();
     let config = scheduler_svc::Config {
         policy,
         on_exhausted,
@@ -42,22 +41,15 @@ async fn over_subscribe(policy: Policy, on_exhausted: OnExhausted, overlap: bool
         max_context: 256,
         ..scheduler_svc::Config::default()
     };
-    let scheduler = start_scheduler(
-        config,
-        &cache.url(),
-        &[worker.url()],
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap();
-    let pools = pool_stats(cache.addr, GROUP).await.unwrap();
+    let cluster = SmallCluster::start(config).await.unwrap();
+    let pools = pool_stats(cluster.cache.addr, GROUP).await.unwrap();
     let total_blocks = pools.iter().find(|p| p.window == 0).map_or(0, |p| p.total);
     // each request holds up to ceil((48 + 47) / 16) = 6 blocks of the full pool
     let per_request = (PREFIX + SUFFIX + MAX_TOKENS as usize - 1).div_ceil(16) as u32;
     let requests = (10 * total_blocks / per_request) as usize;
     assert!(requests >= 30, "pool of {total_blocks} blocks");
 
-    let client = scheduler_client(scheduler.addr).await.unwrap();
+    let client = cluster.client().await.unwrap();
     let mut tasks = Vec::new();
     for i in 0..requests {
         let mut c = client.clone();
@@ -103,12 +95,10 @@ async fn over_subscribe(policy: Policy, on_exhausted: OnExhausted, overlap: bool
         .await
         .unwrap()
         .into_inner();
-    let pools = wait_whole(cache.addr, GROUP, Duration::from_secs(5))
+    let pools = wait_whole(cluster.cache.addr, GROUP, Duration::from_secs(5))
         .await
         .unwrap();
-    scheduler.stop().await.unwrap();
-    worker.stop().await.unwrap();
-    cache.stop().await.unwrap();
+    cluster.stop().await.unwrap();
     Outcome {
         results,
         steps_after: status.steps.saturating_sub(before),

@@ -2,6 +2,7 @@
 //! and deadlines (blocks released), STATIC_BATCH, a cache that goes down
 //! (fail fast with UNAVAILABLE) and comes back with a new epoch (live
 //! requests recomputed, or rejected `CACHE_RESTARTED` in reject mode).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use std::time::Duration;
 
@@ -177,21 +178,14 @@ async fn validation_text_cancellation_and_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn static_batch_serves_every_request() {
-    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
-    let worker = start_worker(small_worker()).await.unwrap();
-    let config = scheduler_svc::Config {
+    let cluster = SmallCluster::start(scheduler_svc::Config {
         policy: Policy::StaticBatch,
         ..config()
-    };
-    let s = start_scheduler(
-        config,
-        &cache.url(),
-        &[worker.url()],
-        Duration::from_secs(60),
-    )
+    })
     .await
     .unwrap();
-    let client = scheduler_client(s.addr).await.unwrap();
+    let s = &cluster.scheduler;
+    let client = cluster.client().await.unwrap();
     let mut tasks = Vec::new();
     for i in 0..10 {
         let mut c = client.clone();
@@ -217,7 +211,7 @@ async fn static_batch_serves_every_request() {
         (st.rejected, st.preemptions, st.finished_length),
         (0, 0, 10)
     );
-    s.stop().await.unwrap();
+    cluster.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -300,7 +294,7 @@ async fn a_restarted_cache_in_reject_mode_ends_live_requests_rejected_cache_rest
     let worker = start_worker(small_worker()).await.unwrap();
     let (gated, gate) = tap::start_gate(worker.addr).await.unwrap();
     let config = scheduler_svc::Config {
-        on_cache_restart: scheduler_svc::config::OnCacheRestart::Reject,
+        on_cache_restart: scheduler_svc::OnCacheRestart::Reject,
         ..config()
     };
     let s = start_scheduler(
@@ -445,24 +439,9 @@ async fn two_workers_are_two_pool_groups_and_both_serve() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_endpoint_counts_steps_and_finished_requests() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
-    let worker = start_worker(small_worker()).await.unwrap();
-    let probe = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let metrics_addr = probe.local_addr().unwrap();
-    drop(probe);
-    let config = scheduler_svc::Config {
-        metrics_listen: Some(metrics_addr),
-        ..config()
-    };
-    let s = start_scheduler(
-        config,
-        &cache.url(),
-        &[worker.url()],
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap();
-    let mut c = scheduler_client(s.addr).await.unwrap();
+    let cluster = SmallCluster::start(config()).await.unwrap();
+    let metrics_addr = cluster.scheduler.metrics.expect("a metrics endpoint");
+    let mut c = cluster.client().await.unwrap();
     let g = collect(
         &mut c,
         pb::GenerateRequest {
@@ -489,5 +468,5 @@ async fn metrics_endpoint_counts_steps_and_finished_requests() {
         "{body}"
     );
     assert!(body.contains("kvlease_queue_depth 0"), "{body}");
-    s.stop().await.unwrap();
+    cluster.stop().await.unwrap();
 }

@@ -2,6 +2,7 @@
 //! from the workers (GetTokenizer, above tonic's 4 MiB default), refuses
 //! replicas that disagree, and uses it for text, chat messages, end ids and
 //! stop strings.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use std::time::Duration;
 

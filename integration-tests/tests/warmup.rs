@@ -3,6 +3,7 @@
 //! draft tokens are counted in the warm-up estimate; an atomic warm-up lease
 //! that is refused takes nothing; a warm-up longer than the session TTL keeps
 //! the session.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use std::time::Duration;
 

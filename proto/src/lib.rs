@@ -6,7 +6,9 @@
 
 #![allow(unreachable_pub, missing_debug_implementations, clippy::all)]
 
-/// Generated messages and services of package `kvlease.v1`.
+/// Generated messages and services of package `kvlease.v1`. Their docs are
+/// the .proto comments, written as prose rather than rustdoc markup.
+#[allow(rustdoc::all)]
 pub mod v1 {
     tonic::include_proto!("kvlease.v1");
 }

@@ -1,7 +1,7 @@
-//! gRPC clients of the cache service and the workers. The only place besides
-//! `service.rs` that knows protobuf types: it converts between messages and
-//! the domain types of `domain.rs`, and classifies call failures
-//! (unreachable, lost session, other) into [`Error`].
+//! gRPC clients of the cache service and the workers: build the requests
+//! (`convert` turns messages into the domain types of `domain.rs` and back)
+//! and classify call failures (unreachable, lost session, other) into
+//! [`Error`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,9 +13,10 @@ use kvlease_telemetry::{TracedChannel, traced};
 use kvlease_tokenizer::{Specials, Tokenizer, TokenizerKind, TokenizerParts};
 use tonic::transport::{Channel, Endpoint};
 
+use crate::convert::{outcomes, sequence_spec};
 use crate::domain::{
-    Epoch, ExtendSpec, Extra, ForwardItem, ForwardResult, Grant, LeaseSpec, Outcome, PoolGeometry,
-    Reject, RejectReason, SeqId, SessionId, Table,
+    Epoch, ExtendSpec, ForwardItem, ForwardResult, LeaseSpec, Outcome, PoolGeometry, SeqId,
+    SessionId,
 };
 use crate::error::{Error, Result};
 use crate::session::{Session, SessionState};
@@ -326,129 +327,6 @@ impl CacheClient {
                 fenced: p.fenced,
             })
             .collect())
-    }
-}
-
-fn sequence_spec(s: &LeaseSpec) -> pb::SequenceSpec {
-    pb::SequenceSpec {
-        seq_id: s.seq_id.get(),
-        pool_group: s.pool_group.clone(),
-        prompt_tokens: s.prompt_tokens.clone(),
-        num_tokens: 0,
-        extra: Some(extra(s.extra)),
-        beam_width: 1,
-        max_new_tokens: s.max_new_tokens,
-        priority: s.priority,
-        cache_salt: s.cache_salt.clone(),
-        reserve_full_life: s.reserve_full_life,
-    }
-}
-
-fn extra(e: Extra) -> pb::ExtraTokens {
-    pb::ExtraTokens {
-        draft: e.draft,
-        extra_kv: e.extra_kv,
-        extra_decoding_steps: e.extra_decoding_steps,
-    }
-}
-
-fn outcomes(
-    method: &'static str,
-    raw: Vec<pb::SequenceOutcome>,
-    asked: impl ExactSizeIterator<Item = SeqId>,
-) -> Result<Vec<Outcome>> {
-    if raw.len() != asked.len() {
-        return Err(Error::Protocol {
-            peer: "cache",
-            message: format!(
-                "{method} answered {} outcomes for {} sequences",
-                raw.len(),
-                asked.len()
-            ),
-        });
-    }
-    raw.into_iter()
-        .zip(asked)
-        .map(|(o, seq_id)| match o.outcome {
-            Some(pb::sequence_outcome::Outcome::Grant(g)) => Ok(Outcome::Grant(grant(g, seq_id))),
-            Some(pb::sequence_outcome::Outcome::Reject(r)) => {
-                Ok(Outcome::Reject(reject(r, seq_id)))
-            }
-            None => Err(Error::Protocol {
-                peer: "cache",
-                message: format!("{method} outcome without grant or reject"),
-            }),
-        })
-        .collect()
-}
-
-fn grant(g: pb::Grant, seq_id: SeqId) -> Grant {
-    Grant {
-        // outcomes are in request order; trust the order over the echoed id
-        seq_id,
-        tables: g
-            .tables
-            .into_iter()
-            .filter(|t| t.beam == 0)
-            .map(|t| Table {
-                pool_id: t.pool_id,
-                window: t.window,
-                first_block: t.first_block,
-                block_ids: t.block_ids,
-            })
-            .collect(),
-        reused_tokens: g.reused_tokens,
-        capacity_tokens: g.capacity_tokens,
-    }
-}
-
-fn reject(r: pb::Reject, seq_id: SeqId) -> Reject {
-    Reject {
-        seq_id,
-        reason: reject_reason(r.reason()),
-        pool_id: r.pool_id,
-        window: r.window,
-        blocks_needed: r.blocks_needed,
-        blocks_free: r.blocks_free,
-        blocks_pending_free: r.blocks_pending_free,
-        message: r.message,
-    }
-}
-
-fn reject_reason(r: pb::RejectReason) -> RejectReason {
-    match r {
-        pb::RejectReason::PoolExhausted => RejectReason::PoolExhausted,
-        pb::RejectReason::ExceedsCapacity => RejectReason::ExceedsCapacity,
-        pb::RejectReason::RolledBack => RejectReason::RolledBack,
-        pb::RejectReason::UnknownSequence => RejectReason::UnknownSequence,
-        pb::RejectReason::DuplicateSequence => RejectReason::DuplicateSequence,
-        pb::RejectReason::QuotaExceeded => RejectReason::QuotaExceeded,
-        pb::RejectReason::CacheRestarted => RejectReason::CacheRestarted,
-        pb::RejectReason::Unspecified => RejectReason::Other,
-    }
-}
-
-/// The protocol's form of a domain reject (for the client stream).
-pub fn reject_to_proto(r: &Reject) -> pb::Reject {
-    let reason = match r.reason {
-        RejectReason::PoolExhausted => pb::RejectReason::PoolExhausted,
-        RejectReason::ExceedsCapacity => pb::RejectReason::ExceedsCapacity,
-        RejectReason::RolledBack => pb::RejectReason::RolledBack,
-        RejectReason::UnknownSequence => pb::RejectReason::UnknownSequence,
-        RejectReason::DuplicateSequence => pb::RejectReason::DuplicateSequence,
-        RejectReason::QuotaExceeded => pb::RejectReason::QuotaExceeded,
-        RejectReason::CacheRestarted => pb::RejectReason::CacheRestarted,
-        RejectReason::Other => pb::RejectReason::Unspecified,
-    };
-    pb::Reject {
-        seq_id: r.seq_id.get(),
-        reason: reason as i32,
-        pool_id: r.pool_id,
-        window: r.window,
-        blocks_needed: r.blocks_needed,
-        blocks_free: r.blocks_free,
-        blocks_pending_free: r.blocks_pending_free,
-        message: r.message.clone(),
     }
 }
 

@@ -1,10 +1,12 @@
 //! Scheduler configuration: flags with `KVLEASE_SCHEDULER_*` environment
 //! fallbacks. Tests build it with `Config::default()` and field updates.
+//! Each default is one const that both clap and [`Default`] use.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use clap::Parser;
+use kvlease_telemetry::process::{ListenAddrs, ServiceConfig};
 
 use crate::error::{Error, Result};
 use crate::policy::{OnExhausted, Policy};
@@ -19,8 +21,27 @@ pub enum OnCacheRestart {
     Reject,
 }
 
+const DEFAULT_LISTEN: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 50051);
+const DEFAULT_CACHE_ADDR: &str = "http://127.0.0.1:50052";
+const DEFAULT_WORKER_ADDR: &str = "http://127.0.0.1:50053";
+const DEFAULT_POLICY: Policy = Policy::MaxUtilization;
+const DEFAULT_ON_EXHAUSTED: OnExhausted = OnExhausted::Preempt;
+const DEFAULT_MAX_PREEMPTIONS: u32 = 4;
+const DEFAULT_MAX_SEQS: u32 = 256;
+const DEFAULT_MAX_TOKENS_PER_STEP: u32 = 2048;
+const DEFAULT_PREFILL_CHUNK: u32 = 512;
+const DEFAULT_MAX_TOKENS: u32 = 1024;
+const DEFAULT_MAX_CONTEXT: u32 = 0;
+const DEFAULT_SPEC_DRAFT_K: u32 = 0;
+const DEFAULT_OVERLAP: bool = false;
+const DEFAULT_WARMUP_DEADLINE_MS: u64 = 60_000;
+const DEFAULT_SESSION_TTL_MS: u64 = 10_000;
+const DEFAULT_CACHE_TIMEOUT_MS: u64 = 5_000;
+const DEFAULT_HOLDER: &str = "kvlease-scheduler";
+const DEFAULT_ON_CACHE_RESTART: OnCacheRestart = OnCacheRestart::Recompute;
+
 /// The scheduler's configuration.
-#[derive(Debug, Clone, Parser)]
+#[derive(Debug, Clone, PartialEq, Eq, Parser)]
 #[command(
     name = "kvlease-scheduler",
     about = "kvlease scheduler: continuous batching on leased KV blocks"
@@ -30,7 +51,7 @@ pub struct Config {
     #[arg(
         long,
         env = "KVLEASE_SCHEDULER_LISTEN",
-        default_value = "127.0.0.1:50051"
+        default_value_t = DEFAULT_LISTEN
     )]
     pub listen: SocketAddr,
     /// Address of the Prometheus `GET /metrics` endpoint; off when absent.
@@ -40,7 +61,7 @@ pub struct Config {
     #[arg(
         long,
         env = "KVLEASE_SCHEDULER_CACHE_ADDR",
-        default_value = "http://127.0.0.1:50052"
+        default_value = DEFAULT_CACHE_ADDR
     )]
     pub cache_addr: String,
     /// Worker endpoints (one per model replica), comma separated.
@@ -48,77 +69,77 @@ pub struct Config {
         long,
         env = "KVLEASE_SCHEDULER_WORKER_ADDRS",
         value_delimiter = ',',
-        default_value = "http://127.0.0.1:50053"
+        default_value = DEFAULT_WORKER_ADDR
     )]
     pub worker_addrs: Vec<String>,
     /// Capacity policy: guaranteed-no-evict, max-utilization or static-batch.
     #[arg(
         long,
         env = "KVLEASE_SCHEDULER_POLICY",
-        default_value = "max-utilization"
+        default_value_t = DEFAULT_POLICY
     )]
     pub policy: Policy,
     /// Under max-utilization, a mid-flight exhaustion: preempt or reject.
     #[arg(
         long,
         env = "KVLEASE_SCHEDULER_ON_EXHAUSTED",
-        default_value = "preempt"
+        default_value_t = DEFAULT_ON_EXHAUSTED
     )]
     pub on_exhausted: OnExhausted,
     /// Preemptions a request may suffer before it is rejected.
-    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_PREEMPTIONS", default_value_t = 4)]
+    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_PREEMPTIONS", default_value_t = DEFAULT_MAX_PREEMPTIONS)]
     pub max_preemptions: u32,
     /// Sequences running at once.
-    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_SEQS", default_value_t = 256)]
+    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_SEQS", default_value_t = DEFAULT_MAX_SEQS)]
     pub max_seqs: u32,
     /// Tokens in one step's forward batch.
     #[arg(
         long,
         env = "KVLEASE_SCHEDULER_MAX_TOKENS_PER_STEP",
-        default_value_t = 2048
+        default_value_t = DEFAULT_MAX_TOKENS_PER_STEP
     )]
     pub max_tokens_per_step: u32,
     /// Prompt tokens one sequence prefills per step (chunked prefill).
-    #[arg(long, env = "KVLEASE_SCHEDULER_PREFILL_CHUNK", default_value_t = 512)]
+    #[arg(long, env = "KVLEASE_SCHEDULER_PREFILL_CHUNK", default_value_t = DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: u32,
     /// Largest max_tokens a request may ask for.
-    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_TOKENS", default_value_t = 1024)]
+    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_TOKENS", default_value_t = DEFAULT_MAX_TOKENS)]
     pub max_tokens: u32,
     /// Largest prompt + output in tokens; 0 uses the model's limit.
-    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_CONTEXT", default_value_t = 0)]
+    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_CONTEXT", default_value_t = DEFAULT_MAX_CONTEXT)]
     pub max_context: u32,
     /// Prompt-lookup draft tokens per decode step; 0 turns speculation off.
-    #[arg(long, env = "KVLEASE_SCHEDULER_SPEC_DRAFT_K", default_value_t = 0)]
+    #[arg(long, env = "KVLEASE_SCHEDULER_SPEC_DRAFT_K", default_value_t = DEFAULT_SPEC_DRAFT_K)]
     pub spec_draft_k: u32,
     /// Schedule step N+1 while step N's forward pass runs.
-    #[arg(long, env = "KVLEASE_SCHEDULER_OVERLAP", default_value_t = false, action = clap::ArgAction::Set)]
+    #[arg(long, env = "KVLEASE_SCHEDULER_OVERLAP", default_value_t = DEFAULT_OVERLAP, action = clap::ArgAction::Set)]
     pub overlap: bool,
     /// Warm-up must finish within this many milliseconds.
     #[arg(
         long,
         env = "KVLEASE_SCHEDULER_WARMUP_DEADLINE_MS",
-        default_value_t = 60_000
+        default_value_t = DEFAULT_WARMUP_DEADLINE_MS
     )]
     pub warmup_deadline_ms: u64,
     /// Cache session time-to-live in milliseconds (keep-alive every third).
     #[arg(
         long,
         env = "KVLEASE_SCHEDULER_SESSION_TTL_MS",
-        default_value_t = 10_000
+        default_value_t = DEFAULT_SESSION_TTL_MS
     )]
     pub session_ttl_ms: u64,
     /// Time limit of one cache RPC in milliseconds.
     #[arg(
         long,
         env = "KVLEASE_SCHEDULER_CACHE_TIMEOUT_MS",
-        default_value_t = 5_000
+        default_value_t = DEFAULT_CACHE_TIMEOUT_MS
     )]
     pub cache_timeout_ms: u64,
     /// Holder name of the cache session.
     #[arg(
         long,
         env = "KVLEASE_SCHEDULER_HOLDER",
-        default_value = "kvlease-scheduler"
+        default_value = DEFAULT_HOLDER
     )]
     pub holder: String,
     /// Live sequences when the cache service lost them: recompute or reject.
@@ -126,7 +147,7 @@ pub struct Config {
         long,
         env = "KVLEASE_SCHEDULER_ON_CACHE_RESTART",
         value_enum,
-        default_value = "recompute"
+        default_value_t = DEFAULT_ON_CACHE_RESTART
     )]
     pub on_cache_restart: OnCacheRestart,
 }
@@ -134,26 +155,36 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Self {
-            listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            listen: DEFAULT_LISTEN,
             metrics_listen: None,
-            cache_addr: "http://127.0.0.1:50052".into(),
-            worker_addrs: vec!["http://127.0.0.1:50053".into()],
-            policy: Policy::MaxUtilization,
-            on_exhausted: OnExhausted::Preempt,
-            max_preemptions: 4,
-            max_seqs: 256,
-            max_tokens_per_step: 2048,
-            prefill_chunk: 512,
-            max_tokens: 1024,
-            max_context: 0,
-            spec_draft_k: 0,
-            overlap: false,
-            warmup_deadline_ms: 60_000,
-            session_ttl_ms: 10_000,
-            cache_timeout_ms: 5_000,
-            holder: "kvlease-scheduler".into(),
-            on_cache_restart: OnCacheRestart::Recompute,
+            cache_addr: DEFAULT_CACHE_ADDR.into(),
+            worker_addrs: vec![DEFAULT_WORKER_ADDR.into()],
+            policy: DEFAULT_POLICY,
+            on_exhausted: DEFAULT_ON_EXHAUSTED,
+            max_preemptions: DEFAULT_MAX_PREEMPTIONS,
+            max_seqs: DEFAULT_MAX_SEQS,
+            max_tokens_per_step: DEFAULT_MAX_TOKENS_PER_STEP,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            max_tokens: DEFAULT_MAX_TOKENS,
+            max_context: DEFAULT_MAX_CONTEXT,
+            spec_draft_k: DEFAULT_SPEC_DRAFT_K,
+            overlap: DEFAULT_OVERLAP,
+            warmup_deadline_ms: DEFAULT_WARMUP_DEADLINE_MS,
+            session_ttl_ms: DEFAULT_SESSION_TTL_MS,
+            cache_timeout_ms: DEFAULT_CACHE_TIMEOUT_MS,
+            holder: DEFAULT_HOLDER.into(),
+            on_cache_restart: DEFAULT_ON_CACHE_RESTART,
         }
+    }
+}
+
+impl ServiceConfig for Config {
+    fn listen_addrs(&self) -> std::result::Result<ListenAddrs, String> {
+        self.validate().map_err(|e| e.to_string())?;
+        Ok(ListenAddrs {
+            grpc: self.listen,
+            metrics: self.metrics_listen,
+        })
     }
 }
 
@@ -236,6 +267,11 @@ mod tests {
             assert!(c.overlap);
         }
         assert!(Config::default().validate().is_ok());
+        let parsed = kvlease_telemetry::process::parse_without_env::<Config, _, _>(
+            "kvlease-scheduler",
+            ["kvlease-scheduler"],
+        );
+        assert_eq!(parsed.map_err(|e| e.to_string()), Ok(Config::default()));
         let zero = Config {
             max_tokens: 0,
             ..Config::default()

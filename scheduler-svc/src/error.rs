@@ -83,9 +83,9 @@ pub enum Error {
     /// The step loop has stopped.
     #[error("the scheduler is shutting down")]
     ShuttingDown,
-    /// The gRPC server failed.
-    #[error("grpc server error: {0}")]
-    Serve(#[from] tonic::transport::Error),
+    /// Serving failed (reflection, the gRPC server).
+    #[error("{0}")]
+    Serve(#[from] kvlease_telemetry::Error),
 }
 
 impl Error {

@@ -19,15 +19,20 @@
 //!   (All of the above are synchronous and free of protobuf types.)
 //!   Prompts are encoded and output decoded with the model's tokenizer
 //!   (`kvlease-tokenizer`), fetched from the workers at start-up.
-//! - `client.rs`: the cache and worker gRPC clients; converts messages.
+//! - `client.rs`: the cache and worker gRPC clients (messages via `convert.rs`).
 //! - `session.rs`: the cache session every client clone shares (id, epoch,
 //!   up, lost), its keep-alive, and re-opening it after a loss.
 //! - `bootstrap.rs`: start-up: describe workers, register pools, warm up.
 //! - `step_loop.rs`: the async step loop: drives `step::Core` over the
 //!   clients (I/O only).
-//! - `service.rs`: the `Scheduler` API; converts messages; validates input.
+//! - `convert.rs`: protobuf <-> domain (Generate requests checked against the
+//!   limits, the cache's messages); with `service.rs` and `client.rs` the
+//!   only place that knows protobuf types.
+//! - `service.rs`: the `Scheduler` API: hands requests to the step loop and
+//!   streams its outputs.
 //! - `metrics.rs`: Prometheus instruments the loop updates.
-//! - `server.rs`: [`run`], which wires it all to a listener.
+//! - `server.rs`: [`run`], which wires it all to its listeners (health,
+//!   reflection and the metrics endpoint come from `kvlease-telemetry`).
 //! - `config.rs`, `error.rs`.
 //!
 //! Data flow: `service` -> (submission) -> `step_loop` -> `step::Core` plans ->
@@ -35,20 +40,21 @@
 
 pub mod bootstrap;
 pub mod client;
-pub mod config;
+mod config;
+mod convert;
 pub mod domain;
 pub mod error;
 pub mod metrics;
 pub mod policy;
 pub mod queue;
-pub mod server;
-pub mod service;
+mod server;
+mod service;
 pub mod session;
 pub mod spec;
 pub mod step;
 pub mod step_loop;
 pub mod warmup;
 
-pub use config::Config;
+pub use config::{Config, OnCacheRestart};
 pub use error::{Error, Result};
-pub use server::run;
+pub use server::{SERVICE, run};

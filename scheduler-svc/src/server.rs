@@ -5,8 +5,8 @@
 use std::future::Future;
 
 use kvlease_proto::v1::scheduler_server::SchedulerServer;
-use tokio::net::TcpListener;
-use tokio::sync::watch;
+use kvlease_telemetry::process::RunError;
+use kvlease_telemetry::serve::{Listeners, ServerInfo, Stop, serve};
 
 use crate::bootstrap;
 use crate::client::{CacheClient, WorkerClient};
@@ -20,15 +20,24 @@ use crate::step_loop::{StepLoop, StepLoopConfig};
 /// The service name in traces.
 pub const SERVICE: &str = "kvlease-scheduler";
 
-/// Runs the scheduler on `listener` until `shutdown` resolves. Start-up
+impl RunError for Error {
+    /// A configuration [`Config::validate`] refuses.
+    fn is_config(&self) -> bool {
+        matches!(self, Error::Config(_))
+    }
+}
+
+/// Runs the scheduler on `listeners` until `shutdown` resolves. Start-up
 /// (session, pool registration, warm-up) happens first and its failure is
-/// returned before anything is served.
+/// returned before anything is served. `config.listen` and
+/// `config.metrics_listen` are not used: the caller binds the listeners.
 pub async fn run(
-    listener: TcpListener,
+    listeners: impl Into<Listeners>,
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     config.validate()?;
+    let listeners = listeners.into();
     let cache = CacheClient::new(&config.cache_addr, config.cache_timeout())?;
     let workers = config
         .worker_addrs
@@ -87,31 +96,12 @@ pub async fn run(
         workers,
         metrics,
     );
-    let (stop_tx, stop_rx) = watch::channel(false);
+    let stop = Stop::new();
     let engine_task = tokio::spawn(kvlease_telemetry::in_service(
         SERVICE,
-        engine.run(stop_rx.clone()),
+        engine.run(stop.watch().receiver()),
     ));
-    let keep_alive_task = tokio::spawn(keep_alive(cache.clone(), stop_rx.clone()));
-    let metrics_task = match config.metrics_listen {
-        Some(addr) => {
-            let metrics_listener = TcpListener::bind(addr)
-                .await
-                .map_err(|e| Error::Config(format!("cannot listen for metrics on {addr}: {e}")))?;
-            tracing::info!(%addr, "scheduler metrics serving");
-            let mut stop = stop_rx.clone();
-            let stopped = async move {
-                let _ = stop.wait_for(|s| *s).await;
-            };
-            Some(tokio::spawn(kvlease_telemetry::metrics::serve_metrics(
-                metrics_listener,
-                move || registry.render(),
-                stopped,
-            )))
-        }
-        None => None,
-    };
-
+    let keep_alive_task = tokio::spawn(keep_alive(cache.clone(), stop.watch().receiver()));
     let service = SchedulerService::new(
         handle,
         cache,
@@ -121,49 +111,25 @@ pub async fn run(
         config.on_exhausted,
         group_names,
     );
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<SchedulerServer<SchedulerService>>()
-        .await;
-    let reflection = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(kvlease_proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-    };
-    let reflection_v1 = reflection()
-        .build_v1()
-        .map_err(|e| Error::Config(format!("reflection: {e}")))?;
-    let reflection_v1alpha = reflection()
-        .build_v1alpha()
-        .map_err(|e| Error::Config(format!("reflection: {e}")))?;
-
     // On shutdown the loop finishes every open stream first, so the server's
     // graceful shutdown is not held up by them.
-    let stop_loop = stop_tx.clone();
-    let shutdown = async move {
-        shutdown.await;
-        let _ = stop_loop.send(true);
-    };
-    tracing::info!(addr = ?listener.local_addr().ok(), "scheduler serving");
-    let served = tonic::transport::Server::builder()
-        .layer(kvlease_telemetry::GrpcTraceLayer::new(SERVICE))
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(SchedulerServer::new(service))
-        .serve_with_incoming_shutdown(kvlease_telemetry::incoming(listener), shutdown)
-        .await;
-    let _ = stop_tx.send(true);
+    let served = serve(
+        ServerInfo {
+            name: SERVICE,
+            descriptors: kvlease_proto::FILE_DESCRIPTOR_SET,
+        },
+        listeners,
+        SchedulerServer::new(service),
+        move || registry.render(),
+        stop.after(shutdown),
+    )
+    .await;
+    stop.stop();
     if let Err(e) = engine_task.await {
         tracing::error!(error = %e, "step loop task failed");
     }
     if let Err(e) = keep_alive_task.await {
         tracing::error!(error = %e, "keep-alive task failed");
-    }
-    if let Some(task) = metrics_task
-        && let Err(e) = task.await
-    {
-        tracing::error!(error = %e, "metrics task failed");
     }
     served.map_err(Error::Serve)
 }

@@ -12,17 +12,17 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::{Request as GrpcRequest, Response, Status};
 
-use crate::client::{CacheClient, reject_to_proto};
-use crate::domain::{Finish, Output, RequestId, Sampling};
+use crate::client::CacheClient;
+use crate::convert::{TextOutput, reject_to_proto};
+use crate::domain::{Finish, Output};
 use crate::error::Error;
 use crate::policy::{OnExhausted, Policy};
-use crate::queue::Request;
 use crate::step_loop::StepLoopHandle;
-use kvlease_tokenizer::{Message, StopStrings, StreamDecoder, Tokenizer};
+use kvlease_tokenizer::{StopStrings, StreamDecoder, Tokenizer};
 
 /// Limits a request is validated against.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// Largest `max_tokens`.
     pub max_tokens: u32,
     /// Largest prompt + `max_tokens`.
@@ -33,7 +33,7 @@ pub struct Limits {
 
 /// The Scheduler service.
 #[derive(Debug, Clone)]
-pub struct SchedulerService {
+pub(crate) struct SchedulerService {
     engine: StepLoopHandle,
     cache: CacheClient,
     limits: Limits,
@@ -45,7 +45,7 @@ pub struct SchedulerService {
 
 impl SchedulerService {
     #[allow(clippy::too_many_arguments)]
-    pub fn new(
+    pub(crate) fn new(
         engine: StepLoopHandle,
         cache: CacheClient,
         limits: Limits,
@@ -64,159 +64,6 @@ impl SchedulerService {
             groups,
         }
     }
-}
-
-const MAX_LABEL: usize = 256;
-/// Limits on stop strings: how many, and the bytes of each.
-const MAX_STOPS: usize = 16;
-const MAX_STOP_BYTES: usize = 256;
-
-/// How a request's output text is made: `None` for token-id prompts.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TextOutput {
-    /// Stop strings.
-    pub stop: Vec<String>,
-}
-
-/// The prompt of a request: its text, its chat or its token ids.
-fn prompt_ids(req: &pb::GenerateRequest, tokenizer: &Tokenizer) -> Result<Vec<u32>, Error> {
-    let given = [
-        !req.text.is_empty(),
-        !req.tokens.is_empty(),
-        !req.messages.is_empty(),
-    ];
-    if given.iter().filter(|g| **g).count() > 1 {
-        return Err(Error::InvalidArgument(
-            "give exactly one of text, tokens and messages".into(),
-        ));
-    }
-    let failed = |e: kvlease_tokenizer::Error| match e {
-        kvlease_tokenizer::Error::NoChatTemplate => Error::FailedPrecondition(
-            "the model has no chat template: send text or tokens instead of messages".into(),
-        ),
-        other => Error::InvalidArgument(other.to_string()),
-    };
-    if !req.messages.is_empty() {
-        if let Some((i, _)) = req
-            .messages
-            .iter()
-            .enumerate()
-            .find(|(_, m)| m.role.is_empty())
-        {
-            return Err(Error::InvalidArgument(format!("message {i} has no role")));
-        }
-        let messages: Vec<Message> = req
-            .messages
-            .iter()
-            .map(|m| Message::new(m.role.clone(), m.content.clone()))
-            .collect();
-        return tokenizer.encode_chat(&messages).map_err(failed);
-    }
-    if !req.text.is_empty() {
-        return tokenizer.encode(&req.text).map_err(failed);
-    }
-    Ok(req.tokens.clone())
-}
-
-/// Checks a Generate request and turns it into a queue request, with how
-/// its output text is made (`None` for a token-id prompt).
-pub fn validate(
-    id: u64,
-    req: &pb::GenerateRequest,
-    limits: &Limits,
-    tokenizer: &Tokenizer,
-) -> Result<(Request, Option<TextOutput>), Error> {
-    let bad = |m: String| Err(Error::InvalidArgument(m));
-    let is_text = !req.text.is_empty() || !req.messages.is_empty();
-    let prompt = prompt_ids(req, tokenizer)?;
-    if prompt.is_empty() {
-        return bad("empty prompt: give text or tokens".into());
-    }
-    if let Some((i, t)) = prompt
-        .iter()
-        .enumerate()
-        .find(|(_, t)| **t >= limits.vocab_size)
-    {
-        return bad(format!(
-            "prompt token {t} at index {i} is outside the vocabulary of {}",
-            limits.vocab_size
-        ));
-    }
-    if req.max_tokens == 0 {
-        return bad("max_tokens must be at least 1".into());
-    }
-    if req.max_tokens > limits.max_tokens {
-        return bad(format!(
-            "max_tokens {} is over the limit of {}",
-            req.max_tokens, limits.max_tokens
-        ));
-    }
-    let total = prompt.len() as u64 + u64::from(req.max_tokens);
-    if total > u64::from(limits.max_context) {
-        return bad(format!(
-            "prompt of {} tokens plus max_tokens {} exceeds the context limit of {} tokens",
-            prompt.len(),
-            req.max_tokens,
-            limits.max_context
-        ));
-    }
-    if !req.temperature.is_finite() || req.temperature < 0.0 {
-        return bad(format!(
-            "temperature must be a finite number >= 0, got {}",
-            req.temperature
-        ));
-    }
-    if !req.top_p.is_finite() || !(0.0..=1.0).contains(&req.top_p) {
-        return bad(format!("top_p must be in [0, 1], got {}", req.top_p));
-    }
-    if let Some(t) = req.stop_tokens.iter().find(|t| **t >= limits.vocab_size) {
-        return bad(format!(
-            "stop token {t} is outside the vocabulary of {}",
-            limits.vocab_size
-        ));
-    }
-    if req.stop.len() > MAX_STOPS {
-        return bad(format!(
-            "{} stop strings; at most {MAX_STOPS}",
-            req.stop.len()
-        ));
-    }
-    if let Some(s) = req
-        .stop
-        .iter()
-        .find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
-    {
-        return bad(format!(
-            "stop string {s:?} must be 1 to {MAX_STOP_BYTES} bytes"
-        ));
-    }
-    if !req.stop.is_empty() && !is_text {
-        return bad("stop strings need a text or messages prompt".into());
-    }
-    if req.priority > 100 {
-        return bad(format!("priority must be 0 to 100, got {}", req.priority));
-    }
-    if req.cache_salt.len() > MAX_LABEL || req.request_id.len() > MAX_LABEL {
-        return bad(format!(
-            "cache_salt and request_id are limited to {MAX_LABEL} bytes"
-        ));
-    }
-    let mut r = Request::new(RequestId(id), prompt, req.max_tokens);
-    r.sampling = Sampling {
-        temperature: req.temperature,
-        top_p: req.top_p,
-        seed: req.seed,
-    };
-    r.stop_tokens = req.stop_tokens.clone();
-    if !req.ignore_eos {
-        r.stop_tokens.extend_from_slice(tokenizer.end_ids());
-    }
-    r.priority = req.priority;
-    r.cache_salt = req.cache_salt.clone();
-    let text = is_text.then(|| TextOutput {
-        stop: req.stop.clone(),
-    });
-    Ok((r, text))
 }
 
 type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
@@ -248,7 +95,7 @@ impl TextStream {
 
 /// The client's deadline from the `grpc-timeout` header (`<digits><unit>`,
 /// unit one of H M S m u n), if any.
-pub fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Duration> {
+pub(crate) fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Duration> {
     let v = metadata.get("grpc-timeout")?.to_str().ok()?;
     let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
     let n: u64 = digits.parse().ok()?;
@@ -381,7 +228,7 @@ impl Scheduler for SchedulerService {
         let deadline = grpc_timeout(request.metadata()).map(|t| Instant::now() + t);
         let req = request.into_inner();
         let id = self.engine.next_request_id();
-        let (r, text) = validate(id.get(), &req, &self.limits, &self.tokenizer)?;
+        let (r, text) = crate::convert::validate(id.get(), &req, &self.limits, &self.tokenizer)?;
         if !self.cache.is_up() {
             return Err(Error::CacheUnavailable(
                 "the cache service cannot be reached; try again later".into(),
@@ -437,81 +284,6 @@ impl Scheduler for SchedulerService {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn limits() -> Limits {
-        Limits {
-            max_tokens: 64,
-            max_context: 128,
-            vocab_size: 258,
-        }
-    }
-
-    fn validate_bytes(
-        id: u64,
-        req: &pb::GenerateRequest,
-        limits: &Limits,
-    ) -> Result<(Request, Option<TextOutput>), Error> {
-        validate(id, req, limits, &Tokenizer::byte_level())
-    }
-
-    fn req(tokens: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
-        pb::GenerateRequest {
-            tokens,
-            max_tokens,
-            ..Default::default()
-        }
-    }
-
-    fn message(r: Result<(Request, Option<TextOutput>), Error>) -> String {
-        match r {
-            Ok(_) => "ok".into(),
-            Err(e) => e.to_string(),
-        }
-    }
-
-    #[test]
-    fn validation_names_what_is_wrong() {
-        let l = limits();
-        assert!(message(validate_bytes(1, &req(vec![], 4), &l)).contains("empty prompt"));
-        assert!(
-            message(validate_bytes(1, &req(vec![1], 0), &l))
-                .contains("max_tokens must be at least 1")
-        );
-        assert!(message(validate_bytes(1, &req(vec![1], 65), &l)).contains("over the limit of 64"));
-        assert!(message(validate_bytes(1, &req(vec![1; 100], 64), &l)).contains("context limit"));
-        assert!(
-            message(validate_bytes(1, &req(vec![300], 4), &l)).contains("outside the vocabulary")
-        );
-        let both = pb::GenerateRequest {
-            text: "a".into(),
-            tokens: vec![1],
-            max_tokens: 1,
-            ..Default::default()
-        };
-        assert!(message(validate_bytes(1, &both, &l)).contains("exactly one"));
-        let hot = pb::GenerateRequest {
-            temperature: -1.0,
-            ..req(vec![1], 1)
-        };
-        assert!(message(validate_bytes(1, &hot, &l)).contains("temperature"));
-        let top = pb::GenerateRequest {
-            top_p: 1.5,
-            ..req(vec![1], 1)
-        };
-        assert!(message(validate_bytes(1, &top, &l)).contains("top_p"));
-        let ok = validate_bytes(
-            7,
-            &pb::GenerateRequest {
-                text: "hé".into(),
-                max_tokens: 3,
-                ..Default::default()
-            },
-            &l,
-        );
-        assert!(
-            matches!(ok, Ok((r, Some(_))) if r.prompt == vec![104, 0xC3, 0xA9] && r.id == RequestId(7))
-        );
-    }
 
     #[test]
     fn grpc_timeout_header_is_parsed() {

@@ -17,6 +17,10 @@
 //! - `server`: [`GrpcTraceLayer`], the server span per request.
 //! - `attributes`: the `kvlease.*` keys, [`record_reject`], [`add_link`].
 //! - `metrics`: a small Prometheus registry and [`metrics::serve_metrics`].
+//! - [`serve`]: what every kvlease server wraps around its one gRPC service
+//!   (listeners bound by the caller, health, reflection, the metrics endpoint,
+//!   the stop signal), and [`process`]: what every service binary's `main`
+//!   does (exit codes, one SIGINT/SIGTERM handler).
 //!
 //! Data flow: the interceptor writes the current span's context into the request metadata;
 //! the layer reads it from the headers into the server span's parent (plus the logical
@@ -29,6 +33,8 @@ mod config;
 mod context;
 mod error;
 pub mod metrics;
+pub mod process;
+pub mod serve;
 mod server;
 mod setup;
 

@@ -2,6 +2,7 @@
 //! tokenizer.json that gives) against the Python `tokenizers` package:
 //! `tests/fixtures/smollm2_encodings.json`, made by
 //! `scripts/smollm2_reference.py` from the same GGUF.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 mod common;
 

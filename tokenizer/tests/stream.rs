@@ -2,6 +2,7 @@
 //! sequences, which split characters anywhere), for the byte-level
 //! tokenizer and a SentencePiece-style vocabulary with byte fallback; stop
 //! strings across pushes.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use kvlease_tokenizer::{GgufVocab, StopStrings, Tokenizer, gguf::token_type};
 use proptest::prelude::*;

@@ -1,8 +1,11 @@
 //! The worker's configuration: flags with `KVLEASE_WORKER_*` environment
-//! fallbacks, and a `Default` that is the small CI model.
+//! fallbacks, and a `Default` that is the small CI model. Each default is one
+//! const that both clap and [`Default`] use.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
+
+use kvlease_telemetry::process::{ListenAddrs, ServiceConfig};
 
 use crate::backend::{BackendChoice, CudaOptions, KvDtype};
 use crate::batch::Limits;
@@ -13,7 +16,15 @@ use crate::model::weights::Weights;
 use crate::model::{ModelConfig, RopeScaling};
 use crate::worker::WorkerOptions;
 
-const DEFAULT_LISTEN: &str = "127.0.0.1:50053";
+const DEFAULT_LISTEN: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 50053);
+const DEFAULT_SEED: u64 = 0;
+const DEFAULT_VOCAB_SIZE: usize = VOCAB_SIZE as usize;
+const DEFAULT_THREADS: usize = 0;
+const DEFAULT_BACKEND: BackendChoice = BackendChoice::Cpu;
+const DEFAULT_KV_DTYPE: KvDtype = KvDtype::Bf16;
+const DEFAULT_GPU_DEVICE: usize = 0;
+const DEFAULT_GPU_MEMORY_FRACTION: f64 = 0.9;
+const DEFAULT_GPU_MAX_KV_MIB: u64 = 0;
 const DEFAULT_HIDDEN: usize = 256;
 const DEFAULT_LAYERS: usize = 4;
 const DEFAULT_HEADS: usize = 8;
@@ -33,10 +44,15 @@ fn default_windows() -> Vec<u32> {
 }
 
 /// Configuration of one worker.
-#[derive(Debug, Clone, PartialEq, clap::Args)]
+#[derive(Debug, Clone, PartialEq, clap::Parser)]
+#[command(
+    name = "kvlease-worker",
+    version,
+    about = "kvlease worker: a Llama-style model over leased KV blocks"
+)]
 pub struct Config {
     /// Address the gRPC server listens on.
-    #[arg(long, env = "KVLEASE_WORKER_LISTEN", default_value = DEFAULT_LISTEN)]
+    #[arg(long, env = "KVLEASE_WORKER_LISTEN", default_value_t = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
 
     /// A real model: a GGUF file (architecture llama) or a Hugging Face
@@ -52,11 +68,11 @@ pub struct Config {
     pub weights: Option<PathBuf>,
 
     /// Seed of the deterministic weights (when no file is given).
-    #[arg(long, env = "KVLEASE_WORKER_SEED", default_value_t = 0)]
+    #[arg(long, env = "KVLEASE_WORKER_SEED", default_value_t = DEFAULT_SEED)]
     pub seed: u64,
 
     /// Vocabulary size (258 = 256 bytes + BOS 256 + EOS 257).
-    #[arg(long, env = "KVLEASE_WORKER_VOCAB_SIZE", default_value_t = VOCAB_SIZE as usize)]
+    #[arg(long, env = "KVLEASE_WORKER_VOCAB_SIZE", default_value_t = DEFAULT_VOCAB_SIZE)]
     pub vocab_size: usize,
 
     /// Width of the residual stream.
@@ -126,7 +142,7 @@ pub struct Config {
     pub max_batch_tokens: usize,
 
     /// Compute threads; 0 = one per available core, at most 8.
-    #[arg(long, env = "KVLEASE_WORKER_THREADS", default_value_t = 0)]
+    #[arg(long, env = "KVLEASE_WORKER_THREADS", default_value_t = DEFAULT_THREADS)]
     pub threads: usize,
 
     /// Address of the Prometheus `GET /metrics` endpoint; off when absent.
@@ -135,15 +151,15 @@ pub struct Config {
 
     /// Compute backend: cpu, cuda (fails clearly without a device), or auto
     /// (cuda when a device and libcuda are present, else cpu).
-    #[arg(long, env = "KVLEASE_WORKER_BACKEND", value_enum, default_value_t = BackendChoice::Cpu)]
+    #[arg(long, env = "KVLEASE_WORKER_BACKEND", value_enum, default_value_t = DEFAULT_BACKEND)]
     pub backend: BackendChoice,
 
     /// Element type of the KV arena on the GPU (the CPU arena is f32).
-    #[arg(long, env = "KVLEASE_WORKER_KV_DTYPE", value_enum, default_value_t = KvDtype::Bf16)]
+    #[arg(long, env = "KVLEASE_WORKER_KV_DTYPE", value_enum, default_value_t = DEFAULT_KV_DTYPE)]
     pub kv_dtype: KvDtype,
 
     /// CUDA device ordinal.
-    #[arg(long, env = "KVLEASE_WORKER_GPU_DEVICE", default_value_t = 0)]
+    #[arg(long, env = "KVLEASE_WORKER_GPU_DEVICE", default_value_t = DEFAULT_GPU_DEVICE)]
     pub gpu_device: usize,
 
     /// Share of the device memory free after weights and activations that
@@ -151,23 +167,23 @@ pub struct Config {
     #[arg(
         long,
         env = "KVLEASE_WORKER_GPU_MEMORY_FRACTION",
-        default_value_t = 0.9
+        default_value_t = DEFAULT_GPU_MEMORY_FRACTION
     )]
     pub gpu_memory_fraction: f64,
 
     /// Upper bound on the GPU arena in MiB; 0 = only the fraction limits it.
-    #[arg(long, env = "KVLEASE_WORKER_GPU_MAX_KV_MIB", default_value_t = 0)]
+    #[arg(long, env = "KVLEASE_WORKER_GPU_MAX_KV_MIB", default_value_t = DEFAULT_GPU_MAX_KV_MIB)]
     pub gpu_max_kv_mib: u64,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Config {
-            listen: SocketAddr::from(([127, 0, 0, 1], 50053)),
+            listen: DEFAULT_LISTEN,
             model: None,
             weights: None,
-            seed: 0,
-            vocab_size: VOCAB_SIZE as usize,
+            seed: DEFAULT_SEED,
+            vocab_size: DEFAULT_VOCAB_SIZE,
             hidden_size: DEFAULT_HIDDEN,
             num_layers: DEFAULT_LAYERS,
             num_heads: DEFAULT_HEADS,
@@ -183,18 +199,33 @@ impl Default for Config {
             memory_budget_mib: DEFAULT_MEMORY_BUDGET_MIB,
             max_batch_sequences: DEFAULT_MAX_BATCH_SEQUENCES,
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
-            threads: 0,
+            threads: DEFAULT_THREADS,
             metrics_listen: None,
-            backend: BackendChoice::Cpu,
-            kv_dtype: KvDtype::Bf16,
-            gpu_device: 0,
-            gpu_memory_fraction: 0.9,
-            gpu_max_kv_mib: 0,
+            backend: DEFAULT_BACKEND,
+            kv_dtype: DEFAULT_KV_DTYPE,
+            gpu_device: DEFAULT_GPU_DEVICE,
+            gpu_memory_fraction: DEFAULT_GPU_MEMORY_FRACTION,
+            gpu_max_kv_mib: DEFAULT_GPU_MAX_KV_MIB,
         }
     }
 }
 
+impl ServiceConfig for Config {
+    fn listen_addrs(&self) -> std::result::Result<ListenAddrs, String> {
+        self.validate().map_err(|e| e.to_string())?;
+        Ok(ListenAddrs {
+            grpc: self.listen,
+            metrics: self.metrics_listen,
+        })
+    }
+}
+
 impl Config {
+    /// Checks what can be checked before anything is built: the model shape.
+    pub fn validate(&self) -> Result<()> {
+        self.model_config().map(drop)
+    }
+
     /// The model shape the flags describe.
     pub fn model_config(&self) -> Result<ModelConfig> {
         let layer_windows = match self.layer_windows.as_slice() {
@@ -275,5 +306,19 @@ impl Config {
             },
             threads: self.threads,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvlease_telemetry::process::parse_without_env;
+
+    use super::*;
+
+    #[test]
+    fn default_is_what_the_flags_give_with_no_flags_and_no_environment() {
+        let parsed = parse_without_env::<Config, _, _>("kvlease-worker", ["kvlease-worker"]);
+        assert_eq!(parsed.map_err(|e| e.to_string()), Ok(Config::default()));
+        assert!(Config::default().validate().is_ok());
     }
 }

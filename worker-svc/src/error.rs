@@ -55,9 +55,9 @@ pub enum Error {
     /// The compute backend failed.
     #[error("backend failure: {0}")]
     Backend(String),
-    /// The gRPC server failed.
-    #[error("grpc transport: {0}")]
-    Transport(#[from] tonic::transport::Error),
+    /// Serving failed (reflection, the gRPC server).
+    #[error("{0}")]
+    Serve(#[from] kvlease_telemetry::Error),
 }
 
 /// What is wrong with one sequence of a Forward batch.
@@ -259,7 +259,7 @@ impl From<Error> for tonic::Status {
                 tonic::Status::failed_precondition(message)
             }
             Error::Backend(_) => tonic::Status::internal(message),
-            Error::Transport(_) => tonic::Status::unavailable(message),
+            Error::Serve(_) => tonic::Status::unavailable(message),
         }
     }
 }

@@ -7,7 +7,7 @@ use crate::model::weights::SplitMix64;
 use crate::ops::argmax;
 
 /// The token after `logits`, produced at sequence position `position`.
-pub fn sample(logits: &[f32], sampling: &Sampling, position: usize) -> u32 {
+pub(crate) fn sample(logits: &[f32], sampling: &Sampling, position: usize) -> u32 {
     if sampling.temperature == 0.0 || logits.is_empty() {
         return argmax(logits) as u32;
     }

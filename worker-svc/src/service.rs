@@ -1,81 +1,33 @@
-//! The gRPC edge: `kvlease.v1.WorkerService` over a [`Worker`]. The only
-//! module that converts between protobuf messages and domain types.
+//! The gRPC edge: `kvlease.v1.WorkerService` over a [`Worker`]; `convert`
+//! turns its messages into domain types and back.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use kvlease_proto::v1 as pb;
-use kvlease_telemetry::metrics::{self, Counter, Histogram, Registry, names};
 use kvlease_tokenizer::Tokenizer;
 use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
-use crate::batch::{Sampling, SeqInput, TableInput};
-use crate::worker::{SeqOutput, Worker, WorkerInfo};
+use crate::batch::SeqInput;
+use crate::convert::{describe_response, forward_result, seq_input, tokenizer_response};
+use crate::metrics::WorkerMetrics;
+use crate::worker::Worker;
 
 /// The gRPC service. Forward passes run one at a time on a blocking thread
 /// (the worker owns one arena); Describe answers from a snapshot.
 #[derive(Debug, Clone)]
-pub struct WorkerGrpc {
+pub(crate) struct WorkerGrpc {
     worker: Arc<Mutex<Worker>>,
     describe: pb::DescribeResponse,
     metrics: WorkerMetrics,
     tokenizer: Tokenizer,
 }
 
-/// The worker's Prometheus series.
-#[derive(Debug, Clone)]
-pub struct WorkerMetrics {
-    forward_seconds: Histogram,
-    forward_tokens: Counter,
-    forward_rejected: Counter,
-}
-
-impl WorkerMetrics {
-    /// Registers the worker's series in `registry`, with each pool's size.
-    pub fn register(registry: &Registry, info: &WorkerInfo) -> crate::Result<Self> {
-        let fail = |e: kvlease_telemetry::Error| crate::Error::Config(format!("metrics: {e}"));
-        let pool_blocks = registry
-            .gauge_vec(
-                names::POOL_BLOCKS_TOTAL,
-                "Blocks of each KV pool of the worker.",
-                [names::WINDOW],
-            )
-            .map_err(fail)?;
-        for pool in &info.pools {
-            pool_blocks
-                .with([&pool.window.to_string()])
-                .set(f64::from(pool.num_blocks));
-        }
-        Ok(WorkerMetrics {
-            forward_seconds: registry
-                .histogram(
-                    names::FORWARD_DURATION_SECONDS,
-                    "Compute time of one Forward on the worker.",
-                    metrics::DEFAULT_LATENCY_BUCKETS,
-                )
-                .map_err(fail)?,
-            forward_tokens: registry
-                .counter(
-                    "kvlease_worker_forward_tokens_total",
-                    "Input tokens run by accepted Forward calls.",
-                )
-                .map_err(fail)?,
-            forward_rejected: registry
-                .counter(
-                    "kvlease_worker_forward_rejected_total",
-                    "Forward calls refused (invalid batch or backend failure).",
-                )
-                .map_err(fail)?,
-        })
-    }
-}
-
 impl WorkerGrpc {
-    /// Serves `worker`, recording into `metrics`.
     /// Serves `worker`, recording into `metrics`, with the seeded model's
     /// byte-level tokenizer.
-    pub fn new(worker: Worker, metrics: WorkerMetrics) -> Self {
+    pub(crate) fn new(worker: Worker, metrics: WorkerMetrics) -> Self {
         let tokenizer = Tokenizer::byte_level();
         let describe = describe_response(worker.info(), &tokenizer);
         WorkerGrpc {
@@ -89,7 +41,7 @@ impl WorkerGrpc {
     /// Serves the model's own `tokenizer` (from its GGUF or tokenizer.json)
     /// instead; every id it can produce must be inside the model's
     /// vocabulary.
-    pub fn with_tokenizer(mut self, tokenizer: Tokenizer) -> crate::Result<Self> {
+    pub(crate) fn with_tokenizer(mut self, tokenizer: Tokenizer) -> crate::Result<Self> {
         let model = self.describe.model.clone().unwrap_or_default();
         if tokenizer.vocab_size() > model.vocab_size {
             return Err(crate::Error::Config(format!(
@@ -194,95 +146,6 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
     }
 }
 
-fn seq_input(seq: pb::ForwardSequence) -> SeqInput {
-    let sampling = seq.sampling.map_or(Sampling::GREEDY, |s| Sampling {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        seed: s.seed,
-    });
-    SeqInput {
-        seq_id: seq.seq_id,
-        tokens: seq.tokens,
-        start_pos: seq.start_pos,
-        tables: seq
-            .tables
-            .into_iter()
-            .map(|t| TableInput {
-                window: t.window,
-                beam: t.beam,
-                first_block: t.first_block,
-                block_ids: t.block_ids,
-            })
-            .collect(),
-        all_positions: seq.return_all_argmax,
-        sampling,
-    }
-}
-
-fn forward_result(out: SeqOutput) -> pb::ForwardResult {
-    pb::ForwardResult {
-        seq_id: out.seq_id,
-        next_token: out.next_token,
-        argmax: out.argmax,
-    }
-}
-
-fn tokenizer_response(model: String, tokenizer: &Tokenizer) -> pb::GetTokenizerResponse {
-    let parts = tokenizer.parts();
-    let s = &parts.specials;
-    pb::GetTokenizerResponse {
-        model,
-        fingerprint: tokenizer.fingerprint().to_string(),
-        kind: parts.kind.as_str().to_string(),
-        tokenizer_json: parts.tokenizer_json.clone(),
-        chat_template: parts.chat_template.clone().unwrap_or_default(),
-        bos_id: s.bos_id,
-        bos_token: s.bos_token.clone().unwrap_or_default(),
-        eos_token: s.eos_token.clone().unwrap_or_default(),
-        end_ids: s.end_ids.clone(),
-        add_bos: s.add_bos,
-    }
-}
-
-fn describe_response(info: &WorkerInfo, tokenizer: &Tokenizer) -> pb::DescribeResponse {
-    let m = &info.model;
-    pb::DescribeResponse {
-        model: Some(pb::ModelShape {
-            name: m.name.clone(),
-            vocab_size: m.vocab_size as u32,
-            hidden_size: m.hidden_size as u32,
-            num_layers: m.num_layers() as u32,
-            num_heads: m.num_heads as u32,
-            num_kv_heads: m.num_kv_heads as u32,
-            head_dim: m.head_dim as u32,
-            ffn_size: m.ffn_size as u32,
-            rope_theta: m.rope_theta,
-            layer_windows: m.layer_windows.clone(),
-            max_context: m.max_context,
-            tokenizer_fingerprint: tokenizer.fingerprint().to_string(),
-        }),
-        tokens_per_block: m.tokens_per_block,
-        pools: info
-            .pools
-            .iter()
-            .map(|p| pb::WorkerPool {
-                window: p.window,
-                num_layers: p.num_layers,
-                num_blocks: p.num_blocks,
-                bytes_per_block: p.bytes_per_block,
-            })
-            .collect(),
-        backend: info.backend.to_string(),
-        kv_dtype: info.kv_dtype.to_string(),
-        memory_budget_bytes: info.memory_budget_bytes,
-        weight_bytes: info.weight_bytes,
-        activation_bytes: info.activation_bytes,
-        max_batch_sequences: info.limits.max_batch_sequences as u32,
-        max_batch_tokens: info.limits.max_batch_tokens as u32,
-        device: info.device.clone(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -290,6 +153,7 @@ mod tests {
     use crate::model::ModelConfig;
     use crate::model::weights::Weights;
     use crate::worker::WorkerOptions;
+    use kvlease_telemetry::metrics::Registry;
     use pb::worker_service_server::WorkerService as _;
 
     #[tokio::test]

@@ -1,5 +1,6 @@
 //! The activation bytes `Describe` reports bound what a forward pass at the
 //! largest batch really allocates (measured with a counting allocator).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
@@ -18,6 +19,7 @@ static PEAK: AtomicIsize = AtomicIsize::new(0);
 // SAFETY: delegates every call to `System` unchanged; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract, which `System` has too.
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
             let live =
@@ -28,11 +30,13 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System` with `layout` (every allocation here does).
         unsafe { System.dealloc(ptr, layout) };
         LIVE.fetch_sub(layout.size() as isize, Ordering::SeqCst);
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as for `alloc`.
         let p = unsafe { System.alloc_zeroed(layout) };
         if !p.is_null() {
             let live =
@@ -43,6 +47,7 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: `ptr` came from `System` with `layout`; the caller upholds the rest.
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             let delta = new_size as isize - layout.size() as isize;

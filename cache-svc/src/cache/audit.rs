@@ -1,7 +1,8 @@
 //! The leak audit, `check_invariants`, and views of the state for tests.
 
 use super::Cache;
-use crate::pool::{BlockId, Holder};
+use crate::ids::{BlockId, SessionId};
+use crate::pool::Holder;
 use crate::session::SeqState;
 
 /// A block the audit found unaccounted for.
@@ -164,7 +165,7 @@ impl Cache {
     /// The session's view of a sequence: (len, tables per pool as (first, blocks)).
     pub fn sequence_tables(
         &self,
-        session_id: u64,
+        session_id: SessionId,
         seq_id: u64,
     ) -> Option<Vec<(u32, u32, Vec<BlockId>)>> {
         let seq = self.sessions.get(&session_id)?.seqs.get(&seq_id)?;

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use super::{Batch, Cache, Tally, ceil_div};
 use crate::error::{Error, Result};
+use crate::ids::{Epoch, SessionId};
 use crate::lease::{Grant, Growth, Outcome, Reject, RejectReason, Table};
 use crate::pool::Holder;
 use crate::prefix;
@@ -27,8 +28,8 @@ impl Cache {
     /// Grows held sequences; one outcome per item, in order.
     pub fn extend(
         &mut self,
-        session_id: u64,
-        epoch: u64,
+        session_id: SessionId,
+        epoch: Epoch,
         batch: Batch,
         items: &[(u64, Growth)],
         now: Instant,
@@ -145,7 +146,7 @@ impl Cache {
     /// The per-pool plan of growing `seq_id` by `n` tokens, into `plan`.
     fn plan_extend(
         &self,
-        session_id: u64,
+        session_id: SessionId,
         seq_id: u64,
         n: u32,
         plan: &mut Vec<PoolExtend>,
@@ -237,7 +238,7 @@ impl Cache {
 
     fn execute_extend(
         &mut self,
-        session_id: u64,
+        session_id: SessionId,
         seq_id: u64,
         growth: &Growth,
         plan: &[PoolExtend],
@@ -258,7 +259,7 @@ impl Cache {
             return nothing();
         };
         let holder = Holder {
-            session: session_id,
+            session: session_id.0,
             seq: seq_id,
         };
         let mut fenced = Vec::new();

@@ -8,8 +8,9 @@ use std::time::Instant;
 
 use super::{Batch, Cache, PoolEntry, Tally, ceil_div};
 use crate::error::{Error, Result};
+use crate::ids::{BlockId, Epoch, SessionId};
 use crate::lease::{Grant, Outcome, Prompt, Reject, RejectReason, SeqSpec, Table};
-use crate::pool::{BlockId, BlockState, Holder};
+use crate::pool::{BlockState, Holder};
 use crate::prefix;
 use crate::session::{BeamTable, BlockRef, PoolTables, SeqState};
 
@@ -62,15 +63,14 @@ struct LeasePlan {
     salt: u64,
     hashable: bool,
     partial: Vec<u32>,
-    group: String,
 }
 
 impl Cache {
     /// Leases blocks for new sequences; one outcome per spec, in order.
     pub fn lease(
         &mut self,
-        session_id: u64,
-        epoch: u64,
+        session_id: SessionId,
+        epoch: Epoch,
         batch: Batch,
         specs: &[SeqSpec],
         now: Instant,
@@ -85,7 +85,7 @@ impl Cache {
             self.validate_spec(spec)?;
         }
         let holder = |seq| Holder {
-            session: session_id,
+            session: session_id.0,
             seq,
         };
         let mut outcomes: Vec<Option<Outcome>> = vec![None; specs.len()];
@@ -312,7 +312,6 @@ impl Cache {
             salt,
             hashable,
             partial,
-            group: spec.group.clone(),
         }
     }
 
@@ -320,7 +319,7 @@ impl Cache {
     /// with the members before it in `tally`).
     fn check_lease(
         &self,
-        session_id: u64,
+        session_id: SessionId,
         plan: &LeasePlan,
         mut tally: Option<&mut Tally>,
     ) -> Result<(), Reject> {
@@ -412,7 +411,7 @@ impl Cache {
 
     fn execute_lease(
         &mut self,
-        session_id: u64,
+        session_id: SessionId,
         plan: LeasePlan,
         step: u64,
         holder: Holder,
@@ -426,7 +425,7 @@ impl Cache {
     /// what it got and the audit sees a consistent (shorter) table.
     fn execute_lease_pinned(
         &mut self,
-        session_id: u64,
+        session_id: SessionId,
         plan: LeasePlan,
         step: u64,
         holder: Holder,
@@ -490,9 +489,7 @@ impl Cache {
             });
         }
         let seq = SeqState {
-            group: plan.group,
             len: plan.prompt_len,
-            prompt_len: plan.prompt_len,
             extra: plan.extra,
             reserved_capacity: plan.reserved_capacity,
             beams: plan.beams,

@@ -38,8 +38,9 @@ use foldhash::{HashMap, HashMapExt, HashSet};
 use std::time::Duration;
 
 use crate::events::{EventKind, EventLog, EventsSince};
+use crate::ids::{BlockId, Epoch, SessionId};
 use crate::lease::{Reject, RejectReason};
-use crate::pool::{BlockId, BlockPool, IndexEvent};
+use crate::pool::{BlockPool, IndexEvent};
 use crate::session::Session;
 
 pub use audit::{AuditReport, Leak};
@@ -118,10 +119,10 @@ struct Group {
 #[derive(Debug)]
 pub struct Cache {
     config: CacheConfig,
-    epoch: u64,
+    epoch: Epoch,
     groups: HashMap<String, Group>,
     pools: Vec<PoolEntry>,
-    sessions: HashMap<u64, Session>,
+    sessions: HashMap<SessionId, Session>,
     next_session: u64,
     events: EventLog,
 }
@@ -141,11 +142,11 @@ fn ceil_div(a: u32, b: u32) -> u32 {
 impl Cache {
     /// An empty cache with a fresh epoch.
     pub fn new(config: CacheConfig) -> Self {
-        Self::with_epoch(config, fresh_epoch())
+        Self::with_epoch(config, Epoch(fresh_epoch()))
     }
 
     /// An empty cache with the given epoch (tests).
-    pub fn with_epoch(config: CacheConfig, epoch: u64) -> Self {
+    pub fn with_epoch(config: CacheConfig, epoch: Epoch) -> Self {
         let events = EventLog::new(config.event_capacity);
         Self {
             config,
@@ -159,7 +160,7 @@ impl Cache {
     }
 
     /// The epoch of this start.
-    pub fn epoch(&self) -> u64 {
+    pub fn epoch(&self) -> Epoch {
         self.epoch
     }
 

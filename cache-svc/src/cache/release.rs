@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use super::Cache;
 use crate::error::{Error, Result};
+use crate::ids::{Epoch, SessionId};
 use crate::lease::{ReleaseResult, ReleaseStatus};
 use crate::session::BlockRef;
 
@@ -12,8 +13,8 @@ impl Cache {
     /// Releases sequences, optionally fenced at a step.
     pub fn release(
         &mut self,
-        session_id: u64,
-        epoch: u64,
+        session_id: SessionId,
+        epoch: Epoch,
         seq_ids: &[u64],
         fence_step: Option<u64>,
         now: Instant,
@@ -86,8 +87,8 @@ impl Cache {
     /// fenced state.
     pub fn complete_step(
         &mut self,
-        session_id: u64,
-        epoch: u64,
+        session_id: SessionId,
+        epoch: Epoch,
         step: u64,
         now: Instant,
     ) -> Result<u64> {

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::Cache;
 use crate::error::{Error, Result};
+use crate::ids::{Epoch, SessionId};
 use crate::pool::BlockState;
 use crate::session::Session;
 
@@ -12,9 +13,9 @@ use crate::session::Session;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Opened {
     /// Its id.
-    pub session_id: u64,
+    pub session_id: SessionId,
     /// The epoch to echo.
-    pub epoch: u64,
+    pub epoch: Epoch,
     /// The TTL granted.
     pub ttl: Duration,
 }
@@ -23,7 +24,7 @@ pub struct Opened {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Reclaimed {
     /// The session.
-    pub session_id: u64,
+    pub session_id: SessionId,
     /// Sequences it still held.
     pub sequences: u32,
     /// Blocks that returned to circulation.
@@ -46,10 +47,9 @@ impl Cache {
         let ttl = ttl
             .unwrap_or(self.config.default_ttl)
             .clamp(self.config.min_ttl, self.config.max_ttl);
-        let id = self.next_session;
+        let id = SessionId(self.next_session);
         self.next_session += 1;
-        self.sessions
-            .insert(id, Session::new(id, holder.to_owned(), ttl, now));
+        self.sessions.insert(id, Session::new(id, ttl, now));
         Ok(Opened {
             session_id: id,
             epoch: self.epoch,
@@ -58,7 +58,12 @@ impl Cache {
     }
 
     /// Checks a session's id and epoch; reclaims it if it has expired.
-    pub(super) fn touch(&mut self, session_id: u64, epoch: u64, now: Instant) -> Result<()> {
+    pub(super) fn touch(
+        &mut self,
+        session_id: SessionId,
+        epoch: Epoch,
+        now: Instant,
+    ) -> Result<()> {
         if epoch != self.epoch {
             return Err(Error::StaleEpoch {
                 got: epoch,
@@ -78,7 +83,12 @@ impl Cache {
     }
 
     /// Renews a session; returns the time left.
-    pub fn keep_alive(&mut self, session_id: u64, epoch: u64, now: Instant) -> Result<Duration> {
+    pub fn keep_alive(
+        &mut self,
+        session_id: SessionId,
+        epoch: Epoch,
+        now: Instant,
+    ) -> Result<Duration> {
         self.touch(session_id, epoch, now)?;
         Ok(self
             .sessions
@@ -89,8 +99,8 @@ impl Cache {
     /// Closes a session, reclaiming everything it held.
     pub fn close_session(
         &mut self,
-        session_id: u64,
-        epoch: u64,
+        session_id: SessionId,
+        epoch: Epoch,
         now: Instant,
     ) -> Result<Reclaimed> {
         self.touch(session_id, epoch, now)?;
@@ -99,7 +109,7 @@ impl Cache {
 
     /// Reclaims every session whose TTL ran out by `now`.
     pub fn expire_sessions(&mut self, now: Instant) -> Vec<Reclaimed> {
-        let expired: Vec<u64> = self
+        let expired: Vec<SessionId> = self
             .sessions
             .values()
             .filter(|s| now >= s.expires_at)
@@ -114,7 +124,7 @@ impl Cache {
     /// Gives back everything a session holds: live sequences (unfenced: the
     /// holder is gone), parked fences, and unpublished hashes (the steps that
     /// would have written them were never reported complete).
-    fn reclaim_session(&mut self, session_id: u64) -> Reclaimed {
+    fn reclaim_session(&mut self, session_id: SessionId) -> Reclaimed {
         let Some(mut session) = self.sessions.remove(&session_id) else {
             return Reclaimed::default();
         };

@@ -3,6 +3,7 @@
 use super::{Cache, PoolInfo};
 use crate::error::{Error, Result};
 use crate::estimate::{self, Shape};
+use crate::ids::Epoch;
 use crate::lease::SeqSpec;
 use crate::pool::{PoolCounters, PoolCounts};
 
@@ -25,7 +26,7 @@ pub struct Stats {
     /// Per pool.
     pub pools: Vec<PoolStats>,
     /// Current epoch.
-    pub epoch: u64,
+    pub epoch: Epoch,
     /// Live sessions.
     pub sessions: u32,
     /// Leased sequences.

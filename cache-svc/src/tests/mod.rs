@@ -13,8 +13,8 @@ const GROUP: &str = "model/r0";
 
 pub(super) struct Fixture {
     pub(super) cache: Cache,
-    pub(super) session: u64,
-    pub(super) epoch: u64,
+    pub(super) session: crate::SessionId,
+    pub(super) epoch: crate::Epoch,
     pub(super) now: Instant,
 }
 
@@ -28,7 +28,7 @@ impl Fixture {
         tokens_per_block: u32,
         pools: &[(u32, u32)],
     ) -> Self {
-        let mut cache = Cache::with_epoch(config, 7);
+        let mut cache = Cache::with_epoch(config, crate::Epoch(7));
         cache.register_pool(GROUP, tokens_per_block, pools).unwrap();
         let now = Instant::now();
         let opened = cache.open_session("test", None, now).unwrap();
@@ -272,7 +272,7 @@ fn invariant_9_stale_epoch_is_refused() {
         .cache
         .lease(
             f.session,
-            f.epoch + 1,
+            crate::Epoch(f.epoch.0 + 1),
             Batch::default(),
             &[spec(1, Prompt::Count(1))],
             f.now,
@@ -617,7 +617,7 @@ fn duplicates_and_unknown_sequences_are_rejects() {
 
 #[test]
 fn register_pool_is_idempotent_and_refuses_a_conflict() {
-    let mut cache = Cache::with_epoch(CacheConfig::default(), 1);
+    let mut cache = Cache::with_epoch(CacheConfig::default(), crate::Epoch(1));
     let (a, again) = cache.register_pool("g", 16, &[(0, 10), (64, 10)]).unwrap();
     assert!(!again);
     let (b, again) = cache.register_pool("g", 16, &[(64, 10), (0, 10)]).unwrap();

@@ -1,7 +1,7 @@
 //! Test helpers: where the SmolLM2 GGUF is, and a reader of a GGUF file's
 //! metadata (just enough for the `tokenizer.*` keys; the worker's model
 //! loader has the full reader).
-
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 #![allow(dead_code, unreachable_pub)]
 
 use std::collections::HashMap;

@@ -1,0 +1,185 @@
+//! Protobuf <-> domain conversion for the cache service: requests into the
+//! core's types, its answers back into `kvlease.v1` messages.
+
+use kvlease_proto::v1 as pb;
+
+use crate::cache::{PoolStats, ShapeEstimate};
+use crate::error::{Error, Result};
+use crate::events::EventKind;
+use crate::lease::{
+    DEFAULT_PRIORITY, Extra, Grant, Outcome, Prompt, Reject, RejectReason, SeqSpec,
+};
+
+pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
+    let prompt = match (s.prompt_tokens.is_empty(), s.num_tokens) {
+        (false, 0) => Prompt::Tokens(s.prompt_tokens),
+        (true, n) if n > 0 => Prompt::Count(n),
+        (true, _) => {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {}: give prompt_tokens or num_tokens > 0",
+                s.seq_id
+            )));
+        }
+        (false, _) => {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {}: give only one of prompt_tokens and num_tokens",
+                s.seq_id
+            )));
+        }
+    };
+    if s.pool_group.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "sequence {}: pool_group is empty",
+            s.seq_id
+        )));
+    }
+    let priority = match s.priority {
+        0 => DEFAULT_PRIORITY,
+        p if p <= u32::from(crate::eviction::MAX_PRIORITY) => p as u8,
+        p => {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {}: priority must be 0 to 100, got {p}",
+                s.seq_id
+            )));
+        }
+    };
+    let extra = s.extra.unwrap_or_default();
+    Ok(SeqSpec {
+        seq_id: s.seq_id,
+        group: s.pool_group,
+        prompt,
+        extra: Extra {
+            draft: extra.draft,
+            extra_kv: extra.extra_kv,
+            extra_decoding_steps: extra.extra_decoding_steps,
+        },
+        beam_width: s.beam_width.max(1),
+        max_new_tokens: s.max_new_tokens,
+        priority,
+        cache_salt: s.cache_salt,
+        reserve_full_life: s.reserve_full_life,
+    })
+}
+
+pub(crate) fn reason_to_pb(r: RejectReason) -> pb::RejectReason {
+    match r {
+        RejectReason::PoolExhausted => pb::RejectReason::PoolExhausted,
+        RejectReason::ExceedsCapacity => pb::RejectReason::ExceedsCapacity,
+        RejectReason::RolledBack => pb::RejectReason::RolledBack,
+        RejectReason::UnknownSequence => pb::RejectReason::UnknownSequence,
+        RejectReason::DuplicateSequence => pb::RejectReason::DuplicateSequence,
+        RejectReason::QuotaExceeded => pb::RejectReason::QuotaExceeded,
+    }
+}
+
+pub(crate) fn grant_to_pb(g: Grant) -> pb::Grant {
+    pb::Grant {
+        seq_id: g.seq_id,
+        tables: g
+            .tables
+            .into_iter()
+            .map(|t| pb::BlockTable {
+                pool_id: t.pool_id,
+                window: t.window,
+                beam: t.beam,
+                first_block: t.first_block,
+                block_ids: t.block_ids,
+            })
+            .collect(),
+        reused_tokens: g.reused_tokens,
+        capacity_tokens: g.capacity_tokens,
+    }
+}
+
+pub(crate) fn reject_to_pb(r: Reject) -> pb::Reject {
+    pb::Reject {
+        seq_id: r.seq_id,
+        reason: reason_to_pb(r.reason) as i32,
+        pool_id: r.pool_id,
+        window: r.window,
+        blocks_needed: r.blocks_needed,
+        blocks_free: r.blocks_free,
+        blocks_pending_free: r.blocks_pending_free,
+        message: r.message,
+    }
+}
+
+pub(crate) fn outcomes_to_pb(outcomes: Vec<Outcome>) -> Vec<pb::SequenceOutcome> {
+    outcomes
+        .into_iter()
+        .map(|o| {
+            if let Outcome::Reject(r) = &o {
+                tracing::info!(
+                    seq_id = r.seq_id,
+                    reason = r.reason.as_str(),
+                    pool_id = r.pool_id,
+                    window = r.window,
+                    blocks_needed = r.blocks_needed,
+                    blocks_free = r.blocks_free,
+                    blocks_pending_free = r.blocks_pending_free,
+                    "sequence rejected"
+                );
+            }
+            pb::SequenceOutcome {
+                outcome: Some(match o {
+                    Outcome::Grant(g) => pb::sequence_outcome::Outcome::Grant(grant_to_pb(g)),
+                    Outcome::Reject(r) => pb::sequence_outcome::Outcome::Reject(reject_to_pb(r)),
+                }),
+            }
+        })
+        .collect()
+}
+
+pub(crate) fn stats_to_pb(p: PoolStats) -> pb::PoolStats {
+    pb::PoolStats {
+        pool_group: p.group,
+        pool_id: p.info.pool_id,
+        window: p.info.window,
+        tokens_per_block: p.info.tokens_per_block,
+        total: p.counts.total,
+        free: p.counts.free,
+        cached_evictable: p.counts.cached,
+        in_use: p.counts.in_use,
+        fenced: p.counts.fenced,
+        grants: p.counters.grants,
+        rejects: p.counters.rejects,
+        evictions: p.counters.evictions,
+        reuse_lookups: p.counters.reuse_lookups,
+        reuse_hits: p.counters.reuse_hits,
+        leaks_reclaimed: p.counters.leaks_reclaimed,
+    }
+}
+
+pub(crate) fn estimate_to_pb(e: ShapeEstimate) -> pb::ShapeEstimate {
+    pb::ShapeEstimate {
+        pools: e
+            .pools
+            .into_iter()
+            .map(|p| pb::PoolEstimate {
+                pool_id: p.pool_id,
+                window: p.window,
+                total_blocks: p.total,
+                peak_blocks: p.peak,
+                pool_blocks: p.pool_blocks,
+            })
+            .collect(),
+        fits: e.fits,
+    }
+}
+
+pub(crate) fn event_to_pb(e: crate::events::Event) -> pb::CacheEvent {
+    let kind = match e.kind {
+        EventKind::Stored { hashes, parent } => pb::cache_event::Kind::Stored(pb::BlocksStored {
+            block_hashes: hashes,
+            parent_hash: parent,
+        }),
+        EventKind::Removed { hashes } => pb::cache_event::Kind::Removed(pb::BlocksRemoved {
+            block_hashes: hashes,
+        }),
+    };
+    pb::CacheEvent {
+        id: e.id,
+        pool_id: e.pool_id,
+        kind: Some(kind),
+    }
+}

@@ -1,0 +1,98 @@
+//! Protobuf <-> domain conversion for the worker: Forward sequences into
+//! [`SeqInput`]s, results and the Describe answer back into `kvlease.v1`
+//! messages.
+
+use kvlease_proto::v1 as pb;
+
+use crate::batch::{Sampling, SeqInput, TableInput};
+use crate::worker::{SeqOutput, WorkerInfo};
+use kvlease_tokenizer::Tokenizer;
+
+pub(crate) fn seq_input(seq: pb::ForwardSequence) -> SeqInput {
+    let sampling = seq.sampling.map_or(Sampling::GREEDY, |s| Sampling {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        seed: s.seed,
+    });
+    SeqInput {
+        seq_id: seq.seq_id,
+        tokens: seq.tokens,
+        start_pos: seq.start_pos,
+        tables: seq
+            .tables
+            .into_iter()
+            .map(|t| TableInput {
+                window: t.window,
+                beam: t.beam,
+                first_block: t.first_block,
+                block_ids: t.block_ids,
+            })
+            .collect(),
+        all_positions: seq.return_all_argmax,
+        sampling,
+    }
+}
+
+pub(crate) fn forward_result(out: SeqOutput) -> pb::ForwardResult {
+    pb::ForwardResult {
+        seq_id: out.seq_id,
+        next_token: out.next_token,
+        argmax: out.argmax,
+    }
+}
+
+pub(crate) fn tokenizer_response(model: String, tokenizer: &Tokenizer) -> pb::GetTokenizerResponse {
+    let parts = tokenizer.parts();
+    let s = &parts.specials;
+    pb::GetTokenizerResponse {
+        model,
+        fingerprint: tokenizer.fingerprint().to_string(),
+        kind: parts.kind.as_str().to_string(),
+        tokenizer_json: parts.tokenizer_json.clone(),
+        chat_template: parts.chat_template.clone().unwrap_or_default(),
+        bos_id: s.bos_id,
+        bos_token: s.bos_token.clone().unwrap_or_default(),
+        eos_token: s.eos_token.clone().unwrap_or_default(),
+        end_ids: s.end_ids.clone(),
+        add_bos: s.add_bos,
+    }
+}
+
+pub(crate) fn describe_response(info: &WorkerInfo, tokenizer: &Tokenizer) -> pb::DescribeResponse {
+    let m = &info.model;
+    pb::DescribeResponse {
+        model: Some(pb::ModelShape {
+            name: m.name.clone(),
+            vocab_size: m.vocab_size as u32,
+            hidden_size: m.hidden_size as u32,
+            num_layers: m.num_layers() as u32,
+            num_heads: m.num_heads as u32,
+            num_kv_heads: m.num_kv_heads as u32,
+            head_dim: m.head_dim as u32,
+            ffn_size: m.ffn_size as u32,
+            rope_theta: m.rope_theta,
+            layer_windows: m.layer_windows.clone(),
+            max_context: m.max_context,
+            tokenizer_fingerprint: tokenizer.fingerprint().to_string(),
+        }),
+        tokens_per_block: m.tokens_per_block,
+        pools: info
+            .pools
+            .iter()
+            .map(|p| pb::WorkerPool {
+                window: p.window,
+                num_layers: p.num_layers,
+                num_blocks: p.num_blocks,
+                bytes_per_block: p.bytes_per_block,
+            })
+            .collect(),
+        backend: info.backend.to_string(),
+        kv_dtype: info.kv_dtype.to_string(),
+        memory_budget_bytes: info.memory_budget_bytes,
+        weight_bytes: info.weight_bytes,
+        activation_bytes: info.activation_bytes,
+        max_batch_sequences: info.limits.max_batch_sequences as u32,
+        max_batch_tokens: info.limits.max_batch_tokens as u32,
+        device: info.device.clone(),
+    }
+}

@@ -1,0 +1,106 @@
+//! [`run`]: builds the worker and serves `kvlease.v1.WorkerService` with
+//! gRPC health and reflection.
+
+use std::future::Future;
+
+use kvlease_proto::v1::worker_service_server::WorkerServiceServer;
+use kvlease_telemetry::metrics::Registry;
+use kvlease_telemetry::process::RunError;
+use kvlease_telemetry::serve::{Listeners, ServerInfo, serve};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::metrics::WorkerMetrics;
+use crate::model::weights::Weights;
+use crate::service::WorkerGrpc;
+use crate::worker::Worker;
+use kvlease_tokenizer::Tokenizer;
+
+/// The service name in traces and logs.
+pub const SERVICE: &str = "kvlease-worker";
+
+impl RunError for Error {
+    /// The flags, the weights file they name, or a budget too small for them.
+    fn is_config(&self) -> bool {
+        matches!(
+            self,
+            Error::Config(_) | Error::Weights { .. } | Error::MemoryBudget { .. }
+        )
+    }
+}
+
+/// Builds the worker from `config` and serves `kvlease.v1.WorkerService`
+/// (plus gRPC health and reflection, and the metrics endpoint when there is a
+/// listener for it) on `listeners` until `shutdown` resolves.
+/// `config.listen` and `config.metrics_listen` are not used: the caller binds
+/// the listeners. A real model (`--model`) brings its own tokenizer; the
+/// seeded model serves the byte-level one.
+pub async fn run(
+    listeners: impl Into<Listeners>,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let (weights, tokenizer) = match &config.model {
+        Some(path) => {
+            let model = config.load_model(path)?;
+            (model.weights, Some(model.tokenizer))
+        }
+        None => (config.load_weights()?, None),
+    };
+    serve_model(listeners.into(), &config, weights, tokenizer, shutdown).await
+}
+
+/// [`run`] with `tokenizer` served instead of the model's own: replicas that
+/// disagree on their tokenizer, or one whose tokenizer.json is over 4 MiB.
+pub async fn run_with_tokenizer(
+    listeners: impl Into<Listeners>,
+    config: Config,
+    tokenizer: Tokenizer,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let weights = config.load_weights()?;
+    serve_model(
+        listeners.into(),
+        &config,
+        weights,
+        Some(tokenizer),
+        shutdown,
+    )
+    .await
+}
+
+async fn serve_model(
+    listeners: Listeners,
+    config: &Config,
+    weights: Weights,
+    tokenizer: Option<Tokenizer>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let worker = Worker::new(
+        weights,
+        config.worker_options(),
+        config.backend,
+        config.cuda_options(),
+    )?;
+    let registry = Registry::new();
+    let metrics = WorkerMetrics::register(&registry, worker.info())?;
+    let mut service = WorkerGrpc::new(worker, metrics);
+    if let Some(tokenizer) = tokenizer {
+        service = service.with_tokenizer(tokenizer)?;
+    }
+    serve(
+        ServerInfo {
+            name: SERVICE,
+            descriptors: kvlease_proto::FILE_DESCRIPTOR_SET,
+        },
+        listeners,
+        // GetTokenizer answers with a whole tokenizer.json, over tonic's
+        // default 4 MiB for real vocabularies.
+        WorkerServiceServer::new(service)
+            .max_encoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES),
+        move || registry.render(),
+        shutdown,
+    )
+    .await?;
+    Ok(())
+}
