@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::cache::CacheConfig;
+use crate::eviction::{EvictionConfig, PolicyKind, parse_group_policy};
 
 /// Configuration of the cache service.
 #[derive(Clone, Debug, clap::Parser)]
@@ -50,6 +51,13 @@ pub struct Config {
         default_value_t = 60_000
     )]
     pub audit_interval_ms: u64,
+    /// Eviction policy of every pool group not named by --group-eviction-policy:
+    /// lru, lfu or chain.
+    #[arg(long, env = "KVLEASE_CACHE_EVICTION_POLICY", default_value = "lru")]
+    pub eviction_policy: PolicyKind,
+    /// Eviction policy of one pool group, as GROUP=POLICY; repeatable.
+    #[arg(long, value_parser = parse_group_policy)]
+    pub group_eviction_policy: Vec<(String, PolicyKind)>,
 }
 
 impl Default for Config {
@@ -67,6 +75,10 @@ impl Config {
             max_ttl: Duration::from_millis(self.max_ttl_ms.max(self.min_ttl_ms)),
             session_quota: self.session_quota,
             event_capacity: self.event_buffer,
+            eviction: EvictionConfig {
+                default: self.eviction_policy,
+                groups: self.group_eviction_policy.clone(),
+            },
             ..CacheConfig::default()
         }
     }

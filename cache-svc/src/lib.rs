@@ -7,6 +7,8 @@
 //! - [`eviction`]: the swappable eviction policy (priority, then LRU, leaves
 //!   before parents).
 //! - [`prefix`]: chained block hashes.
+//! - [`mrc`]: online miss-ratio curves (hit rates at other pool sizes) from
+//!   spatially sampled shadow LRUs.
 //! - [`lease`]: the domain types of requests and answers.
 //! - [`session`]: holder sessions, their sequences' block tables, fences and
 //!   hashes waiting for a step to complete.
@@ -28,6 +30,7 @@ pub mod events;
 pub mod eviction;
 pub mod lease;
 pub mod metrics;
+pub mod mrc;
 pub mod pool;
 pub mod prefix;
 pub mod service;
