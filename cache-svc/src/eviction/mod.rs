@@ -155,3 +155,61 @@ pub fn parse_group_policy(s: &str) -> Result<(String, PolicyKind), String> {
     }
     Ok((group.to_owned(), policy.parse()?))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policies_parse_by_name_and_per_group() {
+        for kind in PolicyKind::ALL {
+            assert_eq!(kind.name().parse::<PolicyKind>(), Ok(kind));
+        }
+        let err = "mru".parse::<PolicyKind>().unwrap_err();
+        assert!(err.contains("lru, lfu, chain"), "{err}");
+        assert_eq!(
+            parse_group_policy("model/r0=chain"),
+            Ok(("model/r0".to_owned(), PolicyKind::Chain))
+        );
+        assert!(parse_group_policy("=lru").is_err());
+        assert!(parse_group_policy("model").is_err());
+        assert!(parse_group_policy("model=arc").is_err());
+        let config = EvictionConfig {
+            default: PolicyKind::Lfu,
+            groups: vec![("a".into(), PolicyKind::Chain)],
+        };
+        assert_eq!(config.for_group("a"), PolicyKind::Chain);
+        assert_eq!(config.for_group("b"), PolicyKind::Lfu);
+    }
+
+    #[test]
+    fn the_flags_choose_policies() {
+        let config = <crate::Config as clap::Parser>::try_parse_from([
+            "kvlease-cache",
+            "--eviction-policy",
+            "lfu",
+            "--group-eviction-policy",
+            "a=chain",
+            "--group-eviction-policy",
+            "b=lru",
+        ])
+        .map_err(|e| e.to_string());
+        let eviction = config.map(|c| c.cache_config().eviction);
+        assert_eq!(
+            eviction,
+            Ok(EvictionConfig {
+                default: PolicyKind::Lfu,
+                groups: vec![
+                    ("a".into(), PolicyKind::Chain),
+                    ("b".into(), PolicyKind::Lru)
+                ],
+            })
+        );
+        let bad = <crate::Config as clap::Parser>::try_parse_from([
+            "kvlease-cache",
+            "--eviction-policy",
+            "fifo",
+        ]);
+        assert!(bad.is_err());
+    }
+}
