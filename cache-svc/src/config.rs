@@ -8,6 +8,7 @@ use std::time::Duration;
 use kvlease_telemetry::process::{ListenAddrs, ServiceConfig};
 
 use crate::cache::CacheConfig;
+use crate::eviction::{EvictionConfig, PolicyKind, parse_group_policy};
 
 const DEFAULT_LISTEN: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 50052);
 const DEFAULT_SESSION_TTL_MS: u64 = 30_000;
@@ -19,6 +20,7 @@ const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
 const DEFAULT_EVENT_BUFFER: usize = 65_536;
 const DEFAULT_EXPIRY_INTERVAL_MS: u64 = 500;
 const DEFAULT_AUDIT_INTERVAL_MS: u64 = 60_000;
+const DEFAULT_EVICTION_POLICY: PolicyKind = PolicyKind::Lru;
 
 /// Configuration of the cache service.
 #[derive(Clone, Debug, PartialEq, Eq, clap::Parser)]
@@ -65,6 +67,13 @@ pub struct Config {
         default_value_t = DEFAULT_AUDIT_INTERVAL_MS
     )]
     pub audit_interval_ms: u64,
+    /// Eviction policy of every pool group not named by --group-eviction-policy:
+    /// lru, lfu or chain.
+    #[arg(long, env = "KVLEASE_CACHE_EVICTION_POLICY", default_value_t = DEFAULT_EVICTION_POLICY)]
+    pub eviction_policy: PolicyKind,
+    /// Eviction policy of one pool group, as GROUP=POLICY; repeatable.
+    #[arg(long, value_parser = parse_group_policy)]
+    pub group_eviction_policy: Vec<(String, PolicyKind)>,
 }
 
 impl Default for Config {
@@ -81,6 +90,8 @@ impl Default for Config {
             event_buffer: DEFAULT_EVENT_BUFFER,
             expiry_interval_ms: DEFAULT_EXPIRY_INTERVAL_MS,
             audit_interval_ms: DEFAULT_AUDIT_INTERVAL_MS,
+            eviction_policy: DEFAULT_EVICTION_POLICY,
+            group_eviction_policy: Vec::new(),
         }
     }
 }
@@ -104,6 +115,10 @@ impl Config {
             max_ttl: Duration::from_millis(self.max_ttl_ms.max(self.min_ttl_ms)),
             session_quota: self.session_quota,
             event_capacity: self.event_buffer,
+            eviction: EvictionConfig {
+                default: self.eviction_policy,
+                groups: self.group_eviction_policy.clone(),
+            },
             ..CacheConfig::default()
         }
     }

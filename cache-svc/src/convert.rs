@@ -147,6 +147,16 @@ pub(crate) fn stats_to_pb(p: PoolStats) -> pb::PoolStats {
         reuse_lookups: p.counters.reuse_lookups,
         reuse_hits: p.counters.reuse_hits,
         leaks_reclaimed: p.counters.leaks_reclaimed,
+        hit_rate_estimates: p
+            .hit_rate_estimates
+            .iter()
+            .map(|e| pb::HitRateEstimate {
+                scale: e.scale,
+                blocks: e.blocks,
+                hit_rate: e.hit_rate,
+                sampled_lookups: e.sampled_lookups,
+            })
+            .collect(),
     }
 }
 

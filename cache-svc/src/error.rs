@@ -26,6 +26,17 @@ pub enum Error {
         /// The service's epoch.
         current: Epoch,
     },
+    /// A Lease at a step the session already reported complete: its blocks
+    /// could never be published for reuse.
+    #[error(
+        "lease at step {step}, but the session already completed step {completed}: lease at a later step so its blocks can be published"
+    )]
+    StepAlreadyCompleted {
+        /// The step of the Lease.
+        step: u64,
+        /// The session's last completed step.
+        completed: u64,
+    },
     /// No pool group of that name is registered.
     #[error("unknown pool group {0:?}")]
     UnknownGroup(String),
@@ -54,9 +65,10 @@ impl From<Error> for tonic::Status {
         match err {
             Error::InvalidArgument(_) => tonic::Status::invalid_argument(message),
             Error::LimitExceeded(_) => tonic::Status::resource_exhausted(message),
-            Error::UnknownSession(_) | Error::SessionExpired(_) | Error::StaleEpoch { .. } => {
-                tonic::Status::failed_precondition(message)
-            }
+            Error::UnknownSession(_)
+            | Error::SessionExpired(_)
+            | Error::StaleEpoch { .. }
+            | Error::StepAlreadyCompleted { .. } => tonic::Status::failed_precondition(message),
             Error::UnknownGroup(_) => tonic::Status::not_found(message),
             Error::GeometryConflict { .. } => tonic::Status::already_exists(message),
             Error::Io(_) | Error::Serve(_) => tonic::Status::internal(message),

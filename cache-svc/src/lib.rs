@@ -7,6 +7,8 @@
 //! - [`eviction`]: the swappable eviction policy (priority, then LRU, leaves
 //!   before parents).
 //! - [`prefix`]: chained block hashes.
+//! - [`mrc`]: online miss-ratio curves (hit rates at other pool sizes) from
+//!   spatially sampled shadow LRUs.
 //! - [`lease`]: the domain types of requests and answers; `ids`: the
 //!   numbers the cache is handed ([`SessionId`], [`Epoch`], [`BlockId`]).
 //! - `session`: holder sessions, their sequences' block tables, fences and
@@ -34,6 +36,7 @@ pub mod eviction;
 mod ids;
 pub mod lease;
 mod metrics;
+pub mod mrc;
 pub mod pool;
 pub mod prefix;
 mod server;

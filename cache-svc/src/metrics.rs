@@ -19,6 +19,7 @@ pub(crate) struct CacheMetrics {
     reuse_hits: CounterVec<1>,
     reuse_lookups: CounterVec<1>,
     hit_rate: GaugeVec<1>,
+    estimated_hit_rate: GaugeVec<2>,
     leaks: CounterVec<1>,
 }
 
@@ -84,6 +85,13 @@ impl CacheMetrics {
                     [names::POOL_ID],
                 )
                 .map_err(fail)?,
+            estimated_hit_rate: registry
+                .gauge_vec(
+                    names::ESTIMATED_HIT_RATE,
+                    "Estimated prefix hit rate at scale times the pool's size (miss-ratio curve).",
+                    [names::POOL_ID, names::SCALE],
+                )
+                .map_err(fail)?,
             leaks: registry
                 .counter_vec(
                     names::LEAKED_BLOCKS_RECLAIMED_TOTAL,
@@ -138,6 +146,11 @@ impl CacheMetrics {
                 k.reuse_hits as f64 / k.reuse_lookups as f64
             };
             self.hit_rate.with([&id]).set(rate);
+            for e in p.pool.hit_rate_estimates() {
+                self.estimated_hit_rate
+                    .with([&id, &e.scale.to_string()])
+                    .set(e.hit_rate);
+            }
         }
         self.registry.render()
     }
@@ -187,6 +200,10 @@ mod tests {
         );
         assert!(
             text.contains(r#"kvlease_grants_total{op="lease"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"kvlease_cache_estimated_hit_rate{pool_id="1",scale="0.5"} 0"#),
             "{text}"
         );
     }

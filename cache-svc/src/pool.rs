@@ -19,6 +19,7 @@
 use foldhash::{HashMap, HashMapExt};
 
 use crate::eviction::{EvictionPolicy, PriorityLru};
+use crate::mrc::{HitRateEstimate, MissRatioCurve};
 
 pub use crate::ids::BlockId;
 
@@ -130,6 +131,7 @@ pub struct BlockPool {
     /// Counters since start.
     pub counters: PoolCounters,
     events: Vec<IndexEvent>,
+    mrc: MissRatioCurve,
 }
 
 impl BlockPool {
@@ -153,6 +155,7 @@ impl BlockPool {
             },
             counters: PoolCounters::default(),
             events: Vec::new(),
+            mrc: MissRatioCurve::new(num_blocks),
         }
     }
 
@@ -191,6 +194,16 @@ impl BlockPool {
     /// The generation of `block` (changes on every allocation).
     pub fn generation(&self, block: BlockId) -> u32 {
         self.meta[block as usize].generation
+    }
+
+    /// Feeds the miss-ratio curve one request's looked-up chain.
+    pub fn observe_lookups(&mut self, chain: &[u64]) {
+        self.mrc.observe(chain);
+    }
+
+    /// Estimated hit rates at other sizes of this pool.
+    pub fn hit_rate_estimates(&self) -> Vec<HitRateEstimate> {
+        self.mrc.estimates()
     }
 
     /// Events of the prefix index since the last call.
@@ -280,6 +293,9 @@ impl BlockPool {
         m.refcount += 1;
         m.priority = m.priority.max(priority);
         m.last_holder = holder;
+        if m.hash.is_some() {
+            self.eviction.reused(block);
+        }
         self.settle(block, before);
     }
 
@@ -339,6 +355,8 @@ impl BlockPool {
             m.hash = Some(hash);
         }
         self.index.insert(hash, block);
+        let parent = self.index.get(&m.parent).copied();
+        self.eviction.published(block, hash, parent);
         self.adjust_children(m.parent, true);
         self.events.push(IndexEvent::Stored {
             hash,

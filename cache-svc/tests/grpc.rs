@@ -704,3 +704,55 @@ async fn reflection_lists_only_the_services_this_port_serves() {
     );
     s.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_lease_at_a_completed_step_is_failed_precondition_and_stats_carry_the_curve() {
+    let mut server = Server::start(config()).await;
+    let c = &mut server.client;
+    register(c, 16).await;
+    let s = open(c).await;
+    let tokens: Vec<u32> = (1..=9).collect();
+    let out = c
+        .lease(lease_req(s, 1, vec![seq(1, tokens.clone())]))
+        .await
+        .unwrap()
+        .into_inner();
+    grant(&out.outcomes[0]);
+    c.complete_step(pb::CompleteStepRequest {
+        session_id: s.0,
+        epoch: s.1,
+        step: 1,
+    })
+    .await
+    .unwrap();
+    // A client that leaves step at 0 is told why its blocks would never be
+    // published, and nothing is taken.
+    assert_status(
+        c.lease(lease_req(s, 0, vec![seq(2, tokens.clone())])).await,
+        Code::FailedPrecondition,
+        "already completed step 1",
+    );
+    let out = c
+        .lease(lease_req(s, 2, vec![seq(2, tokens)]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(grant(&out.outcomes[0]).reused_tokens, 8);
+    let stats = c
+        .get_stats(pb::GetStatsRequest {
+            pool_group: GROUP.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let full = &stats.pools[0];
+    let scales: Vec<f64> = full.hit_rate_estimates.iter().map(|e| e.scale).collect();
+    assert_eq!(scales, vec![0.5, 1.0, 2.0, 4.0]);
+    // Two leases looked up 2 blocks each; the second hit both, at any size.
+    for e in &full.hit_rate_estimates {
+        assert_eq!(e.sampled_lookups, 4, "{e:?}");
+        assert!((e.hit_rate - 0.5).abs() < 1e-9, "{e:?}");
+    }
+    assert_eq!(full.hit_rate_estimates[3].blocks, 64);
+    server.shutdown().await;
+}

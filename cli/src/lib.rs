@@ -13,6 +13,9 @@
 //!   progress bar) and one request's outcome.
 //! - [`report`]: percentiles, finishes by reason and cluster counters as the
 //!   closing table.
+//! - [`replay`]: `kvlease cache-replay`: a block trace through in-process
+//!   cache services, against the reference LRU and the offline optimum;
+//!   and a generator of conversation traces.
 //! - [`status`]: `GetStatus` as text.
 //! - [`demo`]: the over-subscribing demo on a small pool.
 //! - [`models`]: `kvlease model fetch` (a known model's file out of its
@@ -30,6 +33,7 @@ pub mod demo;
 pub mod error;
 pub mod models;
 pub mod mooncake;
+pub mod replay;
 pub mod report;
 pub mod status;
 pub mod workload;

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use cache_svc::eviction::PolicyKind;
 use clap::{Parser, Subcommand};
 use kvlease::bench::Load;
 use kvlease::cluster::ClusterConfig;
@@ -12,6 +13,8 @@ use kvlease::commands::{self, GenerateOptions, Source};
 use kvlease::demo::{self, DemoOptions};
 use kvlease::models;
 use kvlease::mooncake::Expand;
+use kvlease::replay::conversations::{self, Conversations};
+use kvlease::replay::{self, ReplayOptions};
 use kvlease::workload::Synthetic;
 use kvlease_telemetry::process::{self, EXIT_USAGE};
 use scheduler_svc::policy::{OnExhausted, Policy};
@@ -48,6 +51,12 @@ enum Command {
         #[command(subcommand)]
         action: ModelAction,
     },
+    /// Replay a block trace through in-process cache services, one per policy
+    /// and capacity; compare with the reference LRU, the offline optimum and
+    /// infinite capacity.
+    CacheReplay(CacheReplayArgs),
+    /// Write a generated multi-turn conversation trace (Mooncake JSON lines).
+    CacheTrace(CacheTraceArgs),
     /// Check a service's gRPC health: exit 0 when SERVING, 1 otherwise.
     Health {
         /// host:port of any kvlease service.
@@ -207,6 +216,56 @@ struct BenchArgs {
     fail_on_error: bool,
 }
 
+#[derive(Debug, clap::Args)]
+struct CacheReplayArgs {
+    /// Mooncake trace (JSON lines with hash_ids; one hash id = one block).
+    #[arg(long)]
+    trace: PathBuf,
+    /// Pool sizes in blocks, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1024,2048,4096,8192,16384"
+    )]
+    capacity: Vec<u32>,
+    /// Eviction policies, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "lru,lfu,chain")]
+    policy: Vec<PolicyKind>,
+    /// Requests held at once (interleaved replay).
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// Replay only the first N requests (0 = all).
+    #[arg(long, default_value_t = 0)]
+    requests: usize,
+}
+
+#[derive(Debug, clap::Args)]
+struct CacheTraceArgs {
+    /// File to write.
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = Conversations::default().sessions)]
+    sessions: usize,
+    #[arg(long, default_value_t = Conversations::default().system_prompts)]
+    system_prompts: u32,
+    /// Zipf exponent of system prompt popularity.
+    #[arg(long, default_value_t = Conversations::default().zipf)]
+    zipf: f64,
+    /// Probability that a conversation comes back after a turn.
+    #[arg(long, default_value_t = Conversations::default().return_probability)]
+    return_probability: f64,
+    #[arg(long, default_value_t = Conversations::default().max_turns)]
+    max_turns: u32,
+    /// Mean think time between turns, in milliseconds.
+    #[arg(long, default_value_t = Conversations::default().think_ms)]
+    think_ms: f64,
+    /// Mean gap between new conversations, in milliseconds.
+    #[arg(long, default_value_t = Conversations::default().arrival_gap_ms)]
+    arrival_gap_ms: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
 fn log_filter_default(quiet: &str, service: &str) -> kvlease_telemetry::TelemetryConfig {
     let mut config = kvlease_telemetry::TelemetryConfig::from_env(service);
     if std::env::var_os(kvlease_telemetry::ENV_LOG_FILTER).is_none() {
@@ -359,6 +418,48 @@ async fn main() -> ExitCode {
                     ExitCode::SUCCESS
                 }
                 Err(e) => failed(e),
+            }
+        }
+        Command::CacheReplay(a) => {
+            let options = ReplayOptions {
+                trace: a.trace,
+                capacities: a.capacity,
+                policies: a.policy,
+                concurrency: a.concurrency,
+                limit: a.requests,
+            };
+            match replay::run(options).await {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(kvlease::Error::Usage(m)) => {
+                    eprintln!("kvlease: {m}");
+                    ExitCode::from(EXIT_USAGE)
+                }
+                Err(e) => failed(e),
+            }
+        }
+        Command::CacheTrace(a) => {
+            if !(0.0..=1.0).contains(&a.return_probability) {
+                eprintln!("kvlease: --return-probability must be in [0, 1]");
+                return ExitCode::from(EXIT_USAGE);
+            }
+            let shape = Conversations {
+                sessions: a.sessions,
+                system_prompts: a.system_prompts,
+                zipf: a.zipf,
+                return_probability: a.return_probability,
+                max_turns: a.max_turns,
+                think_ms: a.think_ms,
+                arrival_gap_ms: a.arrival_gap_ms,
+                seed: a.seed,
+                ..Conversations::default()
+            };
+            let records = shape.records();
+            match std::fs::write(&a.out, conversations::to_jsonl(&records)) {
+                Ok(()) => {
+                    println!("wrote {} requests to {}", records.len(), a.out.display());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => failed(format!("cannot write {}: {e}", a.out.display())),
             }
         }
         Command::Status { scheduler } => match commands::status(&scheduler).await {

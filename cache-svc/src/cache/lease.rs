@@ -81,6 +81,15 @@ impl Cache {
             warmup,
         } = batch;
         self.touch(session_id, epoch, now)?;
+        if !warmup
+            && let Some(completed) = self
+                .sessions
+                .get(&session_id)
+                .and_then(|s| s.completed_step)
+                .filter(|&done| step <= done)
+        {
+            return Err(Error::StepAlreadyCompleted { step, completed });
+        }
         for spec in specs {
             self.validate_spec(spec)?;
         }
@@ -440,6 +449,9 @@ impl Cache {
                 let eligible = ((plan.prompt_len - 1) / b).min(plan.hashes.len() as u32);
                 entry.pool.counters.reuse_lookups += u64::from(eligible);
                 entry.pool.counters.reuse_hits += u64::from(plan.reused_tokens / b);
+                entry
+                    .pool
+                    .observe_lookups(&plan.hashes[..eligible as usize]);
             }
             let pool = &mut entry.pool;
             let mut shared: Vec<BlockId> = p.reuse.clone();

@@ -76,6 +76,8 @@ pub struct CacheConfig {
     pub max_pool_blocks: u32,
     /// Largest beam width accepted.
     pub max_beam_width: u32,
+    /// The eviction policy of each pool group.
+    pub eviction: crate::eviction::EvictionConfig,
 }
 
 impl Default for CacheConfig {
@@ -88,6 +90,7 @@ impl Default for CacheConfig {
             event_capacity: 65_536,
             max_pool_blocks: 1 << 24,
             max_beam_width: 64,
+            eviction: crate::eviction::EvictionConfig::default(),
         }
     }
 }

@@ -99,6 +99,7 @@ impl Cache {
             return Ok((infos, true));
         }
         let mut indices = Vec::with_capacity(pools.len());
+        let policy = self.config.eviction.for_group(group);
         for &(window, num_blocks) in pools {
             let index = self.pools.len();
             self.pools.push(PoolEntry {
@@ -106,7 +107,7 @@ impl Cache {
                 group: group.to_owned(),
                 window,
                 tokens_per_block,
-                pool: BlockPool::new(num_blocks),
+                pool: BlockPool::with_policy(num_blocks, policy.build(num_blocks as usize)),
             });
             indices.push(index);
         }

@@ -8,7 +8,7 @@ use crate::lease::SeqSpec;
 use crate::pool::{PoolCounters, PoolCounts};
 
 /// Figures of one pool for `GetStats`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PoolStats {
     /// Its group.
     pub group: String,
@@ -18,10 +18,12 @@ pub struct PoolStats {
     pub counts: PoolCounts,
     /// Counters since start.
     pub counters: PoolCounters,
+    /// Estimated hit rates at other pool sizes (the miss-ratio curve).
+    pub hit_rate_estimates: Vec<crate::mrc::HitRateEstimate>,
 }
 
 /// Figures of the whole cache.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Stats {
     /// Per pool.
     pub pools: Vec<PoolStats>,
@@ -113,6 +115,7 @@ impl Cache {
                 info: self.info(i),
                 counts: p.pool.counts(),
                 counters: p.pool.counters,
+                hit_rate_estimates: p.pool.hit_rate_estimates(),
             })
             .collect();
         Ok(Stats {

@@ -211,7 +211,7 @@ fn invariant_5_fenced_blocks_wait_for_their_step_and_count_as_pending() {
     assert_eq!(f.complete(4), 0, "an earlier step does not lift the fence");
     assert_eq!(f.complete(5), 4);
     assert!(
-        f.lease(3, false, &[spec(2, Prompt::Count(4))])[0]
+        f.lease(6, false, &[spec(2, Prompt::Count(4))])[0]
             .grant()
             .is_some()
     );
@@ -631,4 +631,39 @@ fn register_pool_is_idempotent_and_refuses_a_conflict() {
         cache.register_pool("g", 8, &[(0, 10), (64, 10)]),
         Err(crate::Error::GeometryConflict { .. })
     ));
+}
+
+#[test]
+fn a_lease_at_a_completed_step_is_refused_naming_the_step() {
+    let mut f = Fixture::new(4, &[(0, 8)]);
+    f.lease(3, false, &[spec(1, Prompt::Tokens(tokens(0, 9)))]);
+    f.complete(3);
+    for step in [0, 3] {
+        let err = f
+            .cache
+            .lease(
+                f.session,
+                f.epoch,
+                Batch {
+                    step,
+                    ..Batch::default()
+                },
+                &[spec(2, Prompt::Tokens(tokens(0, 9)))],
+                f.now,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(err, crate::Error::StepAlreadyCompleted { completed: 3, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("completed step 3"), "{err}");
+        assert_eq!(
+            tonic::Status::from(err).code(),
+            tonic::Code::FailedPrecondition
+        );
+    }
+    f.check();
+    // A later step is fine, and reuses what step 3 published.
+    let out = f.lease(4, false, &[spec(2, Prompt::Tokens(tokens(0, 9)))]);
+    assert_eq!(out[0].grant().unwrap().reused_tokens, 8);
 }

@@ -9,6 +9,7 @@ use proptest::prelude::*;
 use super::{Fixture, spec};
 use crate::cache::{Batch, CacheConfig};
 use crate::estimate::{Shape, pool_need};
+use crate::eviction::{EvictionConfig, PolicyKind};
 use crate::lease::{Extra, Growth, Outcome, Prompt, RejectReason};
 
 #[derive(Clone, Debug)]
@@ -65,9 +66,16 @@ proptest! {
     /// Invariants 1-5 and 10 after every operation of random sequences of
     /// lease / extend / release / fence / complete / expire / evict / audit.
     #[test]
-    fn random_operations_keep_every_invariant(ops in prop::collection::vec(op(), 1..40)) {
+    fn random_operations_keep_every_invariant(
+        ops in prop::collection::vec(op(), 1..40),
+        policy in prop::sample::select(PolicyKind::ALL.to_vec()),
+    ) {
         let (b, w) = (4u32, 9u32);
-        let config = CacheConfig { session_quota: 0, ..CacheConfig::default() };
+        let config = CacheConfig {
+            session_quota: 0,
+            eviction: EvictionConfig { default: policy, groups: Vec::new() },
+            ..CacheConfig::default()
+        };
         let mut f = Fixture::with_config(config, b, &[(0, 24), (w, 14)]);
         let mut step = 1u64;
         let mut extra_of: HashMap<u64, u32> = HashMap::new();

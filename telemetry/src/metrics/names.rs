@@ -19,6 +19,9 @@ pub const REUSE_HIT_BLOCKS_TOTAL: &str = "kvlease_reuse_hit_blocks_total";
 pub const REUSE_LOOKUP_BLOCKS_TOTAL: &str = "kvlease_reuse_lookup_blocks_total";
 /// Gauge: hits / lookups so far (0 before any lookup).
 pub const REUSE_HIT_RATE: &str = "kvlease_reuse_hit_rate";
+/// Gauge: the prefix hit rate a pool would have at `scale` times its size
+/// (the cache's online miss-ratio curve).
+pub const ESTIMATED_HIT_RATE: &str = "kvlease_cache_estimated_hit_rate";
 /// Counter: blocks the leak audit reclaimed.
 pub const LEAKED_BLOCKS_RECLAIMED_TOTAL: &str = "kvlease_leaked_blocks_reclaimed_total";
 /// Histogram: one scheduler step, schedule to `CompleteStep`.
@@ -32,6 +35,8 @@ pub const RUNNING_SEQUENCES: &str = "kvlease_running_sequences";
 
 /// Label: pool id.
 pub const POOL_ID: &str = "pool_id";
+/// Label: a pool size as a multiple of the real one.
+pub const SCALE: &str = "scale";
 /// Label: the pool's window in tokens (`0` = full attention).
 pub const WINDOW: &str = "window";
 /// Label: block state.
