@@ -554,7 +554,7 @@ fn smollm2_on_the_gpu_agrees_with_transformers() {
     let mut worker = Worker::new_cuda(loaded.weights, options(), gpu)
         .unwrap_or_else(|e| panic!("cuda worker: {e}"));
     println!(
-        "SmolLM2 on {} (f32 weights, {DTYPE:?} arena) vs transformers {}:",
+        "SmolLM2 on {} (bf16 weights and products, {DTYPE:?} arena) vs transformers {}:",
         worker.info().device,
         fixture.transformers
     );
