@@ -6,6 +6,8 @@
 //!
 //! `cargo bench -p kvlease-gateway --bench http_vs_grpc [-- REQUESTS CONCURRENCY]`
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a bench: a failed setup ends the run
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

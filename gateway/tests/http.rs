@@ -3,6 +3,8 @@
 //! and real HTTP/1.1 requests. Each answer is checked against the same
 //! request sent over gRPC.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
