@@ -15,10 +15,10 @@ fi
 # +crt-static links glibc statically: the binaries run in a scratch image.
 RUSTFLAGS="${RUSTFLAGS:-} -C target-feature=+crt-static" \
   cargo build --release --target "$TARGET" \
-  -p kvlease -p cache-svc -p scheduler-svc -p worker-svc
+  -p kvlease -p cache-svc -p scheduler-svc -p worker-svc -p kvlease-gateway
 
 mkdir -p docker/bin
-for b in kvlease kvlease-cache kvlease-scheduler kvlease-worker; do
+for b in kvlease kvlease-cache kvlease-scheduler kvlease-worker kvlease-gateway; do
   # the release profile keeps line tables for backtraces; images do not need them
   if command -v strip >/dev/null 2>&1; then
     strip --strip-debug -o "docker/bin/$b" "target/$TARGET/release/$b"

@@ -20,7 +20,14 @@ use crate::workload::Synthetic;
 
 /// `kvlease up`: starts the cluster, prints its addresses and runs until
 /// `shutdown` resolves or a service stops by itself (an error).
-pub async fn up(config: ClusterConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
+///
+/// With `http` set, the OpenAI-compatible HTTP front (`kvlease-gateway`)
+/// serves there too, in front of the scheduler.
+pub async fn up(
+    config: ClusterConfig,
+    http: Option<std::net::SocketAddr>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
     let workers = config.worker_listens.len();
     println!("kvlease up: starting cache, {workers} worker(s) and scheduler ...");
     let mut cluster = Cluster::start(config).await?;
@@ -28,6 +35,33 @@ pub async fn up(config: ClusterConfig, shutdown: impl Future<Output = ()>) -> Re
         "  scheduler  {}   (kvlease generate / bench / status talk to this)",
         cluster.scheduler
     );
+    let (stop_gateway, gateway_stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut gateway = None;
+    if let Some(addr) = http {
+        let listener = match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => l,
+            Err(source) => {
+                cluster.shutdown().await;
+                return Err(Error::Bind { addr, source });
+            }
+        };
+        let local = listener.local_addr().unwrap_or(addr);
+        let config = kvlease_gateway::Config {
+            listen: local,
+            scheduler_addr: format!("http://{}", cluster.scheduler),
+            ..kvlease_gateway::Config::default()
+        };
+        println!(
+            "  http       http://{local}/v1   (OpenAI-compatible; model {:?})",
+            config.model
+        );
+        gateway = Some(tokio::spawn(kvlease_telemetry::in_service(
+            "kvlease-gateway",
+            kvlease_gateway::run(listener, config, async {
+                let _ = gateway_stopped.await;
+            }),
+        )));
+    }
     println!("  cache      {}", cluster.cache);
     for (i, w) in cluster.workers.iter().enumerate() {
         println!("  worker-{}   {w}", i + 1);
@@ -42,6 +76,13 @@ pub async fn up(config: ClusterConfig, shutdown: impl Future<Output = ()>) -> Re
         e = cluster.stopped() => Err(e),
     };
     println!("kvlease up: stopping ...");
+    let _ = stop_gateway.send(());
+    if let Some(Ok(Err(e))) = match gateway {
+        Some(task) => Some(task.await),
+        None => None,
+    } {
+        tracing::warn!(error = %e, "the HTTP front stopped with an error");
+    }
     cluster.shutdown().await;
     outcome
 }

@@ -105,6 +105,11 @@ struct UpArgs {
     /// the workers from port + 2; 0 turns them off.
     #[arg(long, default_value_t = 9090)]
     metrics_base_port: u16,
+    /// Serve the OpenAI-compatible HTTP API (/v1/completions,
+    /// /v1/chat/completions, /v1/models, /health) here, e.g. 127.0.0.1:8000;
+    /// off when absent.
+    #[arg(long)]
+    http_listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -312,7 +317,7 @@ async fn main() -> ExitCode {
             config.scheduler.policy = a.policy;
             config.scheduler.on_exhausted = a.on_exhausted;
             config.metrics_port = (a.metrics_base_port != 0).then_some(a.metrics_base_port);
-            match commands::up(config, process::shutdown_signal()).await {
+            match commands::up(config, a.http_listen, process::shutdown_signal()).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => failed(e),
             }

@@ -222,6 +222,8 @@ pub struct Generated {
     pub reused_tokens: u32,
     pub preemptions: u32,
     pub messages: usize,
+    /// The prompt's length as the scheduler encoded it (first message).
+    pub prompt_tokens: u32,
 }
 
 impl Generated {
@@ -241,6 +243,7 @@ pub async fn collect(
         g.messages += 1;
         if g.messages == 1 {
             g.reused_tokens = msg.reused_tokens;
+            g.prompt_tokens = msg.prompt_tokens;
         }
         g.tokens.extend(&msg.tokens);
         g.text.push_str(&msg.text);

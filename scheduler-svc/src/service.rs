@@ -73,6 +73,8 @@ struct StreamState {
     text: Option<TextStream>,
     deadline: Option<Instant>,
     done: bool,
+    /// The prompt's length, sent on the first message and then cleared.
+    prompt_tokens: Option<u32>,
 }
 
 /// The output text of a text or chat request.
@@ -118,6 +120,7 @@ fn response_stream(
     rx: mpsc::UnboundedReceiver<Output>,
     text: Option<(TextOutput, &Tokenizer)>,
     deadline: Option<Instant>,
+    prompt_tokens: u32,
 ) -> GenerateStream {
     let state = StreamState {
         rx,
@@ -127,6 +130,7 @@ fn response_stream(
         }),
         deadline,
         done: false,
+        prompt_tokens: Some(prompt_tokens),
     };
     Box::pin(futures::stream::unfold(state, |mut st| async move {
         if st.done {
@@ -146,7 +150,7 @@ fn response_stream(
             };
             return Some((Ok(m), st));
         };
-        let msg = match next {
+        let mut msg = match next {
             Some(Output::Tokens {
                 tokens,
                 reused_tokens,
@@ -213,6 +217,7 @@ fn response_stream(
                 }
             }
         };
+        msg.prompt_tokens = st.prompt_tokens.take().unwrap_or(0);
         Some((Ok(msg), st))
     }))
 }
@@ -237,11 +242,17 @@ impl Scheduler for SchedulerService {
         }
         tracing::debug!(request = id.get(), request_id = %req.request_id, prompt_tokens = r.prompt.len(),
             max_tokens = r.max_tokens, "generate");
+        let prompt_tokens = u32::try_from(r.prompt.len()).unwrap_or(u32::MAX);
         let rx = self
             .engine
             .submit(r, kvlease_telemetry::current_context())?;
         let text = text.map(|t| (t, &self.tokenizer));
-        Ok(Response::new(response_stream(rx, text, deadline)))
+        Ok(Response::new(response_stream(
+            rx,
+            text,
+            deadline,
+            prompt_tokens,
+        )))
     }
 
     async fn get_status(

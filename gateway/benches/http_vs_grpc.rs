@@ -1,0 +1,238 @@
+//! The HTTP front's cost: the same streaming chat load over HTTP (through
+//! the gateway) and over gRPC (straight to the scheduler), one after the
+//! other on one in-process cluster, in one run. Prints TTFT p50 and output
+//! throughput of each and the ratios. Each path has its own user / cache
+//! salt, so neither reuses the other's prefixes.
+//!
+//! `cargo bench -p kvlease-gateway --bench http_vs_grpc [-- REQUESTS CONCURRENCY]`
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a bench: a failed setup ends the run
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use kvlease_integration_tests::*;
+use kvlease_proto::v1 as pb;
+use kvlease_tokenizer::{GgufVocab, Tokenizer};
+use tokio::sync::Semaphore;
+
+const MAX_TOKENS: u32 = 32;
+
+fn chatml_tokenizer() -> Tokenizer {
+    let mut extra = 0u32;
+    let mut tokens: Vec<String> = (0..=255u32)
+        .map(|b| {
+            let printable = matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
+            let code = if printable {
+                b
+            } else {
+                extra += 1;
+                255 + extra
+            };
+            char::from_u32(code).unwrap_or('?').to_string()
+        })
+        .collect();
+    tokens.push("<|im_start|>".into());
+    tokens.push("<|im_end|>".into());
+    let mut token_types = vec![1; 256];
+    token_types.extend([3, 3]);
+    Tokenizer::from_gguf(&GgufVocab {
+        model: "gpt2".into(),
+        tokens,
+        token_types,
+        eos_id: Some(257),
+        chat_template: Some(
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}".into(),
+        ),
+        ..Default::default()
+    })
+    .expect("the ChatML tokenizer builds")
+}
+
+fn question(i: usize) -> String {
+    format!("Request {i}: say something about paged KV caches and their blocks.")
+}
+
+/// (time to the first text, output tokens) of one request: both paths
+/// count from the call to the first message with text.
+type One = (Duration, u32);
+
+async fn grpc_one(addr: SocketAddr, i: usize) -> One {
+    let mut c = scheduler_client(addr).await.expect("connects");
+    let start = Instant::now();
+    let mut stream = c
+        .generate(pb::GenerateRequest {
+            messages: vec![pb::ChatMessage {
+                role: "user".into(),
+                content: question(i),
+            }],
+            max_tokens: MAX_TOKENS,
+            cache_salt: "grpc".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("generate")
+        .into_inner();
+    let mut ttft = None;
+    let mut tokens = 0;
+    while let Some(m) = stream.next().await {
+        let m = m.expect("message");
+        if !m.text.is_empty() && ttft.is_none() {
+            ttft = Some(start.elapsed());
+        }
+        tokens += m.tokens.len() as u32;
+    }
+    (ttft.unwrap_or_else(|| start.elapsed()), tokens)
+}
+
+async fn http_one(addr: SocketAddr, i: usize) -> One {
+    let body = serde_json::json!({
+        "model": "kvlease", "max_tokens": MAX_TOKENS, "stream": true, "user": "http",
+        "stream_options": {"include_usage": true},
+        "messages": [{"role": "user", "content": question(i)}],
+    })
+    .to_string();
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connects");
+    stream.set_nodelay(true).expect("nodelay");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    let start = Instant::now();
+    let req = hyper::Request::post("/v1/chat/completions")
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .expect("request");
+    let mut body = sender
+        .send_request(req)
+        .await
+        .expect("response")
+        .into_body();
+    let mut ttft = None;
+    let mut text = String::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.expect("frame").into_data() {
+            let chunk = String::from_utf8_lossy(&data);
+            if ttft.is_none() && events(&chunk).any(|v| has_content(&v)) {
+                ttft = Some(start.elapsed());
+            }
+            text.push_str(&chunk);
+        }
+    }
+    let usage = events(&text)
+        .find_map(|v| v["usage"]["completion_tokens"].as_u64())
+        .expect("a usage chunk");
+    (ttft.unwrap_or_else(|| start.elapsed()), usage as u32)
+}
+
+/// The JSON events of SSE text.
+fn events(text: &str) -> impl Iterator<Item = serde_json::Value> + '_ {
+    text.split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter_map(|e| serde_json::from_str(e).ok())
+}
+
+fn has_content(v: &serde_json::Value) -> bool {
+    v["choices"][0]["delta"]["content"]
+        .as_str()
+        .is_some_and(|c| !c.is_empty())
+}
+
+async fn load<F, Fut>(requests: usize, concurrency: usize, one: F) -> (Duration, f64)
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = One> + Send + 'static,
+{
+    let gate = Arc::new(Semaphore::new(concurrency));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..requests {
+        let permit = gate.clone().acquire_owned().await.expect("semaphore");
+        let fut = one(i);
+        tasks.push(tokio::spawn(async move {
+            let r = fut.await;
+            drop(permit);
+            r
+        }));
+    }
+    let mut ttfts = Vec::new();
+    let mut tokens = 0u64;
+    for t in tasks {
+        let (ttft, n) = t.await.expect("request task");
+        ttfts.push(ttft);
+        tokens += u64::from(n);
+    }
+    let wall = start.elapsed();
+    ttfts.sort();
+    (ttfts[ttfts.len() / 2], tokens as f64 / wall.as_secs_f64())
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let requests = args.first().copied().unwrap_or(256);
+    let concurrency = args.get(1).copied().unwrap_or(64);
+    let cache = start_cache(cache_svc::Config::default())
+        .await
+        .expect("cache");
+    let worker = start_worker_with_tokenizer(small_worker_with(64, 2048), chatml_tokenizer())
+        .await
+        .expect("worker");
+    let scheduler = start_scheduler(
+        scheduler_svc::Config {
+            max_context: 256,
+            max_tokens: 64,
+            ..scheduler_svc::Config::default()
+        },
+        &cache.url(),
+        &[worker.url()],
+        Duration::from_secs(120),
+    )
+    .await
+    .expect("scheduler");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let http = listener.local_addr().expect("addr");
+    let config = kvlease_gateway::Config {
+        listen: http,
+        scheduler_addr: scheduler.url(),
+        ..Default::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let gateway = tokio::spawn(kvlease_gateway::run(listener, config, async {
+        let _ = stopped.await;
+    }));
+    let s = scheduler.addr;
+    let (g_ttft, g_tps) = load(requests, concurrency, move |i| grpc_one(s, i)).await;
+    let (h_ttft, h_tps) = load(requests, concurrency, move |i| http_one(http, i)).await;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "streaming chat, {requests} requests, concurrency {concurrency}, max_tokens {MAX_TOKENS}, one run"
+    );
+    println!("| path | TTFT p50 (ms) | output tokens/s |");
+    println!("|---|---:|---:|");
+    println!("| gRPC (scheduler) | {:.1} | {:.1} |", ms(g_ttft), g_tps);
+    println!("| HTTP (gateway) | {:.1} | {:.1} |", ms(h_ttft), h_tps);
+    println!(
+        "| HTTP / gRPC | {:.3} | {:.3} |",
+        ms(h_ttft) / ms(g_ttft),
+        h_tps / g_tps
+    );
+    let _ = stop.send(());
+    let _ = gateway.await;
+    let _ = scheduler.stop().await;
+    let _ = worker.stop().await;
+    let _ = cache.stop().await;
+}

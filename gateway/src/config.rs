@@ -1,0 +1,63 @@
+//! The gateway's configuration: flags with environment fallbacks.
+
+use std::net::SocketAddr;
+
+/// Where the gateway listens, which scheduler it fronts and the model name
+/// it answers to.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "kvlease-gateway",
+    about = "kvlease's OpenAI-compatible HTTP front"
+)]
+pub struct Config {
+    /// Address the HTTP server listens on.
+    #[arg(long, env = "KVLEASE_GATEWAY_LISTEN", default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+    /// The scheduler's gRPC endpoint.
+    #[arg(
+        long,
+        env = "KVLEASE_GATEWAY_SCHEDULER_ADDR",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    pub scheduler_addr: String,
+    /// The model id `/v1/models` lists and requests must name.
+    #[arg(long, env = "KVLEASE_GATEWAY_MODEL", default_value = DEFAULT_MODEL)]
+    pub model: String,
+    /// `max_tokens` of a request that gives none (OpenAI's completions
+    /// default is 16; chat has no default there, so one is needed here).
+    #[arg(
+        long,
+        env = "KVLEASE_GATEWAY_DEFAULT_MAX_TOKENS",
+        default_value_t = 256
+    )]
+    pub default_max_tokens: u32,
+}
+
+/// The model id when none is configured.
+pub const DEFAULT_MODEL: &str = "kvlease";
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            scheduler_addr: "http://127.0.0.1:50051".into(),
+            model: DEFAULT_MODEL.into(),
+            default_max_tokens: 256,
+        }
+    }
+}
+
+impl Config {
+    /// Checks what clap cannot: a usable scheduler URL and model name.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.model.trim().is_empty() {
+            return Err("--model must not be empty".into());
+        }
+        if self.default_max_tokens == 0 {
+            return Err("--default-max-tokens must be at least 1".into());
+        }
+        tonic::transport::Endpoint::from_shared(self.scheduler_addr.clone())
+            .map(|_| ())
+            .map_err(|e| format!("invalid --scheduler-addr {:?}: {e}", self.scheduler_addr))
+    }
+}

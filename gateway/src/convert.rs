@@ -1,0 +1,290 @@
+//! Between the gateway's values and the scheduler's protobuf messages: a
+//! [`Generate`] becomes a `GenerateRequest`; the response stream becomes
+//! [`Piece`]s, with a REJECTED / ERROR / CANCELLED finish turned into the
+//! [`ApiError`] a client should see. The only module besides
+//! [`crate::service`] that touches protobuf types.
+
+use futures::{Stream, StreamExt};
+use kvlease_proto::v1 as pb;
+
+use crate::error::ApiError;
+use crate::request::{Generate, Input};
+
+/// The scheduler request of `g`, traced under the client-visible `id`.
+pub fn generate_request(g: &Generate, id: &str) -> pb::GenerateRequest {
+    let mut r = pb::GenerateRequest {
+        max_tokens: g.max_tokens,
+        temperature: g.temperature,
+        top_p: g.top_p,
+        seed: g.seed,
+        stop: g.stop.clone(),
+        // the end user's prefix reuse is kept apart from other users'
+        cache_salt: g.user.clone().unwrap_or_default(),
+        request_id: id.to_string(),
+        ..Default::default()
+    };
+    match &g.input {
+        Input::Text(t) => r.text = t.clone(),
+        Input::Tokens(t) => r.tokens = t.clone(),
+        Input::Chat(messages) => {
+            r.messages = messages
+                .iter()
+                .map(|(role, content)| pb::ChatMessage {
+                    role: role.clone(),
+                    content: content.clone(),
+                })
+                .collect();
+        }
+    }
+    r
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End {
+    /// `max_tokens` reached: OpenAI's `"length"`.
+    Length,
+    /// An end-of-sequence token or a stop string: `"stop"`.
+    Stop,
+    /// Rejected, failed or cancelled: the error to answer with.
+    Failed(ApiError),
+}
+
+impl End {
+    /// OpenAI's `finish_reason`, for the ends that have one.
+    pub fn finish_reason(&self) -> Option<&'static str> {
+        match self {
+            End::Length => Some("length"),
+            End::Stop => Some("stop"),
+            End::Failed(_) => None,
+        }
+    }
+}
+
+/// One message of the response stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Piece {
+    pub text: String,
+    /// Tokens generated in this message.
+    pub tokens: u32,
+    /// The prompt's tokens (first message only; 0 elsewhere).
+    pub prompt_tokens: u32,
+    /// Prompt tokens served from cached blocks (first message only).
+    pub cached_tokens: u32,
+    /// Set on the last piece.
+    pub end: Option<End>,
+}
+
+impl Piece {
+    /// The end of a stream that closed without a finish reason.
+    pub fn unfinished() -> Self {
+        Self::failed(ApiError::upstream(
+            "the scheduler closed the stream without a finish reason",
+        ))
+    }
+
+    fn failed(e: ApiError) -> Self {
+        Self {
+            text: String::new(),
+            tokens: 0,
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            end: Some(End::Failed(e)),
+        }
+    }
+}
+
+/// The scheduler's response stream as pieces, always ending with a piece
+/// whose `end` is set: a gRPC error mid-stream, or a stream that closes
+/// without a finish reason, becomes an [`End::Failed`].
+pub fn pieces<S>(stream: S) -> impl Stream<Item = Piece> + Send + 'static
+where
+    S: Stream<Item = Result<pb::GenerateResponse, tonic::Status>> + Send + Unpin + 'static,
+{
+    futures::stream::unfold(Some(stream), |state| async move {
+        let mut stream = state?;
+        let piece = match stream.next().await {
+            Some(Ok(m)) => piece(m),
+            Some(Err(status)) => Piece::failed(status.into()),
+            None => Piece::unfinished(),
+        };
+        let next = if piece.end.is_some() {
+            None
+        } else {
+            Some(stream)
+        };
+        Some((piece, next))
+    })
+}
+
+/// One response message as a piece.
+pub fn piece(m: pb::GenerateResponse) -> Piece {
+    let end = match pb::FinishReason::try_from(m.finish_reason) {
+        Ok(pb::FinishReason::Unspecified) => None,
+        Ok(pb::FinishReason::Length) => Some(End::Length),
+        Ok(pb::FinishReason::Stop) => Some(End::Stop),
+        Ok(pb::FinishReason::Rejected) => {
+            Some(End::Failed(rejected(m.reject.as_ref(), &m.message)))
+        }
+        Ok(pb::FinishReason::Cancelled) => Some(End::Failed(if m.message.contains("deadline") {
+            ApiError::timeout(format!("request cancelled: {}", m.message))
+        } else {
+            ApiError::unavailable(format!("request cancelled: {}", m.message))
+        })),
+        Ok(pb::FinishReason::Error) => Some(End::Failed(ApiError::upstream(format!(
+            "the request failed in the cluster: {}",
+            m.message
+        )))),
+        Err(_) => Some(End::Failed(ApiError::upstream(format!(
+            "the scheduler sent an unknown finish reason {}",
+            m.finish_reason
+        )))),
+    };
+    Piece {
+        tokens: u32::try_from(m.tokens.len()).unwrap_or(u32::MAX),
+        text: m.text,
+        prompt_tokens: m.prompt_tokens,
+        cached_tokens: m.reused_tokens,
+        end,
+    }
+}
+
+/// A REJECTED finish as the client's error: the reason, whether to retry,
+/// and the cache's figures.
+fn rejected(reject: Option<&pb::Reject>, message: &str) -> ApiError {
+    let Some(r) = reject else {
+        return ApiError::unavailable(format!("request rejected: {message}"));
+    };
+    let reason = pb::RejectReason::try_from(r.reason).unwrap_or(pb::RejectReason::Unspecified);
+    let name = reason.as_str_name();
+    let (transient, advice) = match reason {
+        pb::RejectReason::ExceedsCapacity => (
+            false,
+            "the request cannot fit even in an empty pool: never retry it; send a shorter prompt or a smaller max_tokens",
+        ),
+        pb::RejectReason::PoolExhausted
+        | pb::RejectReason::QuotaExceeded
+        | pb::RejectReason::RolledBack
+        | pb::RejectReason::CacheRestarted => (true, "transient: retry later"),
+        _ => (true, "retry later"),
+    };
+    let mut text = format!(
+        "request rejected: {name} in pool {} (window {}): {} blocks needed, {} free, {} pending free; {advice}",
+        r.pool_id, r.window, r.blocks_needed, r.blocks_free, r.blocks_pending_free
+    );
+    if !r.message.is_empty() {
+        text.push_str(&format!(" ({})", r.message));
+    }
+    ApiError::rejected(name, transient, text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rejected_message(reason: pb::RejectReason) -> pb::GenerateResponse {
+        pb::GenerateResponse {
+            finish_reason: pb::FinishReason::Rejected as i32,
+            reject: Some(pb::Reject {
+                reason: reason as i32,
+                pool_id: 1,
+                window: 64,
+                blocks_needed: 12,
+                blocks_free: 3,
+                blocks_pending_free: 2,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn error_of(p: Piece) -> ApiError {
+        match p.end {
+            Some(End::Failed(e)) => e,
+            other => panic!("not failed: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn rejects_carry_reason_figures_and_whether_to_retry() {
+        let e = error_of(piece(rejected_message(pb::RejectReason::PoolExhausted)));
+        assert_eq!(e.status.as_u16(), 429);
+        assert_eq!(e.code.as_deref(), Some("pool_exhausted"));
+        for needle in [
+            "POOL_EXHAUSTED",
+            "pool 1 (window 64)",
+            "12 blocks needed",
+            "3 free",
+            "2 pending free",
+            "retry later",
+        ] {
+            assert!(
+                e.message.contains(needle),
+                "{needle:?} not in {:?}",
+                e.message
+            );
+        }
+        let e = error_of(piece(rejected_message(pb::RejectReason::QuotaExceeded)));
+        assert_eq!(e.status.as_u16(), 429);
+        let e = error_of(piece(rejected_message(pb::RejectReason::ExceedsCapacity)));
+        assert_eq!(e.status.as_u16(), 400);
+        assert!(e.message.contains("never retry"), "{}", e.message);
+    }
+
+    #[test]
+    fn other_ends_map_to_finish_reasons_or_gateway_errors() {
+        let end = |reason: pb::FinishReason, message: &str| {
+            piece(pb::GenerateResponse {
+                finish_reason: reason as i32,
+                message: message.into(),
+                ..Default::default()
+            })
+            .end
+        };
+        assert_eq!(end(pb::FinishReason::Unspecified, ""), None);
+        assert_eq!(end(pb::FinishReason::Length, ""), Some(End::Length));
+        assert_eq!(end(pb::FinishReason::Stop, ""), Some(End::Stop));
+        let status = |e: Option<End>| match e {
+            Some(End::Failed(e)) => e.status.as_u16(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(status(end(pb::FinishReason::Error, "worker died")), 502);
+        assert_eq!(
+            status(end(pb::FinishReason::Cancelled, "deadline exceeded")),
+            504
+        );
+        assert_eq!(
+            status(end(pb::FinishReason::Cancelled, "shutting down")),
+            503
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_breaks_or_closes_early_ends_failed() {
+        let tokens = pb::GenerateResponse {
+            tokens: vec![1, 2],
+            text: "ab".into(),
+            prompt_tokens: 5,
+            reused_tokens: 4,
+            ..Default::default()
+        };
+        let got: Vec<Piece> = pieces(futures::stream::iter(vec![Ok(tokens.clone())]))
+            .collect()
+            .await;
+        assert_eq!(got.len(), 2);
+        assert_eq!(
+            (got[0].tokens, got[0].prompt_tokens, got[0].cached_tokens),
+            (2, 5, 4)
+        );
+        assert_eq!(got[1], Piece::unfinished());
+        let got: Vec<Piece> = pieces(futures::stream::iter(vec![
+            Ok(tokens),
+            Err(tonic::Status::unavailable("gone")),
+            Ok(pb::GenerateResponse::default()),
+        ]))
+        .collect()
+        .await;
+        assert_eq!(got.len(), 2, "nothing is read after the end");
+        assert_eq!(error_of(got[1].clone()).status.as_u16(), 503);
+    }
+}

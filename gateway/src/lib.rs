@@ -1,0 +1,81 @@
+//! kvlease's OpenAI-compatible HTTP front: `POST /v1/completions`,
+//! `POST /v1/chat/completions` (both with and without `stream: true`),
+//! `GET /v1/models`, `GET /health`, for the `openai` package, load
+//! generators and anything else that speaks OpenAI's HTTP API.
+//!
+//! # Why a gateway crate rather than a route in the scheduler
+//!
+//! The gateway is a gRPC *client* of the scheduler's public `Scheduler` API,
+//! like `kvlease generate`: it holds no state, so it scales and restarts
+//! apart from the scheduler, and it cannot reach past the API the scheduler
+//! offers every client. The scheduler keeps one job (continuous batching on
+//! leased blocks) and one protocol; its validation stays the single check
+//! of prompts, limits and sampling for both paths, because the gateway only
+//! maps the scheduler's `INVALID_ARGUMENT` to 400 with its message. The
+//! services' dependency rules hold (the gateway depends on `kvlease-proto`
+//! only), and `kvlease up` and compose run it as one more service. The cost,
+//! one loopback gRPC hop per request, is measured by the HTTP-vs-gRPC bench.
+//!
+//! # Layout
+//! - [`config`]: flags with environment fallbacks.
+//! - [`openai`]: OpenAI's request and response bodies (serde types).
+//! - [`request`]: what kvlease serves of a request, reduced to one
+//!   [`request::Generate`]; refusals name the field.
+//! - [`convert`]: `Generate` to the scheduler's `GenerateRequest`; its
+//!   response stream to [`convert::Piece`]s, rejects to errors with reason
+//!   and figures.
+//! - [`error`]: [`ApiError`], OpenAI's error shape and the HTTP status of
+//!   each scheduler code and reject reason (never a 500).
+//! - [`service`]: the axum routes, whole answers and server-sent events.
+//!
+//! Data flows: body -> `openai` type -> `Generate` -> gRPC `Generate` ->
+//! pieces -> one JSON answer or SSE chunks, ending `data: [DONE]`.
+
+use std::future::Future;
+
+use tokio::net::TcpListener;
+
+pub mod config;
+pub mod convert;
+pub mod error;
+pub mod openai;
+pub mod request;
+pub mod service;
+
+pub use config::Config;
+pub use error::ApiError;
+
+/// Why the gateway could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("http server error: {0}")]
+    Serve(#[from] std::io::Error),
+}
+
+/// Serves the gateway on `listener` until `shutdown` resolves. The scheduler
+/// channel connects lazily: the gateway starts before the scheduler does,
+/// and `/health` says 503 until it serves.
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    config.validate().map_err(Error::Config)?;
+    let channel = tonic::transport::Endpoint::from_shared(config.scheduler_addr.clone())
+        .map_err(|e| Error::Config(format!("invalid scheduler address: {e}")))?
+        .tcp_nodelay(true)
+        .connect_lazy();
+    let served = request::Served {
+        model: config.model.clone(),
+        default_max_tokens: config.default_max_tokens,
+    };
+    let app = service::Gateway::new(channel, served).router();
+    tracing::info!(listen = %config.listen, scheduler = %config.scheduler_addr,
+        model = %config.model, "gateway serving");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,35 @@
+//! `kvlease-gateway`: the OpenAI-compatible HTTP front, as its own process.
+
+use clap::Parser;
+use kvlease_gateway::Config;
+
+#[tokio::main]
+async fn main() {
+    let config = Config::parse();
+    if let Err(e) = config.validate() {
+        eprintln!("kvlease-gateway: {e}");
+        std::process::exit(64);
+    }
+    // The guard flushes telemetry when main returns.
+    let _telemetry = match kvlease_telemetry::init("kvlease-gateway") {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("kvlease-gateway: {e}");
+            std::process::exit(1);
+        }
+    };
+    let listener = match tokio::net::TcpListener::bind(config.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("kvlease-gateway: cannot listen on {}: {e}", config.listen);
+            std::process::exit(64);
+        }
+    };
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    if let Err(e) = kvlease_gateway::run(listener, config, shutdown).await {
+        eprintln!("kvlease-gateway: {e}");
+        std::process::exit(1);
+    }
+}

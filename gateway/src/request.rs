@@ -1,0 +1,290 @@
+//! What an OpenAI request asks for, checked for what kvlease can serve and
+//! reduced to one [`Generate`]. The scheduler validates the rest (prompt
+//! length, `max_tokens` limit, sampling ranges, stop strings, chat roles)
+//! for the gRPC path and this one alike; its `INVALID_ARGUMENT` becomes a
+//! 400 with its message.
+
+use crate::error::{ApiError, Result};
+use crate::openai::{ChatRequest, Common, CompletionRequest, Content, Prompt, Stop};
+
+/// The prompt of a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    Text(String),
+    Tokens(Vec<u32>),
+    /// (role, content) pairs, rendered by the model's chat template.
+    Chat(Vec<(String, String)>),
+}
+
+/// One generation, as both endpoints ask for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generate {
+    pub input: Input,
+    pub max_tokens: u32,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub seed: u64,
+    pub stop: Vec<String>,
+    /// The caller's end-user id: its prefix reuse is kept apart from other
+    /// users' (the cache salt).
+    pub user: Option<String>,
+    pub stream: bool,
+    /// `stream_options.include_usage`: a last chunk with the usage.
+    pub include_usage: bool,
+}
+
+/// What the gateway serves: the model name and the default `max_tokens`.
+#[derive(Debug, Clone)]
+pub struct Served {
+    pub model: String,
+    pub default_max_tokens: u32,
+}
+
+/// A user id longer than this is refused (the scheduler's label limit).
+const MAX_USER: usize = 256;
+
+impl Served {
+    /// `POST /v1/completions`.
+    pub fn completion(&self, r: CompletionRequest) -> Result<Generate> {
+        self.check_model(&r.model)?;
+        if r.echo == Some(true) {
+            return Err(ApiError::invalid_param("echo", "echo is not supported"));
+        }
+        if r.best_of.is_some_and(|b| b != 1) {
+            return Err(ApiError::invalid_param("best_of", "best_of must be 1"));
+        }
+        if r.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
+        }
+        let one = "one prompt per request: a list of prompts is not supported (n = 1)";
+        let input = match r.prompt {
+            Prompt::Text(t) => Input::Text(t),
+            Prompt::Tokens(t) => Input::Tokens(t),
+            Prompt::Texts(mut t) if t.len() == 1 => Input::Text(t.remove(0)),
+            Prompt::TokenLists(mut t) if t.len() == 1 => Input::Tokens(t.remove(0)),
+            Prompt::Texts(_) | Prompt::TokenLists(_) => {
+                return Err(ApiError::invalid_param("prompt", one));
+            }
+        };
+        // OpenAI's completions default
+        self.common(input, r.common, None, 16)
+    }
+
+    /// `POST /v1/chat/completions`.
+    pub fn chat(&self, r: ChatRequest) -> Result<Generate> {
+        self.check_model(&r.model)?;
+        if r.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(ApiError::invalid_param("tools", "tools are not supported"));
+        }
+        if r.top_logprobs.is_some_and(|n| n > 0) {
+            return Err(ApiError::invalid_param(
+                "top_logprobs",
+                "log-probabilities are not supported",
+            ));
+        }
+        if r.messages.is_empty() {
+            return Err(ApiError::invalid_param(
+                "messages",
+                "messages must hold at least one message",
+            ));
+        }
+        let mut chat = Vec::with_capacity(r.messages.len());
+        for (i, m) in r.messages.into_iter().enumerate() {
+            let content = match m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t,
+                Some(Content::Parts(parts)) => {
+                    let mut text = String::new();
+                    for p in parts {
+                        match (p.kind.as_str(), p.text) {
+                            ("text", Some(t)) => text.push_str(&t),
+                            (kind, _) => {
+                                return Err(ApiError::invalid_param(
+                                    "messages",
+                                    format!(
+                                        "message {i}: content parts of type {kind:?} are not supported (text only)"
+                                    ),
+                                ));
+                            }
+                        }
+                    }
+                    text
+                }
+            };
+            chat.push((m.role, content));
+        }
+        let default = self.default_max_tokens;
+        self.common(
+            Input::Chat(chat),
+            r.common,
+            r.max_completion_tokens,
+            default,
+        )
+    }
+
+    fn check_model(&self, asked: &str) -> Result<()> {
+        if asked == self.model {
+            Ok(())
+        } else {
+            Err(ApiError::model_not_found(asked, &self.model))
+        }
+    }
+
+    fn common(
+        &self,
+        input: Input,
+        c: Common,
+        max_completion_tokens: Option<u32>,
+        default_max_tokens: u32,
+    ) -> Result<Generate> {
+        if c.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::invalid_param("n", "n must be 1"));
+        }
+        if c.logprobs
+            .as_ref()
+            .is_some_and(|v| !(v.is_null() || *v == serde_json::Value::Bool(false)))
+        {
+            return Err(ApiError::invalid_param(
+                "logprobs",
+                "log-probabilities are not supported",
+            ));
+        }
+        if c.user.as_ref().is_some_and(|u| u.len() > MAX_USER) {
+            return Err(ApiError::invalid_param(
+                "user",
+                format!("user is limited to {MAX_USER} bytes"),
+            ));
+        }
+        let stop = match c.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s],
+            Some(Stop::Many(v)) => v,
+        };
+        let stream = c.stream.unwrap_or(false);
+        Ok(Generate {
+            input,
+            max_tokens: max_completion_tokens
+                .or(c.max_tokens)
+                .unwrap_or(default_max_tokens),
+            // OpenAI samples at temperature 1 unless told otherwise
+            temperature: c.temperature.unwrap_or(1.0),
+            top_p: c.top_p.unwrap_or(1.0),
+            // without a seed, each request samples differently
+            seed: c.seed.unwrap_or_else(rand::random),
+            stop,
+            user: c.user.filter(|u| !u.is_empty()),
+            stream,
+            include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn served() -> Served {
+        Served {
+            model: "m".into(),
+            default_max_tokens: 100,
+        }
+    }
+
+    fn completion(json: serde_json::Value) -> Result<Generate> {
+        served().completion(serde_json::from_value(json).expect("parses"))
+    }
+
+    fn chat(json: serde_json::Value) -> Result<Generate> {
+        served().chat(serde_json::from_value(json).expect("parses"))
+    }
+
+    #[test]
+    fn completion_fields_become_one_generation() {
+        let g = completion(serde_json::json!({
+            "model": "m", "prompt": ["hi"], "max_tokens": 5, "temperature": 0.0,
+            "top_p": 0.5, "seed": 7, "stop": "x", "n": 1, "user": "u1",
+            "stream": true, "stream_options": {"include_usage": true},
+        }))
+        .unwrap();
+        assert_eq!(g.input, Input::Text("hi".into()));
+        assert_eq!(
+            (g.max_tokens, g.temperature, g.top_p, g.seed),
+            (5, 0.0, 0.5, 7)
+        );
+        assert_eq!(g.stop, vec!["x".to_string()]);
+        assert_eq!(g.user.as_deref(), Some("u1"));
+        assert!(g.stream && g.include_usage);
+        let t = completion(serde_json::json!({"model": "m", "prompt": [1, 2, 3]})).unwrap();
+        assert_eq!(t.input, Input::Tokens(vec![1, 2, 3]));
+        assert_eq!(t.max_tokens, 16, "OpenAI's completions default");
+        assert_eq!(t.temperature, 1.0);
+    }
+
+    #[test]
+    fn chat_takes_text_parts_and_max_completion_tokens() {
+        let g = chat(serde_json::json!({
+            "model": "m", "max_completion_tokens": 9, "max_tokens": 3,
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
+        }))
+        .unwrap();
+        assert_eq!(
+            g.input,
+            Input::Chat(vec![
+                ("system".into(), "be brief".into()),
+                ("user".into(), "ab".into())
+            ])
+        );
+        assert_eq!(g.max_tokens, 9);
+        let d =
+            chat(serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
+                .unwrap();
+        assert_eq!(d.max_tokens, 100, "the configured default");
+    }
+
+    #[test]
+    fn what_kvlease_cannot_serve_is_refused_naming_the_field() {
+        let cases = [
+            (
+                serde_json::json!({"model": "m", "prompt": "x", "n": 2}),
+                "n",
+            ),
+            (
+                serde_json::json!({"model": "m", "prompt": ["a", "b"]}),
+                "prompt",
+            ),
+            (
+                serde_json::json!({"model": "m", "prompt": "x", "logprobs": 2}),
+                "logprobs",
+            ),
+            (
+                serde_json::json!({"model": "m", "prompt": "x", "echo": true}),
+                "echo",
+            ),
+            (
+                serde_json::json!({"model": "m", "prompt": "x", "best_of": 3}),
+                "best_of",
+            ),
+            (
+                serde_json::json!({"model": "m", "prompt": "x", "user": "u".repeat(300)}),
+                "user",
+            ),
+        ];
+        for (json, param) in cases {
+            let e = completion(json).expect_err(param);
+            assert_eq!(e.status.as_u16(), 400, "{e:?}");
+            assert_eq!(e.param, Some(param), "{e:?}");
+        }
+        let e = chat(serde_json::json!({"model": "m", "messages": []})).unwrap_err();
+        assert_eq!(e.param, Some("messages"));
+        let e = chat(serde_json::json!({"model": "m", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}))
+        .unwrap_err();
+        assert!(e.message.contains("image_url"), "{e:?}");
+        let e = completion(serde_json::json!({"model": "other", "prompt": "x"})).unwrap_err();
+        assert_eq!(e.status.as_u16(), 404);
+        assert_eq!(e.code.as_deref(), Some("model_not_found"));
+    }
+}

@@ -1,0 +1,549 @@
+//! The HTTP routes: each handler parses the body, checks it
+//! ([`crate::request`]), calls the scheduler's `Generate` over gRPC and
+//! answers with one JSON body or a server-sent event stream.
+//!
+//! A streaming request waits for the scheduler's first message before it
+//! answers, so that a request refused at admission gets its HTTP status
+//! (429 / 400) rather than a 200 and an error event; a refusal after the
+//! first token ends the stream with an error event and `data: [DONE]`.
+//! Dropping the response (the client went away) drops the gRPC stream,
+//! which cancels the request in the scheduler.
+
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::{Stream, StreamExt};
+use kvlease_proto::v1::scheduler_client::SchedulerClient;
+use serde::de::DeserializeOwned;
+use tonic::transport::Channel;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+use crate::convert::{self, End, Piece};
+use crate::error::{ApiError, Result};
+use crate::openai::{
+    AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChunkChoice, Completion,
+    CompletionChoice, Delta, Model, ModelList, Usage,
+};
+use crate::request::{Generate, Served};
+
+/// What every handler shares: the scheduler channel and what is served.
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    channel: Channel,
+    served: Served,
+}
+
+impl Gateway {
+    pub fn new(channel: Channel, served: Served) -> Self {
+        Self { channel, served }
+    }
+
+    /// The routes.
+    pub fn router(self) -> Router {
+        Router::new()
+            .route("/health", get(health))
+            .route("/v1/models", get(models))
+            .route("/v1/models/{model}", get(model))
+            .route("/v1/completions", post(completions))
+            .route("/v1/chat/completions", post(chat_completions))
+            .fallback(not_found)
+            .with_state(self)
+    }
+}
+
+// === routes ===
+
+async fn health(State(g): State<Gateway>) -> Response {
+    let mut client = HealthClient::new(g.channel);
+    let check = client.check(HealthCheckRequest {
+        service: String::new(),
+    });
+    match check.await.map(|r| r.into_inner().status()) {
+        Ok(ServingStatus::Serving) => json_response(StatusCode::OK, r#"{"status":"ok"}"#.into()),
+        Ok(other) => ApiError::unavailable(format!(
+            "the scheduler is not serving: {}",
+            other.as_str_name()
+        ))
+        .into_response(),
+        Err(status) => ApiError::unavailable(format!(
+            "the scheduler's health check failed: {}",
+            status.message()
+        ))
+        .into_response(),
+    }
+}
+
+fn model_entry(served: &Served) -> Model {
+    Model {
+        id: served.model.clone(),
+        object: "model",
+        created: 0,
+        owned_by: "kvlease",
+    }
+}
+
+async fn models(State(g): State<Gateway>) -> Response {
+    let list = ModelList {
+        object: "list",
+        data: vec![model_entry(&g.served)],
+    };
+    json(StatusCode::OK, &list)
+}
+
+async fn model(State(g): State<Gateway>, Path(id): Path<String>) -> Response {
+    if id == g.served.model {
+        json(StatusCode::OK, &model_entry(&g.served))
+    } else {
+        ApiError::model_not_found(&id, &g.served.model).into_response()
+    }
+}
+
+async fn not_found() -> Response {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        kind: "invalid_request_error",
+        code: Some("not_found".into()),
+        param: None,
+        message: "no such route: kvlease serves /v1/completions, /v1/chat/completions, /v1/models and /health".into(),
+    }
+    .into_response()
+}
+
+async fn completions(State(g): State<Gateway>, body: Bytes) -> Response {
+    let request = parse(&body).and_then(|r| g.served.completion(r));
+    match request {
+        Ok(r) => g.generate(Kind::Completion, r).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_completions(State(g): State<Gateway>, body: Bytes) -> Response {
+    let request = parse(&body).and_then(|r| g.served.chat(r));
+    match request {
+        Ok(r) => g.generate(Kind::Chat, r).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))
+}
+
+// === generation ===
+
+/// Which endpoint: the shapes of its answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// Usage figures gathered from the pieces.
+#[derive(Debug, Default)]
+struct Tally {
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    cached_tokens: u32,
+}
+
+impl Tally {
+    fn add(&mut self, p: &Piece) {
+        self.prompt_tokens = self.prompt_tokens.max(p.prompt_tokens);
+        self.cached_tokens = self.cached_tokens.max(p.cached_tokens);
+        self.completion_tokens = self.completion_tokens.saturating_add(p.tokens);
+    }
+
+    fn usage(&self) -> Usage {
+        Usage::new(
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.cached_tokens,
+        )
+    }
+}
+
+/// Ids and names of one answer.
+#[derive(Debug, Clone)]
+struct Answer {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Gateway {
+    async fn generate(&self, kind: Kind, g: Generate) -> Response {
+        let answer = Answer {
+            kind,
+            id: format!(
+                "{}-{:016x}",
+                match kind {
+                    Kind::Completion => "cmpl",
+                    Kind::Chat => "chatcmpl",
+                },
+                rand::random::<u64>()
+            ),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            model: self.served.model.clone(),
+        };
+        let mut client = SchedulerClient::new(self.channel.clone());
+        let stream = match client
+            .generate(convert::generate_request(&g, &answer.id))
+            .await
+        {
+            Ok(r) => r.into_inner(),
+            Err(status) => return ApiError::from(status).into_response(),
+        };
+        let mut pieces = Box::pin(convert::pieces(stream));
+        // a refusal before the first token gets its own HTTP status
+        let Some(first) = pieces.next().await else {
+            return ApiError::upstream("the scheduler sent no answer").into_response();
+        };
+        if let Some(End::Failed(e)) = first.end {
+            return e.into_response();
+        }
+        if g.stream {
+            let events = sse(answer, g.include_usage, first, pieces);
+            let mut r = Response::new(Body::from_stream(events));
+            let h = r.headers_mut();
+            h.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream"),
+            );
+            h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+            r
+        } else {
+            match whole(first, pieces).await {
+                Ok((text, end, tally)) => answer.whole(text, end, tally.usage()),
+                Err(e) => e.into_response(),
+            }
+        }
+    }
+}
+
+/// Reads every piece: the text, how it ended and the usage, or the error.
+async fn whole(
+    first: Piece,
+    mut rest: impl Stream<Item = Piece> + Unpin,
+) -> Result<(String, &'static str, Tally)> {
+    let mut text = String::new();
+    let mut tally = Tally::default();
+    let mut p = first;
+    loop {
+        tally.add(&p);
+        text.push_str(&p.text);
+        match p.end {
+            Some(End::Failed(e)) => return Err(e),
+            Some(end) => return Ok((text, end.finish_reason().unwrap_or("stop"), tally)),
+            None => p = rest.next().await.unwrap_or_else(Piece::unfinished),
+        }
+    }
+}
+
+impl Answer {
+    fn whole(&self, text: String, finish: &'static str, usage: Usage) -> Response {
+        match self.kind {
+            Kind::Completion => json(
+                StatusCode::OK,
+                &Completion {
+                    id: self.id.clone(),
+                    object: "text_completion",
+                    created: self.created,
+                    model: self.model.clone(),
+                    choices: vec![CompletionChoice {
+                        index: 0,
+                        text,
+                        logprobs: None,
+                        finish_reason: Some(finish),
+                    }],
+                    usage: Some(usage),
+                },
+            ),
+            Kind::Chat => json(
+                StatusCode::OK,
+                &ChatCompletion {
+                    id: self.id.clone(),
+                    object: "chat.completion",
+                    created: self.created,
+                    model: self.model.clone(),
+                    choices: vec![ChatChoice {
+                        index: 0,
+                        message: AssistantMessage {
+                            role: "assistant",
+                            content: text,
+                        },
+                        logprobs: None,
+                        finish_reason: finish,
+                    }],
+                    usage,
+                },
+            ),
+        }
+    }
+
+    /// One streamed chunk: a text delta, the role (chat's first chunk), a
+    /// finish reason, or (with no choices) the usage.
+    fn chunk(
+        &self,
+        text: Option<String>,
+        role: bool,
+        finish: Option<&'static str>,
+        usage: Option<Usage>,
+    ) -> String {
+        let with_choice = usage.is_none();
+        let json = match self.kind {
+            Kind::Completion => serde_json::to_string(&Completion {
+                id: self.id.clone(),
+                object: "text_completion",
+                created: self.created,
+                model: self.model.clone(),
+                choices: with_choice
+                    .then(|| CompletionChoice {
+                        index: 0,
+                        text: text.unwrap_or_default(),
+                        logprobs: None,
+                        finish_reason: finish,
+                    })
+                    .into_iter()
+                    .collect(),
+                usage,
+            }),
+            Kind::Chat => serde_json::to_string(&ChatChunk {
+                id: self.id.clone(),
+                object: "chat.completion.chunk",
+                created: self.created,
+                model: self.model.clone(),
+                choices: with_choice
+                    .then(|| ChunkChoice {
+                        index: 0,
+                        delta: Delta {
+                            role: role.then_some("assistant"),
+                            content: text,
+                        },
+                        logprobs: None,
+                        finish_reason: finish,
+                    })
+                    .into_iter()
+                    .collect(),
+                usage,
+            }),
+        };
+        event(&json.unwrap_or_default())
+    }
+}
+
+fn event(data: &str) -> String {
+    format!("data: {data}\n\n")
+}
+
+const DONE: &str = "data: [DONE]\n\n";
+
+struct SseState<S> {
+    answer: Answer,
+    include_usage: bool,
+    tally: Tally,
+    first: Option<Piece>,
+    rest: S,
+    started: bool,
+    done: bool,
+}
+
+/// The SSE body: the chat role chunk, a chunk per piece with text, the
+/// finish chunk, the usage chunk when asked for, `data: [DONE]`. A failure
+/// mid-stream is an `{"error": ...}` event before `[DONE]`.
+fn sse(
+    answer: Answer,
+    include_usage: bool,
+    first: Piece,
+    rest: impl Stream<Item = Piece> + Send + Unpin + 'static,
+) -> impl Stream<Item = std::result::Result<Bytes, Infallible>> + Send + 'static {
+    let state = SseState {
+        answer,
+        include_usage,
+        tally: Tally::default(),
+        first: Some(first),
+        rest,
+        started: false,
+        done: false,
+    };
+    futures::stream::unfold(state, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let mut out = String::new();
+        // a piece whose text is held back (a character split across
+        // tokens) makes no event: read on, never send an empty chunk
+        while out.is_empty() && !st.done {
+            st.step(&mut out).await;
+        }
+        Some((Ok(Bytes::from(out)), st))
+    })
+}
+
+impl<S: Stream<Item = Piece> + Unpin> SseState<S> {
+    async fn step(&mut self, out: &mut String) {
+        let st = self;
+        if !st.started {
+            st.started = true;
+            if st.answer.kind == Kind::Chat {
+                out.push_str(&st.answer.chunk(Some(String::new()), true, None, None));
+            }
+        }
+        let piece = match st.first.take() {
+            Some(p) => p,
+            None => match st.rest.next().await {
+                Some(p) => p,
+                None => Piece::unfinished(),
+            },
+        };
+        st.tally.add(&piece);
+        if !piece.text.is_empty() {
+            out.push_str(&st.answer.chunk(Some(piece.text), false, None, None));
+        }
+        match piece.end {
+            None => {}
+            Some(End::Failed(e)) => {
+                st.done = true;
+                out.push_str(&event(&e.to_json()));
+                out.push_str(DONE);
+            }
+            Some(end) => {
+                st.done = true;
+                let content = (st.answer.kind == Kind::Chat).then(String::new);
+                out.push_str(&st.answer.chunk(content, false, end.finish_reason(), None));
+                if st.include_usage {
+                    out.push_str(&st.answer.chunk(None, false, None, Some(st.tally.usage())));
+                }
+                out.push_str(DONE);
+            }
+        }
+    }
+}
+
+fn json<T: serde::Serialize>(status: StatusCode, body: &T) -> Response {
+    match serde_json::to_string(body) {
+        Ok(text) => json_response(status, text),
+        Err(e) => ApiError::upstream(format!("cannot encode the answer: {e}")).into_response(),
+    }
+}
+
+fn json_response(status: StatusCode, text: String) -> Response {
+    let mut r = (status, text).into_response();
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(kind: Kind) -> Answer {
+        Answer {
+            kind,
+            id: "x".into(),
+            created: 1,
+            model: "m".into(),
+        }
+    }
+
+    fn text(t: &str) -> Piece {
+        Piece {
+            text: t.into(),
+            tokens: 1,
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            end: None,
+        }
+    }
+
+    async fn body(kind: Kind, usage: bool, pieces: Vec<Piece>) -> Vec<String> {
+        let mut it = pieces.into_iter();
+        let first = it.next().unwrap();
+        let frames: Vec<Bytes> = sse(answer(kind), usage, first, futures::stream::iter(it))
+            .map(|f| f.unwrap())
+            .collect()
+            .await;
+        assert!(frames.iter().all(|f| !f.is_empty()), "no empty chunks");
+        let all: String = frames
+            .iter()
+            .map(|f| String::from_utf8(f.to_vec()).unwrap())
+            .collect();
+        all.split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| e.strip_prefix("data: ").unwrap().to_string())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_reject_mid_stream_ends_it_with_an_error_event_and_done() {
+        let reject = Piece {
+            end: Some(End::Failed(ApiError::rejected(
+                "POOL_EXHAUSTED",
+                true,
+                "no blocks",
+            ))),
+            ..text("")
+        };
+        let events = body(
+            Kind::Chat,
+            true,
+            vec![text("a"), text(""), text("b"), reject],
+        )
+        .await;
+        assert_eq!(events.len(), 5, "{events:?}");
+        let chunk = |i: usize| serde_json::from_str::<serde_json::Value>(&events[i]).unwrap();
+        assert_eq!(chunk(0)["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(chunk(1)["choices"][0]["delta"]["content"], "a");
+        assert_eq!(chunk(2)["choices"][0]["delta"]["content"], "b");
+        assert_eq!(chunk(3)["error"]["code"], "pool_exhausted");
+        assert_eq!(chunk(3)["error"]["message"], "no blocks");
+        assert_eq!(events[4], "[DONE]");
+    }
+
+    #[tokio::test]
+    async fn a_finished_stream_sends_finish_usage_and_done() {
+        let last = Piece {
+            end: Some(End::Length),
+            ..text("c")
+        };
+        let first = Piece {
+            prompt_tokens: 7,
+            cached_tokens: 3,
+            ..text("ab")
+        };
+        let events = body(Kind::Completion, true, vec![first, last]).await;
+        let chunk = |i: usize| serde_json::from_str::<serde_json::Value>(&events[i]).unwrap();
+        assert_eq!(events.len(), 5, "{events:?}");
+        assert_eq!(chunk(0)["choices"][0]["text"], "ab");
+        assert_eq!(chunk(1)["choices"][0]["text"], "c");
+        assert_eq!(chunk(2)["choices"][0]["finish_reason"], "length");
+        let usage = &chunk(3)["usage"];
+        assert_eq!(
+            (
+                &usage["prompt_tokens"],
+                &usage["completion_tokens"],
+                &usage["prompt_tokens_details"]["cached_tokens"]
+            ),
+            (
+                &serde_json::json!(7),
+                &serde_json::json!(2),
+                &serde_json::json!(3)
+            )
+        );
+        assert_eq!(events[4], "[DONE]");
+    }
+}

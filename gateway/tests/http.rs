@@ -1,0 +1,549 @@
+//! The HTTP front against a real cluster: cache, a CPU worker and the
+//! scheduler in-process on loopback ports, the gateway on `127.0.0.1:0`,
+//! and real HTTP/1.1 requests. Each answer is checked against the same
+//! request sent over gRPC.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
+use kvlease_integration_tests::*;
+use kvlease_proto::v1 as pb;
+use kvlease_tokenizer::{GgufVocab, Tokenizer};
+use serde_json::{Value, json};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+
+/// A running cluster with the gateway in front.
+struct Front {
+    http: SocketAddr,
+    scheduler: Service,
+    worker: Service,
+    cache: Service,
+    stop: oneshot::Sender<()>,
+    gateway: tokio::task::JoinHandle<Result<(), kvlease_gateway::Error>>,
+}
+
+/// The small worker's pools hold 23 blocks of 16 tokens: a context of 256
+/// fits its warm-up.
+fn scheduler_config() -> scheduler_svc::Config {
+    scheduler_svc::Config {
+        max_context: 256,
+        max_tokens: 200,
+        ..scheduler_svc::Config::default()
+    }
+}
+
+impl Front {
+    async fn start(tokenizer: Option<Tokenizer>) -> Front {
+        let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+        let worker = match tokenizer {
+            Some(t) => start_worker_with_tokenizer(small_worker(), t).await,
+            None => start_worker(small_worker()).await,
+        }
+        .unwrap();
+        Self::over(cache, worker, None, scheduler_config()).await
+    }
+
+    /// The scheduler (with `config`) and the gateway over `cache` and
+    /// `worker`, the scheduler reaching the worker through `via` if given.
+    async fn over(
+        cache: Service,
+        worker: Service,
+        via: Option<&Service>,
+        config: scheduler_svc::Config,
+    ) -> Front {
+        let worker_url = via.map_or_else(|| worker.url(), Service::url);
+        let scheduler =
+            start_scheduler(config, &cache.url(), &[worker_url], Duration::from_secs(60))
+                .await
+                .unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http = listener.local_addr().unwrap();
+        let config = kvlease_gateway::Config {
+            listen: http,
+            scheduler_addr: scheduler.url(),
+            ..Default::default()
+        };
+        let (stop, stopped) = oneshot::channel::<()>();
+        let gateway = tokio::spawn(kvlease_gateway::run(listener, config, async {
+            let _ = stopped.await;
+        }));
+        Front {
+            http,
+            scheduler,
+            worker,
+            cache,
+            stop,
+            gateway,
+        }
+    }
+
+    async fn grpc(&self, request: pb::GenerateRequest) -> Generated {
+        let mut c = scheduler_client(self.scheduler.addr).await.unwrap();
+        collect(&mut c, request).await.unwrap()
+    }
+
+    async fn get(&self, path: &str) -> Reply {
+        request(self.http, "GET", path, None).await
+    }
+
+    async fn post(&self, path: &str, body: Value) -> Reply {
+        request(self.http, "POST", path, Some(body.to_string())).await
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.gateway.await.unwrap().unwrap();
+        self.scheduler.stop().await.unwrap();
+        self.worker.stop().await.unwrap();
+        self.cache.stop().await.unwrap();
+    }
+}
+
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    content_type: String,
+    body: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+
+    /// The `data:` payloads of an SSE body.
+    fn events(&self) -> Vec<String> {
+        assert_eq!(self.content_type, "text/event-stream", "{self:?}");
+        self.body
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                e.strip_prefix("data: ")
+                    .unwrap_or_else(|| panic!("not a data event: {e:?}"))
+                    .to_string()
+            })
+            .collect()
+    }
+
+    /// The JSON events before `[DONE]`, which must be last.
+    fn chunks(&self) -> Vec<Value> {
+        let mut events = self.events();
+        assert_eq!(events.pop().as_deref(), Some("[DONE]"), "{self:?}");
+        events
+            .iter()
+            .map(|e| serde_json::from_str(e).unwrap())
+            .collect()
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection, read to its end.
+async fn request(addr: SocketAddr, method: &str, path: &str, body: Option<String>) -> Reply {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.unwrap_or_default())))
+        .unwrap();
+    let res = sender.send_request(req).await.unwrap();
+    let status = res.status().as_u16();
+    let content_type = res
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    Reply {
+        status,
+        content_type,
+        body: String::from_utf8(body.to_vec()).unwrap(),
+    }
+}
+
+/// A 40-byte prompt: two full blocks of 16 tokens that a second request reuses.
+const PROMPT: &str = "The paged KV cache lends blocks to work.";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_whole_and_streamed_match_grpc() {
+    let f = Front::start(None).await;
+    let health = f.get("/health").await;
+    assert_eq!(
+        (health.status, health.json()["status"].as_str()),
+        (200, Some("ok"))
+    );
+    let models = f.get("/v1/models").await;
+    assert_eq!(models.status, 200, "{models:?}");
+    assert_eq!(models.json()["data"][0]["id"], "kvlease");
+    assert_eq!(f.get("/v1/models/kvlease").await.status, 200);
+
+    let grpc = f
+        .grpc(pb::GenerateRequest {
+            text: PROMPT.into(),
+            max_tokens: 6,
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(
+        grpc.prompt_tokens,
+        PROMPT.len() as u32,
+        "the byte-level tokenizer: a token a byte"
+    );
+    let body = json!({"model": "kvlease", "prompt": PROMPT, "max_tokens": 6, "temperature": 0});
+    let whole = f.post("/v1/completions", body.clone()).await;
+    assert_eq!(whole.status, 200, "{whole:?}");
+    let w = whole.json();
+    assert_eq!(w["object"], "text_completion");
+    assert_eq!(w["choices"][0]["text"].as_str(), Some(grpc.text.as_str()));
+    assert_eq!(w["choices"][0]["finish_reason"], "length");
+    let usage = &w["usage"];
+    assert_eq!(usage["prompt_tokens"], PROMPT.len());
+    assert_eq!(usage["completion_tokens"], 6);
+    assert_eq!(usage["total_tokens"], PROMPT.len() + 6);
+    // the gRPC call before left the prompt's two full blocks cached
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 32,
+        "{usage}"
+    );
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let sse = f.post("/v1/completions", streamed).await;
+    assert_eq!(sse.status, 200, "{sse:?}");
+    let chunks = sse.chunks();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, grpc.text);
+    let (usage_chunk, rest) = chunks.split_last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"]["completion_tokens"], 6);
+    assert_eq!(
+        rest.last().unwrap()["choices"][0]["finish_reason"],
+        "length"
+    );
+    assert!(
+        rest.iter()
+            .all(|c| c["object"] == "text_completion" && c["id"] == rest[0]["id"])
+    );
+
+    // token prompts and a stop string
+    let tokens: Vec<u32> = PROMPT.bytes().map(u32::from).collect();
+    let t = f
+        .post(
+            "/v1/completions",
+            json!({"model": "kvlease", "prompt": tokens, "max_tokens": 6, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(t.status, 200, "{t:?}");
+    assert_eq!(t.json()["usage"]["prompt_tokens"], PROMPT.len());
+    let first_char: String = grpc.text.chars().take(1).collect();
+    if !first_char.is_empty() {
+        let s = f
+            .post(
+                "/v1/completions",
+                json!({"model": "kvlease", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stop": [first_char]}),
+            )
+            .await;
+        assert_eq!(s.status, 200, "{s:?}");
+        assert_eq!(s.json()["choices"][0]["finish_reason"], "stop", "{s:?}");
+        assert_eq!(
+            s.json()["choices"][0]["text"],
+            "",
+            "the text ends before the stop string"
+        );
+    }
+    f.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_requests_are_400_in_openai_shape_with_the_schedulers_message() {
+    let f = Front::start(None).await;
+    let expect = |r: &Reply, status: u16, needle: &str| {
+        assert_eq!(r.status, status, "{r:?}");
+        assert_eq!(r.content_type, "application/json", "{r:?}");
+        let e = &r.json()["error"];
+        let message = e["message"].as_str().unwrap();
+        assert!(message.contains(needle), "{needle:?} not in {message:?}");
+        assert!(e["type"].is_string(), "{r:?}");
+    };
+    // the scheduler's validation, passed through
+    let r = f
+        .post(
+            "/v1/completions",
+            json!({"model": "kvlease", "prompt": "x", "max_tokens": 0}),
+        )
+        .await;
+    expect(&r, 400, "max_tokens must be at least 1");
+    let r = f
+        .post(
+            "/v1/completions",
+            json!({"model": "kvlease", "prompt": "x", "temperature": -1}),
+        )
+        .await;
+    expect(&r, 400, "temperature");
+    let r = f
+        .post(
+            "/v1/completions",
+            json!({"model": "kvlease", "prompt": "x", "max_tokens": 600}),
+        )
+        .await;
+    expect(&r, 400, "max_tokens 600 is over the limit of 200");
+    // the gateway's own checks
+    expect(
+        &request(f.http, "POST", "/v1/completions", Some("{not json".into())).await,
+        400,
+        "invalid request body",
+    );
+    expect(
+        &f.post(
+            "/v1/completions",
+            json!({"model": "kvlease", "prompt": "x", "n": 2}),
+        )
+        .await,
+        400,
+        "n must be 1",
+    );
+    expect(
+        &f.post("/v1/completions", json!({"model": "gpt-4", "prompt": "x"}))
+            .await,
+        404,
+        "does not exist",
+    );
+    expect(
+        &f.post("/v1/chat/completions", json!({"model": "kvlease"}))
+            .await,
+        400,
+        "messages",
+    );
+    expect(&f.get("/v1/embeddings").await, 404, "no such route");
+    // the byte-level model has no chat template: the scheduler says so
+    let chat = json!({"model": "kvlease", "messages": [{"role": "user", "content": "hi"}], "stream": true});
+    expect(
+        &f.post("/v1/chat/completions", chat).await,
+        400,
+        "no chat template",
+    );
+    f.stop().await;
+}
+
+/// GPT-2's printable spelling of each byte.
+fn byte_alphabet() -> Vec<String> {
+    let mut extra = 0u32;
+    (0..=255u32)
+        .map(|b| {
+            let printable = matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
+            let code = if printable {
+                b
+            } else {
+                extra += 1;
+                255 + extra
+            };
+            char::from_u32(code).unwrap().to_string()
+        })
+        .collect()
+}
+
+/// A byte-level BPE over the seeded model's 258 ids with ChatML specials
+/// and a ChatML template: `<|im_start|>` is 256, `<|im_end|>` (the end of
+/// a turn) 257.
+fn chatml_tokenizer() -> Tokenizer {
+    let mut tokens = byte_alphabet();
+    tokens.push("<|im_start|>".into());
+    tokens.push("<|im_end|>".into());
+    let mut token_types = vec![1; 256];
+    token_types.extend([3, 3]);
+    Tokenizer::from_gguf(&GgufVocab {
+        model: "gpt2".into(),
+        tokens,
+        token_types,
+        eos_id: Some(257),
+        chat_template: Some(
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}".into(),
+        ),
+        ..Default::default()
+    })
+    .expect("builds")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_whole_and_streamed_match_grpc() {
+    let f = Front::start(Some(chatml_tokenizer())).await;
+    let messages = [("system", "You are brief."), ("user", "Name a colour.")];
+    let grpc = f
+        .grpc(pb::GenerateRequest {
+            messages: messages
+                .iter()
+                .map(|(role, content)| pb::ChatMessage {
+                    role: (*role).into(),
+                    content: (*content).into(),
+                })
+                .collect(),
+            max_tokens: 8,
+            ..Default::default()
+        })
+        .await;
+    // "<|im_start|>system\nYou are brief.<|im_end|>\n" + the user turn + the
+    // generation prompt, one token per byte and per special
+    let rendered = 2
+        + "system\nYou are brief.\n".len()
+        + 2
+        + "user\nName a colour.\n".len()
+        + 1
+        + "assistant\n".len();
+    assert_eq!(grpc.prompt_tokens as usize, rendered);
+    let body = json!({
+        "model": "kvlease", "max_tokens": 8, "temperature": 0, "user": "alice",
+        "messages": messages.iter().map(|(r, c)| json!({"role": r, "content": c})).collect::<Vec<_>>(),
+    });
+    let whole = f.post("/v1/chat/completions", body.clone()).await;
+    assert_eq!(whole.status, 200, "{whole:?}");
+    let w = whole.json();
+    assert_eq!(w["object"], "chat.completion");
+    assert_eq!(w["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(
+        w["choices"][0]["message"]["content"].as_str(),
+        Some(grpc.text.as_str())
+    );
+    let finish = match grpc.finish_reason() {
+        pb::FinishReason::Length => "length",
+        pb::FinishReason::Stop => "stop",
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(w["choices"][0]["finish_reason"], finish);
+    assert_eq!(w["usage"]["prompt_tokens"], rendered);
+    assert_eq!(w["usage"]["completion_tokens"], grpc.tokens.len());
+    // "alice" is a tenant of her own: the gRPC call's blocks are not hers
+    assert_eq!(w["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let sse = f.post("/v1/chat/completions", streamed).await;
+    assert_eq!(sse.status, 200, "{sse:?}");
+    let chunks = sse.chunks();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk")
+    );
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, grpc.text);
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        finish
+    );
+    assert!(
+        chunks.iter().all(|c| c.get("usage").is_none()),
+        "no usage unless asked"
+    );
+    // alice's second request reuses her own cached prefix
+    let again = f.post("/v1/chat/completions", body).await.json();
+    assert!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0),
+        "{again}"
+    );
+    f.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_can_never_fit_is_a_400_for_streams_too() {
+    let f = Front::start(None).await;
+    // warm-up proved that a request of the whole context fits an empty pool,
+    // so what can never fit is refused by the scheduler's validation
+    let prompt = "x".repeat(250);
+    for stream in [false, true] {
+        let r = f
+            .post(
+                "/v1/completions",
+                json!({"model": "kvlease", "prompt": prompt, "max_tokens": 10, "stream": stream}),
+            )
+            .await;
+        assert_eq!(r.status, 400, "{r:?}");
+        let m = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(m.contains("exceeds the context limit of 256 tokens"), "{m}");
+    }
+    f.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_exhausted_mid_stream_ends_the_stream_with_an_error_event() {
+    // two requests of 100 + 150 tokens need 16 blocks each at the end, the
+    // pool has 23: under max-utilization with on-exhausted=reject, one of
+    // them is rejected after it has streamed tokens
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let worker = start_worker(small_worker()).await.unwrap();
+    let (gated, gate) = tap::start_gate(worker.addr).await.unwrap();
+    let config = scheduler_svc::Config {
+        on_exhausted: scheduler_svc::policy::OnExhausted::Reject,
+        ..scheduler_config()
+    };
+    let f = Front::over(cache, worker, Some(&gated), config).await;
+    let body = |p: &str| {
+        json!({"model": "kvlease", "prompt": p.repeat(100), "max_tokens": 150,
+               "temperature": 0, "stream": true})
+    };
+    // A's first forward pass is held until B waits in the queue: both run
+    gate.close();
+    let a = tokio::spawn(request(
+        f.http,
+        "POST",
+        "/v1/completions",
+        Some(body("a").to_string()),
+    ));
+    gate.holding().await;
+    let b = tokio::spawn(request(
+        f.http,
+        "POST",
+        "/v1/completions",
+        Some(body("b").to_string()),
+    ));
+    let mut status = scheduler_client(f.scheduler.addr).await.unwrap();
+    while status
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .queued
+        == 0
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    gate.open();
+    let replies = [a.await.unwrap(), b.await.unwrap()];
+    let mut rejected = 0;
+    for r in &replies {
+        assert_eq!(r.status, 200, "{r:?}");
+        let chunks = r.chunks();
+        let last = chunks.last().unwrap();
+        if let Some(e) = last.get("error") {
+            rejected += 1;
+            assert_eq!(e["code"], "pool_exhausted", "{r:?}");
+            assert!(
+                e["message"].as_str().unwrap().contains("retry later"),
+                "{e}"
+            );
+            assert!(chunks.len() > 1, "tokens came before the reject: {r:?}");
+        } else {
+            assert_eq!(last["choices"][0]["finish_reason"], "length", "{r:?}");
+        }
+    }
+    assert_eq!(rejected, 1, "{replies:?}");
+    f.stop().await;
+    gated.stop().await.unwrap();
+}
