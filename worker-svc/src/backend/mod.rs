@@ -4,9 +4,6 @@
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
-// Until each kernel launch has its typed wrapper with one SAFETY comment
-// (issue 10, item 4): then drop this and let the workspace lint hold.
-#[allow(clippy::undocumented_unsafe_blocks)]
 pub mod cuda;
 
 use crate::batch::Batch;
