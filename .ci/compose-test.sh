@@ -44,6 +44,10 @@ epoch() { "$KV" status --scheduler "$SCHED" 2>/dev/null | sed -n 's/.*(epoch \([
 
 teardown() {
   local rc=$?
+  if [ ${#FAILURES[@]} -gt 0 ]; then
+    log "service logs (last 30 lines each):"
+    "${COMPOSE[@]}" logs --no-color --tail 30 2>&1 | sed 's/^/    /'
+  fi
   "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1
   rm -rf "$LOGS"
   exit "$rc"
@@ -67,9 +71,6 @@ finish() {
     echo "compose-test: PASS (${NOTES[*]})"
     exit 0
   fi
-  # the logs first, so that the verdict is the last line a CI tail shows
-  log "service logs (last 40 lines each):"
-  "${COMPOSE[@]}" logs --no-color --tail 40 2>&1 | sed 's/^/    /'
   local IFS=';'
   echo "compose-test: FAIL (${FAILURES[*]})"
   exit 1
@@ -95,8 +96,8 @@ log "all four services healthy"
 "$KV" status --scheduler "$SCHED" | sed 's/^/    /'
 EPOCH0="$(epoch)"
 if command -v curl >/dev/null 2>&1; then
-  for probe in "$KVLEASE_CACHE_METRICS_PORT:kvlease_pool_blocks_total" \
-               "$KVLEASE_WORKER_1_METRICS_PORT:kvlease_pool_blocks_total" \
+  for probe in "$KVLEASE_CACHE_METRICS_PORT:kvlease_pool_capacity_blocks" \
+               "$KVLEASE_WORKER_1_METRICS_PORT:kvlease_worker_pool_capacity_blocks" \
                "$KVLEASE_SCHEDULER_METRICS_PORT:kvlease_queue_depth"; do
     port="${probe%%:*}"; metric="${probe#*:}"
     if ! curl -fsS "http://127.0.0.1:$port/metrics" | grep -q "^$metric"; then

@@ -98,7 +98,11 @@ impl Default for Config {
 
 impl ServiceConfig for Config {
     fn listen_addrs(&self) -> Result<ListenAddrs, String> {
-        ListenAddrs::checked(self.validate(), self.listen, self.metrics_listen)
+        self.validate()?;
+        Ok(ListenAddrs {
+            grpc: self.listen,
+            metrics: self.metrics_listen,
+        })
     }
 }
 

@@ -47,6 +47,7 @@ pub use cache::{Batch, Cache, CacheConfig};
 pub use config::Config;
 pub use error::{Error, Result};
 pub use ids::{BlockId, Epoch, SessionId};
+pub use metrics::metric_catalog;
 pub use server::{SERVICE, run};
 
 #[cfg(test)]

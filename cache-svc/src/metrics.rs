@@ -1,7 +1,9 @@
 //! The cache service's Prometheus series. Pool figures are read from the core
 //! at scrape time, so they always agree with `GetStats`.
 
-use kvlease_telemetry::metrics::{CounterVec, GaugeVec, Registry, names};
+use std::sync::Arc;
+
+use kvlease_telemetry::metrics::{CounterVec, Described, GaugeVec, Registry, names};
 
 use crate::cache::Cache;
 use crate::error::{Error, Result};
@@ -10,100 +12,132 @@ use crate::lease::Outcome;
 /// Handles to the series.
 #[derive(Debug, Clone)]
 pub(crate) struct CacheMetrics {
-    registry: Registry,
-    blocks: GaugeVec<3>,
-    blocks_total: GaugeVec<2>,
+    registry: Arc<Registry>,
+    blocks: GaugeVec<4>,
+    capacity: GaugeVec<3>,
+    pool_grants: CounterVec<2>,
+    pool_rejects: CounterVec<2>,
     grants: CounterVec<1>,
     rejects: CounterVec<2>,
-    evictions: CounterVec<1>,
-    reuse_hits: CounterVec<1>,
-    reuse_lookups: CounterVec<1>,
-    hit_rate: GaugeVec<1>,
-    estimated_hit_rate: GaugeVec<2>,
-    leaks: CounterVec<1>,
+    evictions: CounterVec<2>,
+    reuse_hits: CounterVec<2>,
+    reuse_lookups: CounterVec<2>,
+    hit_rate: GaugeVec<2>,
+    estimated_hit_rate: GaugeVec<3>,
+    leaks: CounterVec<2>,
+}
+
+/// What the cache's metrics endpoint exports: every family it registers.
+pub fn metric_catalog() -> Result<Vec<Described>> {
+    Ok(CacheMetrics::new()?.registry.described().to_vec())
 }
 
 impl CacheMetrics {
     /// Registers the series.
     pub(crate) fn new() -> Result<Self> {
-        let registry = Registry::new();
+        let mut registry = Registry::new();
+        let r = &mut registry;
         let fail = |e: kvlease_telemetry::Error| Error::InvalidArgument(format!("metrics: {e}"));
+        let pool = [names::POOL_GROUP, names::POOL_ID];
+        let blocks = r
+            .gauge_vec(
+                names::POOL_BLOCKS,
+                "Blocks of a pool in each state (free, cached, in_use, fenced).",
+                [
+                    names::POOL_GROUP,
+                    names::POOL_ID,
+                    names::WINDOW,
+                    names::STATE,
+                ],
+            )
+            .map_err(fail)?;
+        let capacity = r
+            .gauge_vec(
+                names::POOL_CAPACITY_BLOCKS,
+                "Blocks of a pool, all states.",
+                [names::POOL_GROUP, names::POOL_ID, names::WINDOW],
+            )
+            .map_err(fail)?;
+        let pool_grants = r
+            .counter_vec(
+                names::POOL_GRANTS_TOTAL,
+                "Sequences a pool granted blocks.",
+                pool,
+            )
+            .map_err(fail)?;
+        let pool_rejects = r
+            .counter_vec(names::POOL_REJECTS_TOTAL, "Sequences a pool refused.", pool)
+            .map_err(fail)?;
+        let grants = r
+            .counter_vec(
+                names::GRANTS_TOTAL,
+                "Sequences granted blocks, by call.",
+                [names::OP],
+            )
+            .map_err(fail)?;
+        let rejects = r
+            .counter_vec(
+                names::REJECTS_TOTAL,
+                "Sequences refused, by call and reason.",
+                [names::OP, names::REASON],
+            )
+            .map_err(fail)?;
+        let evictions = r
+            .counter_vec(
+                names::EVICTIONS_TOTAL,
+                "Cached blocks evicted to make room.",
+                pool,
+            )
+            .map_err(fail)?;
+        let reuse_hits = r
+            .counter_vec(
+                names::REUSE_HIT_BLOCKS_TOTAL,
+                "Prompt blocks served from the prefix cache (warm-up excluded).",
+                pool,
+            )
+            .map_err(fail)?;
+        let reuse_lookups = r
+            .counter_vec(
+                names::REUSE_LOOKUP_BLOCKS_TOTAL,
+                "Prompt blocks looked up in the prefix cache (warm-up excluded).",
+                pool,
+            )
+            .map_err(fail)?;
+        let hit_rate = r
+            .gauge_vec(names::REUSE_HIT_RATE, "Prefix cache hit rate so far.", pool)
+            .map_err(fail)?;
+        let estimated_hit_rate = r
+            .gauge_vec(
+                names::ESTIMATED_HIT_RATE,
+                "Estimated prefix hit rate at scale times the pool's size (miss-ratio curve).",
+                [names::POOL_GROUP, names::POOL_ID, names::SCALE],
+            )
+            .map_err(fail)?;
+        let leaks = r
+            .counter_vec(
+                names::LEAKED_BLOCKS_RECLAIMED_TOTAL,
+                "Blocks the leak audit reclaimed.",
+                pool,
+            )
+            .map_err(fail)?;
         Ok(Self {
-            blocks: registry
-                .gauge_vec(
-                    names::POOL_BLOCKS,
-                    "Blocks of a pool in each state.",
-                    [names::POOL_ID, names::WINDOW, names::STATE],
-                )
-                .map_err(fail)?,
-            blocks_total: registry
-                .gauge_vec(
-                    names::POOL_BLOCKS_TOTAL,
-                    "Blocks of a pool.",
-                    [names::POOL_ID, names::WINDOW],
-                )
-                .map_err(fail)?,
-            grants: registry
-                .counter_vec(
-                    names::GRANTS_TOTAL,
-                    "Sequences granted blocks.",
-                    [names::OP],
-                )
-                .map_err(fail)?,
-            rejects: registry
-                .counter_vec(
-                    names::REJECTS_TOTAL,
-                    "Sequences rejected, by reason.",
-                    [names::OP, names::REASON],
-                )
-                .map_err(fail)?,
-            evictions: registry
-                .counter_vec(
-                    names::EVICTIONS_TOTAL,
-                    "Cached blocks evicted to make room.",
-                    [names::POOL_ID],
-                )
-                .map_err(fail)?,
-            reuse_hits: registry
-                .counter_vec(
-                    names::REUSE_HIT_BLOCKS_TOTAL,
-                    "Prompt blocks served from the prefix cache (warm-up excluded).",
-                    [names::POOL_ID],
-                )
-                .map_err(fail)?,
-            reuse_lookups: registry
-                .counter_vec(
-                    names::REUSE_LOOKUP_BLOCKS_TOTAL,
-                    "Prompt blocks looked up in the prefix cache (warm-up excluded).",
-                    [names::POOL_ID],
-                )
-                .map_err(fail)?,
-            hit_rate: registry
-                .gauge_vec(
-                    names::REUSE_HIT_RATE,
-                    "Prefix cache hit rate so far.",
-                    [names::POOL_ID],
-                )
-                .map_err(fail)?,
-            estimated_hit_rate: registry
-                .gauge_vec(
-                    names::ESTIMATED_HIT_RATE,
-                    "Estimated prefix hit rate at scale times the pool's size (miss-ratio curve).",
-                    [names::POOL_ID, names::SCALE],
-                )
-                .map_err(fail)?,
-            leaks: registry
-                .counter_vec(
-                    names::LEAKED_BLOCKS_RECLAIMED_TOTAL,
-                    "Blocks the leak audit reclaimed.",
-                    [names::POOL_ID],
-                )
-                .map_err(fail)?,
-            registry,
+            registry: Arc::new(registry),
+            blocks,
+            capacity,
+            pool_grants,
+            pool_rejects,
+            grants,
+            rejects,
+            evictions,
+            reuse_hits,
+            reuse_lookups,
+            hit_rate,
+            estimated_hit_rate,
+            leaks,
         })
     }
 
-    /// Counts the outcomes of one `op` ("lease" or "extend").
+    /// Counts the outcomes of one `op` ([`names::OP_LEASE`] or [`names::OP_EXTEND`]).
     pub(crate) fn record(&self, op: &str, outcomes: &[Outcome]) {
         // One label lookup per call, not per sequence: a decode step's
         // Extend carries hundreds of grants.
@@ -111,7 +145,9 @@ impl CacheMetrics {
         for o in outcomes {
             match o {
                 Outcome::Grant(_) => grants += 1,
-                Outcome::Reject(r) => self.rejects.with([op, r.reason.as_str()]).inc(),
+                Outcome::Reject(r) => {
+                    self.rejects.with([op, r.reason.as_str()]).inc();
+                }
             }
         }
         if grants > 0 {
@@ -122,7 +158,8 @@ impl CacheMetrics {
     /// Mirrors the pools' figures and renders the text format.
     pub(crate) fn render(&self, cache: &Cache) -> String {
         for p in cache.pools() {
-            let (id, window) = (p.id.to_string(), p.window.to_string());
+            let (group, id, window) = (p.group.as_str(), p.id.to_string(), p.window.to_string());
+            let pool = [group, id.as_str()];
             let c = p.pool.counts();
             for (state, n) in [
                 (names::STATE_FREE, c.free),
@@ -130,25 +167,29 @@ impl CacheMetrics {
                 (names::STATE_IN_USE, c.in_use),
                 (names::STATE_FENCED, c.fenced),
             ] {
-                self.blocks.with([&id, &window, state]).set(f64::from(n));
+                self.blocks
+                    .with([group, &id, &window, state])
+                    .set(f64::from(n));
             }
-            self.blocks_total
-                .with([&id, &window])
+            self.capacity
+                .with([group, &id, &window])
                 .set(f64::from(c.total));
             let k = p.pool.counters;
-            catch_up(&self.evictions, &id, k.evictions);
-            catch_up(&self.reuse_hits, &id, k.reuse_hits);
-            catch_up(&self.reuse_lookups, &id, k.reuse_lookups);
-            catch_up(&self.leaks, &id, k.leaks_reclaimed);
+            catch_up(&self.pool_grants, pool, k.grants);
+            catch_up(&self.pool_rejects, pool, k.rejects);
+            catch_up(&self.evictions, pool, k.evictions);
+            catch_up(&self.reuse_hits, pool, k.reuse_hits);
+            catch_up(&self.reuse_lookups, pool, k.reuse_lookups);
+            catch_up(&self.leaks, pool, k.leaks_reclaimed);
             let rate = if k.reuse_lookups == 0 {
                 0.0
             } else {
                 k.reuse_hits as f64 / k.reuse_lookups as f64
             };
-            self.hit_rate.with([&id]).set(rate);
+            self.hit_rate.with(pool).set(rate);
             for e in p.pool.hit_rate_estimates() {
                 self.estimated_hit_rate
-                    .with([&id, &e.scale.to_string()])
+                    .with([group, &id, &e.scale.to_string()])
                     .set(e.hit_rate);
             }
         }
@@ -157,8 +198,8 @@ impl CacheMetrics {
 }
 
 /// Advances a counter to the core's monotonic figure.
-fn catch_up(counter: &CounterVec<1>, label: &str, value: u64) {
-    let c = counter.with([label]);
+fn catch_up(counter: &CounterVec<2>, labels: [&str; 2], value: u64) {
+    let c = counter.with(labels);
     c.inc_by(value.saturating_sub(c.get()));
 }
 
@@ -184,14 +225,18 @@ mod tests {
             .lease(s.session_id, s.epoch, Batch::default(), &specs, now)
             .unwrap();
         let metrics = CacheMetrics::new().unwrap();
-        metrics.record("lease", &out);
+        metrics.record(names::OP_LEASE, &out);
         let text = metrics.render(&cache);
         assert!(
-            text.contains(r#"kvlease_pool_blocks{pool_id="1",window="0",state="in_use"} 3"#),
+            text.contains(
+                r#"kvlease_pool_blocks{pool_group="g",pool_id="1",window="0",state="in_use"} 3.0"#
+            ),
             "{text}"
         );
         assert!(
-            text.contains(r#"kvlease_pool_blocks{pool_id="1",window="0",state="free"} 5"#),
+            text.contains(
+                r#"kvlease_pool_blocks{pool_group="g",pool_id="1",window="0",state="free"} 5.0"#
+            ),
             "{text}"
         );
         assert!(
@@ -203,7 +248,19 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains(r#"kvlease_cache_estimated_hit_rate{pool_id="1",scale="0.5"} 0"#),
+            text.contains(r#"kvlease_pool_rejects_total{pool_group="g",pool_id="1"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"kvlease_pool_capacity_blocks{pool_group="g",pool_id="1",window="0"} 8.0"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"kvlease_cache_estimated_hit_rate{pool_group="g",pool_id="1",scale="0.5"} 0.0"#
+            ),
             "{text}"
         );
     }

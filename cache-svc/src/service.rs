@@ -274,7 +274,8 @@ impl CacheService for CacheServiceImpl {
         )?;
         self.notify_events(&cache);
         drop(cache);
-        self.metrics.record("lease", &outcomes);
+        self.metrics
+            .record(kvlease_telemetry::metrics::names::OP_LEASE, &outcomes);
         trace_rejects(&outcomes);
         Ok(Response::new(pb::LeaseResponse {
             outcomes: outcomes_to_pb(outcomes),
@@ -319,7 +320,8 @@ impl CacheService for CacheServiceImpl {
         )?;
         self.notify_events(&cache);
         drop(cache);
-        self.metrics.record("extend", &outcomes);
+        self.metrics
+            .record(kvlease_telemetry::metrics::names::OP_EXTEND, &outcomes);
         trace_rejects(&outcomes);
         Ok(Response::new(pb::ExtendResponse {
             outcomes: outcomes_to_pb(outcomes),

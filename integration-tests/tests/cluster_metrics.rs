@@ -71,6 +71,15 @@ fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64>
         .map(|s| s.value)
 }
 
+/// The sum of every sample named `name`, whatever its labels.
+fn sum(samples: &[Sample], name: &str) -> f64 {
+    samples
+        .iter()
+        .filter(|s| s.name == name)
+        .map(|s| s.value)
+        .sum()
+}
+
 /// `GET /metrics` over a plain HTTP/1.0 connection.
 async fn scrape(addr: SocketAddr) -> Result<Vec<Sample>, Box<dyn std::error::Error + Send + Sync>> {
     let mut stream =
@@ -140,9 +149,11 @@ async fn each_service_metrics_agree_with_get_stats() -> TestResult {
     // traffic with a shared prefix, so grants and reuse move
     let mut client = it::scheduler_client(scheduler.addr).await?;
     let prefix: Vec<u32> = (0..64).map(|t| t % 200 + 1).collect();
+    let (mut prompt_tokens, mut output_tokens, mut reused_tokens) = (0, 0, 0);
     for n in 0..6u32 {
         let mut tokens = prefix.clone();
         tokens.extend((0..20).map(|t| (t * 3 + n * 11) % 200 + 1));
+        prompt_tokens += tokens.len();
         let g = it::collect(
             &mut client,
             pb::GenerateRequest {
@@ -159,6 +170,8 @@ async fn each_service_metrics_agree_with_get_stats() -> TestResult {
             ),
             "{g:?}"
         );
+        output_tokens += g.tokens.len();
+        reused_tokens += g.reused_tokens;
     }
     let pools = it::wait_whole(cache.addr, it::GROUP, Duration::from_secs(10)).await?;
     assert!(!pools.is_empty(), "the cache reports no pool");
@@ -178,6 +191,7 @@ async fn each_service_metrics_agree_with_get_stats() -> TestResult {
                 &c,
                 names::POOL_BLOCKS,
                 &[
+                    (names::POOL_GROUP, &pool.pool_group),
                     (names::POOL_ID, &id),
                     (names::WINDOW, &window),
                     (names::STATE, state),
@@ -207,13 +221,34 @@ async fn each_service_metrics_agree_with_get_stats() -> TestResult {
         assert_eq!(
             value(
                 &c,
-                names::POOL_BLOCKS_TOTAL,
-                &[(names::POOL_ID, &id), (names::WINDOW, &window)]
+                names::POOL_CAPACITY_BLOCKS,
+                &[
+                    (names::POOL_GROUP, &pool.pool_group),
+                    (names::POOL_ID, &id),
+                    (names::WINDOW, &window)
+                ]
             ),
             Some(f64::from(pool.total)),
             "total of {pool:?}"
         );
-        let per_pool = |name: &str| value(&c, name, &[(names::POOL_ID, &id)]).unwrap_or(0.0);
+        let per_pool = |name: &str| {
+            value(
+                &c,
+                name,
+                &[(names::POOL_GROUP, &pool.pool_group), (names::POOL_ID, &id)],
+            )
+            .unwrap_or(0.0)
+        };
+        assert_eq!(
+            per_pool(names::POOL_GRANTS_TOTAL),
+            pool.grants as f64,
+            "grants of {pool:?}"
+        );
+        assert_eq!(
+            per_pool(names::POOL_REJECTS_TOTAL),
+            pool.rejects as f64,
+            "rejects of {pool:?}"
+        );
         assert_eq!(
             per_pool(names::REUSE_HIT_BLOCKS_TOTAL),
             pool.reuse_hits as f64,
@@ -247,14 +282,18 @@ async fn each_service_metrics_agree_with_get_stats() -> TestResult {
     for pool in &pools {
         let window = pool.window.to_string();
         assert_eq!(
-            value(&w, names::POOL_BLOCKS_TOTAL, &[(names::WINDOW, &window)]),
+            value(
+                &w,
+                names::WORKER_POOL_CAPACITY_BLOCKS,
+                &[(names::WINDOW, &window)]
+            ),
             Some(f64::from(pool.total)),
             "worker pool of window {window} vs GetStats {pool:?}"
         );
     }
     let forwards = value(
         &w,
-        &format!("{}_count", names::FORWARD_DURATION_SECONDS),
+        &format!("{}_count", names::FORWARD_COMPUTE_DURATION_SECONDS),
         &[],
     )
     .unwrap_or(0.0);
@@ -269,7 +308,7 @@ async fn each_service_metrics_agree_with_get_stats() -> TestResult {
     let finished = |reason: &str| {
         value(
             &s,
-            "kvlease_requests_finished_total",
+            names::REQUESTS_FINISHED_TOTAL,
             &[(names::REASON, reason)],
         )
         .unwrap_or(0.0)
@@ -290,9 +329,20 @@ async fn each_service_metrics_agree_with_get_stats() -> TestResult {
         Some(f64::from(status.running)),
         "{status:?}"
     );
-    assert_eq!(
-        value(&s, "kvlease_preemptions_total", &[]).unwrap_or(0.0),
-        status.preemptions as f64
+    assert_eq!(sum(&s, names::PREEMPTIONS_TOTAL), status.preemptions as f64);
+    // per request: six timed, their prompts and outputs counted
+    let count = |name: &str| sum(&s, &format!("{name}_count"));
+    assert_eq!(count(names::REQUEST_DURATION_SECONDS), 6.0);
+    assert_eq!(count(names::TIME_TO_FIRST_TOKEN_SECONDS), 6.0);
+    assert_eq!(count(names::QUEUE_WAIT_SECONDS), 6.0);
+    assert_eq!(sum(&s, names::PROMPT_TOKENS_TOTAL), prompt_tokens as f64);
+    assert_eq!(sum(&s, names::OUTPUT_TOKENS_TOTAL), output_tokens as f64);
+    assert_eq!(sum(&s, names::REUSED_TOKENS_TOTAL), reused_tokens as f64);
+    assert!(reused_tokens > 0, "the shared prefix was reused");
+    let forward_rpcs = count(names::FORWARD_RPC_DURATION_SECONDS);
+    assert!(
+        forward_rpcs > 0.0,
+        "the scheduler's forward histogram is empty"
     );
     let steps = value(&s, &format!("{}_count", names::STEP_DURATION_SECONDS), &[]).unwrap_or(0.0);
     assert!(steps > 0.0, "the scheduler's step histogram is empty");

@@ -467,6 +467,6 @@ async fn metrics_endpoint_counts_steps_and_finished_requests() {
         body.contains("kvlease_step_duration_seconds_count"),
         "{body}"
     );
-    assert!(body.contains("kvlease_queue_depth 0"), "{body}");
+    assert!(body.contains("kvlease_queue_depth 0.0\n"), "{body}");
     cluster.stop().await.unwrap();
 }

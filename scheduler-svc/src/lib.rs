@@ -57,4 +57,5 @@ pub mod warmup;
 
 pub use config::{Config, OnCacheRestart};
 pub use error::{Error, Result};
+pub use metrics::metric_catalog;
 pub use server::{SERVICE, run};

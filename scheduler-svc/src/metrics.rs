@@ -1,22 +1,21 @@
-//! Prometheus metrics of the scheduler (served on `--metrics-listen`):
-//! step and forward latency, queue depth, running sequences, refusals by
-//! operation and reason, finished requests by reason, preemptions.
+//! Prometheus metrics of the scheduler (served on `--metrics-listen`): step
+//! and forward-RPC latency, queue depth, running sequences, refusals by
+//! operation and reason, finished requests and preemptions by reason, and
+//! per request: latency, time to first token, queue wait and token counts.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use kvlease_telemetry::metrics::{
-    Counter, CounterVec, DEFAULT_LATENCY_BUCKETS, Gauge, Histogram, Registry, names,
+    Counter, CounterVec, DEFAULT_LATENCY_BUCKETS, Described, Gauge, Histogram, HistogramVec,
+    REQUEST_LATENCY_BUCKETS, Registry, names,
 };
 
+use crate::domain::{Finish, LeaseSpec, Outcome, Output, RequestId};
 use crate::error::{Error, Result};
-use crate::step::Counters;
+use crate::step::{Counters, PreemptCause};
 
-/// Finished requests by reason.
-const FINISHED_TOTAL: &str = "kvlease_requests_finished_total";
-/// Requests preempted and requeued for recompute.
-const PREEMPTIONS_TOTAL: &str = "kvlease_preemptions_total";
-
-/// The scheduler's instruments.
+/// The scheduler's instruments, and the clock of each live request.
 #[derive(Debug, Clone)]
 pub struct SchedulerMetrics {
     step: Histogram,
@@ -25,64 +24,215 @@ pub struct SchedulerMetrics {
     running: Gauge,
     rejects: CounterVec<2>,
     finished: CounterVec<1>,
-    preemptions: Counter,
+    preemptions: CounterVec<1>,
+    request_seconds: HistogramVec<1>,
+    ttft_seconds: Histogram,
+    queue_wait_seconds: Histogram,
+    prompt_tokens: Counter,
+    output_tokens: Counter,
+    reused_tokens: Counter,
+    live: HashMap<RequestId, Clock>,
+}
+
+/// When a live request arrived, and which of its firsts were seen.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    arrived: Instant,
+    admitted: bool,
+    first_token: bool,
+}
+
+/// What the scheduler's metrics endpoint exports: every family it registers.
+pub fn metric_catalog() -> Result<Vec<Described>> {
+    let mut registry = Registry::new();
+    SchedulerMetrics::register(&mut registry)?;
+    Ok(registry.described().to_vec())
 }
 
 impl SchedulerMetrics {
     /// Registers the instruments in `registry`.
-    pub fn register(registry: &Registry) -> Result<Self> {
+    pub fn register(registry: &mut Registry) -> Result<Self> {
         let e = |e: kvlease_telemetry::Error| Error::Config(format!("metrics: {e}"));
+        let r = registry;
         Ok(Self {
-            step: registry
+            step: r
                 .histogram(
                     names::STEP_DURATION_SECONDS,
                     "Scheduler step latency.",
                     DEFAULT_LATENCY_BUCKETS,
                 )
                 .map_err(e)?,
-            forward: registry
+            forward: r
                 .histogram(
-                    names::FORWARD_DURATION_SECONDS,
-                    "Forward pass latency seen by the scheduler (RPC included).",
+                    names::FORWARD_RPC_DURATION_SECONDS,
+                    "A step's forward pass seen by the scheduler, launch to the last worker's answer (RPCs included).",
                     DEFAULT_LATENCY_BUCKETS,
                 )
                 .map_err(e)?,
-            queue: registry
+            queue: r
                 .gauge(names::QUEUE_DEPTH, "Requests waiting for admission.")
                 .map_err(e)?,
-            running: registry
+            running: r
                 .gauge(names::RUNNING_SEQUENCES, "Sequences leased and running.")
                 .map_err(e)?,
-            rejects: registry
+            rejects: r
                 .counter_vec(
                     names::REJECTS_TOTAL,
-                    "Sequences refused by the cache.",
+                    "Sequences the cache refused the scheduler, by call and reason.",
                     [names::OP, names::REASON],
                 )
                 .map_err(e)?,
-            finished: registry
+            finished: r
                 .counter_vec(
-                    FINISHED_TOTAL,
+                    names::REQUESTS_FINISHED_TOTAL,
                     "Requests finished, by reason.",
                     [names::REASON],
                 )
                 .map_err(e)?,
-            preemptions: registry
-                .counter(PREEMPTIONS_TOTAL, "Requests preempted for recompute.")
+            preemptions: r
+                .counter_vec(
+                    names::PREEMPTIONS_TOTAL,
+                    "Running requests preempted and requeued for recompute, by cause.",
+                    [names::REASON],
+                )
                 .map_err(e)?,
+            request_seconds: r
+                .histogram_vec(
+                    names::REQUEST_DURATION_SECONDS,
+                    "Request latency, arrival to the last output, by finish reason.",
+                    [names::REASON],
+                    REQUEST_LATENCY_BUCKETS,
+                )
+                .map_err(e)?,
+            ttft_seconds: r
+                .histogram(
+                    names::TIME_TO_FIRST_TOKEN_SECONDS,
+                    "Time to first token, arrival to the first output token.",
+                    REQUEST_LATENCY_BUCKETS,
+                )
+                .map_err(e)?,
+            queue_wait_seconds: r
+                .histogram(
+                    names::QUEUE_WAIT_SECONDS,
+                    "Queue wait, arrival to the request's first granted lease.",
+                    REQUEST_LATENCY_BUCKETS,
+                )
+                .map_err(e)?,
+            prompt_tokens: r
+                .counter(
+                    names::PROMPT_TOKENS_TOTAL,
+                    "Prompt tokens of the requests submitted.",
+                )
+                .map_err(e)?,
+            output_tokens: r
+                .counter(
+                    names::OUTPUT_TOKENS_TOTAL,
+                    "Tokens generated and streamed to clients.",
+                )
+                .map_err(e)?,
+            reused_tokens: r
+                .counter(
+                    names::REUSED_TOKENS_TOTAL,
+                    "Prompt tokens served from cached blocks instead of computed.",
+                )
+                .map_err(e)?,
+            live: HashMap::new(),
         })
     }
 
     pub fn step(&self, d: Duration) {
-        self.step.observe_duration(d);
+        self.step.observe(d.as_secs_f64());
     }
 
+    /// One step's forward pass, RPCs included.
     pub fn forward(&self, d: Duration) {
-        self.forward.observe_duration(d);
+        self.forward.observe(d.as_secs_f64());
     }
 
-    pub fn reject(&self, op: &str, reason: &str) {
+    /// One refused sequence of a `method` call (`"Lease"`, `"Extend"`),
+    /// counted under the lower-case op the cache uses too.
+    pub fn reject(&self, method: &str, reason: &str) {
+        let op = match method {
+            "Lease" => names::OP_LEASE,
+            "Extend" => names::OP_EXTEND,
+            other => other,
+        };
         self.rejects.with([op, reason]).inc();
+    }
+
+    /// A request entered the scheduler now.
+    pub fn arrived(&mut self, id: RequestId, prompt_tokens: usize) {
+        self.arrived_at(id, prompt_tokens, Instant::now());
+    }
+
+    fn arrived_at(&mut self, id: RequestId, prompt_tokens: usize, now: Instant) {
+        self.prompt_tokens.inc_by(prompt_tokens as u64);
+        self.live.insert(
+            id,
+            Clock {
+                arrived: now,
+                admitted: false,
+                first_token: false,
+            },
+        );
+    }
+
+    /// The outcomes of one admission `Lease` over `specs`: the first grant of
+    /// a request ends its queue wait.
+    pub fn admitted(&mut self, specs: &[LeaseSpec], outcomes: &[Outcome]) {
+        let now = Instant::now();
+        for outcome in outcomes {
+            let Outcome::Grant(grant) = outcome else {
+                continue;
+            };
+            let Some(spec) = specs.iter().find(|s| s.seq_id == grant.seq_id) else {
+                continue;
+            };
+            if let Some(clock) = self.live.get_mut(&spec.request)
+                && !clock.admitted
+            {
+                clock.admitted = true;
+                self.queue_wait_seconds
+                    .observe(now.duration_since(clock.arrived).as_secs_f64());
+            }
+        }
+    }
+
+    /// An output on its way to the request's stream.
+    pub fn output(&mut self, output: &Output) {
+        self.output_at(output, Instant::now());
+    }
+
+    fn output_at(&mut self, output: &Output, now: Instant) {
+        match output {
+            Output::Tokens {
+                request,
+                tokens,
+                reused_tokens,
+            } => {
+                self.output_tokens.inc_by(tokens.len() as u64);
+                if let Some(n) = reused_tokens {
+                    self.reused_tokens.inc_by(u64::from(*n));
+                }
+                if let Some(clock) = self.live.get_mut(request)
+                    && !clock.first_token
+                    && !tokens.is_empty()
+                {
+                    clock.first_token = true;
+                    self.ttft_seconds
+                        .observe(now.duration_since(clock.arrived).as_secs_f64());
+                }
+            }
+            Output::Finished {
+                request, finish, ..
+            } => {
+                if let Some(clock) = self.live.remove(request) {
+                    self.request_seconds
+                        .with([finish_reason(finish)])
+                        .observe(now.duration_since(clock.arrived).as_secs_f64());
+                }
+            }
+        }
     }
 
     /// Sets the gauges and adds what the counters gained since `before`.
@@ -104,9 +254,96 @@ impl SchedulerMetrics {
                 self.finished.with([reason]).inc_by(n);
             }
         }
-        let p = gained(before.preemptions, now.preemptions);
-        if p > 0 {
-            self.preemptions.inc_by(p);
+        for cause in PreemptCause::ALL {
+            let n = gained(before.preempted_by(cause), now.preempted_by(cause));
+            if n > 0 {
+                self.preemptions.with([cause.as_str()]).inc_by(n);
+            }
         }
+    }
+}
+
+/// The `reason` label of a finished request, as in
+/// [`names::REQUESTS_FINISHED_TOTAL`].
+fn finish_reason(finish: &Finish) -> &'static str {
+    match finish {
+        Finish::Length => "length",
+        Finish::Stop => "stop",
+        Finish::Cancelled(_) => "cancelled",
+        Finish::Rejected(_) => "rejected",
+        Finish::Error(_) => "error",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metrics() -> (Registry, SchedulerMetrics) {
+        let mut registry = Registry::new();
+        let m = SchedulerMetrics::register(&mut registry).unwrap_or_else(|e| panic!("{e}"));
+        (registry, m)
+    }
+
+    #[test]
+    fn a_request_is_timed_from_arrival_and_its_tokens_counted() {
+        let (registry, mut m) = metrics();
+        let t0 = Instant::now();
+        let id = RequestId(7);
+        m.arrived_at(id, 12, t0);
+        let tokens = |tokens: Vec<u32>, reused| Output::Tokens {
+            request: id,
+            tokens,
+            reused_tokens: reused,
+        };
+        m.output_at(&tokens(vec![5], Some(8)), t0 + Duration::from_millis(300));
+        m.output_at(&tokens(vec![6, 7], None), t0 + Duration::from_millis(400));
+        m.output_at(
+            &Output::Finished {
+                request: id,
+                finish: Finish::Length,
+                preemptions: 0,
+            },
+            t0 + Duration::from_millis(700),
+        );
+        assert!(m.live.is_empty(), "a finished request is forgotten");
+        let text = registry.render();
+        for line in [
+            "kvlease_prompt_tokens_total 12\n",
+            "kvlease_output_tokens_total 3\n",
+            "kvlease_reused_tokens_total 8\n",
+            // the first token at 300 ms, counted once
+            "kvlease_time_to_first_token_seconds_bucket{le=\"0.25\"} 0\n",
+            "kvlease_time_to_first_token_seconds_bucket{le=\"0.5\"} 1\n",
+            "kvlease_time_to_first_token_seconds_count 1\n",
+            "kvlease_request_duration_seconds_bucket{reason=\"length\",le=\"0.5\"} 0\n",
+            "kvlease_request_duration_seconds_bucket{reason=\"length\",le=\"1\"} 1\n",
+        ] {
+            assert!(text.contains(line), "{line:?} not in\n{text}");
+        }
+    }
+
+    #[test]
+    fn refusals_use_the_caches_lower_case_op_and_preemptions_their_cause() {
+        let (registry, m) = metrics();
+        m.reject("Extend", "POOL_EXHAUSTED");
+        m.reject("Lease", "EXCEEDS_CAPACITY");
+        let mut after = Counters {
+            preemptions: 3,
+            ..Counters::default()
+        };
+        after.preemptions_by[PreemptCause::PoolExhausted.index()] = 2;
+        after.preemptions_by[PreemptCause::WorkerFailed.index()] = 1;
+        m.update(0, 0, &Counters::default(), &after);
+        let text = registry.render();
+        for line in [
+            "kvlease_rejects_total{op=\"extend\",reason=\"POOL_EXHAUSTED\"} 1\n",
+            "kvlease_rejects_total{op=\"lease\",reason=\"EXCEEDS_CAPACITY\"} 1\n",
+            "kvlease_preemptions_total{reason=\"POOL_EXHAUSTED\"} 2\n",
+            "kvlease_preemptions_total{reason=\"WORKER_FAILED\"} 1\n",
+        ] {
+            assert!(text.contains(line), "{line:?} not in\n{text}");
+        }
+        assert!(!text.contains("QUOTA_EXCEEDED"), "{text}");
     }
 }

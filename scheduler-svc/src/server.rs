@@ -80,8 +80,8 @@ pub async fn run(
     };
     let group_names: Vec<String> = started.groups.iter().map(|g| g.name.clone()).collect();
     let tokenizer = started.tokenizer.clone();
-    let registry = kvlease_telemetry::metrics::Registry::new();
-    let metrics = SchedulerMetrics::register(&registry)?;
+    let mut registry = kvlease_telemetry::metrics::Registry::new();
+    let metrics = SchedulerMetrics::register(&mut registry)?;
     let (engine, handle) = StepLoop::new(
         StepLoopConfig {
             core: config.core(),

@@ -264,6 +264,7 @@ impl StepLoop {
 
     fn accept(&mut self, sub: Submission) {
         let id = sub.request.id;
+        self.metrics.arrived(id, sub.request.prompt.len());
         self.streams.insert(id, sub.events);
         self.traces.insert(id, sub.trace);
         self.core.submit(sub.request);
@@ -355,6 +356,7 @@ impl StepLoop {
             .await
         {
             Ok(outcomes) => {
+                self.metrics.admitted(&specs, &outcomes);
                 self.trace_rejects("Lease", &outcomes);
                 self.core.apply_leases(outcomes)
             }
@@ -519,6 +521,7 @@ impl StepLoop {
         for output in self.core.drain_outputs() {
             let id = output.request();
             let last = matches!(output, Output::Finished { .. });
+            self.metrics.output(&output);
             if let Some(tx) = self.streams.get(&id) {
                 // a closed stream is reaped as a cancellation
                 let _ = tx.send(output);

@@ -16,7 +16,8 @@
 //! - `client`: [`TraceContextInterceptor`], [`TracedChannel`], [`client_span`].
 //! - `server`: [`GrpcTraceLayer`], the server span per request.
 //! - `attributes`: the `kvlease.*` keys, [`record_reject`], [`add_link`].
-//! - `metrics`: a small Prometheus registry and [`metrics::serve_metrics`].
+//! - `metrics`: the Prometheus registry (on `prometheus-client`), the metric names every
+//!   service uses, and [`metrics::serve_metrics`].
 //! - [`serve`]: what every kvlease server wraps around its one gRPC service
 //!   (listeners bound by the caller, health, reflection, the metrics endpoint,
 //!   the stop signal), and [`process`]: what every service binary's `main`

@@ -31,7 +31,7 @@ async fn http(
 
 #[tokio::test]
 async fn metrics_endpoint_serves_recorded_values_and_404s_elsewhere() -> TestResult {
-    let registry = Registry::new();
+    let mut registry = Registry::new();
     let rejects =
         registry.counter_vec("kvlease_rejects_total", "Rejects by reason.", ["reason"])?;
     let blocks = registry.gauge_vec(
@@ -41,12 +41,11 @@ async fn metrics_endpoint_serves_recorded_values_and_404s_elsewhere() -> TestRes
     )?;
     let step = registry.histogram("kvlease_step_seconds", "Step latency.", &[0.01, 0.1])?;
     rejects.with(["POOL_EXHAUSTED"]).inc_by(2);
-    step.observe_duration(Duration::from_millis(20));
+    step.observe(Duration::from_millis(20).as_secs_f64());
 
     // A gauge mirroring live state, set at scrape time.
     let live_free = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(10));
     let render = {
-        let registry = registry.clone();
         let live_free = live_free.clone();
         move || {
             blocks
@@ -78,7 +77,7 @@ async fn metrics_endpoint_serves_recorded_values_and_404s_elsewhere() -> TestRes
         "{body}"
     );
     assert!(
-        body.contains("kvlease_pool_blocks{pool_id=\"0\",state=\"free\"} 10\n"),
+        body.contains("kvlease_pool_blocks{pool_id=\"0\",state=\"free\"} 10.0\n"),
         "{body}"
     );
     assert!(
@@ -96,7 +95,7 @@ async fn metrics_endpoint_serves_recorded_values_and_404s_elsewhere() -> TestRes
     rejects.with(["EXCEEDS_CAPACITY"]).inc();
     let (_, _, body) = http(addr, "GET", "/metrics").await?;
     assert!(
-        body.contains("kvlease_pool_blocks{pool_id=\"0\",state=\"free\"} 3\n"),
+        body.contains("kvlease_pool_blocks{pool_id=\"0\",state=\"free\"} 3.0\n"),
         "{body}"
     );
     assert!(

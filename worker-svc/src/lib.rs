@@ -49,4 +49,5 @@ pub mod worker;
 
 pub use config::Config;
 pub use error::{Error, Result};
+pub use metrics::metric_catalog;
 pub use server::{SERVICE, run, run_with_tokenizer};

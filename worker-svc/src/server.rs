@@ -82,8 +82,9 @@ async fn serve_model(
         config.backend,
         config.cuda_options(),
     )?;
-    let registry = Registry::new();
-    let metrics = WorkerMetrics::register(&registry, worker.info())?;
+    let mut registry = Registry::new();
+    let metrics = WorkerMetrics::register(&mut registry)?;
+    metrics.set_pools(worker.info());
     let mut service = WorkerGrpc::new(worker, metrics);
     if let Some(tokenizer) = tokenizer {
         service = service.with_tokenizer(tokenizer)?;

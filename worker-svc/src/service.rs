@@ -177,9 +177,9 @@ mod tests {
             threads: 1,
         };
         let worker = Worker::new_cpu(weights, options).unwrap_or_else(|e| panic!("{e}"));
-        let registry = Registry::new();
-        let metrics =
-            WorkerMetrics::register(&registry, worker.info()).unwrap_or_else(|e| panic!("{e}"));
+        let mut registry = Registry::new();
+        let metrics = WorkerMetrics::register(&mut registry).unwrap_or_else(|e| panic!("{e}"));
+        metrics.set_pools(worker.info());
         let svc = WorkerGrpc::new(worker, metrics);
         let table = |window| pb::BlockTable {
             window,
@@ -211,10 +211,10 @@ mod tests {
         );
         let text = registry.render();
         for line in [
-            "kvlease_forward_duration_seconds_count 1",
+            "kvlease_forward_compute_duration_seconds_count 1",
             "kvlease_worker_forward_tokens_total 3",
             "kvlease_worker_forward_rejected_total 1",
-            "kvlease_pool_blocks_total{window=\"8\"}",
+            "kvlease_worker_pool_capacity_blocks{window=\"8\"}",
         ] {
             assert!(text.contains(line), "{line:?} not in\n{text}");
         }

@@ -1,7 +1,7 @@
 //! Lifecycle: how requests and sequences end (finished, cancelled,
 //! preempted and requeued, lost with the cache), and the outputs that say so.
 
-use super::Core;
+use super::{Core, PreemptCause};
 use crate::domain::{Finish, GroupGeometry, Output, Reject, RejectReason, RequestId, SeqId};
 use crate::queue::Request;
 
@@ -31,7 +31,7 @@ impl Core {
     /// (its tokens so far kept, a new lease taken when it is admitted
     /// again), counted as a preemption; a request already requeued
     /// `max_preemptions` times ends with `otherwise` instead.
-    pub(super) fn preempt(&mut self, seq_id: SeqId, cause: &str, otherwise: Finish) {
+    pub(super) fn preempt(&mut self, seq_id: SeqId, cause: PreemptCause, otherwise: Finish) {
         let Some(seq) = self.running.remove(&seq_id) else {
             return;
         };
@@ -40,12 +40,13 @@ impl Core {
             tracing::debug!(
                 seq_id = seq_id.get(),
                 request = seq.request.id.get(),
-                cause,
+                cause = cause.as_str(),
                 "requeued for recompute"
             );
             let mut request = seq.request;
             request.preemptions += 1;
             self.counters.preemptions += 1;
+            self.counters.preemptions_by[cause.index()] += 1;
             self.queue.requeue(request);
         } else {
             self.finish_request(&seq.request, otherwise);

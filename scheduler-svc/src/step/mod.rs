@@ -91,6 +91,45 @@ pub struct Counters {
     pub rejected: u64,
     pub errors: u64,
     pub preemptions: u64,
+    /// `preemptions` by cause, indexed by [`PreemptCause::index`].
+    pub preemptions_by: [u64; PreemptCause::ALL.len()],
+}
+
+impl Counters {
+    /// Preemptions for `cause` so far.
+    pub fn preempted_by(&self, cause: PreemptCause) -> u64 {
+        self.preemptions_by[cause.index()]
+    }
+}
+
+/// Why a running request was preempted (released and requeued for recompute).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreemptCause {
+    /// Its Extend was refused: the pool had no block to give.
+    PoolExhausted,
+    /// Its Extend was refused: the tenant's quota was used up.
+    QuotaExceeded,
+    /// The worker of its group failed the forward pass.
+    WorkerFailed,
+}
+
+impl PreemptCause {
+    /// Every cause, in [`index`](Self::index) order.
+    pub const ALL: [Self; 3] = [Self::PoolExhausted, Self::QuotaExceeded, Self::WorkerFailed];
+
+    /// The cause as a metric label and log field: reject reasons keep their protocol name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::PoolExhausted => "POOL_EXHAUSTED",
+            Self::QuotaExceeded => "QUOTA_EXCEEDED",
+            Self::WorkerFailed => "WORKER_FAILED",
+        }
+    }
+
+    /// Position in [`ALL`](Self::ALL) and in [`Counters::preemptions_by`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
 }
 
 /// What a sequence does in the step being planned or run.

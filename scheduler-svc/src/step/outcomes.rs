@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use super::{Core, WORKER_RETRY_AFTER, Work};
+use super::{Core, PreemptCause, WORKER_RETRY_AFTER, Work};
 use crate::domain::{
     ExtendSpec, Finish, ForwardItem, ForwardResult, Outcome, Output, Reject, RejectReason, SeqId,
 };
@@ -103,7 +103,11 @@ impl Core {
             && self.config.policy == Policy::MaxUtilization
             && self.config.on_exhausted == OnExhausted::Preempt;
         if preempt {
-            self.preempt(seq_id, "extend refused", Finish::Rejected(reject));
+            let cause = match reject.reason {
+                RejectReason::QuotaExceeded => PreemptCause::QuotaExceeded,
+                _ => PreemptCause::PoolExhausted,
+            };
+            self.preempt(seq_id, cause, Finish::Rejected(reject));
         } else {
             if self.config.policy != Policy::MaxUtilization {
                 tracing::error!(seq_id = seq_id.get(), reason = %reject.reason, "extend refused under a reserving policy");
@@ -236,7 +240,7 @@ impl Core {
         for seq_id in failed {
             self.preempt(
                 seq_id,
-                "worker failed",
+                PreemptCause::WorkerFailed,
                 Finish::Error(format!("forward failed: {message}")),
             );
         }

@@ -277,6 +277,11 @@ fn max_utilization_preempts_on_mid_flight_exhaustion_and_keeps_stepping() {
     assert_eq!(c.take_releases().seq_ids, vec![SeqId(2)]);
     assert_eq!((c.queued(), c.preempted()), (1, 1));
     assert_eq!(c.counters().preemptions, 1);
+    assert_eq!(
+        PreemptCause::ALL.map(|cause| c.counters().preempted_by(cause)),
+        [1, 0, 0],
+        "counted as a pool-exhausted preemption"
+    );
     // next step: the request comes back under a new sequence and recomputes
     // its prompt plus the token it had generated
     c.begin_step();
@@ -531,6 +536,7 @@ fn a_failed_worker_takes_no_new_requests_the_other_replica_does() {
     c.forward_failed(batches[0].0, "connection refused");
     // The request does not end: its blocks are released and it is requeued.
     assert!(finishes(&c.drain_outputs()).is_empty());
+    assert_eq!(c.counters().preempted_by(PreemptCause::WorkerFailed), 1);
     assert_eq!(c.take_releases().seq_ids.len(), 1);
     // It and new requests go to the replica that still answers, even though
     // g0 is emptier.

@@ -13,15 +13,16 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-/// Content type of the Prometheus text exposition format.
-pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// Content type of the Prometheus text exposition format (0.0.4), which
+/// [`super::Registry::render`] writes.
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
 
 /// Serves `GET /metrics` with the text `render` returns (usually [`super::Registry::render`],
 /// after setting gauges that mirror live state), 405 for other methods there, 404 elsewhere.
 /// Returns once `shutdown` completes and the open connections have finished.
 ///
 /// ```ignore
-/// let registry = kvlease_telemetry::metrics::Registry::new();
+/// let mut registry = kvlease_telemetry::metrics::Registry::new();
 /// let free = registry.gauge_vec("kvlease_pool_blocks", "Blocks by state.", ["pool_id", "state"])?;
 /// tokio::spawn(kvlease_telemetry::metrics::serve_metrics(listener, move || {
 ///     free.with(["0", "free"]).set(pool.free() as f64);

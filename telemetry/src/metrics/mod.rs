@@ -1,8 +1,9 @@
-//! A small Prometheus registry: counters, gauges and histograms, plain or with labels, rendered
-//! in the text exposition format 0.0.4, and served by [`serve_metrics`].
+//! Prometheus metrics on `prometheus-client`: a [`Registry`] that checks names and keeps a
+//! catalog of what it registered ([`Registry::described`]), the names and labels every kvlease
+//! service uses ([`names`]), and [`serve_metrics`] for `GET /metrics`.
 //!
-//! Handles are cheap clones over atomics; recording never locks (a labelled family locks once
-//! per `with` lookup to find or create the child, so keep the child handle when labels are
+//! Handles are cheap clones over atomics; recording never locks (a labelled family takes a
+//! read lock per `with` lookup to find the child, so keep the child handle when labels are
 //! fixed). Gauges that mirror state owned elsewhere (pool figures) are best set in the render
 //! closure given to [`serve_metrics`], right before [`Registry::render`].
 
@@ -12,6 +13,6 @@ mod registry;
 
 pub use self::http::{CONTENT_TYPE, serve_metrics};
 pub use self::registry::{
-    Counter, CounterVec, DEFAULT_LATENCY_BUCKETS, Gauge, GaugeVec, Histogram, HistogramVec,
-    Registry,
+    Buckets, Counter, CounterVec, DEFAULT_LATENCY_BUCKETS, Described, Gauge, GaugeVec, Histogram,
+    HistogramVec, Kind, Labelled, REQUEST_LATENCY_BUCKETS, Registry,
 };

@@ -1,38 +1,88 @@
 //! The metric names and labels kvlease services expose, in one place so that services,
-//! dashboards and the metrics test agree. Counters end in `_total`, durations are seconds.
+//! dashboards and tests agree. Counters end in `_total`, durations are seconds, sizes name
+//! their unit (`_blocks`, `_tokens`). The README's metrics table documents each one; a test
+//! checks it against what the services register.
 
-/// Gauge, labels [`POOL_ID`], [`WINDOW`], [`STATE`]: blocks of a pool in each state
-/// ([`STATE_FREE`], [`STATE_CACHED`], [`STATE_IN_USE`], [`STATE_FENCED`]); the states sum to
-/// [`POOL_BLOCKS_TOTAL`].
+// === cache service ===
+
+/// Gauge, labels [`POOL_GROUP`], [`POOL_ID`], [`WINDOW`], [`STATE`]: blocks of a pool in each
+/// state ([`STATE_FREE`], [`STATE_CACHED`], [`STATE_IN_USE`], [`STATE_FENCED`]); the states sum
+/// to [`POOL_CAPACITY_BLOCKS`].
 pub const POOL_BLOCKS: &str = "kvlease_pool_blocks";
-/// Gauge, labels [`POOL_ID`], [`WINDOW`]: a pool's total blocks.
-pub const POOL_BLOCKS_TOTAL: &str = "kvlease_pool_blocks_total";
+/// Gauge, labels [`POOL_GROUP`], [`POOL_ID`], [`WINDOW`]: a pool's size in blocks.
+pub const POOL_CAPACITY_BLOCKS: &str = "kvlease_pool_capacity_blocks";
+/// Counter, labels [`POOL_GROUP`], [`POOL_ID`]: sequences a pool granted blocks (GetStats'
+/// `grants`).
+pub const POOL_GRANTS_TOTAL: &str = "kvlease_pool_grants_total";
+/// Counter, labels [`POOL_GROUP`], [`POOL_ID`]: sequences a pool refused (GetStats' `rejects`).
+pub const POOL_REJECTS_TOTAL: &str = "kvlease_pool_rejects_total";
 /// Counter, label [`OP`] (`lease`, `extend`): sequences granted.
 pub const GRANTS_TOTAL: &str = "kvlease_grants_total";
-/// Counter, labels [`OP`], [`REASON`] (`POOL_EXHAUSTED`, ...): sequences rejected.
+/// Counter, labels [`OP`] (`lease`, `extend`), [`REASON`] (`POOL_EXHAUSTED`, ...): sequences
+/// refused; the cache counts what it refused, the scheduler what it was refused.
 pub const REJECTS_TOTAL: &str = "kvlease_rejects_total";
-/// Counter, label [`POOL_ID`]: cached blocks evicted.
+/// Counter, labels [`POOL_GROUP`], [`POOL_ID`]: cached blocks evicted to make room.
 pub const EVICTIONS_TOTAL: &str = "kvlease_evictions_total";
-/// Counter: blocks served from the prefix cache (warm-up excluded).
+/// Counter, labels [`POOL_GROUP`], [`POOL_ID`]: prompt blocks served from the prefix cache
+/// (warm-up excluded).
 pub const REUSE_HIT_BLOCKS_TOTAL: &str = "kvlease_reuse_hit_blocks_total";
-/// Counter: full prompt blocks looked up in the prefix cache (warm-up excluded).
+/// Counter, labels [`POOL_GROUP`], [`POOL_ID`]: full prompt blocks looked up in the prefix
+/// cache (warm-up excluded).
 pub const REUSE_LOOKUP_BLOCKS_TOTAL: &str = "kvlease_reuse_lookup_blocks_total";
-/// Gauge: hits / lookups so far (0 before any lookup).
+/// Gauge, labels [`POOL_GROUP`], [`POOL_ID`]: hits / lookups so far (0 before any lookup).
 pub const REUSE_HIT_RATE: &str = "kvlease_reuse_hit_rate";
-/// Gauge: the prefix hit rate a pool would have at `scale` times its size
-/// (the cache's online miss-ratio curve).
+/// Gauge, labels [`POOL_GROUP`], [`POOL_ID`], [`SCALE`]: the prefix hit rate a pool would have
+/// at `scale` times its size (the cache's online miss-ratio curve).
 pub const ESTIMATED_HIT_RATE: &str = "kvlease_cache_estimated_hit_rate";
-/// Counter: blocks the leak audit reclaimed.
+/// Counter, labels [`POOL_GROUP`], [`POOL_ID`]: blocks the leak audit reclaimed.
 pub const LEAKED_BLOCKS_RECLAIMED_TOTAL: &str = "kvlease_leaked_blocks_reclaimed_total";
+
+// === scheduler ===
+
 /// Histogram: one scheduler step, schedule to `CompleteStep`.
 pub const STEP_DURATION_SECONDS: &str = "kvlease_step_duration_seconds";
-/// Histogram: one worker `Forward` call.
-pub const FORWARD_DURATION_SECONDS: &str = "kvlease_forward_duration_seconds";
+/// Histogram: one step's forward pass as the scheduler sees it, launch to the last worker's
+/// answer (RPCs included). The worker's own compute time is
+/// [`FORWARD_COMPUTE_DURATION_SECONDS`].
+pub const FORWARD_RPC_DURATION_SECONDS: &str = "kvlease_forward_rpc_duration_seconds";
 /// Gauge: requests waiting in the scheduler's queue.
 pub const QUEUE_DEPTH: &str = "kvlease_queue_depth";
 /// Gauge: sequences running in the current batch.
 pub const RUNNING_SEQUENCES: &str = "kvlease_running_sequences";
+/// Counter, label [`REASON`] (`length`, `stop`, `rejected`, `cancelled`, `error`): requests
+/// finished.
+pub const REQUESTS_FINISHED_TOTAL: &str = "kvlease_requests_finished_total";
+/// Counter, label [`REASON`] (the refusal that caused it, e.g. `POOL_EXHAUSTED`, or
+/// `WORKER_FAILED`): running requests preempted and requeued for recompute.
+pub const PREEMPTIONS_TOTAL: &str = "kvlease_preemptions_total";
+/// Histogram, label [`REASON`] (finish reason): a request's life, arrival to its last output.
+pub const REQUEST_DURATION_SECONDS: &str = "kvlease_request_duration_seconds";
+/// Histogram: arrival to a request's first output token.
+pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "kvlease_time_to_first_token_seconds";
+/// Histogram: arrival to a request's first granted lease (its wait in the queue).
+pub const QUEUE_WAIT_SECONDS: &str = "kvlease_queue_wait_seconds";
+/// Counter: prompt tokens of the requests submitted.
+pub const PROMPT_TOKENS_TOTAL: &str = "kvlease_prompt_tokens_total";
+/// Counter: tokens generated and streamed to clients.
+pub const OUTPUT_TOKENS_TOTAL: &str = "kvlease_output_tokens_total";
+/// Counter: prompt tokens served from cached blocks instead of being computed.
+pub const REUSED_TOKENS_TOTAL: &str = "kvlease_reused_tokens_total";
 
+// === worker ===
+
+/// Histogram: the compute time of one `Forward` on the worker (lock wait excluded).
+pub const FORWARD_COMPUTE_DURATION_SECONDS: &str = "kvlease_forward_compute_duration_seconds";
+/// Counter: input tokens run by accepted `Forward` calls.
+pub const WORKER_FORWARD_TOKENS_TOTAL: &str = "kvlease_worker_forward_tokens_total";
+/// Counter: `Forward` calls refused (invalid batch or backend failure).
+pub const WORKER_FORWARD_REJECTED_TOTAL: &str = "kvlease_worker_forward_rejected_total";
+/// Gauge, label [`WINDOW`]: the blocks of each KV pool the worker allocated.
+pub const WORKER_POOL_CAPACITY_BLOCKS: &str = "kvlease_worker_pool_capacity_blocks";
+
+// === labels ===
+
+/// Label: the pool group (a model replica's pools, e.g. `seeded-0/replica-0`).
+pub const POOL_GROUP: &str = "pool_group";
 /// Label: pool id.
 pub const POOL_ID: &str = "pool_id";
 /// Label: a pool size as a multiple of the real one.
@@ -41,10 +91,15 @@ pub const SCALE: &str = "scale";
 pub const WINDOW: &str = "window";
 /// Label: block state.
 pub const STATE: &str = "state";
-/// Label: which call (`lease`, `extend`).
+/// Label: which call (`lease`, `extend`), lower case on every service.
 pub const OP: &str = "op";
-/// Label: reject reason.
+/// Label: reject, finish or preemption reason.
 pub const REASON: &str = "reason";
+
+/// [`OP`] value: a `Lease` call.
+pub const OP_LEASE: &str = "lease";
+/// [`OP`] value: an `Extend` call.
+pub const OP_EXTEND: &str = "extend";
 
 /// [`STATE`] value: free blocks.
 pub const STATE_FREE: &str = "free";
