@@ -44,10 +44,6 @@ epoch() { "$KV" status --scheduler "$SCHED" 2>/dev/null | sed -n 's/.*(epoch \([
 
 teardown() {
   local rc=$?
-  if [ ${#FAILURES[@]} -gt 0 ]; then
-    log "service logs (last 30 lines each):"
-    "${COMPOSE[@]}" logs --no-color --tail 30 2>&1 | sed 's/^/    /'
-  fi
   "${COMPOSE[@]}" down -v --remove-orphans >/dev/null 2>&1
   rm -rf "$LOGS"
   exit "$rc"
@@ -71,6 +67,9 @@ finish() {
     echo "compose-test: PASS (${NOTES[*]})"
     exit 0
   fi
+  # the logs first, so that the verdict is the last line a CI tail shows
+  log "service logs (last 40 lines each):"
+  "${COMPOSE[@]}" logs --no-color --tail 40 2>&1 | sed 's/^/    /'
   local IFS=';'
   echo "compose-test: FAIL (${FAILURES[*]})"
   exit 1

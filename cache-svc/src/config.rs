@@ -98,11 +98,7 @@ impl Default for Config {
 
 impl ServiceConfig for Config {
     fn listen_addrs(&self) -> Result<ListenAddrs, String> {
-        self.validate()?;
-        Ok(ListenAddrs {
-            grpc: self.listen,
-            metrics: self.metrics_listen,
-        })
+        ListenAddrs::checked(self.validate(), self.listen, self.metrics_listen)
     }
 }
 

@@ -131,17 +131,6 @@ pub struct Table {
     pub block_ids: Vec<BlockId>,
 }
 
-impl Table {
-    /// Applies an `Extend` delta to this (full) table: drops the blocks that
-    /// slid out before `delta.first_block` and appends `delta.block_ids`.
-    pub fn apply_delta(&mut self, delta: &Table) {
-        let slid = delta.first_block.saturating_sub(self.first_block) as usize;
-        self.block_ids.drain(..slid.min(self.block_ids.len()));
-        self.first_block = delta.first_block.max(self.first_block);
-        self.block_ids.extend_from_slice(&delta.block_ids);
-    }
-}
-
 /// A sequence got its blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Grant {
@@ -149,7 +138,7 @@ pub struct Grant {
     pub seq_id: u64,
     /// One table per (pool, beam). From `Lease`: the whole table. From
     /// `Extend`: a delta: `first_block` after any slide, and only the block
-    /// ids appended by this call (see [`Table::apply_delta`]); tables the
+    /// ids appended by this call (see [`kvlease_proto::delta`]); tables the
     /// call did not change are left out.
     pub tables: Vec<Table>,
     /// Leading prompt tokens already in reused blocks.

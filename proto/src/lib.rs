@@ -13,6 +13,8 @@ pub mod v1 {
     tonic::include_proto!("kvlease.v1");
 }
 
+pub mod delta;
+
 /// Encoded `FileDescriptorSet` of every kvlease proto, for gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/kvlease_descriptor.bin"));

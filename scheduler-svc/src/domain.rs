@@ -152,10 +152,12 @@ impl Table {
     /// Applies an `Extend` grant's delta for this pool: the blocks before the
     /// delta's `first_block` slid out; its `block_ids` were appended.
     pub fn apply_delta(&mut self, delta: &Table) {
-        let slid = delta.first_block.saturating_sub(self.first_block) as usize;
-        self.block_ids.drain(..slid.min(self.block_ids.len()));
-        self.first_block = self.first_block.max(delta.first_block);
-        self.block_ids.extend_from_slice(&delta.block_ids);
+        kvlease_proto::delta::apply_table_delta(
+            &mut self.first_block,
+            &mut self.block_ids,
+            delta.first_block,
+            &delta.block_ids,
+        );
     }
 }
 

@@ -106,6 +106,19 @@ pub struct ListenAddrs {
     pub metrics: Option<SocketAddr>,
 }
 
+impl ListenAddrs {
+    /// The addresses of a configuration that passed (or failed, with its
+    /// problem) its own checks.
+    pub fn checked<E: Display>(
+        checks: Result<(), E>,
+        grpc: SocketAddr,
+        metrics: Option<SocketAddr>,
+    ) -> Result<Self, String> {
+        checks.map_err(|e| e.to_string())?;
+        Ok(Self { grpc, metrics })
+    }
+}
+
 /// A service's configuration as its binary's `main` sees it.
 pub trait ServiceConfig: clap::Parser {
     /// Checks what can be checked before anything starts; where to listen.

@@ -212,11 +212,7 @@ impl Default for Config {
 
 impl ServiceConfig for Config {
     fn listen_addrs(&self) -> std::result::Result<ListenAddrs, String> {
-        self.validate().map_err(|e| e.to_string())?;
-        Ok(ListenAddrs {
-            grpc: self.listen,
-            metrics: self.metrics_listen,
-        })
+        ListenAddrs::checked(self.validate(), self.listen, self.metrics_listen)
     }
 }
 

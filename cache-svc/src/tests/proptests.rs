@@ -136,7 +136,8 @@ proptest! {
                                 if let Some(known) = mirror.get_mut(s) {
                                     for delta in g.tables.iter().filter(|t| t.beam == 0) {
                                         if let Some(t) = known.iter_mut().find(|t| t.pool_id == delta.pool_id) {
-                                            t.apply_delta(delta);
+                                            kvlease_proto::delta::apply_table_delta(
+                                                &mut t.first_block, &mut t.block_ids, delta.first_block, &delta.block_ids);
                                         }
                                     }
                                 }
