@@ -94,15 +94,21 @@ class LlamaCpp:
     """llama.cpp through llama-cpp-python's C API, in this process."""
 
     def __init__(self, model, threads):
+        import ctypes
         import llama_cpp as L
         self.L = L
+        # Quiet: llama.cpp logs every graph it reserves.
+        self._log = L.llama_log_callback(lambda level, text, data: None)
+        L.llama_log_set(self._log, ctypes.c_void_p())
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(str(model).encode(), mparams)
         if not self.model:
             sys.exit(f"llama.cpp cannot load {model}")
         cparams = L.llama_context_default_params()
-        cparams.n_ctx = 16 * (DECODE_CONTEXT + DECODE_STEPS) + PREFILL_LEN
+        # Per-sequence KV streams (llama.cpp's default, its faster choice for
+        # unrelated sequences), each long enough for the 512-token prompt.
+        cparams.n_ctx = 16 * PREFILL_LEN
         cparams.n_batch = PREFILL_LEN
         cparams.n_ubatch = PREFILL_LEN
         cparams.n_seq_max = 16

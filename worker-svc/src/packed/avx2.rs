@@ -100,14 +100,14 @@ pub(super) unsafe fn tile_product(
         unsafe {
             let (a, out) = (a.add(i * lda), out.add(i * ldo));
             if mr == 1 {
-                let t = (tile, k, out, accumulate);
+                let acc = accumulate;
                 match nr {
-                    6 => micro::<1, 6>(a, lda, t.0, t.1, t.2, ldo, t.3),
-                    5 => micro::<1, 5>(a, lda, t.0, t.1, t.2, ldo, t.3),
-                    4 => micro::<1, 4>(a, lda, t.0, t.1, t.2, ldo, t.3),
-                    3 => micro::<1, 3>(a, lda, t.0, t.1, t.2, ldo, t.3),
-                    2 => micro::<1, 2>(a, lda, t.0, t.1, t.2, ldo, t.3),
-                    _ => micro::<1, 1>(a, lda, t.0, t.1, t.2, ldo, t.3),
+                    6 => micro::<1, 6>(a, lda, tile, k, out, ldo, acc),
+                    5 => micro::<1, 5>(a, lda, tile, k, out, ldo, acc),
+                    4 => micro::<1, 4>(a, lda, tile, k, out, ldo, acc),
+                    3 => micro::<1, 3>(a, lda, tile, k, out, ldo, acc),
+                    2 => micro::<1, 2>(a, lda, tile, k, out, ldo, acc),
+                    _ => micro::<1, 1>(a, lda, tile, k, out, ldo, acc),
                 }
             } else {
                 let mut j = 0;
