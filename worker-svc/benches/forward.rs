@@ -2,16 +2,28 @@
 //! backend on the default model, the GFLOP/s that achieves, and the rate of
 //! the same matrix-product crate (`gemm`) at the same shapes in the same run.
 //!
+//! Then, when the SmolLM2-135M-Instruct GGUF is in the model cache
+//! (`kvlease model fetch smollm2`; `KVLEASE_SMOLLM2_GGUF` names another
+//! path), the same for that model with its Q4_1/Q8_0 weights kept packed:
+//! prefill and decode tokens/s at batch 1, 16 and 64, beside the packed
+//! product's and `gemm`'s (f32, the same weights dequantized) GFLOP/s at
+//! its MLP shape in the same run. Without the file it prints why it skipped.
+//!
 //! Every figure is the best of repeated timings, so that other load on a
 //! shared machine disturbs the ratio as little as possible.
 
 use std::time::{Duration, Instant};
 
+use std::path::PathBuf;
+
 use worker_svc::backend::cpu::cpu_model_name;
 use worker_svc::batch::{Limits, Sampling, SeqInput, TableInput};
 use worker_svc::model::ModelConfig;
+use worker_svc::model::load::{self, ServingShape};
+use worker_svc::model::weights::Matrix;
 use worker_svc::model::weights::Weights;
 use worker_svc::ops::{self, Threads};
+use worker_svc::throughput::Harness;
 use worker_svc::worker::{Worker, WorkerOptions};
 
 const PREFILL_SEQS: usize = 4;
@@ -119,6 +131,111 @@ fn main() {
          {decode_gflops:.1} | {gemm_decode:.1} ({DECODE_SEQS}x{h}x{f}) | {:.2} |",
         decode_gflops / gemm_decode
     );
+    smollm2(threads);
+}
+
+/// Prompt tokens per forward pass of the SmolLM2 prefill rows.
+const SMOL_PREFILL_TOKENS: usize = 512;
+const SMOL_DECODE_CONTEXT: usize = 128;
+const SMOL_DECODE_STEPS: usize = 16;
+
+/// The SmolLM2 rows (see the module doc).
+fn smollm2(threads: usize) {
+    println!();
+    let path = match std::env::var_os("KVLEASE_SMOLLM2_GGUF") {
+        Some(p) => PathBuf::from(p),
+        None => std::env::var_os("KVLEASE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvlease/models"))
+            })
+            .unwrap_or_default()
+            .join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    if !path.is_file() {
+        println!(
+            "SmolLM2 rows SKIPPED: no GGUF at {}; run `kvlease model fetch smollm2` or set \
+             KVLEASE_SMOLLM2_GGUF",
+            path.display()
+        );
+        return;
+    }
+    let serving = ServingShape {
+        max_context: 1024,
+        tokens_per_block: 16,
+    };
+    let loaded = load::open(&path, serving).unwrap_or_else(|e| fail(e));
+    let config = loaded.weights.config.clone();
+    let gate = loaded.weights.layers[0].w_gate.clone();
+    let mut harness = Harness::new(
+        loaded.weights,
+        threads,
+        64,
+        SMOL_PREFILL_TOKENS.max(SMOL_DECODE_CONTEXT + SMOL_DECODE_STEPS),
+        SMOL_PREFILL_TOKENS.max(64 * SMOL_DECODE_CONTEXT / 16),
+    )
+    .unwrap_or_else(|e| fail(e));
+
+    println!(
+        "SmolLM2 ({}) on the CPU, weights kept packed, {} kernels, {threads} threads",
+        config.name,
+        worker_svc::packed::kernel_name()
+    );
+    println!(
+        "| phase | batch | tokens/s | packed GFLOP/s (MLP gate) | gemm f32 GFLOP/s (same shape) | ratio |"
+    );
+    println!("|---|---|---:|---:|---:|---:|");
+    let (h, f) = (config.hidden_size, config.ffn_size);
+    for seqs in [1, 16, 64] {
+        let len = SMOL_PREFILL_TOKENS / seqs;
+        let time = best_of(Duration::from_secs(5), 3, |rep| {
+            harness.prefill(seqs, len, rep).unwrap_or_else(|e| fail(e))
+        });
+        let (packed, gemm) = product_rates(&gate, seqs * len, h, f);
+        println!(
+            "| prefill | {seqs} seqs x {len} tokens | {:.0} | {packed:.1} | {gemm:.1} ({}x{h}x{f}) | {:.2} |",
+            (seqs * len) as f64 / time,
+            seqs * len,
+            packed / gemm
+        );
+    }
+    for seqs in [1, 16, 64] {
+        let times = harness
+            .decode(
+                seqs,
+                SMOL_DECODE_CONTEXT,
+                SMOL_DECODE_STEPS,
+                SMOL_PREFILL_TOKENS,
+            )
+            .unwrap_or_else(|e| fail(e));
+        let best = times.iter().min().copied().unwrap_or(Duration::MAX);
+        let (packed, gemm) = product_rates(&gate, seqs, h, f);
+        println!(
+            "| decode | {seqs} seqs at context {SMOL_DECODE_CONTEXT} | {:.0} | {packed:.1} | \
+             {gemm:.1} ({seqs}x{h}x{f}) | {:.2} |",
+            seqs as f64 / best.as_secs_f64(),
+            packed / gemm
+        );
+    }
+}
+
+/// GFLOP/s of `[m, k] x w^T` with `w` packed, and with `w` dequantized
+/// through `gemm`.
+fn product_rates(w: &Matrix, m: usize, k: usize, n: usize) -> (f64, f64) {
+    let a: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
+    let mut out = vec![0.0f32; m * n];
+    let flops = 2.0 * (m * k * n) as f64;
+    let mut rate = |w: &Matrix| {
+        let time = best_of(Duration::from_secs(1), 5, |_| {
+            let started = Instant::now();
+            ops::matmul_matrix(&a, k, w, &mut out, (m, k, n), false, Threads::Pool);
+            started.elapsed()
+        });
+        flops / time / 1e9
+    };
+    let packed = rate(w);
+    let gemm = rate(&Matrix::F32(w.f32().into_owned()));
+    (packed, gemm)
 }
 
 /// Every pool gets blocks [s*n, (s+1)*n) (each pool has its own arena). No

@@ -15,6 +15,8 @@
 //! - [`arena`]: pool geometry (where each K/V row lives) and the ledger of written slots.
 //! - [`batch`]: a Forward batch in domain terms; [`batch::validate`] checks all of it
 //!   before anything is written.
+//! - [`packed`]: Q4_0/Q4_1/Q8_0 matrices kept in their GGUF blocks, and row-exact
+//!   products (AVX2+FMA or portable) that dequantize tiles of them on the fly.
 //! - [`backend`]: the compute trait; [`backend::cpu`] owns the host arena and runs
 //!   batched projections (`gemm`) and paged attention (rayon over sequences × KV heads);
 //!   `backend::cuda` (feature `cuda`) keeps weights and a 16-bit arena on the GPU,
@@ -41,10 +43,13 @@ mod error;
 mod metrics;
 pub mod model;
 pub mod ops;
+pub mod packed;
 pub mod reference;
 mod sampling;
 mod server;
 mod service;
+#[cfg(feature = "bench")]
+pub mod throughput;
 pub mod worker;
 
 pub use config::Config;

@@ -13,6 +13,8 @@
 //! rows keep a call on the main kernel; smaller products are padded with
 //! zero rows up to it.
 
+use crate::model::weights::Matrix;
+
 /// Whether a matrix product may spread over the rayon pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Threads {
@@ -69,6 +71,30 @@ pub fn matmul_wt_strided(
         // the assert bounds w[j*k + l] for j < n, l < k.
         unsafe { gemm_raw(a, lda, rhs, out, (rows, k, n), accumulate, threads) }
     });
+}
+
+/// [`matmul_wt_strided`] by a weight [`Matrix`]: an f32 one through
+/// `gemm`, a packed one straight from its blocks
+/// ([`crate::packed::matmul_packed`]). Row-exact either way.
+///
+/// # Panics
+/// When a packed matrix is not `[n, k]`, or as [`matmul_wt_strided`].
+pub fn matmul_matrix(
+    a: &[f32],
+    lda: usize,
+    w: &Matrix,
+    out: &mut [f32],
+    (m, k, n): (usize, usize, usize),
+    accumulate: bool,
+    threads: Threads,
+) {
+    match w {
+        Matrix::F32(w) => matmul_wt_strided(a, lda, w, out, (m, k, n), accumulate, threads),
+        Matrix::Packed(p) => {
+            assert!(p.rows() == n && p.cols() == k, "{p:?} is not [{n}, {k}]");
+            crate::packed::matmul_packed(a, lda, p, out, m, accumulate, threads);
+        }
+    }
 }
 
 /// `out[m, n] = a[m, k] · b[k, n]`, all row-major. Row-exact.

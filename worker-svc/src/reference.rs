@@ -67,13 +67,14 @@ impl<'w> DenseModel<'w> {
         let group = c.num_heads / c.num_kv_heads;
         let pos = seq.len;
         let tok = token as usize;
-        let mut x = w.embed[tok * h..(tok + 1) * h].to_vec();
+        let mut x = vec![0.0; h];
+        w.embed.row_into(tok, &mut x);
         let mut normed = vec![0.0; h];
         for (layer, lw) in w.layers.iter().enumerate() {
             rms_norm(&x, &lw.attn_norm, c.rms_norm_eps, &mut normed);
-            let mut q = matvec(&lw.wq, &normed, qd);
-            let mut k = matvec(&lw.wk, &normed, kvd);
-            let v = matvec(&lw.wv, &normed, kvd);
+            let mut q = matvec(&lw.wq.f32(), &normed, qd);
+            let mut k = matvec(&lw.wk.f32(), &normed, kvd);
+            let v = matvec(&lw.wv.f32(), &normed, kvd);
             self.rope.apply(&mut q, pos);
             self.rope.apply(&mut k, pos);
             seq.keys[layer].extend_from_slice(&k);
@@ -99,17 +100,17 @@ impl<'w> DenseModel<'w> {
                     }
                 }
             }
-            add(&mut x, &matvec(&lw.wo, &attn, h));
+            add(&mut x, &matvec(&lw.wo.f32(), &attn, h));
 
             rms_norm(&x, &lw.mlp_norm, c.rms_norm_eps, &mut normed);
-            let mut gate = matvec(&lw.w_gate, &normed, c.ffn_size);
-            let up = matvec(&lw.w_up, &normed, c.ffn_size);
+            let mut gate = matvec(&lw.w_gate.f32(), &normed, c.ffn_size);
+            let up = matvec(&lw.w_up.f32(), &normed, c.ffn_size);
             swiglu(&mut gate, &up);
-            add(&mut x, &matvec(&lw.w_down, &gate, h));
+            add(&mut x, &matvec(&lw.w_down.f32(), &gate, h));
         }
         seq.len += 1;
         rms_norm(&x, &w.final_norm, c.rms_norm_eps, &mut normed);
-        matvec(w.lm_head(), &normed, c.vocab_size)
+        matvec(&w.lm_head().f32(), &normed, c.vocab_size)
     }
 }
 

@@ -6,7 +6,9 @@
 mod common;
 
 use common::{fixed_model, relative_error};
-use worker_svc::model::weights::Weights;
+use worker_svc::batch::{Sampling, SeqInput};
+use worker_svc::model::weights::{Matrix, Weights};
+use worker_svc::packed::PackedMatrix;
 use worker_svc::reference::DenseModel;
 use worker_svc::worker::Worker;
 
@@ -17,6 +19,92 @@ fn cpu_worker(weights: &Weights) -> Worker {
     match Worker::new_cpu(weights.clone(), common::options()) {
         Ok(w) => w,
         Err(e) => panic!("worker: {e}"),
+    }
+}
+
+/// `weights` with every matrix whose rows are whole 32-element blocks
+/// quantized to Q8_0 and kept packed (the others, such as a 48-wide down
+/// projection, stay f32), the way a GGUF file's would load.
+fn pack_q8_0(weights: &Weights) -> Weights {
+    let h = weights.config.hidden_size;
+    let pack = |m: &mut Matrix, cols: usize| {
+        if !cols.is_multiple_of(32) {
+            return;
+        }
+        let values = m.f32().into_owned();
+        let packed = PackedMatrix::quantize_q8_0(values.len() / cols, cols, &values)
+            .unwrap_or_else(|e| panic!("pack: {e}"));
+        *m = Matrix::Packed(packed);
+    };
+    let mut packed = weights.clone();
+    let (q, f) = (packed.config.q_dim(), packed.config.ffn_size);
+    pack(&mut packed.embed, h);
+    if let Some(head) = &mut packed.lm_head {
+        pack(head, h);
+    }
+    for l in &mut packed.layers {
+        for m in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.w_gate, &mut l.w_up] {
+            pack(m, h);
+        }
+        pack(&mut l.wo, q);
+        pack(&mut l.w_down, f);
+    }
+    packed
+}
+
+fn packed_cpu_worker(weights: &Weights) -> Worker {
+    cpu_worker(&pack_q8_0(weights))
+}
+
+#[test]
+fn packed_weights_keep_a_long_reused_prefix_bit_identical() {
+    common::long_reused_prefix_is_bit_identical(&packed_cpu_worker);
+}
+
+#[test]
+fn packed_weights_match_the_dense_reference_on_their_values() {
+    let packed = pack_q8_0(&fixed_model(vec![0, 8, 0], 4));
+    assert!(matches!(packed.layers[0].wq, Matrix::Packed(_)));
+    assert!(matches!(packed.layers[0].w_down, Matrix::F32(_)));
+    // The reference multiplies by the same values, dequantized.
+    let mut unpacked = packed.clone();
+    unpacked.embed = unpacked.embed.f32().into_owned().into();
+    for l in &mut unpacked.layers {
+        for m in [
+            &mut l.wq,
+            &mut l.wk,
+            &mut l.wv,
+            &mut l.wo,
+            &mut l.w_gate,
+            &mut l.w_up,
+        ] {
+            m.f32_mut();
+        }
+    }
+    if let Some(head) = &mut unpacked.lm_head {
+        head.f32_mut();
+    }
+    let tokens: Vec<u32> = (0..30).map(|i| (i * 5 + 2) % 64).collect();
+    let dense = DenseModel::new(&unpacked);
+    let expected = dense.forward(&mut dense.sequence(), &tokens);
+    let mut worker = cpu_worker(&packed);
+    let out = worker
+        .forward(vec![SeqInput {
+            seq_id: 1,
+            tokens: tokens.clone(),
+            start_pos: 0,
+            tables: vec![
+                common::table(0, 0, &(0..8).collect::<Vec<u32>>()),
+                common::table(8, 0, &(8..16).collect::<Vec<u32>>()),
+            ],
+            all_positions: true,
+            sampling: Sampling::GREEDY,
+        }])
+        .unwrap_or_else(|e| panic!("forward: {e}"));
+    let vocab = packed.config.vocab_size;
+    for (pos, (row, want)) in out.logits(0).chunks_exact(vocab).zip(&expected).enumerate() {
+        let err = relative_error(row, want);
+        assert!(err <= TOLERANCE, "position {pos}: relative error {err}");
     }
 }
 

@@ -11,6 +11,7 @@ mod model_files;
 use model_files::{TempDir, paged_vs_dense, tiny_config, write_hf_checkpoint};
 use worker_svc::batch::Limits;
 use worker_svc::model::load::{self, ServingShape};
+use worker_svc::model::weights::Matrix;
 use worker_svc::worker::{Worker, WorkerOptions};
 
 fn cpu_options(weight_bytes: u64) -> WorkerOptions {
@@ -96,10 +97,19 @@ fn smollm2_on_the_cpu_matches_transformers() {
     }
 
     let weights = loaded.weights;
+    // The CPU backend multiplies by the file's Q4_1 and Q8_0 blocks directly.
+    assert!(matches!(weights.embed, Matrix::Packed(_)));
+    assert!(
+        weights
+            .layers
+            .iter()
+            .all(|l| matches!(l.wq, Matrix::Packed(_)) && matches!(l.w_down, Matrix::Packed(_)))
+    );
     let mut worker = Worker::new_cpu(weights.clone(), cpu_options(weights.bytes()))
         .unwrap_or_else(|e| panic!("{e}"));
     println!(
-        "SmolLM2 on the CPU (f32 weights dequantized from Q4_1/Q8_0) vs transformers {}:",
+        "SmolLM2 on the CPU (Q4_1/Q8_0 weights kept packed, products from the blocks in f32) \
+         vs transformers {}:",
         fixture.transformers
     );
     let report = model_files::compare(&mut worker, &fixture);

@@ -81,57 +81,65 @@ fn f32_round_trip_with_a_separate_lm_head() {
 fn write_f16(weights: &Weights, path: &std::path::Path) -> Weights {
     let c = &weights.config;
     let h = c.hidden_size;
-    let mut tensors: Vec<(String, Vec<usize>, &Vec<f32>)> = vec![
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = vec![
         (
             "model.embed_tokens.weight".into(),
             vec![c.vocab_size, h],
-            &weights.embed,
+            weights.embed.f32().into_owned(),
         ),
-        ("model.norm.weight".into(), vec![h], &weights.final_norm),
+        (
+            "model.norm.weight".into(),
+            vec![h],
+            weights.final_norm.clone(),
+        ),
     ];
     for (i, l) in weights.layers.iter().enumerate() {
         let p = format!("model.layers.{i}.");
         tensors.extend([
-            (format!("{p}input_layernorm.weight"), vec![h], &l.attn_norm),
+            (
+                format!("{p}input_layernorm.weight"),
+                vec![h],
+                l.attn_norm.clone(),
+            ),
             (
                 format!("{p}self_attn.q_proj.weight"),
                 vec![c.q_dim(), h],
-                &l.wq,
+                l.wq.f32().into_owned(),
             ),
             (
                 format!("{p}self_attn.k_proj.weight"),
                 vec![c.kv_dim(), h],
-                &l.wk,
+                l.wk.f32().into_owned(),
             ),
             (
                 format!("{p}self_attn.v_proj.weight"),
                 vec![c.kv_dim(), h],
-                &l.wv,
+                l.wv.f32().into_owned(),
             ),
             (
                 format!("{p}self_attn.o_proj.weight"),
                 vec![h, c.q_dim()],
-                &l.wo,
+                l.wo.f32().into_owned(),
             ),
             (
                 format!("{p}post_attention_layernorm.weight"),
                 vec![h],
-                &l.mlp_norm,
+                l.mlp_norm.clone(),
             ),
             (
                 format!("{p}mlp.gate_proj.weight"),
                 vec![c.ffn_size, h],
-                &l.w_gate,
+                l.w_gate.f32().into_owned(),
             ),
             (
                 format!("{p}mlp.up_proj.weight"),
                 vec![c.ffn_size, h],
-                &l.w_up,
+                l.w_up.f32().into_owned(),
             ),
             (
                 format!("{p}mlp.down_proj.weight"),
                 vec![h, c.ffn_size],
-                &l.w_down,
+                l.w_down.f32().into_owned(),
             ),
         ]);
     }
@@ -157,25 +165,25 @@ fn write_f16(weights: &Weights, path: &std::path::Path) -> Weights {
     if let Err(e) = safetensors::serialize_to_file(views, None, path) {
         panic!("write: {e}");
     }
-    let round = |v: &Vec<f32>| {
+    let round = |v: &[f32]| {
         v.iter()
             .map(|x| half::f16::from_f32(*x).to_f32())
             .collect::<Vec<f32>>()
     };
     let mut rounded = weights.clone();
-    rounded.embed = round(&weights.embed);
+    rounded.embed = round(&weights.embed.f32()).into();
     rounded.final_norm = round(&weights.final_norm);
     for l in &mut rounded.layers {
         for t in [
             &mut l.attn_norm,
-            &mut l.wq,
-            &mut l.wk,
-            &mut l.wv,
-            &mut l.wo,
+            l.wq.f32_mut(),
+            l.wk.f32_mut(),
+            l.wv.f32_mut(),
+            l.wo.f32_mut(),
             &mut l.mlp_norm,
-            &mut l.w_gate,
-            &mut l.w_up,
-            &mut l.w_down,
+            l.w_gate.f32_mut(),
+            l.w_up.f32_mut(),
+            l.w_down.f32_mut(),
         ] {
             *t = round(t);
         }

@@ -9,7 +9,7 @@ use crate::arena::ArenaLayout;
 use crate::batch::{Batch, PlannedSeq, PoolTable};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
-use crate::model::weights::Weights;
+use crate::model::weights::{Matrix, Weights};
 use crate::ops::{self, Rope, Threads};
 
 /// Queries per attention task.
@@ -44,24 +44,25 @@ struct CpuState {
 /// The weights in the layout the CPU pass wants: Q, K and V stacked into one
 /// `[q_dim + 2 kv_dim, hidden]` matrix and gate and up into one
 /// `[2 ffn, hidden]`, so each is one matrix product per layer (the same
-/// bytes as [`Weights`], rearranged once at start-up).
+/// bytes as [`Weights`], rearranged once at start-up; packed matrices stay
+/// packed).
 #[derive(Debug)]
 struct CpuWeights {
     config: ModelConfig,
-    embed: Vec<f32>,
+    embed: Matrix,
     layers: Vec<CpuLayer>,
     final_norm: Vec<f32>,
-    lm_head: Option<Vec<f32>>,
+    lm_head: Option<Matrix>,
 }
 
 #[derive(Debug)]
 struct CpuLayer {
     attn_norm: Vec<f32>,
-    wqkv: Vec<f32>,
-    wo: Vec<f32>,
+    wqkv: Matrix,
+    wo: Matrix,
     mlp_norm: Vec<f32>,
-    w_gate_up: Vec<f32>,
-    w_down: Vec<f32>,
+    w_gate_up: Matrix,
+    w_down: Matrix,
 }
 
 impl CpuWeights {
@@ -71,10 +72,10 @@ impl CpuWeights {
             .into_iter()
             .map(|l| CpuLayer {
                 attn_norm: l.attn_norm,
-                wqkv: [l.wq, l.wk, l.wv].concat(),
+                wqkv: Matrix::stack(&[&l.wq, &l.wk, &l.wv]),
                 wo: l.wo,
                 mlp_norm: l.mlp_norm,
-                w_gate_up: [l.w_gate, l.w_up].concat(),
+                w_gate_up: Matrix::stack(&[&l.w_gate, &l.w_up]),
                 w_down: l.w_down,
             })
             .collect();
@@ -87,8 +88,8 @@ impl CpuWeights {
         }
     }
 
-    fn lm_head(&self) -> &[f32] {
-        self.lm_head.as_deref().unwrap_or(&self.embed)
+    fn lm_head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 }
 
@@ -150,7 +151,7 @@ impl CpuState {
 
         let mut x = vec![0.0f32; t * h];
         x.par_chunks_mut(h).zip(&tokens).for_each(|(row, &tok)| {
-            row.copy_from_slice(&weights.embed[tok * h..(tok + 1) * h]);
+            weights.embed.row_into(tok, row);
         });
         let mut normed = vec![0.0f32; t * h];
         // Row r: [q | k | v] of token r.
@@ -161,8 +162,9 @@ impl CpuState {
 
         for (layer, lw) in weights.layers.iter().enumerate() {
             norm_rows(&x, &lw.attn_norm, cfg.rms_norm_eps, &mut normed, h);
-            ops::matmul_wt(
+            ops::matmul_matrix(
                 &normed,
+                h,
                 &lw.wqkv,
                 &mut qkv,
                 (t, h, qkv_dim),
@@ -180,10 +182,11 @@ impl CpuState {
             );
 
             // Residual adds ride on the products' accumulate flag.
-            ops::matmul_wt(&attn, &lw.wo, &mut x, (t, qd, h), true, Threads::Pool);
+            ops::matmul_matrix(&attn, qd, &lw.wo, &mut x, (t, qd, h), true, Threads::Pool);
             norm_rows(&x, &lw.mlp_norm, cfg.rms_norm_eps, &mut normed, h);
-            ops::matmul_wt(
+            ops::matmul_matrix(
                 &normed,
+                h,
                 &lw.w_gate_up,
                 &mut gate_up,
                 (t, h, 2 * f),
@@ -194,7 +197,7 @@ impl CpuState {
                 let (gate, up) = row.split_at_mut(f);
                 ops::swiglu(gate, up);
             });
-            ops::matmul_wt_strided(
+            ops::matmul_matrix(
                 &gate_up,
                 2 * f,
                 &lw.w_down,
@@ -231,8 +234,9 @@ impl CpuState {
             });
         let vocab = cfg.vocab_size;
         let mut logits = vec![0.0f32; r * vocab];
-        ops::matmul_wt(
+        ops::matmul_matrix(
             &final_rows,
+            h,
             weights.lm_head(),
             &mut logits,
             (r, h, vocab),

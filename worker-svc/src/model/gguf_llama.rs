@@ -9,9 +9,10 @@
 
 use kvlease_tokenizer::GgufVocab;
 
-use super::gguf::{GgufFile, Value};
-use super::weights::TensorSource;
+use super::gguf::{GgufFile, TensorInfo, Value};
+use super::weights::{Matrix, TensorSource};
 use super::{ModelConfig, RopeScaling};
+use crate::packed::PackedMatrix;
 
 /// The architectures this loader reads (`general.architecture`).
 const ARCHITECTURES: &[&str] = &["llama"];
@@ -223,6 +224,42 @@ impl TensorSource for GgufSource<'_> {
     }
 
     fn read(&self, name: &str, rows: usize, cols: usize) -> Result<Vec<f32>, String> {
+        let (info, heads) = self.checked(name, rows, cols)?;
+        let values = self.file.tensor_f32(info);
+        Ok(match heads {
+            Some(heads) => unpermute_rows(&values, heads, cols),
+            None => values,
+        })
+    }
+
+    /// Q4_0, Q4_1 and Q8_0 matrices stay in their blocks (un-permuting Q
+    /// and K moves whole rows of blocks); other types become f32.
+    fn read_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, String> {
+        let (info, heads) = self.checked(name, rows, cols)?;
+        if !PackedMatrix::supports(info.ty) {
+            return self.read(name, rows, cols).map(Matrix::F32);
+        }
+        let bytes = self.file.tensor_bytes(info);
+        let row_bytes = bytes.len() / rows.max(1);
+        let bytes = match heads {
+            Some(heads) => unpermute_rows(bytes, heads, row_bytes),
+            None => bytes.to_vec(),
+        };
+        PackedMatrix::new(info.ty, rows, cols, bytes)
+            .map(Matrix::Packed)
+            .map_err(|e| format!("tensor {}: {e}", info.name))
+    }
+}
+
+impl GgufSource<'_> {
+    /// The tensor behind HF name `name`, checked to be `[rows, cols]`, and
+    /// the head count whose rows llama.cpp permuted, if any.
+    fn checked(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(&TensorInfo, Option<usize>), String> {
         let (gguf, heads) = self
             .gguf_name(name)
             .ok_or_else(|| format!("no GGUF name for tensor {name}"))?;
@@ -237,21 +274,18 @@ impl TensorSource for GgufSource<'_> {
                 "tensor {gguf} has dims {dims:?}, the model needs [{cols}, {rows}] (innermost first)"
             ));
         }
-        let values = self.file.tensor_f32(info);
-        Ok(match heads {
-            Some(heads) => unpermute_rows(&values, heads, cols),
-            None => values,
-        })
+        Ok((info, heads))
     }
 }
 
-/// Undoes llama.cpp's permutation of a Q or K projection `[heads × d, cols]`:
+/// Undoes llama.cpp's permutation of a Q or K projection `[heads × d, cols]`
+/// (of f32 elements, or of bytes holding rows of quantized blocks):
 /// within each head, GGUF row `2i + j` is HF row `j·d/2 + i`.
-pub(crate) fn unpermute_rows(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+pub(crate) fn unpermute_rows<T: Copy + Default>(w: &[T], heads: usize, cols: usize) -> Vec<T> {
     let rows = w.len() / cols;
     let d = rows / heads;
     let half = d / 2;
-    let mut out = vec![0.0f32; w.len()];
+    let mut out = vec![T::default(); w.len()];
     for h in 0..heads {
         for i in 0..half {
             for j in 0..2 {

@@ -200,7 +200,7 @@ mod tests {
                 "token_embd.weight".into(),
                 vec![h, c.vocab_size as u64],
                 0,
-                f32_bytes(&weights.embed),
+                f32_bytes(&weights.embed.f32()),
             ),
             (
                 "output_norm.weight".into(),
@@ -215,14 +215,18 @@ mod tests {
                 out.push((format!("blk.{i}.{name}.weight"), dims, 0, f32_bytes(t)));
             };
             put("attn_norm", vec![h], &l.attn_norm);
-            put("attn_q", vec![h, q], &permute(&l.wq, c.num_heads, hd));
-            put("attn_k", vec![h, kv], &permute(&l.wk, c.num_kv_heads, hd));
-            put("attn_v", vec![h, kv], &l.wv);
-            put("attn_output", vec![q, h], &l.wo);
+            put("attn_q", vec![h, q], &permute(&l.wq.f32(), c.num_heads, hd));
+            put(
+                "attn_k",
+                vec![h, kv],
+                &permute(&l.wk.f32(), c.num_kv_heads, hd),
+            );
+            put("attn_v", vec![h, kv], &l.wv.f32());
+            put("attn_output", vec![q, h], &l.wo.f32());
             put("ffn_norm", vec![h], &l.mlp_norm);
-            put("ffn_gate", vec![h, f], &l.w_gate);
-            put("ffn_up", vec![h, f], &l.w_up);
-            put("ffn_down", vec![f, h], &l.w_down);
+            put("ffn_gate", vec![h, f], &l.w_gate.f32());
+            put("ffn_up", vec![h, f], &l.w_up.f32());
+            put("ffn_down", vec![f, h], &l.w_down.f32());
         }
         out
     }
@@ -273,6 +277,54 @@ mod tests {
                 message
             }
         }
+    }
+
+    #[test]
+    fn q8_0_matrices_load_packed_with_unpermuted_rows() {
+        use crate::model::dequant::GgmlType;
+        use crate::model::weights::Matrix;
+        use crate::packed::PackedMatrix;
+        // Rows of whole 32-element blocks.
+        let config = ModelConfig {
+            hidden_size: 32,
+            head_dim: 16,
+            ffn_size: 32,
+            ..config()
+        };
+        let weights = Weights::seeded(config.clone(), 5).unwrap_or_else(|e| panic!("{e}"));
+        let mut meta = metadata();
+        for (key, value) in &mut meta {
+            if matches!(*key, "llama.embedding_length" | "llama.feed_forward_length") {
+                *value = Value::U64(32);
+            }
+        }
+        let q8 = |values: &[f32]| {
+            PackedMatrix::quantize_q8_0(values.len() / 32, 32, values)
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let mut quantized = tensors(&weights);
+        for (name, dims, ty, bytes) in &mut quantized {
+            if dims.len() == 2 && !name.starts_with("output") {
+                let values: Vec<f32> = bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                *bytes = q8(&values).blocks().to_vec();
+                *ty = 8;
+            }
+        }
+        let file = TempFile::with("q8", &file_of(&meta, &quantized));
+        let loaded = open(&file.0, SERVING).unwrap_or_else(|e| panic!("{e}"));
+        let w = &loaded.weights;
+        let packed = |m: &Matrix| matches!(m, Matrix::Packed(p) if p.ty() == GgmlType::Q8_0);
+        assert!(packed(&w.embed) && w.layers.iter().all(|l| packed(&l.wq) && packed(&l.wk)));
+        // Row by row, Q8_0 of the HF matrix: the permutation moved whole rows.
+        for (got, want) in w.layers.iter().zip(&weights.layers) {
+            assert_eq!(got.wq.f32(), q8(&want.wq.f32()).to_f32());
+            assert_eq!(got.wk.f32(), q8(&want.wk.f32()).to_f32());
+            assert_eq!(got.w_down.f32(), q8(&want.w_down.f32()).to_f32());
+        }
+        assert!(w.bytes() < weights.bytes() / 3);
     }
 
     #[test]

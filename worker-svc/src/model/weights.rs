@@ -4,6 +4,7 @@
 //! Every matrix is stored row-major as `[out_features, in_features]`, the
 //! layout of `torch.nn.Linear` and of HF checkpoints.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -11,6 +12,91 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
 use super::ModelConfig;
 use crate::error::{Error, Result};
+use crate::packed::PackedMatrix;
+
+/// A weight matrix `[out_features, in_features]`: f32, or still in the
+/// quantized blocks of the GGUF file it came from (which the CPU backend
+/// multiplies by directly; other consumers take [`Matrix::f32`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Matrix {
+    /// Row-major f32.
+    F32(Vec<f32>),
+    /// Quantized blocks, row after row.
+    Packed(PackedMatrix),
+}
+
+impl From<Vec<f32>> for Matrix {
+    fn from(values: Vec<f32>) -> Self {
+        Matrix::F32(values)
+    }
+}
+
+impl Matrix {
+    /// The elements as f32, row-major (dequantized when packed).
+    pub fn f32(&self) -> Cow<'_, [f32]> {
+        match self {
+            Matrix::F32(v) => Cow::Borrowed(v),
+            Matrix::Packed(p) => Cow::Owned(p.to_f32()),
+        }
+    }
+
+    /// The elements as a mutable f32 vector, dequantizing a packed matrix
+    /// in place first.
+    pub fn f32_mut(&mut self) -> &mut Vec<f32> {
+        if let Matrix::Packed(p) = self {
+            *self = Matrix::F32(p.to_f32());
+        }
+        match self {
+            Matrix::F32(v) => v,
+            // Made F32 just above.
+            Matrix::Packed(_) => unreachable!("unpacked above"),
+        }
+    }
+
+    /// Number of elements.
+    pub fn elems(&self) -> usize {
+        match self {
+            Matrix::F32(v) => v.len(),
+            Matrix::Packed(p) => p.rows() * p.cols(),
+        }
+    }
+
+    /// Bytes in memory.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Matrix::F32(v) => v.len() * 4,
+            Matrix::Packed(p) => p.bytes(),
+        }
+    }
+
+    /// Row `r` of a matrix of `cols` columns as f32, into `out`.
+    ///
+    /// # Panics
+    /// When `r` is out of range or `out` is not `cols` long.
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        let cols = out.len();
+        match self {
+            Matrix::F32(v) => out.copy_from_slice(&v[r * cols..(r + 1) * cols]),
+            Matrix::Packed(p) => p.dequantize_row(r, out),
+        }
+    }
+
+    /// The rows of `parts` one after the other: packed when all of them are
+    /// packed alike, else f32.
+    pub fn stack(parts: &[&Matrix]) -> Matrix {
+        let packed: Option<Vec<&PackedMatrix>> = parts
+            .iter()
+            .map(|m| match m {
+                Matrix::Packed(p) => Some(p),
+                Matrix::F32(_) => None,
+            })
+            .collect();
+        if let Some(stacked) = packed.and_then(|p| PackedMatrix::stack(&p)) {
+            return Matrix::Packed(stacked);
+        }
+        Matrix::F32(parts.iter().flat_map(|m| m.f32().into_owned()).collect())
+    }
+}
 
 /// The weights of one decoder layer.
 #[derive(Clone, PartialEq)]
@@ -18,47 +104,63 @@ pub struct LayerWeights {
     /// RMSNorm before attention, `[hidden]`.
     pub attn_norm: Vec<f32>,
     /// `[num_heads * head_dim, hidden]`.
-    pub wq: Vec<f32>,
+    pub wq: Matrix,
     /// `[num_kv_heads * head_dim, hidden]`.
-    pub wk: Vec<f32>,
+    pub wk: Matrix,
     /// `[num_kv_heads * head_dim, hidden]`.
-    pub wv: Vec<f32>,
+    pub wv: Matrix,
     /// `[hidden, num_heads * head_dim]`.
-    pub wo: Vec<f32>,
+    pub wo: Matrix,
     /// RMSNorm before the MLP, `[hidden]`.
     pub mlp_norm: Vec<f32>,
     /// `[ffn, hidden]`.
-    pub w_gate: Vec<f32>,
+    pub w_gate: Matrix,
     /// `[ffn, hidden]`.
-    pub w_up: Vec<f32>,
+    pub w_up: Matrix,
     /// `[hidden, ffn]`.
-    pub w_down: Vec<f32>,
+    pub w_down: Matrix,
 }
 
 impl std::fmt::Debug for LayerWeights {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LayerWeights")
-            .field(
-                "params",
-                &self.tensors().iter().map(|(_, t)| t.len()).sum::<usize>(),
-            )
+            .field("bytes", &self.bytes())
             .finish()
     }
 }
 
 impl LayerWeights {
-    fn tensors(&self) -> [(&'static str, &Vec<f32>); 9] {
+    /// Every tensor under its HF name, as f32 (dequantized when packed).
+    fn tensors(&self) -> [(&'static str, Cow<'_, [f32]>); 9] {
         [
-            ("input_layernorm.weight", &self.attn_norm),
-            ("self_attn.q_proj.weight", &self.wq),
-            ("self_attn.k_proj.weight", &self.wk),
-            ("self_attn.v_proj.weight", &self.wv),
-            ("self_attn.o_proj.weight", &self.wo),
-            ("post_attention_layernorm.weight", &self.mlp_norm),
-            ("mlp.gate_proj.weight", &self.w_gate),
-            ("mlp.up_proj.weight", &self.w_up),
-            ("mlp.down_proj.weight", &self.w_down),
+            ("input_layernorm.weight", Cow::Borrowed(&self.attn_norm[..])),
+            ("self_attn.q_proj.weight", self.wq.f32()),
+            ("self_attn.k_proj.weight", self.wk.f32()),
+            ("self_attn.v_proj.weight", self.wv.f32()),
+            ("self_attn.o_proj.weight", self.wo.f32()),
+            (
+                "post_attention_layernorm.weight",
+                Cow::Borrowed(&self.mlp_norm[..]),
+            ),
+            ("mlp.gate_proj.weight", self.w_gate.f32()),
+            ("mlp.up_proj.weight", self.w_up.f32()),
+            ("mlp.down_proj.weight", self.w_down.f32()),
         ]
+    }
+
+    /// Bytes of the layer in memory.
+    fn bytes(&self) -> usize {
+        let matrices = [
+            &self.wq,
+            &self.wk,
+            &self.wv,
+            &self.wo,
+            &self.w_gate,
+            &self.w_up,
+            &self.w_down,
+        ];
+        (self.attn_norm.len() + self.mlp_norm.len()) * 4
+            + matrices.iter().map(|m| m.bytes()).sum::<usize>()
     }
 }
 
@@ -68,13 +170,13 @@ pub struct Weights {
     /// The model shape.
     pub config: ModelConfig,
     /// `[vocab, hidden]`.
-    pub embed: Vec<f32>,
+    pub embed: Matrix,
     /// One entry per layer.
     pub layers: Vec<LayerWeights>,
     /// Final RMSNorm, `[hidden]`.
     pub final_norm: Vec<f32>,
     /// `[vocab, hidden]`; `None` when tied to the embedding.
-    pub lm_head: Option<Vec<f32>>,
+    pub lm_head: Option<Matrix>,
 }
 
 impl std::fmt::Debug for Weights {
@@ -137,24 +239,26 @@ impl Weights {
         // Small embeddings (as in GPT-style inits): the layers' outputs, not
         // the token's own embedding, dominate the residual stream, so a tied
         // head does not just echo the input token.
-        let embed = (0..config.vocab_size * h)
-            .map(|_| rng.uniform(0.1))
-            .collect();
+        let embed = Matrix::F32(
+            (0..config.vocab_size * h)
+                .map(|_| rng.uniform(0.1))
+                .collect(),
+        );
         let layers = (0..config.num_layers())
             .map(|_| LayerWeights {
                 attn_norm: rng.norm(h),
-                wq: rng.matrix(config.q_dim(), h),
-                wk: rng.matrix(config.kv_dim(), h),
-                wv: rng.matrix(config.kv_dim(), h),
-                wo: rng.matrix(h, config.q_dim()),
+                wq: rng.matrix(config.q_dim(), h).into(),
+                wk: rng.matrix(config.kv_dim(), h).into(),
+                wv: rng.matrix(config.kv_dim(), h).into(),
+                wo: rng.matrix(h, config.q_dim()).into(),
                 mlp_norm: rng.norm(h),
-                w_gate: rng.matrix(config.ffn_size, h),
-                w_up: rng.matrix(config.ffn_size, h),
-                w_down: rng.matrix(h, config.ffn_size),
+                w_gate: rng.matrix(config.ffn_size, h).into(),
+                w_up: rng.matrix(config.ffn_size, h).into(),
+                w_down: rng.matrix(h, config.ffn_size).into(),
             })
             .collect();
         let final_norm = rng.norm(h);
-        let lm_head = (!config.tied_embeddings).then(|| rng.matrix(config.vocab_size, h));
+        let lm_head = (!config.tied_embeddings).then(|| rng.matrix(config.vocab_size, h).into());
         Ok(Weights {
             config,
             embed,
@@ -202,25 +306,28 @@ impl Weights {
         let read = |name: &str, rows: usize, cols: usize| -> Result<Vec<f32>> {
             source.read(name, rows, cols).map_err(fail)
         };
-        let embed = read("model.embed_tokens.weight", config.vocab_size, h)?;
+        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
+            source.read_matrix(name, rows, cols).map_err(fail)
+        };
+        let embed = matrix("model.embed_tokens.weight", config.vocab_size, h)?;
         let mut layers = Vec::with_capacity(config.num_layers());
         for i in 0..config.num_layers() {
             let p = format!("model.layers.{i}.");
             layers.push(LayerWeights {
                 attn_norm: read(&format!("{p}input_layernorm.weight"), 1, h)?,
-                wq: read(&format!("{p}self_attn.q_proj.weight"), config.q_dim(), h)?,
-                wk: read(&format!("{p}self_attn.k_proj.weight"), config.kv_dim(), h)?,
-                wv: read(&format!("{p}self_attn.v_proj.weight"), config.kv_dim(), h)?,
-                wo: read(&format!("{p}self_attn.o_proj.weight"), h, config.q_dim())?,
+                wq: matrix(&format!("{p}self_attn.q_proj.weight"), config.q_dim(), h)?,
+                wk: matrix(&format!("{p}self_attn.k_proj.weight"), config.kv_dim(), h)?,
+                wv: matrix(&format!("{p}self_attn.v_proj.weight"), config.kv_dim(), h)?,
+                wo: matrix(&format!("{p}self_attn.o_proj.weight"), h, config.q_dim())?,
                 mlp_norm: read(&format!("{p}post_attention_layernorm.weight"), 1, h)?,
-                w_gate: read(&format!("{p}mlp.gate_proj.weight"), config.ffn_size, h)?,
-                w_up: read(&format!("{p}mlp.up_proj.weight"), config.ffn_size, h)?,
-                w_down: read(&format!("{p}mlp.down_proj.weight"), h, config.ffn_size)?,
+                w_gate: matrix(&format!("{p}mlp.gate_proj.weight"), config.ffn_size, h)?,
+                w_up: matrix(&format!("{p}mlp.up_proj.weight"), config.ffn_size, h)?,
+                w_down: matrix(&format!("{p}mlp.down_proj.weight"), h, config.ffn_size)?,
             });
         }
         let final_norm = read("model.norm.weight", 1, h)?;
         let lm_head = if source.contains("lm_head.weight") {
-            Some(read("lm_head.weight", config.vocab_size, h)?)
+            Some(matrix("lm_head.weight", config.vocab_size, h)?)
         } else {
             None
         };
@@ -241,19 +348,23 @@ impl Weights {
             reason,
         };
         let h = self.config.hidden_size;
-        let mut named: Vec<(String, Vec<usize>, &Vec<f32>)> = vec![
+        let mut named: Vec<(String, Vec<usize>, Cow<'_, [f32]>)> = vec![
             (
                 "model.embed_tokens.weight".into(),
                 vec![self.config.vocab_size, h],
-                &self.embed,
+                self.embed.f32(),
             ),
-            ("model.norm.weight".into(), vec![h], &self.final_norm),
+            (
+                "model.norm.weight".into(),
+                vec![h],
+                Cow::Borrowed(&self.final_norm[..]),
+            ),
         ];
         if let Some(head) = &self.lm_head {
             named.push((
                 "lm_head.weight".into(),
                 vec![self.config.vocab_size, h],
-                head,
+                head.f32(),
             ));
         }
         for (i, layer) in self.layers.iter().enumerate() {
@@ -287,20 +398,17 @@ impl Weights {
         safetensors::serialize_to_file(views, None, path).map_err(|e| fail(e.to_string()))
     }
 
-    /// Bytes the weights take in memory.
+    /// Bytes the weights take in memory (packed matrices at their packed
+    /// size).
     pub fn bytes(&self) -> u64 {
-        let layer: usize = self
-            .layers
-            .iter()
-            .map(|l| l.tensors().iter().map(|(_, t)| t.len()).sum::<usize>())
-            .sum();
-        let head = self.lm_head.as_ref().map_or(0, Vec::len);
-        ((self.embed.len() + layer + self.final_norm.len() + head) * 4) as u64
+        let layers: usize = self.layers.iter().map(LayerWeights::bytes).sum();
+        let head = self.lm_head.as_ref().map_or(0, Matrix::bytes);
+        (self.embed.bytes() + layers + self.final_norm.len() * 4 + head) as u64
     }
 
     /// The LM head matrix `[vocab, hidden]` (the embedding when tied).
-    pub fn lm_head(&self) -> &[f32] {
-        self.lm_head.as_deref().unwrap_or(&self.embed)
+    pub fn lm_head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 }
 
@@ -311,6 +419,16 @@ pub(crate) trait TensorSource {
     /// Tensor `name` as f32, checked to be `[rows, cols]` (or `[cols]` when
     /// `rows == 1`); the error says what is wrong.
     fn read(&self, name: &str, rows: usize, cols: usize) -> std::result::Result<Vec<f32>, String>;
+    /// Matrix `name`, checked as [`TensorSource::read`]; a source may keep
+    /// it packed. The default reads f32.
+    fn read_matrix(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> std::result::Result<Matrix, String> {
+        self.read(name, rows, cols).map(Matrix::F32)
+    }
 }
 
 /// One or more safetensors files (the shards of one checkpoint).

@@ -118,21 +118,21 @@ pub fn write_hf_checkpoint(dir: &Path, llama3: bool) -> Weights {
     for layer in &mut weights.layers[1..] {
         for t in [
             &mut layer.attn_norm,
-            &mut layer.wq,
-            &mut layer.wk,
-            &mut layer.wv,
-            &mut layer.wo,
+            layer.wq.f32_mut(),
+            layer.wk.f32_mut(),
+            layer.wv.f32_mut(),
+            layer.wo.f32_mut(),
             &mut layer.mlp_norm,
-            &mut layer.w_gate,
-            &mut layer.w_up,
-            &mut layer.w_down,
+            layer.w_gate.f32_mut(),
+            layer.w_up.f32_mut(),
+            layer.w_down.f32_mut(),
         ] {
             round_bf16(t);
         }
     }
     round_bf16(&mut weights.final_norm);
     if let Some(head) = &mut weights.lm_head {
-        round_bf16(head);
+        round_bf16(head.f32_mut());
     }
     let mut shards: [Vec<ShardTensor>; 2] = [Vec::new(), Vec::new()];
     let f32_bytes = |t: &[f32]| t.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
@@ -153,28 +153,32 @@ pub fn write_hf_checkpoint(dir: &Path, llama3: bool) -> Weights {
         0,
         "model.embed_tokens.weight".into(),
         vec![TINY_VOCAB, h],
-        &weights.embed,
+        &weights.embed.f32(),
     );
     for (i, l) in weights.layers.iter().enumerate() {
         let shard = usize::from(i > 0);
         let p = format!("model.layers.{i}.");
         let tensors: [(&str, Vec<usize>, &[f32]); 9] = [
             ("input_layernorm.weight", vec![h], &l.attn_norm),
-            ("self_attn.q_proj.weight", vec![32, h], &l.wq),
-            ("self_attn.k_proj.weight", vec![16, h], &l.wk),
-            ("self_attn.v_proj.weight", vec![16, h], &l.wv),
-            ("self_attn.o_proj.weight", vec![h, 32], &l.wo),
+            ("self_attn.q_proj.weight", vec![32, h], &l.wq.f32()),
+            ("self_attn.k_proj.weight", vec![16, h], &l.wk.f32()),
+            ("self_attn.v_proj.weight", vec![16, h], &l.wv.f32()),
+            ("self_attn.o_proj.weight", vec![h, 32], &l.wo.f32()),
             ("post_attention_layernorm.weight", vec![h], &l.mlp_norm),
-            ("mlp.gate_proj.weight", vec![48, h], &l.w_gate),
-            ("mlp.up_proj.weight", vec![48, h], &l.w_up),
-            ("mlp.down_proj.weight", vec![h, 48], &l.w_down),
+            ("mlp.gate_proj.weight", vec![48, h], &l.w_gate.f32()),
+            ("mlp.up_proj.weight", vec![48, h], &l.w_up.f32()),
+            ("mlp.down_proj.weight", vec![h, 48], &l.w_down.f32()),
         ];
         for (suffix, shape, t) in tensors {
             put(shard, format!("{p}{suffix}"), shape, t);
         }
     }
     put(1, "model.norm.weight".into(), vec![h], &weights.final_norm);
-    let head = weights.lm_head.clone().unwrap_or_default();
+    let head = weights
+        .lm_head
+        .as_ref()
+        .map(|m| m.f32().into_owned())
+        .unwrap_or_default();
     put(1, "lm_head.weight".into(), vec![TINY_VOCAB, h], &head);
 
     let mut weight_map = serde_json::Map::new();

@@ -70,18 +70,18 @@ impl DeviceWeights {
             .map(|l| {
                 Ok(DeviceLayer {
                     attn_norm: up(&l.attn_norm)?,
-                    wqkv: up_bf16(&[&l.wq, &l.wk, &l.wv])?,
-                    wo: up_bf16(&[&l.wo])?,
+                    wqkv: up_bf16(&[&l.wq.f32(), &l.wk.f32(), &l.wv.f32()])?,
+                    wo: up_bf16(&[&l.wo.f32()])?,
                     mlp_norm: up(&l.mlp_norm)?,
-                    w_gate_up: up_bf16(&[&l.w_gate, &l.w_up])?,
-                    w_down: up_bf16(&[&l.w_down])?,
+                    w_gate_up: up_bf16(&[&l.w_gate.f32(), &l.w_up.f32()])?,
+                    w_down: up_bf16(&[&l.w_down.f32()])?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let head = up_bf16(&[weights.lm_head.as_deref().unwrap_or(&weights.embed)])?;
+        let head = up_bf16(&[&weights.lm_head().f32()])?;
         let f32_bytes = |v: &CudaSlice<f32>| v.len() as u64 * 4;
         let bf16_bytes = |v: &CudaSlice<bf16>| v.len() as u64 * 2;
-        let embed = up(&weights.embed)?;
+        let embed = up(&weights.embed.f32())?;
         let final_norm = up(&weights.final_norm)?;
         let bytes = f32_bytes(&embed)
             + f32_bytes(&final_norm)
