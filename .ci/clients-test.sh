@@ -7,8 +7,8 @@
 # - the README's grpcurl recipes (clients/grpcurl/check.py).
 # One cluster of the seeded model serves them all. When SmolLM2 is cached
 # (`kvlease model fetch smollm2`, run by .ci/run before this), a second
-# cluster serves it for the openai check's factual chat and the streaming
-# example; otherwise that step says why it skips. The Python packages live in
+# cluster serves it for the openai check's factual chat; otherwise that step
+# says why it skips. The Python packages live in
 # a cached venv (KVLEASE_CI_VENV), so a run takes seconds once it exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -83,7 +83,6 @@ if target/debug/kvlease model fetch smollm2 >/dev/null 2>&1; then
     # a short context keeps the warm-up's prefill quick in a debug build
     start_cluster "$log" --model smollm2 --max-context 256
     "$py" clients/openai/check.py --factual "$http" || on_failure
-    "$py" clients/python/examples/stream.py "$scheduler" --chat "What is the capital of France?" || on_failure
 else
     echo "skipped: SmolLM2 is not cached and could not be fetched (kvlease model fetch smollm2 says why)"
 fi
