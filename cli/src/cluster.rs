@@ -20,6 +20,9 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tonic_health::pb::health_check_response::ServingStatus;
 use worker_svc::arena::ArenaLayout;
+use worker_svc::backend::cpu::activation_bytes;
+use worker_svc::model::ModelConfig;
+use worker_svc::worker::DEFAULT_MAX_THREADS;
 
 use crate::connect;
 use crate::error::{Error, Result};
@@ -234,11 +237,17 @@ fn worker_error(config: &worker_svc::Config, context: u32, e: worker_svc::Error)
 
 /// The KV bytes a worker's budget must leave so that one sequence of
 /// `context` tokens fits in every pool (the scheduler's longest warm-up
-/// shape): the worker splits its KV bytes over the pools by layer count.
+/// shape).
 fn kv_bytes_for(config: &worker_svc::Config, context: u32) -> u64 {
-    let Ok(model) = config.model_config() else {
-        return 0;
-    };
+    config
+        .model_shape()
+        .map_or(0, |model| kv_bytes(&model, context, 1))
+}
+
+/// The KV bytes that hold `sequences` sequences of `context` tokens (0: the
+/// model's context) in every pool: the worker splits its KV bytes over the
+/// pools by layer count, so the pool that needs the most per layer decides.
+fn kv_bytes(model: &ModelConfig, context: u32, sequences: u32) -> u64 {
     let layers = model.num_layers() as u64;
     let context = if context == 0 {
         model.max_context
@@ -247,7 +256,7 @@ fn kv_bytes_for(config: &worker_svc::Config, context: u32) -> u64 {
     };
     let tokens_per_block = model.tokens_per_block.max(1);
     let full = context.div_ceil(tokens_per_block);
-    ArenaLayout::new(&model, &[])
+    ArenaLayout::new(model, &[])
         .pools
         .iter()
         .map(|pool| {
@@ -256,11 +265,34 @@ fn kv_bytes_for(config: &worker_svc::Config, context: u32) -> u64 {
                 w => full.min(w.div_ceil(tokens_per_block) + 1),
             };
             // this pool's share of the KV bytes must hold `blocks` blocks
-            (u64::from(blocks) * pool.bytes_per_block() * layers)
+            (u64::from(blocks) * u64::from(sequences) * pool.bytes_per_block() * layers)
                 .div_ceil(pool.layers.len().max(1) as u64)
         })
         .max()
         .unwrap_or(0)
+}
+
+/// Sequences of the longest context that the default budget of a worker
+/// serving a real model (`kvlease up --model`) holds KV blocks for.
+pub const MODEL_BUDGET_SEQUENCES: u32 = 4;
+
+/// The memory budget, in MiB, in which a CPU worker with `config` holds its
+/// model's f32 weights, its activations and the KV blocks of `sequences`
+/// sequences of `context` tokens (0: the model's context). A real model's
+/// shape is read from its file's metadata (the weights stay on disk).
+pub fn budget_for(config: &worker_svc::Config, context: u32, sequences: u32) -> Result<u64> {
+    let model = config.model_shape().map_err(|e| failed("worker", e))?;
+    // as the worker resolves 0 threads (the activations grow with them)
+    let threads = match config.threads {
+        0 => std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .min(DEFAULT_MAX_THREADS),
+        n => n,
+    };
+    let weights = model.num_params() as u64 * 4;
+    let activations = activation_bytes(&model, config.max_batch_tokens, threads);
+    let kv = kv_bytes(&model, context, sequences);
+    Ok((weights + activations + kv).div_ceil(MIB))
 }
 
 const MIB: u64 = 1 << 20;
@@ -333,6 +365,29 @@ impl ClusterConfig {
             ready_within: Duration::from_secs(120),
             metrics_port: None,
         }
+    }
+
+    /// Every worker serves the real model at `path` (a GGUF file or a
+    /// Hugging Face directory) in `budget_mib` each or, when `None`, in the
+    /// [`budget_for`] [`MODEL_BUDGET_SEQUENCES`] sequences of the
+    /// scheduler's longest context. Set the workers' threads first (they
+    /// size the activations). Returns the budget.
+    pub fn serve_model(
+        &mut self,
+        path: std::path::PathBuf,
+        budget_mib: Option<u64>,
+    ) -> Result<u64> {
+        self.worker.model = Some(path);
+        let budget = match budget_mib {
+            Some(b) => b,
+            None => budget_for(
+                &self.worker,
+                self.scheduler.max_context,
+                MODEL_BUDGET_SEQUENCES,
+            )?,
+        };
+        self.worker.memory_budget_mib = budget;
+        Ok(budget)
     }
 
     /// The metrics address of the service at `offset` (see `metrics_port`).

@@ -95,9 +95,20 @@ struct UpArgs {
     policy: Policy,
     #[arg(long, default_value = "preempt")]
     on_exhausted: OnExhausted,
+    /// A real model on every worker: `smollm2` (after `kvlease model fetch
+    /// smollm2`), or a GGUF file or Hugging Face directory. Default: the
+    /// seeded model.
+    #[arg(long, env = "KVLEASE_MODEL")]
+    model: Option<String>,
     /// Each worker's memory for weights, activations and KV blocks, in MiB.
-    #[arg(long, default_value_t = 64)]
-    memory_budget_mib: u64,
+    /// Default: 64 for the seeded model; with --model, what holds the model,
+    /// its activations and 4 sequences of the longest context.
+    #[arg(long)]
+    memory_budget_mib: Option<u64>,
+    /// The longest request (prompt + output) in tokens; the scheduler's
+    /// warm-up runs it, and a --model worker's default budget holds 4.
+    #[arg(long, default_value_t = scheduler_svc::Config::default().max_context)]
+    max_context: u32,
     /// Compute threads per worker; 0 = the cores divided among the workers.
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -308,12 +319,37 @@ async fn main() -> ExitCode {
             }
             let mut config = ClusterConfig::on_ports(a.host, a.base_port, a.workers);
             let cores = std::thread::available_parallelism().map_or(1, usize::from);
-            config.worker.memory_budget_mib = a.memory_budget_mib;
+            config.scheduler.max_context = a.max_context;
             config.worker.threads = if a.threads == 0 {
                 (cores / a.workers).max(1)
             } else {
                 a.threads
             };
+            match &a.model {
+                Some(model) => {
+                    let path = match models::home(|k| std::env::var_os(k))
+                        .and_then(|home| models::resolve(model, &home))
+                    {
+                        Ok(path) => path,
+                        Err(e) => {
+                            eprintln!("kvlease: {e}");
+                            return ExitCode::from(EXIT_USAGE);
+                        }
+                    };
+                    match config.serve_model(path.clone(), a.memory_budget_mib) {
+                        Ok(budget) => println!(
+                            "kvlease up: model {} ({budget} MiB per worker)",
+                            path.display()
+                        ),
+                        Err(e) => return failed(e),
+                    }
+                }
+                None => {
+                    if let Some(budget) = a.memory_budget_mib {
+                        config.worker.memory_budget_mib = budget;
+                    }
+                }
+            }
             config.scheduler.policy = a.policy;
             config.scheduler.on_exhausted = a.on_exhausted;
             config.metrics_port = (a.metrics_base_port != 0).then_some(a.metrics_base_port);

@@ -187,3 +187,66 @@ async fn a_short_demo_ends_with_the_pool_whole() -> TestResult {
     assert!(demo::run(options).await?, "the demo did not end clean");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_with_smollm2_names_the_least_budget_sizes_its_own_and_says_paris() -> TestResult {
+    let home = kvlease::models::home(|k| std::env::var_os(k))?;
+    let path = match kvlease::models::resolve("smollm2", &home) {
+        Ok(path) => path,
+        Err(e) => {
+            println!("skipped: SmolLM2 is not cached ({e})");
+            return Ok(());
+        }
+    };
+    let mut config = ClusterConfig::on_ports(IpAddr::V4(Ipv4Addr::LOCALHOST), 0, 1);
+    config.worker.threads = 2;
+    // a short context keeps the warm-up's prefill quick in a debug build
+    config.scheduler.max_context = 256;
+    config.scheduler.max_tokens = 64;
+    config.ready_within = Duration::from_secs(120);
+
+    // the seeded model's budget cannot hold it: the error names the least
+    config.serve_model(path.clone(), Some(64))?;
+    let at_least = match Cluster::start(config.clone()).await {
+        Err(Error::MemoryBudget {
+            budget_mib: 64,
+            at_least_mib,
+            ..
+        }) => at_least_mib,
+        other => panic!("expected the worker's budget error, got {other:?}"),
+    };
+    assert_eq!(
+        at_least,
+        kvlease::cluster::budget_for(&config.worker, 256, 1)?
+    );
+
+    // with no budget given, `up --model` takes room for a few sequences
+    let budget = config.serve_model(path, None)?;
+    assert_eq!(
+        budget,
+        kvlease::cluster::budget_for(
+            &config.worker,
+            256,
+            kvlease::cluster::MODEL_BUDGET_SEQUENCES
+        )?
+    );
+    assert!(budget > at_least, "{budget} <= {at_least}");
+    let cluster = Cluster::start(config).await?;
+    let mut client = connect::scheduler(&cluster.scheduler.to_string()).await?;
+    let mut stream = client
+        .generate(kvlease_proto::v1::GenerateRequest {
+            text: "The capital of France is".into(),
+            max_tokens: 4,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let mut text = String::new();
+    while let Some(message) = stream.message().await? {
+        text.push_str(&message.text);
+    }
+    println!("The capital of France is{text:?}");
+    assert!(text.contains("Paris"), "{text:?}");
+    cluster.shutdown().await;
+    Ok(())
+}

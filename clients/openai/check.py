@@ -1,6 +1,7 @@
 """The official `openai` package against a running `kvlease up --http-listen`.
 
-Usage: python check.py BASE_URL   (e.g. http://127.0.0.1:8000/v1)
+Usage: python check.py BASE_URL             (e.g. http://127.0.0.1:8000/v1)
+       python check.py --factual BASE_URL   (a real chat model, e.g. kvlease up --model smollm2)
 
 Checks, each failing with a message and exit code 1:
 - models.list names the served model;
@@ -12,6 +13,9 @@ Checks, each failing with a message and exit code 1:
   saying so;
 - a request that cannot fit surfaces as openai.BadRequestError (HTTP 400)
   whose message names the limit.
+
+With --factual: a chat completion, whole and streamed, answers "What is the
+capital of France?" with an answer that names Paris.
 """
 
 import sys
@@ -83,5 +87,25 @@ def main(base_url):
     print("openai package check passed")
 
 
+def factual(base_url):
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
+    answer = chat.choices[0].message.content
+    print(f"Q: {messages[0]['content']}\nA: {answer}")
+    check("Paris" in answer, f"the chat answer names Paris ({chat.choices[0].finish_reason}, "
+                             f"{chat.usage.prompt_tokens} prompt + {chat.usage.completion_tokens} completion tokens)")
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0,
+                                            stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    check(streamed == answer, "the streamed chat gives the same answer")
+    print("openai factual chat check passed")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1:2] == ["--factual"] and len(sys.argv) == 3:
+        factual(sys.argv[2])
+    elif len(sys.argv) == 2:
+        main(sys.argv[1])
+    else:
+        sys.exit(__doc__)

@@ -1,10 +1,16 @@
 //! The HTTP front's cost: the same streaming chat load over HTTP (through
 //! the gateway) and over gRPC (straight to the scheduler), one after the
 //! other on one in-process cluster, in one run. Prints TTFT p50 and output
-//! throughput of each and the ratios. Each path has its own user / cache
-//! salt, so neither reuses the other's prefixes.
+//! throughput of each and the ratios. Each phase has its own user / cache
+//! salt, so none reuses another's prefixes.
 //!
-//! `cargo bench -p kvlease-gateway --bench http_vs_grpc [-- REQUESTS CONCURRENCY]`
+//! The machine the bench runs on is often shared and noisy, and the phase
+//! that runs second in a round was seen to be slower whichever path it is,
+//! so it runs ROUNDS rounds (even, default 4), the order alternating (gRPC
+//! first in even rounds, HTTP first in odd ones), prints each round and the
+//! medians over rounds, and the ratios of the medians.
+//!
+//! `cargo bench -p kvlease-gateway --bench http_vs_grpc [-- REQUESTS CONCURRENCY ROUNDS]`
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench: a failed setup ends the run
 
@@ -62,7 +68,7 @@ fn question(i: usize) -> String {
 /// count from the call to the first message with text.
 type One = (Duration, u32);
 
-async fn grpc_one(addr: SocketAddr, i: usize) -> One {
+async fn grpc_one(addr: SocketAddr, i: usize, salt: String) -> One {
     let mut c = scheduler_client(addr).await.expect("connects");
     let start = Instant::now();
     let mut stream = c
@@ -72,7 +78,7 @@ async fn grpc_one(addr: SocketAddr, i: usize) -> One {
                 content: question(i),
             }],
             max_tokens: MAX_TOKENS,
-            cache_salt: "grpc".into(),
+            cache_salt: salt,
             ..Default::default()
         })
         .await
@@ -90,9 +96,9 @@ async fn grpc_one(addr: SocketAddr, i: usize) -> One {
     (ttft.unwrap_or_else(|| start.elapsed()), tokens)
 }
 
-async fn http_one(addr: SocketAddr, i: usize) -> One {
+async fn http_one(addr: SocketAddr, i: usize, salt: String) -> One {
     let body = serde_json::json!({
-        "model": "kvlease", "max_tokens": MAX_TOKENS, "stream": true, "user": "http",
+        "model": "kvlease", "max_tokens": MAX_TOKENS, "stream": true, "user": salt,
         "stream_options": {"include_usage": true},
         "messages": [{"role": "user", "content": question(i)}],
     })
@@ -183,6 +189,8 @@ async fn main() {
         .collect();
     let requests = args.first().copied().unwrap_or(256);
     let concurrency = args.get(1).copied().unwrap_or(64);
+    // even, so that each path runs first as often as the other
+    let rounds = args.get(2).copied().unwrap_or(4).max(1).next_multiple_of(2);
     let cache = start_cache(cache_svc::Config::default())
         .await
         .expect("cache");
@@ -215,19 +223,60 @@ async fn main() {
         let _ = stopped.await;
     }));
     let s = scheduler.addr;
-    let (g_ttft, g_tps) = load(requests, concurrency, move |i| grpc_one(s, i)).await;
-    let (h_ttft, h_tps) = load(requests, concurrency, move |i| http_one(http, i)).await;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
-        "streaming chat, {requests} requests, concurrency {concurrency}, max_tokens {MAX_TOKENS}, one run"
+        "streaming chat, {requests} requests, concurrency {concurrency}, max_tokens {MAX_TOKENS}, {rounds} rounds, one run"
     );
-    println!("| path | TTFT p50 (ms) | output tokens/s |");
+    println!("| round | gRPC TTFT p50 (ms) | HTTP TTFT p50 (ms) | gRPC tokens/s | HTTP tokens/s |");
+    println!("|---|---:|---:|---:|---:|");
+    let (mut grpc, mut http_runs) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let grpc_load = || {
+            load(requests, concurrency, move |i| {
+                grpc_one(s, i, format!("grpc-{round}"))
+            })
+        };
+        let http_load = || {
+            load(requests, concurrency, move |i| {
+                http_one(http, i, format!("http-{round}"))
+            })
+        };
+        let (g, h) = if round % 2 == 0 {
+            let g = grpc_load().await;
+            (g, http_load().await)
+        } else {
+            let h = http_load().await;
+            (grpc_load().await, h)
+        };
+        println!(
+            "| {round} ({} first) | {:.1} | {:.1} | {:.1} | {:.1} |",
+            if round % 2 == 0 { "gRPC" } else { "HTTP" },
+            ms(g.0),
+            ms(h.0),
+            g.1,
+            h.1
+        );
+        grpc.push(g);
+        http_runs.push(h);
+    }
+    let median = |runs: &[(Duration, f64)]| {
+        let mut ttft: Vec<f64> = runs.iter().map(|r| ms(r.0)).collect();
+        let mut tps: Vec<f64> = runs.iter().map(|r| r.1).collect();
+        ttft.sort_by(f64::total_cmp);
+        tps.sort_by(f64::total_cmp);
+        let mid = |v: &[f64]| (v[(v.len() - 1) / 2] + v[v.len() / 2]) / 2.0;
+        (mid(&ttft), mid(&tps))
+    };
+    let (g_ttft, g_tps) = median(&grpc);
+    let (h_ttft, h_tps) = median(&http_runs);
+    println!();
+    println!("| path (median of {rounds} rounds) | TTFT p50 (ms) | output tokens/s |");
     println!("|---|---:|---:|");
-    println!("| gRPC (scheduler) | {:.1} | {:.1} |", ms(g_ttft), g_tps);
-    println!("| HTTP (gateway) | {:.1} | {:.1} |", ms(h_ttft), h_tps);
+    println!("| gRPC (scheduler) | {g_ttft:.1} | {g_tps:.1} |");
+    println!("| HTTP (gateway) | {h_ttft:.1} | {h_tps:.1} |");
     println!(
         "| HTTP / gRPC | {:.3} | {:.3} |",
-        ms(h_ttft) / ms(g_ttft),
+        h_ttft / g_ttft,
         h_tps / g_tps
     );
     let _ = stop.send(());

@@ -33,6 +33,7 @@
 
 use std::future::Future;
 
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 
 pub mod config;
@@ -74,6 +75,14 @@ pub async fn run(
     let app = service::Gateway::new(channel, served).router();
     tracing::info!(listen = %config.listen, scheduler = %config.scheduler_addr,
         model = %config.model, "gateway serving");
+    // Server-sent events are small writes, one per step: with Nagle's
+    // algorithm on, one waits for the client's (delayed) ACK of the one
+    // before, adding up to tens of milliseconds to a token's arrival.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(error = %e, "cannot set TCP_NODELAY on an HTTP connection");
+        }
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await?;

@@ -273,13 +273,23 @@ impl Config {
 
     /// The model at `path` with this config's context and block size.
     pub fn load_model(&self, path: &std::path::Path) -> Result<LoadedModel> {
-        load::open(
-            path,
-            ServingShape {
-                max_context: self.max_context,
-                tokens_per_block: self.tokens_per_block,
-            },
-        )
+        load::open(path, self.serving_shape())
+    }
+
+    /// The shape of the model this config serves: the `--model` file's
+    /// (read from its metadata, weights left on disk), else the flags'.
+    pub fn model_shape(&self) -> Result<ModelConfig> {
+        match &self.model {
+            Some(path) => load::shape(path, self.serving_shape()),
+            None => self.model_config(),
+        }
+    }
+
+    fn serving_shape(&self) -> ServingShape {
+        ServingShape {
+            max_context: self.max_context,
+            tokens_per_block: self.tokens_per_block,
+        }
     }
 
     /// Device, arena type and memory share of the CUDA backend.

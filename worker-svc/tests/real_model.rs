@@ -37,6 +37,11 @@ fn a_sharded_hf_checkpoint_loads_with_its_own_shape_and_runs_paged_equal_to_dens
         let loaded = load::open(&dir.0, serving).unwrap_or_else(|e| panic!("{e}"));
         let name = written.config.name.clone();
         assert_eq!(loaded.weights.config, tiny_config(&name, llama3, 128));
+        let shape = load::shape(&dir.0, serving).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            shape, loaded.weights.config,
+            "the shape alone equals the loaded one"
+        );
         assert_eq!(loaded.weights.embed, written.embed);
         assert_eq!(loaded.weights.layers, written.layers);
         assert_eq!(loaded.weights.final_norm, written.final_norm);
@@ -218,6 +223,16 @@ fn smollm2_says_the_capital_of_france_is_paris() {
         return;
     };
     let loaded = model_files::load(&path);
+    let serving = ServingShape {
+        max_context: loaded.weights.config.max_context,
+        tokens_per_block: loaded.weights.config.tokens_per_block,
+    };
+    let shape = load::shape(&path, serving).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        shape, loaded.weights.config,
+        "the shape alone equals the loaded one"
+    );
+    assert_eq!(shape.num_params() as u64 * 4, loaded.weights.bytes());
     let prompt = loaded
         .tokenizer
         .encode("The capital of France is")

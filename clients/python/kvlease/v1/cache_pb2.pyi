@@ -1,0 +1,472 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REJECT_REASON_UNSPECIFIED: _ClassVar[RejectReason]
+    POOL_EXHAUSTED: _ClassVar[RejectReason]
+    EXCEEDS_CAPACITY: _ClassVar[RejectReason]
+    ROLLED_BACK: _ClassVar[RejectReason]
+    UNKNOWN_SEQUENCE: _ClassVar[RejectReason]
+    DUPLICATE_SEQUENCE: _ClassVar[RejectReason]
+    QUOTA_EXCEEDED: _ClassVar[RejectReason]
+    CACHE_RESTARTED: _ClassVar[RejectReason]
+
+class ReleaseStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RELEASE_STATUS_UNSPECIFIED: _ClassVar[ReleaseStatus]
+    RELEASED: _ClassVar[ReleaseStatus]
+    ALREADY_RELEASED: _ClassVar[ReleaseStatus]
+    UNKNOWN: _ClassVar[ReleaseStatus]
+REJECT_REASON_UNSPECIFIED: RejectReason
+POOL_EXHAUSTED: RejectReason
+EXCEEDS_CAPACITY: RejectReason
+ROLLED_BACK: RejectReason
+UNKNOWN_SEQUENCE: RejectReason
+DUPLICATE_SEQUENCE: RejectReason
+QUOTA_EXCEEDED: RejectReason
+CACHE_RESTARTED: RejectReason
+RELEASE_STATUS_UNSPECIFIED: ReleaseStatus
+RELEASED: ReleaseStatus
+ALREADY_RELEASED: ReleaseStatus
+UNKNOWN: ReleaseStatus
+
+class PoolSpec(_message.Message):
+    __slots__ = ("window", "num_blocks")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    num_blocks: int
+    def __init__(self, window: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class RegisterPoolRequest(_message.Message):
+    __slots__ = ("pool_group", "tokens_per_block", "pools")
+    POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pool_group: str
+    tokens_per_block: int
+    pools: _containers.RepeatedCompositeFieldContainer[PoolSpec]
+    def __init__(self, pool_group: _Optional[str] = ..., tokens_per_block: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolSpec, _Mapping]]] = ...) -> None: ...
+
+class PoolInfo(_message.Message):
+    __slots__ = ("pool_id", "window", "num_blocks", "tokens_per_block")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    pool_id: int
+    window: int
+    num_blocks: int
+    tokens_per_block: int
+    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_block: _Optional[int] = ...) -> None: ...
+
+class RegisterPoolResponse(_message.Message):
+    __slots__ = ("pools", "already_registered")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolInfo]
+    already_registered: bool
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ..., already_registered: _Optional[bool] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("holder", "ttl_ms")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    ttl_ms: int
+    def __init__(self, holder: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "epoch", "ttl_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    epoch: int
+    ttl_ms: int
+    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session_id", "epoch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    epoch: int
+    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("ttl_ms",)
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    ttl_ms: int
+    def __init__(self, ttl_ms: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id", "epoch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    epoch: int
+    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("sequences_released", "blocks_returned")
+    SEQUENCES_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_RETURNED_FIELD_NUMBER: _ClassVar[int]
+    sequences_released: int
+    blocks_returned: int
+    def __init__(self, sequences_released: _Optional[int] = ..., blocks_returned: _Optional[int] = ...) -> None: ...
+
+class ExtraTokens(_message.Message):
+    __slots__ = ("draft", "extra_kv", "extra_decoding_steps")
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KV_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_DECODING_STEPS_FIELD_NUMBER: _ClassVar[int]
+    draft: int
+    extra_kv: int
+    extra_decoding_steps: int
+    def __init__(self, draft: _Optional[int] = ..., extra_kv: _Optional[int] = ..., extra_decoding_steps: _Optional[int] = ...) -> None: ...
+
+class SequenceSpec(_message.Message):
+    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FULL_LIFE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    pool_group: str
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    extra: ExtraTokens
+    beam_width: int
+    max_new_tokens: int
+    priority: int
+    cache_salt: str
+    reserve_full_life: bool
+    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "step", "atomic", "sequences", "warmup")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATOMIC_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    epoch: int
+    step: int
+    atomic: bool
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceSpec]
+    warmup: bool
+    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., atomic: _Optional[bool] = ..., sequences: _Optional[_Iterable[_Union[SequenceSpec, _Mapping]]] = ..., warmup: _Optional[bool] = ...) -> None: ...
+
+class BlockTable(_message.Message):
+    __slots__ = ("pool_id", "window", "beam", "first_block", "block_ids")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    BEAM_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: int
+    window: int
+    beam: int
+    first_block: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., beam: _Optional[int] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Grant(_message.Message):
+    __slots__ = ("seq_id", "tables", "reused_tokens", "capacity_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
+    reused_tokens: int
+    capacity_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., reused_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ...) -> None: ...
+
+class Reject(_message.Message):
+    __slots__ = ("seq_id", "reason", "pool_id", "window", "blocks_needed", "blocks_free", "blocks_pending_free", "message")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PENDING_FREE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    reason: RejectReason
+    pool_id: int
+    window: int
+    blocks_needed: int
+    blocks_free: int
+    blocks_pending_free: int
+    message: str
+    def __init__(self, seq_id: _Optional[int] = ..., reason: _Optional[_Union[RejectReason, str]] = ..., pool_id: _Optional[int] = ..., window: _Optional[int] = ..., blocks_needed: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_pending_free: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SequenceOutcome(_message.Message):
+    __slots__ = ("grant", "reject")
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    REJECT_FIELD_NUMBER: _ClassVar[int]
+    grant: Grant
+    reject: Reject
+    def __init__(self, grant: _Optional[_Union[Grant, _Mapping]] = ..., reject: _Optional[_Union[Reject, _Mapping]] = ...) -> None: ...
+
+class LeaseResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[SequenceOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[SequenceOutcome, _Mapping]]] = ...) -> None: ...
+
+class ExtendItem(_message.Message):
+    __slots__ = ("seq_id", "new_tokens", "num_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ExtendRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "step", "atomic", "items")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATOMIC_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    epoch: int
+    step: int
+    atomic: bool
+    items: _containers.RepeatedCompositeFieldContainer[ExtendItem]
+    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., atomic: _Optional[bool] = ..., items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
+
+class ExtendResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[SequenceOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[SequenceOutcome, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "seq_ids", "fence_step")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    epoch: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    fence_step: int
+    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., fence_step: _Optional[int] = ...) -> None: ...
+
+class ReleaseResult(_message.Message):
+    __slots__ = ("seq_id", "status", "blocks_freed", "blocks_fenced")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FENCED_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    status: ReleaseStatus
+    blocks_freed: int
+    blocks_fenced: int
+    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[ReleaseStatus, str]] = ..., blocks_freed: _Optional[int] = ..., blocks_fenced: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ReleaseResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ReleaseResult, _Mapping]]] = ...) -> None: ...
+
+class CompleteStepRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "step")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    epoch: int
+    step: int
+    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CompleteStepResponse(_message.Message):
+    __slots__ = ("blocks_returned",)
+    BLOCKS_RETURNED_FIELD_NUMBER: _ClassVar[int]
+    blocks_returned: int
+    def __init__(self, blocks_returned: _Optional[int] = ...) -> None: ...
+
+class EstimateRequest(_message.Message):
+    __slots__ = ("shapes",)
+    SHAPES_FIELD_NUMBER: _ClassVar[int]
+    shapes: _containers.RepeatedCompositeFieldContainer[SequenceSpec]
+    def __init__(self, shapes: _Optional[_Iterable[_Union[SequenceSpec, _Mapping]]] = ...) -> None: ...
+
+class PoolEstimate(_message.Message):
+    __slots__ = ("pool_id", "window", "total_blocks", "peak_blocks", "pool_blocks")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    POOL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: int
+    window: int
+    total_blocks: int
+    peak_blocks: int
+    pool_blocks: int
+    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., total_blocks: _Optional[int] = ..., peak_blocks: _Optional[int] = ..., pool_blocks: _Optional[int] = ...) -> None: ...
+
+class ShapeEstimate(_message.Message):
+    __slots__ = ("pools", "fits")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    FITS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolEstimate]
+    fits: bool
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolEstimate, _Mapping]]] = ..., fits: _Optional[bool] = ...) -> None: ...
+
+class EstimateResponse(_message.Message):
+    __slots__ = ("estimates",)
+    ESTIMATES_FIELD_NUMBER: _ClassVar[int]
+    estimates: _containers.RepeatedCompositeFieldContainer[ShapeEstimate]
+    def __init__(self, estimates: _Optional[_Iterable[_Union[ShapeEstimate, _Mapping]]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("pool_group",)
+    POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
+    pool_group: str
+    def __init__(self, pool_group: _Optional[str] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("pool_group", "pool_id", "window", "tokens_per_block", "total", "free", "cached_evictable", "in_use", "fenced", "grants", "rejects", "evictions", "reuse_lookups", "reuse_hits", "leaks_reclaimed", "hit_rate_estimates")
+    POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_EVICTABLE_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
+    REJECTS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_HITS_FIELD_NUMBER: _ClassVar[int]
+    LEAKS_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_ESTIMATES_FIELD_NUMBER: _ClassVar[int]
+    pool_group: str
+    pool_id: int
+    window: int
+    tokens_per_block: int
+    total: int
+    free: int
+    cached_evictable: int
+    in_use: int
+    fenced: int
+    grants: int
+    rejects: int
+    evictions: int
+    reuse_lookups: int
+    reuse_hits: int
+    leaks_reclaimed: int
+    hit_rate_estimates: _containers.RepeatedCompositeFieldContainer[HitRateEstimate]
+    def __init__(self, pool_group: _Optional[str] = ..., pool_id: _Optional[int] = ..., window: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached_evictable: _Optional[int] = ..., in_use: _Optional[int] = ..., fenced: _Optional[int] = ..., grants: _Optional[int] = ..., rejects: _Optional[int] = ..., evictions: _Optional[int] = ..., reuse_lookups: _Optional[int] = ..., reuse_hits: _Optional[int] = ..., leaks_reclaimed: _Optional[int] = ..., hit_rate_estimates: _Optional[_Iterable[_Union[HitRateEstimate, _Mapping]]] = ...) -> None: ...
+
+class HitRateEstimate(_message.Message):
+    __slots__ = ("scale", "blocks", "hit_rate", "sampled_lookups")
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    scale: float
+    blocks: int
+    hit_rate: float
+    sampled_lookups: int
+    def __init__(self, scale: _Optional[float] = ..., blocks: _Optional[int] = ..., hit_rate: _Optional[float] = ..., sampled_lookups: _Optional[int] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("pools", "epoch", "sessions", "sequences")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
+    epoch: int
+    sessions: int
+    sequences: int
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., epoch: _Optional[int] = ..., sessions: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("after_id",)
+    AFTER_ID_FIELD_NUMBER: _ClassVar[int]
+    after_id: int
+    def __init__(self, after_id: _Optional[int] = ...) -> None: ...
+
+class CacheEvent(_message.Message):
+    __slots__ = ("id", "pool_id", "stored", "removed", "lost")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    pool_id: int
+    stored: BlocksStored
+    removed: BlocksRemoved
+    lost: EventsLost
+    def __init__(self, id: _Optional[int] = ..., pool_id: _Optional[int] = ..., stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., lost: _Optional[_Union[EventsLost, _Mapping]] = ...) -> None: ...
+
+class BlocksStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_hash")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_hash: int
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ...) -> None: ...
+
+class BlocksRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EventsLost(_message.Message):
+    __slots__ = ("oldest_available",)
+    OLDEST_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    oldest_available: int
+    def __init__(self, oldest_available: _Optional[int] = ...) -> None: ...
+
+class AuditRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeakedBlock(_message.Message):
+    __slots__ = ("pool_id", "block_id", "last_holder")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_HOLDER_FIELD_NUMBER: _ClassVar[int]
+    pool_id: int
+    block_id: int
+    last_holder: str
+    def __init__(self, pool_id: _Optional[int] = ..., block_id: _Optional[int] = ..., last_holder: _Optional[str] = ...) -> None: ...
+
+class AuditResponse(_message.Message):
+    __slots__ = ("reclaimed", "blocks_checked")
+    RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    reclaimed: _containers.RepeatedCompositeFieldContainer[LeakedBlock]
+    blocks_checked: int
+    def __init__(self, reclaimed: _Optional[_Iterable[_Union[LeakedBlock, _Mapping]]] = ..., blocks_checked: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,131 @@
+from kvlease.v1 import cache_pb2 as _cache_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    LENGTH: _ClassVar[FinishReason]
+    STOP: _ClassVar[FinishReason]
+    CANCELLED: _ClassVar[FinishReason]
+    REJECTED: _ClassVar[FinishReason]
+    ERROR: _ClassVar[FinishReason]
+
+class CapacityPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CAPACITY_POLICY_UNSPECIFIED: _ClassVar[CapacityPolicy]
+    GUARANTEED_NO_EVICT: _ClassVar[CapacityPolicy]
+    MAX_UTILIZATION: _ClassVar[CapacityPolicy]
+    STATIC_BATCH: _ClassVar[CapacityPolicy]
+FINISH_REASON_UNSPECIFIED: FinishReason
+LENGTH: FinishReason
+STOP: FinishReason
+CANCELLED: FinishReason
+REJECTED: FinishReason
+ERROR: FinishReason
+CAPACITY_POLICY_UNSPECIFIED: CapacityPolicy
+GUARANTEED_NO_EVICT: CapacityPolicy
+MAX_UTILIZATION: CapacityPolicy
+STATIC_BATCH: CapacityPolicy
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("text", "tokens", "max_tokens", "temperature", "top_p", "seed", "stop_tokens", "priority", "cache_salt", "request_id", "messages", "stop", "ignore_eos")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop_tokens: _containers.RepeatedScalarFieldContainer[int]
+    priority: int
+    cache_salt: str
+    request_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("tokens", "text", "finish_reason", "reject", "message", "reused_tokens", "preemptions", "prompt_tokens")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    REJECT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    finish_reason: FinishReason
+    reject: _cache_pb2.Reject
+    message: str
+    reused_tokens: int
+    preemptions: int
+    prompt_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., reject: _Optional[_Union[_cache_pb2.Reject, _Mapping]] = ..., message: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("policy", "on_exhausted", "queued", "running", "preempted", "steps", "session_id", "epoch", "pools", "finished_length", "finished_stop", "cancelled", "rejected", "errors", "preemptions")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ON_EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_STOP_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    policy: CapacityPolicy
+    on_exhausted: str
+    queued: int
+    running: int
+    preempted: int
+    steps: int
+    session_id: int
+    epoch: int
+    pools: _containers.RepeatedCompositeFieldContainer[_cache_pb2.PoolStats]
+    finished_length: int
+    finished_stop: int
+    cancelled: int
+    rejected: int
+    errors: int
+    preemptions: int
+    def __init__(self, policy: _Optional[_Union[CapacityPolicy, str]] = ..., on_exhausted: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., preempted: _Optional[int] = ..., steps: _Optional[int] = ..., session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[_cache_pb2.PoolStats, _Mapping]]] = ..., finished_length: _Optional[int] = ..., finished_stop: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ..., errors: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...

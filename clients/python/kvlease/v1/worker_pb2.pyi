@@ -1,0 +1,160 @@
+from kvlease.v1 import cache_pb2 as _cache_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelShape(_message.Message):
+    __slots__ = ("name", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_size", "rope_theta", "layer_windows", "max_context", "tokenizer_fingerprint")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    FFN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROPE_THETA_FIELD_NUMBER: _ClassVar[int]
+    LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_size: int
+    rope_theta: float
+    layer_windows: _containers.RepeatedScalarFieldContainer[int]
+    max_context: int
+    tokenizer_fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., ffn_size: _Optional[int] = ..., rope_theta: _Optional[float] = ..., layer_windows: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+
+class WorkerPool(_message.Message):
+    __slots__ = ("window", "num_layers", "num_blocks", "bytes_per_block")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    num_layers: int
+    num_blocks: int
+    bytes_per_block: int
+    def __init__(self, window: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("model", "tokens_per_block", "pools", "backend", "kv_dtype", "memory_budget_bytes", "weight_bytes", "activation_bytes", "max_batch_sequences", "max_batch_tokens", "device")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    model: ModelShape
+    tokens_per_block: int
+    pools: _containers.RepeatedCompositeFieldContainer[WorkerPool]
+    backend: str
+    kv_dtype: str
+    memory_budget_bytes: int
+    weight_bytes: int
+    activation_bytes: int
+    max_batch_sequences: int
+    max_batch_tokens: int
+    device: str
+    def __init__(self, model: _Optional[_Union[ModelShape, _Mapping]] = ..., tokens_per_block: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[WorkerPool, _Mapping]]] = ..., backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ForwardSequence(_message.Message):
+    __slots__ = ("seq_id", "tokens", "start_pos", "tables", "return_all_argmax", "sampling")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_ALL_ARGMAX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    start_pos: int
+    tables: _containers.RepeatedCompositeFieldContainer[_cache_pb2.BlockTable]
+    return_all_argmax: bool
+    sampling: SamplingParams
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[_cache_pb2.BlockTable, _Mapping]]] = ..., return_all_argmax: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("step", "sequences")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    sequences: _containers.RepeatedCompositeFieldContainer[ForwardSequence]
+    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ForwardSequence, _Mapping]]] = ...) -> None: ...
+
+class ForwardResult(_message.Message):
+    __slots__ = ("seq_id", "next_token", "argmax")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ARGMAX_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    next_token: int
+    argmax: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., next_token: _Optional[int] = ..., argmax: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("results", "compute_us")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ForwardResult]
+    compute_us: int
+    def __init__(self, results: _Optional[_Iterable[_Union[ForwardResult, _Mapping]]] = ..., compute_us: _Optional[int] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ("fingerprint",)
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    def __init__(self, fingerprint: _Optional[str] = ...) -> None: ...
+
+class GetTokenizerResponse(_message.Message):
+    __slots__ = ("model", "fingerprint", "kind", "tokenizer_json", "chat_template", "bos_id", "bos_token", "eos_token", "end_ids", "add_bos")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    BOS_ID_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    END_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    fingerprint: str
+    kind: str
+    tokenizer_json: str
+    chat_template: str
+    bos_id: int
+    bos_token: str
+    eos_token: str
+    end_ids: _containers.RepeatedScalarFieldContainer[int]
+    add_bos: bool
+    def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., kind: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_id: _Optional[int] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., end_ids: _Optional[_Iterable[int]] = ..., add_bos: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,89 @@
+"""The kvlease Python client against a running scheduler.
+
+Usage: python check_client.py ADDR   (the scheduler, host:port)
+
+Each check prints ok or FAIL and the script exits 1 on the first failure.
+Works with any model: it compares the client's views of one request with
+each other and with the scheduler's own counters, never with fixed text.
+"""
+
+import sys
+
+from kvlease import KvleaseClient, KvleaseError
+
+PROMPT = "The paged KV cache lends its blocks to each request in turn. "
+
+
+def check(cond, what):
+    if not cond:
+        print(f"FAIL: {what}")
+        sys.exit(1)
+    print(f"ok: {what}")
+
+
+def raises(fn, exc):
+    try:
+        fn()
+    except exc as e:
+        return e
+    return None
+
+
+def main(addr):
+    with KvleaseClient(addr, timeout=120) as client:
+        check(client.health(), "health() of the whole server is SERVING")
+        check(client.health("kvlease.v1.Scheduler"), "health('kvlease.v1.Scheduler') is SERVING")
+        e = raises(lambda: client.health("kvlease.v1.Nope"), KvleaseError)
+        check(e is not None and e.code == "NOT_FOUND", f"health of an unknown service is NOT_FOUND: {e}")
+
+        before = client.status()
+        check(before.policy in ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION", "STATIC_BATCH")
+              and before.pools and all(p.total > 0 for p in before.pools),
+              f"status(): {before.policy}, {len(before.pools)} pool(s) of {[p.total for p in before.pools]} blocks")
+
+        generation = client.generate(PROMPT, max_tokens=8)
+        chunks = list(generation)
+        f = generation.finish
+        streamed = "".join(c.text for c in chunks)
+        tokens = [t for c in chunks for t in c.tokens]
+        check(f is not None and f.reason in ("LENGTH", "STOP") and 0 < len(tokens) <= 8,
+              f"generate() streams {len(chunks)} chunks, {len(tokens)} tokens, then {f.reason if f else None}")
+        check(f.prompt_tokens > 0, f"the finish carries the prompt's {f.prompt_tokens} tokens")
+
+        whole = client.complete(PROMPT, max_tokens=8)
+        check(whole.text == streamed and list(whole.tokens) == tokens,
+              f"complete() (greedy) gives the streamed text again: {whole.text!r}")
+        check(whole.finish.reused_tokens > 0,
+              f"the second request reuses the first one's cached prefix: {whole.finish.reused_tokens} tokens")
+
+        by_ids = client.complete(tokens=tokens[:4], max_tokens=2)
+        check(by_ids.finish.prompt_tokens == 4 and len(by_ids.tokens) >= 1,
+              f"a token-id prompt: {by_ids.finish.prompt_tokens} prompt tokens, {len(by_ids.tokens)} out")
+
+        e = raises(lambda: client.complete(PROMPT, max_tokens=0), KvleaseError)
+        check(e is not None and e.code == "INVALID_ARGUMENT" and "max_tokens" in e.details,
+              f"max_tokens=0 is INVALID_ARGUMENT with the reason: {e}")
+        e = raises(lambda: client.complete(PROMPT, max_tokens=10_000_000), KvleaseError)
+        check(e is not None and e.code == "INVALID_ARGUMENT" and "over the limit" in e.details,
+              f"a max_tokens over the limit is INVALID_ARGUMENT: {e}")
+        e = raises(lambda: client.generate(PROMPT, tokens=[1]), ValueError)
+        check(e is not None, f"text and tokens together are refused before sending: {e}")
+
+        long = client.generate(PROMPT, max_tokens=512, ignore_eos=True)
+        first = next(long)
+        long.cancel()
+        e = raises(lambda: list(long), KvleaseError)
+        check(len(first.tokens) > 0 and e is not None and e.code == "CANCELLED",
+              f"cancel() after the first chunk ends the stream: {e}")
+
+        after = client.status()
+        check(after.finished_length + after.finished_stop >= before.finished_length + before.finished_stop + 3,
+              f"status() counted the finished requests: {before.finished_length + before.finished_stop} -> "
+              f"{after.finished_length + after.finished_stop}")
+    print("python client check passed")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])
