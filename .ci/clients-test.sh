@@ -68,6 +68,7 @@ on_failure() { echo "kvlease up's log:"; cat "$log"; exit 1; }
 
 echo "-- the openai package"
 "$py" clients/openai/check.py "$http" || on_failure
+"$py" clients/openai/check.py --rejects "$http" || on_failure
 echo "-- the kvlease Python package"
 "$py" clients/python/tests/check_client.py "$scheduler" || on_failure
 "$py" clients/python/examples/stream.py "$scheduler" || on_failure

@@ -1,6 +1,6 @@
 """The official `openai` package against a running `kvlease up --http-listen`.
 
-Usage: python check.py BASE_URL             (e.g. http://127.0.0.1:8000/v1)
+Usage: python check.py [--rejects] BASE_URL (e.g. http://127.0.0.1:8000/v1)
        python check.py --factual BASE_URL   (a real chat model, e.g. kvlease up --model smollm2)
 
 Checks, each failing with a message and exit code 1:
@@ -12,13 +12,19 @@ Checks, each failing with a message and exit code 1:
   with the seeded model (no template) the refusal is an openai.BadRequestError
   saying so;
 - a request that cannot fit surfaces as openai.BadRequestError (HTTP 400)
-  whose message names the limit.
+  whose message names the limit;
+- with --rejects (a cluster started with --on-exhausted reject and a small
+  pool): a burst of long completions over-subscribes the pool, and the
+  requests the cache refuses surface as openai.RateLimitError (HTTP 429)
+  whose message carries the reject reason and the cache's figures, while the
+  others are served to their length.
 
 With --factual: a chat completion, whole and streamed, answers "What is the
 capital of France?" with an answer that names Paris.
 """
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
@@ -87,6 +93,31 @@ def main(base_url):
     print("openai package check passed")
 
 
+def rejects(base_url, requests=48, max_tokens=256):
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+
+    def one(i):
+        try:
+            r = client.completions.create(model=MODEL, prompt=f"request {i}: ", max_tokens=max_tokens,
+                                          temperature=0, extra_body={"ignore_eos": True})
+            return r.choices[0].finish_reason
+        except openai.RateLimitError as e:
+            return e
+
+    with ThreadPoolExecutor(max_workers=requests) as pool:
+        outcomes = list(pool.map(one, range(requests)))
+    refused = [o for o in outcomes if isinstance(o, openai.RateLimitError)]
+    served = [o for o in outcomes if o == "length"]
+    print(f"{requests} completions of {max_tokens} tokens at once: {len(served)} served, "
+          f"{len(refused)} refused")
+    check(len(served) + len(refused) == requests, f"every request served or refused: {outcomes}")
+    check(refused, "an over-subscribed pool refuses some requests")
+    e = refused[0]
+    check(e.status_code == 429 and "POOL_EXHAUSTED" in e.message and "blocks needed" in e.message,
+          f"a refused request is an openai.RateLimitError naming the reason and figures: {e.message}")
+    print("openai reject check passed")
+
+
 def factual(base_url):
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -105,6 +136,8 @@ def factual(base_url):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--factual"] and len(sys.argv) == 3:
         factual(sys.argv[2])
+    elif sys.argv[1:2] == ["--rejects"] and len(sys.argv) == 3:
+        rejects(sys.argv[2])
     elif len(sys.argv) == 2:
         main(sys.argv[1])
     else:

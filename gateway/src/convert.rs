@@ -21,6 +21,7 @@ pub fn generate_request(g: &Generate, id: &str) -> pb::GenerateRequest {
         // the end user's prefix reuse is kept apart from other users'
         cache_salt: g.user.clone().unwrap_or_default(),
         request_id: id.to_string(),
+        ignore_eos: g.ignore_eos,
         ..Default::default()
     };
     match &g.input {

@@ -61,6 +61,10 @@ pub struct Common {
     pub user: Option<String>,
     #[serde(default)]
     pub stream: Option<bool>,
+    /// vLLM's extension: generate `max_tokens` even past an end-of-sequence
+    /// token (load tests that need fixed output lengths).
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
     /// Refused when set to anything but `false` / `null`: no log-probs.

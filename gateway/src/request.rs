@@ -29,6 +29,8 @@ pub struct Generate {
     /// users' (the cache salt).
     pub user: Option<String>,
     pub stream: bool,
+    /// Generate `max_tokens` even past an end-of-sequence token.
+    pub ignore_eos: bool,
     /// `stream_options.include_usage`: a last chunk with the usage.
     pub include_usage: bool,
 }
@@ -174,6 +176,7 @@ impl Served {
             stop,
             user: c.user.filter(|u| !u.is_empty()),
             stream,
+            ignore_eos: c.ignore_eos.unwrap_or(false),
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
         })
     }
@@ -203,7 +206,7 @@ mod tests {
         let g = completion(serde_json::json!({
             "model": "m", "prompt": ["hi"], "max_tokens": 5, "temperature": 0.0,
             "top_p": 0.5, "seed": 7, "stop": "x", "n": 1, "user": "u1",
-            "stream": true, "stream_options": {"include_usage": true},
+            "stream": true, "stream_options": {"include_usage": true}, "ignore_eos": true,
         }))
         .unwrap();
         assert_eq!(g.input, Input::Text("hi".into()));
@@ -213,11 +216,12 @@ mod tests {
         );
         assert_eq!(g.stop, vec!["x".to_string()]);
         assert_eq!(g.user.as_deref(), Some("u1"));
-        assert!(g.stream && g.include_usage);
+        assert!(g.stream && g.include_usage && g.ignore_eos);
         let t = completion(serde_json::json!({"model": "m", "prompt": [1, 2, 3]})).unwrap();
         assert_eq!(t.input, Input::Tokens(vec![1, 2, 3]));
         assert_eq!(t.max_tokens, 16, "OpenAI's completions default");
         assert_eq!(t.temperature, 1.0);
+        assert!(!t.ignore_eos, "stops at end of sequence unless asked");
     }
 
     #[test]
