@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_server::CacheService;
-use kvlease_telemetry::attributes::{self, RejectFigures};
+use kvlease_telemetry::attributes;
 use kvlease_telemetry::opentelemetry::trace::SpanContext;
 use kvlease_telemetry::serve::StopWatch;
 use tokio::sync::{mpsc, watch};
@@ -19,7 +19,7 @@ use crate::cache::{Batch, Cache};
 use crate::convert::{estimate_to_pb, event_to_pb, outcomes_to_pb, spec_from_pb, stats_to_pb};
 use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId};
-use crate::lease::{Growth, Outcome, ReleaseStatus};
+use crate::lease::{Growth, ReleaseStatus};
 use crate::metrics::CacheMetrics;
 
 /// Events sent per read of the log by one WatchEvents stream.
@@ -60,20 +60,12 @@ impl FenceLinks {
     }
 }
 
-/// Marks each reject as an error span (with its figures) under the call's span.
-fn trace_rejects(outcomes: &[Outcome]) {
+/// One `Reject` error span per refused sequence of a batch call.
+fn trace_rejects(outcomes: &[pb::SequenceOutcome]) {
+    let call = kvlease_telemetry::current_context();
     for o in outcomes {
-        if let Outcome::Reject(r) = o {
-            let _span = attributes::reject_span(&RejectFigures {
-                seq_id: r.seq_id,
-                reason: r.reason.as_str(),
-                pool_id: r.pool_id,
-                window: r.window,
-                blocks_needed: r.blocks_needed,
-                blocks_free: r.blocks_free,
-                blocks_pending_free: r.blocks_pending_free,
-                message: &r.message,
-            });
+        if let Some(pb::sequence_outcome::Outcome::Reject(r)) = &o.outcome {
+            let _span = kvlease_telemetry::sequence_reject_span(&call, r);
         }
     }
 }
@@ -275,10 +267,9 @@ impl CacheService for CacheServiceImpl {
         self.notify_events(&cache);
         drop(cache);
         self.metrics.record("lease", &outcomes);
+        let outcomes = outcomes_to_pb(outcomes);
         trace_rejects(&outcomes);
-        Ok(Response::new(pb::LeaseResponse {
-            outcomes: outcomes_to_pb(outcomes),
-        }))
+        Ok(Response::new(pb::LeaseResponse { outcomes }))
     }
 
     async fn extend(
@@ -320,10 +311,9 @@ impl CacheService for CacheServiceImpl {
         self.notify_events(&cache);
         drop(cache);
         self.metrics.record("extend", &outcomes);
+        let outcomes = outcomes_to_pb(outcomes);
         trace_rejects(&outcomes);
-        Ok(Response::new(pb::ExtendResponse {
-            outcomes: outcomes_to_pb(outcomes),
-        }))
+        Ok(Response::new(pb::ExtendResponse { outcomes }))
     }
 
     async fn release(

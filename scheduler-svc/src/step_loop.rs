@@ -15,7 +15,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use kvlease_telemetry::attributes::REJECT_SPAN;
 use kvlease_telemetry::opentelemetry::Context;
 use kvlease_telemetry::opentelemetry::trace::TraceContextExt;
 use tokio::sync::{mpsc, watch};
@@ -24,6 +23,7 @@ use tracing::Instrument;
 
 use crate::client::{CacheClient, WorkerClient};
 use crate::config::OnCacheRestart;
+use crate::convert::reject_to_proto;
 use crate::domain::{ForwardResult, GroupGeometry, Outcome, Output, RequestId, SeqId, Step};
 use crate::error::{Error, Result};
 use crate::metrics::SchedulerMetrics;
@@ -570,21 +570,8 @@ impl StepLoop {
             let Outcome::Reject(r) = outcome else {
                 continue;
             };
-            let figures = kvlease_telemetry::RejectFigures {
-                seq_id: r.seq_id.get(),
-                reason: r.reason.protocol_name(),
-                pool_id: r.pool_id,
-                window: r.window,
-                blocks_needed: r.blocks_needed,
-                blocks_free: r.blocks_free,
-                blocks_pending_free: r.blocks_pending_free,
-                message: &r.message,
-            };
-            let span = tracing::info_span!(parent: None, "kvlease.reject", otel.name = REJECT_SPAN);
-            if let Some(cx) = self.seq_traces.get(&r.seq_id) {
-                let _ = kvlease_telemetry::set_parent(&span, cx.clone());
-            }
-            kvlease_telemetry::record_reject(&span, &figures);
+            let cx = self.seq_traces.get(&r.seq_id).cloned().unwrap_or_default();
+            let _span = kvlease_telemetry::sequence_reject_span(&cx, &reject_to_proto(r));
             self.metrics.reject(method, r.reason.protocol_name());
             tracing::debug!(method, seq_id = r.seq_id.get(), reason = %r.reason, blocks_needed = r.blocks_needed,
                 blocks_free = r.blocks_free, blocks_pending_free = r.blocks_pending_free, "sequence refused");

@@ -8,8 +8,9 @@
 //! tracing-opentelemetry 0.34 exports a `u64` tracing field as a *string* attribute, so a
 //! `u64` field would not compare equal to an integer in a test that reads the spans.
 
-use opentelemetry::KeyValue;
-use opentelemetry::trace::{SpanContext, Status};
+use kvlease_proto::v1 as pb;
+use opentelemetry::trace::{SpanContext, Status, TraceContextExt as _};
+use opentelemetry::{Context, KeyValue};
 use tracing::Span;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
@@ -46,8 +47,9 @@ pub const REJECT_SPAN: &str = "Reject";
 /// Name of the event [`record_reject`] adds.
 pub const REJECT_EVENT: &str = "kvlease.reject";
 
-/// What a reject says, for [`record_reject`] and [`reject_span`]. Built by the service from its
-/// domain reject (no protobuf types here).
+/// What a reject says, for [`record_reject`] and [`reject_span`]. Services build it from the
+/// protocol's reject (`RejectFigures::from(&pb::Reject)`), the one form both the cache and the
+/// scheduler hold, so the figures are read in one place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RejectFigures<'a> {
     /// The rejected sequence.
@@ -66,6 +68,21 @@ pub struct RejectFigures<'a> {
     pub blocks_pending_free: u32,
     /// Human-readable explanation (the span's status description).
     pub message: &'a str,
+}
+
+impl<'a> From<&'a pb::Reject> for RejectFigures<'a> {
+    fn from(r: &'a pb::Reject) -> Self {
+        Self {
+            seq_id: r.seq_id,
+            reason: r.reason().as_str_name(),
+            pool_id: r.pool_id,
+            window: r.window,
+            blocks_needed: r.blocks_needed,
+            blocks_free: r.blocks_free,
+            blocks_pending_free: r.blocks_pending_free,
+            message: &r.message,
+        }
+    }
 }
 
 impl RejectFigures<'_> {
@@ -116,6 +133,23 @@ pub fn record_reject(span: &Span, reject: &RejectFigures<'_>) {
 pub fn reject_span(reject: &RejectFigures<'_>) -> Span {
     let span = tracing::info_span!("kvlease.reject", otel.name = REJECT_SPAN);
     record_reject(&span, reject);
+    span
+}
+
+/// The rule both services follow for a refused sequence: a `Reject` error span with the
+/// reject's figures, in the trace of the sequence itself (`sequence_trace`, the context its
+/// request's trace carries), not in the trace of whatever batch call reported it. Without a
+/// valid `sequence_trace` the span is a child of the current span. It ends when dropped.
+pub fn sequence_reject_span(sequence_trace: &Context, reject: &pb::Reject) -> Span {
+    let figures = RejectFigures::from(reject);
+    if !sequence_trace.span().span_context().is_valid() {
+        return reject_span(&figures);
+    }
+    let span = tracing::info_span!(parent: None, "kvlease.reject", otel.name = REJECT_SPAN);
+    // The span has not started, so the parent takes; a refusal is logged by `set_parent` and
+    // leaves the span a root of its own, which the trace tests catch.
+    let _ = crate::context::set_parent(&span, sequence_trace.clone());
+    record_reject(&span, &figures);
     span
 }
 

@@ -38,7 +38,7 @@ pub mod serve;
 mod server;
 mod setup;
 
-pub use attributes::{RejectFigures, add_link, record_reject, reject_span};
+pub use attributes::{RejectFigures, add_link, record_reject, reject_span, sequence_reject_span};
 pub use client::{
     TraceContextInterceptor, TracedChannel, client_span, record_client_result, traced,
 };
