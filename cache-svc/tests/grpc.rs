@@ -305,11 +305,13 @@ async fn lease_extend_release_complete_and_stats() {
                     seq_id: 1,
                     new_tokens: vec![9, 10, 11, 12],
                     num_tokens: 0,
+                    traceparent: String::new(),
                 },
                 pb::ExtendItem {
                     seq_id: 77,
                     new_tokens: vec![],
                     num_tokens: 1,
+                    traceparent: String::new(),
                 },
             ],
         })
@@ -345,6 +347,7 @@ async fn lease_extend_release_complete_and_stats() {
             epoch: sess.1,
             seq_ids: vec![1],
             fence_step: Some(3),
+            traceparents: Vec::new(),
         })
         .await
         .unwrap()
@@ -358,6 +361,7 @@ async fn lease_extend_release_complete_and_stats() {
             epoch: sess.1,
             seq_ids: vec![1, 5],
             fence_step: None,
+            traceparents: Vec::new(),
         })
         .await
         .unwrap()
@@ -462,6 +466,7 @@ async fn malformed_requests_are_invalid_argument_and_limits_resource_exhausted()
                 seq_id: 1,
                 new_tokens: vec![],
                 num_tokens: 0,
+                traceparent: String::new(),
             }],
         })
         .await,
@@ -600,6 +605,7 @@ async fn an_expired_session_is_reclaimed_with_its_fences() {
         epoch: sess.1,
         seq_ids: vec![2],
         fence_step: Some(1),
+        traceparents: Vec::new(),
     })
     .await
     .unwrap();

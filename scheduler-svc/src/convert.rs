@@ -169,7 +169,7 @@ pub(crate) fn validate(
 
 // === the cache's messages ===
 
-pub(crate) fn sequence_spec(s: &LeaseSpec) -> pb::SequenceSpec {
+pub(crate) fn sequence_spec(s: &LeaseSpec, traceparent: String) -> pb::SequenceSpec {
     pb::SequenceSpec {
         seq_id: s.seq_id.get(),
         pool_group: s.pool_group.clone(),
@@ -181,6 +181,7 @@ pub(crate) fn sequence_spec(s: &LeaseSpec) -> pb::SequenceSpec {
         priority: s.priority,
         cache_salt: s.cache_salt.clone(),
         reserve_full_life: s.reserve_full_life,
+        traceparent,
     }
 }
 

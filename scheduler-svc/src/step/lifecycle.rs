@@ -1,7 +1,7 @@
 //! Lifecycle: how requests and sequences end (finished, cancelled,
 //! preempted and requeued, lost with the cache), and the outputs that say so.
 
-use super::Core;
+use super::{Core, Preemption};
 use crate::domain::{Finish, GroupGeometry, Output, Reject, RejectReason, RequestId, SeqId};
 use crate::queue::Request;
 
@@ -31,7 +31,7 @@ impl Core {
     /// (its tokens so far kept, a new lease taken when it is admitted
     /// again), counted as a preemption; a request already requeued
     /// `max_preemptions` times ends with `otherwise` instead.
-    pub(super) fn preempt(&mut self, seq_id: SeqId, cause: &str, otherwise: Finish) {
+    pub(super) fn preempt(&mut self, seq_id: SeqId, cause: &'static str, otherwise: Finish) {
         let Some(seq) = self.running.remove(&seq_id) else {
             return;
         };
@@ -44,6 +44,13 @@ impl Core {
                 "requeued for recompute"
             );
             let mut request = seq.request;
+            let tokens = request.prompt.len() + request.generated.len();
+            self.preemptions.push(Preemption {
+                request: request.id,
+                seq_id,
+                cause,
+                tokens_to_recompute: u32::try_from(tokens).unwrap_or(u32::MAX),
+            });
             request.preemptions += 1;
             self.counters.preemptions += 1;
             self.queue.requeue(request);
@@ -72,6 +79,11 @@ impl Core {
             finish,
             preemptions: request.preemptions,
         });
+    }
+
+    /// Sequences preempted (released and requeued) since the last call.
+    pub fn take_preemptions(&mut self) -> Vec<Preemption> {
+        std::mem::take(&mut self.preemptions)
     }
 
     /// Outputs for the request streams since the last call.
