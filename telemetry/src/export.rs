@@ -248,3 +248,125 @@ impl<P: SpanProcessor> SpanProcessor for ServiceRouter<P> {
         result
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry::trace::{Tracer as _, TracerProvider as _};
+    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SimpleSpanProcessor};
+
+    /// A provider whose spans go through `processor`.
+    fn provider(processor: impl SpanProcessor + 'static) -> SdkTracerProvider {
+        SdkTracerProvider::builder()
+            .with_span_processor(processor)
+            .build()
+    }
+
+    fn names(exporter: &InMemorySpanExporter) -> Vec<String> {
+        let mut names: Vec<String> = exporter
+            .get_finished_spans()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|s| s.name.into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// A step trace: root `step` (marked `why`), a child that ends before
+    /// it and, when `late`, one that ends after it.
+    fn step_trace(provider: &SdkTracerProvider, why: &'static str, late: bool) {
+        use opentelemetry::trace::{Span as _, TraceContextExt as _};
+        let tracer = provider.tracer("test");
+        let mut root = tracer.start(STEP_SPAN);
+        let cx = Context::new().with_remote_span_context(root.span_context().clone());
+        let mut early = tracer.start_with_context(format!("{why}-early"), &cx);
+        early.end();
+        let mut after = tracer.start_with_context(format!("{why}-late"), &cx);
+        root.set_attribute(KeyValue::new(STEP_SAMPLED, why));
+        root.end();
+        if late {
+            after.end();
+        }
+    }
+
+    #[test]
+    fn a_step_trace_is_kept_or_dropped_whole_and_other_spans_pass() {
+        let exporter = InMemorySpanExporter::default();
+        let provider = provider(StepSampler::new(SimpleSpanProcessor::new(exporter.clone())));
+        step_trace(&provider, "no", true);
+        step_trace(&provider, "reject", true);
+        let tracer = provider.tracer("test");
+        drop(tracer.start("Generate"));
+        assert_eq!(
+            names(&exporter),
+            ["Generate", "reject-early", "reject-late", "step"],
+            "the unsampled step's spans, late ones too, are dropped"
+        );
+    }
+
+    #[test]
+    fn each_logical_service_is_exported_under_its_own_resource() {
+        use opentelemetry::trace::Span as _;
+        let exporter = InMemorySpanExporter::default();
+        let made: Arc<Mutex<Vec<Resource>>> = Arc::default();
+        let router = {
+            let (exporter, made) = (exporter.clone(), Arc::clone(&made));
+            ServiceRouter::new("1.2.3".into(), "pid-1".into(), move |resource| {
+                made.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(resource);
+                Some(SimpleSpanProcessor::new(exporter.clone()))
+            })
+        };
+        let provider = provider(router);
+        let tracer = provider.tracer("test");
+        for (service, instance) in [
+            ("kvlease-cache", None),
+            ("kvlease-worker", Some("127.0.0.1:1")),
+            ("kvlease-worker", Some("127.0.0.1:2")),
+            ("kvlease-cache", None),
+        ] {
+            let mut span = tracer.start("call");
+            span.set_attribute(KeyValue::new(SERVICE, service));
+            if let Some(instance) = instance {
+                span.set_attribute(KeyValue::new(SERVICE_INSTANCE, instance));
+            }
+            span.end();
+        }
+        let made = made.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let described: Vec<(String, String, String)> = made
+            .iter()
+            .map(|r| {
+                let get = |key: &'static str| {
+                    r.get(&opentelemetry::Key::from_static_str(key))
+                        .map(|v| v.as_str().into_owned())
+                        .unwrap_or_default()
+                };
+                (
+                    get("service.name"),
+                    get("service.instance.id"),
+                    get("service.version"),
+                )
+            })
+            .collect();
+        assert_eq!(
+            described,
+            [
+                ("kvlease-cache".into(), "pid-1".into(), "1.2.3".into()),
+                (
+                    "kvlease-worker".into(),
+                    "127.0.0.1:1".into(),
+                    "1.2.3".into()
+                ),
+                (
+                    "kvlease-worker".into(),
+                    "127.0.0.1:2".into(),
+                    "1.2.3".into()
+                ),
+            ],
+            "one processor per service and instance, made once"
+        );
+        assert_eq!(names(&exporter).len(), 4);
+    }
+}

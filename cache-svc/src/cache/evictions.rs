@@ -87,13 +87,13 @@ mod tests {
             atomic: false,
             warmup: false,
         };
-        // 16 tokens fill the 4 blocks; released and published, they stay cached
+        // 16 tokens fill the 4 blocks; published, then released, they stay cached
         let first = cache
             .lease(sid, epoch, batch(1), &[spec(1, (1..=16).collect())], now)
             .unwrap();
         assert!(matches!(first[0], Outcome::Grant(_)));
-        cache.release(sid, epoch, &[1], None, now).unwrap();
         cache.complete_step(sid, epoch, 1, now).unwrap();
+        cache.release(sid, epoch, &[1], None, now).unwrap();
         assert!(cache.take_evictions().is_empty());
         // other tokens need the blocks back: all four cached ones are evicted
         let second = cache
