@@ -762,3 +762,55 @@ async fn a_lease_at_a_completed_step_is_failed_precondition_and_stats_carry_the_
     assert_eq!(full.hit_rate_estimates[3].blocks, 64);
     server.shutdown().await;
 }
+
+/// An item's `traceparent` is tracing only: a malformed one (or too few in
+/// a Release) never fails the call or changes its answer.
+#[tokio::test]
+async fn malformed_item_trace_contexts_are_ignored() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    register(c, 6).await;
+    let sess = open(c).await;
+    let mut spec = seq(1, (0..9).collect());
+    spec.traceparent = "00-not-a-trace-context".into();
+    let out = c
+        .lease(lease_req(sess, 1, vec![spec]))
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    assert_eq!(grant(&out[0]).tables[0].block_ids.len(), 3);
+    let out = c
+        .extend(pb::ExtendRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            step: 1,
+            atomic: false,
+            items: vec![pb::ExtendItem {
+                seq_id: 1,
+                new_tokens: vec![9],
+                num_tokens: 0,
+                traceparent: "\u{0}garbage".into(),
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    grant(&out[0]);
+    let released = c
+        .release(pb::ReleaseRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            seq_ids: vec![1, 2],
+            fence_step: Some(1),
+            traceparents: vec!["01-zz".into()],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_eq!(released.len(), 2);
+    assert_eq!(released[0].status, pb::ReleaseStatus::Released as i32);
+    assert_eq!(released[1].status, pb::ReleaseStatus::Unknown as i32);
+}
