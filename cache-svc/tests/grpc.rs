@@ -768,9 +768,9 @@ async fn a_lease_at_a_completed_step_is_failed_precondition_and_stats_carry_the_
 #[tokio::test]
 async fn malformed_item_trace_contexts_are_ignored() {
     let mut s = Server::start(config()).await;
+    register(&mut s.client, 6).await;
+    let sess = open(&mut s.client).await;
     let c = &mut s.client;
-    register(c, 6).await;
-    let sess = open(c).await;
     let mut spec = seq(1, (0..9).collect());
     spec.traceparent = "00-not-a-trace-context".into();
     let out = c
@@ -780,24 +780,20 @@ async fn malformed_item_trace_contexts_are_ignored() {
         .into_inner()
         .outcomes;
     assert_eq!(grant(&out[0]).tables[0].block_ids.len(), 3);
-    let out = c
-        .extend(pb::ExtendRequest {
-            session_id: sess.0,
-            epoch: sess.1,
-            step: 1,
-            atomic: false,
-            items: vec![pb::ExtendItem {
-                seq_id: 1,
-                new_tokens: vec![9],
-                num_tokens: 0,
-                traceparent: "\u{0}garbage".into(),
-            }],
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .outcomes;
-    grant(&out[0]);
+    let item = pb::ExtendItem {
+        seq_id: 1,
+        new_tokens: vec![9],
+        traceparent: "\u{0}garbage".into(),
+        ..Default::default()
+    };
+    let request = pb::ExtendRequest {
+        session_id: sess.0,
+        epoch: sess.1,
+        step: 1,
+        items: vec![item],
+        ..Default::default()
+    };
+    grant(&c.extend(request).await.unwrap().into_inner().outcomes[0]);
     let released = c
         .release(pb::ReleaseRequest {
             session_id: sess.0,
