@@ -184,6 +184,7 @@ async fn grpc(iterations: u32) -> (Duration, Duration) {
                 seq_id: i,
                 new_tokens: vec![(step as u32) ^ (i as u32)],
                 num_tokens: 0,
+                traceparent: String::new(),
             })
             .collect(),
     };

@@ -6,9 +6,7 @@ use kvlease_proto::v1 as pb;
 use crate::cache::{PoolStats, ShapeEstimate};
 use crate::error::{Error, Result};
 use crate::events::EventKind;
-use crate::lease::{
-    DEFAULT_PRIORITY, Extra, Grant, Outcome, Prompt, Reject, RejectReason, SeqSpec,
-};
+use crate::lease::{DEFAULT_PRIORITY, Extra, Grant, Outcome, Prompt, Reject, SeqSpec};
 
 pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
     let prompt = match (s.prompt_tokens.is_empty(), s.num_tokens) {
@@ -61,17 +59,6 @@ pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
     })
 }
 
-pub(crate) fn reason_to_pb(r: RejectReason) -> pb::RejectReason {
-    match r {
-        RejectReason::PoolExhausted => pb::RejectReason::PoolExhausted,
-        RejectReason::ExceedsCapacity => pb::RejectReason::ExceedsCapacity,
-        RejectReason::RolledBack => pb::RejectReason::RolledBack,
-        RejectReason::UnknownSequence => pb::RejectReason::UnknownSequence,
-        RejectReason::DuplicateSequence => pb::RejectReason::DuplicateSequence,
-        RejectReason::QuotaExceeded => pb::RejectReason::QuotaExceeded,
-    }
-}
-
 pub(crate) fn grant_to_pb(g: Grant) -> pb::Grant {
     pb::Grant {
         seq_id: g.seq_id,
@@ -94,7 +81,7 @@ pub(crate) fn grant_to_pb(g: Grant) -> pb::Grant {
 pub(crate) fn reject_to_pb(r: Reject) -> pb::Reject {
     pb::Reject {
         seq_id: r.seq_id,
-        reason: reason_to_pb(r.reason) as i32,
+        reason: kvlease_proto::reject_reason(r.reason.as_str()) as i32,
         pool_id: r.pool_id,
         window: r.window,
         blocks_needed: r.blocks_needed,

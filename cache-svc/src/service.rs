@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_server::CacheService;
-use kvlease_telemetry::attributes::{self, RejectFigures};
+use kvlease_telemetry::OpenTelemetrySpanExt as _;
+use kvlease_telemetry::attributes;
+use kvlease_telemetry::opentelemetry::Value;
 use kvlease_telemetry::opentelemetry::trace::SpanContext;
 use kvlease_telemetry::serve::StopWatch;
 use tokio::sync::{mpsc, watch};
@@ -15,11 +17,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Span;
 
-use crate::cache::{Batch, Cache};
+use crate::cache::{Batch, Cache, Evicted};
 use crate::convert::{estimate_to_pb, event_to_pb, outcomes_to_pb, spec_from_pb, stats_to_pb};
 use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId};
-use crate::lease::{Growth, Outcome, ReleaseStatus};
+use crate::lease::{Growth, ReleaseStatus};
 use crate::metrics::CacheMetrics;
 
 /// Events sent per read of the log by one WatchEvents stream.
@@ -60,23 +62,80 @@ impl FenceLinks {
     }
 }
 
-/// Marks each reject as an error span (with its figures) under the call's span.
-fn trace_rejects(outcomes: &[Outcome]) {
-    for o in outcomes {
-        if let Outcome::Reject(r) = o {
-            let _span = attributes::reject_span(&RejectFigures {
-                seq_id: r.seq_id,
-                reason: r.reason.as_str(),
-                pool_id: r.pool_id,
-                window: r.window,
-                blocks_needed: r.blocks_needed,
-                blocks_free: r.blocks_free,
-                blocks_pending_free: r.blocks_pending_free,
-                message: &r.message,
-            });
+/// Each sequence's outcome in its own request's trace (`traces[i]`, the
+/// items' `traceparent`s), linked to this batch call's span: a `Reject`
+/// error span with the figures for a refusal and, when `grants` is set (an
+/// admission `Lease`, not every decode step's `Extend`), a `Grant` span.
+/// Items without a trace context get their rejects under the call's span.
+/// The cached blocks a sequence's allocation evicted get an `Evict` span
+/// (pool, blocks) in its trace.
+fn trace_outcomes(
+    outcomes: &[pb::SequenceOutcome],
+    traces: &[String],
+    grants: bool,
+    evicted: &[Evicted],
+) {
+    let batch = kvlease_telemetry::span_context(&Span::current());
+    let item_trace = |i: usize| {
+        traces
+            .get(i)
+            .map(|t| kvlease_telemetry::context_from_traceparent(t))
+            .unwrap_or_default()
+    };
+    let mut index = HashMap::new();
+    for (i, o) in outcomes.iter().enumerate() {
+        let seq_id = match &o.outcome {
+            Some(pb::sequence_outcome::Outcome::Grant(g)) => g.seq_id,
+            Some(pb::sequence_outcome::Outcome::Reject(r)) => r.seq_id,
+            None => continue,
+        };
+        index.insert(seq_id, i);
+    }
+    // one span per sequence and call, whatever the number of pools
+    let mut by_seq: BTreeMap<u64, Vec<&Evicted>> = BTreeMap::new();
+    for e in evicted {
+        by_seq.entry(e.seq_id).or_default().push(e);
+    }
+    for (seq_id, pools) in by_seq {
+        let Some(cx) = index.get(&seq_id).map(|&i| item_trace(i)) else {
+            continue;
+        };
+        if kvlease_telemetry::opentelemetry::trace::TraceContextExt::has_active_span(&cx) {
+            let span = kvlease_telemetry::sequence_span(&cx, EVICT_SPAN, batch.clone());
+            attributes::set_u64(&span, attributes::SEQ_ID, seq_id);
+            let ids: Vec<i64> = pools.iter().map(|e| i64::from(e.pool_id)).collect();
+            let blocks: Vec<i64> = pools.iter().map(|e| e.blocks as i64).collect();
+            span.set_attribute(attributes::POOL_IDS, Value::Array(ids.into()));
+            span.set_attribute(attributes::BLOCKS_EVICTED, Value::Array(blocks.into()));
+        }
+    }
+    for (i, o) in outcomes.iter().enumerate() {
+        let cx = item_trace(i);
+        match &o.outcome {
+            Some(pb::sequence_outcome::Outcome::Reject(r)) => {
+                let _span = kvlease_telemetry::sequence_reject_span(&cx, r, batch.clone());
+            }
+            Some(pb::sequence_outcome::Outcome::Grant(g)) if grants && !traces.is_empty() => {
+                if !kvlease_telemetry::opentelemetry::trace::TraceContextExt::has_active_span(&cx) {
+                    continue;
+                }
+                let span = kvlease_telemetry::sequence_span(&cx, GRANT_SPAN, batch.clone());
+                attributes::set_u64(&span, attributes::SEQ_ID, g.seq_id);
+                let blocks: usize = g.tables.iter().map(|t| t.block_ids.len()).sum();
+                attributes::set_u64(&span, attributes::BLOCKS_GRANTED, blocks as u64);
+                attributes::set_u64(&span, attributes::REUSED_TOKENS, u64::from(g.reused_tokens));
+            }
+            _ => {}
         }
     }
 }
+
+/// Name of the span a granted sequence gets in its request's trace.
+const GRANT_SPAN: &str = "Grant";
+/// Name of the span for the cached blocks a sequence's allocation evicted.
+const EVICT_SPAN: &str = "Evict";
+/// Name of the span a released sequence gets in its request's trace.
+const RELEASE_SPAN: &str = "Release";
 
 /// Adds the session and step to the call's span.
 fn trace_call(session_id: u64, step: Option<u64>) {
@@ -251,9 +310,14 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::LeaseRequest>,
     ) -> Result<Response<pb::LeaseResponse>, Status> {
-        let r = request.into_inner();
+        let mut r = request.into_inner();
         self.check_size(&r)?;
         self.check_batch("sequences", r.sequences.len())?;
+        let traces: Vec<String> = r
+            .sequences
+            .iter_mut()
+            .map(|s| std::mem::take(&mut s.traceparent))
+            .collect();
         let specs = r
             .sequences
             .into_iter()
@@ -273,22 +337,27 @@ impl CacheService for CacheServiceImpl {
             now(),
         )?;
         self.notify_events(&cache);
+        let evicted = cache.take_evictions();
         drop(cache);
         self.metrics
             .record(kvlease_telemetry::metrics::names::OP_LEASE, &outcomes);
-        trace_rejects(&outcomes);
-        Ok(Response::new(pb::LeaseResponse {
-            outcomes: outcomes_to_pb(outcomes),
-        }))
+        let outcomes = outcomes_to_pb(outcomes);
+        trace_outcomes(&outcomes, &traces, true, &evicted);
+        Ok(Response::new(pb::LeaseResponse { outcomes }))
     }
 
     async fn extend(
         &self,
         request: Request<pb::ExtendRequest>,
     ) -> Result<Response<pb::ExtendResponse>, Status> {
-        let r = request.into_inner();
+        let mut r = request.into_inner();
         self.check_size(&r)?;
         self.check_batch("items", r.items.len())?;
+        let traces: Vec<String> = r
+            .items
+            .iter_mut()
+            .map(|i| std::mem::take(&mut i.traceparent))
+            .collect();
         let items = r
             .items
             .into_iter()
@@ -319,13 +388,13 @@ impl CacheService for CacheServiceImpl {
             now(),
         )?;
         self.notify_events(&cache);
+        let evicted = cache.take_evictions();
         drop(cache);
         self.metrics
             .record(kvlease_telemetry::metrics::names::OP_EXTEND, &outcomes);
-        trace_rejects(&outcomes);
-        Ok(Response::new(pb::ExtendResponse {
-            outcomes: outcomes_to_pb(outcomes),
-        }))
+        let outcomes = outcomes_to_pb(outcomes);
+        trace_outcomes(&outcomes, &traces, false, &evicted);
+        Ok(Response::new(pb::ExtendResponse { outcomes }))
     }
 
     async fn release(
@@ -346,13 +415,44 @@ impl CacheService for CacheServiceImpl {
         )?;
         self.notify_events(&cache);
         drop(cache);
+        let batch = Span::current();
         if let Some(step) = r.fence_step {
-            let span = Span::current();
-            attributes::set_u64(&span, attributes::FENCE_STEP, step);
-            self.fence_links
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remember(r.session_id, step, kvlease_telemetry::span_context(&span));
+            attributes::set_u64(&batch, attributes::FENCE_STEP, step);
+        }
+        // Each release in its request's trace; the CompleteStep that frees a
+        // fence links to these (or to the batch call, for items without one).
+        let mut fenced = Vec::new();
+        let batch_cx = kvlease_telemetry::span_context(&batch);
+        for (i, x) in results.iter().enumerate() {
+            let cx = r
+                .traceparents
+                .get(i)
+                .map(|t| kvlease_telemetry::context_from_traceparent(t))
+                .unwrap_or_default();
+            if !kvlease_telemetry::opentelemetry::trace::TraceContextExt::has_active_span(&cx) {
+                continue;
+            }
+            let span = kvlease_telemetry::sequence_span(&cx, RELEASE_SPAN, batch_cx.clone());
+            attributes::set_u64(&span, attributes::SEQ_ID, x.seq_id);
+            attributes::set_u64(
+                &span,
+                attributes::BLOCKS_RETURNED,
+                u64::from(x.blocks_freed),
+            );
+            attributes::set_u64(&span, attributes::BLOCKS_FENCED, u64::from(x.blocks_fenced));
+            if let Some(step) = r.fence_step {
+                attributes::set_u64(&span, attributes::FENCE_STEP, step);
+                fenced.push(kvlease_telemetry::span_context(&span));
+            }
+        }
+        if let Some(step) = r.fence_step {
+            if fenced.is_empty() {
+                fenced.push(batch_cx);
+            }
+            let mut links = self.fence_links.lock().unwrap_or_else(|p| p.into_inner());
+            for cx in fenced {
+                links.remember(r.session_id, step, cx);
+            }
         }
         Ok(Response::new(pb::ReleaseResponse {
             results: results

@@ -305,11 +305,13 @@ async fn lease_extend_release_complete_and_stats() {
                     seq_id: 1,
                     new_tokens: vec![9, 10, 11, 12],
                     num_tokens: 0,
+                    traceparent: String::new(),
                 },
                 pb::ExtendItem {
                     seq_id: 77,
                     new_tokens: vec![],
                     num_tokens: 1,
+                    traceparent: String::new(),
                 },
             ],
         })
@@ -345,6 +347,7 @@ async fn lease_extend_release_complete_and_stats() {
             epoch: sess.1,
             seq_ids: vec![1],
             fence_step: Some(3),
+            traceparents: Vec::new(),
         })
         .await
         .unwrap()
@@ -358,6 +361,7 @@ async fn lease_extend_release_complete_and_stats() {
             epoch: sess.1,
             seq_ids: vec![1, 5],
             fence_step: None,
+            traceparents: Vec::new(),
         })
         .await
         .unwrap()
@@ -462,6 +466,7 @@ async fn malformed_requests_are_invalid_argument_and_limits_resource_exhausted()
                 seq_id: 1,
                 new_tokens: vec![],
                 num_tokens: 0,
+                traceparent: String::new(),
             }],
         })
         .await,
@@ -600,6 +605,7 @@ async fn an_expired_session_is_reclaimed_with_its_fences() {
         epoch: sess.1,
         seq_ids: vec![2],
         fence_step: Some(1),
+        traceparents: Vec::new(),
     })
     .await
     .unwrap();
@@ -755,4 +761,52 @@ async fn a_lease_at_a_completed_step_is_failed_precondition_and_stats_carry_the_
     }
     assert_eq!(full.hit_rate_estimates[3].blocks, 64);
     server.shutdown().await;
+}
+
+/// An item's `traceparent` is tracing only: a malformed one (or too few in
+/// a Release) never fails the call or changes its answer.
+#[tokio::test]
+async fn malformed_item_trace_contexts_are_ignored() {
+    let mut s = Server::start(config()).await;
+    register(&mut s.client, 6).await;
+    let sess = open(&mut s.client).await;
+    let c = &mut s.client;
+    let mut spec = seq(1, (0..9).collect());
+    spec.traceparent = "00-not-a-trace-context".into();
+    let out = c
+        .lease(lease_req(sess, 1, vec![spec]))
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    assert_eq!(grant(&out[0]).tables[0].block_ids.len(), 3);
+    let item = pb::ExtendItem {
+        seq_id: 1,
+        new_tokens: vec![9],
+        traceparent: "\u{0}garbage".into(),
+        ..Default::default()
+    };
+    let request = pb::ExtendRequest {
+        session_id: sess.0,
+        epoch: sess.1,
+        step: 1,
+        items: vec![item],
+        ..Default::default()
+    };
+    grant(&c.extend(request).await.unwrap().into_inner().outcomes[0]);
+    let released = c
+        .release(pb::ReleaseRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            seq_ids: vec![1, 2],
+            fence_step: Some(1),
+            traceparents: vec!["01-zz".into()],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_eq!(released.len(), 2);
+    assert_eq!(released[0].status, pb::ReleaseStatus::Released as i32);
+    assert_eq!(released[1].status, pb::ReleaseStatus::Unknown as i32);
 }

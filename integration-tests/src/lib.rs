@@ -28,6 +28,7 @@ use kvlease_telemetry::serve::Listeners;
 use tokio::net::TcpListener;
 use tonic::transport::Channel;
 
+pub mod otlp;
 pub mod tap;
 
 pub use kvlease::cluster::Service;
@@ -235,7 +236,7 @@ impl Generated {
 /// Runs `request` to the end of its stream.
 pub async fn collect(
     client: &mut SchedulerClient<Channel>,
-    request: pb::GenerateRequest,
+    request: impl tonic::IntoRequest<pb::GenerateRequest>,
 ) -> Result<Generated, tonic::Status> {
     let mut stream = client.generate(request).await?.into_inner();
     let mut g = Generated::default();

@@ -2,7 +2,9 @@
 //! export their spans over OTLP/gRPC to a real receiver (the
 //! `opentelemetry-proto` tonic server) started by the test.
 //!
-//! - one request's trace holds scheduler, cache and worker spans;
+//! - one request's trace holds the scheduler's and the cache's spans, and the
+//!   worker's forward passes are one link away (the step trace's `Forward`
+//!   call links to every request in its batch);
 //! - a rejected request's trace holds the `Reject` span with the reason and
 //!   the figures the client was told;
 //! - a fenced `Release` is linked from the `CompleteStep` that freed it.
@@ -11,25 +13,18 @@
 //! own cluster and picks its spans out by trace id.
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use futures::future::join_all;
 use kvlease_integration_tests as it;
+use kvlease_integration_tests::otlp::{Received, Receiver, attr_int, attr_str, value};
 use kvlease_proto::v1 as pb;
 use kvlease_telemetry::attributes::{LINK_FENCED_RELEASE, LINK_KIND, REJECT_SPAN};
 use kvlease_telemetry::{TelemetryConfig, TelemetryGuard};
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-    TraceService, TraceServiceServer,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
-use opentelemetry_proto::tonic::common::v1::KeyValue;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
-use tokio_stream::wrappers::TcpListenerStream;
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -39,43 +34,9 @@ const WORKER: &str = "kvlease-worker";
 
 // === the receiver ===
 
-/// Every span the receiver got.
-#[derive(Debug, Clone, Default)]
-struct Spans(Arc<Mutex<Vec<Span>>>);
-
-impl Spans {
-    fn snapshot(&self) -> Vec<Span> {
-        self.0.lock().map(|s| s.clone()).unwrap_or_default()
-    }
-}
-
-#[derive(Debug)]
-struct Receiver(Spans);
-
-#[tonic::async_trait]
-impl TraceService for Receiver {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let spans = request
-            .into_inner()
-            .resource_spans
-            .into_iter()
-            .flat_map(|r| r.scope_spans)
-            .flat_map(|s| s.spans);
-        if let Ok(mut all) = (self.0).0.lock() {
-            all.extend(spans);
-        }
-        Ok(tonic::Response::new(ExportTraceServiceResponse {
-            partial_success: None,
-        }))
-    }
-}
-
 #[derive(Debug)]
 struct Collector {
-    spans: Spans,
+    spans: Receiver,
     _telemetry: TelemetryGuard,
 }
 
@@ -85,29 +46,9 @@ fn collector() -> Result<&'static Collector, String> {
     static COLLECTOR: OnceLock<Result<Collector, String>> = OnceLock::new();
     COLLECTOR
         .get_or_init(|| {
-            let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-            listener.set_nonblocking(true).map_err(|e| e.to_string())?;
-            let addr = listener.local_addr().map_err(|e| e.to_string())?;
-            let spans = Spans::default();
-            let receiver = Receiver(spans.clone());
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?;
-            std::thread::spawn(move || {
-                runtime.block_on(async move {
-                    let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
-                        return;
-                    };
-                    let _ = tonic::transport::Server::builder()
-                        .add_service(TraceServiceServer::new(receiver))
-                        .serve_with_incoming(TcpListenerStream::new(listener))
-                        .await;
-                });
-            });
+            let spans = Receiver::start(Duration::ZERO).map_err(|e| e.to_string())?;
             let telemetry = kvlease_telemetry::init_with(TelemetryConfig {
-                otlp_endpoint: Some(format!("http://{addr}")),
+                otlp_endpoint: Some(spans.endpoint()),
                 log_filter: "warn".into(),
                 export_timeout: Duration::from_secs(5),
                 ..TelemetryConfig::new("kvlease-integration-tests")
@@ -124,44 +65,17 @@ fn collector() -> Result<&'static Collector, String> {
 
 /// Polls the received spans until `done` holds for them (the batch exporter
 /// sends every second), or gives up and returns the last snapshot.
-async fn spans_until(spans: &Spans, within: Duration, done: impl Fn(&[Span]) -> bool) -> Vec<Span> {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        let snapshot = spans.snapshot();
-        if done(&snapshot) || tokio::time::Instant::now() > deadline {
-            return snapshot;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+async fn spans_until(
+    spans: &Receiver,
+    within: Duration,
+    done: impl Fn(&[Span]) -> bool,
+) -> Vec<Span> {
+    let only_spans = |all: &[Received]| all.iter().map(|r| r.span.clone()).collect::<Vec<_>>();
+    let all = spans.until(within, |all| done(&only_spans(all))).await;
+    only_spans(&all)
 }
 
 // === span helpers ===
-
-fn value<'a>(attributes: &'a [KeyValue], key: &str) -> Option<&'a AnyValue> {
-    attributes
-        .iter()
-        .find(|kv| kv.key == key)?
-        .value
-        .as_ref()?
-        .value
-        .as_ref()
-}
-
-fn attr_str(span: &Span, key: &str) -> Option<String> {
-    match value(&span.attributes, key)? {
-        AnyValue::StringValue(s) => Some(s.clone()),
-        _ => None,
-    }
-}
-
-/// An integer attribute (u64 fields may be exported as strings).
-fn attr_int(span: &Span, key: &str) -> Option<i64> {
-    match value(&span.attributes, key)? {
-        AnyValue::IntValue(i) => Some(*i),
-        AnyValue::StringValue(s) => s.parse().ok(),
-        _ => None,
-    }
-}
 
 fn service(span: &Span) -> String {
     attr_str(span, "kvlease.service").unwrap_or_default()
@@ -274,9 +188,13 @@ impl Cluster {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_request_is_one_trace_across_scheduler_cache_and_worker() -> TestResult {
     let collector = collector()?;
+    // every step trace exported, so the forward passes can be followed
     let cluster = Cluster::start(
         it::small_worker_with(16, 256),
-        scheduler_svc::Config::default(),
+        scheduler_svc::Config {
+            trace_steps_one_in: 1,
+            ..scheduler_svc::Config::default()
+        },
     )
     .await?;
     let trace = trace_id(1, 0);
@@ -294,10 +212,29 @@ async fn one_request_is_one_trace_across_scheduler_cache_and_worker() -> TestRes
         "the request did not complete: {g:?}"
     );
 
-    let wanted: BTreeSet<&str> = [SCHEDULER, CACHE, WORKER].into();
+    let wanted: BTreeSet<&str> = [SCHEDULER, CACHE].into();
+    // the worker's Forward server spans under a step's Forward call linked to this request
+    let linked_forwards = |all: &[Span]| -> Vec<Span> {
+        let calls: Vec<&Span> = all
+            .iter()
+            .filter(|s| {
+                s.name == "kvlease.v1.WorkerService/Forward"
+                    && service(s) == SCHEDULER
+                    && s.links.iter().any(|l| l.trace_id == trace)
+            })
+            .collect();
+        all.iter()
+            .filter(|s| {
+                service(s) == WORKER
+                    && s.name == "kvlease.v1.WorkerService/Forward"
+                    && calls.iter().any(|c| c.span_id == s.parent_span_id)
+            })
+            .cloned()
+            .collect()
+    };
     let spans = spans_until(&collector.spans, Duration::from_secs(15), |all| {
         let services: BTreeSet<String> = in_trace(all, &trace).iter().map(service).collect();
-        wanted.iter().all(|w| services.contains(*w))
+        wanted.iter().all(|w| services.contains(*w)) && !linked_forwards(all).is_empty()
     })
     .await;
     cluster.stop().await;
@@ -321,18 +258,23 @@ async fn one_request_is_one_trace_across_scheduler_cache_and_worker() -> TestRes
         trace[..8].to_vec(),
         "the Generate span lost its remote parent"
     );
-    // the cache leased and the worker computed inside this trace
+    // the cache granted the lease inside this trace, the scheduler summed up
+    // the forward work, and the worker's passes are one link away
     assert!(
         mine.iter()
-            .any(|s| s.name == "kvlease.v1.CacheService/Lease" && service(s) == CACHE),
-        "no cache Lease server span in the trace: {}",
+            .any(|s| s.name == "Grant" && service(s) == CACHE),
+        "no cache Grant span in the trace: {}",
         describe(&mine)
     );
     assert!(
         mine.iter()
-            .any(|s| s.name == "kvlease.v1.WorkerService/Forward" && service(s) == WORKER),
-        "no worker Forward server span in the trace: {}",
+            .any(|s| s.name == "forward" && attr_int(s, "kvlease.forward_steps").unwrap_or(0) > 0),
+        "no forward summary in the trace: {}",
         describe(&mine)
+    );
+    assert!(
+        !linked_forwards(&spans).is_empty(),
+        "no worker Forward span under a step's Forward call linked to the request"
     );
     Ok(())
 }
@@ -438,9 +380,13 @@ async fn a_rejected_request_trace_holds_the_reject_span_with_its_figures() -> Te
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fenced_release_is_linked_to_the_complete_step_that_freed_it() -> TestResult {
     let collector = collector()?;
+    // every step trace exported: the CompleteStep spans live there
     let cluster = Cluster::start(
         it::small_worker_with(16, 256),
-        scheduler_svc::Config::default(),
+        scheduler_svc::Config {
+            trace_steps_one_in: 1,
+            ..scheduler_svc::Config::default()
+        },
     )
     .await?;
     let traces: Vec<[u8; 16]> = (0..3).map(|n| trace_id(3, n)).collect();

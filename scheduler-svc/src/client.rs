@@ -41,6 +41,13 @@ fn endpoint(peer: &'static str, addr: &str, timeout: Option<Duration>) -> Result
     Ok(ep.connect_lazy())
 }
 
+/// Item `i`'s trace context among `traces` (the W3C `traceparent` of its
+/// request, which a batched cache call carries per item); empty when there is
+/// none, e.g. warm-up calls that pass no traces.
+fn item_trace(traces: &[String], i: usize) -> String {
+    traces.get(i).cloned().unwrap_or_default()
+}
+
 /// One pool's state figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolState {
@@ -179,13 +186,15 @@ impl CacheClient {
             .collect())
     }
 
-    /// One batched Lease; one outcome per spec, in order.
+    /// One batched Lease; one outcome per spec, in order. `traces[i]` is the
+    /// `traceparent` of spec i's request (see [`item_trace`]).
     pub async fn lease(
         &self,
         step: u64,
         atomic: bool,
         warmup: bool,
         specs: &[LeaseSpec],
+        traces: &[String],
     ) -> Result<Vec<Outcome>> {
         let s = self.session();
         let req = pb::LeaseRequest {
@@ -194,15 +203,25 @@ impl CacheClient {
             step,
             atomic,
             warmup,
-            sequences: specs.iter().map(sequence_spec).collect(),
+            sequences: specs
+                .iter()
+                .enumerate()
+                .map(|(i, spec)| sequence_spec(spec, item_trace(traces, i)))
+                .collect(),
         };
         let r = self.inner.clone().lease(req).await;
         let r = self.seen("Lease", r)?;
         outcomes("Lease", r.outcomes, specs.iter().map(|s| s.seq_id))
     }
 
-    /// One batched Extend; one outcome per spec, in order.
-    pub async fn extend(&self, step: u64, specs: &[ExtendSpec]) -> Result<Vec<Outcome>> {
+    /// One batched Extend; one outcome per spec, in order; `traces` as for
+    /// [`CacheClient::lease`].
+    pub async fn extend(
+        &self,
+        step: u64,
+        specs: &[ExtendSpec],
+        traces: &[String],
+    ) -> Result<Vec<Outcome>> {
         let s = self.session();
         let req = pb::ExtendRequest {
             session_id: s.id.get(),
@@ -211,10 +230,12 @@ impl CacheClient {
             atomic: false,
             items: specs
                 .iter()
-                .map(|e| pb::ExtendItem {
+                .enumerate()
+                .map(|(i, e)| pb::ExtendItem {
                     seq_id: e.seq_id.get(),
                     new_tokens: e.new_tokens.clone(),
                     num_tokens: 0,
+                    traceparent: item_trace(traces, i),
                 })
                 .collect(),
         };
@@ -238,6 +259,7 @@ impl CacheClient {
                     seq_id: seq_id.get(),
                     new_tokens: Vec::new(),
                     num_tokens: n,
+                    traceparent: String::new(),
                 })
                 .collect(),
         };
@@ -246,15 +268,22 @@ impl CacheClient {
         outcomes("Extend", r.outcomes, items.iter().map(|i| i.0))
     }
 
-    /// Releases sequences, fenced at `fence_step` when given. Returns the
-    /// blocks freed now and the blocks fenced.
-    pub async fn release(&self, seq_ids: &[SeqId], fence_step: Option<u64>) -> Result<(u64, u64)> {
+    /// Releases sequences, fenced at `fence_step` when given; `traces` as for
+    /// [`CacheClient::lease`]. Returns the blocks freed now and the blocks
+    /// fenced.
+    pub async fn release(
+        &self,
+        seq_ids: &[SeqId],
+        fence_step: Option<u64>,
+        traces: &[String],
+    ) -> Result<(u64, u64)> {
         let s = self.session();
         let req = pb::ReleaseRequest {
             session_id: s.id.get(),
             epoch: s.epoch.get(),
             seq_ids: seq_ids.iter().map(|s| s.get()).collect(),
             fence_step,
+            traceparents: traces.to_vec(),
         };
         let r = self.inner.clone().release(req).await;
         let r = self.seen("Release", r)?;
@@ -281,7 +310,10 @@ impl CacheClient {
         shapes: &[LeaseSpec],
     ) -> Result<Vec<(Vec<(u32, u32, u32)>, bool)>> {
         let req = pb::EstimateRequest {
-            shapes: shapes.iter().map(sequence_spec).collect(),
+            shapes: shapes
+                .iter()
+                .map(|s| sequence_spec(s, String::new()))
+                .collect(),
         };
         let r = self.inner.clone().estimate(req).await;
         let r = self.seen("Estimate", r)?;

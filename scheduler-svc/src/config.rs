@@ -34,6 +34,8 @@ const DEFAULT_MAX_TOKENS: u32 = 1024;
 const DEFAULT_MAX_CONTEXT: u32 = 0;
 const DEFAULT_SPEC_DRAFT_K: u32 = 0;
 const DEFAULT_OVERLAP: bool = false;
+/// One step trace in this many is exported besides the eventful ones.
+const DEFAULT_TRACE_STEPS_ONE_IN: u64 = 100;
 const DEFAULT_WARMUP_DEADLINE_MS: u64 = 60_000;
 const DEFAULT_SESSION_TTL_MS: u64 = 10_000;
 const DEFAULT_CACHE_TIMEOUT_MS: u64 = 5_000;
@@ -114,6 +116,10 @@ pub struct Config {
     /// Schedule step N+1 while step N's forward pass runs.
     #[arg(long, env = "KVLEASE_SCHEDULER_OVERLAP", default_value_t = DEFAULT_OVERLAP, action = clap::ArgAction::Set)]
     pub overlap: bool,
+    /// Step traces exported besides the steps that rejected or preempted
+    /// (always exported): one in this many; 0 exports only those.
+    #[arg(long, env = "KVLEASE_TRACE_STEPS_ONE_IN", default_value_t = DEFAULT_TRACE_STEPS_ONE_IN)]
+    pub trace_steps_one_in: u64,
     /// Warm-up must finish within this many milliseconds.
     #[arg(
         long,
@@ -169,6 +175,7 @@ impl Default for Config {
             max_context: DEFAULT_MAX_CONTEXT,
             spec_draft_k: DEFAULT_SPEC_DRAFT_K,
             overlap: DEFAULT_OVERLAP,
+            trace_steps_one_in: DEFAULT_TRACE_STEPS_ONE_IN,
             warmup_deadline_ms: DEFAULT_WARMUP_DEADLINE_MS,
             session_ttl_ms: DEFAULT_SESSION_TTL_MS,
             cache_timeout_ms: DEFAULT_CACHE_TIMEOUT_MS,

@@ -169,7 +169,7 @@ pub(crate) fn validate(
 
 // === the cache's messages ===
 
-pub(crate) fn sequence_spec(s: &LeaseSpec) -> pb::SequenceSpec {
+pub(crate) fn sequence_spec(s: &LeaseSpec, traceparent: String) -> pb::SequenceSpec {
     pb::SequenceSpec {
         seq_id: s.seq_id.get(),
         pool_group: s.pool_group.clone(),
@@ -181,6 +181,7 @@ pub(crate) fn sequence_spec(s: &LeaseSpec) -> pb::SequenceSpec {
         priority: s.priority,
         cache_salt: s.cache_salt.clone(),
         reserve_full_life: s.reserve_full_life,
+        traceparent,
     }
 }
 
@@ -270,19 +271,9 @@ pub(crate) fn reject_reason(r: pb::RejectReason) -> RejectReason {
 
 /// The protocol's form of a domain reject (for the client stream).
 pub(crate) fn reject_to_proto(r: &Reject) -> pb::Reject {
-    let reason = match r.reason {
-        RejectReason::PoolExhausted => pb::RejectReason::PoolExhausted,
-        RejectReason::ExceedsCapacity => pb::RejectReason::ExceedsCapacity,
-        RejectReason::RolledBack => pb::RejectReason::RolledBack,
-        RejectReason::UnknownSequence => pb::RejectReason::UnknownSequence,
-        RejectReason::DuplicateSequence => pb::RejectReason::DuplicateSequence,
-        RejectReason::QuotaExceeded => pb::RejectReason::QuotaExceeded,
-        RejectReason::CacheRestarted => pb::RejectReason::CacheRestarted,
-        RejectReason::Other => pb::RejectReason::Unspecified,
-    };
     pb::Reject {
         seq_id: r.seq_id.get(),
-        reason: reason as i32,
+        reason: kvlease_proto::reject_reason(r.reason.protocol_name()) as i32,
         pool_id: r.pool_id,
         window: r.window,
         blocks_needed: r.blocks_needed,

@@ -25,6 +25,8 @@
 //! - `bootstrap.rs`: start-up: describe workers, register pools, warm up.
 //! - `step_loop.rs`: the async step loop: drives `step::Core` over the
 //!   clients (I/O only).
+//! - `traces.rs`: what the loop writes into each request's trace (queue,
+//!   lease, preempt, forward summary, release) and the step-trace sampling.
 //! - `convert.rs`: protobuf <-> domain (Generate requests checked against the
 //!   limits, the cache's messages); with `service.rs` and `client.rs` the
 //!   only place that knows protobuf types.
@@ -53,6 +55,7 @@ pub mod session;
 pub mod spec;
 pub mod step;
 pub mod step_loop;
+mod traces;
 pub mod warmup;
 
 pub use config::{Config, OnCacheRestart};

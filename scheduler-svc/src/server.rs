@@ -90,6 +90,7 @@ pub async fn run(
             session_ttl_ms: config.session_ttl_ms,
             on_cache_restart: config.on_cache_restart,
             first_step: started.last_step,
+            trace_steps_one_in: config.trace_steps_one_in,
         },
         started.groups,
         cache.clone(),

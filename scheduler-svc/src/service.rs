@@ -8,6 +8,9 @@ use std::time::Duration;
 use futures::Stream;
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::scheduler_server::Scheduler;
+use kvlease_telemetry::OpenTelemetrySpanExt as _;
+use kvlease_telemetry::attributes;
+use kvlease_telemetry::opentelemetry::trace::Status as OtelStatus;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tonic::{Request as GrpcRequest, Response, Status};
@@ -75,6 +78,10 @@ struct StreamState {
     done: bool,
     /// The prompt's length, sent on the first message and then cleared.
     prompt_tokens: Option<u32>,
+    /// Output tokens so far.
+    output_tokens: u64,
+    /// The request's `Generate` span: its finish is recorded there.
+    root: tracing::Span,
 }
 
 /// The output text of a text or chat request.
@@ -121,6 +128,7 @@ fn response_stream(
     text: Option<(TextOutput, &Tokenizer)>,
     deadline: Option<Instant>,
     prompt_tokens: u32,
+    root: tracing::Span,
 ) -> GenerateStream {
     let state = StreamState {
         rx,
@@ -131,6 +139,8 @@ fn response_stream(
         deadline,
         done: false,
         prompt_tokens: Some(prompt_tokens),
+        output_tokens: 0,
+        root,
     };
     Box::pin(futures::stream::unfold(state, |mut st| async move {
         if st.done {
@@ -218,8 +228,31 @@ fn response_stream(
             }
         };
         msg.prompt_tokens = st.prompt_tokens.take().unwrap_or(0);
+        st.output_tokens += msg.tokens.len() as u64;
+        if msg.finish_reason != 0 {
+            record_finish(&st.root, &msg, st.output_tokens);
+        }
         Some((Ok(msg), st))
     }))
+}
+
+/// Records how the request ended on its `Generate` span: output tokens,
+/// finish reason, preemptions, and for `REJECTED` (or `ERROR`) error status,
+/// with the reject's figures.
+fn record_finish(root: &tracing::Span, last: &pb::GenerateResponse, output_tokens: u64) {
+    attributes::set_u64(root, attributes::OUTPUT_TOKENS, output_tokens);
+    attributes::set_u64(root, attributes::PREEMPTIONS, u64::from(last.preemptions));
+    let reason = last.finish_reason();
+    root.set_attribute(attributes::FINISH_REASON, reason.as_str_name());
+    match (&last.reject, reason) {
+        (Some(reject), _) => {
+            kvlease_telemetry::record_reject(root, &kvlease_telemetry::RejectFigures::from(reject))
+        }
+        (None, pb::FinishReason::Rejected | pb::FinishReason::Error) => {
+            root.set_status(OtelStatus::error(last.message.clone()));
+        }
+        _ => {}
+    }
 }
 
 #[tonic::async_trait]
@@ -243,15 +276,20 @@ impl Scheduler for SchedulerService {
         tracing::debug!(request = id.get(), request_id = %req.request_id, prompt_tokens = r.prompt.len(),
             max_tokens = r.max_tokens, "generate");
         let prompt_tokens = u32::try_from(r.prompt.len()).unwrap_or(u32::MAX);
-        let rx = self
-            .engine
-            .submit(r, kvlease_telemetry::current_context())?;
+        let root = tracing::Span::current();
+        attributes::set_u64(&root, attributes::REQUEST_ID, id.get());
+        if !req.request_id.is_empty() {
+            root.set_attribute("kvlease.client_request_id", req.request_id.clone());
+        }
+        root.set_attribute(attributes::PROMPT_TOKENS, i64::from(prompt_tokens));
+        let rx = self.engine.submit(r, root.clone())?;
         let text = text.map(|t| (t, &self.tokenizer));
         Ok(Response::new(response_stream(
             rx,
             text,
             deadline,
             prompt_tokens,
+            root,
         )))
     }
 

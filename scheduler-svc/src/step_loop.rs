@@ -15,9 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use kvlease_telemetry::attributes::REJECT_SPAN;
-use kvlease_telemetry::opentelemetry::Context;
-use kvlease_telemetry::opentelemetry::trace::TraceContextExt;
+use kvlease_telemetry::attributes::STEP_SPAN;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
@@ -30,15 +28,16 @@ use crate::metrics::SchedulerMetrics;
 use crate::queue::Request;
 use crate::session;
 use crate::step::{Core, CoreConfig, Counters};
+use crate::traces::{RequestTraces, StepSampling};
 
 /// A request handed to the loop, with the stream its outputs go to and the
-/// trace context of its `Generate` call (the cache and worker calls made for
-/// it are parented on it, so one request is one trace).
+/// span of its `Generate` call (the root of the request's trace: the loop
+/// adds its spans under it, see `traces.rs`).
 #[derive(Debug)]
 pub struct Submission {
     pub request: Request,
     pub events: mpsc::UnboundedSender<Output>,
-    pub trace: Context,
+    pub trace: tracing::Span,
 }
 
 /// What `GetStatus` shows of the loop.
@@ -72,7 +71,7 @@ impl StepLoopHandle {
     pub fn submit(
         &self,
         request: Request,
-        trace: Context,
+        trace: tracing::Span,
     ) -> Result<mpsc::UnboundedReceiver<Output>> {
         let (events, rx) = mpsc::unbounded_channel();
         self.submit
@@ -100,13 +99,18 @@ pub struct StepLoopConfig {
     pub on_cache_restart: OnCacheRestart,
     /// The last step warm-up used; the loop's steps come after it.
     pub first_step: u64,
+    /// One in this many uneventful step traces is exported (0: none).
+    pub trace_steps_one_in: u64,
 }
 
 struct InFlight {
     step: Step,
     launched: std::time::Instant,
-    tasks: Vec<(usize, JoinHandle<Result<Vec<ForwardResult>>>)>,
+    tasks: Vec<ForwardTask>,
 }
+
+/// One group's forward call of a step: the group, its sequences, the task.
+type ForwardTask = (usize, Vec<SeqId>, JoinHandle<Result<Vec<ForwardResult>>>);
 
 /// The step loop. Build with [`StepLoop::new`], run with [`StepLoop::run`].
 #[derive(Debug)]
@@ -117,11 +121,12 @@ pub struct StepLoop {
     workers: Vec<WorkerClient>,
     steps_run: u64,
     streams: HashMap<RequestId, mpsc::UnboundedSender<Output>>,
-    /// Trace context of each live request.
-    traces: HashMap<RequestId, Context>,
-    /// Trace context of each leased (or leasing) sequence, until the core
-    /// says it is released.
-    seq_traces: HashMap<SeqId, Context>,
+    /// The trace of each live request.
+    traces: RequestTraces,
+    /// Whether the current step refused or preempted a sequence (its trace
+    /// is then exported).
+    step_rejects: bool,
+    step_preemptions: bool,
     intake: mpsc::UnboundedReceiver<Submission>,
     status: watch::Sender<StatusSnapshot>,
     in_flight: Option<InFlight>,
@@ -168,8 +173,9 @@ impl StepLoop {
             workers,
             steps_run: 0,
             streams: HashMap::new(),
-            traces: HashMap::new(),
-            seq_traces: HashMap::new(),
+            traces: RequestTraces::default(),
+            step_rejects: false,
+            step_preemptions: false,
             intake,
             status,
             in_flight: None,
@@ -220,8 +226,24 @@ impl StepLoop {
             }
             let started = std::time::Instant::now();
             let step = self.core.begin_step();
-            let span = tracing::info_span!("step", kvlease.step = step.get() as i64);
-            let progressed = self.step_once(step).instrument(span).await;
+            // Its own trace (no parent), exported when `mark` says so.
+            let span = tracing::info_span!(parent: None, STEP_SPAN, kvlease.step = step.get() as i64,
+                kvlease.step_sampled = tracing::field::Empty);
+            // An explicit root starts from an empty context: give it the
+            // scheduler's logical service (refusal logged; it only loses it).
+            let _ = kvlease_telemetry::set_parent(
+                &span,
+                kvlease_telemetry::with_service(&Default::default(), crate::server::SERVICE),
+            );
+            self.step_rejects = false;
+            self.step_preemptions = false;
+            let progressed = self.step_once(step).instrument(span.clone()).await;
+            self.trace_preemptions();
+            StepSampling {
+                one_in: self.config.trace_steps_one_in,
+            }
+            .mark(&span, step, self.step_rejects, self.step_preemptions);
+            drop(span);
             if progressed {
                 self.metrics.step(started.elapsed());
             }
@@ -266,7 +288,7 @@ impl StepLoop {
         let id = sub.request.id;
         self.metrics.arrived(id, sub.request.prompt.len());
         self.streams.insert(id, sub.events);
-        self.traces.insert(id, sub.trace);
+        self.traces.accept(id, sub.trace);
         self.core.submit(sub.request);
         self.route_outputs();
     }
@@ -320,11 +342,19 @@ impl StepLoop {
         if specs.is_empty() {
             return;
         }
-        let span = self.batch_span("extend", step, specs.iter().map(|s| s.seq_id));
-        match self.cache.extend(step.get(), &specs).instrument(span).await {
+        let span = self.batch_span("Extend", step);
+        let traces = self.traces.traceparents(specs.iter().map(|s| s.seq_id));
+        let result = self
+            .cache
+            .extend(step.get(), &specs, &traces)
+            .instrument(span.clone())
+            .await;
+        record_call(&span, &result);
+        match result {
             Ok(outcomes) => {
                 self.trace_rejects("Extend", &outcomes);
-                self.core.apply_extends(outcomes)
+                self.core.apply_extends(outcomes);
+                self.trace_preemptions();
             }
             Err(e) => {
                 self.core.extends_failed();
@@ -343,18 +373,22 @@ impl StepLoop {
         if specs.is_empty() {
             return;
         }
-        for spec in &specs {
-            if let Some(cx) = self.traces.get(&spec.request) {
-                self.seq_traces.insert(spec.seq_id, cx.clone());
-            }
-        }
-        let span = self.batch_span("lease", step, specs.iter().map(|s| s.seq_id));
-        match self
+        let (lease_spans, traces) = self
+            .traces
+            .leasing(step, specs.iter().map(|s| (s.seq_id, s.request)));
+        let span = self.batch_span("Lease", step);
+        let result = self
             .cache
-            .lease(step.get(), false, false, &specs)
-            .instrument(span)
-            .await
-        {
+            .lease(step.get(), false, false, &specs, &traces)
+            .instrument(span.clone())
+            .await;
+        record_call(&span, &result);
+        for (lease, outcome) in lease_spans.iter().zip(result.iter().flatten()) {
+            let granted = matches!(outcome, Outcome::Grant(_));
+            lease.record("kvlease.outcome", if granted { "grant" } else { "reject" });
+        }
+        drop(lease_spans);
+        match result {
             Ok(outcomes) => {
                 self.metrics.admitted(&specs, &outcomes);
                 self.trace_rejects("Lease", &outcomes);
@@ -378,11 +412,22 @@ impl StepLoop {
                 self.core.forward_failed(g, "no worker for the group");
                 continue;
             };
-            let span = self.batch_span("forward", step, items.iter().map(|i| i.seq_id));
-            let call = async move { worker.forward(step.get(), &items).await }.instrument(span);
+            let seqs: Vec<SeqId> = items.iter().map(|i| i.seq_id).collect();
+            let span = kvlease_telemetry::client_span("kvlease.v1.WorkerService", "Forward");
+            span.record("kvlease.step", step.get() as i64);
+            // every request in the batch, one click away from the step
+            for link in self.traces.links(seqs.iter().copied()) {
+                kvlease_telemetry::add_link(&span, link, LINK_BATCHED);
+            }
+            let call = async move {
+                let result = worker.forward(step.get(), &items).await;
+                record_call(&tracing::Span::current(), &result);
+                result
+            }
+            .instrument(span);
             // the spawned task runs outside the loop's logical-service context
             let call = kvlease_telemetry::in_service(crate::server::SERVICE, call);
-            tasks.push((g, tokio::spawn(call)));
+            tasks.push((g, seqs, tokio::spawn(call)));
         }
         self.steps_run += 1;
         self.in_flight = Some(InFlight {
@@ -397,8 +442,10 @@ impl StepLoop {
     /// what ended (fenced at its step) and completes the step.
     async fn finish_forward(&mut self, f: InFlight) {
         let launched = f.launched;
-        for (g, task) in f.tasks {
-            match task.await {
+        for (g, seqs, task) in f.tasks {
+            let result = task.await;
+            self.traces.forwarded(&seqs, launched.elapsed());
+            match result {
                 Ok(Ok(results)) => self.core.apply_forward(g, results),
                 Ok(Err(e)) => {
                     tracing::warn!(step = f.step.get(), group = g, error = %e, "forward failed");
@@ -420,7 +467,8 @@ impl StepLoop {
         let Some(step) = self.core.complete_through() else {
             return;
         };
-        match self.cache.complete_step(step.get()).await {
+        let span = self.batch_span("CompleteStep", step);
+        match self.cache.complete_step(step.get()).instrument(span).await {
             Ok(_) => self.core.step_completed(step),
             Err(e) => self.note("CompleteStep", &e),
         }
@@ -433,17 +481,16 @@ impl StepLoop {
             return;
         }
         let fence = batch.fence_step;
-        let span = self.batch_span(
-            "release",
-            fence.unwrap_or(self.core.step()),
-            batch.seq_ids.iter().copied(),
-        );
-        match self
+        let span = self.batch_span("Release", fence.unwrap_or(self.core.step()));
+        let (release_spans, traces) = self.traces.releasing(&batch.seq_ids, fence);
+        let result = self
             .cache
-            .release(&batch.seq_ids, fence.map(Step::get))
-            .instrument(span)
-            .await
-        {
+            .release(&batch.seq_ids, fence.map(Step::get), &traces)
+            .instrument(span.clone())
+            .await;
+        record_call(&span, &result);
+        drop(release_spans);
+        match result {
             Ok((freed, fenced)) => {
                 tracing::debug!(
                     sequences = batch.seq_ids.len(),
@@ -510,7 +557,7 @@ impl StepLoop {
     /// Drops the trace contexts of sequences the core says are released.
     fn forget_released(&mut self) {
         for seq_id in self.core.take_released() {
-            self.seq_traces.remove(&seq_id);
+            self.traces.forget_seq(seq_id);
         }
     }
 
@@ -528,66 +575,38 @@ impl StepLoop {
             }
             if last {
                 self.streams.remove(&id);
-                self.traces.remove(&id);
+                self.traces.finish(id);
             }
         }
     }
 
-    /// A span for one batched call, parented on the trace of the batch's
-    /// first request and linked to (some of) the others.
-    fn batch_span(
-        &self,
-        name: &'static str,
-        step: Step,
-        seqs: impl Iterator<Item = SeqId>,
-    ) -> tracing::Span {
-        const MAX_LINKS: usize = 16;
-        let span = tracing::info_span!(parent: None, "scheduler.batch", otel.name = name, kvlease.step = step.get() as i64);
-        let mut parented = false;
-        let mut links = 0;
-        for seq in seqs {
-            let Some(cx) = self.seq_traces.get(&seq) else {
-                continue;
-            };
-            if !parented {
-                let _ = kvlease_telemetry::set_parent(&span, cx.clone());
-                parented = true;
-            } else if links < MAX_LINKS {
-                kvlease_telemetry::add_link(
-                    &span,
-                    cx.span().span_context().clone(),
-                    "batched_with",
-                );
-                links += 1;
-            } else {
-                break;
-            }
-        }
+    /// The client span of one of the step's calls to the cache, in the
+    /// step's trace (the current span); the requests it serves get their
+    /// own spans through the items' trace contexts.
+    fn batch_span(&self, method: &'static str, step: Step) -> tracing::Span {
+        let span = kvlease_telemetry::client_span("kvlease.v1.CacheService", method);
+        span.record("kvlease.step", step.get() as i64);
         span
     }
 
-    /// One error span per refused sequence, in the trace of its request
-    /// (the batch call itself is fine).
-    fn trace_rejects(&self, method: &'static str, outcomes: &[Outcome]) {
+    /// The core's preemptions since the last call, as spans in their
+    /// requests' traces.
+    fn trace_preemptions(&mut self) {
+        for p in self.core.take_preemptions() {
+            self.step_preemptions = true;
+            self.traces.preempted(&p);
+        }
+    }
+
+    /// Counts the refused sequences (the cache recorded each one in its
+    /// request's trace; the request's `Generate` span records the reject it
+    /// ends with) and marks the step's trace for export.
+    fn trace_rejects(&mut self, method: &'static str, outcomes: &[Outcome]) {
         for outcome in outcomes {
             let Outcome::Reject(r) = outcome else {
                 continue;
             };
-            let figures = kvlease_telemetry::RejectFigures {
-                seq_id: r.seq_id.get(),
-                reason: r.reason.protocol_name(),
-                pool_id: r.pool_id,
-                window: r.window,
-                blocks_needed: r.blocks_needed,
-                blocks_free: r.blocks_free,
-                blocks_pending_free: r.blocks_pending_free,
-                message: &r.message,
-            };
-            let span = tracing::info_span!(parent: None, "kvlease.reject", otel.name = REJECT_SPAN);
-            if let Some(cx) = self.seq_traces.get(&r.seq_id) {
-                let _ = kvlease_telemetry::set_parent(&span, cx.clone());
-            }
-            kvlease_telemetry::record_reject(&span, &figures);
+            self.step_rejects = true;
             self.metrics.reject(method, r.reason.protocol_name());
             tracing::debug!(method, seq_id = r.seq_id.get(), reason = %r.reason, blocks_needed = r.blocks_needed,
                 blocks_free = r.blocks_free, blocks_pending_free = r.blocks_pending_free, "sequence refused");
@@ -621,6 +640,22 @@ impl StepLoop {
         });
     }
 }
+
+/// Records a call's outcome on its client span: the peer's status code when
+/// it answered one, UNAVAILABLE when it could not be reached.
+fn record_call<T>(span: &tracing::Span, result: &Result<T>) {
+    let status = match result {
+        Ok(_) => Ok(()),
+        Err(Error::Rpc { code, message, .. }) => Err(tonic::Status::new(*code, message.clone())),
+        Err(e @ Error::CacheUnavailable(_)) => Err(tonic::Status::unavailable(e.to_string())),
+        Err(e @ Error::SessionLost(_)) => Err(tonic::Status::failed_precondition(e.to_string())),
+        Err(e) => Err(tonic::Status::unknown(e.to_string())),
+    };
+    kvlease_telemetry::record_client_result(span, &status);
+}
+
+/// `kvlease.link` on the link from a step's `Forward` call to a request in it.
+const LINK_BATCHED: &str = "batched";
 
 /// How often an idle step loop looks at the session's health.
 const IDLE_RECHECK: Duration = Duration::from_secs(1);

@@ -8,13 +8,17 @@
 //! tracing-opentelemetry 0.34 exports a `u64` tracing field as a *string* attribute, so a
 //! `u64` field would not compare equal to an integer in a test that reads the spans.
 
-use opentelemetry::KeyValue;
-use opentelemetry::trace::{SpanContext, Status};
+use kvlease_proto::v1 as pb;
+use opentelemetry::trace::{SpanContext, Status, TraceContextExt as _};
+use opentelemetry::{Context, KeyValue};
 use tracing::Span;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
 /// The logical service a span belongs to (set on every span by the tracer provider).
 pub const SERVICE: &str = "kvlease.service";
+/// The instance of the logical service a span belongs to (its listener address; exported as
+/// the `service.instance.id` resource attribute).
+pub const SERVICE_INSTANCE: &str = "service.instance.id";
 /// Sequence id.
 pub const SEQ_ID: &str = "kvlease.seq_id";
 /// Pool id.
@@ -37,6 +41,35 @@ pub const STEP: &str = "kvlease.step";
 pub const SESSION_ID: &str = "kvlease.session_id";
 /// Number of blocks freed or returned by a call.
 pub const BLOCKS_RETURNED: &str = "kvlease.blocks_returned";
+/// The sequence ids a request used (an integer array on its `Generate` span; a preempted request
+/// gets a new sequence per admission).
+pub const SEQ_IDS: &str = "kvlease.seq_ids";
+/// The name of a step trace's root span.
+pub const STEP_SPAN: &str = "step";
+/// On a step trace's root: why the trace is exported (`reject`, `preemption`, `eviction`,
+/// `one_in_n`), or `no`, in which case the step sampler drops the whole trace.
+pub const STEP_SAMPLED: &str = "kvlease.step_sampled";
+/// The request's id on its `Generate` span.
+pub const REQUEST_ID: &str = "kvlease.request_id";
+/// Prompt tokens of a request.
+pub const PROMPT_TOKENS: &str = "kvlease.prompt_tokens";
+/// Output tokens a request got.
+pub const OUTPUT_TOKENS: &str = "kvlease.output_tokens";
+/// Times a request was preempted and recomputed.
+pub const PREEMPTIONS: &str = "kvlease.preemptions";
+/// How a request ended (`LENGTH`, `STOP`, `CANCELLED`, `REJECTED`, `ERROR`).
+pub const FINISH_REASON: &str = "kvlease.finish_reason";
+/// Blocks granted to a sequence.
+pub const BLOCKS_GRANTED: &str = "kvlease.blocks_granted";
+/// Cached blocks a sequence's allocation evicted, per pool of `kvlease.pool_ids` (integer
+/// arrays of one length).
+pub const BLOCKS_EVICTED: &str = "kvlease.blocks_evicted";
+/// Pool ids (an integer array).
+pub const POOL_IDS: &str = "kvlease.pool_ids";
+/// Blocks a release parked behind a fence.
+pub const BLOCKS_FENCED: &str = "kvlease.blocks_fenced";
+/// Leading prompt tokens served from reused blocks.
+pub const REUSED_TOKENS: &str = "kvlease.reused_tokens";
 /// What a span link means (see [`LINK_FENCED_RELEASE`]).
 pub const LINK_KIND: &str = "kvlease.link";
 /// [`LINK_KIND`] value on the link from a `CompleteStep` span to a release it freed.
@@ -46,8 +79,9 @@ pub const REJECT_SPAN: &str = "Reject";
 /// Name of the event [`record_reject`] adds.
 pub const REJECT_EVENT: &str = "kvlease.reject";
 
-/// What a reject says, for [`record_reject`] and [`reject_span`]. Built by the service from its
-/// domain reject (no protobuf types here).
+/// What a reject says, for [`record_reject`] and [`reject_span`]. Services build it from the
+/// protocol's reject (`RejectFigures::from(&pb::Reject)`), the one form both the cache and the
+/// scheduler hold, so the figures are read in one place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RejectFigures<'a> {
     /// The rejected sequence.
@@ -66,6 +100,21 @@ pub struct RejectFigures<'a> {
     pub blocks_pending_free: u32,
     /// Human-readable explanation (the span's status description).
     pub message: &'a str,
+}
+
+impl<'a> From<&'a pb::Reject> for RejectFigures<'a> {
+    fn from(r: &'a pb::Reject) -> Self {
+        Self {
+            seq_id: r.seq_id,
+            reason: r.reason().as_str_name(),
+            pool_id: r.pool_id,
+            window: r.window,
+            blocks_needed: r.blocks_needed,
+            blocks_free: r.blocks_free,
+            blocks_pending_free: r.blocks_pending_free,
+            message: &r.message,
+        }
+    }
 }
 
 impl RejectFigures<'_> {
@@ -118,6 +167,42 @@ pub fn reject_span(reject: &RejectFigures<'_>) -> Span {
     record_reject(&span, reject);
     span
 }
+
+/// The rule for a refused sequence: a `Reject` error span with the reject's figures, in the
+/// trace of the sequence itself (`sequence_trace`, the context its request's trace carries), not
+/// in the trace of whatever batch call reported it; linked to that call's span (`batch`; an
+/// invalid context adds no link). Without a valid `sequence_trace` the span is a child of the
+/// current span. It ends when dropped.
+pub fn sequence_reject_span(
+    sequence_trace: &Context,
+    reject: &pb::Reject,
+    batch: SpanContext,
+) -> Span {
+    let figures = RejectFigures::from(reject);
+    if !sequence_trace.span().span_context().is_valid() {
+        return reject_span(&figures);
+    }
+    let span = sequence_span(sequence_trace, REJECT_SPAN, batch);
+    record_reject(&span, &figures);
+    span
+}
+
+/// A span named `name` in the trace of one sequence of a batched call (`sequence_trace`, from
+/// the item's `traceparent`), linked to the batch call's span (`LINK_BATCH`). The span has no
+/// tracing parent, so it belongs to the sequence's trace, not the batch's.
+pub fn sequence_span(sequence_trace: &Context, name: &'static str, batch: SpanContext) -> Span {
+    let span = tracing::info_span!(parent: None, "kvlease.sequence", otel.name = name);
+    // The span has not started, so the parent takes; a refusal is logged by `set_parent` and
+    // leaves the span a root of its own, which the trace tests catch. The remote context carries
+    // no logical service: take the current one, so the span stays this service's.
+    let parent = crate::context::with_current_service(sequence_trace);
+    let _ = crate::context::set_parent(&span, parent);
+    add_link(&span, batch, LINK_BATCH);
+    span
+}
+
+/// [`LINK_KIND`] value on the link from a sequence's span to the batched call that carried it.
+pub const LINK_BATCH: &str = "batch";
 
 /// Links `span` to `to` (an earlier span's [`crate::span_context`]). For a fenced release:
 /// keep the release span's context with the fence; the `CompleteStep` span that frees it calls

@@ -14,6 +14,45 @@ pub const ENV_LOG_FILTER: &str = "RUST_LOG";
 /// `KVLEASE_TRACE_FILTER`: which spans reach OpenTelemetry (default `info`).
 pub const ENV_TRACE_FILTER: &str = "KVLEASE_TRACE_FILTER";
 
+/// `OTEL_BSP_MAX_QUEUE_SIZE`: spans the batch processor holds before it drops new ones.
+pub const ENV_BSP_MAX_QUEUE_SIZE: &str = "OTEL_BSP_MAX_QUEUE_SIZE";
+/// `OTEL_BSP_SCHEDULE_DELAY`: milliseconds between two exports.
+pub const ENV_BSP_SCHEDULE_DELAY: &str = "OTEL_BSP_SCHEDULE_DELAY";
+/// `OTEL_BSP_MAX_EXPORT_BATCH_SIZE`: spans per export request at most.
+pub const ENV_BSP_MAX_EXPORT_BATCH_SIZE: &str = "OTEL_BSP_MAX_EXPORT_BATCH_SIZE";
+
+/// Default for [`BatchSettings::max_queue_size`]: 32 times the OTel spec's 2,048. A step
+/// makes a few spans per sequence, so a burst of a few thousand requests against a collector
+/// that answers slowly fills 2,048 within seconds; 65,536 spans of a few hundred bytes each
+/// stay within tens of MB. A span that still finds the queue full is dropped (never blocks the
+/// service) and the SDK logs the count at shutdown.
+pub const DEFAULT_BSP_MAX_QUEUE_SIZE: usize = 65_536;
+/// Default for [`BatchSettings::scheduled_delay`] (the spec says 5 s; 1 s keeps the queue short).
+pub const DEFAULT_BSP_SCHEDULE_DELAY: Duration = Duration::from_secs(1);
+/// Default for [`BatchSettings::max_export_batch_size`] (the spec's 512).
+pub const DEFAULT_BSP_MAX_EXPORT_BATCH_SIZE: usize = 512;
+
+/// The batch span processor's settings (`OTEL_BSP_*`), per exported service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchSettings {
+    /// Spans queued for export at most; beyond it new spans are dropped.
+    pub max_queue_size: usize,
+    /// Time between two exports.
+    pub scheduled_delay: Duration,
+    /// Spans per export request at most.
+    pub max_export_batch_size: usize,
+}
+
+impl Default for BatchSettings {
+    fn default() -> Self {
+        Self {
+            max_queue_size: DEFAULT_BSP_MAX_QUEUE_SIZE,
+            scheduled_delay: DEFAULT_BSP_SCHEDULE_DELAY,
+            max_export_batch_size: DEFAULT_BSP_MAX_EXPORT_BATCH_SIZE,
+        }
+    }
+}
+
 /// Default for [`TelemetryConfig::log_filter`] and [`TelemetryConfig::trace_filter`].
 pub const DEFAULT_FILTER: &str = "info";
 /// Default for [`TelemetryConfig::export_timeout`] (the OTel spec's 10 s).
@@ -38,6 +77,8 @@ pub struct TelemetryConfig {
     /// Bound on one export RPC, on a flush and on shutdown: a vanished collector never hangs
     /// the process for longer than this.
     pub export_timeout: Duration,
+    /// The batch span processor's queue and timing (`OTEL_BSP_*`).
+    pub batch: BatchSettings,
 }
 
 impl TelemetryConfig {
@@ -49,6 +90,7 @@ impl TelemetryConfig {
             log_filter: DEFAULT_FILTER.to_owned(),
             trace_filter: DEFAULT_FILTER.to_owned(),
             export_timeout: DEFAULT_EXPORT_TIMEOUT,
+            batch: BatchSettings::default(),
         }
     }
 
@@ -72,8 +114,18 @@ impl TelemetryConfig {
         if let Some(filter) = get(ENV_TRACE_FILTER) {
             config.trace_filter = filter;
         }
-        if let Some(millis) = get(ENV_OTLP_TIMEOUT).and_then(|v| v.trim().parse::<u64>().ok()) {
+        let number = |key: &str| get(key).and_then(|v| v.trim().parse::<u64>().ok());
+        if let Some(millis) = number(ENV_OTLP_TIMEOUT) {
             config.export_timeout = Duration::from_millis(millis);
+        }
+        if let Some(n) = number(ENV_BSP_MAX_QUEUE_SIZE).filter(|n| *n > 0) {
+            config.batch.max_queue_size = usize::try_from(n).unwrap_or(usize::MAX);
+        }
+        if let Some(millis) = number(ENV_BSP_SCHEDULE_DELAY) {
+            config.batch.scheduled_delay = Duration::from_millis(millis);
+        }
+        if let Some(n) = number(ENV_BSP_MAX_EXPORT_BATCH_SIZE).filter(|n| *n > 0) {
+            config.batch.max_export_batch_size = usize::try_from(n).unwrap_or(usize::MAX);
         }
         config
     }
@@ -110,7 +162,18 @@ mod tests {
                 (ENV_LOG_FILTER, "debug,h2=warn"),
                 (ENV_TRACE_FILTER, "kvlease=debug"),
                 (ENV_OTLP_TIMEOUT, "2500"),
+                (ENV_BSP_MAX_QUEUE_SIZE, "4096"),
+                (ENV_BSP_SCHEDULE_DELAY, "250"),
+                (ENV_BSP_MAX_EXPORT_BATCH_SIZE, "128"),
             ]),
+        );
+        assert_eq!(
+            config.batch,
+            BatchSettings {
+                max_queue_size: 4096,
+                scheduled_delay: Duration::from_millis(250),
+                max_export_batch_size: 128,
+            }
         );
         assert_eq!(config.service_name, "cache-eu-1");
         assert_eq!(

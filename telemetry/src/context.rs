@@ -18,6 +18,26 @@ pub use tracing_opentelemetry::SetParentError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogicalService(pub &'static str);
 
+/// The instance of the logical service (its gRPC listener's address), carried like
+/// [`LogicalService`] and exported as `service.instance.id`: two replicas of one service in one
+/// process stay apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceInstance(pub std::sync::Arc<str>);
+
+/// `remote` plus the logical service and instance of the current span, for a span that a
+/// service starts in another trace (a sequence's, named by a batched item).
+pub fn with_current_service(remote: &Context) -> Context {
+    let current = current_context();
+    let mut cx = remote.clone();
+    if let Some(service) = current.get::<LogicalService>() {
+        cx = cx.with_value(*service);
+    }
+    if let Some(instance) = current.get::<ServiceInstance>() {
+        cx = cx.with_value(instance.clone());
+    }
+    cx
+}
+
 /// `parent` plus the logical service that spans started under it belong to.
 pub fn with_service(parent: &Context, service: &'static str) -> Context {
     parent.with_value(LogicalService(service))
@@ -98,6 +118,27 @@ pub fn current_context() -> Context {
 pub fn extract_context_from_headers(headers: &http::HeaderMap) -> Context {
     propagator().extract_with_context(&Context::new(), &HeaderExtractor(headers))
 }
+
+/// `cx`'s span as one W3C `traceparent` value, for a protocol field that carries one item's
+/// trace context inside a batched message (`SequenceSpec.traceparent`); empty when `cx` has
+/// no valid span.
+pub fn traceparent(cx: &Context) -> String {
+    let mut fields = std::collections::HashMap::new();
+    propagator().inject_context(cx, &mut fields);
+    fields.remove(TRACEPARENT).unwrap_or_default()
+}
+
+/// The remote parent named by a `traceparent` value (see [`traceparent`]); an empty context for
+/// an empty or malformed value, so that a bad field never fails a call.
+pub fn context_from_traceparent(value: &str) -> Context {
+    if value.is_empty() {
+        return Context::new();
+    }
+    let fields = std::collections::HashMap::from([(TRACEPARENT.to_owned(), value.to_owned())]);
+    propagator().extract_with_context(&Context::new(), &fields)
+}
+
+const TRACEPARENT: &str = "traceparent";
 
 // === carriers ===
 
@@ -194,6 +235,29 @@ mod tests {
                 .span_context()
                 .is_valid()
         );
+    }
+
+    #[test]
+    fn traceparent_values_round_trip_and_bad_ones_are_empty() {
+        let value = traceparent(&remote_context());
+        assert_eq!(
+            value,
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        );
+        let back = context_from_traceparent(&value);
+        assert_eq!(
+            back.span().span_context().trace_id(),
+            remote_context().span().span_context().trace_id()
+        );
+        assert_eq!(traceparent(&Context::new()), "");
+        for bad in ["", "00-zz", "not a traceparent"] {
+            assert!(
+                !context_from_traceparent(bad)
+                    .span()
+                    .span_context()
+                    .is_valid()
+            );
+        }
     }
 
     #[test]

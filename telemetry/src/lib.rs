@@ -33,23 +33,29 @@ mod client;
 mod config;
 mod context;
 mod error;
+mod export;
 pub mod metrics;
 pub mod process;
 pub mod serve;
 mod server;
 mod setup;
 
-pub use attributes::{RejectFigures, add_link, record_reject, reject_span};
+pub use attributes::{
+    RejectFigures, add_link, record_reject, reject_span, sequence_reject_span, sequence_span,
+};
 pub use client::{
     TraceContextInterceptor, TracedChannel, client_span, record_client_result, traced,
 };
 pub use config::{
-    DEFAULT_EXPORT_TIMEOUT, DEFAULT_FILTER, ENV_LOG_FILTER, ENV_OTLP_ENDPOINT, ENV_OTLP_TIMEOUT,
-    ENV_SERVICE_NAME, ENV_TRACE_FILTER, TelemetryConfig,
+    BatchSettings, DEFAULT_BSP_MAX_EXPORT_BATCH_SIZE, DEFAULT_BSP_MAX_QUEUE_SIZE,
+    DEFAULT_BSP_SCHEDULE_DELAY, DEFAULT_EXPORT_TIMEOUT, DEFAULT_FILTER,
+    ENV_BSP_MAX_EXPORT_BATCH_SIZE, ENV_BSP_MAX_QUEUE_SIZE, ENV_BSP_SCHEDULE_DELAY, ENV_LOG_FILTER,
+    ENV_OTLP_ENDPOINT, ENV_OTLP_TIMEOUT, ENV_SERVICE_NAME, ENV_TRACE_FILTER, TelemetryConfig,
 };
 pub use context::{
-    LogicalService, SetParentError, current_context, extract_context, extract_context_from_headers,
-    in_service, inject_context, set_parent, span_context, with_service,
+    LogicalService, ServiceInstance, SetParentError, context_from_traceparent, current_context,
+    extract_context, extract_context_from_headers, in_service, inject_context, set_parent,
+    span_context, traceparent, with_current_service, with_service,
 };
 pub use error::{Error, Result};
 pub use server::{GrpcTraceLayer, GrpcTraceService, ResponseFuture, TracedBody, incoming};
@@ -61,3 +67,6 @@ pub use setup::{
 /// types (`Context`, `SpanContext`, the SDK's test exporter).
 pub use opentelemetry;
 pub use opentelemetry_sdk;
+/// Span-level OpenTelemetry access (`context`, `set_attribute`, links) for crates that use
+/// `tracing` spans.
+pub use tracing_opentelemetry::OpenTelemetrySpanExt;

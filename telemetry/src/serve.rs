@@ -204,7 +204,10 @@ where
     let addr = listeners.grpc.local_addr().ok();
     tracing::info!(service = info.name, ?addr, "grpc serving");
     let served = tonic::transport::Server::builder()
-        .layer(GrpcTraceLayer::new(info.name))
+        .layer(match addr {
+            Some(addr) => GrpcTraceLayer::new(info.name).with_instance(addr.to_string()),
+            None => GrpcTraceLayer::new(info.name),
+        })
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

@@ -10,7 +10,9 @@ use opentelemetry::trace::Status;
 use tracing::{Instrument as _, Span};
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-use crate::context::{extract_context_from_headers, set_parent, with_service};
+use opentelemetry::trace::TraceContextExt as _;
+
+use crate::context::{ServiceInstance, extract_context_from_headers, set_parent, with_service};
 
 /// Layer for `tonic::transport::Server::builder().layer(GrpcTraceLayer::new("kvlease-cache"))`.
 ///
@@ -20,16 +22,42 @@ use crate::context::{extract_context_from_headers, set_parent, with_service};
 /// span and everything under it to the logical service (`kvlease.service`), runs the handler
 /// inside it and records `rpc.grpc.status_code` (and error status for non-OK) when the response
 /// ends, so a streaming response's span covers the whole stream.
-#[derive(Debug, Clone, Copy)]
+///
+/// Polls (health checks, reflection, `KeepAlive`, `GetStatus`, `GetStats`) that arrive without
+/// a trace context get no span, so they make no root traces; with a caller's context they are
+/// traced like any call.
+#[derive(Debug, Clone)]
 pub struct GrpcTraceLayer {
     service: &'static str,
+    instance: Option<ServiceInstance>,
 }
 
 impl GrpcTraceLayer {
     /// A layer for the logical service `service` (e.g. `"kvlease-scheduler"`).
     pub fn new(service: &'static str) -> Self {
-        Self { service }
+        Self {
+            service,
+            instance: None,
+        }
     }
+
+    /// The same, for the instance `instance` of the service (e.g. its listener address).
+    pub fn with_instance(self, instance: impl Into<std::sync::Arc<str>>) -> Self {
+        Self {
+            instance: Some(ServiceInstance(instance.into())),
+            ..self
+        }
+    }
+}
+
+/// Whether a call is a poll: traced only when its caller traces it.
+fn is_poll(rpc_service: &str, rpc_method: &str) -> bool {
+    rpc_service.starts_with("grpc.health.")
+        || rpc_service.starts_with("grpc.reflection.")
+        || matches!(
+            rpc_method,
+            "KeepAlive" | "GetStatus" | "GetStats" | "WatchEvents"
+        )
 }
 
 impl<S> tower::Layer<S> for GrpcTraceLayer {
@@ -39,6 +67,7 @@ impl<S> tower::Layer<S> for GrpcTraceLayer {
         GrpcTraceService {
             inner,
             service: self.service,
+            instance: self.instance.clone(),
         }
     }
 }
@@ -48,6 +77,7 @@ impl<S> tower::Layer<S> for GrpcTraceLayer {
 pub struct GrpcTraceService<S> {
     inner: S,
     service: &'static str,
+    instance: Option<ServiceInstance>,
 }
 
 /// The boxed response future of [`GrpcTraceService`].
@@ -77,14 +107,20 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
 
         let (rpc_service, rpc_method) = split_path(request.uri().path());
-        let span = rpc_span("server", rpc_service, rpc_method);
-        let parent = with_service(
-            &extract_context_from_headers(request.headers()),
-            self.service,
-        );
+        let remote = extract_context_from_headers(request.headers());
+        let traced = remote.span().span_context().is_valid() || !is_poll(rpc_service, rpc_method);
+        let span = if traced {
+            rpc_span("server", rpc_service, rpc_method)
+        } else {
+            Span::none()
+        };
+        let mut parent = with_service(&remote, self.service);
+        if let Some(instance) = &self.instance {
+            parent = parent.with_value(instance.clone());
+        }
         // Before the span is entered or instrumented: afterwards the parent cannot change.
         // A refusal is already logged by `set_parent`; the request is served either way.
-        if set_parent(&span, parent).is_err() {
+        if traced && set_parent(&span, parent).is_err() {
             span.record("kvlease.parent_lost", true);
         }
 

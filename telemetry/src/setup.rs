@@ -19,10 +19,19 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::{EnvFilter, Layer as _};
 
-use crate::attributes::SERVICE;
+use crate::attributes::{SERVICE, SERVICE_INSTANCE};
 use crate::config::TelemetryConfig;
-use crate::context::LogicalService;
+use crate::context::{LogicalService, ServiceInstance};
 use crate::error::{Error, Result};
+use crate::export::{ServiceRouter, StepSampler};
+
+/// `service.version` of every kvlease service: the workspace's version.
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// `service.instance.id` of spans no server instance claims (background tasks): this process.
+fn default_instance() -> String {
+    format!("pid-{}", std::process::id())
+}
 
 /// Instrumentation scope of every kvlease span.
 const SCOPE: &str = "kvlease";
@@ -70,16 +79,33 @@ pub fn tracer_provider(config: &TelemetryConfig) -> Result<SdkTracerProvider> {
 /// [`tracer_provider`] before `build()`, so a test can add its own processor or exporter
 /// (e.g. `.with_simple_exporter(InMemorySpanExporter::default())`).
 pub fn tracer_provider_builder(config: &TelemetryConfig) -> Result<TracerProviderBuilder> {
-    let resource = Resource::builder()
-        .with_service_name(config.service_name.clone())
-        .build();
+    let instance = default_instance();
+    let resource = crate::export::resource(&config.service_name, VERSION, &instance);
     let mut builder = SdkTracerProvider::builder()
         .with_resource(resource)
         .with_span_processor(ServiceAttributeProcessor {
             default_service: config.service_name.clone(),
         });
     if let Some(endpoint) = &config.otlp_endpoint {
-        builder = builder.with_span_processor(otlp_processor(endpoint, config.export_timeout)?);
+        // Fail now on a bad endpoint rather than on the first span.
+        drop(otlp_processor(endpoint, config)?);
+        let (endpoint, config) = (endpoint.clone(), config.clone());
+        let router =
+            ServiceRouter::new(
+                VERSION.to_owned(),
+                instance,
+                move |resource| match otlp_processor(&endpoint, &config) {
+                    Ok(mut processor) => {
+                        processor.set_resource(&resource);
+                        Some(processor)
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no span exporter for a service");
+                        None
+                    }
+                },
+            );
+        builder = builder.with_span_processor(StepSampler::new(router));
     }
     Ok(builder)
 }
@@ -90,7 +116,8 @@ pub fn tracer_provider_builder(config: &TelemetryConfig) -> Result<TracerProvide
 /// the runtime it was created in (one per `#[tokio::test]`), and a shutdown that blocks a
 /// current-thread runtime cannot starve it. Unlike the SDK's experimental async-runtime
 /// processor, this one honours the shutdown timeout.
-fn otlp_processor(endpoint: &str, timeout: Duration) -> Result<OtlpProcessor> {
+fn otlp_processor(endpoint: &str, config: &TelemetryConfig) -> Result<OtlpProcessor> {
+    let timeout = config.export_timeout;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("kvlease-otlp")
@@ -113,7 +140,9 @@ fn otlp_processor(endpoint: &str, timeout: Duration) -> Result<OtlpProcessor> {
     let batch = BatchSpanProcessor::builder(exporter)
         .with_batch_config(
             BatchConfigBuilder::default()
-                .with_scheduled_delay(Duration::from_secs(1))
+                .with_scheduled_delay(config.batch.scheduled_delay)
+                .with_max_queue_size(config.batch.max_queue_size)
+                .with_max_export_batch_size(config.batch.max_export_batch_size)
                 .build(),
         )
         .build();
@@ -260,6 +289,9 @@ impl SpanProcessor for ServiceAttributeProcessor {
             None => self.default_service.clone(),
         };
         span.set_attribute(KeyValue::new(SERVICE, service));
+        if let Some(ServiceInstance(instance)) = cx.get::<ServiceInstance>() {
+            span.set_attribute(KeyValue::new(SERVICE_INSTANCE, instance.to_string()));
+        }
     }
 
     fn on_end(&self, _span: SpanData) {}

@@ -93,3 +93,58 @@ async fn set_parent_after_enter_is_reported_not_swallowed() -> TestResult {
     ));
     Ok(())
 }
+
+/// Polls (health, KeepAlive, GetStatus, GetStats) without a caller's context make no span, so no
+/// root trace; with one they are traced like any call. Other calls always get a span.
+#[tokio::test(flavor = "current_thread")]
+async fn polls_are_traced_only_when_their_caller_traces_them() -> TestResult {
+    let capture = capture("kvlease-test")?;
+    let handler = tower::service_fn(|_request: http::Request<Full<Bytes>>| async {
+        let mut response = http::Response::new(Full::new(Bytes::new()));
+        response
+            .headers_mut()
+            .insert("grpc-status", http::HeaderValue::from_static("0"));
+        Ok::<_, Infallible>(response)
+    });
+    let layer = GrpcTraceLayer::new("kvlease-cache").with_instance("127.0.0.1:1");
+    let call = |path: &str, traced: bool| {
+        let mut request = http::Request::builder().uri(format!("http://cache{path}"));
+        if traced {
+            request = request.header("traceparent", format!("00-{TRACE_ID}-{PARENT_ID}-01"));
+        }
+        let request = request.body(Full::new(Bytes::new()));
+        let service = layer.clone().layer(handler);
+        async move {
+            let response = service.oneshot(request?).await?;
+            let _ = response.into_body().collect().await?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+        }
+    };
+    call("/grpc.health.v1.Health/Check", false).await?;
+    call("/kvlease.v1.CacheService/KeepAlive", false).await?;
+    call("/kvlease.v1.CacheService/GetStats", false).await?;
+    call("/kvlease.v1.CacheService/Lease", false).await?;
+    call("/kvlease.v1.CacheService/GetStats", true).await?;
+
+    let names: Vec<String> = capture
+        .spans()
+        .into_iter()
+        .map(|s| s.name.into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "kvlease.v1.CacheService/Lease",
+            "kvlease.v1.CacheService/GetStats"
+        ]
+    );
+    let traced = capture
+        .span("kvlease.v1.CacheService/GetStats")
+        .ok_or("no traced poll")?;
+    assert_eq!(traced.span_context.trace_id().to_string(), TRACE_ID);
+    assert_eq!(
+        attr_str(&traced, "service.instance.id").as_deref(),
+        Some("127.0.0.1:1")
+    );
+    Ok(())
+}

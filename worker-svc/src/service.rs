@@ -102,11 +102,13 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         let sequences = request.sequences.len();
         let tokens: usize = request.sequences.iter().map(|s| s.tokens.len()).sum();
         // A child of the server span that `GrpcTraceLayer` opens per request.
+        // Integers as i64: a u64/usize field would be exported as a string.
         let span = tracing::info_span!(
-            "forward",
-            kvlease.step = step,
-            kvlease.sequences = sequences,
-            kvlease.tokens = tokens,
+            "compute",
+            kvlease.step = step as i64,
+            kvlease.sequences = sequences as i64,
+            kvlease.tokens = tokens as i64,
+            kvlease.compute_us = tracing::field::Empty,
         );
         let inputs: Vec<SeqInput> = request.sequences.into_iter().map(seq_input).collect();
         let worker = Arc::clone(&self.worker);
@@ -126,6 +128,7 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
             .map_err(|e| Status::internal(format!("forward task failed: {e}")))?;
             match outcome {
                 Ok((outputs, compute_us)) => {
+                    tracing::Span::current().record("kvlease.compute_us", compute_us as i64);
                     metrics.forward_seconds.observe(compute_us as f64 / 1e6);
                     metrics.forward_tokens.inc_by(tokens as u64);
                     tracing::info!(step, sequences, tokens, compute_us, "forward done");

@@ -65,9 +65,9 @@ impl Cache {
                         Err(reject) => Outcome::Reject(reject),
                         Ok(()) => {
                             let outcome = match self.check_extend(*seq_id, &plan, None) {
-                                Ok(()) => Outcome::Grant(
-                                    self.execute_extend(session_id, *seq_id, growth, &plan, step),
-                                ),
+                                Ok(()) => Outcome::Grant(self.noting_evictions(*seq_id, |c| {
+                                    c.execute_extend(session_id, *seq_id, growth, &plan, step)
+                                })),
                                 Err(reject) => Outcome::Reject(reject),
                             };
                             self.count_extend(&outcome, &plan);
@@ -118,9 +118,9 @@ impl Cache {
         } else {
             for (i, plan) in &plans {
                 let (seq_id, growth) = &items[*i];
-                outcomes[*i] = Some(Outcome::Grant(
-                    self.execute_extend(session_id, *seq_id, growth, plan, step),
-                ));
+                outcomes[*i] = Some(Outcome::Grant(self.noting_evictions(*seq_id, |c| {
+                    c.execute_extend(session_id, *seq_id, growth, plan, step)
+                })));
             }
         }
         for (i, plan) in &plans {

@@ -119,12 +119,9 @@ impl Cache {
                 // One at a time: each plan sees the blocks earlier ones took.
                 let plan = self.plan_lease(spec, warmup);
                 let outcome = match self.check_lease(session_id, &plan, None) {
-                    Ok(()) => Outcome::Grant(self.execute_lease(
-                        session_id,
-                        plan,
-                        step,
-                        holder(spec.seq_id),
-                    )),
+                    Ok(()) => Outcome::Grant(self.noting_evictions(spec.seq_id, |c| {
+                        c.execute_lease(session_id, plan, step, holder(spec.seq_id))
+                    })),
                     Err(reject) => Outcome::Reject(reject),
                 };
                 self.count_outcome(&outcome, spec);
@@ -163,7 +160,9 @@ impl Cache {
                 }
                 for (i, plan) in plans {
                     let seq_id = plan.seq_id;
-                    let grant = self.execute_lease_pinned(session_id, plan, step, holder(seq_id));
+                    let grant = self.noting_evictions(seq_id, |c| {
+                        c.execute_lease_pinned(session_id, plan, step, holder(seq_id))
+                    });
                     outcomes[i] = Some(Outcome::Grant(grant));
                 }
             }

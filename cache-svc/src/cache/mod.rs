@@ -24,9 +24,11 @@
 //! - `extend`: `Extend` of held sequences (plan, check, execute).
 //! - `release`: `Release` and `CompleteStep` (fences and hash publication).
 //! - `stats`: estimates and pool figures.
+//! - `evictions`: which sequence's allocation evicted cached blocks.
 //! - `audit`: the leak audit, `check_invariants` and views for tests.
 
 mod audit;
+mod evictions;
 mod extend;
 mod lease;
 mod pools;
@@ -44,6 +46,7 @@ use crate::pool::{BlockPool, IndexEvent};
 use crate::session::Session;
 
 pub use audit::{AuditReport, Leak};
+pub use evictions::Evicted;
 pub use pools::PoolInfo;
 pub use sessions::{Opened, Reclaimed};
 pub use stats::{PoolEstimate, PoolStats, ShapeEstimate, Stats};
@@ -128,6 +131,8 @@ pub struct Cache {
     sessions: HashMap<SessionId, Session>,
     next_session: u64,
     events: EventLog,
+    /// Evictions by sequence since the service last took them.
+    evicted: Vec<Evicted>,
 }
 
 /// Running totals of an atomic batch, per pool.
@@ -159,6 +164,7 @@ impl Cache {
             sessions: HashMap::new(),
             next_session: 1,
             events,
+            evicted: Vec::new(),
         }
     }
 

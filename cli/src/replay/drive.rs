@@ -175,6 +175,7 @@ pub async fn replay(
                     epoch,
                     seq_ids: vec![seq as u64],
                     fence_step: None,
+                    traceparents: Vec::new(),
                 })
                 .await
                 .map_err(|s| Error::rpc("Release", s))

@@ -1,7 +1,7 @@
 //! Lifecycle: how requests and sequences end (finished, cancelled,
 //! preempted and requeued, lost with the cache), and the outputs that say so.
 
-use super::{Core, PreemptCause};
+use super::{Core, PreemptCause, Preemption};
 use crate::domain::{Finish, GroupGeometry, Output, Reject, RejectReason, RequestId, SeqId};
 use crate::queue::Request;
 
@@ -44,6 +44,13 @@ impl Core {
                 "requeued for recompute"
             );
             let mut request = seq.request;
+            let tokens = request.prompt.len() + request.generated.len();
+            self.preemptions.push(Preemption {
+                request: request.id,
+                seq_id,
+                cause: cause.as_str(),
+                tokens_to_recompute: u32::try_from(tokens).unwrap_or(u32::MAX),
+            });
             request.preemptions += 1;
             self.counters.preemptions += 1;
             self.counters.preemptions_by[cause.index()] += 1;
@@ -73,6 +80,11 @@ impl Core {
             finish,
             preemptions: request.preemptions,
         });
+    }
+
+    /// Sequences preempted (released and requeued) since the last call.
+    pub fn take_preemptions(&mut self) -> Vec<Preemption> {
+        std::mem::take(&mut self.preemptions)
     }
 
     /// Outputs for the request streams since the last call.

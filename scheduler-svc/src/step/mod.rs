@@ -190,6 +190,18 @@ struct Leasing {
     first_chunk: u32,
 }
 
+/// A running sequence the core released and requeued for recompute, for the
+/// loop to record in its request's trace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Preemption {
+    pub request: RequestId,
+    pub seq_id: SeqId,
+    /// What refused the sequence ([`PreemptCause::as_str`], e.g. `"POOL_EXHAUSTED"`).
+    pub cause: &'static str,
+    /// Tokens the request will compute again (prompt plus generated).
+    pub tokens_to_recompute: u32,
+}
+
 /// The scheduler core. See the module documentation for the call order.
 #[derive(Debug)]
 pub struct Core {
@@ -206,6 +218,8 @@ pub struct Core {
     /// Sequences that hold nothing at the cache any more (see
     /// [`Core::take_released`]).
     released: Vec<SeqId>,
+    /// Preemptions since the last [`Core::take_preemptions`].
+    preemptions: Vec<Preemption>,
     /// The step numbering and what each step's forward pass still holds.
     steps: fence::Steps,
     next_seq: SeqId,
@@ -240,6 +254,7 @@ impl Core {
             releases: Vec::new(),
             outputs: Vec::new(),
             released: Vec::new(),
+            preemptions: Vec::new(),
             steps: fence::Steps::default(),
             next_seq: SeqId(1),
             budget,

@@ -1,0 +1,256 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failed test
+
+//! Traces a dashboard user can read (issue 14): an over-subscribed bench of
+//! 200 requests across two workers, exported over OTLP/gRPC to a receiver in
+//! the test, then read the way a tracing dashboard shows them.
+//!
+//! - at least 95% of requests have a complete trace: the `Generate` root, their
+//!   lease at the cache (its `Grant` or `Reject` span), their forward work
+//!   (the `forward` summary span) and their release at the cache;
+//! - every rejected request has the cache's `Reject` in its own trace, with
+//!   the figures the client was told, and an ERROR root;
+//! - no successful request's trace holds another request's reject;
+//! - root spans are only `Generate` and sampled `step`s;
+//! - the median request trace has at most 30 spans;
+//! - the cache, the scheduler and both workers export under their own
+//!   `service.name` (and the workers under two `service.instance.id`s).
+//!
+//! It prints the figures and one rejected request's trace as a tree.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use kvlease_integration_tests::otlp::{
+    OversubscribedCluster, Received, Receiver, Sent, attr_int, attr_ints, attr_str, hex,
+    traced_bench, tree,
+};
+use kvlease_proto::v1 as pb;
+use kvlease_telemetry::TelemetryConfig;
+use kvlease_telemetry::attributes::{REJECT_SPAN, STEP_SAMPLED, STEP_SPAN};
+
+const SCHEDULER: &str = "kvlease-scheduler";
+const CACHE: &str = "kvlease-cache";
+const WORKER: &str = "kvlease-worker";
+const GENERATE: &str = "kvlease.v1.Scheduler/Generate";
+const ERROR: i32 = 2;
+
+fn rejected(s: &Sent) -> bool {
+    s.result.finish_reason() == pb::FinishReason::Rejected
+}
+
+/// The spans of each trace.
+fn by_trace(spans: &[Received]) -> HashMap<&[u8], Vec<&Received>> {
+    let mut traces: HashMap<&[u8], Vec<&Received>> = HashMap::new();
+    for s in spans {
+        traces
+            .entry(s.span.trace_id.as_slice())
+            .or_default()
+            .push(s);
+    }
+    traces
+}
+
+fn named<'a>(trace: &[&'a Received], name: &str, service: &str) -> Vec<&'a Received> {
+    trace
+        .iter()
+        .filter(|s| s.span.name == name && s.service == service)
+        .copied()
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_oversubscribed_bench_gives_one_readable_trace_per_request() {
+    let receiver = Receiver::start(Duration::ZERO).unwrap();
+    let _telemetry = kvlease_telemetry::init_with(TelemetryConfig {
+        otlp_endpoint: Some(receiver.endpoint()),
+        log_filter: "warn".into(),
+        ..TelemetryConfig::new("kvlease-integration-tests")
+    })
+    .unwrap();
+
+    // two small workers, far more demand than blocks: admissions wait,
+    // decode steps are refused; a refused sequence is preempted once, then
+    // rejected
+    let cluster = OversubscribedCluster::start().await.unwrap();
+
+    let started = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    let sent = traced_bench(cluster.scheduler.addr, 200, 48, 120)
+        .await
+        .unwrap();
+    let wanted: Vec<&[u8]> = sent.iter().map(|s| s.trace.as_slice()).collect();
+    // every request's root (the last span of its trace to end) has arrived
+    receiver
+        .until(Duration::from_secs(60), |all| {
+            let roots: BTreeSet<&[u8]> = all
+                .iter()
+                .filter(|s| s.span.name == GENERATE)
+                .map(|s| s.span.trace_id.as_slice())
+                .collect();
+            wanted.iter().all(|t| roots.contains(t))
+        })
+        .await;
+    // the forward and release spans of the last steps end after the roots
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let spans: Vec<Received> = receiver
+        .snapshot()
+        .into_iter()
+        .filter(|s| s.span.start_time_unix_nano >= started)
+        .collect();
+    assert!(!spans.is_empty());
+    cluster.stop().await;
+
+    let traces = by_trace(&spans);
+    let rejects = sent.iter().filter(|s| rejected(s)).count();
+    let preemptions: u32 = sent.iter().map(|s| s.result.preemptions).sum();
+    assert!(rejects > 0, "no request was rejected");
+    assert!(preemptions > 0, "no request was preempted");
+
+    let mut complete = 0;
+    let mut missing = Vec::new();
+    let mut per_request = Vec::new();
+    let mut foreign_rejects = Vec::new();
+    for s in &sent {
+        let trace = traces.get(s.trace.as_slice()).cloned().unwrap_or_default();
+        per_request.push(trace.len());
+        let root = named(&trace, GENERATE, SCHEDULER);
+        let leased = !named(&trace, "Grant", CACHE).is_empty()
+            || !named(&trace, REJECT_SPAN, CACHE).is_empty();
+        let forward = named(&trace, "forward", SCHEDULER)
+            .iter()
+            .any(|f| attr_int(&f.span, "kvlease.forward_steps").unwrap_or(0) > 0);
+        let released = !named(&trace, "Release", CACHE).is_empty();
+        if root.len() == 1 && leased && forward && released {
+            complete += 1;
+        } else {
+            missing.push(format!(
+                "{}: root {} lease {leased} forward {forward} release {released}",
+                hex(&s.trace),
+                root.len()
+            ));
+        }
+        // rejects in this trace belong to this request's sequences
+        let mine: Vec<i64> = root
+            .first()
+            .map(|r| attr_ints(&r.span, "kvlease.seq_ids"))
+            .unwrap_or_default();
+        if !rejected(s) {
+            for r in named(&trace, REJECT_SPAN, CACHE) {
+                let seq = attr_int(&r.span, "kvlease.seq_id").unwrap_or(-1);
+                if !mine.contains(&seq) {
+                    foreign_rejects.push((hex(&s.trace), seq, mine.clone()));
+                }
+            }
+        }
+    }
+
+    // rejected requests: the cache's reject with the client's figures, and
+    // an ERROR root
+    let mut rejected_ok = 0;
+    let mut shown = None;
+    for s in sent.iter().filter(|s| rejected(s)) {
+        let trace = traces.get(s.trace.as_slice()).cloned().unwrap_or_default();
+        let reject = s.result.reject.as_ref().expect("REJECTED without a reject");
+        let reason = pb::RejectReason::try_from(reject.reason).map_or("?", |r| r.as_str_name());
+        let cache_reject = named(&trace, REJECT_SPAN, CACHE).into_iter().any(|r| {
+            attr_int(&r.span, "kvlease.seq_id") == Some(reject.seq_id as i64)
+                && attr_str(&r.span, "kvlease.reject_reason").as_deref() == Some(reason)
+                && attr_int(&r.span, "kvlease.blocks_needed")
+                    == Some(i64::from(reject.blocks_needed))
+                && attr_int(&r.span, "kvlease.blocks_free") == Some(i64::from(reject.blocks_free))
+                && r.span.status.as_ref().map(|st| st.code) == Some(ERROR)
+        });
+        let root_error = named(&trace, GENERATE, SCHEDULER)
+            .iter()
+            .any(|r| r.span.status.as_ref().map(|st| st.code) == Some(ERROR));
+        if cache_reject && root_error {
+            rejected_ok += 1;
+            if shown.is_none() || s.result.preemptions > 0 {
+                shown = Some(tree(&trace));
+            }
+        } else {
+            println!(
+                "incomplete rejected trace {}:\n{}",
+                hex(&s.trace),
+                tree(&trace)
+            );
+        }
+    }
+
+    // roots: spans whose parent is not in the received spans
+    let ids: BTreeSet<(&[u8], &[u8])> = spans
+        .iter()
+        .map(|s| (s.span.trace_id.as_slice(), s.span.span_id.as_slice()))
+        .collect();
+    let mut roots: HashMap<String, usize> = HashMap::new();
+    let mut bad_roots = Vec::new();
+    for s in &spans {
+        let parent = (s.span.trace_id.as_slice(), s.span.parent_span_id.as_slice());
+        if ids.contains(&parent) {
+            continue;
+        }
+        *roots.entry(s.span.name.clone()).or_default() += 1;
+        let sampled_step = s.span.name == STEP_SPAN
+            && attr_str(&s.span, STEP_SAMPLED).is_some_and(|why| why != "no");
+        if s.span.name != GENERATE && !sampled_step {
+            bad_roots.push(format!("{} [{}]", s.span.name, s.service));
+        }
+    }
+    let services: BTreeSet<&str> = spans.iter().map(|s| s.service.as_str()).collect();
+    let worker_instances: BTreeSet<&str> = spans
+        .iter()
+        .filter(|s| s.service == WORKER)
+        .map(|s| s.instance.as_str())
+        .collect();
+    per_request.sort_unstable();
+    let median = per_request[per_request.len() / 2];
+
+    let n = sent.len();
+    println!("requests {n}, rejected {rejects}, preemptions {preemptions}");
+    println!(
+        "complete traces {complete}/{n} ({:.1}%), rejected with the cache's reject and an ERROR root {rejected_ok}/{rejects}",
+        100.0 * complete as f64 / n as f64
+    );
+    println!(
+        "spans per request trace: median {median}, min {}, max {}; spans received {}; roots by name {roots:?}",
+        per_request[0],
+        per_request[n - 1],
+        spans.len()
+    );
+    println!("service.name: {services:?}; worker instances: {worker_instances:?}");
+    println!(
+        "one rejected request's trace:\n{}",
+        shown.clone().unwrap_or_default()
+    );
+
+    assert!(
+        complete * 100 >= n * 95,
+        "only {complete} of {n} traces are complete"
+    );
+    assert_eq!(
+        rejected_ok, rejects,
+        "rejected requests without the cache's reject or an ERROR root"
+    );
+    assert!(
+        foreign_rejects.is_empty(),
+        "successful requests hold other requests' rejects: {foreign_rejects:?}"
+    );
+    assert!(
+        bad_roots.is_empty(),
+        "root spans other than Generate and sampled steps: {bad_roots:?}"
+    );
+    assert!(median <= 30, "median spans per request {median}");
+    for service in [SCHEDULER, CACHE, WORKER] {
+        assert!(
+            services.contains(service),
+            "no span under service.name {service}: {services:?}"
+        );
+    }
+    assert_eq!(
+        worker_instances.len(),
+        2,
+        "two workers, instances {worker_instances:?}"
+    );
+}

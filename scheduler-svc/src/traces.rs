@@ -1,0 +1,242 @@
+//! What the step loop writes into each request's trace, and how it samples
+//! its step traces.
+//!
+//! A request's trace has its `Generate` server span as root. The loop keeps
+//! that span (not only its context) while the request lives and adds under
+//! it: `queue` (from submission to the admission lease), one `lease` span
+//! per admission (its context travels as the lease item's `traceparent`, so
+//! the cache's span for the sequence is its child), `preempt` per
+//! preemption, one `forward` summary (steps taken part in, time on the
+//! worker) and one `release` span per release (the cache's release span is
+//! its child). Rejects are recorded by the cache in the same trace, and by
+//! the `Generate` span itself (see `service.rs`).
+//!
+//! Steps are their own traces (`step` -> batched calls), exported when the
+//! loop marks them: steps with a reject or a preemption always, others 1 in
+//! N (see [`StepSampling`]); the telemetry crate's step sampler drops the
+//! rest.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use kvlease_telemetry::OpenTelemetrySpanExt as _;
+use kvlease_telemetry::attributes::{self, STEP_SAMPLED};
+use kvlease_telemetry::opentelemetry::Context;
+use kvlease_telemetry::opentelemetry::trace::SpanContext;
+use tracing::Span;
+use tracing::field::Empty;
+
+use crate::domain::{RequestId, SeqId, Step};
+use crate::step::Preemption;
+
+/// One live request's spans.
+#[derive(Debug)]
+struct RequestTrace {
+    root: Span,
+    queue: Option<Span>,
+    forward: Option<ForwardSummary>,
+    seq_ids: Vec<i64>,
+    /// Sequences still held at the cache: the trace outlives the request
+    /// until their releases are recorded in it.
+    held: std::collections::HashSet<SeqId>,
+    finished: bool,
+}
+
+#[derive(Debug)]
+struct ForwardSummary {
+    span: Span,
+    steps: u64,
+    worker_time: Duration,
+}
+
+/// The traces of the live requests, by request and by sequence.
+#[derive(Debug, Default)]
+pub(crate) struct RequestTraces {
+    requests: HashMap<RequestId, RequestTrace>,
+    seqs: HashMap<SeqId, RequestId>,
+}
+
+impl RequestTraces {
+    /// A request was submitted with `root` (its `Generate` span): its queue
+    /// wait starts.
+    pub(crate) fn accept(&mut self, id: RequestId, root: Span) {
+        let queue = tracing::info_span!(parent: &root, "queue", kvlease.request = id.get() as i64);
+        self.requests.insert(
+            id,
+            RequestTrace {
+                root,
+                queue: Some(queue),
+                forward: None,
+                seq_ids: Vec::new(),
+                held: Default::default(),
+                finished: false,
+            },
+        );
+    }
+
+    /// The context of `seq`'s request (empty when it has none).
+    fn context(&self, seq: SeqId) -> Context {
+        self.seqs
+            .get(&seq)
+            .and_then(|r| self.requests.get(r))
+            .map(|t| t.root.context())
+            .unwrap_or_default()
+    }
+
+    /// The `traceparent` of each sequence's request, for a batched call.
+    pub(crate) fn traceparents(&self, seqs: impl Iterator<Item = SeqId>) -> Vec<String> {
+        seqs.map(|s| kvlease_telemetry::traceparent(&self.context(s)))
+            .collect()
+    }
+
+    /// The span contexts of the requests `seqs` serve, to link a step's
+    /// batched call to every request in it.
+    pub(crate) fn links(&self, seqs: impl Iterator<Item = SeqId>) -> Vec<SpanContext> {
+        seqs.filter_map(|s| self.seqs.get(&s))
+            .filter_map(|r| self.requests.get(r))
+            .map(|t| kvlease_telemetry::span_context(&t.root))
+            .collect()
+    }
+
+    /// Admission leases for `(seq, request)`: ends the queue wait and opens
+    /// a `lease` span per sequence. Returns the spans (kept open for the
+    /// call) and their `traceparent`s (the items' trace contexts).
+    pub(crate) fn leasing(
+        &mut self,
+        step: Step,
+        items: impl Iterator<Item = (SeqId, RequestId)>,
+    ) -> (Vec<Span>, Vec<String>) {
+        let mut spans = Vec::new();
+        let mut parents = Vec::new();
+        for (seq, request) in items {
+            self.seqs.insert(seq, request);
+            let span = match self.requests.get_mut(&request) {
+                Some(t) => {
+                    t.queue = None;
+                    t.held.insert(seq);
+                    t.seq_ids.push(seq.get() as i64);
+                    tracing::info_span!(parent: &t.root, "lease", kvlease.seq_id = seq.get() as i64,
+                        kvlease.step = step.get() as i64, kvlease.outcome = Empty)
+                }
+                None => Span::none(),
+            };
+            parents.push(kvlease_telemetry::traceparent(&span.context()));
+            spans.push(span);
+        }
+        (spans, parents)
+    }
+
+    /// A preemption, as a span in the request's trace.
+    pub(crate) fn preempted(&self, p: &Preemption) {
+        if let Some(t) = self.requests.get(&p.request) {
+            let _span = tracing::info_span!(parent: &t.root, "preempt",
+                kvlease.seq_id = p.seq_id.get() as i64,
+                kvlease.preempt_cause = p.cause,
+                kvlease.tokens_to_recompute = i64::from(p.tokens_to_recompute));
+        }
+    }
+
+    /// A forward pass that took `took` on the worker included `seqs`.
+    pub(crate) fn forwarded(&mut self, seqs: &[SeqId], took: Duration) {
+        for seq in seqs {
+            let Some(t) = self.seqs.get(seq).and_then(|r| self.requests.get_mut(r)) else {
+                continue;
+            };
+            let summary = t.forward.get_or_insert_with(|| ForwardSummary {
+                span: tracing::info_span!(parent: &t.root, "forward",
+                    kvlease.forward_steps = Empty, kvlease.worker_time_us = Empty),
+                steps: 0,
+                worker_time: Duration::ZERO,
+            });
+            // recorded once, when the request ends: a field recorded again
+            // is exported again
+            summary.steps += 1;
+            summary.worker_time += took;
+        }
+    }
+
+    /// `release` spans for a release batch (fenced at `fence`), in the
+    /// traces of the sequences' requests; with their `traceparent`s.
+    pub(crate) fn releasing(
+        &self,
+        seqs: &[SeqId],
+        fence: Option<Step>,
+    ) -> (Vec<Span>, Vec<String>) {
+        let mut spans = Vec::new();
+        let mut parents = Vec::new();
+        for seq in seqs {
+            let span = match self.seqs.get(seq).and_then(|r| self.requests.get(r)) {
+                Some(t) => tracing::info_span!(parent: &t.root, "release",
+                    kvlease.seq_id = seq.get() as i64,
+                    kvlease.fence_step = fence.map_or(-1, |f| f.get() as i64)),
+                None => Span::none(),
+            };
+            parents.push(kvlease_telemetry::traceparent(&span.context()));
+            spans.push(span);
+        }
+        (spans, parents)
+    }
+
+    /// The core forgot `seq` (released, or never leased).
+    pub(crate) fn forget_seq(&mut self, seq: SeqId) {
+        let Some(id) = self.seqs.remove(&seq) else {
+            return;
+        };
+        if let Some(t) = self.requests.get_mut(&id) {
+            t.held.remove(&seq);
+            if t.finished && t.held.is_empty() {
+                self.requests.remove(&id);
+            }
+        }
+    }
+
+    /// The request ended: its queue and forward spans close; the trace (and
+    /// its root) stays until the sequences it still holds are released.
+    pub(crate) fn finish(&mut self, id: RequestId) {
+        let Some(t) = self.requests.get_mut(&id) else {
+            return;
+        };
+        t.queue = None;
+        if let Some(summary) = t.forward.take() {
+            summary
+                .span
+                .record("kvlease.forward_steps", summary.steps as i64);
+            summary.span.record(
+                "kvlease.worker_time_us",
+                i64::try_from(summary.worker_time.as_micros()).unwrap_or(i64::MAX),
+            );
+        }
+        // set once: `set_attribute` adds, it does not replace
+        t.root.set_attribute(
+            attributes::SEQ_IDS,
+            kvlease_telemetry::opentelemetry::Value::Array(t.seq_ids.clone().into()),
+        );
+        t.finished = true;
+        if t.held.is_empty() {
+            self.requests.remove(&id);
+        }
+    }
+}
+
+/// Which step traces are exported: those with a reject or a preemption,
+/// and every `one_in`-th step besides (0: none besides).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepSampling {
+    pub one_in: u64,
+}
+
+impl StepSampling {
+    /// Marks `span` (a step's root) with why it is exported, or `"no"`.
+    pub(crate) fn mark(&self, span: &Span, step: Step, rejects: bool, preemptions: bool) {
+        let why = if rejects {
+            "reject"
+        } else if preemptions {
+            "preemption"
+        } else if self.one_in > 0 && step.get().is_multiple_of(self.one_in) {
+            "one_in_n"
+        } else {
+            "no"
+        };
+        span.record(STEP_SAMPLED, why);
+    }
+}
