@@ -9,6 +9,7 @@ use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_server::CacheService;
 use kvlease_telemetry::OpenTelemetrySpanExt as _;
 use kvlease_telemetry::attributes;
+use kvlease_telemetry::metrics::names;
 use kvlease_telemetry::opentelemetry::Value;
 use kvlease_telemetry::opentelemetry::trace::SpanContext;
 use kvlease_telemetry::serve::StopWatch;
@@ -21,7 +22,7 @@ use crate::cache::{Batch, Cache, Evicted};
 use crate::convert::{estimate_to_pb, event_to_pb, outcomes_to_pb, spec_from_pb, stats_to_pb};
 use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId};
-use crate::lease::{Growth, ReleaseStatus};
+use crate::lease::{Growth, Outcome, ReleaseStatus};
 use crate::metrics::CacheMetrics;
 
 /// Events sent per read of the log by one WatchEvents stream.
@@ -225,6 +226,29 @@ impl CacheServiceImpl {
         Ok(())
     }
 
+    /// Runs one `Lease` or `Extend` batch (`op`) on the cache and answers
+    /// it: the outcomes counted, each sequence's outcome (and the blocks its
+    /// allocation evicted) in its own trace.
+    fn answer_batch(
+        &self,
+        op: &'static str,
+        step: u64,
+        session: SessionId,
+        traces: &[String],
+        run: impl FnOnce(&mut Cache) -> Result<Vec<Outcome>>,
+    ) -> Result<Vec<pb::SequenceOutcome>> {
+        let mut cache = self.lock();
+        trace_call(session.0, Some(step));
+        let outcomes = run(&mut cache)?;
+        self.notify_events(&cache);
+        let evicted = cache.take_evictions();
+        drop(cache);
+        self.metrics.record(op, &outcomes);
+        let outcomes = outcomes_to_pb(outcomes);
+        trace_outcomes(&outcomes, traces, op == names::OP_LEASE, &evicted);
+        Ok(outcomes)
+    }
+
     pub(crate) fn notify_events(&self, cache: &Cache) {
         let last = cache.last_event_id();
         self.events.send_if_modified(|v| {
@@ -323,26 +347,15 @@ impl CacheService for CacheServiceImpl {
             .into_iter()
             .map(spec_from_pb)
             .collect::<Result<Vec<_>>>()?;
-        let mut cache = self.lock();
-        trace_call(r.session_id, Some(r.step));
-        let outcomes = cache.lease(
-            SessionId(r.session_id),
-            Epoch(r.epoch),
-            Batch {
-                step: r.step,
-                atomic: r.atomic,
-                warmup: r.warmup,
-            },
-            &specs,
-            now(),
-        )?;
-        self.notify_events(&cache);
-        let evicted = cache.take_evictions();
-        drop(cache);
-        self.metrics
-            .record(kvlease_telemetry::metrics::names::OP_LEASE, &outcomes);
-        let outcomes = outcomes_to_pb(outcomes);
-        trace_outcomes(&outcomes, &traces, true, &evicted);
+        let batch = Batch {
+            step: r.step,
+            atomic: r.atomic,
+            warmup: r.warmup,
+        };
+        let (session, epoch) = (SessionId(r.session_id), Epoch(r.epoch));
+        let outcomes = self.answer_batch(names::OP_LEASE, r.step, session, &traces, |cache| {
+            cache.lease(session, epoch, batch, &specs, now())
+        })?;
         Ok(Response::new(pb::LeaseResponse { outcomes }))
     }
 
@@ -374,26 +387,15 @@ impl CacheService for CacheServiceImpl {
                 ))),
             })
             .collect::<Result<Vec<_>>>()?;
-        let mut cache = self.lock();
-        trace_call(r.session_id, Some(r.step));
-        let outcomes = cache.extend(
-            SessionId(r.session_id),
-            Epoch(r.epoch),
-            Batch {
-                step: r.step,
-                atomic: r.atomic,
-                warmup: false,
-            },
-            &items,
-            now(),
-        )?;
-        self.notify_events(&cache);
-        let evicted = cache.take_evictions();
-        drop(cache);
-        self.metrics
-            .record(kvlease_telemetry::metrics::names::OP_EXTEND, &outcomes);
-        let outcomes = outcomes_to_pb(outcomes);
-        trace_outcomes(&outcomes, &traces, false, &evicted);
+        let batch = Batch {
+            step: r.step,
+            atomic: r.atomic,
+            warmup: false,
+        };
+        let (session, epoch) = (SessionId(r.session_id), Epoch(r.epoch));
+        let outcomes = self.answer_batch(names::OP_EXTEND, r.step, session, &traces, |cache| {
+            cache.extend(session, epoch, batch, &items, now())
+        })?;
         Ok(Response::new(pb::ExtendResponse { outcomes }))
     }
 

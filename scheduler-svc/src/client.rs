@@ -187,7 +187,7 @@ impl CacheClient {
     }
 
     /// One batched Lease; one outcome per spec, in order. `traces[i]` is the
-    /// `traceparent` of spec i's request (see [`item_trace`]).
+    /// `traceparent` of spec i's request (empty: none).
     pub async fn lease(
         &self,
         step: u64,
