@@ -277,9 +277,10 @@ fn kv_bytes(model: &ModelConfig, context: u32, sequences: u32) -> u64 {
 pub const MODEL_BUDGET_SEQUENCES: u32 = 4;
 
 /// The memory budget, in MiB, in which a CPU worker with `config` holds its
-/// model's f32 weights, its activations and the KV blocks of `sequences`
-/// sequences of `context` tokens (0: the model's context). A real model's
-/// shape is read from its file's metadata (the weights stay on disk).
+/// model's weights (as the worker keeps them: quantized matrices packed),
+/// its activations and the KV blocks of `sequences` sequences of `context`
+/// tokens (0: the model's context). A real model is read from its file to
+/// count its weights.
 pub fn budget_for(config: &worker_svc::Config, context: u32, sequences: u32) -> Result<u64> {
     let model = config.model_shape().map_err(|e| failed("worker", e))?;
     // as the worker resolves 0 threads (the activations grow with them)
@@ -289,7 +290,7 @@ pub fn budget_for(config: &worker_svc::Config, context: u32, sequences: u32) -> 
             .min(DEFAULT_MAX_THREADS),
         n => n,
     };
-    let weights = model.num_params() as u64 * 4;
+    let weights = config.weight_bytes().map_err(|e| failed("worker", e))?;
     let activations = activation_bytes(&model, config.max_batch_tokens, threads);
     let kv = kv_bytes(&model, context, sequences);
     Ok((weights + activations + kv).div_ceil(MIB))

@@ -110,7 +110,8 @@ def rejects(base_url, requests=48, max_tokens=256):
     served = [o for o in outcomes if o == "length"]
     print(f"{requests} completions of {max_tokens} tokens at once: {len(served)} served, "
           f"{len(refused)} refused")
-    check(len(served) + len(refused) == requests, f"every request served or refused: {outcomes}")
+    odd = [o for o in outcomes if o != "length" and not isinstance(o, openai.RateLimitError)]
+    check(not odd, f"every request served to its length or refused ({len(odd)} other ends: {odd})")
     check(refused, "an over-subscribed pool refuses some requests")
     e = refused[0]
     check(e.status_code == 429 and "POOL_EXHAUSTED" in e.message and "blocks needed" in e.message,

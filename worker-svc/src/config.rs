@@ -285,6 +285,16 @@ impl Config {
         }
     }
 
+    /// Bytes the weights take in the worker's memory: the model file loaded
+    /// as the worker loads it (quantized matrices stay packed), or the
+    /// seeded model's f32 parameters.
+    pub fn weight_bytes(&self) -> Result<u64> {
+        match &self.model {
+            Some(path) => Ok(load::open(path, self.serving_shape())?.weights.bytes()),
+            None => Ok(self.model_config()?.num_params() as u64 * 4),
+        }
+    }
+
     fn serving_shape(&self) -> ServingShape {
         ServingShape {
             max_context: self.max_context,
