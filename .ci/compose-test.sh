@@ -99,7 +99,10 @@ if command -v curl >/dev/null 2>&1; then
                "$KVLEASE_WORKER_1_METRICS_PORT:kvlease_worker_pool_capacity_blocks" \
                "$KVLEASE_SCHEDULER_METRICS_PORT:kvlease_queue_depth"; do
     port="${probe%%:*}"; metric="${probe#*:}"
-    if ! curl -fsS "http://127.0.0.1:$port/metrics" | grep -q "^$metric"; then
+    # read the whole page first: `curl | grep -q` under pipefail fails when
+    # grep stops at an early match and curl gets EPIPE
+    page="$(curl -fsS "http://127.0.0.1:$port/metrics" 2>&1)"
+    if ! grep -q "^$metric" <<<"$page"; then
       fail "no $metric on the metrics endpoint 127.0.0.1:$port"
     fi
   done
