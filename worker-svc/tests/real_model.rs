@@ -232,7 +232,13 @@ fn smollm2_says_the_capital_of_france_is_paris() {
         shape, loaded.weights.config,
         "the shape alone equals the loaded one"
     );
-    assert_eq!(shape.num_params() as u64 * 4, loaded.weights.bytes());
+    // quantized matrices stay packed: far below the f32 size of the shape
+    let f32_bytes = shape.num_params() as u64 * 4;
+    assert!(
+        loaded.weights.bytes() < f32_bytes / 4,
+        "{} bytes of weights, {f32_bytes} as f32",
+        loaded.weights.bytes()
+    );
     let prompt = loaded
         .tokenizer
         .encode("The capital of France is")
