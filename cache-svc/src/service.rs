@@ -22,7 +22,7 @@ use crate::cache::{Batch, Cache, Evicted};
 use crate::convert::{estimate_to_pb, event_to_pb, outcomes_to_pb, spec_from_pb, stats_to_pb};
 use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId};
-use crate::lease::{Growth, Outcome, ReleaseStatus};
+use crate::lease::{Growth, Outcome, ReleaseResult, ReleaseStatus};
 use crate::metrics::CacheMetrics;
 
 /// Events sent per read of the log by one WatchEvents stream.
@@ -84,7 +84,7 @@ fn trace_outcomes(
             .unwrap_or_default()
     };
     let mut index = HashMap::new();
-    for (i, o) in outcomes.iter().enumerate() {
+    for (i, o) in outcomes.iter().enumerate().filter(|_| !evicted.is_empty()) {
         let seq_id = match &o.outcome {
             Some(pb::sequence_outcome::Outcome::Grant(g)) => g.seq_id,
             Some(pb::sequence_outcome::Outcome::Reject(r)) => r.seq_id,
@@ -110,13 +110,16 @@ fn trace_outcomes(
             span.set_attribute(attributes::BLOCKS_EVICTED, Value::Array(blocks.into()));
         }
     }
+    // parsed only for the items that get a span: an Extend of 256 running
+    // sequences is all grants, and it comes every step
     for (i, o) in outcomes.iter().enumerate() {
-        let cx = item_trace(i);
         match &o.outcome {
             Some(pb::sequence_outcome::Outcome::Reject(r)) => {
+                let cx = item_trace(i);
                 let _span = kvlease_telemetry::sequence_reject_span(&cx, r, batch.clone());
             }
             Some(pb::sequence_outcome::Outcome::Grant(g)) if grants && !traces.is_empty() => {
+                let cx = item_trace(i);
                 if !kvlease_telemetry::opentelemetry::trace::TraceContextExt::has_active_span(&cx) {
                     continue;
                 }
@@ -237,16 +240,155 @@ impl CacheServiceImpl {
         traces: &[String],
         run: impl FnOnce(&mut Cache) -> Result<Vec<Outcome>>,
     ) -> Result<Vec<pb::SequenceOutcome>> {
-        let mut cache = self.lock();
+        let cache = self.lock();
         trace_call(session.0, Some(step));
-        let outcomes = run(&mut cache)?;
+        self.answer_locked(cache, op, traces, run)
+    }
+
+    /// [`Self::answer_batch`] under a lock the caller already holds (and
+    /// that this call releases).
+    fn answer_locked(
+        &self,
+        mut cache: MutexGuard<'_, Cache>,
+        op: &'static str,
+        traces: &[String],
+        run: impl FnOnce(&mut Cache) -> Result<Vec<Outcome>>,
+    ) -> Result<Vec<pb::SequenceOutcome>> {
+        let outcomes = run(&mut cache);
+        // what an earlier part of a `Step` call changed is announced even
+        // when this part fails
         self.notify_events(&cache);
+        let outcomes = outcomes?;
         let evicted = cache.take_evictions();
         drop(cache);
         self.metrics.record(op, &outcomes);
         let outcomes = outcomes_to_pb(outcomes);
         trace_outcomes(&outcomes, traces, op == names::OP_LEASE, &evicted);
         Ok(outcomes)
+    }
+
+    /// An Extend's items checked and parted: the items' trace contexts, the
+    /// growth of each sequence, the batch.
+    #[allow(clippy::type_complexity)]
+    fn extend_part(
+        &self,
+        mut part: pb::StepExtend,
+    ) -> Result<(Vec<String>, Vec<(u64, Growth)>, Batch)> {
+        self.check_batch("items", part.items.len())?;
+        let traces: Vec<String> = part
+            .items
+            .iter_mut()
+            .map(|i| std::mem::take(&mut i.traceparent))
+            .collect();
+        let items = part
+            .items
+            .into_iter()
+            .map(|i| match (i.new_tokens.is_empty(), i.num_tokens) {
+                (false, 0) => Ok((i.seq_id, Growth::Tokens(i.new_tokens))),
+                (true, n) if n > 0 => Ok((i.seq_id, Growth::Count(n))),
+                (true, _) => Err(Error::InvalidArgument(format!(
+                    "sequence {}: give new_tokens or num_tokens > 0",
+                    i.seq_id
+                ))),
+                (false, _) => Err(Error::InvalidArgument(format!(
+                    "sequence {}: give only one of new_tokens and num_tokens",
+                    i.seq_id
+                ))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let batch = Batch {
+            step: part.step,
+            atomic: part.atomic,
+            warmup: false,
+        };
+        Ok((traces, items, batch))
+    }
+
+    /// A release's answer, with each release in its request's trace and the
+    /// fenced ones remembered for the `CompleteStep` that frees them.
+    fn answer_release(
+        &self,
+        session_id: u64,
+        part: &pb::StepRelease,
+        results: Vec<ReleaseResult>,
+    ) -> pb::ReleaseResponse {
+        let batch = Span::current();
+        if let Some(step) = part.fence_step {
+            attributes::set_u64(&batch, attributes::FENCE_STEP, step);
+        }
+        // Each release in its request's trace; the CompleteStep that frees a
+        // fence links to these (or to the batch call, for items without one).
+        let mut fenced = Vec::new();
+        let batch_cx = kvlease_telemetry::span_context(&batch);
+        for (i, x) in results.iter().enumerate() {
+            let cx = part
+                .traceparents
+                .get(i)
+                .map(|t| kvlease_telemetry::context_from_traceparent(t))
+                .unwrap_or_default();
+            if !kvlease_telemetry::opentelemetry::trace::TraceContextExt::has_active_span(&cx) {
+                continue;
+            }
+            let span = kvlease_telemetry::sequence_span(&cx, RELEASE_SPAN, batch_cx.clone());
+            attributes::set_u64(&span, attributes::SEQ_ID, x.seq_id);
+            attributes::set_u64(
+                &span,
+                attributes::BLOCKS_RETURNED,
+                u64::from(x.blocks_freed),
+            );
+            attributes::set_u64(&span, attributes::BLOCKS_FENCED, u64::from(x.blocks_fenced));
+            if let Some(step) = part.fence_step {
+                attributes::set_u64(&span, attributes::FENCE_STEP, step);
+                fenced.push(kvlease_telemetry::span_context(&span));
+            }
+        }
+        if let Some(step) = part.fence_step {
+            if fenced.is_empty() {
+                fenced.push(batch_cx);
+            }
+            let mut links = self.fence_links.lock().unwrap_or_else(|p| p.into_inner());
+            for cx in fenced {
+                links.remember(session_id, step, cx);
+            }
+        }
+        pb::ReleaseResponse {
+            results: results
+                .into_iter()
+                .map(|x| pb::ReleaseResult {
+                    seq_id: x.seq_id,
+                    status: match x.status {
+                        ReleaseStatus::Released => pb::ReleaseStatus::Released,
+                        ReleaseStatus::AlreadyReleased => pb::ReleaseStatus::AlreadyReleased,
+                        ReleaseStatus::Unknown => pb::ReleaseStatus::Unknown,
+                    } as i32,
+                    blocks_freed: x.blocks_freed,
+                    blocks_fenced: x.blocks_fenced,
+                })
+                .collect(),
+        }
+    }
+
+    /// A `CompleteStep`'s answer, its span linked to the fenced releases it
+    /// freed.
+    fn answer_complete(
+        &self,
+        session_id: u64,
+        step: u64,
+        returned: u64,
+    ) -> pb::CompleteStepResponse {
+        let span = Span::current();
+        attributes::set_u64(&span, attributes::BLOCKS_RETURNED, returned);
+        let released = self
+            .fence_links
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take_through(session_id, step);
+        for cx in released {
+            attributes::add_link(&span, cx, attributes::LINK_FENCED_RELEASE);
+        }
+        pb::CompleteStepResponse {
+            blocks_returned: returned,
+        }
     }
 
     pub(crate) fn notify_events(&self, cache: &Cache) {
@@ -363,39 +505,19 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::ExtendRequest>,
     ) -> Result<Response<pb::ExtendResponse>, Status> {
-        let mut r = request.into_inner();
+        let r = request.into_inner();
         self.check_size(&r)?;
-        self.check_batch("items", r.items.len())?;
-        let traces: Vec<String> = r
-            .items
-            .iter_mut()
-            .map(|i| std::mem::take(&mut i.traceparent))
-            .collect();
-        let items = r
-            .items
-            .into_iter()
-            .map(|i| match (i.new_tokens.is_empty(), i.num_tokens) {
-                (false, 0) => Ok((i.seq_id, Growth::Tokens(i.new_tokens))),
-                (true, n) if n > 0 => Ok((i.seq_id, Growth::Count(n))),
-                (true, _) => Err(Error::InvalidArgument(format!(
-                    "sequence {}: give new_tokens or num_tokens > 0",
-                    i.seq_id
-                ))),
-                (false, _) => Err(Error::InvalidArgument(format!(
-                    "sequence {}: give only one of new_tokens and num_tokens",
-                    i.seq_id
-                ))),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let batch = Batch {
+        let part = pb::StepExtend {
             step: r.step,
             atomic: r.atomic,
-            warmup: false,
+            items: r.items,
         };
+        let (traces, items, batch) = self.extend_part(part)?;
         let (session, epoch) = (SessionId(r.session_id), Epoch(r.epoch));
-        let outcomes = self.answer_batch(names::OP_EXTEND, r.step, session, &traces, |cache| {
-            cache.extend(session, epoch, batch, &items, now())
-        })?;
+        let outcomes =
+            self.answer_batch(names::OP_EXTEND, batch.step, session, &traces, |cache| {
+                cache.extend(session, epoch, batch, &items, now())
+            })?;
         Ok(Response::new(pb::ExtendResponse { outcomes }))
     }
 
@@ -405,72 +527,28 @@ impl CacheService for CacheServiceImpl {
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
         let r = request.into_inner();
         self.check_size(&r)?;
-        self.check_batch("seq_ids", r.seq_ids.len())?;
+        let part = pb::StepRelease {
+            seq_ids: r.seq_ids,
+            fence_step: r.fence_step,
+            traceparents: r.traceparents,
+        };
+        self.check_batch("seq_ids", part.seq_ids.len())?;
         let mut cache = self.lock();
         trace_call(r.session_id, None);
         let results = cache.release(
             SessionId(r.session_id),
             Epoch(r.epoch),
-            &r.seq_ids,
-            r.fence_step,
+            &part.seq_ids,
+            part.fence_step,
             now(),
         )?;
         self.notify_events(&cache);
         drop(cache);
-        let batch = Span::current();
-        if let Some(step) = r.fence_step {
-            attributes::set_u64(&batch, attributes::FENCE_STEP, step);
-        }
-        // Each release in its request's trace; the CompleteStep that frees a
-        // fence links to these (or to the batch call, for items without one).
-        let mut fenced = Vec::new();
-        let batch_cx = kvlease_telemetry::span_context(&batch);
-        for (i, x) in results.iter().enumerate() {
-            let cx = r
-                .traceparents
-                .get(i)
-                .map(|t| kvlease_telemetry::context_from_traceparent(t))
-                .unwrap_or_default();
-            if !kvlease_telemetry::opentelemetry::trace::TraceContextExt::has_active_span(&cx) {
-                continue;
-            }
-            let span = kvlease_telemetry::sequence_span(&cx, RELEASE_SPAN, batch_cx.clone());
-            attributes::set_u64(&span, attributes::SEQ_ID, x.seq_id);
-            attributes::set_u64(
-                &span,
-                attributes::BLOCKS_RETURNED,
-                u64::from(x.blocks_freed),
-            );
-            attributes::set_u64(&span, attributes::BLOCKS_FENCED, u64::from(x.blocks_fenced));
-            if let Some(step) = r.fence_step {
-                attributes::set_u64(&span, attributes::FENCE_STEP, step);
-                fenced.push(kvlease_telemetry::span_context(&span));
-            }
-        }
-        if let Some(step) = r.fence_step {
-            if fenced.is_empty() {
-                fenced.push(batch_cx);
-            }
-            let mut links = self.fence_links.lock().unwrap_or_else(|p| p.into_inner());
-            for cx in fenced {
-                links.remember(r.session_id, step, cx);
-            }
-        }
-        Ok(Response::new(pb::ReleaseResponse {
-            results: results
-                .into_iter()
-                .map(|x| pb::ReleaseResult {
-                    seq_id: x.seq_id,
-                    status: match x.status {
-                        ReleaseStatus::Released => pb::ReleaseStatus::Released,
-                        ReleaseStatus::AlreadyReleased => pb::ReleaseStatus::AlreadyReleased,
-                        ReleaseStatus::Unknown => pb::ReleaseStatus::Unknown,
-                    } as i32,
-                    blocks_freed: x.blocks_freed,
-                    blocks_fenced: x.blocks_fenced,
-                })
-                .collect(),
-        }))
+        Ok(Response::new(self.answer_release(
+            r.session_id,
+            &part,
+            results,
+        )))
     }
 
     async fn complete_step(
@@ -484,18 +562,66 @@ impl CacheService for CacheServiceImpl {
             cache.complete_step(SessionId(r.session_id), Epoch(r.epoch), r.step, now())?;
         self.notify_events(&cache);
         drop(cache);
-        let span = Span::current();
-        attributes::set_u64(&span, attributes::BLOCKS_RETURNED, returned);
-        let released = self
-            .fence_links
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take_through(r.session_id, r.step);
-        for cx in released {
-            attributes::add_link(&span, cx, attributes::LINK_FENCED_RELEASE);
+        Ok(Response::new(self.answer_complete(
+            r.session_id,
+            r.step,
+            returned,
+        )))
+    }
+
+    async fn step(
+        &self,
+        request: Request<pb::StepRequest>,
+    ) -> Result<Response<pb::StepResponse>, Status> {
+        let r = request.into_inner();
+        self.check_size(&r)?;
+        // every part checked before any is applied
+        if let Some(release) = &r.release {
+            self.check_batch("release.seq_ids", release.seq_ids.len())?;
         }
-        Ok(Response::new(pb::CompleteStepResponse {
-            blocks_returned: returned,
+        let extend = r.extend.map(|part| self.extend_part(part)).transpose()?;
+        let (session, epoch) = (SessionId(r.session_id), Epoch(r.epoch));
+        let mut cache = self.lock();
+        // the span's step: the completion's, else the extends'
+        trace_call(
+            r.session_id,
+            r.complete_step
+                .or(extend.as_ref().map(|(_, _, batch)| batch.step)),
+        );
+        let released = match &r.release {
+            Some(part) => {
+                Some(cache.release(session, epoch, &part.seq_ids, part.fence_step, now())?)
+            }
+            None => None,
+        };
+        let returned = match r.complete_step {
+            Some(step) => Some(cache.complete_step(session, epoch, step, now())?),
+            None => None,
+        };
+        let extended = match extend {
+            Some((traces, items, batch)) => Some(self.answer_locked(
+                cache,
+                names::OP_EXTEND,
+                &traces,
+                |cache| cache.extend(session, epoch, batch, &items, now()),
+            )?),
+            None => {
+                self.notify_events(&cache);
+                drop(cache);
+                None
+            }
+        };
+        Ok(Response::new(pb::StepResponse {
+            release: r
+                .release
+                .as_ref()
+                .zip(released)
+                .map(|(part, results)| self.answer_release(r.session_id, part, results)),
+            complete: r
+                .complete_step
+                .zip(returned)
+                .map(|(step, n)| self.answer_complete(r.session_id, step, n)),
+            extend: extended.map(|outcomes| pb::ExtendResponse { outcomes }),
         }))
     }
 

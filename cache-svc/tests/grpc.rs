@@ -810,3 +810,184 @@ async fn malformed_item_trace_contexts_are_ignored() {
     assert_eq!(released[0].status, pb::ReleaseStatus::Released as i32);
     assert_eq!(released[1].status, pb::ReleaseStatus::Unknown as i32);
 }
+
+fn ext_item(seq_id: u64, new_tokens: Vec<u32>) -> pb::ExtendItem {
+    pb::ExtendItem {
+        seq_id,
+        new_tokens,
+        num_tokens: 0,
+        traceparent: String::new(),
+    }
+}
+
+/// `Step` applies its release, then its completion, then its extends, under
+/// one lock: a full pool's extend is granted from the blocks the release and
+/// the completion of the same call returned.
+#[tokio::test]
+async fn step_applies_release_then_complete_then_extend() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    register(c, 6).await;
+    let sess = open(c).await;
+    // two sequences of 12 tokens fill the full-attention pool (3 + 3 blocks)
+    let out = c
+        .lease(lease_req(
+            sess,
+            1,
+            vec![seq(1, (0..12).collect()), seq(2, (100..112).collect())],
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    grant(&out[0]);
+    grant(&out[1]);
+    let r = c
+        .step(pb::StepRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            release: Some(pb::StepRelease {
+                seq_ids: vec![1],
+                fence_step: Some(1),
+                traceparents: Vec::new(),
+            }),
+            complete_step: Some(1),
+            extend: Some(pb::StepExtend {
+                step: 2,
+                atomic: false,
+                items: vec![ext_item(2, vec![112])],
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let release = r.release.expect("a release part");
+    assert_eq!(release.results[0].status(), pb::ReleaseStatus::Released);
+    assert!(release.results[0].blocks_fenced > 0, "{release:?}");
+    let complete = r.complete.expect("a complete part");
+    assert!(complete.blocks_returned >= 3, "{complete:?}");
+    let extend = r.extend.expect("an extend part");
+    assert_eq!(grant(&extend.outcomes[0]).seq_id, 2);
+
+    // A part left out has no answer; the same extend alone, with the pool
+    // full again, is refused: the order above is what granted it.
+    let out = c
+        .lease(lease_req(sess, 2, vec![seq(3, (200..208).collect())]))
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    grant(&out[0]);
+    let r = c
+        .step(pb::StepRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            release: None,
+            complete_step: None,
+            extend: Some(pb::StepExtend {
+                step: 3,
+                atomic: false,
+                items: vec![ext_item(3, (208..213).collect())],
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.release.is_none() && r.complete.is_none());
+    let refused = r.extend.expect("an extend part");
+    assert_eq!(
+        reject(&refused.outcomes[0]).reason(),
+        pb::RejectReason::PoolExhausted
+    );
+    s.shutdown().await;
+}
+
+/// A malformed part fails the whole `Step` before any part is applied.
+#[tokio::test]
+async fn a_malformed_step_applies_nothing() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    register(c, 16).await;
+    let sess = open(c).await;
+    let out = c
+        .lease(lease_req(sess, 1, vec![seq(1, (0..8).collect())]))
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    grant(&out[0]);
+    let release_1 = || pb::StepRelease {
+        seq_ids: vec![1],
+        fence_step: None,
+        traceparents: Vec::new(),
+    };
+    let mut both = ext_item(1, vec![8]);
+    both.num_tokens = 2;
+    assert_status(
+        c.step(pb::StepRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            release: Some(release_1()),
+            complete_step: Some(1),
+            extend: Some(pb::StepExtend {
+                step: 2,
+                atomic: false,
+                items: vec![both],
+            }),
+        })
+        .await,
+        Code::InvalidArgument,
+        "only one of",
+    );
+    assert_status(
+        c.step(pb::StepRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            release: Some(pb::StepRelease {
+                seq_ids: (0..9).collect(),
+                fence_step: None,
+                traceparents: Vec::new(),
+            }),
+            complete_step: None,
+            extend: None,
+        })
+        .await,
+        Code::ResourceExhausted,
+        "batch limit is 8",
+    );
+    assert_status(
+        c.step(pb::StepRequest {
+            session_id: sess.0 + 1000,
+            epoch: sess.1,
+            release: Some(release_1()),
+            complete_step: None,
+            extend: None,
+        })
+        .await,
+        Code::FailedPrecondition,
+        "unknown session",
+    );
+    // sequence 1 is still held: the refused calls released nothing
+    let stats = c
+        .get_stats(pb::GetStatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(stats.pools.iter().any(|p| p.in_use > 0), "{stats:?}");
+    let rel = c
+        .step(pb::StepRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            release: Some(release_1()),
+            complete_step: None,
+            extend: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        rel.release.unwrap().results[0].status(),
+        pb::ReleaseStatus::Released
+    );
+    s.shutdown().await;
+}

@@ -203,6 +203,41 @@ impl CacheService for CacheTap {
         });
         self.inner.clone().complete_step(req).await
     }
+    async fn step(
+        &self,
+        r: Request<pb::StepRequest>,
+    ) -> Result<Response<pb::StepResponse>, Status> {
+        let req = r.into_inner();
+        // noted in the order the cache applies the parts
+        if let Some(release) = &req.release {
+            {
+                let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+                for s in &release.seq_ids {
+                    held.remove(s);
+                }
+            }
+            self.log.push(Event::Released {
+                at: self.log.tick(),
+                seqs: release.seq_ids.clone(),
+                fence: release.fence_step,
+            });
+        }
+        if let Some(step) = req.complete_step {
+            self.log.push(Event::Completed {
+                at: self.log.tick(),
+                step,
+            });
+        }
+        let extend = req.extend.as_ref().map(|e| {
+            let seqs: Vec<u64> = e.items.iter().map(|i| i.seq_id).collect();
+            (self.log.tick(), e.step, seqs)
+        });
+        let resp = self.inner.clone().step(req).await?;
+        if let (Some((at, step, seqs)), Some(x)) = (extend, &resp.get_ref().extend) {
+            self.acquired(at, step, &seqs, &x.outcomes);
+        }
+        Ok(resp)
+    }
     async fn estimate(
         &self,
         r: Request<pb::EstimateRequest>,

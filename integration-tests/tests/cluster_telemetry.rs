@@ -406,10 +406,12 @@ async fn a_fenced_release_is_linked_to_the_complete_step_that_freed_it() -> Test
         );
     }
     let is_link = |l: &opentelemetry_proto::tonic::trace::v1::span::Link| matches!(value(&l.attributes, LINK_KIND), Some(AnyValue::StringValue(k)) if k == LINK_FENCED_RELEASE);
-    // a CompleteStep span of the cache linked to a Release span of one of our requests
+    // a completion (a CompleteStep call, or a Step call's completion part) of
+    // the cache linked to a Release span of one of our requests
+    let completes = |s: &Span| s.name.ends_with("CompleteStep") || s.name.ends_with("/Step");
     let linked = |all: &[Span]| -> Option<(Span, Span)> {
         all.iter()
-            .filter(|s| s.name.ends_with("CompleteStep") && service(s) == CACHE)
+            .filter(|s| completes(s) && service(s) == CACHE)
             .find_map(|c| {
                 c.links.iter().filter(|l| is_link(l)).find_map(|l| {
                     let release = all
@@ -426,10 +428,7 @@ async fn a_fenced_release_is_linked_to_the_complete_step_that_freed_it() -> Test
     .await;
     cluster.stop().await;
 
-    let complete_steps: Vec<&Span> = spans
-        .iter()
-        .filter(|s| s.name.ends_with("CompleteStep"))
-        .collect();
+    let complete_steps: Vec<&Span> = spans.iter().filter(|s| completes(s)).collect();
     let (complete, release) = linked(&spans).ok_or_else(|| {
         format!(
             "no cache CompleteStep span links a Release of our requests; CompleteStep spans: {}; their links: {:?}",

@@ -48,6 +48,63 @@ fn item_trace(traces: &[String], i: usize) -> String {
     traces.get(i).cloned().unwrap_or_default()
 }
 
+/// Extend items for `specs`, with their `traces` as for [`CacheClient::lease`].
+fn extend_items(specs: &[ExtendSpec], traces: &[String]) -> Vec<pb::ExtendItem> {
+    specs
+        .iter()
+        .enumerate()
+        .map(|(i, e)| pb::ExtendItem {
+            seq_id: e.seq_id.get(),
+            new_tokens: e.new_tokens.clone(),
+            num_tokens: 0,
+            traceparent: item_trace(traces, i),
+        })
+        .collect()
+}
+
+/// Blocks a release freed at once and blocks it fenced.
+fn release_counts(r: &pb::ReleaseResponse) -> (u64, u64) {
+    let freed = r.results.iter().map(|x| u64::from(x.blocks_freed)).sum();
+    let fenced = r.results.iter().map(|x| u64::from(x.blocks_fenced)).sum();
+    (freed, fenced)
+}
+
+/// The parts of a [`CacheClient::step`] call.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepCall<'a> {
+    pub release: Option<StepRelease<'a>>,
+    pub complete_step: Option<u64>,
+    pub extend: Option<StepExtend<'a>>,
+}
+
+/// Sequences to release, fenced at `fence_step` when given, with their
+/// requests' `traceparent`s.
+#[derive(Debug, Clone, Copy)]
+pub struct StepRelease<'a> {
+    pub seq_ids: &'a [SeqId],
+    pub fence_step: Option<u64>,
+    pub traces: &'a [String],
+}
+
+/// The extends of `step`, with their requests' `traceparent`s.
+#[derive(Debug, Clone, Copy)]
+pub struct StepExtend<'a> {
+    pub step: u64,
+    pub specs: &'a [ExtendSpec],
+    pub traces: &'a [String],
+}
+
+/// What a [`CacheClient::step`] call answered, per part sent.
+#[derive(Debug, Clone)]
+pub struct StepAnswer {
+    /// Blocks freed at once and blocks fenced by the release.
+    pub released: Option<(u64, u64)>,
+    /// Blocks the completion returned to circulation.
+    pub returned: Option<u64>,
+    /// One outcome per extend spec, in order (empty without an extend).
+    pub extended: Vec<Outcome>,
+}
+
 /// One pool's state figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolState {
@@ -228,16 +285,7 @@ impl CacheClient {
             epoch: s.epoch.get(),
             step,
             atomic: false,
-            items: specs
-                .iter()
-                .enumerate()
-                .map(|(i, e)| pb::ExtendItem {
-                    seq_id: e.seq_id.get(),
-                    new_tokens: e.new_tokens.clone(),
-                    num_tokens: 0,
-                    traceparent: item_trace(traces, i),
-                })
-                .collect(),
+            items: extend_items(specs, traces),
         };
         let r = self.inner.clone().extend(req).await;
         let r = self.seen("Extend", r)?;
@@ -287,9 +335,56 @@ impl CacheClient {
         };
         let r = self.inner.clone().release(req).await;
         let r = self.seen("Release", r)?;
-        let freed = r.results.iter().map(|x| u64::from(x.blocks_freed)).sum();
-        let fenced = r.results.iter().map(|x| u64::from(x.blocks_fenced)).sum();
-        Ok((freed, fenced))
+        Ok(release_counts(&r))
+    }
+
+    /// A step's release, completion and extends in one `Step` call (each
+    /// part optional, applied in that order). Returns the blocks the release
+    /// freed and fenced, the blocks the completion returned, and one extend
+    /// outcome per spec.
+    pub async fn step(&self, call: StepCall<'_>) -> Result<StepAnswer> {
+        let s = self.session();
+        let req = pb::StepRequest {
+            session_id: s.id.get(),
+            epoch: s.epoch.get(),
+            release: call.release.map(|r| pb::StepRelease {
+                seq_ids: r.seq_ids.iter().map(|s| s.get()).collect(),
+                fence_step: r.fence_step,
+                traceparents: r.traces.to_vec(),
+            }),
+            complete_step: call.complete_step,
+            extend: call.extend.map(|e| pb::StepExtend {
+                step: e.step,
+                atomic: false,
+                items: extend_items(e.specs, e.traces),
+            }),
+        };
+        let r = self.inner.clone().step(req).await;
+        let r = self.seen("Step", r)?;
+        let missing = |part: &str| Error::Protocol {
+            peer: "cache",
+            message: format!("Step answered without its {part} part"),
+        };
+        let released = match (call.release, r.release) {
+            (Some(_), Some(r)) => Some(release_counts(&r)),
+            (Some(_), None) => return Err(missing("release")),
+            (None, _) => None,
+        };
+        let returned = match (call.complete_step, r.complete) {
+            (Some(_), Some(c)) => Some(c.blocks_returned),
+            (Some(_), None) => return Err(missing("complete")),
+            (None, _) => None,
+        };
+        let extended = match (call.extend, r.extend) {
+            (Some(e), Some(x)) => outcomes("Step", x.outcomes, e.specs.iter().map(|s| s.seq_id))?,
+            (Some(_), None) => return Err(missing("extend")),
+            (None, _) => Vec::new(),
+        };
+        Ok(StepAnswer {
+            released,
+            returned,
+            extended,
+        })
     }
 
     /// Reports `step` complete; returns the blocks returned to circulation.

@@ -20,7 +20,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
-use crate::client::{CacheClient, WorkerClient};
+use crate::client::{CacheClient, StepCall, StepExtend, StepRelease, WorkerClient};
 use crate::config::OnCacheRestart;
 use crate::domain::{ForwardResult, GroupGeometry, Outcome, Output, RequestId, SeqId, Step};
 use crate::error::{Error, Result};
@@ -314,10 +314,14 @@ impl StepLoop {
             self.flush_releases().await;
             self.admit(step).await;
             if let Some(f) = self.in_flight.take() {
-                self.finish_forward(f).await;
+                // between two forward passes, one round trip: the finished
+                // pass's releases and completion with this step's extends
+                self.collect_forward(f).await;
+                self.settle(Some(step)).await;
                 progressed = true;
+            } else {
+                self.extend(step).await;
             }
-            self.extend(step).await;
             progressed |= self.launch(step);
         } else {
             self.flush_releases().await;
@@ -441,6 +445,12 @@ impl StepLoop {
     /// Waits for a forward pass, applies it, streams its tokens, releases
     /// what ended (fenced at its step) and completes the step.
     async fn finish_forward(&mut self, f: InFlight) {
+        self.collect_forward(f).await;
+        self.settle(None).await;
+    }
+
+    /// Waits for a forward pass, applies its results and streams its tokens.
+    async fn collect_forward(&mut self, f: InFlight) {
         let launched = f.launched;
         for (g, seqs, task) in f.tasks {
             let result = task.await;
@@ -458,8 +468,78 @@ impl StepLoop {
         }
         self.metrics.forward(launched.elapsed());
         self.route_outputs();
-        self.flush_releases().await;
-        self.complete().await;
+    }
+
+    /// After a forward pass returned: the releases the core hands out (what
+    /// ended, fenced at the pass's step), the completion of the steps the
+    /// core says are complete and, with `extend`, that step's extends, in
+    /// one `Step` call (the cache applies them in that order).
+    async fn settle(&mut self, extend: Option<Step>) {
+        let batch = self.core.take_releases();
+        let complete = self.core.complete_through();
+        let specs = match extend {
+            Some(_) => self.core.plan_extends(),
+            None => Vec::new(),
+        };
+        if batch.is_empty() && complete.is_none() && specs.is_empty() {
+            return;
+        }
+        let fence = batch.fence_step;
+        let (release_spans, release_traces) = if batch.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            self.traces.releasing(&batch.seq_ids, fence)
+        };
+        let extend_traces = self.traces.traceparents(specs.iter().map(|s| s.seq_id));
+        let span_step = extend.or(complete).unwrap_or(self.core.step());
+        let span = self.batch_span("Step", span_step);
+        let call = StepCall {
+            release: (!batch.is_empty()).then_some(StepRelease {
+                seq_ids: &batch.seq_ids,
+                fence_step: fence.map(Step::get),
+                traces: &release_traces,
+            }),
+            complete_step: complete.map(Step::get),
+            extend: extend.filter(|_| !specs.is_empty()).map(|step| StepExtend {
+                step: step.get(),
+                specs: &specs,
+                traces: &extend_traces,
+            }),
+        };
+        let result = self.cache.step(call).instrument(span.clone()).await;
+        record_call(&span, &result);
+        drop(release_spans);
+        match result {
+            Ok(answer) => {
+                if let Some(counts) = answer.released {
+                    log_released(&batch, counts);
+                }
+                if !batch.is_empty() {
+                    self.core.releases_sent(batch);
+                }
+                if let Some(step) = complete {
+                    self.core.step_completed(step);
+                }
+                if !specs.is_empty() {
+                    self.trace_rejects("Extend", &answer.extended);
+                    self.core.apply_extends(answer.extended);
+                    self.trace_preemptions();
+                }
+            }
+            Err(e) => {
+                // as for a failed Release: what an unreachable cache did not
+                // take goes again; a pending completion folds into the next
+                match &e {
+                    Error::CacheUnavailable(_) => self.core.restore_releases(batch),
+                    _ => self.core.releases_sent(batch),
+                }
+                if !specs.is_empty() {
+                    self.core.extends_failed();
+                }
+                self.note("Step", &e);
+            }
+        }
+        self.forget_released();
     }
 
     /// Sends `CompleteStep` for the step the core says is complete, if any.
@@ -491,14 +571,8 @@ impl StepLoop {
         record_call(&span, &result);
         drop(release_spans);
         match result {
-            Ok((freed, fenced)) => {
-                tracing::debug!(
-                    sequences = batch.seq_ids.len(),
-                    freed,
-                    fenced,
-                    fence_step = fence.map(Step::get),
-                    "released"
-                );
+            Ok(counts) => {
+                log_released(&batch, counts);
                 self.core.releases_sent(batch);
             }
             Err(e @ Error::CacheUnavailable(_)) => {
@@ -639,6 +713,17 @@ impl StepLoop {
             changed
         });
     }
+}
+
+/// A release the cache took: blocks freed at once and blocks fenced.
+fn log_released(batch: &crate::step::ReleaseBatch, (freed, fenced): (u64, u64)) {
+    tracing::debug!(
+        sequences = batch.seq_ids.len(),
+        freed,
+        fenced,
+        fence_step = batch.fence_step.map(Step::get),
+        "released"
+    );
 }
 
 /// Records a call's outcome on its client span: the peer's status code when

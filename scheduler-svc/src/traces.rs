@@ -21,7 +21,6 @@ use std::time::Duration;
 
 use kvlease_telemetry::OpenTelemetrySpanExt as _;
 use kvlease_telemetry::attributes::{self, STEP_SAMPLED};
-use kvlease_telemetry::opentelemetry::Context;
 use kvlease_telemetry::opentelemetry::trace::SpanContext;
 use tracing::Span;
 use tracing::field::Empty;
@@ -33,6 +32,12 @@ use crate::step::Preemption;
 #[derive(Debug)]
 struct RequestTrace {
     root: Span,
+    /// The root's `traceparent` and span context, taken once at submission
+    /// (they never change): every step's batched calls name them for each
+    /// of their sequences, and deriving them from the span costs a context
+    /// lookup and a propagator map per sequence and step.
+    traceparent: String,
+    span_context: SpanContext,
     queue: Option<Span>,
     forward: Option<ForwardSummary>,
     seq_ids: Vec<i64>,
@@ -61,9 +66,16 @@ impl RequestTraces {
     /// wait starts.
     pub(crate) fn accept(&mut self, id: RequestId, root: Span) {
         let queue = tracing::info_span!(parent: &root, "queue", kvlease.request = id.get() as i64);
+        let context = root.context();
         self.requests.insert(
             id,
             RequestTrace {
+                traceparent: kvlease_telemetry::traceparent(&context),
+                span_context: kvlease_telemetry::opentelemetry::trace::TraceContextExt::span(
+                    &context,
+                )
+                .span_context()
+                .clone(),
                 root,
                 queue: Some(queue),
                 forward: None,
@@ -74,27 +86,27 @@ impl RequestTraces {
         );
     }
 
-    /// The context of `seq`'s request (empty when it has none).
-    fn context(&self, seq: SeqId) -> Context {
-        self.seqs
-            .get(&seq)
-            .and_then(|r| self.requests.get(r))
-            .map(|t| t.root.context())
-            .unwrap_or_default()
+    /// The trace of `seq`'s request, if it has one.
+    fn of_seq(&self, seq: SeqId) -> Option<&RequestTrace> {
+        self.seqs.get(&seq).and_then(|r| self.requests.get(r))
     }
 
-    /// The `traceparent` of each sequence's request, for a batched call.
+    /// The `traceparent` of each sequence's request (empty when it has
+    /// none), for a batched call.
     pub(crate) fn traceparents(&self, seqs: impl Iterator<Item = SeqId>) -> Vec<String> {
-        seqs.map(|s| kvlease_telemetry::traceparent(&self.context(s)))
-            .collect()
+        seqs.map(|s| {
+            self.of_seq(s)
+                .map(|t| t.traceparent.clone())
+                .unwrap_or_default()
+        })
+        .collect()
     }
 
     /// The span contexts of the requests `seqs` serve, to link a step's
     /// batched call to every request in it.
     pub(crate) fn links(&self, seqs: impl Iterator<Item = SeqId>) -> Vec<SpanContext> {
-        seqs.filter_map(|s| self.seqs.get(&s))
-            .filter_map(|r| self.requests.get(r))
-            .map(|t| kvlease_telemetry::span_context(&t.root))
+        seqs.filter_map(|s| self.of_seq(s))
+            .map(|t| t.span_context.clone())
             .collect()
     }
 

@@ -299,6 +299,50 @@ class ReleaseResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[ReleaseResult]
     def __init__(self, results: _Optional[_Iterable[_Union[ReleaseResult, _Mapping]]] = ...) -> None: ...
 
+class StepRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "release", "complete_step", "extend")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_STEP_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    epoch: int
+    release: StepRelease
+    complete_step: int
+    extend: StepExtend
+    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., release: _Optional[_Union[StepRelease, _Mapping]] = ..., complete_step: _Optional[int] = ..., extend: _Optional[_Union[StepExtend, _Mapping]] = ...) -> None: ...
+
+class StepRelease(_message.Message):
+    __slots__ = ("seq_ids", "fence_step", "traceparents")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    fence_step: int
+    traceparents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., fence_step: _Optional[int] = ..., traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StepExtend(_message.Message):
+    __slots__ = ("step", "atomic", "items")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ATOMIC_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    atomic: bool
+    items: _containers.RepeatedCompositeFieldContainer[ExtendItem]
+    def __init__(self, step: _Optional[int] = ..., atomic: _Optional[bool] = ..., items: _Optional[_Iterable[_Union[ExtendItem, _Mapping]]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("release", "complete", "extend")
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
+    release: ReleaseResponse
+    complete: CompleteStepResponse
+    extend: ExtendResponse
+    def __init__(self, release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., complete: _Optional[_Union[CompleteStepResponse, _Mapping]] = ..., extend: _Optional[_Union[ExtendResponse, _Mapping]] = ...) -> None: ...
+
 class CompleteStepRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "step")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

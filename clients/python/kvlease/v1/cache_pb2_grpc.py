@@ -74,6 +74,11 @@ class CacheServiceStub:
                 request_serializer=kvlease_dot_v1_dot_cache__pb2.CompleteStepRequest.SerializeToString,
                 response_deserializer=kvlease_dot_v1_dot_cache__pb2.CompleteStepResponse.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/kvlease.v1.CacheService/Step',
+                request_serializer=kvlease_dot_v1_dot_cache__pb2.StepRequest.SerializeToString,
+                response_deserializer=kvlease_dot_v1_dot_cache__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.Estimate = channel.unary_unary(
                 '/kvlease.v1.CacheService/Estimate',
                 request_serializer=kvlease_dot_v1_dot_cache__pb2.EstimateRequest.SerializeToString,
@@ -163,6 +168,21 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Step(self, request, context):
+        """A step's Release, CompleteStep and Extend in one round trip: each part is
+        optional and means exactly what its own call means, and the parts are
+        applied in that order under one lock, so the extends see the blocks the
+        release and the completion returned. A holder sends it when a forward
+        pass returns (the finished sequences' releases fenced at that pass's
+        step, its completion, the next step's extends), where three calls would
+        each cost a round trip between two forward passes. Every part is
+        checked before any is applied; a session or epoch error fails the whole
+        call as it would each part.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Estimate(self, request, context):
         """Blocks a request shape needs in each pool over its whole life.
         """
@@ -233,6 +253,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.CompleteStep,
                     request_deserializer=kvlease_dot_v1_dot_cache__pb2.CompleteStepRequest.FromString,
                     response_serializer=kvlease_dot_v1_dot_cache__pb2.CompleteStepResponse.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=kvlease_dot_v1_dot_cache__pb2.StepRequest.FromString,
+                    response_serializer=kvlease_dot_v1_dot_cache__pb2.StepResponse.SerializeToString,
             ),
             'Estimate': grpc.unary_unary_rpc_method_handler(
                     servicer.Estimate,
@@ -471,6 +496,33 @@ class CacheService:
             '/kvlease.v1.CacheService/CompleteStep',
             kvlease_dot_v1_dot_cache__pb2.CompleteStepRequest.SerializeToString,
             kvlease_dot_v1_dot_cache__pb2.CompleteStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvlease.v1.CacheService/Step',
+            kvlease_dot_v1_dot_cache__pb2.StepRequest.SerializeToString,
+            kvlease_dot_v1_dot_cache__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
