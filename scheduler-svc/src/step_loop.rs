@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvlease_telemetry::attributes::STEP_SPAN;
 use tokio::sync::{mpsc, watch};
@@ -105,7 +105,7 @@ pub struct StepLoopConfig {
 
 struct InFlight {
     step: Step,
-    launched: std::time::Instant,
+    launched: Instant,
     tasks: Vec<ForwardTask>,
 }
 
@@ -224,7 +224,7 @@ impl StepLoop {
             if self.cache.state().is_lost() {
                 self.recover().await;
             }
-            let started = std::time::Instant::now();
+            let started = Instant::now();
             let step = self.core.begin_step();
             // Its own trace (no parent), exported when `mark` says so.
             let span = tracing::info_span!(parent: None, STEP_SPAN, kvlease.step = step.get() as i64,
@@ -316,13 +316,26 @@ impl StepLoop {
             if let Some(f) = self.in_flight.take() {
                 // between two forward passes, one round trip: the finished
                 // pass's releases and completion with this step's extends
-                self.collect_forward(f).await;
+                let arrived = self.collect_forward(f).await;
+                let applied = Instant::now();
                 self.settle(Some(step)).await;
+                let settled = Instant::now();
                 progressed = true;
+                let launched = self.launch(step);
+                // what separates two forward passes on the scheduler's side
+                // (the worker logs each pass's compute)
+                tracing::debug!(
+                    step = step.get(),
+                    apply_us = (applied - arrived).as_micros() as u64,
+                    settle_us = (settled - applied).as_micros() as u64,
+                    launch_us = settled.elapsed().as_micros() as u64,
+                    launched,
+                    "between forward passes"
+                );
             } else {
                 self.extend(step).await;
+                progressed |= self.launch(step);
             }
-            progressed |= self.launch(step);
         } else {
             self.flush_releases().await;
             self.extend(step).await;
@@ -436,7 +449,7 @@ impl StepLoop {
         self.steps_run += 1;
         self.in_flight = Some(InFlight {
             step,
-            launched: std::time::Instant::now(),
+            launched: Instant::now(),
             tasks,
         });
         true
@@ -450,10 +463,13 @@ impl StepLoop {
     }
 
     /// Waits for a forward pass, applies its results and streams its tokens.
-    async fn collect_forward(&mut self, f: InFlight) {
+    /// Returns when the last group's answer arrived.
+    async fn collect_forward(&mut self, f: InFlight) -> Instant {
         let launched = f.launched;
+        let mut arrived = Instant::now();
         for (g, seqs, task) in f.tasks {
             let result = task.await;
+            arrived = Instant::now();
             self.traces.forwarded(&seqs, launched.elapsed());
             match result {
                 Ok(Ok(results)) => self.core.apply_forward(g, results),
@@ -466,8 +482,9 @@ impl StepLoop {
                     .forward_failed(g, &format!("forward task failed: {e}")),
             }
         }
-        self.metrics.forward(launched.elapsed());
+        self.metrics.forward(arrived - launched);
         self.route_outputs();
+        arrived
     }
 
     /// After a forward pass returned: the releases the core hands out (what

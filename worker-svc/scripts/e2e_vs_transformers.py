@@ -86,6 +86,25 @@ def step_overhead(worker_log, min_sequences):
     return gaps, computes
 
 
+# ... between forward passes step=12 apply_us=80 settle_us=310 launch_us=40 launched=true
+BETWEEN = re.compile(r"between forward passes step=\d+ apply_us=(\d+) settle_us=(\d+) launch_us=(\d+)")
+
+
+def scheduler_side(scheduler_log):
+    """Medians (us) of the scheduler's own work between two forward passes:
+    applying the results and streaming them, the Step call to the cache
+    (releases, completion, extends), planning and sending the next pass."""
+    rows = []
+    with open(scheduler_log, errors="replace") as f:
+        for line in f:
+            m = BETWEEN.search(ANSI.sub("", line))
+            if m:
+                rows.append(tuple(int(x) for x in m.groups()))
+    if not rows:
+        return None
+    return tuple(statistics.median(r[i] for r in rows) for i in range(3)) + (len(rows),)
+
+
 def run_kvlease(args, log_dir):
     kv = os.path.join(args.bin_dir, "kvlease")
     ports = {k: free_port() for k in ("scheduler", "cache", "worker")}
@@ -94,7 +113,9 @@ def run_kvlease(args, log_dir):
 
     def start(name, argv):
         log = open(os.path.join(log_dir, f"{name}.log"), "w")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # the scheduler's debug line per step splits its side of the gap
+        own = dict(env, RUST_LOG="info,scheduler_svc::step_loop=debug") if name == "scheduler" else env
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=own)
         procs.append(p)
         return p
 
@@ -148,7 +169,8 @@ def run_kvlease(args, log_dir):
         measured = os.path.join(log_dir, "worker.measured.log")
         with open(measured, "w") as f:
             f.write(tail)
-        return float(m.group(2)), step_overhead(measured, args.concurrency // 2)
+        return (float(m.group(2)), step_overhead(measured, args.concurrency // 2),
+                scheduler_side(os.path.join(log_dir, "scheduler.log")))
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -205,7 +227,7 @@ def main():
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvlease-e2e-")
     os.makedirs(log_dir, exist_ok=True)
 
-    kv_rate, (gaps, computes) = run_kvlease(args, log_dir)
+    kv_rate, (gaps, computes), sched = run_kvlease(args, log_dir)
     hf_rate, torch_v, tf_v = run_transformers(args)
 
     ratio = kv_rate / hf_rate
@@ -224,6 +246,11 @@ def main():
               f"(target <= 0.10: {'met' if overhead <= 0.10 else 'MISSED'})")
     else:
         print("step overhead: no consecutive decode steps found in the worker's log")
+    if sched:
+        print(f"scheduler side between forward passes ({sched[3]} steps, all sizes), medians: "
+              f"apply + stream {sched[0]:.0f} us, Step call {sched[1]:.0f} us, "
+              f"plan + send {sched[2]:.0f} us; the rest of the gap is transport and the "
+              f"worker outside its compute")
     print(f"logs: {log_dir}")
 
 
