@@ -5,6 +5,8 @@
 //! block, so the scheduler computes that many fewer prompt tokens; the
 //! greedy output equals a cluster's with partial reuse off.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
+
 use std::time::Duration;
 
 use kvlease_integration_tests::{
@@ -32,14 +34,9 @@ async fn two_turns(partial_reuse: bool) -> (Generated, Generated) {
         max_tokens: 64,
         ..scheduler_svc::Config::default()
     };
-    let scheduler = start_scheduler(
-        config,
-        &cache.url(),
-        &[worker.url()],
-        WITHIN,
-    )
-    .await
-    .unwrap();
+    let scheduler = start_scheduler(config, &cache.url(), &[worker.url()], WITHIN)
+        .await
+        .unwrap();
     let mut client = scheduler_client(scheduler.addr).await.unwrap();
     let request = |tokens: Vec<u32>| pb::GenerateRequest {
         tokens,
