@@ -74,6 +74,10 @@ pub struct Config {
     /// Eviction policy of one pool group, as GROUP=POLICY; repeatable.
     #[arg(long, value_parser = parse_group_policy)]
     pub group_eviction_policy: Vec<(String, PolicyKind)>,
+    /// Partial-block reuse: keep released sequences' partly filled last
+    /// blocks and grant copies of their matching slots (true or false).
+    #[arg(long, env = "KVLEASE_CACHE_PARTIAL_REUSE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub partial_reuse: bool,
 }
 
 impl Default for Config {
@@ -92,6 +96,7 @@ impl Default for Config {
             audit_interval_ms: DEFAULT_AUDIT_INTERVAL_MS,
             eviction_policy: DEFAULT_EVICTION_POLICY,
             group_eviction_policy: Vec::new(),
+            partial_reuse: true,
         }
     }
 }
@@ -115,6 +120,7 @@ impl Config {
                 default: self.eviction_policy,
                 groups: self.group_eviction_policy.clone(),
             },
+            partial_reuse: self.partial_reuse,
             ..CacheConfig::default()
         }
     }

@@ -141,10 +141,29 @@ pub struct Grant {
     /// ids appended by this call (see [`kvlease_proto::delta`]); tables the
     /// call did not change are left out.
     pub tables: Vec<Table>,
-    /// Leading prompt tokens already in reused blocks.
+    /// Leading prompt tokens whose KV the holder need not compute: reused
+    /// full blocks, plus the slots of `copies`.
     pub reused_tokens: u32,
     /// Token slots the lease covers.
     pub capacity_tokens: u32,
+    /// Partial-block copies the forward pass of the lease's step applies
+    /// first (`Lease` only; at most one per pool).
+    pub copies: Vec<BlockCopy>,
+}
+
+/// Copy slots `[0, tokens)` of `src_block` into `dst_block`, in one pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockCopy {
+    /// The pool's service-wide id.
+    pub pool_id: u32,
+    /// The pool's window.
+    pub window: u32,
+    /// A kept partly filled block (fenced until the lease's step completes).
+    pub src_block: BlockId,
+    /// The sequence's own block at the same index.
+    pub dst_block: BlockId,
+    /// Slots to copy, from slot 0.
+    pub tokens: u32,
 }
 
 /// Why a sequence got no blocks.

@@ -6,7 +6,8 @@
 //!   fenced), the prefix-hash index and the eviction hook.
 //! - [`eviction`]: the swappable eviction policy (priority, then LRU, leaves
 //!   before parents).
-//! - [`prefix`]: chained block hashes.
+//! - [`prefix`]: chained block hashes; `partial`: the partly filled blocks
+//!   kept for partial-block reuse (found by parent hash and token ids).
 //! - [`mrc`]: online miss-ratio curves (hit rates at other pool sizes) from
 //!   spatially sampled shadow LRUs.
 //! - [`lease`]: the domain types of requests and answers; `ids`: the
@@ -37,6 +38,7 @@ mod ids;
 pub mod lease;
 mod metrics;
 pub mod mrc;
+mod partial;
 pub mod pool;
 pub mod prefix;
 mod server;

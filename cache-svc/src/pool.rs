@@ -15,11 +15,17 @@
 //! Hashes are *pending* from the lease that will write the block until the
 //! holder reports that step complete; only then are they published (indexed
 //! and reusable), so nobody reuses KV that was never written.
+//!
+//! A released sequence's last, partly filled block may be kept too (see
+//! `partial`): it is then *cached* like a published block (evictable, a
+//! leaf), found by its parent's hash and its token ids rather than by a hash
+//! of its own, and only ever read by a copy, never shared.
 
 use foldhash::{HashMap, HashMapExt};
 
 use crate::eviction::{EvictionPolicy, PriorityLru};
 use crate::mrc::{HitRateEstimate, MissRatioCurve};
+use crate::partial::PartialIndex;
 
 pub use crate::ids::BlockId;
 
@@ -73,6 +79,8 @@ struct Meta {
     parent: u64,
     /// Published blocks of this pool whose parent is this block's hash.
     children: u32,
+    /// A published partly filled block (in `BlockPool::partials`).
+    partial: bool,
     priority: u8,
     /// Bumped on every allocation, so stale references are recognised.
     generation: u32,
@@ -132,6 +140,7 @@ pub struct BlockPool {
     pub counters: PoolCounters,
     events: Vec<IndexEvent>,
     mrc: MissRatioCurve,
+    partials: PartialIndex,
 }
 
 impl BlockPool {
@@ -156,6 +165,7 @@ impl BlockPool {
             counters: PoolCounters::default(),
             events: Vec::new(),
             mrc: MissRatioCurve::new(num_blocks),
+            partials: PartialIndex::new(),
         }
     }
 
@@ -174,7 +184,7 @@ impl BlockPool {
             BlockState::InUse
         } else if m.fenced > 0 {
             BlockState::Fenced
-        } else if m.hash.is_some() {
+        } else if m.hash.is_some() || m.partial {
             BlockState::Cached
         } else {
             BlockState::Free
@@ -221,6 +231,18 @@ impl BlockPool {
         self.index.get(&hash).copied()
     }
 
+    /// The kept partly filled block after the full block `parent` (with
+    /// `salt`) whose leading token ids match the most of `tokens`, and how
+    /// many match (at least one).
+    pub fn lookup_partial(&self, parent: u64, salt: u64, tokens: &[u32]) -> Option<(BlockId, u32)> {
+        self.partials.find(parent, salt, tokens)
+    }
+
+    /// Partly filled blocks kept (cached) now.
+    pub fn partial_blocks(&self) -> usize {
+        self.partials.published()
+    }
+
     // === state changes ===
 
     fn count_mut(&mut self, state: BlockState) -> &mut u32 {
@@ -239,7 +261,11 @@ impl BlockPool {
         if m.refcount == 0 && m.fenced == 0 {
             // Nobody will write it: an unpublished hash can never be trusted.
             m.pending = None;
+            if !m.partial && self.partials.is_pending(block) {
+                self.partials.remove(block);
+            }
         }
+        let m = &self.meta[block as usize];
         let after = Self::state_of(m);
         let (priority, leaf) = (m.priority, m.children == 0);
         if before == after {
@@ -274,7 +300,7 @@ impl BlockPool {
             }
         };
         let m = &mut self.meta[block as usize];
-        debug_assert!(m.refcount == 0 && m.fenced == 0 && m.hash.is_none());
+        debug_assert!(m.refcount == 0 && m.fenced == 0 && m.hash.is_none() && !m.partial);
         m.refcount = 1;
         m.generation = m.generation.wrapping_add(1);
         m.priority = priority;
@@ -293,7 +319,7 @@ impl BlockPool {
         m.refcount += 1;
         m.priority = m.priority.max(priority);
         m.last_holder = holder;
-        if m.hash.is_some() {
+        if m.hash.is_some() || m.partial {
             self.eviction.reused(block);
         }
         self.settle(block, before);
@@ -339,12 +365,33 @@ impl BlockPool {
         }
     }
 
-    /// Publishes the pending hash of `block` if it is still the allocation of
-    /// `generation`. Returns whether a hash was published.
+    /// Records that `block`, a sequence's partly filled last block holding
+    /// `tokens` after the full block `parent`, is to be kept once published.
+    /// Ignored when the block is not held or already published.
+    pub fn set_pending_partial(&mut self, block: BlockId, parent: u64, salt: u64, tokens: &[u32]) {
+        let m = &self.meta[block as usize];
+        if (m.refcount == 0 && m.fenced == 0) || m.hash.is_some() || m.partial || tokens.is_empty()
+        {
+            return;
+        }
+        self.partials
+            .set_pending(block, parent, salt, tokens.to_vec());
+    }
+
+    /// Publishes the pending hash (or pending partial entry) of `block` if it
+    /// is still the allocation of `generation`. Returns whether anything was
+    /// published.
     pub fn publish(&mut self, block: BlockId, generation: u32) -> bool {
         let m = self.meta[block as usize];
-        let Some(hash) = m.pending else { return false };
-        if m.generation != generation || self.index.contains_key(&hash) {
+        let Some(hash) = m.pending else {
+            return self.publish_partial(block, generation);
+        };
+        if m.generation != generation {
+            // A stale reference (the block was freed and handed out again):
+            // the pending hash is the new holder's, not this one's to drop.
+            return false;
+        }
+        if self.index.contains_key(&hash) {
             self.meta[block as usize].pending = None;
             return false;
         }
@@ -366,9 +413,30 @@ impl BlockPool {
         true
     }
 
-    /// Removes `block`'s published hash from the index.
+    fn publish_partial(&mut self, block: BlockId, generation: u32) -> bool {
+        if !self.partials.is_pending(block) {
+            return false;
+        }
+        if self.meta[block as usize].generation != generation {
+            return false;
+        }
+        let before = self.state(block);
+        if !self.partials.publish(block) {
+            return false;
+        }
+        self.meta[block as usize].partial = true;
+        self.settle(block, before);
+        true
+    }
+
+    /// Removes `block`'s published hash (or partial entry) from the index.
     fn unpublish(&mut self, block: BlockId) {
         let m = &mut self.meta[block as usize];
+        if m.partial {
+            m.partial = false;
+            self.partials.remove(block);
+            return;
+        }
         if let Some(hash) = m.hash.take() {
             let parent = m.parent;
             m.children = 0;
@@ -465,6 +533,8 @@ impl BlockPool {
                 c.cached
             ));
         }
+        self.partials
+            .check(|b| self.meta.get(b as usize).is_some_and(|m| m.partial))?;
         if self.index.len() > self.meta.len() {
             return Err("index larger than the pool".into());
         }

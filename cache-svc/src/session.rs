@@ -56,6 +56,10 @@ pub(crate) struct SeqState {
     pub hashes: Vec<u64>,
     /// Tokens of the partly filled block, while hashable.
     pub partial: Vec<u32>,
+    /// The step whose forward pass writes the latest tokens (the lease's, or
+    /// the last `Extend` with token ids): once it completes, `partial`'s KV
+    /// is in the last block.
+    pub write_step: u64,
     /// Whether token ids are known for every position (and caching is on).
     pub hashable: bool,
     /// Tables per pool of the group.

@@ -170,6 +170,7 @@ fn extend_grant(seq_id: SeqId) -> Outcome {
         tables,
         reused_tokens: 0,
         capacity_tokens: 0,
+        copies: Vec::new(),
     })
 }
 
@@ -179,6 +180,7 @@ fn grant(seq_id: SeqId) -> Outcome {
         tables: tables(seq_id.get() as u32),
         reused_tokens: 0,
         capacity_tokens: 0,
+        copies: Vec::new(),
     })
 }
 

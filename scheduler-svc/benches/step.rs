@@ -89,6 +89,7 @@ fn extend_grant(seq_id: SeqId, len: u32) -> Outcome {
         tables,
         reused_tokens: 0,
         capacity_tokens: len,
+        copies: Vec::new(),
     })
 }
 
@@ -98,6 +99,7 @@ fn grant(seq_id: SeqId, len: u32) -> Outcome {
         tables: tables(seq_id.get(), len),
         reused_tokens: 0,
         capacity_tokens: len,
+        copies: Vec::new(),
     })
 }
 

@@ -322,6 +322,7 @@ async fn run_shape(
                 tables: t.clone(),
                 return_all_argmax: false,
                 sampling: Default::default(),
+                copies: Vec::new(),
             })
             .collect();
         forward_batched(worker, group, step_tokens, *step, &items).await?;
@@ -361,6 +362,7 @@ async fn run_shape(
             tables,
             return_all_argmax: drafts > 0,
             sampling: Default::default(),
+            copies: Vec::new(),
         });
     }
     forward_batched(worker, group, step_tokens, *step, &items).await?;

@@ -585,6 +585,17 @@ impl WorkerClient {
                         top_p: i.sampling.top_p,
                         seed: i.sampling.seed,
                     }),
+                    copies: i
+                        .copies
+                        .iter()
+                        .map(|c| pb::BlockCopy {
+                            pool_id: c.pool_id,
+                            window: c.window,
+                            src_block: c.src_block,
+                            dst_block: c.dst_block,
+                            tokens: c.tokens,
+                        })
+                        .collect(),
                 })
                 .collect(),
         };

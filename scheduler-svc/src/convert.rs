@@ -240,6 +240,17 @@ pub(crate) fn grant(g: pb::Grant, seq_id: SeqId) -> Grant {
             .collect(),
         reused_tokens: g.reused_tokens,
         capacity_tokens: g.capacity_tokens,
+        copies: g
+            .copies
+            .into_iter()
+            .map(|c| crate::domain::BlockCopy {
+                pool_id: c.pool_id,
+                window: c.window,
+                src_block: c.src_block,
+                dst_block: c.dst_block,
+                tokens: c.tokens,
+            })
+            .collect(),
     }
 }
 

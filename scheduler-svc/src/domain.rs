@@ -238,10 +238,24 @@ pub struct Grant {
     pub seq_id: SeqId,
     /// Beam-0 tables, one per pool.
     pub tables: Vec<Table>,
-    /// Leading prompt tokens already in reused blocks.
+    /// Leading prompt tokens whose KV need not be computed: reused full
+    /// blocks, plus the slots of `copies`.
     pub reused_tokens: u32,
     /// Token slots the lease now covers.
     pub capacity_tokens: u32,
+    /// Partial-block copies the lease step's forward pass must apply first.
+    pub copies: Vec<BlockCopy>,
+}
+
+/// Copy slots `[0, tokens)` of `src_block` into `dst_block` in one pool, in
+/// the worker, before a forward pass (partial-block reuse).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BlockCopy {
+    pub pool_id: u32,
+    pub window: u32,
+    pub src_block: u32,
+    pub dst_block: u32,
+    pub tokens: u32,
 }
 
 /// One per-sequence answer of a Lease or Extend.
@@ -299,6 +313,9 @@ pub struct ForwardItem {
     pub tables: Vec<Table>,
     pub return_all_argmax: bool,
     pub sampling: Sampling,
+    /// Partial-block copies to apply before the pass (the lease step's
+    /// first chunk only).
+    pub copies: Vec<BlockCopy>,
 }
 
 /// One sequence's forward result.

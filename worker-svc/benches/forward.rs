@@ -264,6 +264,7 @@ fn seq_input(tables: &[TableInput], s: usize, rep: usize, start: usize, end: usi
         tables: tables.to_vec(),
         all_positions: false,
         sampling: Sampling::GREEDY,
+        copies: Vec::new(),
     }
 }
 

@@ -69,6 +69,37 @@ pub struct SeqInput {
     pub all_positions: bool,
     /// How to pick the next token.
     pub sampling: Sampling,
+    /// Partial-block copies to apply before the pass.
+    pub copies: Vec<CopyInput>,
+}
+
+/// A partial-block copy as the request gives it: slots `[0, tokens)` of
+/// `src_block` into `dst_block`, every layer of the pool of `window`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyInput {
+    /// The pool's window (identifies the pool).
+    pub window: u32,
+    /// Block to read.
+    pub src_block: u32,
+    /// Block to write.
+    pub dst_block: u32,
+    /// Slots to copy, from slot 0.
+    pub tokens: u32,
+}
+
+/// A validated copy: slots `[0, slots)` of block `src` into block `dst` of
+/// pool `pool`, every layer, K and V, every head; the source slots hold K/V
+/// and nothing in the batch writes the source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCopy {
+    /// Pool index (`ArenaLayout::pools`).
+    pub pool: usize,
+    /// Block read.
+    pub src: u32,
+    /// Block written.
+    pub dst: u32,
+    /// Slots copied.
+    pub slots: usize,
 }
 
 /// A validated table: block index `first_block + i` is `block_ids[i]`.
@@ -105,6 +136,8 @@ pub struct PlannedSeq {
     pub all_positions: bool,
     /// How to pick the next token.
     pub sampling: Sampling,
+    /// Partial-block copies, applied before anything is computed.
+    pub copies: Vec<KvCopy>,
 }
 
 impl PlannedSeq {
@@ -195,6 +228,51 @@ pub fn validate(
                 }
                 writers.insert((pool, block, slot), seq.seq_id);
                 writes.push((pool, block, slot));
+            }
+        }
+    }
+
+    // Partial-block copies: the source slots hold K/V and no sequence of the
+    // batch writes the source; the copied slots count as written by the
+    // sequence (so they conflict with any other writer, and satisfy the
+    // reads below).
+    let written_blocks: HashSet<(usize, u32)> = writes
+        .iter()
+        .map(|&(pool, block, _)| (pool, block))
+        .collect();
+    for seq in &seqs {
+        for c in &seq.copies {
+            let window = layout.pools[c.pool].window;
+            let bad = |message: String| Error::InvalidSequence {
+                seq_id: seq.seq_id,
+                problem: SeqProblem::BadCopy { window, message },
+            };
+            if written_blocks.contains(&(c.pool, c.src)) {
+                return Err(bad(format!(
+                    "source block {} is written by this batch",
+                    c.src
+                )));
+            }
+            if !ledger.all_written(c.pool, c.src, 0..c.slots) {
+                return Err(bad(format!(
+                    "slots 0..{} of source block {} do not all hold K/V",
+                    c.slots, c.src
+                )));
+            }
+            for slot in 0..c.slots {
+                if let Some(&other) = writers.get(&(c.pool, c.dst, slot)) {
+                    return Err(Error::InvalidSequence {
+                        seq_id: seq.seq_id,
+                        problem: SeqProblem::SlotConflict {
+                            window,
+                            block_id: c.dst,
+                            slot: slot as u32,
+                            other_seq_id: other,
+                        },
+                    });
+                }
+                writers.insert((c.pool, c.dst, slot), seq.seq_id);
+                writes.push((c.pool, c.dst, slot));
             }
         }
     }
@@ -341,6 +419,7 @@ fn plan_sequence(
         .zip(&layout.pools)
         .map(|(t, p)| t.ok_or(SeqProblem::MissingTable { window: p.window }))
         .collect::<std::result::Result<Vec<_>, _>>()?;
+    let copies = plan_copies(&input.copies, start, &tables, layout)?;
     Ok(PlannedSeq {
         seq_id: input.seq_id,
         tokens: input.tokens,
@@ -348,7 +427,87 @@ fn plan_sequence(
         tables,
         all_positions: input.all_positions,
         sampling,
+        copies,
     })
+}
+
+/// Checks a sequence's partial-block copies on their own: a known pool, at
+/// most one copy per pool, blocks in range and distinct, 1 to
+/// `tokens_per_block - 1` slots, exactly the slots of `start`'s block
+/// before `start`, into the sequence's own block holding `start`, from a
+/// block not in its table.
+fn plan_copies(
+    copies: &[CopyInput],
+    start: usize,
+    tables: &[PoolTable],
+    layout: &ArenaLayout,
+) -> std::result::Result<Vec<KvCopy>, SeqProblem> {
+    let mut planned: Vec<KvCopy> = Vec::with_capacity(copies.len());
+    for c in copies {
+        let window = c.window;
+        let bad = |message: String| SeqProblem::BadCopy { window, message };
+        let pool = layout
+            .pool_of_window(window)
+            .ok_or_else(|| bad("the model has no pool of this window".into()))?;
+        let geometry = &layout.pools[pool];
+        let b = geometry.tokens_per_block;
+        if planned.iter().any(|p| p.pool == pool) {
+            return Err(bad("two copies for one pool".into()));
+        }
+        for block in [c.src_block, c.dst_block] {
+            if block >= geometry.num_blocks {
+                return Err(bad(format!(
+                    "block id {block} out of range ({} blocks)",
+                    geometry.num_blocks
+                )));
+            }
+        }
+        if c.src_block == c.dst_block {
+            return Err(bad(format!(
+                "source and destination are the same block ({})",
+                c.src_block
+            )));
+        }
+        let slots = c.tokens as usize;
+        if slots == 0 || slots >= b {
+            return Err(bad(format!(
+                "copies {slots} slots; a copy takes 1 to {} (tokens_per_block - 1)",
+                b - 1
+            )));
+        }
+        if slots != start % b {
+            return Err(bad(format!(
+                "copies {slots} slots, but start_pos {start} is {} slots into its block",
+                start % b
+            )));
+        }
+        let table = &tables[pool];
+        let index = start / b;
+        let own = index
+            .checked_sub(table.first_block)
+            .and_then(|i| table.block_ids.get(i))
+            .copied();
+        if own != Some(c.dst_block) {
+            return Err(bad(format!(
+                "destination block {} is not the sequence's block {index} (which is {})",
+                c.dst_block,
+                own.map_or("not in the table".to_string(), |b| b.to_string())
+            )));
+        }
+        if table.block_ids.contains(&c.src_block) {
+            return Err(bad(format!(
+                "source block {} is one of the sequence's own blocks",
+                c.src_block
+            )));
+        }
+        planned.push(KvCopy {
+            pool,
+            src: c.src_block,
+            dst: c.dst_block,
+            slots,
+        });
+    }
+    Ok(planned)
 }
 
 fn check_sampling(s: Sampling) -> std::result::Result<Sampling, SeqProblem> {
@@ -393,6 +552,7 @@ mod tests {
             }],
             all_positions: false,
             sampling: Sampling::GREEDY,
+            copies: Vec::new(),
         }
     }
 

@@ -4,7 +4,7 @@
 
 use kvlease_proto::v1 as pb;
 
-use crate::batch::{Sampling, SeqInput, TableInput};
+use crate::batch::{CopyInput, Sampling, SeqInput, TableInput};
 use crate::worker::{SeqOutput, WorkerInfo};
 use kvlease_tokenizer::Tokenizer;
 
@@ -30,6 +30,16 @@ pub(crate) fn seq_input(seq: pb::ForwardSequence) -> SeqInput {
             .collect(),
         all_positions: seq.return_all_argmax,
         sampling,
+        copies: seq
+            .copies
+            .into_iter()
+            .map(|c| CopyInput {
+                window: c.window,
+                src_block: c.src_block,
+                dst_block: c.dst_block,
+                tokens: c.tokens,
+            })
+            .collect(),
     }
 }
 

@@ -150,6 +150,13 @@ pub enum SeqProblem {
         /// The sequence's start position.
         start_pos: u32,
     },
+    /// A partial-block copy that cannot be applied as given.
+    BadCopy {
+        /// The pool's window.
+        window: u32,
+        /// What is wrong with it.
+        message: String,
+    },
     /// Two sequences of the batch write the same KV slot.
     SlotConflict {
         /// The pool's window.
@@ -234,6 +241,12 @@ impl fmt::Display for SeqProblem {
                 "inconsistent positions: start_pos {start_pos} needs K/V of position {position} \
                  (block {block_id}, window {window}), which was never written"
             ),
+            SeqProblem::BadCopy { window, message } => {
+                write!(
+                    f,
+                    "partial-block copy in the pool of window {window}: {message}"
+                )
+            }
             SeqProblem::SlotConflict {
                 window,
                 block_id,

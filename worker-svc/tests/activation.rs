@@ -105,6 +105,7 @@ fn a_full_batch_stays_within_the_reported_activation_bytes() {
         tables: tables(0),
         all_positions: false,
         sampling: Sampling::GREEDY,
+        copies: Vec::new(),
     };
     worker
         .forward(vec![fill(0, 256)])
@@ -122,6 +123,7 @@ fn a_full_batch_stays_within_the_reported_activation_bytes() {
                     tables: tables(s),
                     all_positions: true,
                     sampling: Sampling::GREEDY,
+                    copies: Vec::new(),
                 }
             }
         })

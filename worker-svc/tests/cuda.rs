@@ -115,6 +115,18 @@ fn a_long_reused_prefix_is_bit_identical_in_any_batch_and_through_decode() {
 }
 
 #[test]
+fn a_partial_block_copy_gives_the_same_logits_as_recomputing() {
+    if !gpu_available("partial_block_copy") {
+        return;
+    }
+    // Both arena types: the copy moves 16-bit K/V as it is stored.
+    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+        let build = |w: &Weights| cuda_worker(w, dtype);
+        common::partial_block_copy_matches_recomputing(&build, TINY_MODEL_TOLERANCE);
+    }
+}
+
+#[test]
 fn sliding_window_matches_dense_after_blocks_slide_out_and_are_reused() {
     if !gpu_available("sliding_window") {
         return;
@@ -207,6 +219,7 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
                 tables: seq_tables(s as u32),
                 all_positions: true,
                 sampling: Sampling::GREEDY,
+                copies: Vec::new(),
             });
             done[s] = end;
         }
@@ -225,6 +238,7 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
                 tables: seq_tables(s as u32),
                 all_positions: false,
                 sampling: Sampling::GREEDY,
+                copies: Vec::new(),
             })
             .collect();
         next = compare(batch, &format!("decode step {step}"));
@@ -279,6 +293,7 @@ fn prefill_rows_are_bit_identical_to_decoding_them_one_by_one() {
                 tables: vec![table(0, 0, &ids)],
                 all_positions: true,
                 sampling: Sampling::GREEDY,
+                copies: Vec::new(),
             };
             match worker.forward(vec![input]) {
                 Ok(o) => o.logits(0).to_vec(),
@@ -328,6 +343,7 @@ fn greedy_tokens_picked_on_the_device_equal_the_hosts_argmax() {
         tables: tables(s),
         all_positions,
         sampling,
+        copies: Vec::new(),
     };
     let sampled = Sampling {
         temperature: 0.8,

@@ -98,6 +98,7 @@ fn seq(
         tables,
         return_all_argmax: true,
         sampling: None,
+        copies: Vec::new(),
     }
 }
 
@@ -443,5 +444,81 @@ async fn a_rejected_forward_leaves_the_arena_untouched() {
         clobbered, before,
         "an accepted overwrite is visible to the probe"
     );
+    server.stop().await;
+}
+
+/// Sequence 2 shares block 0 with sequence 1 (blocks 3 and 4 of the two
+/// pools), starts at `start_pos` in its own block 1 (11 and 13) and brings
+/// `copies`.
+fn copying(copies: Vec<pb::BlockCopy>, start_pos: u32) -> pb::ForwardSequence {
+    let mut s = seq(2, vec![5, 6], start_pos, tables(&[3, 11], &[4, 13]));
+    s.copies = copies;
+    s
+}
+
+fn copy(window: u32, src: u32, dst: u32, tokens: u32) -> pb::BlockCopy {
+    pb::BlockCopy {
+        pool_id: 0,
+        window,
+        src_block: src,
+        dst_block: dst,
+        tokens,
+    }
+}
+
+#[tokio::test]
+async fn partial_block_copies_are_validated_and_applied() {
+    let mut server = Server::start(Config::default()).await;
+    // Sequence 1 writes positions 0..20: blocks 3 (slots 0..16) and 9 (0..4)
+    // in the full pool, 4 and 1 in the windowed one.
+    let p: Vec<u32> = (1..=20).collect();
+    let first = server
+        .forward(vec![seq(1, p.clone(), 0, tables(&[3, 9], &[4, 1]))])
+        .await;
+    assert!(first.is_ok(), "{first:?}");
+    // Sequence 2 reuses block 0 and copies slots 0..4 of block 9 (and 1)
+    // into its block 11 (and 13) instead of computing positions 16..20.
+    let good = || vec![copy(0, 9, 11, 4), copy(64, 1, 13, 4)];
+    let cases: Vec<(pb::ForwardSequence, &[&str])> = vec![
+        (copying(vec![copy(0, 9, 11, 16)], 20), &["1 to 15"]),
+        (copying(vec![copy(0, 11, 11, 4)], 20), &["same block"]),
+        (copying(vec![copy(0, 9, 100_000, 4)], 20), &["out of range"]),
+        (copying(vec![copy(7, 9, 11, 4)], 20), &["window 7"]),
+        (
+            copying(vec![copy(0, 9, 11, 3)], 20),
+            &["start_pos 20 is 4 slots"],
+        ),
+        (
+            copying(vec![copy(0, 9, 10, 4)], 20),
+            &["not the sequence's block 1"],
+        ),
+        (
+            copying(vec![copy(0, 3, 11, 4)], 20),
+            &["one of the sequence's own"],
+        ),
+        (
+            copying(vec![copy(0, 9, 11, 4), copy(0, 8, 11, 4)], 20),
+            &["two copies"],
+        ),
+        (
+            copying(vec![copy(0, 5, 11, 4)], 20),
+            &["do not all hold K/V"],
+        ),
+    ];
+    for (bad, needles) in cases {
+        let mut needles = needles.to_vec();
+        needles.push("partial-block copy");
+        assert_invalid(server.forward(vec![bad]).await, &needles);
+    }
+    // A copy whose source another sequence of the batch writes.
+    let writer = seq(3, vec![7], 20, tables(&[3, 9], &[4, 1]));
+    assert_invalid(
+        server.forward(vec![writer, copying(good(), 20)]).await,
+        &["source block 9 is written by this batch"],
+    );
+    // Nothing above wrote anything: the good copy still finds its sources
+    // and the destination's slots count as written for the pass.
+    let ok = server.forward(vec![copying(good(), 20)]).await;
+    assert!(ok.is_ok(), "{ok:?}");
     server.stop().await;
 }

@@ -99,6 +99,7 @@ fn packed_weights_match_the_dense_reference_on_their_values() {
             ],
             all_positions: true,
             sampling: Sampling::GREEDY,
+            copies: Vec::new(),
         }])
         .unwrap_or_else(|e| panic!("forward: {e}"));
     let vocab = packed.config.vocab_size;
@@ -123,6 +124,11 @@ fn paged_equals_dense_for_head_widths_64_and_128() {
 #[test]
 fn reused_prefix_gives_the_same_logits_as_recomputing_it() {
     common::reused_prefix_matches_recomputing(&cpu_worker, TOLERANCE);
+}
+
+#[test]
+fn a_partial_block_copy_gives_the_same_logits_as_recomputing() {
+    common::partial_block_copy_matches_recomputing(&cpu_worker, TOLERANCE);
 }
 
 #[test]

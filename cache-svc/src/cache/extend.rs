@@ -250,6 +250,7 @@ impl Cache {
             tables: Vec::new(),
             reused_tokens: 0,
             capacity_tokens: 0,
+            copies: Vec::new(),
         };
         let Some(session) = self.sessions.get_mut(&session_id) else {
             return nothing();
@@ -323,6 +324,7 @@ impl Cache {
         match growth {
             Growth::Tokens(tokens) if seq.hashable => {
                 seq.partial.extend_from_slice(tokens);
+                seq.write_step = step;
                 let b = self.pools[seq.tables[0].pool].tokens_per_block as usize;
                 while seq.partial.len() >= b {
                     let parent = seq.hashes.last().copied().unwrap_or(prefix::ROOT_PARENT);
@@ -356,6 +358,7 @@ impl Cache {
             tables,
             reused_tokens: 0,
             capacity_tokens: seq.capacity(),
+            copies: Vec::new(),
         };
         session.references = (session.references as i64 + added).max(0) as u64;
         if !fenced.is_empty() {

@@ -2,6 +2,12 @@
 //! (reusing published prefix blocks), check that it fits (alone, or with the
 //! members of its atomic batch before it), then pin the reused blocks and
 //! take the new ones.
+//!
+//! Partial-block reuse: after the reused full blocks, the prompt's next
+//! tokens may match the leading tokens of a kept partly filled block (the
+//! end of an earlier turn). The source is pinned like a reused block, then
+//! fenced at the lease's step, and the grant tells the holder to copy the
+//! matching slots into the sequence's own block at that index.
 
 use foldhash::{HashSet, HashSetExt};
 use std::time::Instant;
@@ -9,7 +15,7 @@ use std::time::Instant;
 use super::{Batch, Cache, PoolEntry, Tally, ceil_div};
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, Epoch, SessionId};
-use crate::lease::{Grant, Outcome, Prompt, Reject, RejectReason, SeqSpec, Table};
+use crate::lease::{BlockCopy, Grant, Outcome, Prompt, Reject, RejectReason, SeqSpec, Table};
 use crate::pool::{BlockState, Holder};
 use crate::prefix;
 use crate::session::{BeamTable, BlockRef, PoolTables, SeqState};
@@ -28,6 +34,9 @@ struct PoolLease {
     shared_end: u32,
     /// One past the last block index.
     end: u32,
+    /// A kept partly filled block to copy from, into the block after the
+    /// reused ones.
+    copy_src: Option<BlockId>,
 }
 
 impl PoolLease {
@@ -46,6 +55,11 @@ impl PoolLease {
     fn references(&self, beams: u32) -> u64 {
         u64::from(beams) * u64::from(self.end - self.first)
     }
+
+    /// Existing blocks the lease pins: reused ones and the copy source.
+    fn pinned(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.reuse.iter().copied().chain(self.copy_src)
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -63,6 +77,8 @@ struct LeasePlan {
     salt: u64,
     hashable: bool,
     partial: Vec<u32>,
+    /// Slots copied from each pool's `copy_src` (0: no copy).
+    copy_tokens: u32,
 }
 
 impl Cache {
@@ -279,6 +295,13 @@ impl Cache {
             }
             break;
         }
+        let copy = match &spec.prompt {
+            Prompt::Tokens(tokens) if hashable && spec.beam_width == 1 => {
+                self.plan_copy(group, tokens, &hashes, salt, reuse_blocks)
+            }
+            _ => None,
+        };
+        let copy_tokens = copy.as_ref().map_or(0, |c| c.0);
         let capacity = prompt_len + extra;
         let final_len = prompt_len + spec.max_new_tokens.max(1) - 1;
         let reserved_capacity = if spec.reserve_full_life {
@@ -291,7 +314,8 @@ impl Cache {
         let pools = group
             .pools
             .iter()
-            .map(|&i| {
+            .enumerate()
+            .map(|(j, &i)| {
                 let entry = &self.pools[i];
                 let first = first_of(entry.window, reuse_blocks);
                 let reuse: Vec<BlockId> = (first..reuse_blocks)
@@ -304,6 +328,7 @@ impl Cache {
                     reuse,
                     shared_end,
                     end,
+                    copy_src: copy.as_ref().map(|c| c.1[j]),
                 }
             })
             .collect();
@@ -311,7 +336,7 @@ impl Cache {
             seq_id: spec.seq_id,
             pools,
             hashes,
-            reused_tokens: reuse_blocks * b,
+            reused_tokens: reuse_blocks * b + copy_tokens,
             prompt_len,
             extra,
             reserved_capacity,
@@ -320,7 +345,42 @@ impl Cache {
             salt,
             hashable,
             partial,
+            copy_tokens,
         }
+    }
+
+    /// The partial-block copy a lease can take after `reused` full blocks:
+    /// how many slots of the next block match a kept partly filled block in
+    /// every pool of the group (the least of the pools' matches, at most
+    /// `tokens_per_block - 1` and never the last prompt token, which is
+    /// computed), and each pool's source block.
+    fn plan_copy(
+        &self,
+        group: &super::Group,
+        tokens: &[u32],
+        hashes: &[u64],
+        salt: u64,
+        reused: u32,
+    ) -> Option<(u32, Vec<BlockId>)> {
+        if !self.config.partial_reuse {
+            return None;
+        }
+        let b = group.tokens_per_block as usize;
+        let start = reused as usize * b;
+        let end = (start + b - 1).min(tokens.len().saturating_sub(1));
+        let want = tokens.get(start..end).filter(|w| !w.is_empty())?;
+        let parent = match reused {
+            0 => prefix::ROOT_PARENT,
+            r => *hashes.get(r as usize - 1)?,
+        };
+        let mut matched = u32::MAX;
+        let mut sources = Vec::with_capacity(group.pools.len());
+        for &i in &group.pools {
+            let (src, k) = self.pools[i].pool.lookup_partial(parent, salt, want)?;
+            matched = matched.min(k);
+            sources.push(src);
+        }
+        Some((matched, sources))
     }
 
     /// Whether a planned lease fits now (and, for an atomic batch, together
@@ -353,15 +413,14 @@ impl Cache {
             let entry = &self.pools[p.pool];
             let counts = entry.pool.counts();
             let mut pinned_cached: u64 = p
-                .reuse
-                .iter()
-                .filter(|&&b| entry.pool.state(b) == BlockState::Cached)
+                .pinned()
+                .filter(|&b| entry.pool.state(b) == BlockState::Cached)
                 .count() as u64;
             let mut need = p.new_blocks(plan.beams);
             if let Some(t) = tally.as_deref_mut() {
                 let pinned = t.pinned.entry(p.pool).or_default();
                 pinned_cached = 0;
-                for &b in &p.reuse {
+                for b in p.pinned() {
                     if entry.pool.state(b) == BlockState::Cached {
                         pinned.insert(b);
                     }
@@ -414,6 +473,9 @@ impl Cache {
                     pool.acquire(b, holder, plan.priority);
                 }
             }
+            if let Some(src) = p.copy_src {
+                pool.acquire(src, holder, plan.priority);
+            }
         }
     }
 
@@ -440,6 +502,8 @@ impl Cache {
     ) -> Grant {
         let mut tables = Vec::with_capacity(plan.pools.len());
         let mut pending = Vec::new();
+        let mut copies = Vec::new();
+        let mut copy_fences = Vec::new();
         let mut references = 0;
         for p in &plan.pools {
             let entry = &mut self.pools[p.pool];
@@ -452,6 +516,7 @@ impl Cache {
                     .pool
                     .observe_lookups(&plan.hashes[..eligible as usize]);
             }
+            let (pool_id, window) = (entry.id, entry.window);
             let pool = &mut entry.pool;
             let mut shared: Vec<BlockId> = p.reuse.clone();
             let shared_start = p.first + p.reuse.len() as u32;
@@ -494,6 +559,29 @@ impl Cache {
                     blocks,
                 });
             }
+            // The copy source stays out of circulation until the forward
+            // pass of this step (which reads it) is reported complete.
+            if let (Some(src), Some(beam)) = (p.copy_src, beams.first()) {
+                let dst_index = p.first + p.reuse.len() as u32;
+                if let Some(&dst) = dst_index
+                    .checked_sub(beam.first)
+                    .and_then(|i| beam.blocks.get(i as usize))
+                {
+                    copies.push(BlockCopy {
+                        pool_id,
+                        window,
+                        src_block: src,
+                        dst_block: dst,
+                        tokens: plan.copy_tokens,
+                    });
+                }
+                pool.release(src, true);
+                copy_fences.push(BlockRef {
+                    pool: p.pool,
+                    block: src,
+                    generation: pool.generation(src),
+                });
+            }
             tables.push(PoolTables {
                 pool: p.pool,
                 beams,
@@ -509,9 +597,11 @@ impl Cache {
             hashes: plan.hashes,
             partial: plan.partial,
             hashable: plan.hashable && plan.beams == 1,
+            write_step: step,
             tables,
         };
-        let grant = self.grant_of(plan.seq_id, &seq, plan.reused_tokens);
+        let mut grant = self.grant_of(plan.seq_id, &seq, plan.reused_tokens);
+        grant.copies = copies;
         if let Some(session) = self.sessions.get_mut(&session_id) {
             session.references += references;
             session.forget_released(plan.seq_id);
@@ -519,6 +609,9 @@ impl Cache {
             // have written its KV: its hashes are not published.
             if !pending.is_empty() && !session.step_completed(step) {
                 session.pending.entry(step).or_default().extend(pending);
+            }
+            if !copy_fences.is_empty() {
+                session.fences.entry(step).or_default().extend(copy_fences);
             }
             session.seqs.insert(plan.seq_id, seq);
         }
@@ -550,5 +643,6 @@ fn grant_of(pools: &[PoolEntry], seq_id: u64, seq: &SeqState, reused_tokens: u32
         tables,
         reused_tokens,
         capacity_tokens: seq.capacity(),
+        copies: Vec::new(),
     }
 }

@@ -81,6 +81,9 @@ pub struct CacheConfig {
     pub max_beam_width: u32,
     /// The eviction policy of each pool group.
     pub eviction: crate::eviction::EvictionConfig,
+    /// Keep released sequences' partly filled last blocks and grant copies
+    /// of their matching slots (partial-block reuse).
+    pub partial_reuse: bool,
 }
 
 impl Default for CacheConfig {
@@ -94,6 +97,7 @@ impl Default for CacheConfig {
             max_pool_blocks: 1 << 24,
             max_beam_width: 64,
             eviction: crate::eviction::EvictionConfig::default(),
+            partial_reuse: true,
         }
     }
 }

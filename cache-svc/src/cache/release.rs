@@ -1,13 +1,19 @@
 //! `Release` and `CompleteStep`: giving sequences back (at once or fenced at
 //! a step), publishing a completed step's hashes and lifting its fences.
+//!
+//! A released sequence's partly filled last block is kept for partial-block
+//! reuse when its KV is known to be written: at once if the step that wrote
+//! its last token is complete, else when that step completes (the release
+//! must then be fenced at or after it, so the block is still parked).
 
 use std::time::Instant;
 
-use super::Cache;
+use super::{Cache, PoolEntry};
 use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId};
 use crate::lease::{ReleaseResult, ReleaseStatus};
-use crate::session::BlockRef;
+use crate::prefix;
+use crate::session::{BlockRef, SeqState, Session};
 
 impl Cache {
     /// Releases sequences, optionally fenced at a step.
@@ -24,6 +30,7 @@ impl Cache {
             return Err(Error::UnknownSession(session_id));
         };
         let fence = fence_step.filter(|&s| !session.step_completed(s));
+        let partial_reuse = self.config.partial_reuse;
         let mut results = Vec::with_capacity(seq_ids.len());
         for &seq_id in seq_ids {
             let Some(seq) = session.seqs.remove(&seq_id) else {
@@ -47,6 +54,9 @@ impl Cache {
                 blocks_fenced: 0,
             };
             let mut fenced = Vec::new();
+            if partial_reuse {
+                keep_partial(&mut self.pools, session, &seq, fence);
+            }
             for t in &seq.tables {
                 let pool = &mut self.pools[t.pool].pool;
                 for bt in &t.beams {
@@ -112,5 +122,52 @@ impl Cache {
         }
         self.flush_events();
         Ok(returned)
+    }
+}
+
+/// Marks `seq`'s partly filled last block (in every pool that holds it) to be
+/// kept once released: published now if the step that wrote its last token
+/// is complete, or when that step completes if the release is fenced at or
+/// after it. An unfenced release before then keeps nothing: its KV may never
+/// have been written.
+fn keep_partial(
+    pools: &mut [PoolEntry],
+    session: &mut Session,
+    seq: &SeqState,
+    fence: Option<u64>,
+) {
+    if !seq.hashable || seq.beams != 1 || seq.partial.is_empty() {
+        return;
+    }
+    let written = session.step_completed(seq.write_step);
+    if !written && fence.is_none_or(|f| f < seq.write_step) {
+        return;
+    }
+    let index = seq.hashes.len() as u32;
+    let parent = seq.hashes.last().copied().unwrap_or(prefix::ROOT_PARENT);
+    for t in &seq.tables {
+        let Some(bt) = t.beams.first() else { continue };
+        let Some(&block) = index
+            .checked_sub(bt.first)
+            .and_then(|i| bt.blocks.get(i as usize))
+        else {
+            continue;
+        };
+        let pool = &mut pools[t.pool].pool;
+        pool.set_pending_partial(block, parent, seq.salt, &seq.partial);
+        let generation = pool.generation(block);
+        if written {
+            pool.publish(block, generation);
+        } else {
+            session
+                .pending
+                .entry(seq.write_step)
+                .or_default()
+                .push(BlockRef {
+                    pool: t.pool,
+                    block,
+                    generation,
+                });
+        }
     }
 }

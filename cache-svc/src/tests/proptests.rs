@@ -60,6 +60,22 @@ fn prompt(family: u8, len: u8) -> Vec<u32> {
         .collect()
 }
 
+/// Records the token ids of `tokens` in the blocks of `tables` that hold them.
+fn write_content(
+    content: &mut HashMap<(u32, u32), Vec<u32>>,
+    tables: &[crate::lease::Table],
+    tokens: &[u32],
+    b: u32,
+) {
+    for t in tables {
+        for (i, &block) in t.block_ids.iter().enumerate() {
+            let start = ((t.first_block as usize + i) * b as usize).min(tokens.len());
+            let end = (start + b as usize).min(tokens.len());
+            content.insert((t.pool_id, block), tokens[start..end].to_vec());
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 10_000, ..ProptestConfig::default() })]
 
@@ -82,6 +98,12 @@ proptest! {
         // What a holder knows: lease tables with every extend delta applied
         // (beam 0). Must equal the cache's own tables.
         let mut mirror: HashMap<u64, Vec<crate::lease::Table>> = HashMap::new();
+        // The token ids each block's slots hold, as the holder writes them
+        // (beam 0 of sequences whose ids are all known), and each such
+        // sequence's ids: every partial-block copy must name a source whose
+        // leading slots hold exactly the prompt's tokens.
+        let mut content: HashMap<(u32, u32), Vec<u32>> = HashMap::new();
+        let mut toks: HashMap<u64, Vec<u32>> = HashMap::new();
         for op in ops {
             match op {
                 Op::Lease { seqs, atomic, warmup, reserve } => {
@@ -115,13 +137,37 @@ proptest! {
                             }
                             mirror.insert(g.seq_id, g.tables.iter().filter(|t| t.beam == 0).cloned().collect());
                             prop_assert!(g.reused_tokens < s.prompt.len());
+                            let Prompt::Tokens(ids) = &s.prompt else { continue };
+                            let full = g.reused_tokens / b * b;
+                            for c in &g.copies {
+                                prop_assert!(s.beam_width == 1 && !warmup);
+                                prop_assert!(c.tokens >= 1 && c.tokens < b && c.src_block != c.dst_block);
+                                prop_assert_eq!(full + c.tokens, g.reused_tokens);
+                                let t = g.tables.iter().find(|t| t.pool_id == c.pool_id && t.beam == 0).unwrap();
+                                prop_assert_eq!(t.block_ids[(full / b - t.first_block) as usize], c.dst_block);
+                                let want = &ids[full as usize..g.reused_tokens as usize];
+                                let held = content.get(&(c.pool_id, c.src_block)).map(|v| &v[..]).unwrap_or(&[]);
+                                prop_assert!(held.starts_with(want), "copy source {} holds {:?}, prompt wants {:?}", c.src_block, held, want);
+                                // The source is pinned until the step completes.
+                                let pool = f.cache.pools().iter().find(|p| p.id == c.pool_id).unwrap();
+                                prop_assert_ne!(pool.pool.state(c.src_block), crate::pool::BlockState::Free);
+                                prop_assert_ne!(pool.pool.state(c.src_block), crate::pool::BlockState::Cached);
+                            }
+                            if g.copies.is_empty() {
+                                prop_assert_eq!(g.reused_tokens % b, 0);
+                            }
+                            if s.beam_width == 1 && !warmup {
+                                toks.insert(g.seq_id, ids.clone());
+                                write_content(&mut content, &mirror[&g.seq_id], ids, b);
+                            }
                         }
                     }
                 }
                 Op::Extend { seqs, n, with_ids } => {
+                    let ids_of = |s: u8| -> Vec<u32> { (0..u32::from(n)).map(|i| u32::from(s) * 7 + i).collect() };
                     let items: Vec<_> = seqs.iter().map(|&s| {
                         let g = if with_ids {
-                            Growth::Tokens((0..u32::from(n)).map(|i| u32::from(s) * 7 + i).collect())
+                            Growth::Tokens(ids_of(s))
                         } else {
                             Growth::Count(u32::from(n))
                         };
@@ -140,6 +186,12 @@ proptest! {
                                                 &mut t.first_block, &mut t.block_ids, delta.first_block, &delta.block_ids);
                                         }
                                     }
+                                }
+                                if !with_ids {
+                                    toks.remove(s);
+                                } else if let Some(t) = toks.get_mut(s) {
+                                    t.extend(ids_of(*s as u8));
+                                    write_content(&mut content, &mirror[s], t, b);
                                 }
                                 let tables = f.cache.sequence_tables(f.session, *s).unwrap_or_default();
                                 // The holder's merged view equals the cache's.
@@ -178,6 +230,7 @@ proptest! {
                     let ids: Vec<u64> = seqs.iter().map(|&s| u64::from(s)).collect();
                     for id in &ids {
                         mirror.remove(id);
+                        toks.remove(id);
                     }
                     f.release(&ids, fenced.then_some(step));
                 }
@@ -193,6 +246,7 @@ proptest! {
                     f.session = opened.session_id;
                     extra_of.clear();
                     mirror.clear();
+                    toks.clear();
                 }
                 Op::Audit => {
                     let report = f.cache.audit();

@@ -257,7 +257,20 @@ impl Core {
                         );
                         continue;
                     }
-                    let reused = grant.reused_tokens.min(l.lease_len.saturating_sub(1));
+                    let mut reused = grant.reused_tokens.min(l.lease_len.saturating_sub(1));
+                    let mut copies = grant.copies;
+                    let copied = copies.first().map_or(0, |c| c.tokens);
+                    // The copies must run in this step's pass; without a
+                    // first chunk this step (or with a grant that does not
+                    // add up), start at the last reused full block instead.
+                    if !copies.is_empty()
+                        && (l.first_chunk == 0
+                            || reused != grant.reused_tokens
+                            || copies.iter().any(|c| c.tokens != copied))
+                    {
+                        reused = reused.min(grant.reused_tokens.saturating_sub(copied));
+                        copies.clear();
+                    }
                     let len = l.first_chunk.min(l.lease_len - reused);
                     let context = l.request.context();
                     self.running.insert(
@@ -272,6 +285,7 @@ impl Core {
                             kv_len: reused,
                             cache_len: l.lease_len,
                             reused_tokens: reused,
+                            copies,
                             planned: (len > 0).then_some(Work::Prefill { len }),
                             in_flight: None,
                             request: l.request,

@@ -155,6 +155,9 @@ struct Sequence {
     kv_len: u32,
     cache_len: u32,
     reused_tokens: u32,
+    /// Partial-block copies for the first forward pass, which runs in the
+    /// lease's step (the cache pins the sources only until it completes).
+    copies: Vec<crate::domain::BlockCopy>,
     /// Planned this step, not yet sent to the worker.
     planned: Option<Work>,
     /// Sent to the worker, result not yet applied.

@@ -145,6 +145,7 @@ impl Core {
                 tables: seq.tables.clone(),
                 return_all_argmax: all_argmax,
                 sampling: seq.request.sampling,
+                copies: std::mem::take(&mut seq.copies),
             });
             seq.in_flight = Some(work);
         }

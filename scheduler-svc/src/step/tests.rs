@@ -53,6 +53,7 @@ fn grant(seq_id: SeqId) -> Outcome {
         }],
         reused_tokens: 0,
         capacity_tokens: 0,
+        copies: Vec::new(),
     })
 }
 
@@ -932,6 +933,7 @@ impl ModelCache {
             }],
             reused_tokens: 0,
             capacity_tokens: tokens,
+            copies: Vec::new(),
         })
     }
 
@@ -1202,4 +1204,64 @@ fn live_sequences_lost_to_a_cache_restart_in_reject_mode_end_rejected_cache_rest
         );
     }
     assert_eq!(c.queued(), 1);
+}
+
+/// A grant reusing two full blocks (8 tokens) and copying 2 more slots.
+fn grant_with_copy(seq_id: SeqId) -> Outcome {
+    Outcome::Grant(Grant {
+        seq_id,
+        tables: vec![Table {
+            pool_id: 1,
+            window: 0,
+            first_block: 0,
+            block_ids: vec![0, 1, 7, 8],
+        }],
+        reused_tokens: 10,
+        capacity_tokens: 14,
+        copies: vec![crate::domain::BlockCopy {
+            pool_id: 1,
+            window: 0,
+            src_block: 5,
+            dst_block: 7,
+            tokens: 2,
+        }],
+    })
+}
+
+#[test]
+fn a_partial_block_copy_rides_the_first_forward_pass_only() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 14, 2));
+    let b = step_with(
+        &mut c,
+        |e| grant(e.seq_id),
+        |l| grant_with_copy(l.seq_id),
+        3,
+    );
+    assert_eq!((b[0].start_pos, b[0].tokens.len()), (10, 4));
+    assert_eq!(b[0].copies.len(), 1);
+    assert_eq!((b[0].copies[0].dst_block, b[0].copies[0].tokens), (7, 2));
+    let b = step_granting(&mut c, 4);
+    assert_eq!(b[0].start_pos, 14);
+    assert!(b[0].copies.is_empty(), "the copy is done once");
+}
+
+#[test]
+fn a_grant_whose_copies_do_not_add_up_is_recomputed_from_its_full_blocks() {
+    // Two pools' copies that disagree on the slot count: the scheduler
+    // cannot trust either, so it starts at the last reused full block.
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 14, 2));
+    let odd = |l: &LeaseSpec| match grant_with_copy(l.seq_id) {
+        Outcome::Grant(mut g) => {
+            let mut other = g.copies[0];
+            other.tokens = 3;
+            g.copies.push(other);
+            Outcome::Grant(g)
+        }
+        o => o,
+    };
+    let b = step_with(&mut c, |e| grant(e.seq_id), odd, 3);
+    assert_eq!((b[0].start_pos, b[0].tokens.len()), (8, 6));
+    assert!(b[0].copies.is_empty());
 }

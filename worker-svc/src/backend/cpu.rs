@@ -5,8 +5,8 @@
 use rayon::prelude::*;
 
 use super::{Backend, BatchLogits};
-use crate::arena::ArenaLayout;
-use crate::batch::{Batch, PlannedSeq, PoolTable};
+use crate::arena::{ArenaLayout, PoolGeometry};
+use crate::batch::{Batch, KvCopy, PlannedSeq, PoolTable};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::weights::{Matrix, Weights};
@@ -131,6 +131,11 @@ impl CpuState {
             kv,
             rope,
         } = self;
+        for seq in &batch.seqs {
+            for c in &seq.copies {
+                copy_slots(&layout.pools[c.pool], &mut kv[c.pool], c);
+            }
+        }
         let cfg = &weights.config;
         let (h, qd, kvd, f) = (cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.ffn_size);
         let qkv_dim = qd + 2 * kvd;
@@ -548,6 +553,22 @@ impl Backend for CpuBackend {
     fn forward(&mut self, batch: &Batch) -> Result<BatchLogits> {
         let state = &mut self.state;
         Ok(self.pool.install(|| state.run(batch)))
+    }
+}
+
+/// Partial-block reuse: copies slots `[0, c.slots)` of block `c.src` into
+/// block `c.dst`, for every layer of the pool, K and V, every head (each a
+/// contiguous run of `slots * head_dim` values in the block layout).
+fn copy_slots(geometry: &PoolGeometry, kv: &mut [f32], c: &KvCopy) {
+    let len = c.slots * geometry.head_dim;
+    for layer_slot in 0..geometry.layers.len() {
+        for k_or_v in 0..2 {
+            for head in 0..geometry.num_kv_heads {
+                let from = geometry.offset(c.src, layer_slot, k_or_v, head, 0);
+                let to = geometry.offset(c.dst, layer_slot, k_or_v, head, 0);
+                kv.copy_within(from..from + len, to);
+            }
+        }
     }
 }
 

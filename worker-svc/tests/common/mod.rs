@@ -5,7 +5,7 @@
 //! backend as a function building a worker from weights and, where it
 //! compares with the dense reference, the tolerated relative error.
 
-use worker_svc::batch::{Limits, Sampling, SeqInput, TableInput};
+use worker_svc::batch::{CopyInput, Limits, Sampling, SeqInput, TableInput};
 use worker_svc::model::weights::{SplitMix64, Weights};
 use worker_svc::model::{ModelConfig, RopeScaling};
 use worker_svc::ops::window_start;
@@ -177,6 +177,7 @@ fn input(worker: &Worker, seq: &Driven, start: usize, end: usize) -> SeqInput {
             .collect(),
         all_positions: true,
         sampling: Sampling::GREEDY,
+        copies: Vec::new(),
     }
 }
 
@@ -340,6 +341,7 @@ fn seq_input(seq_id: u64, tokens: &[u32], start: u32, tables: Vec<TableInput>) -
         tables,
         all_positions: true,
         sampling: Sampling::GREEDY,
+        copies: Vec::new(),
     }
 }
 
@@ -390,6 +392,60 @@ pub(crate) fn reused_prefix_matches_recomputing(build: Build<'_>, tol: f32) {
             err <= tol,
             "reuse vs dense: relative error {err} over {tol}"
         );
+    }
+}
+
+/// Partial-block reuse: a sequence that reuses another's three full blocks
+/// and copies the 2 slots the other wrote into its fourth (instead of
+/// computing them) gets bit-identical logits to recomputing everything,
+/// through prefill and a decode step that reads the copied slots, and
+/// within `tol` of the dense reference. Without the copy the same pass is
+/// refused: the slots would hold no K/V.
+pub(crate) fn partial_block_copy_matches_recomputing(build: Build<'_>, tol: f32) {
+    let weights = fixed_model(vec![0, 32, 0], 4);
+    let mut worker = build(&weights);
+    let vocab = weights.config.vocab_size;
+    let shared: Vec<u32> = (0..14).map(|i| (i * 7 + 3) % 64).collect();
+    let suffix: Vec<u32> = vec![5, 9, 33, 1, 60];
+    let full: Vec<u32> = shared.iter().chain(&suffix).copied().collect();
+    let both = |ids: &[u32]| vec![table(0, 0, ids), table(32, 0, ids)];
+
+    // A (an earlier turn) wrote 14 tokens: blocks 10-12 full, 2 slots of 13.
+    run_one(&mut worker, 1, &shared, 0, both(&[10, 11, 12, 13]));
+
+    // B shares them: blocks 10-12 reused, slots 0-1 of 13 copied into its
+    // own block 20, positions 14.. computed.
+    let b_tables = || both(&[10, 11, 12, 20, 21]);
+    let copies = [0, 32].map(|window| CopyInput {
+        window,
+        src_block: 13,
+        dst_block: 20,
+        tokens: 2,
+    });
+    let without = worker.forward(vec![seq_input(2, &suffix, 14, b_tables())]);
+    assert!(without.is_err(), "no copy, no K/V for positions 12-13");
+    let mut with_copy = seq_input(2, &suffix, 14, b_tables());
+    with_copy.copies = copies.to_vec();
+    let mut copied = match worker.forward(vec![with_copy]) {
+        Ok(out) => out.logits(0).to_vec(),
+        Err(e) => panic!("forward with the copy: {e}"),
+    };
+    copied.extend(run_one(&mut worker, 2, &[42], 19, b_tables()));
+
+    // C recomputes all of B's tokens in fresh blocks, then decodes.
+    let c_tables = || both(&[30, 31, 32, 33, 34]);
+    let recomputed_all = run_one(&mut worker, 3, &full, 0, c_tables());
+    let mut recomputed = recomputed_all[shared.len() * vocab..].to_vec();
+    recomputed.extend(run_one(&mut worker, 3, &[42], 19, c_tables()));
+    assert_bit_identical(&copied, &recomputed, "partial-block copy vs recomputed");
+
+    let dense = DenseModel::new(&weights);
+    let mut d = dense.sequence();
+    let mut expected = dense.forward(&mut d, &full);
+    expected.extend(dense.forward(&mut d, &[42]));
+    for (row, want) in copied.chunks_exact(vocab).zip(&expected[shared.len()..]) {
+        let err = relative_error(row, want);
+        assert!(err <= tol, "copy vs dense: relative error {err} over {tol}");
     }
 }
 

@@ -389,6 +389,7 @@ fn input(
         tables,
         all_positions: all,
         sampling: Sampling::GREEDY,
+        copies: Vec::new(),
     }
 }
 

@@ -190,16 +190,32 @@ class BlockTable(_message.Message):
     def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., beam: _Optional[int] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("seq_id", "tables", "reused_tokens", "capacity_tokens")
+    __slots__ = ("seq_id", "tables", "reused_tokens", "capacity_tokens", "copies")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
     reused_tokens: int
     capacity_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., reused_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ...) -> None: ...
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, seq_id: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., reused_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("pool_id", "window", "src_block", "dst_block", "tokens")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: int
+    window: int
+    src_block: int
+    dst_block: int
+    tokens: int
+    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., src_block: _Optional[int] = ..., dst_block: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("seq_id", "reason", "pool_id", "window", "blocks_needed", "blocks_free", "blocks_pending_free", "message")

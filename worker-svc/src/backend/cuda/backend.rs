@@ -192,6 +192,21 @@ impl CudaBackend {
             stream: &self.stream,
             kernels: &self.kernels,
         };
+        // Partial-block copies first: this pass's attention reads them.
+        for seq in &batch.seqs {
+            for c in &seq.copies {
+                let geometry = &self.layout.pools[c.pool];
+                let runs = geometry.layers.len() * 2 * geometry.num_kv_heads;
+                launch.copy_kv_slots(
+                    &mut self.kv[c.pool],
+                    geometry.offset(c.src, 0, 0, 0, 0),
+                    geometry.offset(c.dst, 0, 0, 0, 0),
+                    runs,
+                    (geometry.tokens_per_block, geometry.head_dim),
+                    c.slots,
+                )?;
+            }
+        }
         let h = self.config.hidden_size;
         launch.embed(
             &self.weights.embed,

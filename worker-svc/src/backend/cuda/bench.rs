@@ -633,6 +633,7 @@ pub fn model_bench(
         tables: tables.to_vec(),
         all_positions: false,
         sampling: Sampling::GREEDY,
+        copies: Vec::new(),
     };
     // Prefills `seqs` in forwards of up to PREFILL_BATCH_TOKENS tokens, in
     // chunks of at most that many per sequence; returns each one's next token.
@@ -693,6 +694,7 @@ pub fn model_bench(
                     tables: t.clone(),
                     all_positions: false,
                     sampling: Sampling::GREEDY,
+                    copies: Vec::new(),
                 })
                 .collect();
             for (n, out) in next.iter_mut().zip(worker.forward_tokens(inputs)?) {

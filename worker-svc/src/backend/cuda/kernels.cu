@@ -140,6 +140,19 @@ extern "C" __global__ void swiglu(const float* __restrict__ gate_up, int f, int 
     out[i] = f32_to_bf16(g / (1.0f + __expf(-g)) * row[f + c]);
 }
 
+// Partial-block reuse: copies slots [0, n) of one block into another block
+// of the same pool. A block is runs of B * D elements, one per (layer of the
+// pool, K or V, KV head); one thread block per run copies its first n * D
+// elements from src_base + run * B * D to dst_base + run * B * D. The blocks
+// differ (checked on the host), so no element is both read and written.
+extern "C" __global__ void copy_kv_slots(kv_t* arena, long long src_base, long long dst_base,
+                                         int n) {
+    const long long run = (long long)blockIdx.x * B * D;
+    for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
+        arena[dst_base + run + i] = arena[src_base + run + i];
+    }
+}
+
 // Copies the new K and V of every row (columns k_col.. of qkv) into the
 // arena: dst_base[r] is the element offset of (block, slot) in the pool,
 // layer_off that of the layer within a block. One block per row.

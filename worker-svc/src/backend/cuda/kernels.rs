@@ -81,6 +81,7 @@ pub(super) struct Kernels {
     pub(super) rope: CudaFunction,
     pub(super) swiglu: CudaFunction,
     pub(super) write_kv: CudaFunction,
+    pub(super) copy_kv_slots: CudaFunction,
     pub(super) paged_attention: CudaFunction,
     pub(super) paged_attention_mma: Option<MmaAttention>,
     /// [`AttentionTuning::split_keys`], for both attention kernels.
@@ -213,6 +214,7 @@ impl Kernels {
             rope: f("rope")?,
             swiglu: f("swiglu")?,
             write_kv: f("write_kv")?,
+            copy_kv_slots: f("copy_kv_slots")?,
             paged_attention: f("paged_attention")?,
             paged_attention_mma,
             split_keys: tuning.split_keys,

@@ -276,6 +276,58 @@ impl Launcher<'_> {
         Ok(())
     }
 
+    /// Partial-block reuse: copies slots `[0, slots)` of the block at
+    /// element offset `src_base` into the block at `dst_base`, in each of
+    /// the block's `runs` runs of `b * d` elements (one per layer of the
+    /// pool, K or V, KV head). `b` and `d` must be the kernels' `B` and `D`.
+    #[allow(clippy::too_many_arguments)] // the copy's geometry
+    pub(super) fn copy_kv_slots(
+        &self,
+        arena: &mut CudaSlice<u16>,
+        src_base: usize,
+        dst_base: usize,
+        runs: usize,
+        (b, d): (usize, usize),
+        slots: usize,
+    ) -> Result<()> {
+        let block_elems = runs * b * d;
+        check_len(
+            "copy_kv_slots",
+            "arena",
+            arena.len(),
+            src_base + block_elems,
+        )?;
+        check_len(
+            "copy_kv_slots",
+            "arena",
+            arena.len(),
+            dst_base + block_elems,
+        )?;
+        if src_base.abs_diff(dst_base) < block_elems || slots >= b {
+            return Err(Error::Backend(format!(
+                "copy_kv_slots: blocks at {src_base} and {dst_base} overlap, or {slots} slots \
+                 is not less than a block's {b}"
+            )));
+        }
+        let (src, dst, n) = (src_base as i64, dst_base as i64, slots as i32);
+        // SAFETY: matches `copy_kv_slots(kv_t* arena, long long src_base,
+        // long long dst_base, int n)`; the grid has one block per run, and
+        // the runs * B * D elements from either offset lie inside the arena
+        // (checked above); each block copies n * D < B * D elements of its
+        // run; the two blocks do not overlap (checked above).
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.copy_kv_slots)
+                .arg(arena)
+                .arg(&src)
+                .arg(&dst)
+                .arg(&n)
+                .launch(per_row(runs, 128))
+        }
+        .map_err(cuda_err("copy_kv_slots"))?;
+        Ok(())
+    }
+
     /// Paged attention, then the merge of its splits into `out` (row stride
     /// `out_stride`); with `out` None, only the partials (the bench times the
     /// kernel alone that way).
