@@ -102,6 +102,12 @@ class LlamaCpp:
         L.llama_log_set(self._log, ctypes.c_void_p())
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
+        # No extra buffer types: on CPUs with AMX, llama.cpp built for the
+        # native CPU moves Q4_1/Q8_0 matrices into AMX buffers, whose
+        # product segfaults in ggml_backend_amx_mul_mat where the kernel
+        # (here a VM's) does not grant the AMX tile state. Its AVX-512/VNNI
+        # kernels still run (the Q8 activations x Q4 weights dot products).
+        mparams.use_extra_bufts = False
         self.model = L.llama_model_load_from_file(str(model).encode(), mparams)
         if not self.model:
             sys.exit(f"llama.cpp cannot load {model}")
@@ -179,7 +185,8 @@ def inner(args):
     kv.close()
     load = os.getloadavg()
     print(f"model: {args.model}")
-    print(f"kvlease: {kv.banner}; llama.cpp: llama-cpp-python {LLAMACPP_VERSION}; "
+    print(f"kvlease: {kv.banner}; llama.cpp: llama-cpp-python {LLAMACPP_VERSION} "
+          f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, no extra buffer types); "
           f"{args.threads} threads each; medians of {args.runs} alternating runs")
     print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
           f"({os.cpu_count()} CPUs)")
@@ -211,7 +218,14 @@ def main():
     binary = build_kvlease()
     cmd = [str(python), __file__, "--inner", "--binary", str(binary), "--model", str(args.model),
            "--threads", str(args.threads), "--runs", str(args.runs)]
-    sys.exit(subprocess.run(cmd).returncode)
+    # llama.cpp's threads meet at OpenMP barriers. Spinning there (libgomp's
+    # default) is its faster choice on idle cores, but on cores shared with
+    # other work it collapses (seen: one-sequence decode at 0.4 tok/s spinning
+    # vs 18 passive, load average 15 on 2 cores). Passive unless the caller
+    # chose: pass OMP_WAIT_POLICY=ACTIVE on a quiet machine.
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    sys.exit(subprocess.run(cmd, env=env).returncode)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,13 @@
 //! order (16 running sums, sum `l` taking elements `l, l + 16, ...` with
 //! fused multiply-adds, then a fixed pairwise tree, then the optional add
 //! to the output), whatever tile, batch, thread or kernel computes it. The
-//! AVX2 kernel and the portable one follow that order, so they agree bit for
-//! bit.
+//! AVX-512 kernels (one `zmm` register per dot product), the AVX2 ones (two
+//! `ymm`) and the portable one follow that order, so they agree bit for bit;
+//! the process picks the widest its CPU runs (`kernel_name`).
+//!
+//! With AVX-512, a product of at most `avx512::FUSED_ROWS` activation rows
+//! (a decode step) skips the scratch tile: each block is dequantized in
+//! registers and multiplied at once, so every weight byte is read once.
 
 use rayon::prelude::*;
 
@@ -23,6 +28,8 @@ use crate::ops::Threads;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 /// Running sums of one dot product (the summation order's width).
 const LANES: usize = 16;
@@ -181,26 +188,37 @@ enum Isa {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2Fma,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 fn isa() -> Isa {
     static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
-            return Isa::Avx2Fma;
+            use std::arch::is_x86_feature_detected as has;
+            let avx2 = has!("avx2") && has!("fma");
+            if avx2 && has!("avx512f") && has!("avx512bw") && has!("f16c") {
+                return Isa::Avx512;
+            }
+            if avx2 {
+                return Isa::Avx2Fma;
+            }
         }
         Isa::Portable
     })
 }
 
-/// Name of the kernels products run on here ("avx2+fma" or "portable").
+/// Name of the kernels products run on here ("avx512", "avx2+fma" or
+/// "portable").
 pub fn kernel_name() -> &'static str {
     match isa() {
         Isa::Portable => "portable",
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2Fma => "avx2+fma",
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => "avx512",
     }
 }
 
@@ -249,8 +267,31 @@ fn run_product(
     let tasks = groups.div_ceil(per_task);
     let out = OutPtr(out.as_mut_ptr());
     let task = |t: usize| {
-        let mut tile = vec![0.0f32; GROUP * k];
         let groups = t * per_task..((t + 1) * per_task).min(groups);
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 && m <= avx512::FUSED_ROWS {
+            let (j0, j1) = (groups.start * GROUP, (groups.end * GROUP).min(n));
+            // SAFETY: chosen only when the CPU has AVX-512F/BW, F16C and
+            // FMA; the m rows of `a` and of the output are in bounds by the
+            // assert, weight rows j0..j1 exist, and this task alone writes
+            // output columns j0..j1.
+            unsafe {
+                avx512::fused_product(
+                    w.ty,
+                    a.as_ptr(),
+                    lda,
+                    m,
+                    w.row(j0).as_ptr(),
+                    k,
+                    j1 - j0,
+                    out.at(j0),
+                    n,
+                    accumulate,
+                );
+            }
+            return;
+        }
+        let mut tile = vec![0.0f32; GROUP * k];
         for r0 in (0..m).step_by(ROW_BLOCK) {
             let rows = ROW_BLOCK.min(m - r0);
             for g in groups.clone() {
@@ -357,6 +398,12 @@ unsafe fn tile_product(
         Isa::Avx2Fma => unsafe {
             avx2::tile_product(a, lda, rows, tile.as_ptr(), k, nr, out, ldo, accumulate)
         },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512` is only chosen when the CPU has AVX-512F/BW,
+        // F16C and FMA; the bounds are the caller's contract.
+        Isa::Avx512 => unsafe {
+            avx512::tile_product(a, lda, rows, tile.as_ptr(), k, nr, out, ldo, accumulate)
+        },
     }
 }
 
@@ -394,6 +441,9 @@ fn dequantize_into(isa: Isa, ty: GgmlType, row: &[u8], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: chosen only when the CPU has AVX2 and FMA.
         Isa::Avx2Fma => unsafe { avx2::dequantize_into(ty, row, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: chosen only when the CPU has AVX-512F/BW, F16C and FMA.
+        Isa::Avx512 => unsafe { avx512::dequantize_into(ty, row, out) },
         Isa::Portable => {
             for (block, dst) in row.chunks_exact(bb).zip(out.chunks_exact_mut(QK)) {
                 dequantize_block(ty, block, dst);
@@ -476,10 +526,17 @@ mod tests {
 
     const TYPES: [GgmlType; 3] = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0];
 
+    /// The portable kernels and every SIMD kernel this CPU can run.
     fn isas() -> Vec<Isa> {
         let mut all = vec![Isa::Portable];
-        if isa() != Isa::Portable {
-            all.push(isa());
+        #[cfg(target_arch = "x86_64")]
+        {
+            if isa() != Isa::Portable {
+                all.push(Isa::Avx2Fma);
+            }
+            if isa() == Isa::Avx512 {
+                all.push(Isa::Avx512);
+            }
         }
         all
     }
@@ -512,32 +569,36 @@ mod tests {
             for (k, n) in [(32, 1), (64, 13), (160, 40)] {
                 let w = random(ty, n, k, 10 + si as u64);
                 let wf = w.to_f32();
-                let m = 70;
-                let a = noise(m * (k + 3), 20 + si as u64);
-                let acc = noise(m * n, 30 + si as u64);
-                let mut results = Vec::new();
-                for isa in isas() {
-                    let mut out = acc.clone();
-                    run_product(isa, &a, k + 3, &w, &mut out, m, true, Threads::Pool);
-                    for i in 0..m {
-                        for j in 0..n {
-                            let dot: f64 = (0..k)
-                                .map(|l| f64::from(a[i * (k + 3) + l]) * f64::from(wf[j * k + l]))
-                                .sum();
-                            let want = f64::from(acc[i * n + j]) + dot;
-                            let got = f64::from(out[i * n + j]);
-                            assert!(
-                                (got - want).abs() < 1e-4 * (1.0 + want.abs()),
-                                "{ty:?} k={k} n={n} ({i}, {j}) on {isa:?}: {got} vs {want}"
-                            );
+                // One row and a few (the fused kernels), and many (tiles).
+                for m in [1, 3, 70] {
+                    let a = noise(m * (k + 3), 20 + si as u64);
+                    let acc = noise(m * n, 30 + si as u64);
+                    let mut results = Vec::new();
+                    for isa in isas() {
+                        let mut out = acc.clone();
+                        run_product(isa, &a, k + 3, &w, &mut out, m, true, Threads::Pool);
+                        for i in 0..m {
+                            for j in 0..n {
+                                let dot: f64 = (0..k)
+                                    .map(|l| {
+                                        f64::from(a[i * (k + 3) + l]) * f64::from(wf[j * k + l])
+                                    })
+                                    .sum();
+                                let want = f64::from(acc[i * n + j]) + dot;
+                                let got = f64::from(out[i * n + j]);
+                                assert!(
+                                    (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                                    "{ty:?} k={k} n={n} ({i}, {j}) on {isa:?}: {got} vs {want}"
+                                );
+                            }
                         }
+                        results.push(out);
                     }
-                    results.push(out);
+                    assert!(
+                        results.windows(2).all(|p| p[0] == p[1]),
+                        "{ty:?} k={k} n={n} m={m}: kernels disagree"
+                    );
                 }
-                assert!(
-                    results.windows(2).all(|p| p[0] == p[1]),
-                    "{ty:?} k={k} n={n}: kernels disagree"
-                );
             }
         }
     }
