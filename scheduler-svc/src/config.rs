@@ -56,6 +56,9 @@ pub struct Config {
         default_value_t = DEFAULT_LISTEN
     )]
     pub listen: SocketAddr,
+    /// Transport security: mTLS material, `--insecure`, accepted bearer tokens.
+    #[command(flatten)]
+    pub security: kvlease_auth::SecurityArgs,
     /// Address of the Prometheus `GET /metrics` endpoint; off when absent.
     #[arg(long, env = "KVLEASE_SCHEDULER_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
@@ -162,6 +165,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             listen: DEFAULT_LISTEN,
+            security: kvlease_auth::SecurityArgs::default(),
             metrics_listen: None,
             cache_addr: DEFAULT_CACHE_ADDR.into(),
             worker_addrs: vec![DEFAULT_WORKER_ADDR.into()],

@@ -38,12 +38,16 @@ pub async fn run(
 ) -> Result<()> {
     config.validate()?;
     let listeners = listeners.into();
-    let cache = CacheClient::new(&config.cache_addr, config.cache_timeout())?;
+    let security = config
+        .security
+        .load()
+        .map_err(|e| Error::Config(e.to_string()))?;
+    let cache = CacheClient::new(&config.cache_addr, &security, config.cache_timeout())?;
     let workers = config
         .worker_addrs
         .iter()
         .filter(|a| !a.trim().is_empty())
-        .map(|a| WorkerClient::new(a.trim()))
+        .map(|a| WorkerClient::new(a.trim(), &security))
         .collect::<Result<Vec<_>>>()?;
     let session = cache
         .open_session(&config.holder, config.session_ttl_ms)
@@ -120,6 +124,7 @@ pub async fn run(
             descriptors: kvlease_proto::FILE_DESCRIPTOR_SET,
         },
         listeners,
+        &security,
         SchedulerServer::new(service),
         move || registry.render(),
         stop.after(shutdown),

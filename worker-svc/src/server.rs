@@ -76,6 +76,10 @@ async fn serve_model(
     tokenizer: Option<Tokenizer>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
+    let security = config
+        .security
+        .load()
+        .map_err(|e| Error::Config(e.to_string()))?;
     let worker = Worker::new(
         weights,
         config.worker_options(),
@@ -95,6 +99,7 @@ async fn serve_model(
             descriptors: kvlease_proto::FILE_DESCRIPTOR_SET,
         },
         listeners,
+        &security,
         // GetTokenizer answers with a whole tokenizer.json, over tonic's
         // default 4 MiB for real vocabularies.
         WorkerServiceServer::new(service)
