@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use kvlease_auth::{Principal, Role};
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_server::CacheService;
 use kvlease_telemetry::OpenTelemetrySpanExt as _;
@@ -259,6 +260,30 @@ impl CacheServiceImpl {
     }
 }
 
+// === ownership ===
+
+/// The principal of a call, as the auth layer found it; a handler called without the layer
+/// (a unit test) acts for `anonymous`.
+fn caller<T>(request: &Request<T>) -> Principal {
+    kvlease_auth::principal_of(request)
+        .cloned()
+        .unwrap_or_else(Principal::anonymous)
+}
+
+/// Refuses (and logs) `caller`'s use of a session another principal opened; `may_override`
+/// lets an admin close it.
+fn owned(cache: &Cache, session_id: u64, caller: &Principal, may_override: bool) -> Result<()> {
+    cache
+        .check_owner(SessionId(session_id), caller.name(), may_override)
+        .inspect_err(|_| {
+            tracing::warn!(
+                session_id,
+                principal = caller.name(),
+                "session used by a principal that did not open it; refused"
+            );
+        })
+}
+
 // === the service ===
 
 #[tonic::async_trait]
@@ -292,10 +317,13 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::OpenSessionRequest>,
     ) -> Result<Response<pb::OpenSessionResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
         let ttl = (r.ttl_ms > 0).then(|| Duration::from_millis(r.ttl_ms));
-        let opened = self.lock().open_session(&r.holder, ttl, now())?;
-        tracing::info!(session_id = opened.session_id.0, holder = %r.holder, "session opened");
+        let opened = self
+            .lock()
+            .open_session_for(caller.name(), &r.holder, ttl, now())?;
+        tracing::info!(session_id = opened.session_id.0, holder = %r.holder, principal = caller.name(), "session opened");
         Ok(Response::new(pb::OpenSessionResponse {
             session_id: opened.session_id.0,
             epoch: opened.epoch.0,
@@ -307,10 +335,11 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::KeepAliveRequest>,
     ) -> Result<Response<pb::KeepAliveResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
-        let ttl = self
-            .lock()
-            .keep_alive(SessionId(r.session_id), Epoch(r.epoch), now())?;
+        let mut cache = self.lock();
+        owned(&cache, r.session_id, &caller, false)?;
+        let ttl = cache.keep_alive(SessionId(r.session_id), Epoch(r.epoch), now())?;
         Ok(Response::new(pb::KeepAliveResponse {
             ttl_ms: ttl.as_millis() as u64,
         }))
@@ -320,8 +349,10 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::CloseSessionRequest>,
     ) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
         let mut cache = self.lock();
+        owned(&cache, r.session_id, &caller, caller.has(Role::Admin))?;
         let reclaimed = cache.close_session(SessionId(r.session_id), Epoch(r.epoch), now())?;
         self.notify_events(&cache);
         Ok(Response::new(pb::CloseSessionResponse {
@@ -334,6 +365,7 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::LeaseRequest>,
     ) -> Result<Response<pb::LeaseResponse>, Status> {
+        let caller = caller(&request);
         let mut r = request.into_inner();
         self.check_size(&r)?;
         self.check_batch("sequences", r.sequences.len())?;
@@ -354,6 +386,7 @@ impl CacheService for CacheServiceImpl {
         };
         let (session, epoch) = (SessionId(r.session_id), Epoch(r.epoch));
         let outcomes = self.answer_batch(names::OP_LEASE, r.step, session, &traces, |cache| {
+            owned(cache, session.0, &caller, false)?;
             cache.lease(session, epoch, batch, &specs, now())
         })?;
         Ok(Response::new(pb::LeaseResponse { outcomes }))
@@ -363,6 +396,7 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::ExtendRequest>,
     ) -> Result<Response<pb::ExtendResponse>, Status> {
+        let caller = caller(&request);
         let mut r = request.into_inner();
         self.check_size(&r)?;
         self.check_batch("items", r.items.len())?;
@@ -394,6 +428,7 @@ impl CacheService for CacheServiceImpl {
         };
         let (session, epoch) = (SessionId(r.session_id), Epoch(r.epoch));
         let outcomes = self.answer_batch(names::OP_EXTEND, r.step, session, &traces, |cache| {
+            owned(cache, session.0, &caller, false)?;
             cache.extend(session, epoch, batch, &items, now())
         })?;
         Ok(Response::new(pb::ExtendResponse { outcomes }))
@@ -403,10 +438,12 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
         self.check_size(&r)?;
         self.check_batch("seq_ids", r.seq_ids.len())?;
         let mut cache = self.lock();
+        owned(&cache, r.session_id, &caller, false)?;
         trace_call(r.session_id, None);
         let results = cache.release(
             SessionId(r.session_id),
@@ -477,8 +514,10 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::CompleteStepRequest>,
     ) -> Result<Response<pb::CompleteStepResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
         let mut cache = self.lock();
+        owned(&cache, r.session_id, &caller, false)?;
         trace_call(r.session_id, Some(r.step));
         let returned =
             cache.complete_step(SessionId(r.session_id), Epoch(r.epoch), r.step, now())?;

@@ -60,7 +60,8 @@ impl Config {
         if self.default_max_tokens == 0 {
             return Err("--default-max-tokens must be at least 1".into());
         }
-        tonic::transport::Endpoint::from_shared(self.scheduler_addr.clone())
+        kvlease_auth::Security::loopback()
+            .endpoint(&self.scheduler_addr)
             .map(|_| ())
             .map_err(|e| format!("invalid --scheduler-addr {:?}: {e}", self.scheduler_addr))
     }

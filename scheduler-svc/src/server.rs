@@ -16,6 +16,8 @@ use crate::metrics::SchedulerMetrics;
 use crate::service::{Limits, SchedulerService};
 use crate::session::keep_alive;
 use crate::step_loop::{StepLoop, StepLoopConfig};
+use crate::tenant::Tenancy;
+use kvlease_auth::salt::SaltKey;
 
 /// The service name in traces.
 pub const SERVICE: &str = "kvlease-scheduler";
@@ -42,6 +44,16 @@ pub async fn run(
         .security
         .load()
         .map_err(|e| Error::Config(e.to_string()))?;
+    let salt_key = match &config.salt_secret_file {
+        Some(path) => SaltKey::new(&std::fs::read(path).map_err(|e| {
+            Error::Config(format!(
+                "cannot read --salt-secret-file {}: {e}",
+                path.display()
+            ))
+        })?),
+        None => SaltKey::random(),
+    };
+    let tenancy = Tenancy::new(salt_key, &config.tenant_group, &config.tenant_asserter);
     let cache = CacheClient::new(&config.cache_addr, &security, config.cache_timeout())?;
     let workers = config
         .worker_addrs
@@ -115,6 +127,7 @@ pub async fn run(
         config.policy,
         config.on_exhausted,
         group_names,
+        tenancy,
     );
     // On shutdown the loop finishes every open stream first, so the server's
     // graceful shutdown is not held up by them.

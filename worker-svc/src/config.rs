@@ -57,6 +57,10 @@ pub struct Config {
     /// Transport security: mTLS material, `--insecure`, accepted bearer tokens.
     #[command(flatten)]
     pub security: kvlease_auth::SecurityArgs,
+    /// The principal whose Forward calls this worker serves (the scheduler of its pool
+    /// group); without it, the first principal that calls Forward.
+    #[arg(long, env = "KVLEASE_WORKER_OWNER")]
+    pub owner: Option<String>,
 
     /// A real model: a GGUF file (architecture llama) or a Hugging Face
     /// directory (config.json, safetensors, tokenizer.json). Its shape
@@ -184,6 +188,7 @@ impl Default for Config {
         Config {
             listen: DEFAULT_LISTEN,
             security: kvlease_auth::SecurityArgs::default(),
+            owner: None,
             model: None,
             weights: None,
             seed: DEFAULT_SEED,

@@ -93,6 +93,9 @@ async fn serve_model(
     if let Some(tokenizer) = tokenizer {
         service = service.with_tokenizer(tokenizer)?;
     }
+    if let Some(owner) = &config.owner {
+        service = service.with_owner(owner);
+    }
     serve(
         ServerInfo {
             name: SERVICE,

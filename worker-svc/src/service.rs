@@ -1,7 +1,7 @@
 //! The gRPC edge: `kvlease.v1.WorkerService` over a [`Worker`]; `convert`
 //! turns its messages into domain types and back.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use kvlease_proto::v1 as pb;
@@ -22,6 +22,9 @@ pub(crate) struct WorkerGrpc {
     describe: pb::DescribeResponse,
     metrics: WorkerMetrics,
     tokenizer: Tokenizer,
+    /// The principal whose Forward calls this worker serves: `--owner`, or else the first
+    /// principal that calls Forward.
+    owner: Arc<OnceLock<String>>,
 }
 
 impl WorkerGrpc {
@@ -35,7 +38,41 @@ impl WorkerGrpc {
             describe,
             metrics,
             tokenizer,
+            owner: Arc::default(),
         }
+    }
+
+    /// Serves Forward calls of the principal `owner` only (`--owner`).
+    pub(crate) fn with_owner(self, owner: &str) -> Self {
+        let cell = OnceLock::new();
+        let _ = cell.set(owner.to_string());
+        Self {
+            owner: Arc::new(cell),
+            ..self
+        }
+    }
+
+    /// Refuses (and logs) a Forward from anyone but the owner of this worker's pool group; the
+    /// first caller becomes the owner when `--owner` named none.
+    fn check_owner(&self, caller: &str) -> Result<(), Status> {
+        let owner = self.owner.get_or_init(|| {
+            tracing::info!(
+                principal = caller,
+                "first Forward: this worker now serves only its caller"
+            );
+            caller.to_string()
+        });
+        if owner == caller {
+            return Ok(());
+        }
+        tracing::warn!(
+            principal = caller,
+            owner,
+            "Forward from a principal that does not own this worker; refused"
+        );
+        Err(Status::permission_denied(format!(
+            "this worker serves only its owner {owner}; principal {caller} may not Forward"
+        )))
     }
 
     /// Serves the model's own `tokenizer` (from its GGUF or tokenizer.json)
@@ -97,6 +134,10 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         &self,
         request: Request<pb::ForwardRequest>,
     ) -> Result<Response<pb::ForwardResponse>, Status> {
+        let caller = kvlease_auth::principal_of(&request)
+            .map_or(kvlease_auth::principal::ANONYMOUS, |p| p.name())
+            .to_string();
+        self.check_owner(&caller)?;
         let request = request.into_inner();
         let step = request.step;
         let sequences = request.sequences.len();

@@ -32,9 +32,22 @@ pub struct Reclaimed {
 }
 
 impl Cache {
-    /// Opens a session; `ttl` None picks the default. The TTL is clamped.
+    /// Opens a session for the principal `anonymous` (see [`open_session_for`](Self::open_session_for)).
     pub fn open_session(
         &mut self,
+        holder: &str,
+        ttl: Option<Duration>,
+        now: Instant,
+    ) -> Result<Opened> {
+        self.open_session_for(kvlease_auth::principal::ANONYMOUS, holder, ttl, now)
+    }
+
+    /// Opens a session owned by the principal `owner`: only `owner` may use it
+    /// ([`check_owner`](Self::check_owner)). `ttl` None picks the default; the TTL is clamped.
+    /// The id is random (never 0): knowing one's own session id tells nothing about others'.
+    pub fn open_session_for(
+        &mut self,
+        owner: &str,
         holder: &str,
         ttl: Option<Duration>,
         now: Instant,
@@ -47,14 +60,36 @@ impl Cache {
         let ttl = ttl
             .unwrap_or(self.config.default_ttl)
             .clamp(self.config.min_ttl, self.config.max_ttl);
-        let id = SessionId(self.next_session);
-        self.next_session += 1;
-        self.sessions.insert(id, Session::new(id, ttl, now));
+        let id = loop {
+            let id = SessionId(rand::random::<u64>());
+            if id.0 != 0 && !self.sessions.contains_key(&id) {
+                break id;
+            }
+        };
+        self.sessions
+            .insert(id, Session::new(id, owner.into(), ttl, now));
         Ok(Opened {
             session_id: id,
             epoch: self.epoch,
             ttl,
         })
+    }
+
+    /// Refuses `caller` the use of a session another principal opened, unless `may_override`
+    /// (an admin closing it). An unknown session passes: the call itself then says so.
+    pub fn check_owner(
+        &self,
+        session_id: SessionId,
+        caller: &str,
+        may_override: bool,
+    ) -> Result<()> {
+        match self.sessions.get(&session_id) {
+            Some(s) if &*s.owner != caller && !may_override => Err(Error::NotOwner {
+                session: session_id,
+                caller: caller.to_string(),
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Checks a session's id and epoch; reclaims it if it has expired.
