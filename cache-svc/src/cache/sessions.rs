@@ -192,3 +192,31 @@ impl Cache {
         reclaimed
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::CacheConfig;
+
+    #[test]
+    fn sessions_are_random_and_only_their_owner_may_use_them() {
+        let now = Instant::now();
+        let mut cache = Cache::new(CacheConfig::default());
+        let a = cache.open_session_for("alice", "h", None, now).unwrap();
+        let b = cache.open_session_for("bob", "h", None, now).unwrap();
+        assert_ne!(a.session_id.0, 0);
+        assert_ne!(b.session_id.0, a.session_id.0 + 1, "ids are not sequential");
+        cache.check_owner(a.session_id, "alice", false).unwrap();
+        let err = cache.check_owner(a.session_id, "bob", false).unwrap_err();
+        assert!(matches!(err, Error::NotOwner { .. }), "{err}");
+        assert!(err.to_string().contains("bob may not use it"), "{err}");
+        // an admin closing it passes; an unknown session is left to the call itself
+        cache.check_owner(a.session_id, "ops", true).unwrap();
+        cache.check_owner(SessionId(12345), "bob", false).unwrap();
+        // the anonymous default of open_session
+        let anon = cache.open_session("h", None, now).unwrap();
+        cache
+            .check_owner(anon.session_id, kvlease_auth::principal::ANONYMOUS, false)
+            .unwrap();
+    }
+}
