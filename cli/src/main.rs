@@ -104,9 +104,13 @@ struct UpArgs {
     /// Workers (model replicas) to start.
     #[arg(long, default_value_t = 2)]
     workers: usize,
-    /// Address the services listen on.
+    /// Address the services listen on. They serve plaintext gRPC: an address other than
+    /// loopback also takes --insecure.
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
+    /// Serve plaintext gRPC on a non-loopback --host (logged as a warning).
+    #[arg(long)]
+    insecure: bool,
     /// Scheduler port; the cache takes the next one and the workers the ones after (0 = any free ports).
     #[arg(long, default_value_t = 50051)]
     base_port: u16,
@@ -352,6 +356,9 @@ async fn main() -> ExitCode {
                 return ExitCode::from(EXIT_USAGE);
             }
             let mut config = ClusterConfig::on_ports(a.host, a.base_port, a.workers);
+            config.cache.security.insecure = a.insecure;
+            config.worker.security.insecure = a.insecure;
+            config.scheduler.security.insecure = a.insecure;
             let cores = std::thread::available_parallelism().map_or(1, usize::from);
             config.scheduler.max_context = a.max_context;
             config.worker.threads = if a.threads == 0 {
