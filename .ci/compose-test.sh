@@ -40,7 +40,7 @@ log() { echo "[compose-test $(date -u +%H:%M:%S)] $*"; }
 fail() { FAILURES+=("$*"); log "FAIL: $*"; }
 # the value of key=N on the summary line of a bench log
 field() { sed -n "s/^summary:.* $2=\([0-9]*\).*/\1/p" "$1" | tail -1; }
-epoch() { "$KV" status --scheduler "$SCHED" 2>/dev/null | sed -n 's/.*(epoch \([0-9]*\)).*/\1/p'; }
+epoch() { with_cert admin "$KV" status --scheduler "$SCHED" 2>/dev/null | sed -n 's/.*(epoch \([0-9]*\)).*/\1/p'; }
 
 teardown() {
   local rc=$?
@@ -83,6 +83,18 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
   fi
 fi
 
+# === certificates (mTLS between every service and for this script's clients) ===
+export KVLEASE_CERTS="$LOGS/certs"
+if ! "$KV" certs --out "$KVLEASE_CERTS" --host worker-1 --host worker-2 >/dev/null; then
+  fail "kvlease certs failed"; finish
+fi
+# the images run as uid 65534; these throwaway keys live in this run's temporary directory
+chmod a+rx "$LOGS" "$KVLEASE_CERTS" && chmod a+r "$KVLEASE_CERTS"/*
+# host-side commands: `bench` as the principal client, `status` as admin (it shows the cache
+# session's epoch only to admins)
+with_cert() { KVLEASE_TLS_CERT="$KVLEASE_CERTS/$1.pem" KVLEASE_TLS_KEY="$KVLEASE_CERTS/$1.key" \
+  KVLEASE_TLS_CA="$KVLEASE_CERTS/ca.pem" "${@:2}"; }
+
 # === up ===
 log "starting the cluster (project $PROJECT)"
 if ! "${COMPOSE[@]}" up -d >"$LOGS/up.log" 2>&1; then
@@ -92,7 +104,7 @@ for s in cache worker-1 worker-2 scheduler; do
   if ! wait_healthy "$s" 180; then fail "$s not healthy (state: $(health "$s"))"; finish; fi
 done
 log "all four services healthy"
-"$KV" status --scheduler "$SCHED" | sed 's/^/    /'
+with_cert admin "$KV" status --scheduler "$SCHED" | sed 's/^/    /'
 EPOCH0="$(epoch)"
 if command -v curl >/dev/null 2>&1; then
   for probe in "$KVLEASE_CACHE_METRICS_PORT:kvlease_pool_capacity_blocks" \
@@ -110,7 +122,7 @@ fi
 
 # === bench with a cache restart in the middle ===
 log "bench 1 (cache restarted mid-run)"
-"$KV" bench --scheduler "$SCHED" --requests 120 --concurrency 8 --output-max 24 \
+with_cert client "$KV" bench --scheduler "$SCHED" --requests 120 --concurrency 8 --output-max 24 \
   --timeout-s 90 --no-progress >"$LOGS/bench1.log" 2>&1 &
 BENCH=$!
 sleep 4
@@ -137,7 +149,7 @@ fi
 [ "$(health scheduler)" = healthy ] || fail "scheduler unhealthy after the cache restart"
 
 log "bench 2 (after the cache restart)"
-"$KV" bench --scheduler "$SCHED" --requests 24 --concurrency 6 --output-max 16 \
+with_cert client "$KV" bench --scheduler "$SCHED" --requests 24 --concurrency 6 --output-max 16 \
   --timeout-s 60 --no-progress >"$LOGS/bench2.log" 2>&1
 sed 's/^/    /' "$LOGS/bench2.log"
 ok2="$(field "$LOGS/bench2.log" ok)"
@@ -149,7 +161,7 @@ fi
 
 # === stop one worker in the middle of a bench ===
 log "bench 3 (worker-2 stopped mid-run)"
-"$KV" bench --scheduler "$SCHED" --requests 120 --concurrency 12 --output-min 48 --output-max 96 \
+with_cert client "$KV" bench --scheduler "$SCHED" --requests 120 --concurrency 12 --output-min 48 --output-max 96 \
   --timeout-s 90 --no-progress >"$LOGS/bench3.log" 2>&1 &
 BENCH=$!
 sleep 4
@@ -168,7 +180,7 @@ NOTES+=("worker-2 stopped: ${ok3:-0} ok, ${err3:-0} ended with a reason")
 [ "$(health scheduler)" = healthy ] || fail "scheduler unhealthy after a worker stopped"
 
 log "bench 4 (one worker left)"
-"$KV" bench --scheduler "$SCHED" --requests 16 --concurrency 4 --output-max 16 \
+with_cert client "$KV" bench --scheduler "$SCHED" --requests 16 --concurrency 4 --output-max 16 \
   --timeout-s 60 --no-progress >"$LOGS/bench4.log" 2>&1
 sed 's/^/    /' "$LOGS/bench4.log"
 ok4="$(field "$LOGS/bench4.log" ok)"

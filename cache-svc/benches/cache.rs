@@ -3,7 +3,8 @@
 //! 1. In-process block allocations + frees per second on one core (the pool
 //!    alone, and the whole lease/release path of the core).
 //! 2. A 256-sequence `Extend` batch over gRPC on loopback, an empty unary RPC
-//!    (gRPC health `Check`) on the same server, and their ratio.
+//!    (gRPC health `Check`) on the same server, and their ratio; plaintext, then
+//!    mTLS (certificates made in-process), and how much TLS moves the ratio.
 //!
 //! Figures from one run are only comparable with each other: the machines
 //! are shared and noisy.
@@ -109,20 +110,55 @@ fn core_extend_256(iterations: u32) -> Duration {
     total / iterations
 }
 
-async fn grpc(iterations: u32) -> (Duration, Duration) {
+/// Certificates for the mTLS run, in a fresh directory.
+fn certs() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvlease-cache-bench-{}", std::process::id()));
+    kvlease_auth::certs::write_dir(&dir, &[], &[]).expect("certificates");
+    dir
+}
+
+/// The mean Extend(256) and empty unary call times, over mTLS when `tls` names the
+/// certificates' directory.
+async fn grpc(iterations: u32, tls: Option<&std::path::Path>) -> (Duration, Duration) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (args, client_security) = match tls {
+        None => (
+            kvlease_auth::SecurityArgs::default(),
+            kvlease_auth::Security::loopback(),
+        ),
+        Some(dir) => {
+            let read = |f: &str| std::fs::read(dir.join(f)).expect("read certificate");
+            let args = kvlease_auth::SecurityArgs {
+                tls_cert: Some(dir.join("cache.pem")),
+                tls_key: Some(dir.join("cache.key")),
+                tls_ca: Some(dir.join("ca.pem")),
+                ..Default::default()
+            };
+            // the scheduler's identity: the role the Extend path needs
+            let client = kvlease_auth::Security::tls(kvlease_auth::TlsMaterial {
+                cert_pem: read("scheduler.pem"),
+                key_pem: read("scheduler.key"),
+                ca_pem: read("ca.pem"),
+            });
+            (args, client)
+        }
+    };
     let server = tokio::spawn(cache_svc::run(
         listener,
-        cache_svc::Config::default(),
+        cache_svc::Config {
+            security: args,
+            ..cache_svc::Config::default()
+        },
         async {
             let _ = stopped.await;
         },
     ));
-    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+    let channel = client_security
+        .endpoint(&addr.to_string())
         .expect("uri")
         .connect()
         .await
@@ -232,8 +268,12 @@ fn main() {
         .build()
         .expect("runtime");
     let iterations = 500;
-    let (extend, empty) = runtime.block_on(grpc(iterations));
+    let (extend, empty) = runtime.block_on(grpc(iterations, None));
     let ratio = extend.as_secs_f64() / empty.as_secs_f64();
+    let dir = certs();
+    let (tls_extend, tls_empty) = runtime.block_on(grpc(iterations, Some(&dir)));
+    let _ = std::fs::remove_dir_all(&dir);
+    let tls_ratio = tls_extend.as_secs_f64() / tls_empty.as_secs_f64();
     println!();
     println!("| measure | value | target |");
     println!("|---|---|---|");
@@ -258,4 +298,17 @@ fn main() {
         empty.as_secs_f64() * 1e6
     );
     println!("| ratio Extend(256) / empty unary | {ratio:.2} | <= 2 |");
+    println!(
+        "| mTLS loopback: Extend of 256 sequences, mean of {iterations} | {:.1} us | |",
+        tls_extend.as_secs_f64() * 1e6
+    );
+    println!(
+        "| mTLS loopback: empty unary (health Check), mean of {iterations} | {:.1} us | |",
+        tls_empty.as_secs_f64() * 1e6
+    );
+    println!("| mTLS ratio Extend(256) / empty unary | {tls_ratio:.2} | |");
+    println!(
+        "| mTLS ratio / plaintext ratio | {:.2} | <= 1.25 |",
+        tls_ratio / ratio
+    );
 }

@@ -33,6 +33,9 @@ pub struct Config {
     /// Address to serve gRPC on.
     #[arg(long, env = "KVLEASE_CACHE_LISTEN", default_value_t = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
+    /// Transport security: mTLS material, `--insecure`, accepted bearer tokens.
+    #[command(flatten)]
+    pub security: kvlease_auth::SecurityArgs,
     /// Address of the Prometheus `GET /metrics` endpoint; off when absent.
     #[arg(long, env = "KVLEASE_CACHE_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
@@ -84,6 +87,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             listen: DEFAULT_LISTEN,
+            security: kvlease_auth::SecurityArgs::default(),
             metrics_listen: None,
             session_ttl_ms: DEFAULT_SESSION_TTL_MS,
             min_ttl_ms: DEFAULT_MIN_TTL_MS,

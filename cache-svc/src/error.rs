@@ -15,6 +15,14 @@ pub enum Error {
     /// No such session (never opened, closed, or reclaimed after expiry).
     #[error("unknown session {0}")]
     UnknownSession(SessionId),
+    /// The session was opened by another principal.
+    #[error("session {session} belongs to another principal; {caller} may not use it")]
+    NotOwner {
+        /// The session.
+        session: SessionId,
+        /// The principal that tried.
+        caller: String,
+    },
     /// The session's TTL ran out; everything it held was reclaimed.
     #[error("session expired: session {0} missed its keep-alive and was reclaimed")]
     SessionExpired(SessionId),
@@ -65,6 +73,7 @@ impl From<Error> for tonic::Status {
         match err {
             Error::InvalidArgument(_) => tonic::Status::invalid_argument(message),
             Error::LimitExceeded(_) => tonic::Status::resource_exhausted(message),
+            Error::NotOwner { .. } => tonic::Status::permission_denied(message),
             Error::UnknownSession(_)
             | Error::SessionExpired(_)
             | Error::StaleEpoch { .. }

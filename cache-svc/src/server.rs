@@ -34,6 +34,10 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     config.validate().map_err(Error::InvalidArgument)?;
+    let security = config
+        .security
+        .load()
+        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
     let cache = Cache::new(config.cache_config());
     let epoch = cache.epoch();
     let stop = Stop::new();
@@ -64,6 +68,7 @@ pub async fn run(
             descriptors: kvlease_proto::FILE_DESCRIPTOR_SET,
         },
         listeners.into(),
+        &security,
         grpc,
         move || scrape.render_metrics(),
         stop.after(shutdown),

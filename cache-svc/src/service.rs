@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use kvlease_auth::{Principal, Role};
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_server::CacheService;
 use kvlease_telemetry::OpenTelemetrySpanExt as _;
@@ -401,6 +402,30 @@ impl CacheServiceImpl {
     }
 }
 
+// === ownership ===
+
+/// The principal of a call, as the auth layer found it; a handler called without the layer
+/// (a unit test) acts for `anonymous`.
+fn caller<T>(request: &Request<T>) -> Principal {
+    kvlease_auth::principal_of(request)
+        .cloned()
+        .unwrap_or_else(Principal::anonymous)
+}
+
+/// Refuses (and logs) `caller`'s use of a session another principal opened; `may_override`
+/// lets an admin close it.
+fn owned(cache: &Cache, session_id: u64, caller: &Principal, may_override: bool) -> Result<()> {
+    cache
+        .check_owner(SessionId(session_id), caller.name(), may_override)
+        .inspect_err(|_| {
+            tracing::warn!(
+                session_id,
+                principal = caller.name(),
+                "session used by a principal that did not open it; refused"
+            );
+        })
+}
+
 // === the service ===
 
 #[tonic::async_trait]
@@ -434,10 +459,13 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::OpenSessionRequest>,
     ) -> Result<Response<pb::OpenSessionResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
         let ttl = (r.ttl_ms > 0).then(|| Duration::from_millis(r.ttl_ms));
-        let opened = self.lock().open_session(&r.holder, ttl, now())?;
-        tracing::info!(session_id = opened.session_id.0, holder = %r.holder, "session opened");
+        let opened = self
+            .lock()
+            .open_session_for(caller.name(), &r.holder, ttl, now())?;
+        tracing::info!(session_id = opened.session_id.0, holder = %r.holder, principal = caller.name(), "session opened");
         Ok(Response::new(pb::OpenSessionResponse {
             session_id: opened.session_id.0,
             epoch: opened.epoch.0,
@@ -449,10 +477,11 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::KeepAliveRequest>,
     ) -> Result<Response<pb::KeepAliveResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
-        let ttl = self
-            .lock()
-            .keep_alive(SessionId(r.session_id), Epoch(r.epoch), now())?;
+        let mut cache = self.lock();
+        owned(&cache, r.session_id, &caller, false)?;
+        let ttl = cache.keep_alive(SessionId(r.session_id), Epoch(r.epoch), now())?;
         Ok(Response::new(pb::KeepAliveResponse {
             ttl_ms: ttl.as_millis() as u64,
         }))
@@ -462,8 +491,10 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::CloseSessionRequest>,
     ) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
         let mut cache = self.lock();
+        owned(&cache, r.session_id, &caller, caller.has(Role::Admin))?;
         let reclaimed = cache.close_session(SessionId(r.session_id), Epoch(r.epoch), now())?;
         self.notify_events(&cache);
         Ok(Response::new(pb::CloseSessionResponse {
@@ -476,6 +507,7 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::LeaseRequest>,
     ) -> Result<Response<pb::LeaseResponse>, Status> {
+        let caller = caller(&request);
         let mut r = request.into_inner();
         self.check_size(&r)?;
         self.check_batch("sequences", r.sequences.len())?;
@@ -496,6 +528,7 @@ impl CacheService for CacheServiceImpl {
         };
         let (session, epoch) = (SessionId(r.session_id), Epoch(r.epoch));
         let outcomes = self.answer_batch(names::OP_LEASE, r.step, session, &traces, |cache| {
+            owned(cache, session.0, &caller, false)?;
             cache.lease(session, epoch, batch, &specs, now())
         })?;
         Ok(Response::new(pb::LeaseResponse { outcomes }))
@@ -505,6 +538,7 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::ExtendRequest>,
     ) -> Result<Response<pb::ExtendResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
         self.check_size(&r)?;
         let part = pb::StepExtend {
@@ -516,6 +550,7 @@ impl CacheService for CacheServiceImpl {
         let (session, epoch) = (SessionId(r.session_id), Epoch(r.epoch));
         let outcomes =
             self.answer_batch(names::OP_EXTEND, batch.step, session, &traces, |cache| {
+                owned(cache, session.0, &caller, false)?;
                 cache.extend(session, epoch, batch, &items, now())
             })?;
         Ok(Response::new(pb::ExtendResponse { outcomes }))
@@ -525,6 +560,7 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
         self.check_size(&r)?;
         let part = pb::StepRelease {
@@ -534,6 +570,7 @@ impl CacheService for CacheServiceImpl {
         };
         self.check_batch("seq_ids", part.seq_ids.len())?;
         let mut cache = self.lock();
+        owned(&cache, r.session_id, &caller, false)?;
         trace_call(r.session_id, None);
         let results = cache.release(
             SessionId(r.session_id),
@@ -555,8 +592,10 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::CompleteStepRequest>,
     ) -> Result<Response<pb::CompleteStepResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
         let mut cache = self.lock();
+        owned(&cache, r.session_id, &caller, false)?;
         trace_call(r.session_id, Some(r.step));
         let returned =
             cache.complete_step(SessionId(r.session_id), Epoch(r.epoch), r.step, now())?;
@@ -573,6 +612,7 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::StepRequest>,
     ) -> Result<Response<pb::StepResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
         self.check_size(&r)?;
         // every part checked before any is applied
@@ -582,6 +622,7 @@ impl CacheService for CacheServiceImpl {
         let extend = r.extend.map(|part| self.extend_part(part)).transpose()?;
         let (session, epoch) = (SessionId(r.session_id), Epoch(r.epoch));
         let mut cache = self.lock();
+        owned(&cache, r.session_id, &caller, false)?;
         // the span's step: the completion's, else the extends'
         trace_call(
             r.session_id,

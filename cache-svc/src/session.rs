@@ -104,6 +104,8 @@ const RELEASED_MEMORY: usize = 65_536;
 pub(crate) struct Session {
     /// Its id.
     pub id: SessionId,
+    /// The principal that opened it, the only one that may use it.
+    pub owner: std::sync::Arc<str>,
     /// Time-to-live without a keep-alive.
     pub ttl: Duration,
     /// When it expires.
@@ -160,9 +162,15 @@ impl Released {
 
 impl Session {
     /// A new session expiring `ttl` after `now`.
-    pub(crate) fn new(id: SessionId, ttl: Duration, now: Instant) -> Self {
+    pub(crate) fn new(
+        id: SessionId,
+        owner: std::sync::Arc<str>,
+        ttl: Duration,
+        now: Instant,
+    ) -> Self {
         Self {
             id,
+            owner,
             ttl,
             expires_at: now + ttl,
             seqs: HashMap::new(),

@@ -1,11 +1,14 @@
 //! Connections to the services: endpoint parsing, clients, the health check.
 
+use std::sync::OnceLock;
 use std::time::Duration;
+
+use kvlease_auth::Security;
 
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::scheduler_client::SchedulerClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -22,13 +25,26 @@ pub fn url(addr: &str) -> String {
     }
 }
 
-/// A channel to `addr` that connects within `connect_timeout`.
+/// The transport security of this process's client calls: set once by `main` from
+/// `--tls-cert`/`--tls-key`/`--tls-ca` (or their environment variables); plaintext without.
+static SECURITY: OnceLock<Security> = OnceLock::new();
+
+/// Sets the transport security of every later connection (first call wins).
+pub fn set_security(security: Security) {
+    let _ = SECURITY.set(security);
+}
+
+/// A channel to `addr` that connects within `connect_timeout`: over mTLS (`https://`) when
+/// [`set_security`] gave TLS material.
 pub async fn channel(addr: &str, connect_timeout: Duration) -> Result<Channel> {
-    let url = url(addr);
-    let endpoint = Endpoint::from_shared(url.clone()).map_err(|e| Error::Address {
-        addr: addr.to_string(),
-        message: e.to_string(),
-    })?;
+    let security = SECURITY.get().cloned().unwrap_or_default();
+    let endpoint = security
+        .endpoint(addr.trim())
+        .map_err(|message| Error::Address {
+            addr: addr.to_string(),
+            message,
+        })?;
+    let url = endpoint.uri().to_string();
     endpoint
         .connect_timeout(connect_timeout)
         .tcp_nodelay(true)

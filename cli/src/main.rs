@@ -23,6 +23,10 @@ use scheduler_svc::policy::{OnExhausted, Policy};
 #[derive(Debug, Parser)]
 #[command(name = "kvlease", version)]
 struct Cli {
+    /// How this command reaches the services: --tls-cert/--tls-key/--tls-ca for mTLS
+    /// (given before the subcommand, or as KVLEASE_TLS_* environment variables).
+    #[command(flatten)]
+    security: kvlease_auth::SecurityArgs,
     #[command(subcommand)]
     command: Command,
 }
@@ -57,6 +61,21 @@ enum Command {
     CacheReplay(CacheReplayArgs),
     /// Write a generated multi-turn conversation trace (Mooncake JSON lines).
     CacheTrace(CacheTraceArgs),
+    /// Write a development CA and certificates for mTLS into DIR: ca.pem, then NAME.pem and
+    /// NAME.key for the services (cache, worker, scheduler, gateway) and the principals admin,
+    /// client, observer and every --principal.
+    Certs {
+        /// Directory to write into (created when missing).
+        #[arg(long)]
+        out: std::path::PathBuf,
+        /// Another host name or address the service certificates are valid for (e.g. a
+        /// compose service name); repeatable.
+        #[arg(long)]
+        host: Vec<String>,
+        /// Another client principal, as NAME=ROLE[,ROLE]; repeatable.
+        #[arg(long, value_parser = parse_principal)]
+        principal: Vec<(String, kvlease_auth::Roles)>,
+    },
     /// Check a service's gRPC health: exit 0 when SERVING, 1 otherwise.
     Health {
         /// host:port of any kvlease service.
@@ -85,9 +104,13 @@ struct UpArgs {
     /// Workers (model replicas) to start.
     #[arg(long, default_value_t = 2)]
     workers: usize,
-    /// Address the services listen on.
+    /// Address the services listen on. They serve plaintext gRPC: an address other than
+    /// loopback also takes --insecure.
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
+    /// Serve plaintext gRPC on a non-loopback --host (logged as a warning).
+    #[arg(long)]
+    insecure: bool,
     /// Scheduler port; the cache takes the next one and the workers the ones after (0 = any free ports).
     #[arg(long, default_value_t = 50051)]
     base_port: u16,
@@ -295,6 +318,14 @@ fn failed(e: impl std::fmt::Display) -> ExitCode {
     ExitCode::FAILURE
 }
 
+fn parse_principal(s: &str) -> Result<(String, kvlease_auth::Roles), String> {
+    let (name, roles) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not NAME=ROLE[,ROLE]"))?;
+    let roles = kvlease_auth::Roles::parse_list(roles).map_err(|e| e.to_string())?;
+    Ok((name.to_string(), roles))
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = match process::parse_args::<Cli>() {
@@ -311,6 +342,13 @@ async fn main() -> ExitCode {
         Ok(guard) => guard,
         Err(e) => return failed(e),
     };
+    match cli.security.load() {
+        Ok(security) => kvlease::connect::set_security(security),
+        Err(e) => {
+            eprintln!("kvlease: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    }
     match cli.command {
         Command::Up(a) => {
             if a.workers == 0 {
@@ -318,6 +356,9 @@ async fn main() -> ExitCode {
                 return ExitCode::from(EXIT_USAGE);
             }
             let mut config = ClusterConfig::on_ports(a.host, a.base_port, a.workers);
+            config.cache.security.insecure = a.insecure;
+            config.worker.security.insecure = a.insecure;
+            config.scheduler.security.insecure = a.insecure;
             let cores = std::thread::available_parallelism().map_or(1, usize::from);
             config.scheduler.max_context = a.max_context;
             config.worker.threads = if a.threads == 0 {
@@ -503,6 +544,25 @@ async fn main() -> ExitCode {
                 Err(e) => failed(format!("cannot write {}: {e}", a.out.display())),
             }
         }
+        Command::Certs {
+            out,
+            host,
+            principal,
+        } => match kvlease_auth::certs::write_dir(&out, &host, &principal) {
+            Ok(names) => {
+                println!(
+                    "wrote {}/ca.pem and the certificate and key of: {}",
+                    out.display(),
+                    names.join(", ")
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e @ kvlease_auth::Error::Config(_)) => {
+                eprintln!("kvlease certs: {e}");
+                ExitCode::from(EXIT_USAGE)
+            }
+            Err(e) => failed(e),
+        },
         Command::Status { scheduler } => match commands::status(&scheduler).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => failed(e),

@@ -13,6 +13,9 @@ pub struct Config {
     /// Address the HTTP server listens on.
     #[arg(long, env = "KVLEASE_GATEWAY_LISTEN", default_value = "127.0.0.1:8000")]
     pub listen: SocketAddr,
+    /// Transport security: mTLS material, `--insecure`, accepted bearer tokens.
+    #[command(flatten)]
+    pub security: kvlease_auth::SecurityArgs,
     /// The scheduler's gRPC endpoint.
     #[arg(
         long,
@@ -40,6 +43,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            security: kvlease_auth::SecurityArgs::default(),
             scheduler_addr: "http://127.0.0.1:50051".into(),
             model: DEFAULT_MODEL.into(),
             default_max_tokens: 256,
@@ -56,7 +60,8 @@ impl Config {
         if self.default_max_tokens == 0 {
             return Err("--default-max-tokens must be at least 1".into());
         }
-        tonic::transport::Endpoint::from_shared(self.scheduler_addr.clone())
+        kvlease_auth::Security::loopback()
+            .endpoint(&self.scheduler_addr)
             .map(|_| ())
             .map_err(|e| format!("invalid --scheduler-addr {:?}: {e}", self.scheduler_addr))
     }

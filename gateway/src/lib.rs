@@ -64,7 +64,14 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
     config.validate().map_err(Error::Config)?;
-    let channel = tonic::transport::Endpoint::from_shared(config.scheduler_addr.clone())
+    // The gateway calls the scheduler as a principal of its own: over mTLS with its
+    // certificate when it has one (role `client`).
+    let security = config
+        .security
+        .load()
+        .map_err(|e| Error::Config(e.to_string()))?;
+    let channel = security
+        .endpoint(&config.scheduler_addr)
         .map_err(|e| Error::Config(format!("invalid scheduler address: {e}")))?
         .tcp_nodelay(true)
         .connect_lazy();

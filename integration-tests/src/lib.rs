@@ -13,6 +13,7 @@
 //! - [`collect`]: runs a `Generate` call to its end.
 //! - [`pool_stats`], [`wait_whole`]: the cache's figures for one pool group.
 //! - [`tap`]: recording pass-through proxies of the cache and a worker.
+//! - [`secure`]: an mTLS cluster and channels that present any principal's certificate.
 //!
 //! The tests themselves are under `tests/`.
 
@@ -29,6 +30,7 @@ use tokio::net::TcpListener;
 use tonic::transport::Channel;
 
 pub mod otlp;
+pub mod secure;
 pub mod tap;
 
 pub use kvlease::cluster::Service;

@@ -436,12 +436,19 @@ where
     };
     Ok(
         Service::start(name, name, listeners, READY_WITHIN, |l, stop| async move {
-            serve(info, l, tap, String::new, stop)
-                .await
-                .map_err(|e| kvlease::Error::Service {
-                    service: name,
-                    message: e.to_string(),
-                })
+            serve(
+                info,
+                l,
+                &kvlease_auth::Security::loopback(),
+                tap,
+                String::new,
+                stop,
+            )
+            .await
+            .map_err(|e| kvlease::Error::Service {
+                service: name,
+                message: e.to_string(),
+            })
         })
         .await?,
     )

@@ -6,12 +6,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvlease_auth::Security;
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
 use kvlease_telemetry::{TracedChannel, traced};
 use kvlease_tokenizer::{Specials, Tokenizer, TokenizerKind, TokenizerParts};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::convert::{outcomes, sequence_spec};
 use crate::domain::{
@@ -21,17 +22,18 @@ use crate::domain::{
 use crate::error::{Error, Result};
 use crate::session::{Session, SessionState};
 
-fn endpoint(peer: &'static str, addr: &str, timeout: Option<Duration>) -> Result<Channel> {
-    let addr = if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
-    };
-    let mut ep = Endpoint::from_shared(addr.clone())
-        .map_err(|e| Error::Address {
+fn endpoint(
+    peer: &'static str,
+    addr: &str,
+    security: &Security,
+    timeout: Option<Duration>,
+) -> Result<Channel> {
+    let mut ep = security
+        .endpoint(addr)
+        .map_err(|message| Error::Address {
             peer,
-            addr: addr.clone(),
-            message: e.to_string(),
+            addr: addr.to_string(),
+            message,
         })?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true);
@@ -126,10 +128,10 @@ pub struct CacheClient {
 }
 
 impl CacheClient {
-    /// A lazily connecting client of `addr`; every call times out after
-    /// `timeout`.
-    pub fn new(addr: &str, timeout: Duration) -> Result<Self> {
-        let channel = endpoint("cache", addr, Some(timeout))?;
+    /// A lazily connecting client of `addr` (over mTLS when `security` has TLS
+    /// material); every call times out after `timeout`.
+    pub fn new(addr: &str, security: &Security, timeout: Duration) -> Result<Self> {
+        let channel = endpoint("cache", addr, security, Some(timeout))?;
         Ok(Self {
             inner: CacheServiceClient::new(traced(channel)),
             state: Arc::default(),
@@ -480,8 +482,10 @@ pub struct WorkerClient {
 }
 
 impl WorkerClient {
-    pub fn new(addr: &str) -> Result<Self> {
-        let channel = endpoint("worker", addr, None)?;
+    /// A lazily connecting client of the worker at `addr` (over mTLS when
+    /// `security` has TLS material).
+    pub fn new(addr: &str, security: &Security) -> Result<Self> {
+        let channel = endpoint("worker", addr, security, None)?;
         Ok(Self {
             addr: addr.to_string(),
             // GetTokenizer answers with a whole tokenizer.json

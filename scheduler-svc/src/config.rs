@@ -56,6 +56,21 @@ pub struct Config {
         default_value_t = DEFAULT_LISTEN
     )]
     pub listen: SocketAddr,
+    /// Transport security: mTLS material, `--insecure`, accepted bearer tokens.
+    #[command(flatten)]
+    pub security: kvlease_auth::SecurityArgs,
+    /// Puts a tenant in a group whose tenants share cached prefixes, as TENANT=GROUP;
+    /// repeatable. Every other tenant is a group of its own.
+    #[arg(long, value_parser = crate::tenant::parse_tenant_group)]
+    pub tenant_group: Vec<(String, String)>,
+    /// A principal that may name the tenant it acts for (`kvlease-tenant` metadata), e.g.
+    /// the HTTP gateway; repeatable.
+    #[arg(long, env = "KVLEASE_SCHEDULER_TENANT_ASSERTER", value_delimiter = ',')]
+    pub tenant_asserter: Vec<String>,
+    /// File whose bytes key the tenants' cache salts (HMAC); a random key per start when
+    /// absent (prefixes are not shared across restarts anyway).
+    #[arg(long, env = "KVLEASE_SCHEDULER_SALT_SECRET_FILE")]
+    pub salt_secret_file: Option<std::path::PathBuf>,
     /// Address of the Prometheus `GET /metrics` endpoint; off when absent.
     #[arg(long, env = "KVLEASE_SCHEDULER_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
@@ -162,6 +177,10 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             listen: DEFAULT_LISTEN,
+            security: kvlease_auth::SecurityArgs::default(),
+            tenant_group: Vec::new(),
+            tenant_asserter: Vec::new(),
+            salt_secret_file: None,
             metrics_listen: None,
             cache_addr: DEFAULT_CACHE_ADDR.into(),
             worker_addrs: vec![DEFAULT_WORKER_ADDR.into()],

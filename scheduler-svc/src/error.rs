@@ -14,6 +14,9 @@ pub enum Error {
     /// A client request is malformed.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The caller may not do what it asked (name a tenant, see the cache session).
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
     /// The cache service cannot be reached (or timed out).
     #[error("cache service unavailable: {0}")]
     CacheUnavailable(String),
@@ -121,6 +124,7 @@ impl From<Error> for Status {
         let message = e.to_string();
         match e {
             Error::Config(_) | Error::InvalidArgument(_) => Status::invalid_argument(message),
+            Error::PermissionDenied(_) => Status::permission_denied(message),
             Error::CacheUnavailable(_) | Error::ShuttingDown => Status::unavailable(message),
             Error::SessionLost(_) => Status::unavailable(message),
             Error::FailedPrecondition(_)

@@ -55,6 +55,7 @@ pub mod session;
 pub mod spec;
 pub mod step;
 pub mod step_loop;
+pub mod tenant;
 mod traces;
 pub mod warmup;
 

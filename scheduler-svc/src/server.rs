@@ -16,6 +16,8 @@ use crate::metrics::SchedulerMetrics;
 use crate::service::{Limits, SchedulerService};
 use crate::session::keep_alive;
 use crate::step_loop::{StepLoop, StepLoopConfig};
+use crate::tenant::Tenancy;
+use kvlease_auth::salt::SaltKey;
 
 /// The service name in traces.
 pub const SERVICE: &str = "kvlease-scheduler";
@@ -38,12 +40,26 @@ pub async fn run(
 ) -> Result<()> {
     config.validate()?;
     let listeners = listeners.into();
-    let cache = CacheClient::new(&config.cache_addr, config.cache_timeout())?;
+    let security = config
+        .security
+        .load()
+        .map_err(|e| Error::Config(e.to_string()))?;
+    let salt_key = match &config.salt_secret_file {
+        Some(path) => SaltKey::new(&std::fs::read(path).map_err(|e| {
+            Error::Config(format!(
+                "cannot read --salt-secret-file {}: {e}",
+                path.display()
+            ))
+        })?),
+        None => SaltKey::random(),
+    };
+    let tenancy = Tenancy::new(salt_key, &config.tenant_group, &config.tenant_asserter);
+    let cache = CacheClient::new(&config.cache_addr, &security, config.cache_timeout())?;
     let workers = config
         .worker_addrs
         .iter()
         .filter(|a| !a.trim().is_empty())
-        .map(|a| WorkerClient::new(a.trim()))
+        .map(|a| WorkerClient::new(a.trim(), &security))
         .collect::<Result<Vec<_>>>()?;
     let session = cache
         .open_session(&config.holder, config.session_ttl_ms)
@@ -111,6 +127,7 @@ pub async fn run(
         config.policy,
         config.on_exhausted,
         group_names,
+        tenancy,
     );
     // On shutdown the loop finishes every open stream first, so the server's
     // graceful shutdown is not held up by them.
@@ -120,6 +137,7 @@ pub async fn run(
             descriptors: kvlease_proto::FILE_DESCRIPTOR_SET,
         },
         listeners,
+        &security,
         SchedulerServer::new(service),
         move || registry.render(),
         stop.after(shutdown),

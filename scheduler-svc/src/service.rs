@@ -2,6 +2,8 @@
 //! step loop and turns its outputs into the response stream. The only place
 //! besides `client.rs` that knows protobuf types.
 
+use crate::tenant::{TENANT_METADATA, Tenancy};
+use kvlease_auth::{Principal, Role};
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -44,6 +46,7 @@ pub(crate) struct SchedulerService {
     policy: Policy,
     on_exhausted: OnExhausted,
     groups: Vec<String>,
+    tenancy: Tenancy,
 }
 
 impl SchedulerService {
@@ -56,6 +59,7 @@ impl SchedulerService {
         policy: Policy,
         on_exhausted: OnExhausted,
         groups: Vec<String>,
+        tenancy: Tenancy,
     ) -> Self {
         Self {
             engine,
@@ -65,8 +69,16 @@ impl SchedulerService {
             policy,
             on_exhausted,
             groups,
+            tenancy,
         }
     }
+}
+
+/// The principal of a call, as the auth layer found it; `anonymous` without the layer.
+fn caller<T>(request: &GrpcRequest<T>) -> Principal {
+    kvlease_auth::principal_of(request)
+        .cloned()
+        .unwrap_or_else(Principal::anonymous)
 }
 
 type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
@@ -264,9 +276,20 @@ impl Scheduler for SchedulerService {
         request: GrpcRequest<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let deadline = grpc_timeout(request.metadata()).map(|t| Instant::now() + t);
+        let caller = caller(&request);
+        let asserted =
+            match request.metadata().get(TENANT_METADATA) {
+                Some(v) => Some(v.to_str().map_err(|_| {
+                    Error::InvalidArgument(format!("{TENANT_METADATA} is not ASCII"))
+                })?),
+                None => None,
+            };
+        let tenant = self.tenancy.tenant_of(&caller, asserted)?;
         let req = request.into_inner();
         let id = self.engine.next_request_id();
-        let (r, text) = crate::convert::validate(id.get(), &req, &self.limits, &self.tokenizer)?;
+        let (mut r, text) =
+            crate::convert::validate(id.get(), &req, &self.limits, &self.tokenizer)?;
+        r.cache_salt = self.tenancy.salt(&tenant, &req.cache_salt);
         if !self.cache.is_up() {
             return Err(Error::CacheUnavailable(
                 "the cache service cannot be reached; try again later".into(),
@@ -295,8 +318,11 @@ impl Scheduler for SchedulerService {
 
     async fn get_status(
         &self,
-        _request: GrpcRequest<pb::GetStatusRequest>,
+        request: GrpcRequest<pb::GetStatusRequest>,
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        // The session id and epoch are the scheduler's credentials towards the cache: only
+        // admins see them (0 for everyone else).
+        let admin = caller(&request).has(Role::Admin);
         let s = self.engine.status();
         let mut pools = Vec::new();
         for group in &self.groups {
@@ -317,8 +343,8 @@ impl Scheduler for SchedulerService {
             running: s.running,
             preempted: s.preempted,
             steps: s.steps,
-            session_id: s.session_id,
-            epoch: s.epoch,
+            session_id: if admin { s.session_id } else { 0 },
+            epoch: if admin { s.epoch } else { 0 },
             pools,
             finished_length: s.counters.finished_length,
             finished_stop: s.counters.finished_stop,

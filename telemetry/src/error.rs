@@ -65,6 +65,10 @@ pub enum Error {
     /// gRPC reflection could not read the descriptor set it was given.
     #[error("cannot build grpc reflection: {0}")]
     Reflection(String),
+    /// The transport security does not allow serving (plaintext off loopback without
+    /// `--insecure`, bad TLS material).
+    #[error("{0}")]
+    Security(#[from] kvlease_auth::Error),
     /// The gRPC server failed.
     #[error("grpc server: {0}")]
     Serve(#[source] tonic::transport::Error),

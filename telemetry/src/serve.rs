@@ -1,8 +1,10 @@
 //! What every kvlease server wraps around its one gRPC service: listeners the
 //! caller binds (tests bind port 0, so there is no port race), gRPC health and
 //! reflection for exactly the service that port serves, the Prometheus
-//! endpoint, the server span layer, and the stop signal the server's
-//! background tasks watch.
+//! endpoint, the server span layer, transport security (mTLS when the
+//! service has TLS material) and the authorization layer (`kvlease-auth`),
+//! and the stop signal the server's background tasks watch. Connection
+//! limits and timeouts belong next to the TLS set-up in [`serve`].
 //!
 //! It lives here because the three service crates never depend on each other
 //! and this is the crate (besides the generated protocol) they all share.
@@ -11,6 +13,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 
+use kvlease_auth::{AuthLayer, Security};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::server::NamedService;
@@ -147,13 +150,17 @@ pub struct ServerInfo {
 
 /// Serves `service` on `listeners.grpc` with gRPC health (the service
 /// SERVING) and reflection (v1 and v1alpha) listing only that service and
-/// health, every request in a server span ([`GrpcTraceLayer`]); serves
+/// health, every request in a server span ([`GrpcTraceLayer`]) and then
+/// authenticated and authorized ([`AuthLayer`]), over mTLS when `security`
+/// has TLS material (plaintext only where [`Security::check_listener`]
+/// allows it); serves
 /// `render_metrics` on `listeners.metrics` when there is one. Returns once
 /// `shutdown` resolved and the gRPC server drained, then stops the metrics
 /// endpoint.
 pub async fn serve<S>(
     info: ServerInfo,
     listeners: Listeners,
+    security: &Security,
     service: S,
     render_metrics: impl Fn() -> String + Send + Sync + 'static,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -170,6 +177,15 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
+    if let Ok(addr) = listeners.grpc.local_addr() {
+        security.check_listener(info.name, addr)?;
+    }
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = security.server_tls() {
+        builder = builder
+            .tls_config(tls)
+            .map_err(|e| Error::Security(kvlease_auth::Error::Tls(e)))?;
+    }
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<S>().await;
     let reflection = || {
@@ -203,11 +219,12 @@ where
 
     let addr = listeners.grpc.local_addr().ok();
     tracing::info!(service = info.name, ?addr, "grpc serving");
-    let served = tonic::transport::Server::builder()
+    let served = builder
         .layer(match addr {
             Some(addr) => GrpcTraceLayer::new(info.name).with_instance(addr.to_string()),
             None => GrpcTraceLayer::new(info.name),
         })
+        .layer(AuthLayer::new(security.clone()))
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

@@ -54,6 +54,13 @@ pub struct Config {
     /// Address the gRPC server listens on.
     #[arg(long, env = "KVLEASE_WORKER_LISTEN", default_value_t = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
+    /// Transport security: mTLS material, `--insecure`, accepted bearer tokens.
+    #[command(flatten)]
+    pub security: kvlease_auth::SecurityArgs,
+    /// The principal whose Forward calls this worker serves (the scheduler of its pool
+    /// group); without it, the first principal that calls Forward.
+    #[arg(long, env = "KVLEASE_WORKER_OWNER")]
+    pub owner: Option<String>,
 
     /// A real model: a GGUF file (architecture llama) or a Hugging Face
     /// directory (config.json, safetensors, tokenizer.json). Its shape
@@ -180,6 +187,8 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             listen: DEFAULT_LISTEN,
+            security: kvlease_auth::SecurityArgs::default(),
+            owner: None,
             model: None,
             weights: None,
             seed: DEFAULT_SEED,

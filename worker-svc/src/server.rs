@@ -76,6 +76,10 @@ async fn serve_model(
     tokenizer: Option<Tokenizer>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
+    let security = config
+        .security
+        .load()
+        .map_err(|e| Error::Config(e.to_string()))?;
     let worker = Worker::new(
         weights,
         config.worker_options(),
@@ -89,12 +93,16 @@ async fn serve_model(
     if let Some(tokenizer) = tokenizer {
         service = service.with_tokenizer(tokenizer)?;
     }
+    if let Some(owner) = &config.owner {
+        service = service.with_owner(owner);
+    }
     serve(
         ServerInfo {
             name: SERVICE,
             descriptors: kvlease_proto::FILE_DESCRIPTOR_SET,
         },
         listeners,
+        &security,
         // GetTokenizer answers with a whole tokenizer.json, over tonic's
         // default 4 MiB for real vocabularies.
         WorkerServiceServer::new(service)

@@ -1,7 +1,7 @@
 //! The gRPC edge: `kvlease.v1.WorkerService` over a [`Worker`]; `convert`
 //! turns its messages into domain types and back.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use kvlease_proto::v1 as pb;
@@ -22,6 +22,8 @@ pub(crate) struct WorkerGrpc {
     describe: pb::DescribeResponse,
     metrics: WorkerMetrics,
     tokenizer: Tokenizer,
+    /// Whose Forward calls it serves.
+    owner: Owner,
 }
 
 impl WorkerGrpc {
@@ -35,6 +37,7 @@ impl WorkerGrpc {
             describe,
             metrics,
             tokenizer,
+            owner: Owner::default(),
         }
     }
 
@@ -56,6 +59,50 @@ impl WorkerGrpc {
         }
         self.tokenizer = tokenizer;
         Ok(self)
+    }
+
+    /// Serves Forward calls of the principal `owner` only (`--owner`).
+    pub(crate) fn with_owner(self, owner: &str) -> Self {
+        Self {
+            owner: Owner::named(owner),
+            ..self
+        }
+    }
+}
+
+/// The principal whose Forward calls a worker serves (the scheduler that owns its pool
+/// group): named by `--owner`, or else the first principal that calls Forward.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Owner(Arc<OnceLock<String>>);
+
+impl Owner {
+    fn named(owner: &str) -> Self {
+        let cell = OnceLock::new();
+        let _ = cell.set(owner.to_string());
+        Self(Arc::new(cell))
+    }
+
+    /// Refuses (and logs) a Forward from anyone but the owner; the first caller becomes the
+    /// owner when there is none yet.
+    fn check(&self, caller: &str) -> Result<(), Status> {
+        let owner = self.0.get_or_init(|| {
+            tracing::info!(
+                principal = caller,
+                "first Forward: this worker now serves only its caller"
+            );
+            caller.to_string()
+        });
+        if owner == caller {
+            return Ok(());
+        }
+        tracing::warn!(
+            principal = caller,
+            owner,
+            "Forward from a principal that does not own this worker; refused"
+        );
+        Err(Status::permission_denied(format!(
+            "this worker serves only its owner {owner}; principal {caller} may not Forward"
+        )))
     }
 }
 
@@ -97,6 +144,10 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         &self,
         request: Request<pb::ForwardRequest>,
     ) -> Result<Response<pb::ForwardResponse>, Status> {
+        let caller = kvlease_auth::principal_of(&request)
+            .map_or(kvlease_auth::principal::ANONYMOUS, |p| p.name())
+            .to_string();
+        self.owner.check(&caller)?;
         let request = request.into_inner();
         let step = request.step;
         let sequences = request.sequences.len();
@@ -158,6 +209,22 @@ mod tests {
     use crate::worker::WorkerOptions;
     use kvlease_telemetry::metrics::Registry;
     use pb::worker_service_server::WorkerService as _;
+
+    #[test]
+    fn only_the_owner_may_forward_named_or_first_come() {
+        let named = Owner::named("scheduler");
+        assert!(named.check("scheduler").is_ok());
+        let err = named.check("mallory").unwrap_err();
+        assert_eq!(err.code(), tonic::Code::PermissionDenied);
+        assert_eq!(
+            err.message(),
+            "this worker serves only its owner scheduler; principal mallory may not Forward"
+        );
+        let learned = Owner::default();
+        assert!(learned.check("first").is_ok());
+        assert!(learned.check("first").is_ok());
+        assert!(learned.check("second").is_err());
+    }
 
     #[tokio::test]
     async fn forward_calls_are_counted_and_timed() {

@@ -133,7 +133,6 @@ pub struct Cache {
     groups: HashMap<String, Group>,
     pools: Vec<PoolEntry>,
     sessions: HashMap<SessionId, Session>,
-    next_session: u64,
     events: EventLog,
     /// Evictions by sequence since the service last took them.
     evicted: Vec<Evicted>,
@@ -166,7 +165,6 @@ impl Cache {
             groups: HashMap::new(),
             pools: Vec::new(),
             sessions: HashMap::new(),
-            next_session: 1,
             events,
             evicted: Vec::new(),
         }

@@ -32,9 +32,22 @@ pub struct Reclaimed {
 }
 
 impl Cache {
-    /// Opens a session; `ttl` None picks the default. The TTL is clamped.
+    /// Opens a session for the principal `anonymous` (see [`open_session_for`](Self::open_session_for)).
     pub fn open_session(
         &mut self,
+        holder: &str,
+        ttl: Option<Duration>,
+        now: Instant,
+    ) -> Result<Opened> {
+        self.open_session_for(kvlease_auth::principal::ANONYMOUS, holder, ttl, now)
+    }
+
+    /// Opens a session owned by the principal `owner`: only `owner` may use it
+    /// ([`check_owner`](Self::check_owner)). `ttl` None picks the default; the TTL is clamped.
+    /// The id is random (never 0): knowing one's own session id tells nothing about others'.
+    pub fn open_session_for(
+        &mut self,
+        owner: &str,
         holder: &str,
         ttl: Option<Duration>,
         now: Instant,
@@ -47,14 +60,36 @@ impl Cache {
         let ttl = ttl
             .unwrap_or(self.config.default_ttl)
             .clamp(self.config.min_ttl, self.config.max_ttl);
-        let id = SessionId(self.next_session);
-        self.next_session += 1;
-        self.sessions.insert(id, Session::new(id, ttl, now));
+        let id = loop {
+            let id = SessionId(rand::random::<u64>());
+            if id.0 != 0 && !self.sessions.contains_key(&id) {
+                break id;
+            }
+        };
+        self.sessions
+            .insert(id, Session::new(id, owner.into(), ttl, now));
         Ok(Opened {
             session_id: id,
             epoch: self.epoch,
             ttl,
         })
+    }
+
+    /// Refuses `caller` the use of a session another principal opened, unless `may_override`
+    /// (an admin closing it). An unknown session passes: the call itself then says so.
+    pub fn check_owner(
+        &self,
+        session_id: SessionId,
+        caller: &str,
+        may_override: bool,
+    ) -> Result<()> {
+        match self.sessions.get(&session_id) {
+            Some(s) if &*s.owner != caller && !may_override => Err(Error::NotOwner {
+                session: session_id,
+                caller: caller.to_string(),
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Checks a session's id and epoch; reclaims it if it has expired.
@@ -155,5 +190,33 @@ impl Cache {
         }
         self.flush_events();
         reclaimed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::CacheConfig;
+
+    #[test]
+    fn sessions_are_random_and_only_their_owner_may_use_them() {
+        let now = Instant::now();
+        let mut cache = Cache::new(CacheConfig::default());
+        let a = cache.open_session_for("alice", "h", None, now).unwrap();
+        let b = cache.open_session_for("bob", "h", None, now).unwrap();
+        assert_ne!(a.session_id.0, 0);
+        assert_ne!(b.session_id.0, a.session_id.0 + 1, "ids are not sequential");
+        cache.check_owner(a.session_id, "alice", false).unwrap();
+        let err = cache.check_owner(a.session_id, "bob", false).unwrap_err();
+        assert!(matches!(err, Error::NotOwner { .. }), "{err}");
+        assert!(err.to_string().contains("bob may not use it"), "{err}");
+        // an admin closing it passes; an unknown session is left to the call itself
+        cache.check_owner(a.session_id, "ops", true).unwrap();
+        cache.check_owner(SessionId(12345), "bob", false).unwrap();
+        // the anonymous default of open_session
+        let anon = cache.open_session("h", None, now).unwrap();
+        cache
+            .check_owner(anon.session_id, kvlease_auth::principal::ANONYMOUS, false)
+            .unwrap();
     }
 }

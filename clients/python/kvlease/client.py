@@ -212,9 +212,12 @@ class KvleaseClient:
 
     `addr` is ``host:port``. `tls`: ``False`` for plaintext, ``True`` for TLS
     with the system's roots, or the PEM bytes of the root certificate to
-    trust. `token`, when given, goes with every call as
-    ``authorization: Bearer TOKEN``. `timeout` (seconds) bounds each call
-    unless the call gives its own.
+    trust (`kvlease certs` writes ``ca.pem``). `cert`, with TLS: the PEM bytes
+    of a client certificate and its key (``(cert_pem, key_pem)``), for mTLS as
+    the principal it names. `token`, when given, goes with every call as
+    ``authorization: Bearer TOKEN`` (a principal of the scheduler's
+    ``--token-file``). `timeout` (seconds) bounds each call unless the call
+    gives its own.
     """
 
     def __init__(
@@ -223,13 +226,20 @@ class KvleaseClient:
         *,
         tls: Union[bool, bytes] = False,
         token: Optional[str] = None,
+        cert: Optional[Tuple[bytes, bytes]] = None,
         timeout: Optional[float] = None,
     ):
         if tls is False:
+            if cert is not None:
+                raise ValueError("a client certificate needs tls")
             self._channel = grpc.insecure_channel(addr)
         else:
             roots = tls if isinstance(tls, bytes) else None
-            self._channel = grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=roots))
+            chain, key = cert if cert is not None else (None, None)
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=roots, private_key=key, certificate_chain=chain
+            )
+            self._channel = grpc.secure_channel(addr, credentials)
         self._metadata: Tuple[Tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
