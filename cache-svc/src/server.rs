@@ -43,6 +43,7 @@ pub async fn run(
         metrics,
         config.max_batch,
         config.max_message_bytes,
+        config.max_watch_streams,
         stop.watch(),
     );
     let housekeeping = tokio::spawn(housekeeping(
@@ -53,7 +54,9 @@ pub async fn run(
     ));
     tracing::info!(epoch = epoch.0, "cache service starting");
     let grpc = CacheServiceServer::new(service.clone())
-        .max_decoding_message_size(config.max_message_bytes.saturating_mul(4))
+        // a request over the limit is refused by tonic before it is decoded
+        // (RESOURCE_EXHAUSTED, through the shared StatusLayer)
+        .max_decoding_message_size(config.max_message_bytes)
         .max_encoding_message_size(config.max_message_bytes.saturating_mul(4));
     let scrape = service.clone();
     // Streams (WatchEvents) and housekeeping end when the server starts
@@ -64,6 +67,7 @@ pub async fn run(
             descriptors: kvlease_proto::FILE_DESCRIPTOR_SET,
         },
         listeners.into(),
+        &config.limits,
         grpc,
         move || scrape.render_metrics(),
         stop.after(shutdown),
@@ -104,12 +108,10 @@ async fn housekeeping(
                 service.notify_events(&cache);
             }
             _ = audit.tick(), if audit_every.is_some() => {
-                let mut cache = service.lock();
-                let report = cache.audit();
+                let report = service.audit_sliced().await;
                 if !report.reclaimed.is_empty() {
                     tracing::warn!(reclaimed = report.reclaimed.len(), "periodic leak audit reclaimed blocks");
                 }
-                service.notify_events(&cache);
             }
         }
     }

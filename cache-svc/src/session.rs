@@ -100,6 +100,8 @@ const RELEASED_MEMORY: usize = 65_536;
 pub(crate) struct Session {
     /// Its id.
     pub id: SessionId,
+    /// What the per-holder session limit counts it under.
+    pub key: String,
     /// Time-to-live without a keep-alive.
     pub ttl: Duration,
     /// When it expires.
@@ -156,8 +158,9 @@ impl Released {
 
 impl Session {
     /// A new session expiring `ttl` after `now`.
-    pub(crate) fn new(id: SessionId, ttl: Duration, now: Instant) -> Self {
+    pub(crate) fn new(id: SessionId, key: String, ttl: Duration, now: Instant) -> Self {
         Self {
+            key,
             id,
             ttl,
             expires_at: now + ttl,

@@ -64,11 +64,11 @@ async fn register(c: &mut CacheServiceClient<Channel>, blocks: u32) -> Vec<pb::P
         pools: vec![
             pb::PoolSpec {
                 window: 0,
-                num_blocks: blocks,
+                num_blocks: blocks.into(),
             },
             pb::PoolSpec {
                 window: 8,
-                num_blocks: blocks,
+                num_blocks: blocks.into(),
             },
         ],
     })

@@ -134,6 +134,12 @@ impl CacheService for CacheTap {
     ) -> Result<Response<pb::RegisterPoolResponse>, Status> {
         self.inner.clone().register_pool(r.into_inner()).await
     }
+    async fn unregister_pool(
+        &self,
+        r: Request<pb::UnregisterPoolRequest>,
+    ) -> Result<Response<pb::UnregisterPoolResponse>, Status> {
+        self.inner.clone().unregister_pool(r.into_inner()).await
+    }
     async fn open_session(
         &self,
         r: Request<pb::OpenSessionRequest>,
@@ -401,7 +407,7 @@ where
     };
     Ok(
         Service::start(name, name, listeners, READY_WITHIN, |l, stop| async move {
-            serve(info, l, tap, String::new, stop)
+            serve(info, l, &Default::default(), tap, String::new, stop)
                 .await
                 .map_err(|e| kvlease::Error::Service {
                     service: name,

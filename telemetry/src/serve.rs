@@ -16,6 +16,7 @@ use tokio::sync::watch;
 use tonic::server::NamedService;
 
 use crate::error::{Error, Result};
+use crate::limits::{ServeLimits, StatusLayer};
 use crate::server::{GrpcTraceLayer, incoming};
 
 /// The sockets one server serves on, bound before it starts.
@@ -147,13 +148,17 @@ pub struct ServerInfo {
 
 /// Serves `service` on `listeners.grpc` with gRPC health (the service
 /// SERVING) and reflection (v1 and v1alpha) listing only that service and
-/// health, every request in a server span ([`GrpcTraceLayer`]); serves
+/// health, every request in a server span ([`GrpcTraceLayer`]), under the
+/// transport limits of `limits` (connection gate, HTTP/2 keepalive,
+/// concurrent streams) and with tonic's own refusals given the documented
+/// codes ([`StatusLayer`]); serves
 /// `render_metrics` on `listeners.metrics` when there is one. Returns once
 /// `shutdown` resolved and the gRPC server drained, then stops the metrics
 /// endpoint.
 pub async fn serve<S>(
     info: ServerInfo,
     listeners: Listeners,
+    limits: &ServeLimits,
     service: S,
     render_metrics: impl Fn() -> String + Send + Sync + 'static,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -203,16 +208,22 @@ where
 
     let addr = listeners.grpc.local_addr().ok();
     tracing::info!(service = info.name, ?addr, "grpc serving");
+    let gate = limits.gate();
     let served = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(limits.keepalive_interval()))
+        .http2_keepalive_timeout(Some(limits.keepalive_timeout()))
+        .max_concurrent_streams(limits.max_concurrent_streams)
         .layer(match addr {
             Some(addr) => GrpcTraceLayer::new(info.name).with_instance(addr.to_string()),
             None => GrpcTraceLayer::new(info.name),
         })
+        // inside the trace layer, so spans record the corrected code
+        .layer(StatusLayer)
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(service)
-        .serve_with_incoming_shutdown(incoming(listeners.grpc), shutdown)
+        .serve_with_incoming_shutdown(incoming(listeners.grpc, gate), shutdown)
         .await;
     metrics_stop.stop();
     if let Some(task) = metrics

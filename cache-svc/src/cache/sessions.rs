@@ -33,23 +33,48 @@ pub struct Reclaimed {
 
 impl Cache {
     /// Opens a session; `ttl` None picks the default. The TTL is clamped.
+    /// The per-holder session limit counts it under `holder`.
     pub fn open_session(
         &mut self,
         holder: &str,
         ttl: Option<Duration>,
         now: Instant,
     ) -> Result<Opened> {
-        if holder.is_empty() || holder.len() > 128 {
-            return Err(Error::InvalidArgument(
-                "holder must be 1 to 128 characters".into(),
-            ));
+        self.open_session_for(holder, holder, ttl, now)
+    }
+
+    /// [`Cache::open_session`], counted under `key` for the per-holder
+    /// session limit (the caller's principal, where callers are known).
+    pub fn open_session_for(
+        &mut self,
+        key: &str,
+        holder: &str,
+        ttl: Option<Duration>,
+        now: Instant,
+    ) -> Result<Opened> {
+        super::check_name("holder", holder)?;
+        let max = self.config.max_sessions;
+        if max > 0 && self.sessions.len() >= max {
+            return Err(Error::LimitExceeded(format!(
+                "{} sessions are open, the service limit is {max}",
+                self.sessions.len()
+            )));
+        }
+        let per_key = self.config.max_sessions_per_holder;
+        let held = self.sessions_per_key.get(key).copied().unwrap_or(0);
+        if per_key > 0 && held >= per_key {
+            return Err(Error::LimitExceeded(format!(
+                "{key:?} has {held} sessions open, the limit per holder is {per_key}"
+            )));
         }
         let ttl = ttl
             .unwrap_or(self.config.default_ttl)
             .clamp(self.config.min_ttl, self.config.max_ttl);
         let id = SessionId(self.next_session);
         self.next_session += 1;
-        self.sessions.insert(id, Session::new(id, ttl, now));
+        self.sessions
+            .insert(id, Session::new(id, key.to_owned(), ttl, now));
+        *self.sessions_per_key.entry(key.to_owned()).or_default() += 1;
         Ok(Opened {
             session_id: id,
             epoch: self.epoch,
@@ -128,6 +153,12 @@ impl Cache {
         let Some(mut session) = self.sessions.remove(&session_id) else {
             return Reclaimed::default();
         };
+        if let Some(n) = self.sessions_per_key.get_mut(&session.key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.sessions_per_key.remove(&session.key);
+            }
+        }
         let mut reclaimed = Reclaimed {
             session_id,
             ..Reclaimed::default()
