@@ -252,8 +252,10 @@ impl CacheServiceImpl {
         Ok(())
     }
 
-    /// The message limit, answered with RESOURCE_EXHAUSTED as gRPC asks (the
-    /// transport's own hard limit, at four times this, answers OUT_OF_RANGE).
+    /// The message limit, answered with RESOURCE_EXHAUSTED as gRPC asks.
+    /// tonic refuses a larger request before decoding it (same limit, and
+    /// the shared status layer gives that RESOURCE_EXHAUSTED too); this
+    /// check stays for a service built without that decoding limit.
     fn check_size(&self, message: &impl prost::Message) -> Result<()> {
         let len = message.encoded_len();
         if len > self.max_message_bytes {

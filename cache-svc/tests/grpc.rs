@@ -505,7 +505,7 @@ async fn oversized_message_is_resource_exhausted() {
     assert_status(
         c.lease(lease_req(sess, 1, vec![huge])).await,
         Code::ResourceExhausted,
-        "message size limit of 4096 bytes",
+        "the limit is: 4096 bytes",
     );
     s.shutdown().await;
 }
