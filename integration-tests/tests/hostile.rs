@@ -2,6 +2,7 @@
 //! resource a caller can grow (issue 13, the limits half). Each case asserts
 //! the status and its message, then that the service still answers, its
 //! pools are whole and the leak audit reclaims nothing.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use std::net::SocketAddr;
 use std::time::Duration;
