@@ -17,7 +17,7 @@
 #   scripts/soak.sh --minutes 2
 set -euo pipefail
 
-minutes=20 warmup=3 port=56051 metrics=59090 concurrency=48 requests=400 budget=16
+minutes=20 warmup=3 port=56051 metrics=59090 concurrency=48 requests=400 budget=40
 up_args=() bench_args=() kvlease=${KVLEASE_BIN:-}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -50,7 +50,7 @@ trap cleanup EXIT
 
 # A small KV budget so the bench over-subscribes the pools: requests wait,
 # get preempted and recomputed, some end REJECTED.
-KVLEASE_CACHE_AUDIT_INTERVAL_MS=60000 "$kvlease" up --port "$port" --metrics-base-port "$metrics" \
+KVLEASE_CACHE_AUDIT_INTERVAL_MS=60000 "$kvlease" up --base-port "$port" --metrics-base-port "$metrics" \
   --memory-budget-mib "$budget" "${up_args[@]}" >"$work/up.log" 2>&1 &
 up_pid=$!
 for _ in $(seq 1 120); do
@@ -85,7 +85,7 @@ while :; do
   left=$(( next_sample - $(date +%s) ))
   [ "$left" -lt 5 ] && { sleep "$(( left > 0 ? left : 0 ))"; continue; }
   set +e
-  timeout "$left" "$kvlease" bench --scheduler "127.0.0.1:$port" --requests "$requests" \
+  timeout "$left" "$kvlease" bench --scheduler "127.0.0.1:$port" --requests "$requests" --no-progress \
     --concurrency "$concurrency" "${bench_args[@]}" >"$work/bench.out" 2>&1
   rc=$?
   set -e
