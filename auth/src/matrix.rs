@@ -84,6 +84,12 @@ pub const MATRIX: &[(&str, &str, Access)] = &[
         Access::AnyOf(&[Observer, Scheduler]),
     ),
     ("kvlease.v1.CacheService", "Audit", Access::AnyOf(&[Admin])),
+    // Dropping a whole pool group (nothing of it leased) is an operator's act.
+    (
+        "kvlease.v1.CacheService",
+        "UnregisterPool",
+        Access::AnyOf(&[Admin]),
+    ),
     ("kvlease.v1.Scheduler", "Generate", Access::AnyOf(&[Client])),
     (
         "kvlease.v1.Scheduler",

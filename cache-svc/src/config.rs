@@ -21,6 +21,11 @@ const DEFAULT_EVENT_BUFFER: usize = 65_536;
 const DEFAULT_EXPIRY_INTERVAL_MS: u64 = 500;
 const DEFAULT_AUDIT_INTERVAL_MS: u64 = 60_000;
 const DEFAULT_EVICTION_POLICY: PolicyKind = PolicyKind::Lru;
+const DEFAULT_MAX_SESSIONS: usize = 4096;
+const DEFAULT_MAX_SESSIONS_PER_HOLDER: usize = 64;
+const DEFAULT_MAX_POOL_GROUPS: usize = 256;
+const DEFAULT_POOL_MEMORY_BUDGET_MIB: u64 = 4096;
+const DEFAULT_MAX_WATCH_STREAMS: usize = 64;
 
 /// Configuration of the cache service.
 #[derive(Clone, Debug, PartialEq, Eq, clap::Parser)]
@@ -74,6 +79,22 @@ pub struct Config {
     /// lru, lfu or chain.
     #[arg(long, env = "KVLEASE_CACHE_EVICTION_POLICY", default_value_t = DEFAULT_EVICTION_POLICY)]
     pub eviction_policy: PolicyKind,
+    /// Most sessions open at once; 0 for no limit.
+    #[arg(long, env = "KVLEASE_CACHE_MAX_SESSIONS", default_value_t = DEFAULT_MAX_SESSIONS)]
+    pub max_sessions: usize,
+    /// Most sessions open at once per holder; 0 for no limit.
+    #[arg(long, env = "KVLEASE_CACHE_MAX_SESSIONS_PER_HOLDER", default_value_t = DEFAULT_MAX_SESSIONS_PER_HOLDER)]
+    pub max_sessions_per_holder: usize,
+    /// Most pool groups registered at once; 0 for no limit.
+    #[arg(long, env = "KVLEASE_CACHE_MAX_POOL_GROUPS", default_value_t = DEFAULT_MAX_POOL_GROUPS)]
+    pub max_pool_groups: usize,
+    /// MiB of block state (96 bytes a block) all pools together may take; a
+    /// RegisterPool over it is refused. 0 for no limit.
+    #[arg(long, env = "KVLEASE_CACHE_POOL_MEMORY_BUDGET_MIB", default_value_t = DEFAULT_POOL_MEMORY_BUDGET_MIB)]
+    pub pool_memory_budget_mib: u64,
+    /// Most WatchEvents streams open at once.
+    #[arg(long, env = "KVLEASE_CACHE_MAX_WATCH_STREAMS", default_value_t = DEFAULT_MAX_WATCH_STREAMS)]
+    pub max_watch_streams: usize,
     /// Eviction policy of one pool group, as GROUP=POLICY; repeatable.
     #[arg(long, value_parser = parse_group_policy)]
     pub group_eviction_policy: Vec<(String, PolicyKind)>,
@@ -81,6 +102,9 @@ pub struct Config {
     /// blocks and grant copies of their matching slots (true or false).
     #[arg(long, env = "KVLEASE_CACHE_PARTIAL_REUSE", default_value_t = true, action = clap::ArgAction::Set)]
     pub partial_reuse: bool,
+    /// Transport limits (connections, keepalive, streams).
+    #[command(flatten)]
+    pub limits: kvlease_telemetry::limits::ServeLimits,
 }
 
 impl Default for Config {
@@ -101,6 +125,12 @@ impl Default for Config {
             eviction_policy: DEFAULT_EVICTION_POLICY,
             group_eviction_policy: Vec::new(),
             partial_reuse: true,
+            max_sessions: DEFAULT_MAX_SESSIONS,
+            max_sessions_per_holder: DEFAULT_MAX_SESSIONS_PER_HOLDER,
+            max_pool_groups: DEFAULT_MAX_POOL_GROUPS,
+            pool_memory_budget_mib: DEFAULT_POOL_MEMORY_BUDGET_MIB,
+            max_watch_streams: DEFAULT_MAX_WATCH_STREAMS,
+            limits: Default::default(),
         }
     }
 }
@@ -120,6 +150,10 @@ impl Config {
             max_ttl: Duration::from_millis(self.max_ttl_ms.max(self.min_ttl_ms)),
             session_quota: self.session_quota,
             event_capacity: self.event_buffer,
+            max_sessions: self.max_sessions,
+            max_sessions_per_holder: self.max_sessions_per_holder,
+            max_pool_groups: self.max_pool_groups,
+            pool_memory_budget: self.pool_memory_budget_mib.saturating_mul(1 << 20),
             eviction: EvictionConfig {
                 default: self.eviction_policy,
                 groups: self.group_eviction_policy.clone(),
@@ -143,7 +177,7 @@ impl Config {
         if self.max_message_bytes < 1024 {
             return Err("--max-message-bytes must be at least 1024".into());
         }
-        Ok(())
+        self.limits.validate()
     }
 }
 

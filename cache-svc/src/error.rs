@@ -56,6 +56,14 @@ pub enum Error {
         /// What differs.
         detail: String,
     },
+    /// UnregisterPool of a group whose blocks are still held.
+    #[error("pool group {group:?} is still in use: {detail}")]
+    GroupBusy {
+        /// The group.
+        group: String,
+        /// The pools that hold blocks, with their counts.
+        detail: String,
+    },
     /// An I/O error (binding, reading the listener address).
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
@@ -77,7 +85,8 @@ impl From<Error> for tonic::Status {
             Error::UnknownSession(_)
             | Error::SessionExpired(_)
             | Error::StaleEpoch { .. }
-            | Error::StepAlreadyCompleted { .. } => tonic::Status::failed_precondition(message),
+            | Error::StepAlreadyCompleted { .. }
+            | Error::GroupBusy { .. } => tonic::Status::failed_precondition(message),
             Error::UnknownGroup(_) => tonic::Status::not_found(message),
             Error::GeometryConflict { .. } => tonic::Status::already_exists(message),
             Error::Io(_) | Error::Serve(_) => tonic::Status::internal(message),

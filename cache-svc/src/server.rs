@@ -47,6 +47,7 @@ pub async fn run(
         metrics,
         config.max_batch,
         config.max_message_bytes,
+        config.max_watch_streams,
         stop.watch(),
     );
     let housekeeping = tokio::spawn(housekeeping(
@@ -57,7 +58,9 @@ pub async fn run(
     ));
     tracing::info!(epoch = epoch.0, "cache service starting");
     let grpc = CacheServiceServer::new(service.clone())
-        .max_decoding_message_size(config.max_message_bytes.saturating_mul(4))
+        // a request over the limit is refused by tonic before it is decoded
+        // (RESOURCE_EXHAUSTED, through the shared StatusLayer)
+        .max_decoding_message_size(config.max_message_bytes)
         .max_encoding_message_size(config.max_message_bytes.saturating_mul(4));
     let scrape = service.clone();
     // Streams (WatchEvents) and housekeeping end when the server starts
@@ -69,6 +72,7 @@ pub async fn run(
         },
         listeners.into(),
         &security,
+        &config.limits,
         grpc,
         move || scrape.render_metrics(),
         stop.after(shutdown),
@@ -109,12 +113,10 @@ async fn housekeeping(
                 service.notify_events(&cache);
             }
             _ = audit.tick(), if audit_every.is_some() => {
-                let mut cache = service.lock();
-                let report = cache.audit();
+                let report = service.audit_sliced().await;
                 if !report.reclaimed.is_empty() {
                     tracing::warn!(reclaimed = report.reclaimed.len(), "periodic leak audit reclaimed blocks");
                 }
-                service.notify_events(&cache);
             }
         }
     }

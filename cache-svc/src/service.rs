@@ -2,6 +2,7 @@
 //! reject spans and fenced-release links of its calls.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -19,7 +20,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Span;
 
-use crate::cache::{Batch, Cache, Evicted};
+use crate::cache::{AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Batch, Cache, Evicted};
 use crate::convert::{estimate_to_pb, event_to_pb, outcomes_to_pb, spec_from_pb, stats_to_pb};
 use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId};
@@ -159,11 +160,46 @@ pub(crate) struct CacheServiceImpl {
     fence_links: Arc<Mutex<FenceLinks>>,
     max_batch: usize,
     max_message_bytes: usize,
+    /// Most WatchEvents streams open at once, and the streams open now.
+    max_watch_streams: usize,
+    watchers: Arc<AtomicUsize>,
     /// Id of the newest event, for WatchEvents streams to wait on.
     events: watch::Sender<u64>,
     /// Set when the server starts shutting down, so streams end and
     /// graceful shutdown does not wait on them forever.
     stopping: StopWatch,
+}
+
+/// One open WatchEvents stream, counted while it lives.
+#[derive(Debug)]
+struct WatchSlot(Arc<AtomicUsize>);
+
+impl WatchSlot {
+    /// A slot, or `None` when `max` streams are open.
+    fn take(open: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| Self(Arc::clone(open)))
+    }
+}
+
+impl Drop for WatchSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A uint64 wire field that holds a 32-bit value, refused rather than
+/// truncated when it does not fit.
+fn narrow(field: &str, value: u64) -> Result<u32> {
+    u32::try_from(value).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "{field} is {value}, over its limit of {}",
+            u32::MAX
+        ))
+    })
 }
 
 /// The time the core sees: tokio's clock, so paused-time tests drive TTLs.
@@ -178,6 +214,7 @@ impl CacheServiceImpl {
         metrics: CacheMetrics,
         max_batch: usize,
         max_message_bytes: usize,
+        max_watch_streams: usize,
         stopping: StopWatch,
     ) -> Self {
         let (events, _) = watch::channel(cache.last_event_id());
@@ -187,6 +224,8 @@ impl CacheServiceImpl {
             fence_links: Arc::default(),
             max_batch,
             max_message_bytes,
+            max_watch_streams,
+            watchers: Arc::default(),
             events,
             stopping,
         }
@@ -217,8 +256,10 @@ impl CacheServiceImpl {
         Ok(())
     }
 
-    /// The message limit, answered with RESOURCE_EXHAUSTED as gRPC asks (the
-    /// transport's own hard limit, at four times this, answers OUT_OF_RANGE).
+    /// The message limit, answered with RESOURCE_EXHAUSTED as gRPC asks.
+    /// tonic refuses a larger request before decoding it (same limit, and
+    /// the shared status layer gives that RESOURCE_EXHAUSTED too); this
+    /// check stays for a service built without that decoding limit.
     fn check_size(&self, message: &impl prost::Message) -> Result<()> {
         let len = message.encoded_len();
         if len > self.max_message_bytes {
@@ -392,6 +433,27 @@ impl CacheServiceImpl {
         }
     }
 
+    /// The leak audit, one slice of [`AUDIT_SLICE_BLOCKS`] blocks per hold
+    /// of the lock, yielding between slices: a large pool's audit never
+    /// holds other calls back for more than one slice.
+    pub(crate) async fn audit_sliced(&self) -> AuditReport {
+        let mut report = AuditReport::default();
+        let mut cursor = AuditCursor::default();
+        loop {
+            let next = {
+                let mut cache = self.lock();
+                let next = cache.audit_slice(cursor, AUDIT_SLICE_BLOCKS, &mut report);
+                self.notify_events(&cache);
+                next
+            };
+            match next {
+                Some(c) => cursor = c,
+                None => return report,
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
     pub(crate) fn notify_events(&self, cache: &Cache) {
         let last = cache.last_event_id();
         self.events.send_if_modified(|v| {
@@ -436,10 +498,20 @@ impl CacheService for CacheServiceImpl {
     ) -> Result<Response<pb::RegisterPoolResponse>, Status> {
         let r = request.into_inner();
         self.check_size(&r)?;
-        let pools: Vec<(u32, u32)> = r.pools.iter().map(|p| (p.window, p.num_blocks)).collect();
+        let pools = r
+            .pools
+            .iter()
+            .map(|p| {
+                Ok((
+                    narrow("window", p.window)?,
+                    narrow("num_blocks", p.num_blocks)?,
+                ))
+            })
+            .collect::<Result<Vec<(u32, u32)>>>()?;
+        let tokens_per_block = narrow("tokens_per_block", r.tokens_per_block)?;
         let (infos, already) =
             self.lock()
-                .register_pool(&r.pool_group, r.tokens_per_block, &pools)?;
+                .register_pool(&r.pool_group, tokens_per_block, &pools)?;
         tracing::info!(pool_group = %r.pool_group, pools = infos.len(), already, "pools registered");
         Ok(Response::new(pb::RegisterPoolResponse {
             pools: infos
@@ -452,6 +524,22 @@ impl CacheService for CacheServiceImpl {
                 })
                 .collect(),
             already_registered: already,
+        }))
+    }
+
+    async fn unregister_pool(
+        &self,
+        request: Request<pb::UnregisterPoolRequest>,
+    ) -> Result<Response<pb::UnregisterPoolResponse>, Status> {
+        let r = request.into_inner();
+        let mut cache = self.lock();
+        let gone = cache.unregister_pool(&r.pool_group)?;
+        self.notify_events(&cache);
+        drop(cache);
+        tracing::info!(pool_group = %r.pool_group, pools = gone.pools, blocks = gone.blocks, "pool group unregistered");
+        Ok(Response::new(pb::UnregisterPoolResponse {
+            pools_removed: gone.pools,
+            blocks_removed: gone.blocks,
         }))
     }
 
@@ -706,11 +794,25 @@ impl CacheService for CacheServiceImpl {
         request: Request<pb::WatchEventsRequest>,
     ) -> Result<Response<Self::WatchEventsStream>, Status> {
         let mut after = request.into_inner().after_id;
+        let last = self.lock().last_event_id();
+        if after > last {
+            return Err(Status::out_of_range(format!(
+                "after_id {after} is beyond the newest event {last}: ids belong to one start of the service; resume from 0"
+            )));
+        }
+        let Some(slot) = WatchSlot::take(&self.watchers, self.max_watch_streams) else {
+            return Err(Status::resource_exhausted(format!(
+                "{} WatchEvents streams are open, the limit is {}",
+                self.max_watch_streams, self.max_watch_streams
+            )));
+        };
         let (tx, rx) = mpsc::channel(EVENT_CHUNK);
         let cache = Arc::clone(&self.cache);
         let mut changed = self.events.subscribe();
         let mut stopping = self.stopping.clone();
         tokio::spawn(async move {
+            // the stream's slot is given back when this task ends
+            let _slot = slot;
             loop {
                 let read = {
                     let cache = cache.lock().unwrap_or_else(|p| p.into_inner());
@@ -752,9 +854,7 @@ impl CacheService for CacheServiceImpl {
         &self,
         _request: Request<pb::AuditRequest>,
     ) -> Result<Response<pb::AuditResponse>, Status> {
-        let mut cache = self.lock();
-        let report = cache.audit();
-        self.notify_events(&cache);
+        let report = self.audit_sliced().await;
         Ok(Response::new(pb::AuditResponse {
             reclaimed: report
                 .reclaimed

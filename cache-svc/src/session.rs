@@ -106,6 +106,8 @@ pub(crate) struct Session {
     pub id: SessionId,
     /// The principal that opened it, the only one that may use it.
     pub owner: std::sync::Arc<str>,
+    /// What the per-holder session limit counts it under.
+    pub key: String,
     /// Time-to-live without a keep-alive.
     pub ttl: Duration,
     /// When it expires.
@@ -165,10 +167,12 @@ impl Session {
     pub(crate) fn new(
         id: SessionId,
         owner: std::sync::Arc<str>,
+        key: String,
         ttl: Duration,
         now: Instant,
     ) -> Self {
         Self {
+            key,
             id,
             owner,
             ttl,

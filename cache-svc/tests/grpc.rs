@@ -64,11 +64,11 @@ async fn register(c: &mut CacheServiceClient<Channel>, blocks: u32) -> Vec<pb::P
         pools: vec![
             pb::PoolSpec {
                 window: 0,
-                num_blocks: blocks,
+                num_blocks: blocks.into(),
             },
             pb::PoolSpec {
                 window: 8,
-                num_blocks: blocks,
+                num_blocks: blocks.into(),
             },
         ],
     })
@@ -505,7 +505,7 @@ async fn oversized_message_is_resource_exhausted() {
     assert_status(
         c.lease(lease_req(sess, 1, vec![huge])).await,
         Code::ResourceExhausted,
-        "message size limit of 4096 bytes",
+        "the limit is: 4096 bytes",
     );
     s.shutdown().await;
 }

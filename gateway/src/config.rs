@@ -34,6 +34,9 @@ pub struct Config {
         default_value_t = 256
     )]
     pub default_max_tokens: u32,
+    /// Transport limits (connections, keepalive, streams).
+    #[command(flatten)]
+    pub limits: kvlease_telemetry::limits::ServeLimits,
 }
 
 /// The model id when none is configured.
@@ -47,6 +50,7 @@ impl Default for Config {
             scheduler_addr: "http://127.0.0.1:50051".into(),
             model: DEFAULT_MODEL.into(),
             default_max_tokens: 256,
+            limits: Default::default(),
         }
     }
 }
@@ -60,6 +64,7 @@ impl Config {
         if self.default_max_tokens == 0 {
             return Err("--default-max-tokens must be at least 1".into());
         }
+        self.limits.validate()?;
         kvlease_auth::Security::loopback()
             .endpoint(&self.scheduler_addr)
             .map(|_| ())

@@ -167,6 +167,10 @@ fn rejected(reject: Option<&pb::Reject>, message: &str) -> ApiError {
         | pb::RejectReason::QuotaExceeded
         | pb::RejectReason::RolledBack
         | pb::RejectReason::CacheRestarted => (true, "transient: retry later"),
+        pb::RejectReason::QueueTimeout => (
+            true,
+            "the request waited in the scheduler's queue past its maximum wait: the cluster is overloaded, retry later",
+        ),
         _ => (true, "retry later"),
     };
     let mut text = format!(
@@ -230,6 +234,19 @@ mod tests {
         let e = error_of(piece(rejected_message(pb::RejectReason::ExceedsCapacity)));
         assert_eq!(e.status.as_u16(), 400);
         assert!(e.message.contains("never retry"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_queue_timeout_is_a_429_that_says_the_cluster_is_overloaded() {
+        let e = error_of(piece(rejected_message(pb::RejectReason::QueueTimeout)));
+        assert_eq!(e.status.as_u16(), 429);
+        assert_eq!(e.code.as_deref(), Some("queue_timeout"));
+        assert!(e.message.contains("QUEUE_TIMEOUT"), "{}", e.message);
+        assert!(
+            e.message.contains("overloaded, retry later"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

@@ -85,8 +85,12 @@ pub async fn run(
     // Server-sent events are small writes, one per step: with Nagle's
     // algorithm on, one waits for the client's (delayed) ACK of the one
     // before, adding up to tens of milliseconds to a token's arrival.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
+    let listener = GatedListener {
+        listener,
+        gate: config.limits.gate(),
+    }
+    .tap_io(|conn| {
+        if let Err(e) = conn.get_ref().set_nodelay(true) {
             tracing::warn!(error = %e, "cannot set TCP_NODELAY on an HTTP connection");
         }
     });
@@ -94,4 +98,32 @@ pub async fn run(
         .with_graceful_shutdown(shutdown)
         .await?;
     Ok(())
+}
+
+/// The HTTP listener under the shared connection limits
+/// ([`kvlease_telemetry::limits::Gate`]): a cap on open connections, a
+/// deadline for a new connection's first bytes, an idle deadline.
+#[derive(Debug)]
+struct GatedListener {
+    listener: TcpListener,
+    gate: kvlease_telemetry::limits::Gate,
+}
+
+impl axum::serve::Listener for GatedListener {
+    type Io = kvlease_telemetry::limits::Guarded<tokio::net::TcpStream>;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let (conn, addr) = axum::serve::Listener::accept(&mut self.listener).await;
+            // None: over the cap, closed by dropping it
+            if let Some(conn) = self.gate.admit(conn) {
+                return (conn, addr);
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.listener.local_addr()
+    }
 }

@@ -134,6 +134,12 @@ impl CacheService for CacheTap {
     ) -> Result<Response<pb::RegisterPoolResponse>, Status> {
         self.inner.clone().register_pool(r.into_inner()).await
     }
+    async fn unregister_pool(
+        &self,
+        r: Request<pb::UnregisterPoolRequest>,
+    ) -> Result<Response<pb::UnregisterPoolResponse>, Status> {
+        self.inner.clone().unregister_pool(r.into_inner()).await
+    }
     async fn open_session(
         &self,
         r: Request<pb::OpenSessionRequest>,
@@ -440,6 +446,7 @@ where
                 info,
                 l,
                 &kvlease_auth::Security::loopback(),
+                &Default::default(),
                 tap,
                 String::new,
                 stop,

@@ -53,6 +53,7 @@ const EXPECTED: &[(&str, &str)] = &[
     ("/kvlease.v1.CacheService/GetStats", "ADAADU"),
     ("/kvlease.v1.CacheService/WatchEvents", "ADAADU"),
     ("/kvlease.v1.CacheService/Audit", "DDDADU"),
+    ("/kvlease.v1.CacheService/UnregisterPool", "DDDADU"),
     ("/kvlease.v1.Scheduler/Generate", "DADADU"),
     ("/kvlease.v1.Scheduler/GetStatus", "DAAADU"),
     ("/kvlease.v1.WorkerService/Describe", "ADAADU"),

@@ -147,13 +147,13 @@ async fn refused_atomic_warm_up_takes_nothing() {
     let mut c = cache_client(cache.addr).await.unwrap();
     c.register_pool(pb::RegisterPoolRequest {
         pool_group: GROUP.into(),
-        tokens_per_block: d.tokens_per_block,
+        tokens_per_block: d.tokens_per_block.into(),
         pools: d
             .pools
             .iter()
             .map(|p| pb::PoolSpec {
-                window: p.window,
-                num_blocks: p.num_blocks,
+                window: p.window.into(),
+                num_blocks: p.num_blocks.into(),
             })
             .collect(),
     })

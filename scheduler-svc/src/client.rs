@@ -227,10 +227,13 @@ impl CacheClient {
     ) -> Result<Vec<PoolGeometry>> {
         let req = pb::RegisterPoolRequest {
             pool_group: group.to_string(),
-            tokens_per_block,
+            tokens_per_block: tokens_per_block.into(),
             pools: pools
                 .iter()
-                .map(|&(window, num_blocks)| pb::PoolSpec { window, num_blocks })
+                .map(|&(window, num_blocks)| pb::PoolSpec {
+                    window: window.into(),
+                    num_blocks: num_blocks.into(),
+                })
                 .collect(),
         };
         let r = self.inner.clone().register_pool(req).await;

@@ -41,6 +41,9 @@ const DEFAULT_SESSION_TTL_MS: u64 = 10_000;
 const DEFAULT_CACHE_TIMEOUT_MS: u64 = 5_000;
 const DEFAULT_HOLDER: &str = "kvlease-scheduler";
 const DEFAULT_ON_CACHE_RESTART: OnCacheRestart = OnCacheRestart::Recompute;
+const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 << 20;
+const DEFAULT_MAX_QUEUE: usize = 4096;
+const DEFAULT_MAX_QUEUE_WAIT_MS: u64 = 60_000;
 
 /// The scheduler's configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Parser)]
@@ -171,6 +174,21 @@ pub struct Config {
         default_value_t = DEFAULT_ON_CACHE_RESTART
     )]
     pub on_cache_restart: OnCacheRestart,
+    /// Largest request message (a Generate's prompt), in bytes; a larger one
+    /// is refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
+    pub max_message_bytes: usize,
+    /// Most requests waiting in the queue; a Generate over it is refused
+    /// with RESOURCE_EXHAUSTED. 0 for no limit.
+    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_QUEUE", default_value_t = DEFAULT_MAX_QUEUE)]
+    pub max_queue: usize,
+    /// Longest a request waits in the queue, in milliseconds, before it ends
+    /// REJECTED with QUEUE_TIMEOUT. 0 for no limit.
+    #[arg(long, env = "KVLEASE_SCHEDULER_MAX_QUEUE_WAIT_MS", default_value_t = DEFAULT_MAX_QUEUE_WAIT_MS)]
+    pub max_queue_wait_ms: u64,
+    /// Transport limits (connections, keepalive, streams).
+    #[command(flatten)]
+    pub limits: kvlease_telemetry::limits::ServeLimits,
 }
 
 impl Default for Config {
@@ -200,6 +218,10 @@ impl Default for Config {
             cache_timeout_ms: DEFAULT_CACHE_TIMEOUT_MS,
             holder: DEFAULT_HOLDER.into(),
             on_cache_restart: DEFAULT_ON_CACHE_RESTART,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            max_queue: DEFAULT_MAX_QUEUE,
+            max_queue_wait_ms: DEFAULT_MAX_QUEUE_WAIT_MS,
+            limits: Default::default(),
         }
     }
 }
@@ -241,7 +263,10 @@ impl Config {
         if self.holder.is_empty() || self.holder.len() > 128 {
             return bad("holder must be 1 to 128 characters");
         }
-        Ok(())
+        if self.max_message_bytes < 1024 {
+            return bad("max_message_bytes must be at least 1024");
+        }
+        self.limits.validate().map_err(Error::Config)
     }
 
     /// The core's knobs.
@@ -254,6 +279,8 @@ impl Config {
             max_tokens_per_step: self.max_tokens_per_step,
             prefill_chunk: self.prefill_chunk,
             draft_k: self.spec_draft_k,
+            max_queue_wait: (self.max_queue_wait_ms > 0)
+                .then(|| Duration::from_millis(self.max_queue_wait_ms)),
         }
     }
 

@@ -276,6 +276,7 @@ pub(crate) fn reject_reason(r: pb::RejectReason) -> RejectReason {
         pb::RejectReason::DuplicateSequence => RejectReason::DuplicateSequence,
         pb::RejectReason::QuotaExceeded => RejectReason::QuotaExceeded,
         pb::RejectReason::CacheRestarted => RejectReason::CacheRestarted,
+        pb::RejectReason::QueueTimeout => RejectReason::QueueTimeout,
         pb::RejectReason::Unspecified => RejectReason::Other,
     }
 }

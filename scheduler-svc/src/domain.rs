@@ -183,6 +183,9 @@ pub enum RejectReason {
     /// The scheduler's own reason: the cache service restarted and lost the
     /// lease of a live sequence, which is not recomputed (reject mode).
     CacheRestarted,
+    /// The scheduler's own reason: the request waited in the queue longer
+    /// than the maximum wait.
+    QueueTimeout,
     /// A reason this scheduler does not know (newer cache service).
     Other,
 }
@@ -198,6 +201,7 @@ impl RejectReason {
             Self::DuplicateSequence => "DUPLICATE_SEQUENCE",
             Self::QuotaExceeded => "QUOTA_EXCEEDED",
             Self::CacheRestarted => "CACHE_RESTARTED",
+            Self::QueueTimeout => "QUEUE_TIMEOUT",
             Self::Other => "REJECT_REASON_UNSPECIFIED",
         }
     }
@@ -213,6 +217,7 @@ impl fmt::Display for RejectReason {
             Self::DuplicateSequence => "duplicate sequence",
             Self::QuotaExceeded => "quota exceeded",
             Self::CacheRestarted => "cache restarted",
+            Self::QueueTimeout => "queue timeout",
             Self::Other => "other",
         };
         f.write_str(s)

@@ -86,6 +86,16 @@ pub enum Error {
     /// The step loop has stopped.
     #[error("the scheduler is shutting down")]
     ShuttingDown,
+    /// The queue holds as many requests as it may.
+    #[error(
+        "the scheduler's queue is full: {queued} requests wait, the limit is {limit}; retry later"
+    )]
+    QueueFull {
+        /// Requests waiting (or on their way to the queue).
+        queued: usize,
+        /// The limit.
+        limit: usize,
+    },
     /// Serving failed (reflection, the gRPC server).
     #[error("{0}")]
     Serve(#[from] kvlease_telemetry::Error),
@@ -126,6 +136,7 @@ impl From<Error> for Status {
             Error::Config(_) | Error::InvalidArgument(_) => Status::invalid_argument(message),
             Error::PermissionDenied(_) => Status::permission_denied(message),
             Error::CacheUnavailable(_) | Error::ShuttingDown => Status::unavailable(message),
+            Error::QueueFull { .. } => Status::resource_exhausted(message),
             Error::SessionLost(_) => Status::unavailable(message),
             Error::FailedPrecondition(_)
             | Error::TokenizerMismatch { .. }

@@ -8,7 +8,9 @@
 
 use std::collections::VecDeque;
 
-use crate::domain::{Extra, RequestId, Sampling};
+use std::time::Instant;
+
+use crate::domain::{Extra, Reject, RequestId, Sampling};
 
 /// A client request and what it has produced so far.
 #[derive(Debug, Clone)]
@@ -29,6 +31,12 @@ pub struct Request {
     pub preemptions: u32,
     /// Whether `reused_tokens` was already reported on the stream.
     pub reported_reuse: bool,
+    /// Since when it waits in the queue (stamped by [`crate::step::Core::expire_queue`]);
+    /// kept across refused leases, cleared when it is preempted after running.
+    pub queued_at: Option<Instant>,
+    /// The cache's last refusal that sent it back to wait, for the figures
+    /// of a `QUEUE_TIMEOUT`.
+    pub last_refusal: Option<Reject>,
 }
 
 impl Request {
@@ -45,6 +53,8 @@ impl Request {
             cache_salt: String::new(),
             preemptions: 0,
             reported_reuse: false,
+            queued_at: None,
+            last_refusal: None,
         }
     }
 
@@ -109,6 +119,25 @@ impl Queue {
     /// The head of the queue.
     pub fn front(&self) -> Option<&Request> {
         self.items.front()
+    }
+
+    /// Removes and returns the requests `expired` picks, with their
+    /// (0-based) queue positions.
+    pub fn take_expired(
+        &mut self,
+        mut expired: impl FnMut(&mut Request) -> bool,
+    ) -> Vec<(usize, Request)> {
+        let mut kept = VecDeque::with_capacity(self.items.len());
+        let mut gone = Vec::new();
+        for (at, mut r) in std::mem::take(&mut self.items).into_iter().enumerate() {
+            if expired(&mut r) {
+                gone.push((at, r));
+            } else {
+                kept.push_back(r);
+            }
+        }
+        self.items = kept;
+        gone
     }
 
     /// Removes and returns the head of the queue.

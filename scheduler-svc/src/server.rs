@@ -107,6 +107,7 @@ pub async fn run(
             on_cache_restart: config.on_cache_restart,
             first_step: started.last_step,
             trace_steps_one_in: config.trace_steps_one_in,
+            max_queue: config.max_queue,
         },
         started.groups,
         cache.clone(),
@@ -138,7 +139,8 @@ pub async fn run(
         },
         listeners,
         &security,
-        SchedulerServer::new(service),
+        &config.limits,
+        SchedulerServer::new(service).max_decoding_message_size(config.max_message_bytes),
         move || registry.render(),
         stop.after(shutdown),
     )

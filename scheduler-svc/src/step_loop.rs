@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvlease_telemetry::attributes::STEP_SPAN;
@@ -58,6 +58,10 @@ pub struct StepLoopHandle {
     submit: mpsc::UnboundedSender<Submission>,
     status: watch::Receiver<StatusSnapshot>,
     next_id: Arc<AtomicU64>,
+    /// Submissions the loop has not taken in yet.
+    backlog: Arc<AtomicUsize>,
+    /// Most requests waiting (0: no limit).
+    max_queue: usize,
 }
 
 impl StepLoopHandle {
@@ -73,14 +77,26 @@ impl StepLoopHandle {
         request: Request,
         trace: tracing::Span,
     ) -> Result<mpsc::UnboundedReceiver<Output>> {
+        let backlog = self.backlog.load(Ordering::Acquire);
+        let queued = backlog + self.status.borrow().queued as usize;
+        if self.max_queue > 0 && queued >= self.max_queue {
+            return Err(Error::QueueFull {
+                queued,
+                limit: self.max_queue,
+            });
+        }
         let (events, rx) = mpsc::unbounded_channel();
+        self.backlog.fetch_add(1, Ordering::AcqRel);
         self.submit
             .send(Submission {
                 request,
                 events,
                 trace,
             })
-            .map_err(|_| Error::ShuttingDown)?;
+            .map_err(|_| {
+                self.backlog.fetch_sub(1, Ordering::AcqRel);
+                Error::ShuttingDown
+            })?;
         Ok(rx)
     }
 
@@ -101,6 +117,9 @@ pub struct StepLoopConfig {
     pub first_step: u64,
     /// One in this many uneventful step traces is exported (0: none).
     pub trace_steps_one_in: u64,
+    /// Most requests waiting in the queue (0: no limit); more are refused
+    /// at submission.
+    pub max_queue: usize,
 }
 
 struct InFlight {
@@ -128,6 +147,8 @@ pub struct StepLoop {
     step_rejects: bool,
     step_preemptions: bool,
     intake: mpsc::UnboundedReceiver<Submission>,
+    /// The handle's count of submissions not taken in yet.
+    backlog: Arc<AtomicUsize>,
     status: watch::Sender<StatusSnapshot>,
     in_flight: Option<InFlight>,
     backoff: Duration,
@@ -159,10 +180,13 @@ impl StepLoop {
     ) -> (Self, StepLoopHandle) {
         let (submit, intake) = mpsc::unbounded_channel();
         let (status, status_rx) = watch::channel(StatusSnapshot::default());
+        let backlog = Arc::new(AtomicUsize::new(0));
         let handle = StepLoopHandle {
             submit,
             status: status_rx,
             next_id: Arc::new(AtomicU64::new(1)),
+            backlog: Arc::clone(&backlog),
+            max_queue: config.max_queue,
         };
         let mut core = Core::new(config.core.clone(), groups);
         core.continue_after(Step(config.first_step));
@@ -177,6 +201,7 @@ impl StepLoop {
             step_rejects: false,
             step_preemptions: false,
             intake,
+            backlog,
             status,
             in_flight: None,
             backoff: MIN_BACKOFF,
@@ -196,6 +221,15 @@ impl StepLoop {
             }
             self.take_submissions();
             self.reap_cancelled();
+            // a request starved past the queue's maximum wait gets its answer
+            if self
+                .core
+                .expire_queue(tokio::time::Instant::now().into_std())
+                > 0
+            {
+                self.route_outputs();
+                self.publish();
+            }
             if self.core.is_quiet() {
                 // The keep-alive task may find the session lost (the cache
                 // restarted) while nothing runs: re-open it now rather than
@@ -285,6 +319,7 @@ impl StepLoop {
     }
 
     fn accept(&mut self, sub: Submission) {
+        self.backlog.fetch_sub(1, Ordering::AcqRel);
         let id = sub.request.id;
         self.metrics.arrived(id, sub.request.prompt.len());
         self.streams.insert(id, sub.events);

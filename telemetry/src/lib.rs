@@ -18,6 +18,8 @@
 //! - `attributes`: the `kvlease.*` keys, [`record_reject`], [`add_link`].
 //! - `metrics`: the Prometheus registry (on `prometheus-client`), the metric names every
 //!   service uses, and [`metrics::serve_metrics`].
+//! - [`limits`]: the transport limits every server shares ([`limits::ServeLimits`] flags, the
+//!   connection gate, the status fix-up layer); transport security belongs beside them.
 //! - [`serve`]: what every kvlease server wraps around its one gRPC service
 //!   (listeners bound by the caller, health, reflection, the metrics endpoint,
 //!   the stop signal), and [`process`]: what every service binary's `main`
@@ -34,6 +36,7 @@ mod config;
 mod context;
 mod error;
 mod export;
+pub mod limits;
 pub mod metrics;
 pub mod process;
 pub mod serve;

@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use tonic::server::NamedService;
 
 use crate::error::{Error, Result};
+use crate::limits::{ServeLimits, StatusLayer};
 use crate::server::{GrpcTraceLayer, incoming};
 
 /// The sockets one server serves on, bound before it starts.
@@ -150,10 +151,12 @@ pub struct ServerInfo {
 
 /// Serves `service` on `listeners.grpc` with gRPC health (the service
 /// SERVING) and reflection (v1 and v1alpha) listing only that service and
-/// health, every request in a server span ([`GrpcTraceLayer`]) and then
+/// health, every request in a server span ([`GrpcTraceLayer`]), with
+/// tonic's own refusals given the documented codes ([`StatusLayer`]), then
 /// authenticated and authorized ([`AuthLayer`]), over mTLS when `security`
 /// has TLS material (plaintext only where [`Security::check_listener`]
-/// allows it); serves
+/// allows it), under the transport limits of `limits` (connection gate,
+/// HTTP/2 keepalive, concurrent streams); serves
 /// `render_metrics` on `listeners.metrics` when there is one. Returns once
 /// `shutdown` resolved and the gRPC server drained, then stops the metrics
 /// endpoint.
@@ -161,6 +164,7 @@ pub async fn serve<S>(
     info: ServerInfo,
     listeners: Listeners,
     security: &Security,
+    limits: &ServeLimits,
     service: S,
     render_metrics: impl Fn() -> String + Send + Sync + 'static,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -219,17 +223,23 @@ where
 
     let addr = listeners.grpc.local_addr().ok();
     tracing::info!(service = info.name, ?addr, "grpc serving");
+    let gate = limits.gate();
     let served = builder
+        .http2_keepalive_interval(Some(limits.keepalive_interval()))
+        .http2_keepalive_timeout(Some(limits.keepalive_timeout()))
+        .max_concurrent_streams(limits.max_concurrent_streams)
         .layer(match addr {
             Some(addr) => GrpcTraceLayer::new(info.name).with_instance(addr.to_string()),
             None => GrpcTraceLayer::new(info.name),
         })
+        // inside the trace layer, so spans record the corrected code
+        .layer(StatusLayer)
         .layer(AuthLayer::new(security.clone()))
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(service)
-        .serve_with_incoming_shutdown(incoming(listeners.grpc), shutdown)
+        .serve_with_incoming_shutdown(incoming(listeners.grpc, gate), shutdown)
         .await;
     metrics_stop.stop();
     if let Some(task) = metrics

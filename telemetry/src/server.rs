@@ -273,12 +273,20 @@ fn grpc_status(headers: &http::HeaderMap) -> Option<(tonic::Code, String)> {
 /// messages, waits out the peer's delayed ACK (about 40 ms each time).
 pub fn incoming(
     listener: tokio::net::TcpListener,
-) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    gate: crate::limits::Gate,
+) -> impl tokio_stream::Stream<Item = std::io::Result<crate::limits::Guarded<tokio::net::TcpStream>>>
+{
     use tokio_stream::StreamExt;
-    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
-        let conn = conn?;
-        conn.set_nodelay(true)?;
-        Ok(conn)
+    tokio_stream::wrappers::TcpListenerStream::new(listener).filter_map(move |conn| {
+        let conn = match conn {
+            Ok(conn) => conn,
+            Err(e) => return Some(Err(e)),
+        };
+        if let Err(e) = conn.set_nodelay(true) {
+            return Some(Err(e));
+        }
+        // None: over the connection cap, closed here
+        gate.admit(conn).map(Ok)
     })
 }
 

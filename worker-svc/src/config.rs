@@ -25,6 +25,7 @@ const DEFAULT_KV_DTYPE: KvDtype = KvDtype::Bf16;
 const DEFAULT_GPU_DEVICE: usize = 0;
 const DEFAULT_GPU_MEMORY_FRACTION: f64 = 0.9;
 const DEFAULT_GPU_MAX_KV_MIB: u64 = 0;
+const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
 const DEFAULT_HIDDEN: usize = 256;
 const DEFAULT_LAYERS: usize = 4;
 const DEFAULT_HEADS: usize = 8;
@@ -181,6 +182,13 @@ pub struct Config {
     /// Upper bound on the GPU arena in MiB; 0 = only the fraction limits it.
     #[arg(long, env = "KVLEASE_WORKER_GPU_MAX_KV_MIB", default_value_t = DEFAULT_GPU_MAX_KV_MIB)]
     pub gpu_max_kv_mib: u64,
+    /// Largest request message (a Forward batch), in bytes; a larger one is
+    /// refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "KVLEASE_WORKER_MAX_MESSAGE_BYTES", default_value_t = DEFAULT_MAX_MESSAGE_BYTES)]
+    pub max_message_bytes: usize,
+    /// Transport limits (connections, keepalive, streams).
+    #[command(flatten)]
+    pub limits: kvlease_telemetry::limits::ServeLimits,
 }
 
 impl Default for Config {
@@ -215,6 +223,8 @@ impl Default for Config {
             gpu_device: DEFAULT_GPU_DEVICE,
             gpu_memory_fraction: DEFAULT_GPU_MEMORY_FRACTION,
             gpu_max_kv_mib: DEFAULT_GPU_MAX_KV_MIB,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            limits: Default::default(),
         }
     }
 }
@@ -228,6 +238,12 @@ impl ServiceConfig for Config {
 impl Config {
     /// Checks what can be checked before anything is built: the model shape.
     pub fn validate(&self) -> Result<()> {
+        if self.max_message_bytes < 1024 {
+            return Err(Error::Config(
+                "max_message_bytes must be at least 1024".into(),
+            ));
+        }
+        self.limits.validate().map_err(Error::Config)?;
         self.model_config().map(drop)
     }
 

@@ -103,10 +103,12 @@ async fn serve_model(
         },
         listeners,
         &security,
+        &config.limits,
         // GetTokenizer answers with a whole tokenizer.json, over tonic's
         // default 4 MiB for real vocabularies.
         WorkerServiceServer::new(service)
-            .max_encoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES),
+            .max_encoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES)
+            .max_decoding_message_size(config.max_message_bytes),
         move || registry.render(),
         shutdown,
     )

@@ -29,26 +29,46 @@ pub struct AuditReport {
     pub blocks_checked: u64,
 }
 
+/// Blocks one audit slice examines: the lock is held for one slice at a
+/// time, so a large pool's audit never stalls other calls for long.
+pub const AUDIT_SLICE_BLOCKS: u32 = 16_384;
+
+/// Where an audit goes next: pool index and first block of the next slice.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AuditCursor {
+    pool: usize,
+    block: u32,
+}
+
 impl Cache {
     /// What holders account for, per pool and block: (refcount, fences).
     fn expected_refs(&self) -> Vec<Vec<(u32, u32)>> {
-        let mut expected: Vec<Vec<(u32, u32)>> = self
-            .pools
-            .iter()
-            .map(|p| vec![(0, 0); p.pool.len() as usize])
-            .collect();
+        (0..self.pools.len())
+            .map(|i| self.expected_range(i, 0, self.pools[i].pool.len()))
+            .collect()
+    }
+
+    /// What holders account for in blocks `[start, end)` of pool `pool`:
+    /// one walk over the holders' tables, counting only that range.
+    fn expected_range(&self, pool: usize, start: u32, end: u32) -> Vec<(u32, u32)> {
+        let mut expected = vec![(0, 0); end.saturating_sub(start) as usize];
+        let slot = |b: BlockId| (b >= start && b < end).then(|| (b - start) as usize);
         for session in self.sessions.values() {
             for seq in session.seqs.values() {
-                for t in &seq.tables {
+                for t in seq.tables.iter().filter(|t| t.pool == pool) {
                     for bt in &t.beams {
                         for &b in &bt.blocks {
-                            expected[t.pool][b as usize].0 += 1;
+                            if let Some(i) = slot(b) {
+                                expected[i].0 += 1;
+                            }
                         }
                     }
                 }
             }
-            for r in session.fences.values().flatten() {
-                expected[r.pool][r.block as usize].1 += 1;
+            for r in session.fences.values().flatten().filter(|r| r.pool == pool) {
+                if let Some(i) = slot(r.block) {
+                    expected[i].1 += 1;
+                }
             }
         }
         expected
@@ -56,41 +76,74 @@ impl Cache {
 
     /// Finds blocks whose references no lease or fence accounts for and sets
     /// them right (a block held by nobody returns to circulation). Never
-    /// aborts; each finding is logged with its last holder.
+    /// aborts; each finding is logged with its last holder. The whole audit
+    /// at once: the service runs it slice by slice ([`Cache::audit_slice`]).
     pub fn audit(&mut self) -> AuditReport {
-        let expected = self.expected_refs();
         let mut report = AuditReport::default();
-        for (i, entry) in self.pools.iter_mut().enumerate() {
-            for block in 0..entry.pool.len() {
-                report.blocks_checked += 1;
-                let want = expected[i][block as usize];
-                let found = entry.pool.refs(block);
-                if found != want && entry.pool.reconcile(block, want.0, want.1) {
-                    let leak = Leak {
-                        pool_id: entry.id,
-                        block,
-                        last_holder: entry.pool.last_holder(block),
-                        found,
-                        expected: want,
-                    };
-                    tracing::warn!(
-                        pool_id = leak.pool_id,
-                        block,
-                        last_session = leak.last_holder.session,
-                        last_seq = leak.last_holder.seq,
-                        found_refs = found.0,
-                        found_fences = found.1,
-                        expected_refs = want.0,
-                        expected_fences = want.1,
-                        "leak audit reconciled a block"
-                    );
-                    entry.pool.counters.leaks_reclaimed += 1;
-                    report.reclaimed.push(leak);
-                }
+        let mut cursor = AuditCursor::default();
+        while let Some(next) = self.audit_slice(cursor, u32::MAX, &mut report) {
+            cursor = next;
+        }
+        report
+    }
+
+    /// Audits at most `max_blocks` blocks from `cursor` (within one pool),
+    /// adding to `report`; returns where to go on, or `None` when every pool
+    /// was audited. Each slice is consistent on its own (holders are counted
+    /// for its range under the same `&mut self`), so the state may change
+    /// between slices without false findings.
+    pub fn audit_slice(
+        &mut self,
+        cursor: AuditCursor,
+        max_blocks: u32,
+        report: &mut AuditReport,
+    ) -> Option<AuditCursor> {
+        let i = cursor.pool;
+        let len = self.pools.get(i)?.pool.len();
+        let start = cursor.block.min(len);
+        let end = start.saturating_add(max_blocks.max(1)).min(len);
+        let expected = self.expected_range(i, start, end);
+        let entry = &mut self.pools[i];
+        for block in start..end {
+            report.blocks_checked += 1;
+            let want = expected[(block - start) as usize];
+            let found = entry.pool.refs(block);
+            if found != want && entry.pool.reconcile(block, want.0, want.1) {
+                let leak = Leak {
+                    pool_id: entry.id,
+                    block,
+                    last_holder: entry.pool.last_holder(block),
+                    found,
+                    expected: want,
+                };
+                tracing::warn!(
+                    pool_id = leak.pool_id,
+                    block,
+                    last_session = leak.last_holder.session,
+                    last_seq = leak.last_holder.seq,
+                    found_refs = found.0,
+                    found_fences = found.1,
+                    expected_refs = want.0,
+                    expected_fences = want.1,
+                    "leak audit reconciled a block"
+                );
+                entry.pool.counters.leaks_reclaimed += 1;
+                report.reclaimed.push(leak);
             }
         }
         self.flush_events();
-        report
+        let next = if end >= len {
+            AuditCursor {
+                pool: i + 1,
+                block: 0,
+            }
+        } else {
+            AuditCursor {
+                pool: i,
+                block: end,
+            }
+        };
+        (next.pool < self.pools.len()).then_some(next)
     }
 
     /// Checks every pool's invariants and that every block's references are

@@ -453,13 +453,20 @@ impl Cache {
             }
             let held = self.sessions.get(&session_id).map_or(0, |s| s.references);
             if held + refs > quota {
-                return Err(Reject::plain(
-                    plan.seq_id,
-                    RejectReason::QuotaExceeded,
-                    format!(
-                        "session holds {held} block references, {refs} more would pass its quota of {quota}"
-                    ),
-                ));
+                // No pool is at fault: the figures are the quota's, in
+                // block references (needed now, left under the quota).
+                let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+                return Err(Reject {
+                    blocks_needed: clamp(refs),
+                    blocks_free: clamp(quota.saturating_sub(held)),
+                    ..Reject::plain(
+                        plan.seq_id,
+                        RejectReason::QuotaExceeded,
+                        format!(
+                            "session holds {held} block references, {refs} more would pass its quota of {quota}"
+                        ),
+                    )
+                });
             }
         }
         Ok(())

@@ -2,7 +2,7 @@
 
 use foldhash::{HashSet, HashSetExt};
 
-use super::{Cache, Group, PoolEntry};
+use super::{BLOCK_STATE_BYTES, Cache, Group, PoolEntry};
 use crate::error::{Error, Result};
 use crate::pool::BlockPool;
 
@@ -17,6 +17,15 @@ pub struct PoolInfo {
     pub num_blocks: u32,
     /// Tokens per block.
     pub tokens_per_block: u32,
+}
+
+/// What unregistering a group removed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Unregistered {
+    /// Pools removed.
+    pub pools: u32,
+    /// Their blocks.
+    pub blocks: u64,
 }
 
 impl Cache {
@@ -38,11 +47,7 @@ impl Cache {
         tokens_per_block: u32,
         pools: &[(u32, u32)],
     ) -> Result<(Vec<PoolInfo>, bool)> {
-        if group.is_empty() || group.len() > 128 {
-            return Err(Error::InvalidArgument(
-                "pool_group must be 1 to 128 characters".into(),
-            ));
-        }
+        super::check_name("pool_group", group)?;
         if tokens_per_block == 0 || tokens_per_block > 65_536 {
             return Err(Error::InvalidArgument(format!(
                 "tokens_per_block must be 1 to 65536, got {tokens_per_block}"
@@ -98,6 +103,7 @@ impl Cache {
                 .collect();
             return Ok((infos, true));
         }
+        self.check_pool_limits(group, pools)?;
         let mut indices = Vec::with_capacity(pools.len());
         let policy = self.config.eviction.for_group(group);
         for &(window, num_blocks) in pools {
@@ -108,6 +114,7 @@ impl Cache {
                 window,
                 tokens_per_block,
                 pool: BlockPool::with_policy(num_blocks, policy.build(num_blocks as usize)),
+                retired: false,
             });
             indices.push(index);
         }
@@ -120,6 +127,88 @@ impl Cache {
             },
         );
         Ok((infos, false))
+    }
+
+    /// Blocks of every registered (not retired) pool.
+    pub fn registered_blocks(&self) -> u64 {
+        self.pools
+            .iter()
+            .filter(|p| !p.retired)
+            .map(|p| u64::from(p.pool.len()))
+            .sum()
+    }
+
+    /// Refuses a new group over the group limit or the memory budget, with
+    /// the figures.
+    fn check_pool_limits(&self, group: &str, pools: &[(u32, u32)]) -> Result<()> {
+        let max_groups = self.config.max_pool_groups;
+        if max_groups > 0 && self.groups.len() >= max_groups {
+            return Err(Error::LimitExceeded(format!(
+                "{} pool groups are registered, the limit is {max_groups}; unregister one first",
+                self.groups.len()
+            )));
+        }
+        let budget = self.config.pool_memory_budget;
+        if budget > 0 {
+            let asked: u64 = pools.iter().map(|&(_, n)| u64::from(n)).sum();
+            let have = self.registered_blocks();
+            let need = (have + asked).saturating_mul(BLOCK_STATE_BYTES);
+            if need > budget {
+                return Err(Error::LimitExceeded(format!(
+                    "pool group {group:?} asks for {asked} blocks; with the {have} registered that is {need} bytes of block state at {BLOCK_STATE_BYTES} bytes a block, over the budget of {budget} bytes ({} more blocks fit)",
+                    (budget / BLOCK_STATE_BYTES).saturating_sub(have)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes a pool group whose blocks nobody holds: its pools' blocks
+    /// (free and cached) are dropped and their ids are not reused. Refused
+    /// with the figures while any block of it is leased or fenced.
+    pub fn unregister_pool(&mut self, group: &str) -> Result<Unregistered> {
+        super::check_name("pool_group", group)?;
+        let Some(existing) = self.groups.get(group) else {
+            return Err(Error::UnknownGroup(group.to_owned()));
+        };
+        let busy: Vec<String> = existing
+            .pools
+            .iter()
+            .filter_map(|&i| {
+                let c = self.pools[i].pool.counts();
+                (c.in_use > 0 || c.fenced > 0).then(|| {
+                    format!(
+                        "pool {} has {} blocks in use and {} fenced",
+                        self.pools[i].id, c.in_use, c.fenced
+                    )
+                })
+            })
+            .collect();
+        if !busy.is_empty() {
+            return Err(Error::GroupBusy {
+                group: group.to_owned(),
+                detail: busy.join(", "),
+            });
+        }
+        let Some(removed) = self.groups.remove(group) else {
+            return Err(Error::UnknownGroup(group.to_owned()));
+        };
+        let mut gone = Unregistered::default();
+        for &i in &removed.pools {
+            // Hashes still waiting on a session's step would publish into
+            // blocks that no longer exist.
+            for session in self.sessions.values_mut() {
+                for refs in session.pending.values_mut() {
+                    refs.retain(|r| r.pool != i);
+                }
+            }
+            let entry = &mut self.pools[i];
+            gone.pools += 1;
+            gone.blocks += u64::from(entry.pool.len());
+            entry.pool = BlockPool::new(0);
+            entry.retired = true;
+        }
+        Ok(gone)
     }
 
     pub(super) fn info(&self, index: usize) -> PoolInfo {

@@ -107,9 +107,15 @@ impl Cache {
             return Err(Error::UnknownSession(session_id));
         };
         session.completed_step = Some(session.completed_step.map_or(step, |s| s.max(step)));
-        let later_pending = session.pending.split_off(&(step + 1));
+        // step u64::MAX completes everything: nothing lies after it
+        let (later_pending, later_fences) = match step.checked_add(1) {
+            Some(after) => (
+                session.pending.split_off(&after),
+                session.fences.split_off(&after),
+            ),
+            None => Default::default(),
+        };
         let due_pending = std::mem::replace(&mut session.pending, later_pending);
-        let later_fences = session.fences.split_off(&(step + 1));
         let due_fences = std::mem::replace(&mut session.fences, later_fences);
         for r in due_pending.into_values().flatten() {
             self.pools[r.pool].pool.publish(r.block, r.generation);

@@ -45,6 +45,8 @@ impl Cache {
     /// Opens a session owned by the principal `owner`: only `owner` may use it
     /// ([`check_owner`](Self::check_owner)). `ttl` None picks the default; the TTL is clamped.
     /// The id is random (never 0): knowing one's own session id tells nothing about others'.
+    /// The per-holder session limit counts it under `owner` (under `holder` for the
+    /// anonymous principal of an unauthenticated loopback service).
     pub fn open_session_for(
         &mut self,
         owner: &str,
@@ -52,10 +54,25 @@ impl Cache {
         ttl: Option<Duration>,
         now: Instant,
     ) -> Result<Opened> {
-        if holder.is_empty() || holder.len() > 128 {
-            return Err(Error::InvalidArgument(
-                "holder must be 1 to 128 characters".into(),
-            ));
+        super::check_name("holder", holder)?;
+        let key = if owner == kvlease_auth::principal::ANONYMOUS {
+            holder
+        } else {
+            owner
+        };
+        let max = self.config.max_sessions;
+        if max > 0 && self.sessions.len() >= max {
+            return Err(Error::LimitExceeded(format!(
+                "{} sessions are open, the service limit is {max}",
+                self.sessions.len()
+            )));
+        }
+        let per_key = self.config.max_sessions_per_holder;
+        let held = self.sessions_per_key.get(key).copied().unwrap_or(0);
+        if per_key > 0 && held >= per_key {
+            return Err(Error::LimitExceeded(format!(
+                "{key:?} has {held} sessions open, the limit per holder is {per_key}"
+            )));
         }
         let ttl = ttl
             .unwrap_or(self.config.default_ttl)
@@ -67,7 +84,8 @@ impl Cache {
             }
         };
         self.sessions
-            .insert(id, Session::new(id, owner.into(), ttl, now));
+            .insert(id, Session::new(id, owner.into(), key.to_owned(), ttl, now));
+        *self.sessions_per_key.entry(key.to_owned()).or_default() += 1;
         Ok(Opened {
             session_id: id,
             epoch: self.epoch,
@@ -163,6 +181,12 @@ impl Cache {
         let Some(mut session) = self.sessions.remove(&session_id) else {
             return Reclaimed::default();
         };
+        if let Some(n) = self.sessions_per_key.get_mut(&session.key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.sessions_per_key.remove(&session.key);
+            }
+        }
         let mut reclaimed = Reclaimed {
             session_id,
             ..Reclaimed::default()

@@ -109,7 +109,7 @@ impl Cache {
             .pools
             .iter()
             .enumerate()
-            .filter(|(_, p)| group.is_none_or(|g| p.group == g))
+            .filter(|(_, p)| !p.retired && group.is_none_or(|g| p.group == g))
             .map(|(i, p)| PoolStats {
                 group: p.group.clone(),
                 info: self.info(i),

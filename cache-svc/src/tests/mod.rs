@@ -1,6 +1,7 @@
 //! Named tests of DESIGN.md's invariants and the two seed scenarios, on the
 //! plain core. Property tests live in `proptests.rs`.
 
+mod limits;
 mod proptests;
 
 use std::time::{Duration, Instant};

@@ -148,10 +148,10 @@ pub async fn replay(
     client
         .register_pool(pb::RegisterPoolRequest {
             pool_group: group.to_owned(),
-            tokens_per_block: REPLAY_BLOCK_TOKENS,
+            tokens_per_block: REPLAY_BLOCK_TOKENS.into(),
             pools: vec![pb::PoolSpec {
                 window: 0,
-                num_blocks: capacity,
+                num_blocks: capacity.into(),
             }],
         })
         .await

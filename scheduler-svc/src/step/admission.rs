@@ -81,6 +81,64 @@ impl Core {
         }
     }
 
+    /// Stamps the requests that entered the queue since the last call with
+    /// `now`, and finishes those that waited longer than the maximum wait
+    /// `REJECTED` with `QUEUE_TIMEOUT`: the figures of the cache's last
+    /// refusal, and a message with the wait, the limit and the position.
+    /// Returns how many it finished. The step loop calls it every iteration,
+    /// so a starved request gets its answer within one step of the limit.
+    pub fn expire_queue(&mut self, now: Instant) -> usize {
+        let max = self.config.max_queue_wait;
+        let queued = self.queue.len();
+        let expired = self.queue.take_expired(|r| {
+            let since = *r.queued_at.get_or_insert(now);
+            max.is_some_and(|max| now.saturating_duration_since(since) > max)
+        });
+        let n = expired.len();
+        for (at, request) in expired {
+            let waited = request
+                .queued_at
+                .map_or(0, |t| now.saturating_duration_since(t).as_millis());
+            let limit = max.map_or(0, |m| m.as_millis());
+            let last = request.last_refusal.clone();
+            let cause = match &last {
+                Some(r) => format!(
+                    "the cache's last refusal: {} ({} blocks needed, {} free, {} pending free)",
+                    r.reason, r.blocks_needed, r.blocks_free, r.blocks_pending_free
+                ),
+                None => "the cache never refused it: running requests filled the step".to_owned(),
+            };
+            let reject = Reject {
+                seq_id: SeqId(0),
+                reason: RejectReason::QueueTimeout,
+                message: format!(
+                    "waited {waited} ms in the queue, the limit is {limit} ms; it was at position {} of {queued}; {cause}",
+                    at + 1
+                ),
+                ..last.unwrap_or(Reject {
+                    seq_id: SeqId(0),
+                    reason: RejectReason::QueueTimeout,
+                    pool_id: 0,
+                    window: 0,
+                    blocks_needed: 0,
+                    blocks_free: 0,
+                    blocks_pending_free: 0,
+                    message: String::new(),
+                })
+            };
+            tracing::warn!(
+                request = request.id.get(),
+                waited_ms = waited as u64,
+                limit_ms = limit as u64,
+                position = at + 1,
+                queued,
+                "request timed out in the queue"
+            );
+            self.finish_request(&request, Finish::Rejected(reject));
+        }
+        n
+    }
+
     /// Admits requests from the head of the queue while the policy lets them
     /// in, and returns the leases to take.
     pub fn plan_admission(&mut self) -> Vec<LeaseSpec> {
@@ -315,7 +373,9 @@ impl Core {
                         tracing::debug!(seq_id = reject.seq_id.get(), reason = %reject.reason,
                             blocks_needed = reject.blocks_needed, blocks_free = reject.blocks_free,
                             blocks_pending_free = reject.blocks_pending_free, "lease refused, waiting");
-                        self.queue.requeue(l.request);
+                        let mut request = l.request;
+                        request.last_refusal = Some(reject);
+                        self.queue.requeue(request);
                     } else {
                         self.finish_request(&l.request, Finish::Rejected(reject));
                     }

@@ -52,6 +52,8 @@ impl Core {
                 tokens_to_recompute: u32::try_from(tokens).unwrap_or(u32::MAX),
             });
             request.preemptions += 1;
+            // it ran: its wait in the queue starts again
+            request.queued_at = None;
             self.counters.preemptions += 1;
             self.counters.preemptions_by[cause.index()] += 1;
             self.queue.requeue(request);
@@ -111,7 +113,9 @@ impl Core {
         for (_, seq) in std::mem::take(&mut self.running) {
             self.released.push(seq.seq_id);
             if recompute {
-                self.queue.requeue(seq.request);
+                let mut request = seq.request;
+                request.queued_at = None;
+                self.queue.requeue(request);
             } else {
                 let reject = Reject {
                     seq_id: seq.seq_id,

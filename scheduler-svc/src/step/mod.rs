@@ -66,6 +66,9 @@ pub struct CoreConfig {
     pub prefill_chunk: u32,
     /// Prompt-lookup draft tokens per decode step; 0 turns speculation off.
     pub draft_k: u32,
+    /// Longest a request may wait in the queue before it ends `REJECTED`
+    /// with `QUEUE_TIMEOUT` (None: forever).
+    pub max_queue_wait: Option<Duration>,
 }
 
 impl Default for CoreConfig {
@@ -78,6 +81,7 @@ impl Default for CoreConfig {
             max_tokens_per_step: 2048,
             prefill_chunk: 512,
             draft_k: 0,
+            max_queue_wait: None,
         }
     }
 }

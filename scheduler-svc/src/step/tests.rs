@@ -1265,3 +1265,71 @@ fn a_grant_whose_copies_do_not_add_up_is_recomputed_from_its_full_blocks() {
     assert_eq!((b[0].start_pos, b[0].tokens.len()), (8, 6));
     assert!(b[0].copies.is_empty());
 }
+
+#[test]
+fn a_starved_request_ends_queue_timeout_with_the_last_refusals_figures() {
+    let config = CoreConfig {
+        max_queue_wait: Some(Duration::from_millis(500)),
+        ..CoreConfig::default()
+    };
+    let mut c = Core::new(config, vec![group(100)]);
+    let t0 = Instant::now();
+    c.submit(request(1, 8, 4));
+    c.submit(request(2, 8, 4));
+    assert_eq!(c.expire_queue(t0), 0); // stamps both
+    // another holder has the pool: every lease is refused, they wait
+    step_with(&mut c, |e| grant(e.seq_id), |l| exhausted(l.seq_id), 7);
+    assert_eq!(c.queued(), 2);
+    assert_eq!(c.expire_queue(t0 + Duration::from_millis(500)), 0);
+    assert_eq!(c.expire_queue(t0 + Duration::from_millis(501)), 2);
+    let out = c.drain_outputs();
+    let f = finishes(&out);
+    assert_eq!(f.len(), 2);
+    for (i, (_, finish)) in f.iter().enumerate() {
+        let Finish::Rejected(r) = finish else {
+            panic!("{finish:?}");
+        };
+        assert_eq!(r.reason, RejectReason::QueueTimeout);
+        // the cache's figures from the refusal that kept it waiting
+        assert_eq!((r.pool_id, r.blocks_needed, r.blocks_free), (1, 1, 0));
+        for needle in [
+            "waited 501 ms in the queue, the limit is 500 ms".to_owned(),
+            format!("position {} of 2", i + 1),
+            "pool exhausted".to_owned(),
+        ] {
+            assert!(
+                r.message.contains(&needle),
+                "{needle:?} not in {}",
+                r.message
+            );
+        }
+    }
+    assert!(c.is_idle());
+    assert_eq!(c.counters().rejected, 2);
+}
+
+#[test]
+fn without_a_maximum_wait_nothing_times_out_and_a_preempted_request_waits_anew() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    let t0 = Instant::now();
+    c.submit(request(1, 8, 4));
+    c.expire_queue(t0);
+    assert_eq!(c.expire_queue(t0 + Duration::from_secs(3600)), 0);
+    assert_eq!(c.queued(), 1);
+
+    let config = CoreConfig {
+        max_queue_wait: Some(Duration::from_millis(500)),
+        ..CoreConfig::default()
+    };
+    let mut c = Core::new(config, vec![group(100)]);
+    c.submit(request(1, 4, 8));
+    c.expire_queue(t0);
+    step_granting(&mut c, 7);
+    // it ran, then the pool ran out under it: preempted and requeued
+    step_with(&mut c, |e| exhausted(e.seq_id), |l| grant(l.seq_id), 8);
+    assert_eq!(c.queued(), 1);
+    // its wait starts when it is back in the queue, not at its arrival
+    assert_eq!(c.expire_queue(t0 + Duration::from_millis(400)), 0);
+    assert_eq!(c.expire_queue(t0 + Duration::from_millis(800)), 0);
+    assert_eq!(c.expire_queue(t0 + Duration::from_millis(901)), 1);
+}

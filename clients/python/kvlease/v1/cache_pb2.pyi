@@ -17,6 +17,7 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DUPLICATE_SEQUENCE: _ClassVar[RejectReason]
     QUOTA_EXCEEDED: _ClassVar[RejectReason]
     CACHE_RESTARTED: _ClassVar[RejectReason]
+    QUEUE_TIMEOUT: _ClassVar[RejectReason]
 
 class ReleaseStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,6 +33,7 @@ UNKNOWN_SEQUENCE: RejectReason
 DUPLICATE_SEQUENCE: RejectReason
 QUOTA_EXCEEDED: RejectReason
 CACHE_RESTARTED: RejectReason
+QUEUE_TIMEOUT: RejectReason
 RELEASE_STATUS_UNSPECIFIED: ReleaseStatus
 RELEASED: ReleaseStatus
 ALREADY_RELEASED: ReleaseStatus
@@ -54,6 +56,20 @@ class RegisterPoolRequest(_message.Message):
     tokens_per_block: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolSpec]
     def __init__(self, pool_group: _Optional[str] = ..., tokens_per_block: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolSpec, _Mapping]]] = ...) -> None: ...
+
+class UnregisterPoolRequest(_message.Message):
+    __slots__ = ("pool_group",)
+    POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
+    pool_group: str
+    def __init__(self, pool_group: _Optional[str] = ...) -> None: ...
+
+class UnregisterPoolResponse(_message.Message):
+    __slots__ = ("pools_removed", "blocks_removed")
+    POOLS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    pools_removed: int
+    blocks_removed: int
+    def __init__(self, pools_removed: _Optional[int] = ..., blocks_removed: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("pool_id", "window", "num_blocks", "tokens_per_block")

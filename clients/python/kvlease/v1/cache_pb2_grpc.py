@@ -39,6 +39,11 @@ class CacheServiceStub:
                 request_serializer=kvlease_dot_v1_dot_cache__pb2.RegisterPoolRequest.SerializeToString,
                 response_deserializer=kvlease_dot_v1_dot_cache__pb2.RegisterPoolResponse.FromString,
                 _registered_method=True)
+        self.UnregisterPool = channel.unary_unary(
+                '/kvlease.v1.CacheService/UnregisterPool',
+                request_serializer=kvlease_dot_v1_dot_cache__pb2.UnregisterPoolRequest.SerializeToString,
+                response_deserializer=kvlease_dot_v1_dot_cache__pb2.UnregisterPoolResponse.FromString,
+                _registered_method=True)
         self.OpenSession = channel.unary_unary(
                 '/kvlease.v1.CacheService/OpenSession',
                 request_serializer=kvlease_dot_v1_dot_cache__pb2.OpenSessionRequest.SerializeToString,
@@ -107,6 +112,19 @@ class CacheServiceServicer:
     def RegisterPool(self, request, context):
         """Declares the pools of one model replica (one pool per distinct attention
         window). Idempotent for the same geometry; ALREADY_EXISTS for a conflicting one.
+        RESOURCE_EXHAUSTED (with the figures) over the pool-group limit or the
+        memory budget.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterPool(self, request, context):
+        """Removes a pool group and frees its blocks' state. Only while nothing of it
+        is held: FAILED_PRECONDITION (with each pool's in-use and fenced counts)
+        otherwise; NOT_FOUND for an unknown group. Its pool ids are not reused;
+        the cached hashes of its blocks vanish without BlocksRemoved events
+        (their pool ids name pools that no longer exist).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,7 +132,8 @@ class CacheServiceServicer:
 
     def OpenSession(self, request, context):
         """Opens a holder session. The response carries the service's epoch, which
-        every later call of the session must echo.
+        every later call of the session must echo. RESOURCE_EXHAUSTED over the
+        service's session limit or the per-holder one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -199,13 +218,17 @@ class CacheServiceServicer:
 
     def WatchEvents(self, request, context):
         """A stream of stored / removed block-hash events with monotonic ids.
+        RESOURCE_EXHAUSTED when --max-watch-streams streams are open; OUT_OF_RANGE
+        for an after_id beyond the newest event.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Audit(self, request, context):
-        """Runs the leak audit now.
+        """Runs the leak audit now. It works in slices of 16384 blocks, holding the
+        cache's lock for one slice at a time, so other calls wait milliseconds at
+        most whatever the pools' size.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -218,6 +241,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.RegisterPool,
                     request_deserializer=kvlease_dot_v1_dot_cache__pb2.RegisterPoolRequest.FromString,
                     response_serializer=kvlease_dot_v1_dot_cache__pb2.RegisterPoolResponse.SerializeToString,
+            ),
+            'UnregisterPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterPool,
+                    request_deserializer=kvlease_dot_v1_dot_cache__pb2.UnregisterPoolRequest.FromString,
+                    response_serializer=kvlease_dot_v1_dot_cache__pb2.UnregisterPoolResponse.SerializeToString,
             ),
             'OpenSession': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSession,
@@ -307,6 +335,33 @@ class CacheService:
             '/kvlease.v1.CacheService/RegisterPool',
             kvlease_dot_v1_dot_cache__pb2.RegisterPoolRequest.SerializeToString,
             kvlease_dot_v1_dot_cache__pb2.RegisterPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvlease.v1.CacheService/UnregisterPool',
+            kvlease_dot_v1_dot_cache__pb2.UnregisterPoolRequest.SerializeToString,
+            kvlease_dot_v1_dot_cache__pb2.UnregisterPoolResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Soak test (not in CI): an over-subscribed `kvlease bench` workload against
+# `kvlease up` for --minutes (default 20). Every minute it samples the RSS of
+# the cluster process (cache, scheduler and workers share it: `kvlease up`
+# runs every service in one process) and of the gateway when --http is given,
+# then prints a table and checks:
+#   - RSS flat within 10% after warm-up (the first --warmup minutes, default 3,
+#     are left out; the check compares every later sample with the first one);
+#   - 0 leaked blocks: the cache's leak audit (run every minute here,
+#     --audit-interval-ms) reclaimed nothing, and every pool is whole
+#     (nothing in use or fenced) once the load stops;
+#   - no errors: every bench round reports errors=0 (REJECTED answers are
+#     expected under over-subscription and are counted, not failed).
+# Flags for `kvlease up` and `kvlease bench` pass through, e.g. TLS once the
+# services take it: --up-arg=--tls-dir --up-arg=certs --bench-arg=--ca ...
+#
+#   scripts/soak.sh --minutes 2
+set -euo pipefail
+
+minutes=20 warmup=3 port=56051 metrics=59090 concurrency=48 requests=400 budget=40
+up_args=() bench_args=() kvlease=${KVLEASE_BIN:-}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --minutes) minutes=$2; shift 2 ;;
+    --warmup) warmup=$2; shift 2 ;;
+    --port) port=$2; shift 2 ;;
+    --metrics-port) metrics=$2; shift 2 ;;
+    --concurrency) concurrency=$2; shift 2 ;;
+    --requests-per-round) requests=$2; shift 2 ;;
+    --memory-budget-mib) budget=$2; shift 2 ;;
+    --up-arg=*) up_args+=("${1#--up-arg=}"); shift ;;
+    --bench-arg=*) bench_args+=("${1#--bench-arg=}"); shift ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "soak.sh: unknown flag $1" >&2; exit 64 ;;
+  esac
+done
+if [ "$warmup" -ge "$minutes" ]; then warmup=$(( minutes / 2 )); fi
+
+cd "$(dirname "$0")/.."
+if [ -z "$kvlease" ]; then
+  cargo build --release -q -p kvlease
+  kvlease=target/release/kvlease
+fi
+work=$(mktemp -d)
+cleanup() {
+  [ -n "${up_pid:-}" ] && kill "$up_pid" 2>/dev/null && wait "$up_pid" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+# A small KV budget so the bench over-subscribes the pools: requests wait,
+# get preempted and recomputed, some end REJECTED.
+KVLEASE_CACHE_AUDIT_INTERVAL_MS=60000 "$kvlease" up --base-port "$port" --metrics-base-port "$metrics" \
+  --memory-budget-mib "$budget" "${up_args[@]}" >"$work/up.log" 2>&1 &
+up_pid=$!
+for _ in $(seq 1 120); do
+  "$kvlease" health "127.0.0.1:$port" >/dev/null 2>&1 && break
+  kill -0 "$up_pid" 2>/dev/null || { echo "kvlease up died:"; tail -20 "$work/up.log"; exit 1; }
+  sleep 1
+done
+"$kvlease" health "127.0.0.1:$port" >/dev/null
+
+rss_kib() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
+cache_metrics() { curl -sf "http://127.0.0.1:$((metrics + 1))/metrics" >"$work/metrics" && cat "$work/metrics"; }
+metric_sum() { awk -v m="$1" -v f="${2:-}" '$1 ~ "^"m"({|$)" && index($1, f) {s += $2} END {print s + 0}'; }
+
+start=$(date +%s) end=$(( start + minutes * 60 )) next_sample=$start minute=0
+rounds=0 errors=0 requests_total=0 rejected_total=0
+printf 'minute | rss_mib | leaked_total | in_use | fenced | rounds | requests | rejected | errors\n' | tee "$work/table"
+while :; do
+  now=$(date +%s)
+  if [ "$now" -ge "$next_sample" ]; then
+    m=$(cache_metrics)
+    leaked=$(metric_sum kvlease_leaked_blocks_reclaimed_total <<<"$m")
+    in_use=$(metric_sum kvlease_pool_blocks 'state="in_use"' <<<"$m")
+    fenced=$(metric_sum kvlease_pool_blocks 'state="fenced"' <<<"$m")
+    rss=$(rss_kib "$up_pid")
+    echo "$minute $rss" >>"$work/rss"
+    printf '%6d | %7.1f | %12d | %6d | %6d | %6d | %8d | %8d | %6d\n' "$minute" "$(echo "$rss / 1024" | bc -l)" \
+      "$leaked" "$in_use" "$fenced" "$rounds" "$requests_total" "$rejected_total" "$errors" | tee -a "$work/table"
+    minute=$(( minute + 1 )) next_sample=$(( start + minute * 60 ))
+    [ "$now" -ge "$end" ] && break
+  fi
+  # one bench round, cut short so samples stay on the minute
+  left=$(( next_sample - $(date +%s) ))
+  [ "$left" -lt 5 ] && { sleep "$(( left > 0 ? left : 0 ))"; continue; }
+  set +e
+  timeout "$left" "$kvlease" bench --scheduler "127.0.0.1:$port" --requests "$requests" --no-progress \
+    --concurrency "$concurrency" "${bench_args[@]}" >"$work/bench.out" 2>&1
+  rc=$?
+  set -e
+  summary=$(grep -m1 '^summary:' "$work/bench.out" || true)
+  if [ -z "$summary" ]; then
+    [ "$rc" -eq 124 ] && continue   # cut at the minute: not an error
+    echo "bench round failed (exit $rc):"; tail -20 "$work/bench.out"; errors=$(( errors + 1 )); continue
+  fi
+  rounds=$(( rounds + 1 ))
+  requests_total=$(( requests_total + $(sed -E 's/.*requests=([0-9]+).*/\1/' <<<"$summary") ))
+  rejected_total=$(( rejected_total + $(sed -E 's/.*rejected=([0-9]+).*/\1/' <<<"$summary") ))
+  round_errors=$(sed -E 's/.* errors=([0-9]+).*/\1/' <<<"$summary")
+  if [ "$round_errors" -gt 0 ]; then echo "round $rounds: $summary"; fi
+  errors=$(( errors + round_errors ))
+done
+
+# drained: every pool whole, and one more audit pass finds nothing
+sleep 2
+m=$(cache_metrics)
+in_use=$(metric_sum kvlease_pool_blocks 'state="in_use"' <<<"$m")
+fenced=$(metric_sum kvlease_pool_blocks 'state="fenced"' <<<"$m")
+leaked=$(metric_sum kvlease_leaked_blocks_reclaimed_total <<<"$m")
+
+fail=0
+base=$(awk -v w="$warmup" '$1 == w {print $2}' "$work/rss")
+max=$(awk -v w="$warmup" '$1 >= w && $2 > m {m = $2} END {print m}' "$work/rss")
+min=$(awk -v w="$warmup" 'BEGIN {m = -1} $1 >= w && (m < 0 || $2 < m) {m = $2} END {print m}' "$work/rss")
+spread=$(echo "($max - $min) * 100 / $base" | bc -l)
+printf 'rss after warm-up (minute %d on): %.1f..%.1f MiB, spread %.1f%% of minute %d (limit 10%%)\n' \
+  "$warmup" "$(echo "$min / 1024" | bc -l)" "$(echo "$max / 1024" | bc -l)" "$spread" "$warmup"
+if (( $(echo "$spread > 10" | bc -l) )); then echo "FAIL: RSS not flat"; fail=1; fi
+echo "leaked blocks reclaimed by the audit: $leaked; after the load: in_use=$in_use fenced=$fenced"
+if [ "$leaked" -ne 0 ] || [ "$in_use" -ne 0 ] || [ "$fenced" -ne 0 ]; then echo "FAIL: blocks leaked or held"; fail=1; fi
+echo "bench rounds: $rounds, requests: $requests_total, rejected: $rejected_total, errors: $errors"
+if [ "$errors" -ne 0 ] || [ "$rounds" -eq 0 ]; then echo "FAIL: errors (or no round finished)"; fail=1; fi
+[ "$fail" -eq 0 ] && echo "soak: PASS" || echo "soak: FAIL"
+exit "$fail"
