@@ -67,7 +67,11 @@ pub const MATRIX: &[(&str, &str, Access)] = &[
         Access::AnyOf(&[Scheduler]),
     ),
     // Release, CompleteStep and Extend of one step in one call.
-    ("kvlease.v1.CacheService", "Step", Access::AnyOf(&[Scheduler])),
+    (
+        "kvlease.v1.CacheService",
+        "Step",
+        Access::AnyOf(&[Scheduler]),
+    ),
     (
         "kvlease.v1.CacheService",
         "Estimate",
@@ -190,7 +194,7 @@ mod tests {
                 rpcs += 1;
             }
         }
-        assert_eq!(rpcs, 17);
+        assert_eq!(rpcs, 19);
     }
 
     #[test]

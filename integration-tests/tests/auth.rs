@@ -150,7 +150,7 @@ async fn authorization_matrix_every_rpc_by_every_role() -> Result<(), Box<dyn st
             }
         }
     }
-    assert_eq!(checked, (17 + 4 * 3) * CALLERS.len());
+    assert_eq!(checked, (19 + 4 * 3) * CALLERS.len());
     cluster.stop().await?;
     Ok(())
 }
