@@ -1,5 +1,5 @@
 //! The authorization layer every kvlease server puts in front of its routes: it names the
-//! caller ([`identify`]), asks the [matrix](crate::matrix) whether the caller may make this
+//! caller ([`identify`]), asks the [matrix] whether the caller may make this
 //! call, and either refuses it (UNAUTHENTICATED: no identity; PERMISSION_DENIED: a role it
 //! lacks, named in the message) or hands it on with the [`Principal`] in the request's
 //! extensions, where services read it ([`principal_of`]) for ownership checks.
