@@ -62,6 +62,7 @@ impl PartialIndex {
     }
 
     /// Whether `block` has a pending entry.
+    #[cfg(test)]
     pub(crate) fn is_pending(&self, block: BlockId) -> bool {
         self.entries.get(&block).is_some_and(|e| !e.published)
     }
@@ -120,8 +121,13 @@ impl PartialIndex {
     }
 
     /// Checks that the published entries and the by-parent lists agree, and
-    /// that `is_published(block)` says the same as the index.
-    pub(crate) fn check(&self, is_published: impl Fn(BlockId) -> bool) -> Result<(), String> {
+    /// that `is_published(block)` and `is_pending(block)` say the same as
+    /// the index.
+    pub(crate) fn check(
+        &self,
+        is_published: impl Fn(BlockId) -> bool,
+        is_pending: impl Fn(BlockId) -> bool,
+    ) -> Result<(), String> {
         for (&(parent, salt), list) in &self.by_parent {
             for &b in list {
                 match self.entries.get(&b) {
@@ -131,7 +137,7 @@ impl PartialIndex {
             }
         }
         for (&b, e) in &self.entries {
-            if e.published != is_published(b) {
+            if e.published != is_published(b) || e.published == is_pending(b) {
                 return Err(format!(
                     "partial block {b}: index says published={}, pool disagrees",
                     e.published
@@ -177,7 +183,7 @@ mod tests {
         assert_eq!(p.find(7, 5, &[1, 2, 3, 4]), Some((3, 4)), "salt separates");
         p.remove(1);
         assert_eq!(p.find(7, 0, &[1, 2, 3]), Some((2, 2)));
-        p.check(|b| b == 2 || b == 3).unwrap();
+        p.check(|b| b == 2 || b == 3, |_| false).unwrap();
     }
 
     #[test]
@@ -192,6 +198,6 @@ mod tests {
         assert!(!p.publish(extra));
         assert!(!p.is_pending(extra));
         assert_eq!(p.published(), MAX_PER_PARENT);
-        p.check(|b| b < extra).unwrap();
+        p.check(|b| b < extra, |_| false).unwrap();
     }
 }

@@ -81,6 +81,9 @@ struct Meta {
     children: u32,
     /// A published partly filled block (in `BlockPool::partials`).
     partial: bool,
+    /// A pending partly filled block (in `BlockPool::partials`); a flag, so
+    /// that freeing a block costs no lookup.
+    partial_pending: bool,
     priority: u8,
     /// Bumped on every allocation, so stale references are recognised.
     generation: u32,
@@ -261,7 +264,8 @@ impl BlockPool {
         if m.refcount == 0 && m.fenced == 0 {
             // Nobody will write it: an unpublished hash can never be trusted.
             m.pending = None;
-            if !m.partial && self.partials.is_pending(block) {
+            if m.partial_pending {
+                m.partial_pending = false;
                 self.partials.remove(block);
             }
         }
@@ -376,6 +380,7 @@ impl BlockPool {
         }
         self.partials
             .set_pending(block, parent, salt, tokens.to_vec());
+        self.meta[block as usize].partial_pending = true;
     }
 
     /// Publishes the pending hash (or pending partial entry) of `block` if it
@@ -414,12 +419,11 @@ impl BlockPool {
     }
 
     fn publish_partial(&mut self, block: BlockId, generation: u32) -> bool {
-        if !self.partials.is_pending(block) {
+        let m = &mut self.meta[block as usize];
+        if !m.partial_pending || m.generation != generation {
             return false;
         }
-        if self.meta[block as usize].generation != generation {
-            return false;
-        }
+        m.partial_pending = false;
         let before = self.state(block);
         if !self.partials.publish(block) {
             return false;
@@ -533,8 +537,10 @@ impl BlockPool {
                 c.cached
             ));
         }
-        self.partials
-            .check(|b| self.meta.get(b as usize).is_some_and(|m| m.partial))?;
+        self.partials.check(
+            |b| self.meta.get(b as usize).is_some_and(|m| m.partial),
+            |b| self.meta.get(b as usize).is_some_and(|m| m.partial_pending),
+        )?;
         if self.index.len() > self.meta.len() {
             return Err("index larger than the pool".into());
         }

@@ -132,6 +132,11 @@ pub fn service_config(policy: PolicyKind) -> cache_svc::Config {
     config.eviction_policy = policy;
     // a long replay must not outlive its session between calls
     config.session_ttl_ms = config.max_ttl_ms;
+    // A trace names whole blocks only; each replayed prompt ends with one
+    // token of its own, which partial-block reuse would keep (and never hit)
+    // in a block of its own, so the replay would no longer be the block
+    // stream the reference simulators replay.
+    config.partial_reuse = false;
     config
 }
 
