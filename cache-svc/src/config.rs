@@ -17,7 +17,9 @@ const DEFAULT_MAX_TTL_MS: u64 = 600_000;
 const DEFAULT_SESSION_QUOTA: u64 = 0;
 const DEFAULT_MAX_BATCH: usize = 4096;
 const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
-const DEFAULT_EVENT_BUFFER: usize = 65_536;
+/// A watcher that falls further behind resynchronises (`lost_before`); a
+/// larger log only costs memory (an event holds its hashes).
+const DEFAULT_EVENT_BUFFER: usize = 8_192;
 const DEFAULT_EXPIRY_INTERVAL_MS: u64 = 500;
 const DEFAULT_AUDIT_INTERVAL_MS: u64 = 60_000;
 const DEFAULT_EVICTION_POLICY: PolicyKind = PolicyKind::Lru;

@@ -96,8 +96,10 @@ pub(crate) struct BlockRef {
 }
 
 /// How many released sequence ids a session remembers to answer
-/// `ALREADY_RELEASED` rather than `UNKNOWN`.
-const RELEASED_MEMORY: usize = 65_536;
+/// `ALREADY_RELEASED` rather than `UNKNOWN`. A duplicate Release is a retry
+/// that comes within seconds; at a few hundred releases a second this
+/// covers tens of seconds, in well under a MiB.
+const RELEASED_MEMORY: usize = 8_192;
 
 /// A holder's session.
 #[derive(Debug)]

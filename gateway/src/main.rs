@@ -18,10 +18,10 @@ async fn main() {
             std::process::exit(1);
         }
     };
-    let listener = match tokio::net::TcpListener::bind(config.listen).await {
+    let listener = match kvlease_telemetry::serve::bind("http", config.listen).await {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("kvlease-gateway: cannot listen on {}: {e}", config.listen);
+            eprintln!("kvlease-gateway: {e}");
             std::process::exit(64);
         }
     };

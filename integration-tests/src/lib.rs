@@ -40,6 +40,8 @@ pub use kvlease::cluster::Service;
 pub enum Error {
     #[error("cannot bind a loopback port: {0}")]
     Bind(#[from] std::io::Error),
+    #[error(transparent)]
+    Listen(#[from] kvlease_telemetry::Error),
     #[error("cannot connect to {addr}: {message}")]
     Connect { addr: SocketAddr, message: String },
     #[error(transparent)]
@@ -51,10 +53,11 @@ pub enum Error {
 /// How long a test service may take to start (a scheduler's warm-up included).
 pub(crate) const READY_WITHIN: Duration = Duration::from_secs(60);
 
-/// A gRPC and a metrics listener on `127.0.0.1:0`.
+/// A gRPC and a metrics listener on `127.0.0.1:0`, bound as the services
+/// bind theirs.
 async fn loopback() -> Result<Listeners, Error> {
-    Ok(Listeners::from(TcpListener::bind("127.0.0.1:0").await?)
-        .with_metrics(TcpListener::bind("127.0.0.1:0").await?))
+    let any = SocketAddr::from(([127, 0, 0, 1], 0));
+    Ok(Listeners::bind(any, Some(any)).await?)
 }
 
 /// Starts a cache service (with a metrics endpoint).
@@ -64,7 +67,7 @@ pub async fn start_cache(config: cache_svc::Config) -> Result<Service, Error> {
 
 /// Starts a cache service on a given address (a restart on the same port).
 pub async fn start_cache_on(addr: SocketAddr) -> Result<Service, Error> {
-    let listeners = Listeners::from(TcpListener::bind(addr).await?);
+    let listeners = Listeners::bind(addr, None).await?;
     Ok(cluster::start_cache(listeners, cache_svc::Config::default()).await?)
 }
 

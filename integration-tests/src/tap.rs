@@ -21,7 +21,6 @@ use kvlease_proto::v1::cache_service_server::{CacheService, CacheServiceServer};
 use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
 use kvlease_proto::v1::worker_service_server::{WorkerService, WorkerServiceServer};
 use kvlease_telemetry::serve::{Listeners, ServerInfo, serve};
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
@@ -435,7 +434,7 @@ where
         + 'static,
     S::Future: Send + 'static,
 {
-    let listeners = Listeners::from(TcpListener::bind("127.0.0.1:0").await?);
+    let listeners = Listeners::bind(SocketAddr::from(([127, 0, 0, 1], 0)), None).await?;
     let info = ServerInfo {
         name,
         descriptors: kvlease_proto::FILE_DESCRIPTOR_SET,

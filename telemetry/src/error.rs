@@ -54,7 +54,7 @@ pub enum Error {
     /// A listener could not be bound.
     #[error("cannot listen for {what} on {addr}: {source}")]
     Bind {
-        /// What the listener was for: `grpc` or `metrics`.
+        /// What the listener was for: `grpc`, `metrics` or `http`.
         what: &'static str,
         /// The address.
         addr: std::net::SocketAddr,

@@ -61,11 +61,26 @@ impl Listeners {
     }
 }
 
-/// Binds `addr`; the error names what the listener was for and where.
+/// Pending-accept queue of every listener. tokio's default (1,024) overflows
+/// when a few thousand clients connect at once (a reconnect storm after a
+/// restart); the kernel then drops their handshakes and some see their
+/// connection reset. The kernel caps it at `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 8192;
+
+/// Binds `addr` (with `SO_REUSEADDR`, as `TcpListener::bind` does); the
+/// error names what the listener was for and where.
 pub async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| Error::Bind { what, addr, source })
+    let listen = || {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(LISTEN_BACKLOG)
+    };
+    listen().map_err(|source| Error::Bind { what, addr, source })
 }
 
 // === stop signal ===

@@ -103,7 +103,7 @@ impl Default for CacheConfig {
             min_ttl: Duration::from_secs(1),
             max_ttl: Duration::from_secs(600),
             session_quota: 0,
-            event_capacity: 65_536,
+            event_capacity: 8_192,
             max_pool_blocks: 1 << 24,
             max_beam_width: 64,
             max_sessions: 0,
