@@ -25,7 +25,10 @@
 #   scripts/soak.sh --mtls --minutes 20
 set -euo pipefail
 
-minutes=20 warmup=3 port=56051 metrics=59090 concurrency=48 requests=400 budget=40
+minutes=20 warmup=3 port=56051 metrics=59090 concurrency=48 requests=150 budget=40
+# outputs long enough that decodes outgrow the pools: the cache refuses
+# extends (POOL_EXHAUSTED) and the scheduler preempts and recomputes
+output_min=48 output_max=160
 up_args=() bench_args=() kvlease=${KVLEASE_BIN:-} mtls=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -34,6 +37,8 @@ while [ $# -gt 0 ]; do
     --port) port=$2; shift 2 ;;
     --metrics-port) metrics=$2; shift 2 ;;
     --concurrency) concurrency=$2; shift 2 ;;
+    --output-min) output_min=$2; shift 2 ;;
+    --output-max) output_max=$2; shift 2 ;;
     --requests-per-round) requests=$2; shift 2 ;;
     --memory-budget-mib) budget=$2; shift 2 ;;
     --up-arg=*) up_args+=("${1#--up-arg=}"); shift ;;
@@ -126,7 +131,7 @@ while :; do
   [ "$left" -lt 5 ] && { sleep "$(( left > 0 ? left : 0 ))"; continue; }
   set +e
   timeout "$left" "${client[@]}" bench --scheduler "127.0.0.1:$port" --requests "$requests" --no-progress \
-    --concurrency "$concurrency" "${bench_args[@]}" >"$work/bench.out" 2>&1
+    --concurrency "$concurrency" --output-min "$output_min" --output-max "$output_max" "${bench_args[@]}" >"$work/bench.out" 2>&1
   rc=$?
   set -e
   summary=$(grep -m1 '^summary:' "$work/bench.out" || true)
@@ -148,6 +153,8 @@ m=$(cache_metrics)
 in_use=$(metric_sum kvlease_pool_blocks 'state="in_use"' <<<"$m")
 fenced=$(metric_sum kvlease_pool_blocks 'state="fenced"' <<<"$m")
 leaked=$(metric_sum kvlease_leaked_blocks_reclaimed_total <<<"$m")
+refused=$(metric_sum kvlease_rejects_total 'reason="POOL_EXHAUSTED"' <<<"$m")
+capacity=$(metric_sum kvlease_pool_capacity_blocks <<<"$m")
 
 fail=0
 for name in "${names[@]}"; do
@@ -163,6 +170,10 @@ done
 echo "leaked blocks reclaimed by the audit: $leaked; after the load: in_use=$in_use fenced=$fenced"
 if [ "$leaked" -ne 0 ] || [ "$in_use" -ne 0 ] || [ "$fenced" -ne 0 ]; then echo "FAIL: blocks leaked or held"; fail=1; fi
 echo "bench rounds: $rounds, requests: $requests_total, rejected: $rejected_total, errors: $errors"
+# over-subscription shows as the cache refusing leases and extends for lack
+# of blocks (the scheduler then queues or preempts)
+echo "pool capacity: $capacity blocks; leases and extends the cache refused POOL_EXHAUSTED: $refused"
+if [ "$refused" -eq 0 ]; then echo "FAIL: the load never over-subscribed the pools (raise --concurrency or lower --memory-budget-mib)"; fail=1; fi
 if [ "$errors" -ne 0 ] || [ "$rounds" -eq 0 ]; then echo "FAIL: errors (or no round finished)"; fail=1; fi
 [ "$fail" -eq 0 ] && echo "soak: PASS" || echo "soak: FAIL"
 exit "$fail"
