@@ -425,6 +425,12 @@ impl Cache {
                     };
                     bt.first += 1;
                     added -= 1;
+                    // A held-back prompt block that slides out was never
+                    // written by this sequence's passes: it never publishes.
+                    if !seq.held_back.is_empty() {
+                        seq.held_back
+                            .retain(|(_, r)| (r.pool, r.block) != (p.pool, block));
+                    }
                     pool.release(block, !fence_done);
                     if !fence_done {
                         fenced.push(BlockRef {
