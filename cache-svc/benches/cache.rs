@@ -221,6 +221,7 @@ async fn grpc(iterations: u32, tls: Option<&std::path::Path>) -> (Duration, Dura
                 new_tokens: vec![(step as u32) ^ (i as u32)],
                 num_tokens: 0,
                 traceparent: String::new(),
+                written_tokens: 0,
             })
             .collect(),
     };

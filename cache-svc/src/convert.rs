@@ -56,6 +56,7 @@ pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
         priority,
         cache_salt: s.cache_salt,
         reserve_full_life: s.reserve_full_life,
+        prefill_tokens: s.prefill_tokens,
     })
 }
 

@@ -73,6 +73,11 @@ pub struct SeqSpec {
     pub cache_salt: String,
     /// Take the whole life's blocks now.
     pub reserve_full_life: bool,
+    /// Chunked prefill: prompt tokens the lease's step computes beyond the
+    /// reused ones (0: the whole prompt). Full prompt blocks past
+    /// `reused_tokens + prefill_tokens` are held back until an
+    /// [`ExtendItem::written_tokens`] covers them.
+    pub prefill_tokens: u32,
 }
 
 impl SeqSpec {
@@ -88,6 +93,7 @@ impl SeqSpec {
             priority: DEFAULT_PRIORITY,
             cache_salt: String::new(),
             reserve_full_life: false,
+            prefill_tokens: 0,
         }
     }
 }
@@ -113,6 +119,43 @@ impl Growth {
     /// Whether it adds nothing.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// One item of an `Extend`: growth, progress of a chunked prefill, or both.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExtendItem {
+    /// The sequence.
+    pub seq_id: u64,
+    /// New tokens (`None`: a progress report only, nothing grows).
+    pub growth: Option<Growth>,
+    /// The sequence's KV is written through this many tokens by the forward
+    /// pass of the call's step (0: no report).
+    pub written_tokens: u32,
+}
+
+impl ExtendItem {
+    /// Growth only, as before chunked-prefill progress existed.
+    pub fn grow(seq_id: u64, growth: Growth) -> Self {
+        Self {
+            seq_id,
+            growth: Some(growth),
+            written_tokens: 0,
+        }
+    }
+
+    /// A progress report only.
+    pub fn written(seq_id: u64, written_tokens: u32) -> Self {
+        Self {
+            seq_id,
+            growth: None,
+            written_tokens,
+        }
+    }
+
+    /// New tokens (0 for a progress report).
+    pub fn new_tokens(&self) -> u32 {
+        self.growth.as_ref().map_or(0, Growth::len)
     }
 }
 

@@ -24,7 +24,7 @@ use crate::cache::{AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Batch, Cache, E
 use crate::convert::{estimate_to_pb, event_to_pb, outcomes_to_pb, spec_from_pb, stats_to_pb};
 use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId};
-use crate::lease::{Growth, Outcome, ReleaseResult, ReleaseStatus};
+use crate::lease::{ExtendItem, Growth, Outcome, ReleaseResult, ReleaseStatus};
 use crate::metrics::CacheMetrics;
 
 /// Events sent per read of the log by one WatchEvents stream.
@@ -315,7 +315,7 @@ impl CacheServiceImpl {
     fn extend_part(
         &self,
         mut part: pb::StepExtend,
-    ) -> Result<(Vec<String>, Vec<(u64, Growth)>, Batch)> {
+    ) -> Result<(Vec<String>, Vec<ExtendItem>, Batch)> {
         self.check_batch("items", part.items.len())?;
         let traces: Vec<String> = part
             .items
@@ -325,17 +325,30 @@ impl CacheServiceImpl {
         let items = part
             .items
             .into_iter()
-            .map(|i| match (i.new_tokens.is_empty(), i.num_tokens) {
-                (false, 0) => Ok((i.seq_id, Growth::Tokens(i.new_tokens))),
-                (true, n) if n > 0 => Ok((i.seq_id, Growth::Count(n))),
-                (true, _) => Err(Error::InvalidArgument(format!(
-                    "sequence {}: give new_tokens or num_tokens > 0",
-                    i.seq_id
-                ))),
-                (false, _) => Err(Error::InvalidArgument(format!(
-                    "sequence {}: give only one of new_tokens and num_tokens",
-                    i.seq_id
-                ))),
+            .map(|i| {
+                let growth = match (i.new_tokens.is_empty(), i.num_tokens) {
+                    (false, 0) => Some(Growth::Tokens(i.new_tokens)),
+                    (true, n) if n > 0 => Some(Growth::Count(n)),
+                    // a chunked-prefill progress report only
+                    (true, _) if i.written_tokens > 0 => None,
+                    (true, _) => {
+                        return Err(Error::InvalidArgument(format!(
+                            "sequence {}: give new_tokens or num_tokens > 0, or written_tokens > 0",
+                            i.seq_id
+                        )));
+                    }
+                    (false, _) => {
+                        return Err(Error::InvalidArgument(format!(
+                            "sequence {}: give only one of new_tokens and num_tokens",
+                            i.seq_id
+                        )));
+                    }
+                };
+                Ok(ExtendItem {
+                    seq_id: i.seq_id,
+                    growth,
+                    written_tokens: i.written_tokens,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         let batch = Batch {
@@ -639,7 +652,7 @@ impl CacheService for CacheServiceImpl {
         let outcomes =
             self.answer_batch(names::OP_EXTEND, batch.step, session, &traces, |cache| {
                 owned(cache, session.0, &caller, false)?;
-                cache.extend(session, epoch, batch, &items, now())
+                cache.extend_items(session, epoch, batch, &items, now())
             })?;
         Ok(Response::new(pb::ExtendResponse { outcomes }))
     }
@@ -711,6 +724,11 @@ impl CacheService for CacheServiceImpl {
         let (session, epoch) = (SessionId(r.session_id), Epoch(r.epoch));
         let mut cache = self.lock();
         owned(&cache, r.session_id, &caller, false)?;
+        // the extends' progress figures against the lengths before anything
+        // is applied (a release in this call only makes an item unknown)
+        if let Some((_, items, _)) = &extend {
+            cache.check_extend_items(session, items)?;
+        }
         // the span's step: the completion's, else the extends'
         trace_call(
             r.session_id,
@@ -732,7 +750,7 @@ impl CacheService for CacheServiceImpl {
                 cache,
                 names::OP_EXTEND,
                 &traces,
-                |cache| cache.extend(session, epoch, batch, &items, now()),
+                |cache| cache.extend_items(session, epoch, batch, &items, now()),
             )?),
             None => {
                 self.notify_events(&cache);

@@ -64,6 +64,14 @@ pub(crate) struct SeqState {
     pub hashable: bool,
     /// Tables per pool of the group.
     pub tables: Vec<PoolTables>,
+    /// Tokens whose KV a step is known to write (the lease's first chunk,
+    /// then chunked-prefill progress reports); `len` once the prefill is
+    /// whole.
+    pub written: u32,
+    /// Full prompt blocks past `written` (chunked prefill): their hashes are
+    /// pending, but they publish only once a progress report covers them.
+    /// Each with the token position its block ends at, in block order.
+    pub held_back: Vec<(u32, BlockRef)>,
 }
 
 impl SeqState {

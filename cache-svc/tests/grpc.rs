@@ -306,12 +306,14 @@ async fn lease_extend_release_complete_and_stats() {
                     new_tokens: vec![9, 10, 11, 12],
                     num_tokens: 0,
                     traceparent: String::new(),
+                    written_tokens: 0,
                 },
                 pb::ExtendItem {
                     seq_id: 77,
                     new_tokens: vec![],
                     num_tokens: 1,
                     traceparent: String::new(),
+                    written_tokens: 0,
                 },
             ],
         })
@@ -467,6 +469,7 @@ async fn malformed_requests_are_invalid_argument_and_limits_resource_exhausted()
                 new_tokens: vec![],
                 num_tokens: 0,
                 traceparent: String::new(),
+                written_tokens: 0,
             }],
         })
         .await,
@@ -817,6 +820,7 @@ fn ext_item(seq_id: u64, new_tokens: Vec<u32>) -> pb::ExtendItem {
         new_tokens,
         num_tokens: 0,
         traceparent: String::new(),
+        written_tokens: 0,
     }
 }
 
@@ -989,5 +993,125 @@ async fn a_malformed_step_applies_nothing() {
         rel.release.unwrap().results[0].status(),
         pb::ReleaseStatus::Released
     );
+    s.shutdown().await;
+}
+
+fn progress_item(seq_id: u64, written_tokens: u32) -> pb::ExtendItem {
+    pb::ExtendItem {
+        seq_id,
+        written_tokens,
+        ..Default::default()
+    }
+}
+
+/// Chunked prefill: `prefill_tokens` past the prompt and `written_tokens`
+/// past the sequence are INVALID_ARGUMENT naming both figures (a `Step`
+/// carrying such an item applies none of its parts); a progress report in a
+/// `Step` publishes the held-back blocks it covers at the step's completion.
+#[tokio::test]
+async fn chunked_prefill_figures_are_checked_and_progress_publishes() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    register(c, 16).await;
+    let sess = open(c).await;
+    let prompt: Vec<u32> = (100..116).collect();
+    let mut too_long = seq(1, prompt.clone());
+    too_long.prefill_tokens = 17;
+    assert_status(
+        c.lease(lease_req(sess, 1, vec![too_long])).await,
+        Code::InvalidArgument,
+        "prefill_tokens 17 is beyond its prompt of 16 tokens",
+    );
+    let mut first = seq(1, prompt.clone());
+    first.prefill_tokens = 4;
+    let out = c
+        .lease(lease_req(sess, 1, vec![first]))
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    assert_eq!(grant(&out[0]).reused_tokens, 0);
+    assert_status(
+        c.extend(pb::ExtendRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            step: 1,
+            atomic: false,
+            items: vec![progress_item(1, 17)],
+        })
+        .await,
+        Code::InvalidArgument,
+        "written_tokens 17 is beyond its length of 16 tokens",
+    );
+    // The same inside Step: its release of the sequence is not applied.
+    assert_status(
+        c.step(pb::StepRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            release: Some(pb::StepRelease {
+                seq_ids: vec![1],
+                fence_step: None,
+                traceparents: Vec::new(),
+            }),
+            complete_step: None,
+            extend: Some(pb::StepExtend {
+                step: 1,
+                atomic: false,
+                items: vec![progress_item(1, 17)],
+            }),
+        })
+        .await,
+        Code::InvalidArgument,
+        "written_tokens 17 is beyond its length of 16 tokens",
+    );
+    // Step 1 wrote the first block only; step 2 writes through token 12.
+    let r = c
+        .step(pb::StepRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            release: None,
+            complete_step: Some(1),
+            extend: Some(pb::StepExtend {
+                step: 2,
+                atomic: false,
+                items: vec![progress_item(1, 12)],
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let progress = r.extend.expect("an extend part");
+    assert!(grant(&progress.outcomes[0]).tables.is_empty());
+    let reused = |out: &[pb::SequenceOutcome]| grant(&out[0]).reused_tokens;
+    let out = c
+        .lease(lease_req(sess, 2, vec![seq(2, prompt.clone())]))
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    assert_eq!(reused(&out), 4, "blocks of later chunks are not reused");
+    let r = c
+        .step(pb::StepRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            release: Some(pb::StepRelease {
+                seq_ids: vec![2],
+                fence_step: None,
+                traceparents: Vec::new(),
+            }),
+            complete_step: Some(2),
+            extend: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.complete.is_some());
+    let out = c
+        .lease(lease_req(sess, 3, vec![seq(3, prompt)]))
+        .await
+        .unwrap()
+        .into_inner()
+        .outcomes;
+    assert_eq!(reused(&out), 12, "the reported blocks publish");
     s.shutdown().await;
 }

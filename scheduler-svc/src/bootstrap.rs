@@ -226,6 +226,8 @@ async fn warm_up(
                     priority: 0,
                     cache_salt: "kvlease-warmup".into(),
                     reserve_full_life: true,
+                    // warm-up: nothing is published, whatever the chunks
+                    prefill_tokens: 0,
                 }
             })
             .collect();

@@ -60,6 +60,7 @@ fn extend_items(specs: &[ExtendSpec], traces: &[String]) -> Vec<pb::ExtendItem> 
             new_tokens: e.new_tokens.clone(),
             num_tokens: 0,
             traceparent: item_trace(traces, i),
+            written_tokens: e.written_tokens,
         })
         .collect()
 }
@@ -313,6 +314,7 @@ impl CacheClient {
                     new_tokens: Vec::new(),
                     num_tokens: n,
                     traceparent: String::new(),
+                    written_tokens: 0,
                 })
                 .collect(),
         };

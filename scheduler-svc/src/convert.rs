@@ -182,6 +182,7 @@ pub(crate) fn sequence_spec(s: &LeaseSpec, traceparent: String) -> pb::SequenceS
         cache_salt: s.cache_salt.clone(),
         reserve_full_life: s.reserve_full_life,
         traceparent,
+        prefill_tokens: s.prefill_tokens,
     }
 }
 

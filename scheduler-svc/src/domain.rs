@@ -283,6 +283,11 @@ pub struct LeaseSpec {
     pub priority: u32,
     pub cache_salt: String,
     pub reserve_full_life: bool,
+    /// Prompt tokens the lease's step computes beyond the reused ones (the
+    /// first prefill chunk); the cache holds back the blocks of later chunks
+    /// until an [`ExtendSpec::written_tokens`] reports them. 0: the whole
+    /// prompt.
+    pub prefill_tokens: u32,
 }
 
 /// One sequence to grow.
@@ -291,6 +296,10 @@ pub struct ExtendSpec {
     pub seq_id: SeqId,
     /// Token ids that now occupy the next slots.
     pub new_tokens: Vec<u32>,
+    /// Chunked prefill: the sequence's KV is written through this many
+    /// tokens by this step's forward pass (0: no report). With no new tokens
+    /// the item only reports progress.
+    pub written_tokens: u32,
 }
 
 /// Sampling of one sequence.

@@ -71,6 +71,7 @@ mod tests {
             priority: crate::lease::DEFAULT_PRIORITY,
             cache_salt: String::new(),
             reserve_full_life: false,
+            prefill_tokens: 0,
         }
     }
 

@@ -1,6 +1,7 @@
 //! `Extend`: grow held sequences, slide windowed tables (fencing the blocks
 //! that slide out at the extend's step) and hash the blocks the new tokens
-//! fill.
+//! fill; take chunked-prefill progress reports, which release held-back
+//! prompt blocks to the step's publication.
 
 use foldhash::{HashSet, HashSetExt};
 use std::time::Instant;
@@ -8,7 +9,7 @@ use std::time::Instant;
 use super::{Batch, Cache, Tally, ceil_div};
 use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId};
-use crate::lease::{Grant, Growth, Outcome, Reject, RejectReason, Table};
+use crate::lease::{ExtendItem, Grant, Growth, Outcome, Reject, RejectReason, Table};
 use crate::pool::Holder;
 use crate::prefix;
 use crate::session::BlockRef;
@@ -34,15 +35,63 @@ impl Cache {
         items: &[(u64, Growth)],
         now: Instant,
     ) -> Result<Vec<Outcome>> {
-        let Batch { step, atomic, .. } = batch;
-        self.touch(session_id, epoch, now)?;
-        for (seq_id, growth) in items {
-            if growth.is_empty() {
-                return Err(Error::InvalidArgument(format!(
-                    "sequence {seq_id}: give new_tokens or num_tokens > 0"
-                )));
+        let items: Vec<ExtendItem> = items
+            .iter()
+            .map(|(seq_id, growth)| ExtendItem::grow(*seq_id, growth.clone()))
+            .collect();
+        self.extend_items(session_id, epoch, batch, &items, now)
+    }
+
+    /// Checks an Extend's items without changing anything: each grows by
+    /// some tokens or reports progress, and no progress report passes its
+    /// sequence's length (a sequence the session does not hold is left to
+    /// the extend itself, which answers it `UNKNOWN_SEQUENCE`).
+    pub fn check_extend_items(&self, session_id: SessionId, items: &[ExtendItem]) -> Result<()> {
+        let session = self.sessions.get(&session_id);
+        for item in items {
+            let seq_id = item.seq_id;
+            match &item.growth {
+                Some(growth) if growth.is_empty() => {
+                    return Err(Error::InvalidArgument(format!(
+                        "sequence {seq_id}: give new_tokens or num_tokens > 0"
+                    )));
+                }
+                None if item.written_tokens == 0 => {
+                    return Err(Error::InvalidArgument(format!(
+                        "sequence {seq_id}: give new_tokens or num_tokens > 0, or written_tokens > 0"
+                    )));
+                }
+                _ => {}
+            }
+            if item.written_tokens == 0 {
+                continue;
+            }
+            if let Some(seq) = session.and_then(|s| s.seqs.get(&seq_id)) {
+                let len = u64::from(seq.len) + u64::from(item.new_tokens());
+                if u64::from(item.written_tokens) > len {
+                    return Err(Error::InvalidArgument(format!(
+                        "sequence {seq_id}: written_tokens {} is beyond its length of {len} tokens",
+                        item.written_tokens
+                    )));
+                }
             }
         }
+        Ok(())
+    }
+
+    /// Grows held sequences and takes chunked-prefill progress reports; one
+    /// outcome per item, in order.
+    pub fn extend_items(
+        &mut self,
+        session_id: SessionId,
+        epoch: Epoch,
+        batch: Batch,
+        items: &[ExtendItem],
+        now: Instant,
+    ) -> Result<Vec<Outcome>> {
+        let Batch { step, atomic, .. } = batch;
+        self.touch(session_id, epoch, now)?;
+        self.check_extend_items(session_id, items)?;
         let mut seen = HashSet::with_capacity(items.len());
         let duplicate = |seq_id: u64| {
             Outcome::Reject(Reject::plain(
@@ -57,16 +106,17 @@ impl Cache {
             // hundreds of sequences).
             let mut outcomes = Vec::with_capacity(items.len());
             let mut plan = Vec::new();
-            for (seq_id, growth) in items {
+            for item in items {
+                let seq_id = &item.seq_id;
                 let outcome = if !seen.insert(*seq_id) {
                     duplicate(*seq_id)
                 } else {
-                    match self.plan_extend(session_id, *seq_id, growth.len(), &mut plan) {
+                    match self.plan_item(session_id, item, &mut plan) {
                         Err(reject) => Outcome::Reject(reject),
                         Ok(()) => {
                             let outcome = match self.check_extend(*seq_id, &plan, None) {
                                 Ok(()) => Outcome::Grant(self.noting_evictions(*seq_id, |c| {
-                                    c.execute_extend(session_id, *seq_id, growth, &plan, step)
+                                    c.execute_item(session_id, item, &plan, step)
                                 })),
                                 Err(reject) => Outcome::Reject(reject),
                             };
@@ -82,13 +132,14 @@ impl Cache {
         }
         let mut outcomes: Vec<Option<Outcome>> = vec![None; items.len()];
         let mut plans = Vec::new();
-        for (i, (seq_id, growth)) in items.iter().enumerate() {
+        for (i, item) in items.iter().enumerate() {
+            let seq_id = &item.seq_id;
             if !seen.insert(*seq_id) {
                 outcomes[i] = Some(duplicate(*seq_id));
                 continue;
             }
             let mut plan = Vec::new();
-            match self.plan_extend(session_id, *seq_id, growth.len(), &mut plan) {
+            match self.plan_item(session_id, item, &mut plan) {
                 Ok(()) => plans.push((i, plan)),
                 Err(reject) => outcomes[i] = Some(Outcome::Reject(reject)),
             }
@@ -97,7 +148,7 @@ impl Cache {
         if first_reject.is_none() {
             let mut tally = Tally::default();
             for (i, plan) in &plans {
-                if let Err(reject) = self.check_extend(items[*i].0, plan, Some(&mut tally)) {
+                if let Err(reject) = self.check_extend(items[*i].seq_id, plan, Some(&mut tally)) {
                     outcomes[*i] = Some(Outcome::Reject(reject));
                     first_reject = Some(*i);
                     break;
@@ -105,11 +156,11 @@ impl Cache {
             }
         }
         if let Some(bad) = first_reject {
-            let cause = items[bad].0;
-            for (i, (seq_id, _)) in items.iter().enumerate() {
+            let cause = items[bad].seq_id;
+            for (i, item) in items.iter().enumerate() {
                 if outcomes[i].is_none() {
                     outcomes[i] = Some(Outcome::Reject(Reject::plain(
-                        *seq_id,
+                        item.seq_id,
                         RejectReason::RolledBack,
                         format!("atomic batch rolled back: sequence {cause} was rejected"),
                     )));
@@ -117,9 +168,9 @@ impl Cache {
             }
         } else {
             for (i, plan) in &plans {
-                let (seq_id, growth) = &items[*i];
-                outcomes[*i] = Some(Outcome::Grant(self.noting_evictions(*seq_id, |c| {
-                    c.execute_extend(session_id, *seq_id, growth, plan, step)
+                let item = &items[*i];
+                outcomes[*i] = Some(Outcome::Grant(self.noting_evictions(item.seq_id, |c| {
+                    c.execute_item(session_id, item, plan, step)
                 })));
             }
         }
@@ -140,6 +191,98 @@ impl Cache {
                     self.pools[p.pool].pool.counters.rejects += 1;
                 }
             }
+        }
+    }
+
+    /// The plan of one item, into `plan`: a progress report alone changes no
+    /// table (its plan is empty), but its sequence must be held.
+    fn plan_item(
+        &self,
+        session_id: SessionId,
+        item: &ExtendItem,
+        plan: &mut Vec<PoolExtend>,
+    ) -> Result<(), Reject> {
+        match &item.growth {
+            Some(growth) => self.plan_extend(session_id, item.seq_id, growth.len(), plan),
+            None => {
+                plan.clear();
+                let held = self
+                    .sessions
+                    .get(&session_id)
+                    .is_some_and(|s| s.seqs.contains_key(&item.seq_id));
+                if held {
+                    Ok(())
+                } else {
+                    Err(Reject::plain(
+                        item.seq_id,
+                        RejectReason::UnknownSequence,
+                        format!("sequence {} is not leased by this session", item.seq_id),
+                    ))
+                }
+            }
+        }
+    }
+
+    /// Carries out one checked item: its growth (if any), then its progress
+    /// report (if any).
+    fn execute_item(
+        &mut self,
+        session_id: SessionId,
+        item: &ExtendItem,
+        plan: &[PoolExtend],
+        step: u64,
+    ) -> Grant {
+        let grant = match &item.growth {
+            Some(growth) => self.execute_extend(session_id, item.seq_id, growth, plan, step),
+            None => Grant {
+                seq_id: item.seq_id,
+                tables: Vec::new(),
+                reused_tokens: 0,
+                capacity_tokens: self
+                    .sessions
+                    .get(&session_id)
+                    .and_then(|s| s.seqs.get(&item.seq_id))
+                    .map_or(0, |seq| seq.capacity()),
+                copies: Vec::new(),
+            },
+        };
+        if item.written_tokens > 0 {
+            self.record_progress(session_id, item.seq_id, item.written_tokens, step);
+        }
+        grant
+    }
+
+    /// The forward pass of `step` writes `seq_id`'s KV through `written`
+    /// tokens: the held-back prompt blocks that now lie within it publish
+    /// when that step completes. A report for a step already completed
+    /// publishes nothing, as a lease or extend at such a step does not.
+    fn record_progress(&mut self, session_id: SessionId, seq_id: u64, written: u32, step: u64) {
+        let Some(session) = self.sessions.get_mut(&session_id) else {
+            return;
+        };
+        let done = session.step_completed(step);
+        let Some(seq) = session.seqs.get_mut(&seq_id) else {
+            return;
+        };
+        let written = written.min(seq.len);
+        if written <= seq.written {
+            return;
+        }
+        seq.written = written;
+        if written == seq.len {
+            // the partly filled last block is written by this step too
+            seq.write_step = step;
+        }
+        let (covered, later): (Vec<_>, Vec<_>) = std::mem::take(&mut seq.held_back)
+            .into_iter()
+            .partition(|&(end, _)| end <= written);
+        seq.held_back = later;
+        if !covered.is_empty() && !done {
+            session
+                .pending
+                .entry(step)
+                .or_default()
+                .extend(covered.into_iter().map(|(_, r)| r));
         }
     }
 
@@ -282,6 +425,12 @@ impl Cache {
                     };
                     bt.first += 1;
                     added -= 1;
+                    // A held-back prompt block that slides out was never
+                    // written by this sequence's passes: it never publishes.
+                    if !seq.held_back.is_empty() {
+                        seq.held_back
+                            .retain(|(_, r)| (r.pool, r.block) != (p.pool, block));
+                    }
                     pool.release(block, !fence_done);
                     if !fence_done {
                         fenced.push(BlockRef {
@@ -317,7 +466,13 @@ impl Cache {
                 }
             }
         }
+        // Tokens written through the old end: so are the new ones, by this
+        // step. A prefill still short of it holds their blocks back too.
+        let whole = seq.written >= seq.len;
         seq.len = seq.len.saturating_add(growth.len());
+        if whole {
+            seq.written = seq.len;
+        }
         // Hash the blocks the new tokens fill; they publish once this step
         // completes (its forward pass writes them).
         let mut pending = Vec::new();
@@ -338,11 +493,17 @@ impl Cache {
                             let block = bt.blocks[(idx - bt.first) as usize];
                             let pool = &mut self.pools[t.pool].pool;
                             pool.set_pending(block, hash, parent);
-                            pending.push(BlockRef {
+                            let r = BlockRef {
                                 pool: t.pool,
                                 block,
                                 generation: pool.generation(block),
-                            });
+                            };
+                            let end = (idx + 1) * b as u32;
+                            if end <= seq.written {
+                                pending.push(r);
+                            } else {
+                                seq.held_back.push((end, r));
+                            }
                         }
                     }
                 }

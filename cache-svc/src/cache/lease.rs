@@ -79,6 +79,9 @@ struct LeasePlan {
     partial: Vec<u32>,
     /// Slots copied from each pool's `copy_src` (0: no copy).
     copy_tokens: u32,
+    /// Prompt tokens the lease's step writes (reused ones included): full
+    /// prompt blocks ending after it are held back (chunked prefill).
+    written: u32,
 }
 
 impl Cache {
@@ -214,6 +217,14 @@ impl Cache {
                 spec.seq_id, spec.priority
             )));
         }
+        if spec.prefill_tokens > spec.prompt.len() {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {}: prefill_tokens {} is beyond its prompt of {} tokens",
+                spec.seq_id,
+                spec.prefill_tokens,
+                spec.prompt.len()
+            )));
+        }
         let life = u64::from(spec.prompt.len())
             + u64::from(spec.max_new_tokens)
             + u64::from(spec.extra.total());
@@ -332,11 +343,18 @@ impl Cache {
                 }
             })
             .collect();
+        let reused_tokens = reuse_blocks * b + copy_tokens;
+        // The first chunk starts after the reused tokens (the copied slots
+        // are written by the copy, in the same forward pass).
+        let written = match spec.prefill_tokens {
+            0 => prompt_len,
+            n => reused_tokens.saturating_add(n).min(prompt_len),
+        };
         LeasePlan {
             seq_id: spec.seq_id,
             pools,
             hashes,
-            reused_tokens: reuse_blocks * b + copy_tokens,
+            reused_tokens,
             prompt_len,
             extra,
             reserved_capacity,
@@ -346,6 +364,7 @@ impl Cache {
             hashable,
             partial,
             copy_tokens,
+            written,
         }
     }
 
@@ -509,13 +528,14 @@ impl Cache {
     ) -> Grant {
         let mut tables = Vec::with_capacity(plan.pools.len());
         let mut pending = Vec::new();
+        let mut held_back = Vec::new();
         let mut copies = Vec::new();
         let mut copy_fences = Vec::new();
         let mut references = 0;
         for p in &plan.pools {
             let entry = &mut self.pools[p.pool];
+            let b = entry.tokens_per_block;
             if plan.hashable {
-                let b = entry.tokens_per_block;
                 let eligible = ((plan.prompt_len - 1) / b).min(plan.hashes.len() as u32);
                 entry.pool.counters.reuse_lookups += u64::from(eligible);
                 entry.pool.counters.reuse_hits += u64::from(plan.reused_tokens / b);
@@ -542,11 +562,19 @@ impl Cache {
                         plan.hashes[i - 1]
                     };
                     pool.set_pending(block, plan.hashes[i], parent);
-                    pending.push(BlockRef {
+                    let r = BlockRef {
                         pool: p.pool,
                         block,
                         generation: pool.generation(block),
-                    });
+                    };
+                    // A block a later prefill chunk writes waits for the
+                    // progress report that covers it.
+                    let end = (idx + 1) * b;
+                    if end <= plan.written {
+                        pending.push(r);
+                    } else {
+                        held_back.push((end, r));
+                    }
                 }
                 shared.push(block);
             }
@@ -606,6 +634,8 @@ impl Cache {
             hashable: plan.hashable && plan.beams == 1,
             write_step: step,
             tables,
+            written: plan.written,
+            held_back,
         };
         let mut grant = self.grant_of(plan.seq_id, &seq, plan.reused_tokens);
         grant.copies = copies;

@@ -135,14 +135,19 @@ impl Cache {
 /// kept once released: published now if the step that wrote its last token
 /// is complete, or when that step completes if the release is fenced at or
 /// after it. An unfenced release before then keeps nothing: its KV may never
-/// have been written.
+/// have been written; nor does a release before a chunked prefill reported
+/// the whole sequence written. Held-back prompt blocks (`SeqState::held_back`)
+/// go with the sequence: their pending hashes are never published and clear
+/// when the blocks leave use (or their fence).
 fn keep_partial(
     pools: &mut [PoolEntry],
     session: &mut Session,
     seq: &SeqState,
     fence: Option<u64>,
 ) {
-    if !seq.hashable || seq.beams != 1 || seq.partial.is_empty() {
+    // A chunked prefill not reported written through the end: the last
+    // block's KV may never be written.
+    if !seq.hashable || seq.beams != 1 || seq.partial.is_empty() || seq.written < seq.len {
         return;
     }
     let written = session.step_completed(seq.write_step);

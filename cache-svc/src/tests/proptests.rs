@@ -19,6 +19,14 @@ enum Op {
         atomic: bool,
         warmup: bool,
         reserve: bool,
+        /// The first chunk of a chunked prefill (0, or past the prompt:
+        /// the whole prompt).
+        prefill: u8,
+    },
+    /// Chunked-prefill progress reports.
+    Progress {
+        seqs: Vec<u8>,
+        written: u8,
     },
     Extend {
         seqs: Vec<u8>,
@@ -41,8 +49,11 @@ fn op() -> impl Strategy<Value = Op> {
             any::<bool>(),
             prop::bool::weighted(0.1),
             prop::bool::weighted(0.2),
+            0u8..48,
         )
-            .prop_map(|(seqs, atomic, warmup, reserve)| Op::Lease { seqs, atomic, warmup, reserve }),
+            .prop_map(|(seqs, atomic, warmup, reserve, prefill)| Op::Lease { seqs, atomic, warmup, reserve, prefill }),
+        2 => (prop::collection::vec(0u8..12, 1..4), 1u8..48)
+            .prop_map(|(seqs, written)| Op::Progress { seqs, written }),
         4 => (prop::collection::vec(0u8..12, 1..5), 1u8..6, prop::bool::weighted(0.8))
             .prop_map(|(seqs, n, with_ids)| Op::Extend { seqs, n, with_ids }),
         2 => (prop::collection::vec(0u8..12, 1..4), any::<bool>())
@@ -104,15 +115,20 @@ proptest! {
         // leading slots hold exactly the prompt's tokens.
         let mut content: HashMap<(u32, u32), Vec<u32>> = HashMap::new();
         let mut toks: HashMap<u64, Vec<u32>> = HashMap::new();
+        // Prompts and how far the holder has written them.
+        let mut prefill_of: HashMap<u64, (Vec<u32>, usize)> = HashMap::new();
         for op in ops {
             match op {
-                Op::Lease { seqs, atomic, warmup, reserve } => {
+                Op::Lease { seqs, atomic, warmup, reserve, prefill } => {
                     let specs: Vec<_> = seqs.iter().map(|&(id, fam, len, extra, beams)| {
                         let mut s = spec(u64::from(id), Prompt::Tokens(prompt(fam, len)));
                         s.extra = Extra { draft: u32::from(extra), ..Extra::default() };
                         s.beam_width = u32::from(beams);
                         s.max_new_tokens = 6;
                         s.reserve_full_life = reserve;
+                        if prefill <= len {
+                            s.prefill_tokens = u32::from(prefill);
+                        }
                         s
                     }).collect();
                     let before = f.counts();
@@ -156,9 +172,33 @@ proptest! {
                             if g.copies.is_empty() {
                                 prop_assert_eq!(g.reused_tokens % b, 0);
                             }
-                            if s.beam_width == 1 && !warmup {
+                            if warmup {
+                                continue;
+                            }
+                            // Every reused block holds what the holders wrote
+                            // into it: this prompt's tokens (never KV a later
+                            // prefill chunk had still to write).
+                            for t in &mirror[&g.seq_id] {
+                                for i in t.first_block..full / b {
+                                    let block = t.block_ids[(i - t.first_block) as usize];
+                                    let want = &ids[(i * b) as usize..((i + 1) * b) as usize];
+                                    let held = content.get(&(t.pool_id, block)).map(|v| &v[..]).unwrap_or(&[]);
+                                    prop_assert_eq!(held, want, "reused block {} (index {}) of pool {}", block, i, t.pool_id);
+                                }
+                                // the new blocks hold nothing until written
+                                for &block in &t.block_ids[(full / b).saturating_sub(t.first_block) as usize..] {
+                                    content.remove(&(t.pool_id, block));
+                                }
+                            }
+                            // What the lease's step writes: the first chunk.
+                            let written = match s.prefill_tokens {
+                                0 => ids.len(),
+                                p => ((g.reused_tokens + p) as usize).min(ids.len()),
+                            };
+                            write_content(&mut content, &mirror[&g.seq_id], &ids[..written], b);
+                            prefill_of.insert(g.seq_id, (ids.clone(), written));
+                            if s.beam_width == 1 {
                                 toks.insert(g.seq_id, ids.clone());
-                                write_content(&mut content, &mirror[&g.seq_id], ids, b);
                             }
                         }
                     }
@@ -226,11 +266,62 @@ proptest! {
                         prop_assert_eq!(f.counts(), before);
                     }
                 }
+                Op::Progress { seqs, written } => {
+                    let items: Vec<_> = seqs
+                        .iter()
+                        .map(|&s| crate::lease::ExtendItem::written(u64::from(s), u32::from(written)))
+                        .collect();
+                    let before = f.counts();
+                    let out = f.cache.extend_items(
+                        f.session,
+                        f.epoch,
+                        Batch { step, ..Batch::default() },
+                        &items,
+                        f.now,
+                    );
+                    f.check();
+                    // a report changes no table and takes no block
+                    prop_assert_eq!(f.counts(), before);
+                    match out {
+                                    Ok(out) => {
+                            for o in out {
+                                match o {
+                                    Outcome::Grant(g) => {
+                                        prop_assert!(g.tables.is_empty());
+                                        // the holder writes the chunk
+                                        if let (Some((ids, done)), Some(tables)) =
+                                            (prefill_of.get_mut(&g.seq_id), mirror.get(&g.seq_id))
+                                        {
+                                            let upto = (written as usize).min(ids.len());
+                                            // only the blocks of the new chunk
+                                            for t in tables.iter().filter(|_| upto > *done) {
+                                                for (k, &block) in t.block_ids.iter().enumerate() {
+                                                    let i = (t.first_block as usize + k) * b as usize;
+                                                    if i < upto && i + b as usize > *done {
+                                                        let end = (i + b as usize).min(upto);
+                                                        content.insert((t.pool_id, block), ids[i..end].to_vec());
+                                                    }
+                                                }
+                                            }
+                                            *done = upto.max(*done);
+                                        }
+                                    }
+                                    Outcome::Reject(r) => prop_assert!(matches!(
+                                        r.reason,
+                                        RejectReason::UnknownSequence | RejectReason::DuplicateSequence
+                                    ), "{:?}", r),
+                                }
+                            }
+                        }
+                        Err(e) => prop_assert!(e.to_string().contains("is beyond its length"), "{}", e),
+                    }
+                }
                 Op::Release { seqs, fenced } => {
                     let ids: Vec<u64> = seqs.iter().map(|&s| u64::from(s)).collect();
                     for id in &ids {
                         mirror.remove(id);
                         toks.remove(id);
+                        prefill_of.remove(id);
                     }
                     f.release(&ids, fenced.then_some(step));
                 }
@@ -247,6 +338,7 @@ proptest! {
                     extra_of.clear();
                     mirror.clear();
                     toks.clear();
+                    prefill_of.clear();
                 }
                 Op::Audit => {
                     let report = f.cache.audit();

@@ -223,6 +223,16 @@ impl Core {
             self.next_seq = self.next_seq.next();
             let context = request.context();
             let lease_len = u32::try_from(context.len()).unwrap_or(u32::MAX);
+            // the first prefill chunk is taken from this step's budget (at
+            // least a token: the loop admits only while budget is left over
+            // the reserve)
+            let first = self
+                .config
+                .prefill_chunk
+                .max(1)
+                .min(lease_len)
+                .min(self.budget[g].saturating_sub(reserve[g]));
+            self.budget[g] -= first;
             leases.push(LeaseSpec {
                 seq_id,
                 request: request.id,
@@ -233,15 +243,10 @@ impl Core {
                 priority: request.priority,
                 cache_salt: request.cache_salt.clone(),
                 reserve_full_life: policy.reserves_full_life(),
+                // the cache publishes only the blocks this step's pass
+                // writes; later chunks report their progress (plan_extends)
+                prefill_tokens: first,
             });
-            // the first prefill chunk is taken from this step's budget
-            let first = self
-                .config
-                .prefill_chunk
-                .max(1)
-                .min(lease_len)
-                .min(self.budget[g].saturating_sub(reserve[g]));
-            self.budget[g] -= first;
             self.leasing.push(Leasing {
                 seq_id,
                 request,
@@ -329,7 +334,15 @@ impl Core {
                         reused = reused.min(grant.reused_tokens.saturating_sub(copied));
                         copies.clear();
                     }
-                    let len = l.first_chunk.min(l.lease_len - reused);
+                    // The cache counts the first chunk from the grant's
+                    // reused tokens: starting earlier (copies dropped), the
+                    // pass also computes the tokens the copy would have
+                    // given, so it writes exactly what the cache expects.
+                    let dropped = grant.reused_tokens.saturating_sub(reused);
+                    let len = (l.first_chunk + dropped).min(l.lease_len - reused);
+                    if let Some(budget) = self.budget.get_mut(l.group) {
+                        *budget = budget.saturating_sub(dropped);
+                    }
                     let context = l.request.context();
                     self.running.insert(
                         l.seq_id,

@@ -12,7 +12,8 @@ use crate::spec;
 
 impl Core {
     /// Plans the running sequences' work for this step (decode first, then
-    /// prefill chunks) and returns the extends decode needs.
+    /// prefill chunks) and returns the extends decode needs, with a progress
+    /// report for each prefill chunk after a sequence's first.
     pub fn plan_extends(&mut self) -> Vec<ExtendSpec> {
         let mut extends = Vec::new();
         let draft_k = self.config.draft_k;
@@ -39,6 +40,7 @@ impl Core {
             extends.push(ExtendSpec {
                 seq_id: seq.seq_id,
                 new_tokens: seq.context[from.min(to)..to].to_vec(),
+                written_tokens: 0,
             });
             seq.planned = Some(Work::Decode { drafts });
         }
@@ -52,6 +54,14 @@ impl Core {
             if len > 0 {
                 *budget -= len;
                 seq.planned = Some(Work::Prefill { len });
+                // This step's pass writes the chunk: the cache publishes the
+                // prompt blocks it completes once the step completes (the
+                // lease's step covered only the first chunk).
+                extends.push(ExtendSpec {
+                    seq_id: seq.seq_id,
+                    new_tokens: Vec::new(),
+                    written_tokens: seq.kv_len + len,
+                });
             }
         }
         extends
@@ -74,6 +84,10 @@ impl Core {
             match outcome {
                 Outcome::Grant(grant) => {
                     if let Some(seq) = self.running.get_mut(&grant.seq_id) {
+                        // a prefill chunk's progress report grows nothing
+                        if matches!(seq.planned, Some(Work::Prefill { .. })) {
+                            continue;
+                        }
                         crate::domain::apply_extend(&mut seq.tables, &grant.tables);
                         seq.cache_len = seq.kv_len + 1;
                     }

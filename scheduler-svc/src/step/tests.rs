@@ -181,7 +181,8 @@ fn extend_reports_the_fed_token_ids() {
         e,
         vec![ExtendSpec {
             seq_id: SeqId(1),
-            new_tokens: vec![7]
+            new_tokens: vec![7],
+            written_tokens: 0
         }]
     );
 }
@@ -212,6 +213,134 @@ fn chunked_prefill_respects_chunk_and_step_budget() {
     let out = c.drain_outputs();
     assert_eq!(tokens_of(&out, 1), Vec::<u32>::new());
     assert_eq!(tokens_of(&out, 2), vec![9]);
+}
+
+/// One step driven by hand: the extends and leases the core asks for
+/// (granted with `lease`'s grants) and the forward batch.
+fn step_recording(
+    core: &mut Core,
+    lease: impl Fn(&LeaseSpec) -> Outcome,
+    token: u32,
+) -> (Vec<ExtendSpec>, Vec<LeaseSpec>, Vec<ForwardItem>) {
+    core.begin_step();
+    let extends = core.plan_extends();
+    core.apply_extends(extends.iter().map(|e| grant(e.seq_id)).collect());
+    let leases = core.plan_admission();
+    core.apply_leases(leases.iter().map(lease).collect());
+    let mut all = Vec::new();
+    for (g, items) in core.plan_forward() {
+        core.apply_forward(g, results(&items, token, false));
+        all.extend(items);
+    }
+    (extends, leases, all)
+}
+
+#[test]
+fn chunked_prefill_tells_the_cache_what_each_step_writes() {
+    let config = CoreConfig {
+        prefill_chunk: 4,
+        ..CoreConfig::default()
+    };
+    let mut c = Core::new(config, vec![group(100)]);
+    c.submit(request(1, 10, 2));
+    let (extends, leases, b) = step_recording(&mut c, |l| grant(l.seq_id), 9);
+    assert!(extends.is_empty());
+    assert_eq!(leases.len(), 1);
+    assert_eq!(
+        leases[0].prefill_tokens, 4,
+        "the lease's step writes one chunk"
+    );
+    assert_eq!((b[0].start_pos, b[0].tokens.len()), (0, 4));
+    let tables = b[0].tables.clone();
+    // every later chunk reports how far its pass writes the KV
+    let progress = |written_tokens| {
+        vec![ExtendSpec {
+            seq_id: SeqId(1),
+            new_tokens: Vec::new(),
+            written_tokens,
+        }]
+    };
+    let (extends, _, b) = step_recording(&mut c, |l| grant(l.seq_id), 9);
+    assert_eq!(extends, progress(8));
+    assert_eq!((b[0].start_pos, b[0].tokens.len()), (4, 4));
+    assert_eq!(b[0].tables, tables, "a progress grant changes no table");
+    let (extends, _, b) = step_recording(&mut c, |l| grant(l.seq_id), 9);
+    assert_eq!(extends, progress(10));
+    assert_eq!((b[0].start_pos, b[0].tokens.len()), (8, 2));
+    assert_eq!(b[0].tables, tables);
+    // then decode, whose extend carries the token and no progress figure
+    let (extends, _, b) = step_recording(&mut c, |l| grant(l.seq_id), 9);
+    assert_eq!(
+        extends,
+        vec![ExtendSpec {
+            seq_id: SeqId(1),
+            new_tokens: vec![9],
+            written_tokens: 0,
+        }]
+    );
+    assert_eq!((b[0].start_pos, b[0].tokens.clone()), (10, vec![9]));
+    assert_eq!(finishes(&c.drain_outputs()), vec![(1, Finish::Length)]);
+
+    // With reused tokens the chunks start after them; with a partial-block
+    // copy it cannot run, the first pass computes the copied slots too, so
+    // it still ends where the cache counts (reused_tokens + prefill_tokens).
+    c.submit(request(2, 13, 1));
+    let reusing = |l: &LeaseSpec| match grant(l.seq_id) {
+        Outcome::Grant(g) => Outcome::Grant(Grant {
+            reused_tokens: 6,
+            // copies that disagree: the scheduler cannot apply them
+            copies: [2, 3]
+                .map(|tokens| crate::domain::BlockCopy {
+                    pool_id: 1,
+                    window: 0,
+                    src_block: 50,
+                    dst_block: 51,
+                    tokens,
+                })
+                .to_vec(),
+            ..g
+        }),
+        other => other,
+    };
+    let (_, leases, b) = step_recording(&mut c, reusing, 9);
+    assert_eq!(leases[0].prefill_tokens, 4);
+    // the copies are dropped: the pass starts before the copied slots (at
+    // 6 - 2) and writes through 6 + 4, as the cache counts
+    assert!(b[0].copies.is_empty());
+    assert_eq!((b[0].start_pos, b[0].tokens.len()), (4, 6));
+    let (extends, _, b) = step_recording(&mut c, |l| grant(l.seq_id), 9);
+    assert_eq!(
+        extends,
+        vec![ExtendSpec {
+            seq_id: SeqId(2),
+            new_tokens: Vec::new(),
+            written_tokens: 13,
+        }]
+    );
+    assert_eq!((b[0].start_pos, b[0].tokens.len()), (10, 3));
+}
+
+#[test]
+fn a_refused_progress_report_ends_the_sequence_like_any_refused_extend() {
+    let config = CoreConfig {
+        prefill_chunk: 4,
+        ..CoreConfig::default()
+    };
+    let mut c = Core::new(config, vec![group(100)]);
+    c.submit(request(1, 10, 2));
+    step_granting(&mut c, 9);
+    let b = step_with(
+        &mut c,
+        |e| reject(e.seq_id, RejectReason::UnknownSequence),
+        |l| grant(l.seq_id),
+        9,
+    );
+    assert!(b.is_empty(), "the refused sequence does not run its chunk");
+    assert!(matches!(
+        &finishes(&c.drain_outputs())[..],
+        [(1, Finish::Rejected(r))] if r.reason == RejectReason::UnknownSequence
+    ));
+    assert_eq!(c.take_releases().seq_ids, vec![SeqId(1)]);
 }
 
 #[test]

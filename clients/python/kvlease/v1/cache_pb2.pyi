@@ -150,7 +150,7 @@ class ExtraTokens(_message.Message):
     def __init__(self, draft: _Optional[int] = ..., extra_kv: _Optional[int] = ..., extra_decoding_steps: _Optional[int] = ...) -> None: ...
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life", "traceparent")
+    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life", "traceparent", "prefill_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class SequenceSpec(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FULL_LIFE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     pool_group: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -173,7 +174,8 @@ class SequenceSpec(_message.Message):
     cache_salt: str
     reserve_full_life: bool
     traceparent: str
-    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    prefill_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ..., traceparent: _Optional[str] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "step", "atomic", "sequences", "warmup")
@@ -268,16 +270,18 @@ class LeaseResponse(_message.Message):
     def __init__(self, outcomes: _Optional[_Iterable[_Union[SequenceOutcome, _Mapping]]] = ...) -> None: ...
 
 class ExtendItem(_message.Message):
-    __slots__ = ("seq_id", "new_tokens", "num_tokens", "traceparent")
+    __slots__ = ("seq_id", "new_tokens", "num_tokens", "traceparent", "written_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     traceparent: str
-    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    written_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ..., written_tokens: _Optional[int] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "step", "atomic", "items")

@@ -156,7 +156,9 @@ class CacheServiceServicer:
     def Lease(self, request, context):
         """Batch: allocates blocks for new sequences (prompt plus extra tokens, in
         every pool of the group), reusing cached prefix blocks. The new full
-        prompt blocks are published for reuse by CompleteStep(>= step).
+        prompt blocks are published for reuse by CompleteStep(>= step) (with
+        chunked prefill, only those the lease's step writes: see
+        SequenceSpec.prefill_tokens).
         FAILED_PRECONDITION when step is at or below the session's last
         completed step (such a lease could never be published), except warm-up.
         """
@@ -165,7 +167,8 @@ class CacheServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Extend(self, request, context):
-        """Batch: grows existing sequences by some tokens.
+        """Batch: grows existing sequences by some tokens, or reports how far a
+        chunked prefill has written their KV (ExtendItem.written_tokens).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
