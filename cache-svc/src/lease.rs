@@ -304,6 +304,27 @@ impl Outcome {
     }
 }
 
+/// How a release gives its sequences' blocks back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReleaseMode {
+    /// Keep the blocks out of circulation until this step completes (`None`:
+    /// return them at once, discarding what an incomplete step wrote).
+    pub fence_step: Option<u64>,
+    /// The holder's forward pass of a step not yet completed failed: blocks
+    /// written at such a step never publish, even behind the fence, and no
+    /// partly filled block is kept.
+    pub discard_unwritten: bool,
+}
+
+impl From<Option<u64>> for ReleaseMode {
+    fn from(fence_step: Option<u64>) -> Self {
+        Self {
+            fence_step,
+            discard_unwritten: false,
+        }
+    }
+}
+
 /// What a release did to one sequence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReleaseStatus {

@@ -260,14 +260,10 @@ impl BlockPool {
     /// Moves the bookkeeping of `block` from state `before` to its current
     /// state: counts, free list and eviction membership.
     fn settle(&mut self, block: BlockId, before: BlockState) {
-        let m = &mut self.meta[block as usize];
+        let m = &self.meta[block as usize];
         if m.refcount == 0 && m.fenced == 0 {
             // Nobody will write it: an unpublished hash can never be trusted.
-            m.pending = None;
-            if m.partial_pending {
-                m.partial_pending = false;
-                self.partials.remove(block);
-            }
+            self.discard_pending(block);
         }
         let m = &self.meta[block as usize];
         let after = Self::state_of(m);
@@ -350,6 +346,17 @@ impl BlockPool {
         m.fenced = m.fenced.saturating_sub(1);
         self.settle(block, before);
         before == BlockState::Fenced && self.state(block) != BlockState::Fenced
+    }
+
+    /// Drops `block`'s pending hash (or pending partial entry): its KV may
+    /// never be written, so it must never publish. A published hash stays.
+    pub fn discard_pending(&mut self, block: BlockId) {
+        let m = &mut self.meta[block as usize];
+        m.pending = None;
+        if m.partial_pending {
+            m.partial_pending = false;
+            self.partials.remove(block);
+        }
     }
 
     /// Records the hash `block` will have once its writing step completes.

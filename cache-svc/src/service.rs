@@ -24,7 +24,7 @@ use crate::cache::{AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Batch, Cache, E
 use crate::convert::{estimate_to_pb, event_to_pb, outcomes_to_pb, spec_from_pb, stats_to_pb};
 use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId};
-use crate::lease::{ExtendItem, Growth, Outcome, ReleaseResult, ReleaseStatus};
+use crate::lease::{ExtendItem, Growth, Outcome, ReleaseMode, ReleaseResult, ReleaseStatus};
 use crate::metrics::CacheMetrics;
 
 /// Events sent per read of the log by one WatchEvents stream.
@@ -193,6 +193,14 @@ impl Drop for WatchSlot {
 
 /// A uint64 wire field that holds a 32-bit value, refused rather than
 /// truncated when it does not fit.
+/// How a release part gives its sequences back.
+fn release_mode(part: &pb::StepRelease) -> ReleaseMode {
+    ReleaseMode {
+        fence_step: part.fence_step,
+        discard_unwritten: part.discard_unwritten,
+    }
+}
+
 fn narrow(field: &str, value: u64) -> Result<u32> {
     u32::try_from(value).map_err(|_| {
         Error::InvalidArgument(format!(
@@ -668,16 +676,17 @@ impl CacheService for CacheServiceImpl {
             seq_ids: r.seq_ids,
             fence_step: r.fence_step,
             traceparents: r.traceparents,
+            discard_unwritten: r.discard_unwritten,
         };
         self.check_batch("seq_ids", part.seq_ids.len())?;
         let mut cache = self.lock();
         owned(&cache, r.session_id, &caller, false)?;
         trace_call(r.session_id, None);
-        let results = cache.release(
+        let results = cache.release_with(
             SessionId(r.session_id),
             Epoch(r.epoch),
             &part.seq_ids,
-            part.fence_step,
+            release_mode(&part),
             now(),
         )?;
         self.notify_events(&cache);
@@ -736,9 +745,13 @@ impl CacheService for CacheServiceImpl {
                 .or(extend.as_ref().map(|(_, _, batch)| batch.step)),
         );
         let released = match &r.release {
-            Some(part) => {
-                Some(cache.release(session, epoch, &part.seq_ids, part.fence_step, now())?)
-            }
+            Some(part) => Some(cache.release_with(
+                session,
+                epoch,
+                &part.seq_ids,
+                release_mode(part),
+                now(),
+            )?),
             None => None,
         };
         let returned = match r.complete_step {

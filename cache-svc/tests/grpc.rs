@@ -350,6 +350,7 @@ async fn lease_extend_release_complete_and_stats() {
             seq_ids: vec![1],
             fence_step: Some(3),
             traceparents: Vec::new(),
+            discard_unwritten: false,
         })
         .await
         .unwrap()
@@ -364,6 +365,7 @@ async fn lease_extend_release_complete_and_stats() {
             seq_ids: vec![1, 5],
             fence_step: None,
             traceparents: Vec::new(),
+            discard_unwritten: false,
         })
         .await
         .unwrap()
@@ -609,6 +611,7 @@ async fn an_expired_session_is_reclaimed_with_its_fences() {
         seq_ids: vec![2],
         fence_step: Some(1),
         traceparents: Vec::new(),
+        discard_unwritten: false,
     })
     .await
     .unwrap();
@@ -804,6 +807,7 @@ async fn malformed_item_trace_contexts_are_ignored() {
             seq_ids: vec![1, 2],
             fence_step: Some(1),
             traceparents: vec!["01-zz".into()],
+            discard_unwritten: false,
         })
         .await
         .unwrap()
@@ -854,6 +858,7 @@ async fn step_applies_release_then_complete_then_extend() {
                 seq_ids: vec![1],
                 fence_step: Some(1),
                 traceparents: Vec::new(),
+                discard_unwritten: false,
             }),
             complete_step: Some(1),
             extend: Some(pb::StepExtend {
@@ -924,6 +929,7 @@ async fn a_malformed_step_applies_nothing() {
         seq_ids: vec![1],
         fence_step: None,
         traceparents: Vec::new(),
+        discard_unwritten: false,
     };
     let mut both = ext_item(1, vec![8]);
     both.num_tokens = 2;
@@ -951,6 +957,7 @@ async fn a_malformed_step_applies_nothing() {
                 seq_ids: (0..9).collect(),
                 fence_step: None,
                 traceparents: Vec::new(),
+                discard_unwritten: false,
             }),
             complete_step: None,
             extend: None,
@@ -1052,6 +1059,7 @@ async fn chunked_prefill_figures_are_checked_and_progress_publishes() {
                 seq_ids: vec![1],
                 fence_step: None,
                 traceparents: Vec::new(),
+                discard_unwritten: false,
             }),
             complete_step: None,
             extend: Some(pb::StepExtend {
@@ -1098,6 +1106,7 @@ async fn chunked_prefill_figures_are_checked_and_progress_publishes() {
                 seq_ids: vec![2],
                 fence_step: None,
                 traceparents: Vec::new(),
+                discard_unwritten: false,
             }),
             complete_step: Some(2),
             extend: None,
@@ -1113,5 +1122,89 @@ async fn chunked_prefill_figures_are_checked_and_progress_publishes() {
         .into_inner()
         .outcomes;
     assert_eq!(reused(&out), 12, "the reported blocks publish");
+    s.shutdown().await;
+}
+
+/// A release after a failed forward pass (`discard_unwritten`), through
+/// `Release` and through `Step`: the blocks stay fenced until the step
+/// completes, and then nothing they hold is reused; the same fenced release
+/// without the flag publishes at completion, as before.
+#[tokio::test]
+async fn a_release_after_a_failed_pass_publishes_nothing() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    register(c, 16).await;
+    let sess = open(c).await;
+    let reused = |out: &[pb::SequenceOutcome]| grant(&out[0]).reused_tokens;
+    let lease = async |c: &mut CacheServiceClient<Channel>, step, seq_id, tokens| {
+        c.lease(lease_req(sess, step, vec![seq(seq_id, tokens)]))
+            .await
+            .unwrap()
+            .into_inner()
+            .outcomes
+    };
+    let step_release = |seq_id, step, discard_unwritten| pb::StepRequest {
+        session_id: sess.0,
+        epoch: sess.1,
+        release: Some(pb::StepRelease {
+            seq_ids: vec![seq_id],
+            fence_step: Some(step),
+            traceparents: Vec::new(),
+            discard_unwritten,
+        }),
+        complete_step: Some(step),
+        extend: None,
+    };
+
+    // Release, then CompleteStep
+    lease(c, 1, 1, (0..9).collect()).await;
+    let released = c
+        .release(pb::ReleaseRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            seq_ids: vec![1],
+            fence_step: Some(1),
+            traceparents: Vec::new(),
+            discard_unwritten: true,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .results;
+    assert_eq!(released[0].status(), pb::ReleaseStatus::Released);
+    assert!(released[0].blocks_fenced > 0, "{released:?}");
+    assert_eq!(released[0].blocks_freed, 0, "{released:?}");
+    let complete = c
+        .complete_step(pb::CompleteStepRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            step: 1,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        complete.blocks_returned,
+        u64::from(released[0].blocks_fenced)
+    );
+    let out = lease(c, 2, 2, (0..10).collect()).await;
+    assert_eq!(reused(&out), 0, "through Release");
+
+    // one Step: the release with the flag, then the completion
+    lease(c, 3, 3, (100..109).collect()).await;
+    let r = c.step(step_release(3, 3, true)).await.unwrap().into_inner();
+    let release = r.release.expect("a release part");
+    assert!(release.results[0].blocks_fenced > 0, "{release:?}");
+    let out = lease(c, 4, 4, (100..110).collect()).await;
+    assert_eq!(reused(&out), 0, "through Step");
+
+    // the same Step without the flag publishes what step 5 wrote
+    lease(c, 5, 5, (200..209).collect()).await;
+    c.step(step_release(5, 5, false)).await.unwrap();
+    let out = lease(c, 6, 6, (200..210).collect()).await;
+    assert!(reused(&out) >= 8, "{out:?}");
+
+    let audit = c.audit(pb::AuditRequest {}).await.unwrap().into_inner();
+    assert!(audit.reclaimed.is_empty(), "{audit:?}");
     s.shutdown().await;
 }

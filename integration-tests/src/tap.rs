@@ -279,6 +279,8 @@ pub struct WorkerTap {
     log: Log,
     delay: Duration,
     gate: Option<GateSide>,
+    /// Forward passes still to fail (see [`start_faulty`]).
+    failures: Arc<AtomicU64>,
 }
 
 #[tonic::async_trait]
@@ -301,6 +303,14 @@ impl WorkerService for WorkerTap {
     ) -> Result<Response<pb::ForwardResponse>, Status> {
         if let Some(gate) = &self.gate {
             gate.pass().await;
+        }
+        if self
+            .failures
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            // the worker never sees this pass: none of its KV is written
+            return Err(Status::unavailable("injected forward failure"));
         }
         let req = r.into_inner();
         let start = self.log.tick();
@@ -340,6 +350,7 @@ pub async fn start_taps(
         log: log.clone(),
         delay,
         gate: None,
+        failures: Arc::default(),
     };
     let c = serve_tap("cache tap", CacheServiceServer::new(cache_tap)).await?;
     let w = serve_worker_tap("worker tap", worker_tap).await?;
@@ -402,6 +413,7 @@ pub async fn start_gate(worker: SocketAddr) -> Result<(Service, Gate), Error> {
             open: open_rx,
             waiting: Arc::new(waiting_tx),
         }),
+        failures: Arc::default(),
     };
     let service = serve_worker_tap("worker gate", proxy).await?;
     let gate = Gate {
@@ -409,6 +421,38 @@ pub async fn start_gate(worker: SocketAddr) -> Result<(Service, Gate), Error> {
         waiting: waiting_rx,
     };
     Ok((service, gate))
+}
+
+/// The test's handle on a faulty worker (see [`start_faulty`]).
+#[derive(Debug, Clone)]
+pub struct Faults(Arc<AtomicU64>);
+
+impl Faults {
+    /// The next `n` forward passes fail (UNAVAILABLE) without reaching the
+    /// worker, as a worker that died mid-pass.
+    pub fn fail_next(&self, n: u64) {
+        self.0.store(n, Ordering::Release);
+    }
+
+    /// Injected failures not yet spent.
+    pub fn left(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// Starts a pass-through proxy in front of `worker` whose forward passes
+/// fail while the returned [`Faults`] says so (none at first).
+pub async fn start_faulty(worker: SocketAddr) -> Result<(Service, Faults), Error> {
+    let failures = Arc::<AtomicU64>::default();
+    let proxy = WorkerTap {
+        inner: crate::worker_client(worker).await?,
+        log: Log::default(),
+        delay: Duration::ZERO,
+        gate: None,
+        failures: failures.clone(),
+    };
+    let service = serve_worker_tap("faulty worker", proxy).await?;
+    Ok((service, Faults(failures)))
 }
 
 async fn serve_worker_tap(name: &'static str, tap: WorkerTap) -> Result<Service, Error> {

@@ -53,7 +53,7 @@ pub async fn start(
                 std::mem::take(&mut *held.lock().unwrap_or_else(|e| e.into_inner()));
             if !ids.is_empty() {
                 // best effort: closing the session reclaims them anyway
-                let _ = cache.release(&ids, None, &[]).await;
+                let _ = cache.release(&ids, None, false, &[]).await;
             }
             Err(Error::WarmupDeadline {
                 deadline_ms: config.warmup_deadline_ms,
@@ -258,7 +258,7 @@ async fn warm_up(
         // release whatever happened: atomic leases took all or nothing, and
         // release is idempotent; fenced at the last warm-up step, completed
         let fence = *step;
-        let released = cache.release(&ids, Some(fence), &[]).await;
+        let released = cache.release(&ids, Some(fence), false, &[]).await;
         let completed = cache.complete_step(fence).await;
         held.lock().unwrap_or_else(|e| e.into_inner()).clear();
         outcome?;

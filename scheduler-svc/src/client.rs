@@ -86,6 +86,8 @@ pub struct StepCall<'a> {
 pub struct StepRelease<'a> {
     pub seq_ids: &'a [SeqId],
     pub fence_step: Option<u64>,
+    /// See `ReleaseRequest.discard_unwritten`.
+    pub discard_unwritten: bool,
     pub traces: &'a [String],
 }
 
@@ -330,6 +332,7 @@ impl CacheClient {
         &self,
         seq_ids: &[SeqId],
         fence_step: Option<u64>,
+        discard_unwritten: bool,
         traces: &[String],
     ) -> Result<(u64, u64)> {
         let s = self.session();
@@ -339,6 +342,7 @@ impl CacheClient {
             seq_ids: seq_ids.iter().map(|s| s.get()).collect(),
             fence_step,
             traceparents: traces.to_vec(),
+            discard_unwritten,
         };
         let r = self.inner.clone().release(req).await;
         let r = self.seen("Release", r)?;
@@ -358,6 +362,7 @@ impl CacheClient {
                 seq_ids: r.seq_ids.iter().map(|s| s.get()).collect(),
                 fence_step: r.fence_step,
                 traceparents: r.traces.to_vec(),
+                discard_unwritten: r.discard_unwritten,
             }),
             complete_step: call.complete_step,
             extend: call.extend.map(|e| pb::StepExtend {

@@ -549,6 +549,7 @@ impl StepLoop {
             release: (!batch.is_empty()).then_some(StepRelease {
                 seq_ids: &batch.seq_ids,
                 fence_step: fence.map(Step::get),
+                discard_unwritten: batch.discard_unwritten,
                 traces: &release_traces,
             }),
             complete_step: complete.map(Step::get),
@@ -617,7 +618,12 @@ impl StepLoop {
         let (release_spans, traces) = self.traces.releasing(&batch.seq_ids, fence);
         let result = self
             .cache
-            .release(&batch.seq_ids, fence.map(Step::get), &traces)
+            .release(
+                &batch.seq_ids,
+                fence.map(Step::get),
+                batch.discard_unwritten,
+                &traces,
+            )
             .instrument(span.clone())
             .await;
         record_call(&span, &result);

@@ -11,7 +11,7 @@ use std::time::Instant;
 use super::{Cache, PoolEntry};
 use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId};
-use crate::lease::{ReleaseResult, ReleaseStatus};
+use crate::lease::{ReleaseMode, ReleaseResult, ReleaseStatus};
 use crate::prefix;
 use crate::session::{BlockRef, SeqState, Session};
 
@@ -25,11 +25,28 @@ impl Cache {
         fence_step: Option<u64>,
         now: Instant,
     ) -> Result<Vec<ReleaseResult>> {
+        self.release_with(session_id, epoch, seq_ids, fence_step.into(), now)
+    }
+
+    /// Releases sequences as `mode` says: optionally fenced at a step, and
+    /// with `discard_unwritten` after the holder's forward pass failed: the
+    /// sequences' hashes that wait for a step not yet completed (their
+    /// blocks' pending hashes) are dropped now, as an unfenced release drops
+    /// them, while the blocks still wait for the fence (the failed worker
+    /// may still be writing them).
+    pub fn release_with(
+        &mut self,
+        session_id: SessionId,
+        epoch: Epoch,
+        seq_ids: &[u64],
+        mode: ReleaseMode,
+        now: Instant,
+    ) -> Result<Vec<ReleaseResult>> {
         self.touch(session_id, epoch, now)?;
         let Some(session) = self.sessions.get_mut(&session_id) else {
             return Err(Error::UnknownSession(session_id));
         };
-        let fence = fence_step.filter(|&s| !session.step_completed(s));
+        let fence = mode.fence_step.filter(|&s| !session.step_completed(s));
         let partial_reuse = self.config.partial_reuse;
         let mut results = Vec::with_capacity(seq_ids.len());
         for &seq_id in seq_ids {
@@ -54,13 +71,21 @@ impl Cache {
                 blocks_fenced: 0,
             };
             let mut fenced = Vec::new();
-            if partial_reuse {
+            if partial_reuse && !mode.discard_unwritten {
                 keep_partial(&mut self.pools, session, &seq, fence);
             }
             for t in &seq.tables {
                 let pool = &mut self.pools[t.pool].pool;
                 for bt in &t.beams {
                     for &block in &bt.blocks {
+                        // A block with a pending hash is the sequence's own
+                        // (others only ever share published blocks), and
+                        // its step is not complete (else it would have
+                        // published): its `session.pending` reference then
+                        // finds nothing to publish.
+                        if mode.discard_unwritten {
+                            pool.discard_pending(block);
+                        }
                         pool.release(block, fence.is_some());
                         if pool.refs(block).0 == 0 {
                             if fence.is_some() {

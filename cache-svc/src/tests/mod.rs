@@ -91,6 +91,25 @@ impl Fixture {
         out
     }
 
+    /// A release after the holder's forward pass failed
+    /// (`ReleaseMode::discard_unwritten`), fenced at `fence`.
+    pub(super) fn release_failed(
+        &mut self,
+        seqs: &[u64],
+        fence: Option<u64>,
+    ) -> Vec<crate::lease::ReleaseResult> {
+        let mode = crate::lease::ReleaseMode {
+            fence_step: fence,
+            discard_unwritten: true,
+        };
+        let out = self
+            .cache
+            .release_with(self.session, self.epoch, seqs, mode, self.now)
+            .unwrap();
+        self.check();
+        out
+    }
+
     pub(super) fn complete(&mut self, step: u64) -> u64 {
         let n = self
             .cache
@@ -461,6 +480,80 @@ fn hashes_publish_only_when_the_writing_step_completes() {
     f.complete(3);
     let grown = f.lease(4, false, &[spec(4, Prompt::Tokens(tokens(0, 13)))]);
     assert_eq!(grown[0].grant().unwrap().reused_tokens, 12);
+}
+
+// === failed forward passes ===
+
+#[test]
+fn a_failed_pass_publishes_nothing_its_release_may_not_have_written() {
+    let mut f = Fixture::new(4, &[(0, 16)]);
+    // two full blocks and a partly filled one, written by step 1's pass
+    f.lease(1, false, &[spec(1, Prompt::Tokens(tokens(0, 9)))]);
+    // step 1's pass failed: the worker may still be writing, so the blocks
+    // stay fenced, but what they hold is never to be read
+    let rel = f.release_failed(&[1], Some(1));
+    assert_eq!((rel[0].blocks_freed, rel[0].blocks_fenced), (0, 3));
+    assert_eq!(f.counts()[0].fenced, 3, "the fence still holds them");
+    assert_eq!(f.complete(1), 3);
+    assert!(whole(&f.counts()));
+    assert_eq!(f.counts()[0].cached, 0, "nothing was published");
+    assert_eq!(f.cache.pools()[0].pool.partial_blocks(), 0);
+    assert!(f.cache.audit().reclaimed.is_empty());
+    // the same prompt and one token more (a copy never covers the last token)
+    let again = f.lease(2, false, &[spec(2, Prompt::Tokens(tokens(0, 10)))]);
+    let g = again[0].grant().unwrap();
+    assert_eq!(g.reused_tokens, 0, "never-written KV is not reused");
+    assert!(g.copies.is_empty(), "nor is a partly filled block kept");
+}
+
+#[test]
+fn a_fenced_release_without_the_flag_still_publishes_at_completion() {
+    let mut f = Fixture::new(4, &[(0, 16)]);
+    f.lease(1, false, &[spec(1, Prompt::Tokens(tokens(0, 9)))]);
+    let rel = f.release(&[1], Some(1));
+    assert_eq!(rel[0].blocks_fenced, 3);
+    f.complete(1);
+    assert!(whole(&f.counts()));
+    assert_eq!(
+        f.counts()[0].cached,
+        3,
+        "two full blocks and the partial one"
+    );
+    assert!(f.cache.audit().reclaimed.is_empty());
+    // the same prompt and one token more (a copy never covers the last token)
+    let again = f.lease(2, false, &[spec(2, Prompt::Tokens(tokens(0, 10)))]);
+    let g = again[0].grant().unwrap();
+    assert_eq!(g.reused_tokens, 9, "8 from full blocks, 1 copied");
+    assert_eq!(g.copies.len(), 1);
+}
+
+#[test]
+fn a_failed_release_drops_only_its_own_sequences_hashes() {
+    let mut f = Fixture::new(4, &[(0, 32)]);
+    // seq 1's prompt published at step 1; its decode fills a block at step 2
+    f.lease(1, false, &[spec(1, Prompt::Tokens(tokens(0, 9)))]);
+    f.complete(1);
+    f.extend(2, &[(1, Growth::Tokens(vec![9, 10, 11]))]);
+    // seq 2 is leased in step 2 too, and its pass does not fail
+    f.lease(2, false, &[spec(2, Prompt::Tokens(tokens(100, 9)))]);
+    // step 2's pass failed for seq 1 only
+    f.release_failed(&[1], Some(2));
+    f.complete(2);
+    let grown = f.lease(3, false, &[spec(3, Prompt::Tokens(tokens(0, 13)))]);
+    assert_eq!(
+        grown[0].grant().unwrap().reused_tokens,
+        8,
+        "the prompt blocks step 1 wrote, not the block of the failed step 2"
+    );
+    let other = f.lease(3, false, &[spec(4, Prompt::Tokens(tokens(100, 9)))]);
+    assert_eq!(
+        other[0].grant().unwrap().reused_tokens,
+        8,
+        "seq 2's step-2 blocks published as usual"
+    );
+    f.release(&[2, 3, 4], None);
+    assert!(whole(&f.counts()));
+    assert!(f.cache.audit().reclaimed.is_empty());
 }
 
 #[test]

@@ -36,6 +36,8 @@ enum Op {
     Release {
         seqs: Vec<u8>,
         fenced: bool,
+        /// As after a failed forward pass (`ReleaseMode::discard_unwritten`).
+        failed: bool,
     },
     Complete,
     Expire,
@@ -56,8 +58,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(seqs, written)| Op::Progress { seqs, written }),
         4 => (prop::collection::vec(0u8..12, 1..5), 1u8..6, prop::bool::weighted(0.8))
             .prop_map(|(seqs, n, with_ids)| Op::Extend { seqs, n, with_ids }),
-        2 => (prop::collection::vec(0u8..12, 1..4), any::<bool>())
-            .prop_map(|(seqs, fenced)| Op::Release { seqs, fenced }),
+        2 => (prop::collection::vec(0u8..12, 1..4), any::<bool>(), prop::bool::weighted(0.2))
+            .prop_map(|(seqs, fenced, failed)| Op::Release { seqs, fenced, failed }),
         2 => Just(Op::Complete),
         1 => Just(Op::Expire),
         1 => Just(Op::Audit),
@@ -316,14 +318,18 @@ proptest! {
                         Err(e) => prop_assert!(e.to_string().contains("is beyond its length"), "{}", e),
                     }
                 }
-                Op::Release { seqs, fenced } => {
+                Op::Release { seqs, fenced, failed } => {
                     let ids: Vec<u64> = seqs.iter().map(|&s| u64::from(s)).collect();
                     for id in &ids {
                         mirror.remove(id);
                         toks.remove(id);
                         prefill_of.remove(id);
                     }
-                    f.release(&ids, fenced.then_some(step));
+                    if failed {
+                        f.release_failed(&ids, fenced.then_some(step));
+                    } else {
+                        f.release(&ids, fenced.then_some(step));
+                    }
                 }
                 Op::Complete => {
                     f.complete(step);

@@ -181,6 +181,7 @@ pub async fn replay(
                     seq_ids: vec![seq as u64],
                     fence_step: None,
                     traceparents: Vec::new(),
+                    discard_unwritten: false,
                 })
                 .await
                 .map_err(|s| Error::rpc("Release", s))

@@ -11,7 +11,11 @@
 //! - [`Core::complete_through`] names a step only once its forward pass
 //!   returned from every group, never a step whose forward is in flight;
 //! - a `CompleteStep` the cache did not acknowledge stays pending and is
-//!   folded into the next one (completing N completes every step <= N).
+//!   folded into the next one (completing N completes every step <= N);
+//! - the sequences of a failed forward pass are released on their own, with
+//!   `discard_unwritten` (the cache would otherwise publish, at
+//!   `CompleteStep`, hashes of blocks the pass may never have written), and
+//!   [`Core::complete_through`] names no step while such a release waits.
 
 use super::Core;
 use crate::domain::{SeqId, Step};
@@ -22,6 +26,9 @@ use crate::domain::{SeqId, Step};
 pub struct ReleaseBatch {
     pub seq_ids: Vec<SeqId>,
     pub fence_step: Option<Step>,
+    /// The sequences' forward pass failed: the cache must never publish
+    /// what their incomplete steps were to write.
+    pub discard_unwritten: bool,
 }
 
 impl ReleaseBatch {
@@ -127,12 +134,21 @@ impl Core {
 
     /// Sequences to release now, fenced at the last step whose forward pass
     /// could read their blocks and is not complete yet (see the module
-    /// documentation). Send them, then call [`Core::releases_sent`], or
+    /// documentation). Those of a failed forward pass come first, in a batch
+    /// of their own with `discard_unwritten`; the others wait for the next
+    /// call. Send them, then call [`Core::releases_sent`], or
     /// [`Core::restore_releases`] when the call should be tried again.
     pub fn take_releases(&mut self) -> ReleaseBatch {
+        let discard_unwritten = !self.failed_releases.is_empty();
+        let seq_ids = if discard_unwritten {
+            std::mem::take(&mut self.failed_releases)
+        } else {
+            std::mem::take(&mut self.releases)
+        };
         ReleaseBatch {
-            seq_ids: std::mem::take(&mut self.releases),
+            seq_ids,
             fence_step: self.steps.forward.as_ref().map(|f| f.step),
+            discard_unwritten,
         }
     }
 
@@ -145,20 +161,29 @@ impl Core {
     /// Puts back releases whose call did not reach the cache, to try again
     /// (with the fence of that later moment).
     pub fn restore_releases(&mut self, batch: ReleaseBatch) {
-        self.releases.extend(batch.seq_ids);
+        if batch.discard_unwritten {
+            self.failed_releases.extend(batch.seq_ids);
+        } else {
+            self.releases.extend(batch.seq_ids);
+        }
     }
 
     /// Whether any release is waiting to be sent.
     pub fn has_releases(&self) -> bool {
-        !self.releases.is_empty()
+        !self.releases.is_empty() || !self.failed_releases.is_empty()
     }
 
     /// The step to report complete now, if any: the last one whose forward
     /// pass returned from every group, or an earlier one whose
     /// `CompleteStep` was not acknowledged. Never a step whose forward pass
-    /// is still in flight. Call [`Core::step_completed`] once the cache
+    /// is still in flight, nor any step while the release of a failed
+    /// pass's sequences waits to be sent (the completion would publish what
+    /// that pass was to write). Call [`Core::step_completed`] once the cache
     /// acknowledged it; until then it stays pending.
     pub fn complete_through(&mut self) -> Option<Step> {
+        if !self.failed_releases.is_empty() {
+            return None;
+        }
         if self
             .steps
             .forward
@@ -184,7 +209,7 @@ impl Core {
         self.is_idle()
             && self.steps.forward.is_none()
             && self.steps.pending_complete.is_none()
-            && self.releases.is_empty()
+            && !self.has_releases()
     }
 
     /// Forgets the old session's steps (its leases are lost): nothing fenced

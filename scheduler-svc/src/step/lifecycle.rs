@@ -108,6 +108,7 @@ impl Core {
     /// dropped and fences forgotten: the old session's blocks went with it.
     pub fn leases_lost(&mut self, recompute: bool) {
         self.released.append(&mut self.releases);
+        self.released.append(&mut self.failed_releases);
         self.forget_fences();
         self.leases_failed();
         for (_, seq) in std::mem::take(&mut self.running) {

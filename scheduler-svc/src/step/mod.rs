@@ -10,6 +10,7 @@
 //!            -> plan_admission -> [Lease] -> apply_leases
 //!            -> plan_forward -> [Forward] -> apply_forward (per group)
 //!            -> take_releases -> [Release fenced at batch.fence_step] -> releases_sent
+//!               (a failed pass's sequences first, alone, with discard_unwritten)
 //!            -> complete_through -> [CompleteStep] -> step_completed
 //! ```
 //!
@@ -221,6 +222,9 @@ pub struct Core {
     cancelled_leasing: HashSet<RequestId>,
     /// Ended sequences whose blocks are still held at the cache.
     releases: Vec<SeqId>,
+    /// Sequences of a failed forward pass whose blocks are still held at
+    /// the cache, released apart with `discard_unwritten`.
+    failed_releases: Vec<SeqId>,
     outputs: Vec<Output>,
     /// Sequences that hold nothing at the cache any more (see
     /// [`Core::take_released`]).
@@ -259,6 +263,7 @@ impl Core {
             leasing: Vec::new(),
             cancelled_leasing: HashSet::new(),
             releases: Vec::new(),
+            failed_releases: Vec::new(),
             outputs: Vec::new(),
             released: Vec::new(),
             preemptions: Vec::new(),

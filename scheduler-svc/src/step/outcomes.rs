@@ -252,13 +252,17 @@ impl Core {
         if !failed.is_empty() {
             tracing::warn!(sequences = failed.len(), %message, "forward failed: requeuing its sequences for recompute");
         }
-        for seq_id in failed {
+        for &seq_id in &failed {
             self.preempt(
                 seq_id,
                 PreemptCause::WorkerFailed,
                 Finish::Error(format!("forward failed: {message}")),
             );
         }
+        // The pass may not have written what their blocks' pending hashes
+        // promise: they are released apart, so the cache never publishes it.
+        self.releases.retain(|s| !failed.contains(s));
+        self.failed_releases.extend(failed);
         self.forward_returned(group);
     }
 

@@ -918,7 +918,75 @@ fn a_step_completes_only_once_every_group_returned() {
     assert_eq!(c.complete_through(), None);
     assert_eq!(c.take_releases().fence_step, Some(step));
     c.forward_failed(batches[1].0, "connection refused");
+    // the failed pass's sequences are released first (see below)
+    assert!(c.take_releases().discard_unwritten);
     assert_eq!(c.complete_through(), Some(step));
+}
+
+/// A failed forward pass may not have written its sequences' blocks: their
+/// release goes first, alone, fenced at the step and with
+/// `discard_unwritten`, before the step is reported complete; a sequence
+/// that finished normally in the same step is released as before.
+#[test]
+fn a_failed_pass_releases_its_sequences_apart_with_discard_unwritten() {
+    let mut second = group(100);
+    second.name = "g1".into();
+    second.pools[0].pool_id = 2;
+    second.max_batch_sequences = 1;
+    let mut first = group(100);
+    first.max_batch_sequences = 1;
+    let mut c = Core::new(CoreConfig::default(), vec![first, second]);
+    // one token each: the request whose pass returns finishes at once
+    c.submit(request(1, 4, 1));
+    c.submit(request(2, 4, 1));
+    let step = c.begin_step();
+    let leases = c.plan_admission();
+    c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
+    let batches = c.plan_forward();
+    assert_eq!(batches.len(), 2);
+    let seq = |b: &(usize, Vec<ForwardItem>)| b.1[0].seq_id;
+    let (done, failed) = (seq(&batches[0]), seq(&batches[1]));
+    c.apply_forward(batches[0].0, results(&batches[0].1, 7, false));
+    c.forward_failed(batches[1].0, "connection refused");
+    assert!(c.has_releases());
+    assert_eq!(
+        c.complete_through(),
+        None,
+        "no completion before the failed pass's release"
+    );
+    let batch = c.take_releases();
+    assert_eq!(
+        batch,
+        ReleaseBatch {
+            seq_ids: vec![failed],
+            fence_step: Some(step),
+            discard_unwritten: true,
+        }
+    );
+    // the call did not reach the cache: it goes again, flag and all
+    c.restore_releases(batch);
+    assert_eq!(c.complete_through(), None);
+    let batch = c.take_releases();
+    assert_eq!(
+        (batch.seq_ids.clone(), batch.discard_unwritten),
+        (vec![failed], true)
+    );
+    c.releases_sent(batch);
+    // sent with the completion (the loop's one Step call)
+    assert_eq!(c.complete_through(), Some(step));
+    c.step_completed(step);
+    let batch = c.take_releases();
+    assert_eq!(
+        batch,
+        ReleaseBatch {
+            seq_ids: vec![done],
+            fence_step: None,
+            discard_unwritten: false,
+        },
+        "a normal finish keeps today's release"
+    );
+    c.releases_sent(batch);
+    assert!(!c.has_releases());
 }
 
 #[test]

@@ -304,18 +304,20 @@ class ExtendResponse(_message.Message):
     def __init__(self, outcomes: _Optional[_Iterable[_Union[SequenceOutcome, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "seq_ids", "fence_step", "traceparents")
+    __slots__ = ("session_id", "epoch", "seq_ids", "fence_step", "traceparents", "discard_unwritten")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     FENCE_STEP_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_UNWRITTEN_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     epoch: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     fence_step: int
     traceparents: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., fence_step: _Optional[int] = ..., traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
+    discard_unwritten: bool
+    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., fence_step: _Optional[int] = ..., traceparents: _Optional[_Iterable[str]] = ..., discard_unwritten: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResult(_message.Message):
     __slots__ = ("seq_id", "status", "blocks_freed", "blocks_fenced")
@@ -350,14 +352,16 @@ class StepRequest(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., release: _Optional[_Union[StepRelease, _Mapping]] = ..., complete_step: _Optional[int] = ..., extend: _Optional[_Union[StepExtend, _Mapping]] = ...) -> None: ...
 
 class StepRelease(_message.Message):
-    __slots__ = ("seq_ids", "fence_step", "traceparents")
+    __slots__ = ("seq_ids", "fence_step", "traceparents", "discard_unwritten")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     FENCE_STEP_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_UNWRITTEN_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     fence_step: int
     traceparents: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., fence_step: _Optional[int] = ..., traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
+    discard_unwritten: bool
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., fence_step: _Optional[int] = ..., traceparents: _Optional[_Iterable[str]] = ..., discard_unwritten: _Optional[bool] = ...) -> None: ...
 
 class StepExtend(_message.Message):
     __slots__ = ("step", "atomic", "items")
