@@ -14,7 +14,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use cache_svc::cache::{Batch, Cache, CacheConfig};
-use cache_svc::lease::{Growth, Prompt, SeqSpec};
+use cache_svc::lease::{ExtendItem, Growth, Prompt, SeqSpec};
 use cache_svc::pool::{BlockPool, Holder};
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
@@ -90,8 +90,9 @@ fn core_extend_256(iterations: u32) -> Duration {
         .expect("lease");
     let mut total = Duration::ZERO;
     for step in 1..=u64::from(iterations) {
-        let items: Vec<(u64, Growth)> = (0..256u64)
-            .map(|i| (i, Growth::Tokens(vec![(step as u32) ^ (i as u32)])))
+        // the items as the gRPC service hands them over
+        let items: Vec<ExtendItem> = (0..256u64)
+            .map(|i| ExtendItem::grow(i, Growth::Tokens(vec![(step as u32) ^ (i as u32)])))
             .collect();
         let batch = Batch {
             step,
@@ -99,7 +100,7 @@ fn core_extend_256(iterations: u32) -> Duration {
         };
         let t = Instant::now();
         let out = cache
-            .extend(s.session_id, s.epoch, batch, &items, now)
+            .extend_items(s.session_id, s.epoch, batch, &items, now)
             .expect("extend");
         total += t.elapsed();
         black_box(out);

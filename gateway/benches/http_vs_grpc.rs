@@ -181,6 +181,18 @@ where
     (ttfts[ttfts.len() / 2], tokens as f64 / wall.as_secs_f64())
 }
 
+/// User + system CPU time of this process so far (Linux: `/proc/self/stat`,
+/// in clock ticks of 10 ms); `None` elsewhere.
+fn process_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // the fields after the command name, which is in parentheses
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 here
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(Duration::from_millis(ticks * 10))
+}
+
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     let args: Vec<usize> = std::env::args()
@@ -227,21 +239,38 @@ async fn main() {
     println!(
         "streaming chat, {requests} requests, concurrency {concurrency}, max_tokens {MAX_TOKENS}, {rounds} rounds, one run"
     );
-    println!("| round | gRPC TTFT p50 (ms) | HTTP TTFT p50 (ms) | gRPC tokens/s | HTTP tokens/s |");
-    println!("|---|---:|---:|---:|---:|");
+    println!(
+        "| round | gRPC TTFT p50 (ms) | HTTP TTFT p50 (ms) | gRPC tokens/s | HTTP tokens/s | gRPC CPU ms/request | HTTP CPU ms/request |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     let (mut grpc, mut http_runs) = (Vec::new(), Vec::new());
+    // the CPU time of the whole process (client, gateway, scheduler, cache
+    // and worker share it) per request of a phase
+    let per_request = |cpu: Option<Duration>| cpu.map_or(f64::NAN, |c| ms(c) / requests as f64);
     for round in 0..rounds {
-        let grpc_load = || {
-            load(requests, concurrency, move |i| {
+        let grpc_load = || async move {
+            let before = process_cpu();
+            let r = load(requests, concurrency, move |i| {
                 grpc_one(s, i, format!("grpc-{round}"))
             })
+            .await;
+            (
+                r,
+                process_cpu().zip(before).map(|(a, b)| a.saturating_sub(b)),
+            )
         };
-        let http_load = || {
-            load(requests, concurrency, move |i| {
+        let http_load = || async move {
+            let before = process_cpu();
+            let r = load(requests, concurrency, move |i| {
                 http_one(http, i, format!("http-{round}"))
             })
+            .await;
+            (
+                r,
+                process_cpu().zip(before).map(|(a, b)| a.saturating_sub(b)),
+            )
         };
-        let (g, h) = if round % 2 == 0 {
+        let ((g, g_cpu), (h, h_cpu)) = if round % 2 == 0 {
             let g = grpc_load().await;
             (g, http_load().await)
         } else {
@@ -249,12 +278,14 @@ async fn main() {
             (grpc_load().await, h)
         };
         println!(
-            "| {round} ({} first) | {:.1} | {:.1} | {:.1} | {:.1} |",
+            "| {round} ({} first) | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
             if round % 2 == 0 { "gRPC" } else { "HTTP" },
             ms(g.0),
             ms(h.0),
             g.1,
-            h.1
+            h.1,
+            per_request(g_cpu),
+            per_request(h_cpu)
         );
         grpc.push(g);
         http_runs.push(h);
