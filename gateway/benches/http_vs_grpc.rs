@@ -99,7 +99,8 @@ async fn grpc_one(addr: SocketAddr, i: usize, salt: String) -> One {
 
 async fn http_one(addr: SocketAddr, i: usize, salt: String) -> One {
     let body = serde_json::json!({
-        "model": "kvlease", "max_tokens": MAX_TOKENS, "stream": true, "user": salt,
+        // greedy, as the gRPC request (OpenAI's default would sample at 1)
+        "model": "kvlease", "max_tokens": MAX_TOKENS, "temperature": 0, "stream": true, "user": salt,
         "stream_options": {"include_usage": true},
         "messages": [{"role": "user", "content": question(i)}],
     })
