@@ -295,5 +295,34 @@ pub async fn wait_whole(
     }
 }
 
+/// Asserts that the cache still answers, that `group`'s pools become whole
+/// within `within` (nothing in use, nothing fenced, every block free or
+/// cached) and that the leak audit reclaims nothing.
+pub async fn assert_cache_sound(
+    cache: SocketAddr,
+    group: &str,
+    within: Duration,
+) -> Result<(), Error> {
+    let pools = wait_whole(cache, group, within).await?;
+    assert!(!pools.is_empty(), "no pools for {group}");
+    for p in &pools {
+        assert_eq!(
+            (p.in_use, p.fenced),
+            (0, 0),
+            "pool {} not whole: {p:?}",
+            p.pool_id
+        );
+        assert_eq!(p.free + p.cached_evictable, p.total, "{p:?}");
+    }
+    let audit = cache_client(cache)
+        .await?
+        .audit(pb::AuditRequest {})
+        .await?
+        .into_inner();
+    assert!(audit.reclaimed.is_empty(), "{:?}", audit.reclaimed);
+    assert!(audit.blocks_checked > 0);
+    Ok(())
+}
+
 /// The pool group the scheduler registers for its first worker.
 pub const GROUP: &str = "seeded-0/replica-0";

@@ -10,8 +10,8 @@
 use std::time::Duration;
 
 use kvlease_integration_tests::{
-    GROUP, Generated, Service, cache_client, collect, scheduler_client, small_worker_with,
-    start_cache, start_scheduler, start_worker, wait_whole,
+    GROUP, Generated, Service, assert_cache_sound, cache_client, collect, scheduler_client,
+    small_worker_with, start_cache, start_scheduler, start_worker,
 };
 use kvlease_proto::v1 as pb;
 
@@ -66,14 +66,9 @@ impl Cluster {
     }
 
     async fn stop(self) {
-        let pools = wait_whole(self.cache.addr, GROUP, WITHIN).await.unwrap();
-        for p in &pools {
-            assert_eq!((p.in_use, p.fenced), (0, 0), "{p:?}");
-            assert_eq!(p.free + p.cached_evictable, p.total, "{p:?}");
-        }
-        let mut c = cache_client(self.cache.addr).await.unwrap();
-        let audit = c.audit(pb::AuditRequest {}).await.unwrap().into_inner();
-        assert!(audit.reclaimed.is_empty(), "{:?}", audit.reclaimed);
+        assert_cache_sound(self.cache.addr, GROUP, WITHIN)
+            .await
+            .unwrap();
         self.scheduler.stop().await.unwrap();
         self.worker.stop().await.unwrap();
         self.cache.stop().await.unwrap();

@@ -8,8 +8,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvlease_integration_tests::{
-    GROUP, SmallCluster, cache_client, collect, scheduler_client, small_worker, start_cache,
-    start_worker, wait_whole,
+    GROUP, SmallCluster, assert_cache_sound, cache_client, collect, scheduler_client, small_worker,
+    start_cache, start_worker,
 };
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
@@ -101,33 +101,6 @@ fn assert_status<T: std::fmt::Debug>(r: Result<T, Status>, code: Code, needles: 
             status.message()
         );
     }
-}
-
-/// The cache still answers, `group`'s pools are whole and the audit
-/// reclaims nothing.
-async fn assert_cache_sound(cache: SocketAddr, group: &str) {
-    let pools = wait_whole(cache, group, Duration::from_secs(10))
-        .await
-        .unwrap();
-    assert!(!pools.is_empty(), "no pools for {group}");
-    for p in &pools {
-        assert_eq!(
-            (p.in_use, p.fenced),
-            (0, 0),
-            "pool {} not whole: {p:?}",
-            p.pool_id
-        );
-        assert_eq!(p.free + p.cached_evictable, p.total);
-    }
-    let audit = cache_client(cache)
-        .await
-        .unwrap()
-        .audit(pb::AuditRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(audit.reclaimed.is_empty(), "{:?}", audit.reclaimed);
-    assert!(audit.blocks_checked > 0);
 }
 
 async fn register(
@@ -394,7 +367,9 @@ async fn the_cache_refuses_every_input_fault_with_the_documented_status() {
     }
 
     for group in ["g", "g2", "g4"] {
-        assert_cache_sound(addr, group).await;
+        assert_cache_sound(addr, group, Duration::from_secs(10))
+            .await
+            .unwrap();
     }
     cache.stop().await.unwrap();
 }
@@ -589,7 +564,9 @@ async fn the_scheduler_and_the_worker_refuse_faults_and_a_starved_request_gets_a
         ),
         "{g:?}"
     );
-    assert_cache_sound(cache, GROUP).await;
+    assert_cache_sound(cache, GROUP, Duration::from_secs(10))
+        .await
+        .unwrap();
     cluster.stop().await.unwrap();
 }
 
