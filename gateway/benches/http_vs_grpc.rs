@@ -4,18 +4,32 @@
 //! throughput of each and the ratios. Each phase has its own user / cache
 //! salt, so none reuses another's prefixes.
 //!
+//! The load is CONCURRENCY users sharing REQUESTS requests, each sending its
+//! next request when its last answer has ended, twice: once with no pause
+//! between requests, once after a think time drawn from an exponential
+//! distribution of mean THINK_MS (default 20 ms, about one decode step of
+//! this load). Without think time every user's next request is sent the
+//! moment a step's output ends it, so arrivals are locked to the step
+//! loop's phase: a request that reaches the scheduler before the next
+//! step's admission is planned starts a step earlier than one that reaches
+//! it just after. The gateway's hop (a millisecond or two under load) moves
+//! HTTP arrivals past that point, and they lose a whole step; with think
+//! time arrivals fall anywhere in a step, as independent users' do, and the
+//! hop costs what it takes.
+//!
 //! The machine the bench runs on is often shared and noisy, and the phase
 //! that runs second in a round was seen to be slower whichever path it is,
-//! so it runs ROUNDS rounds (even, default 4), the order alternating (gRPC
-//! first in even rounds, HTTP first in odd ones), prints each round and the
-//! medians over rounds, and the ratios of the medians.
+//! so it runs ROUNDS rounds per think time (even, default 4), the order
+//! alternating (gRPC first in even rounds, HTTP first in odd ones), prints
+//! each round and the medians over rounds, and the ratios of the medians.
 //!
-//! `cargo bench -p kvlease-gateway --bench http_vs_grpc [-- REQUESTS CONCURRENCY ROUNDS]`
+//! `cargo bench -p kvlease-gateway --bench http_vs_grpc [-- REQUESTS CONCURRENCY ROUNDS THINK_MS]`
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench: a failed setup ends the run
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -25,7 +39,8 @@ use hyper_util::rt::TokioIo;
 use kvlease_integration_tests::*;
 use kvlease_proto::v1 as pb;
 use kvlease_tokenizer::{GgufVocab, Tokenizer};
-use tokio::sync::Semaphore;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 const MAX_TOKENS: u32 = 32;
 
@@ -162,33 +177,66 @@ fn has_content(v: &serde_json::Value) -> bool {
         .is_some_and(|c| !c.is_empty())
 }
 
-async fn load<F, Fut>(requests: usize, concurrency: usize, one: F) -> (Duration, f64)
+/// `concurrency` users share `requests` requests: each user sends one,
+/// reads its whole answer, pauses for a think time drawn from an
+/// exponential distribution of mean `think` (0: none) and sends the next,
+/// until none is left. Returns TTFT p50 and output tokens per second.
+/// The think times come from `seed`, so both paths of a round see the same.
+async fn load<F, Fut>(
+    requests: usize,
+    concurrency: usize,
+    think: Duration,
+    seed: u64,
+    one: F,
+) -> (Duration, f64)
 where
-    F: Fn(usize) -> Fut,
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = One> + Send + 'static,
 {
-    let gate = Arc::new(Semaphore::new(concurrency));
+    let next = Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
-    let mut tasks = Vec::new();
-    for i in 0..requests {
-        let permit = gate.clone().acquire_owned().await.expect("semaphore");
-        let fut = one(i);
-        tasks.push(tokio::spawn(async move {
-            let r = fut.await;
-            drop(permit);
-            r
-        }));
-    }
+    let users: Vec<_> = (0..concurrency)
+        .map(|user| {
+            let (next, one) = (next.clone(), one.clone());
+            tokio::spawn(async move {
+                let mut rng = StdRng::seed_from_u64(seed ^ user as u64);
+                let mut done = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= requests {
+                        return done;
+                    }
+                    done.push(one(i).await);
+                    if !think.is_zero() {
+                        // inverse transform: -mean * ln(1 - u), u in [0, 1)
+                        let u: f64 = rng.random();
+                        tokio::time::sleep(think.mul_f64(-(1.0 - u).ln())).await;
+                    }
+                }
+            })
+        })
+        .collect();
     let mut ttfts = Vec::new();
     let mut tokens = 0u64;
-    for t in tasks {
-        let (ttft, n) = t.await.expect("request task");
-        ttfts.push(ttft);
-        tokens += u64::from(n);
+    for user in users {
+        for (ttft, n) in user.await.expect("user task") {
+            ttfts.push(ttft);
+            tokens += u64::from(n);
+        }
     }
     let wall = start.elapsed();
     ttfts.sort();
     (ttfts[ttfts.len() / 2], tokens as f64 / wall.as_secs_f64())
+}
+
+/// Medians over rounds: (TTFT p50 in ms, output tokens/s).
+fn median(runs: &[(Duration, f64)]) -> (f64, f64) {
+    let mut ttft: Vec<f64> = runs.iter().map(|r| r.0.as_secs_f64() * 1e3).collect();
+    let mut tps: Vec<f64> = runs.iter().map(|r| r.1).collect();
+    ttft.sort_by(f64::total_cmp);
+    tps.sort_by(f64::total_cmp);
+    let mid = |v: &[f64]| (v[(v.len() - 1) / 2] + v[v.len() / 2]) / 2.0;
+    (mid(&ttft), mid(&tps))
 }
 
 /// User + system CPU time of this process so far (Linux: `/proc/self/stat`,
@@ -213,6 +261,7 @@ async fn main() {
     let concurrency = args.get(1).copied().unwrap_or(64);
     // even, so that each path runs first as often as the other
     let rounds = args.get(2).copied().unwrap_or(4).max(1).next_multiple_of(2);
+    let think_ms = args.get(3).copied().unwrap_or(20) as u64;
     let cache = start_cache(cache_svc::Config::default())
         .await
         .expect("cache");
@@ -246,80 +295,89 @@ async fn main() {
     }));
     let s = scheduler.addr;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    // the users of the first mode send their next request the moment an
+    // answer ends; those of the second think first (see the module doc)
+    let modes: Vec<Duration> = if think_ms == 0 {
+        vec![0]
+    } else {
+        vec![0, think_ms]
+    }
+    .into_iter()
+    .map(Duration::from_millis)
+    .collect();
     println!(
-        "streaming chat, {requests} requests, concurrency {concurrency}, max_tokens {MAX_TOKENS}, {rounds} rounds, one run"
+        "streaming chat, {requests} requests, {concurrency} users, max_tokens {MAX_TOKENS}, {rounds} rounds per think time, one run"
     );
     println!(
-        "| round | gRPC TTFT p50 (ms) | HTTP TTFT p50 (ms) | gRPC tokens/s | HTTP tokens/s | gRPC CPU ms/request | HTTP CPU ms/request |"
+        "| think (ms) | round | gRPC TTFT p50 (ms) | HTTP TTFT p50 (ms) | gRPC tokens/s | HTTP tokens/s | gRPC CPU ms/request | HTTP CPU ms/request |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|");
-    let (mut grpc, mut http_runs) = (Vec::new(), Vec::new());
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|");
     // the CPU time of the whole process (client, gateway, scheduler, cache
     // and worker share it) per request of a phase
     let per_request = |cpu: Option<Duration>| cpu.map_or(f64::NAN, |c| ms(c) / requests as f64);
-    for round in 0..rounds {
-        let grpc_load = || async move {
-            let before = process_cpu();
-            let r = load(requests, concurrency, move |i| {
-                grpc_one(s, i, format!("grpc-{round}"))
-            })
-            .await;
-            (
-                r,
-                process_cpu().zip(before).map(|(a, b)| a.saturating_sub(b)),
-            )
-        };
-        let http_load = || async move {
-            let before = process_cpu();
-            let r = load(requests, concurrency, move |i| {
-                http_one(http, i, format!("http-{round}"))
-            })
-            .await;
-            (
-                r,
-                process_cpu().zip(before).map(|(a, b)| a.saturating_sub(b)),
-            )
-        };
-        let ((g, g_cpu), (h, h_cpu)) = if round % 2 == 0 {
-            let g = grpc_load().await;
-            (g, http_load().await)
-        } else {
-            let h = http_load().await;
-            (grpc_load().await, h)
-        };
-        println!(
-            "| {round} ({} first) | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
-            if round % 2 == 0 { "gRPC" } else { "HTTP" },
-            ms(g.0),
-            ms(h.0),
-            g.1,
-            h.1,
-            per_request(g_cpu),
-            per_request(h_cpu)
-        );
-        grpc.push(g);
-        http_runs.push(h);
+    let mut summary = Vec::new();
+    for &think in &modes {
+        let (mut grpc, mut http_runs) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let seed = round as u64;
+            let grpc_load = || async move {
+                let before = process_cpu();
+                let r = load(requests, concurrency, think, seed, move |i| {
+                    grpc_one(s, i, format!("grpc-{}-{round}", think.as_millis()))
+                })
+                .await;
+                (
+                    r,
+                    process_cpu().zip(before).map(|(a, b)| a.saturating_sub(b)),
+                )
+            };
+            let http_load = || async move {
+                let before = process_cpu();
+                let r = load(requests, concurrency, think, seed, move |i| {
+                    http_one(http, i, format!("http-{}-{round}", think.as_millis()))
+                })
+                .await;
+                (
+                    r,
+                    process_cpu().zip(before).map(|(a, b)| a.saturating_sub(b)),
+                )
+            };
+            let ((g, g_cpu), (h, h_cpu)) = if round % 2 == 0 {
+                let g = grpc_load().await;
+                (g, http_load().await)
+            } else {
+                let h = http_load().await;
+                (grpc_load().await, h)
+            };
+            println!(
+                "| {} | {round} ({} first) | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
+                think.as_millis(),
+                if round % 2 == 0 { "gRPC" } else { "HTTP" },
+                ms(g.0),
+                ms(h.0),
+                g.1,
+                h.1,
+                per_request(g_cpu),
+                per_request(h_cpu)
+            );
+            grpc.push(g);
+            http_runs.push(h);
+        }
+        summary.push((think, median(&grpc), median(&http_runs)));
     }
-    let median = |runs: &[(Duration, f64)]| {
-        let mut ttft: Vec<f64> = runs.iter().map(|r| ms(r.0)).collect();
-        let mut tps: Vec<f64> = runs.iter().map(|r| r.1).collect();
-        ttft.sort_by(f64::total_cmp);
-        tps.sort_by(f64::total_cmp);
-        let mid = |v: &[f64]| (v[(v.len() - 1) / 2] + v[v.len() / 2]) / 2.0;
-        (mid(&ttft), mid(&tps))
-    };
-    let (g_ttft, g_tps) = median(&grpc);
-    let (h_ttft, h_tps) = median(&http_runs);
     println!();
-    println!("| path (median of {rounds} rounds) | TTFT p50 (ms) | output tokens/s |");
-    println!("|---|---:|---:|");
-    println!("| gRPC (scheduler) | {g_ttft:.1} | {g_tps:.1} |");
-    println!("| HTTP (gateway) | {h_ttft:.1} | {h_tps:.1} |");
     println!(
-        "| HTTP / gRPC | {:.3} | {:.3} |",
-        h_ttft / g_ttft,
-        h_tps / g_tps
+        "| think (ms) | gRPC TTFT p50 (ms) | HTTP TTFT p50 (ms) | gRPC tokens/s | HTTP tokens/s | TTFT HTTP / gRPC | tokens/s HTTP / gRPC |"
     );
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for (think, (g_ttft, g_tps), (h_ttft, h_tps)) in summary {
+        println!(
+            "| {} | {g_ttft:.1} | {h_ttft:.1} | {g_tps:.1} | {h_tps:.1} | {:.3} | {:.3} |",
+            think.as_millis(),
+            h_ttft / g_ttft,
+            h_tps / g_tps
+        );
+    }
     let _ = stop.send(());
     let _ = gateway.await;
     let _ = scheduler.stop().await;
