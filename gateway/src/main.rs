@@ -25,9 +25,8 @@ async fn main() {
             std::process::exit(64);
         }
     };
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+    // SIGTERM too: Kubernetes stops a pod with it, and in-flight streams get to finish
+    let shutdown = kvlease_telemetry::process::shutdown_signal();
     if let Err(e) = kvlease_gateway::run(listener, config, shutdown).await {
         eprintln!("kvlease-gateway: {e}");
         std::process::exit(1);
