@@ -99,7 +99,6 @@ run() {
     /replica load/ { bal = $4 }
     END { if (bal == "") bal = "1.00"; printf "%s|%s|%s|%s|%s|%s\n", blocks, hit, p50, p90, thr, bal }
   ' "$work/bench.txt"
-  cp "$work/bench.txt" "$work/bench-$(basename "$file")-$n-$policy.txt"
 }
 
 start=$(date +%s)
