@@ -88,6 +88,13 @@ pub const MATRIX: &[(&str, &str, Access)] = &[
         Access::AnyOf(&[Observer, Scheduler]),
     ),
     ("kvlease.v1.CacheService", "Audit", Access::AnyOf(&[Admin])),
+    // Routing's read-only prefix lookup, in the caller's own session and groups (checked by
+    // the cache): an observer could otherwise probe whether a prompt is cached.
+    (
+        "kvlease.v1.CacheService",
+        "Match",
+        Access::AnyOf(&[Scheduler]),
+    ),
     // Dropping a whole pool group (nothing of it leased) is an operator's act.
     (
         "kvlease.v1.CacheService",
@@ -194,7 +201,7 @@ mod tests {
                 rpcs += 1;
             }
         }
-        assert_eq!(rpcs, 19);
+        assert_eq!(rpcs, 20);
     }
 
     #[test]

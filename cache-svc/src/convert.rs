@@ -3,7 +3,7 @@
 
 use kvlease_proto::v1 as pb;
 
-use crate::cache::{PoolStats, ShapeEstimate};
+use crate::cache::{MatchPrompt, PoolStats, ShapeEstimate};
 use crate::error::{Error, Result};
 use crate::events::EventKind;
 use crate::lease::{DEFAULT_PRIORITY, Extra, Grant, Outcome, Prompt, Reject, SeqSpec};
@@ -190,5 +190,12 @@ pub(crate) fn event_to_pb(e: crate::events::Event) -> pb::CacheEvent {
         id: e.id,
         pool_id: e.pool_id,
         kind: Some(kind),
+    }
+}
+
+pub(crate) fn match_prompt_from_pb(p: pb::MatchPrompt) -> MatchPrompt {
+    MatchPrompt {
+        tokens: p.prompt_tokens,
+        cache_salt: p.cache_salt,
     }
 }

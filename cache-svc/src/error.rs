@@ -23,6 +23,14 @@ pub enum Error {
         /// The principal that tried.
         caller: String,
     },
+    /// A pool group another principal registered.
+    #[error("pool group {group:?} belongs to another principal; {caller} may not match in it")]
+    GroupNotOwned {
+        /// The group.
+        group: String,
+        /// The principal that asked.
+        caller: String,
+    },
     /// The session's TTL ran out; everything it held was reclaimed.
     #[error("session expired: session {0} missed its keep-alive and was reclaimed")]
     SessionExpired(SessionId),
@@ -81,7 +89,9 @@ impl From<Error> for tonic::Status {
         match err {
             Error::InvalidArgument(_) => tonic::Status::invalid_argument(message),
             Error::LimitExceeded(_) => tonic::Status::resource_exhausted(message),
-            Error::NotOwner { .. } => tonic::Status::permission_denied(message),
+            Error::NotOwner { .. } | Error::GroupNotOwned { .. } => {
+                tonic::Status::permission_denied(message)
+            }
             Error::UnknownSession(_)
             | Error::SessionExpired(_)
             | Error::StaleEpoch { .. }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kvlease_telemetry::metrics::{CounterVec, Described, GaugeVec, Registry, names};
+use kvlease_telemetry::metrics::{Counter, CounterVec, Described, GaugeVec, Registry, names};
 
 use crate::cache::Cache;
 use crate::error::{Error, Result};
@@ -25,6 +25,7 @@ pub(crate) struct CacheMetrics {
     hit_rate: GaugeVec<2>,
     estimated_hit_rate: GaugeVec<3>,
     leaks: CounterVec<2>,
+    matched: Counter,
 }
 
 /// What the cache's metrics endpoint exports: every family it registers.
@@ -120,6 +121,12 @@ impl CacheMetrics {
                 pool,
             )
             .map_err(fail)?;
+        let matched = r
+            .counter(
+                names::MATCH_PROMPTS_TOTAL,
+                "Prompts Match looked up for routing (read-only).",
+            )
+            .map_err(fail)?;
         Ok(Self {
             registry: Arc::new(registry),
             blocks,
@@ -134,6 +141,7 @@ impl CacheMetrics {
             hit_rate,
             estimated_hit_rate,
             leaks,
+            matched,
         })
     }
 
@@ -153,6 +161,11 @@ impl CacheMetrics {
         if grants > 0 {
             self.grants.with([op]).inc_by(grants);
         }
+    }
+
+    /// Counts the prompts of one `Match` call.
+    pub(crate) fn matched(&self, prompts: usize) {
+        self.matched.inc_by(prompts as u64);
     }
 
     /// Mirrors the pools' figures and renders the text format.

@@ -20,8 +20,12 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Span;
 
-use crate::cache::{AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Batch, Cache, Evicted};
-use crate::convert::{estimate_to_pb, event_to_pb, outcomes_to_pb, spec_from_pb, stats_to_pb};
+use crate::cache::{
+    AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Batch, Cache, Evicted, MatchPrompt,
+};
+use crate::convert::{
+    estimate_to_pb, event_to_pb, match_prompt_from_pb, outcomes_to_pb, spec_from_pb, stats_to_pb,
+};
 use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId};
 use crate::lease::{ExtendItem, Growth, Outcome, ReleaseMode, ReleaseResult, ReleaseStatus};
@@ -517,6 +521,7 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::RegisterPoolRequest>,
     ) -> Result<Response<pb::RegisterPoolResponse>, Status> {
+        let caller = caller(&request);
         let r = request.into_inner();
         self.check_size(&r)?;
         let pools = r
@@ -530,9 +535,12 @@ impl CacheService for CacheServiceImpl {
             })
             .collect::<Result<Vec<(u32, u32)>>>()?;
         let tokens_per_block = narrow("tokens_per_block", r.tokens_per_block)?;
-        let (infos, already) =
-            self.lock()
-                .register_pool(&r.pool_group, tokens_per_block, &pools)?;
+        let (infos, already) = self.lock().register_pool_for(
+            caller.name(),
+            &r.pool_group,
+            tokens_per_block,
+            &pools,
+        )?;
         tracing::info!(pool_group = %r.pool_group, pools = infos.len(), already, "pools registered");
         Ok(Response::new(pb::RegisterPoolResponse {
             pools: infos
@@ -904,6 +912,36 @@ impl CacheService for CacheServiceImpl {
                 })
                 .collect(),
             blocks_checked: report.blocks_checked,
+        }))
+    }
+
+    async fn r#match(
+        &self,
+        request: Request<pb::MatchRequest>,
+    ) -> Result<Response<pb::MatchResponse>, Status> {
+        let caller = caller(&request);
+        let r = request.into_inner();
+        self.check_size(&r)?;
+        self.check_batch("pool_groups", r.pool_groups.len())?;
+        self.check_batch("prompts", r.prompts.len())?;
+        let prompts: Vec<MatchPrompt> = r.prompts.into_iter().map(match_prompt_from_pb).collect();
+        let mut cache = self.lock();
+        owned(&cache, r.session_id, &caller, false)?;
+        trace_call(r.session_id, None);
+        let results = cache.match_prefixes(
+            SessionId(r.session_id),
+            Epoch(r.epoch),
+            &r.pool_groups,
+            &prompts,
+            now(),
+        )?;
+        drop(cache);
+        self.metrics.matched(prompts.len());
+        Ok(Response::new(pb::MatchResponse {
+            results: results
+                .into_iter()
+                .map(|reused_tokens| pb::MatchResult { reused_tokens })
+                .collect(),
         }))
     }
 }

@@ -118,6 +118,17 @@ struct UpArgs {
     policy: Policy,
     #[arg(long, default_value = "preempt")]
     on_exhausted: OnExhausted,
+    /// Which worker admits a request: kv-aware (prefill after the prefix
+    /// cached there, plus load) or least-committed.
+    #[arg(long, env = "KVLEASE_SCHEDULER_ROUTING", default_value = "kv-aware")]
+    routing: scheduler_svc::routing::Routing,
+    /// Weight of a block to prefill against a committed block (kv-aware).
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_ROUTING_PREFILL_WEIGHT",
+        default_value = "1"
+    )]
+    routing_prefill_weight: scheduler_svc::routing::PrefillWeight,
     /// A real model on every worker: `smollm2` (after `kvlease model fetch
     /// smollm2`), or a GGUF file or Hugging Face directory. Default: the
     /// seeded model.
@@ -393,6 +404,8 @@ async fn main() -> ExitCode {
             }
             config.scheduler.policy = a.policy;
             config.scheduler.on_exhausted = a.on_exhausted;
+            config.scheduler.routing = a.routing;
+            config.scheduler.routing_prefill_weight = a.routing_prefill_weight;
             config.metrics_port = (a.metrics_base_port != 0).then_some(a.metrics_base_port);
             match commands::up(config, a.http_listen, process::shutdown_signal()).await {
                 Ok(()) => ExitCode::SUCCESS,

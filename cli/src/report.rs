@@ -20,6 +20,9 @@ pub struct ClusterDelta {
     pub evictions: u64,
     pub reuse_lookups: u64,
     pub reuse_hits: u64,
+    /// Sequences granted per pool group (replica) during the run: the
+    /// load each replica served (counted in its first pool).
+    pub grants_by_group: BTreeMap<String, u64>,
     /// The cache epoch changed during the run (a cache restart); the cache
     /// counters then start from the new instance's zero.
     pub epoch_changed: bool,
@@ -40,6 +43,20 @@ impl ClusterDelta {
                 a.saturating_sub(sum(before, f))
             }
         };
+        let mut grants_by_group = BTreeMap::new();
+        let mut seen = std::collections::BTreeSet::new();
+        for p in &after.pools {
+            // one figure per group: every pool of a group grants each sequence
+            if !seen.insert(p.pool_group.clone()) {
+                continue;
+            }
+            let was = before
+                .pools
+                .iter()
+                .find(|b| b.pool_id == p.pool_id && !epoch_changed)
+                .map_or(0, |b| b.grants);
+            grants_by_group.insert(p.pool_group.clone(), p.grants.saturating_sub(was));
+        }
         Self {
             preemptions: after.preemptions.saturating_sub(before.preemptions),
             rejected: after.rejected.saturating_sub(before.rejected),
@@ -49,6 +66,7 @@ impl ClusterDelta {
             evictions: cache(|p| p.evictions),
             reuse_lookups: cache(|p| p.reuse_lookups),
             reuse_hits: cache(|p| p.reuse_hits),
+            grants_by_group,
             epoch_changed,
         }
     }
@@ -199,8 +217,9 @@ impl fmt::Display for Summary {
             f,
             "TTFT",
             format!(
-                "p50 {}  p99 {}",
+                "p50 {}  p90 {}  p99 {}",
                 ms(percentile(&self.ttft, 50.0)),
+                ms(percentile(&self.ttft, 90.0)),
                 ms(percentile(&self.ttft, 99.0))
             ),
         )?;
@@ -236,6 +255,25 @@ impl fmt::Display for Summary {
             ),
         )?;
         if let Some(c) = &self.cluster {
+            if c.grants_by_group.len() > 1 {
+                let loads: Vec<u64> = c.grants_by_group.values().copied().collect();
+                let mean = loads.iter().sum::<u64>() as f64 / loads.len() as f64;
+                let max = loads.iter().copied().max().unwrap_or(0) as f64;
+                let each = c
+                    .grants_by_group
+                    .iter()
+                    .map(|(g, n)| format!("{g} {n}"))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                row(
+                    f,
+                    "replica load",
+                    format!(
+                        "max/mean {:.2} (sequences granted: {each})",
+                        if mean > 0.0 { max / mean } else { 0.0 }
+                    ),
+                )?;
+            }
             row(
                 f,
                 "cache hit rate",
@@ -348,5 +386,40 @@ mod tests {
         let d = ClusterDelta::between(&before, &restarted);
         assert!(d.epoch_changed);
         assert_eq!(d.reuse_hits, 1);
+    }
+
+    #[test]
+    fn replica_load_counts_each_groups_grants_once_and_shows_max_over_mean() {
+        let pool = |group: &str, id, grants| pb::PoolStats {
+            pool_group: group.into(),
+            pool_id: id,
+            grants,
+            ..Default::default()
+        };
+        let status = |a, b| pb::GetStatusResponse {
+            epoch: 1,
+            // two pools per group: each grants every sequence of its group
+            pools: vec![
+                pool("r0", 1, a),
+                pool("r0", 2, a),
+                pool("r1", 3, b),
+                pool("r1", 4, b),
+            ],
+            ..Default::default()
+        };
+        let d = ClusterDelta::between(&status(10, 4), &status(40, 14));
+        assert_eq!(
+            d.grants_by_group.into_iter().collect::<Vec<_>>(),
+            vec![("r0".to_string(), 30), ("r1".to_string(), 10)]
+        );
+        let s = Summary {
+            cluster: Some(ClusterDelta::between(&status(10, 4), &status(40, 14))),
+            ..Summary::default()
+        };
+        assert!(
+            s.to_string()
+                .contains("max/mean 1.50 (sequences granted: r0 30, r1 10)"),
+            "{s}"
+        );
     }
 }

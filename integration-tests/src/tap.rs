@@ -268,6 +268,12 @@ impl CacheService for CacheTap {
     ) -> Result<Response<pb::AuditResponse>, Status> {
         self.inner.clone().audit(r.into_inner()).await
     }
+    async fn r#match(
+        &self,
+        r: Request<pb::MatchRequest>,
+    ) -> Result<Response<pb::MatchResponse>, Status> {
+        self.inner.clone().r#match(r.into_inner()).await
+    }
 }
 
 /// A recording proxy of a worker that holds every forward pass `delay`

@@ -54,6 +54,7 @@ const EXPECTED: &[(&str, &str)] = &[
     ("/kvlease.v1.CacheService/WatchEvents", "ADAADU"),
     ("/kvlease.v1.CacheService/Audit", "DDDADU"),
     ("/kvlease.v1.CacheService/UnregisterPool", "DDDADU"),
+    ("/kvlease.v1.CacheService/Match", "ADDADU"),
     ("/kvlease.v1.Scheduler/Generate", "DADADU"),
     ("/kvlease.v1.Scheduler/GetStatus", "DAAADU"),
     ("/kvlease.v1.WorkerService/Describe", "ADAADU"),
@@ -150,7 +151,7 @@ async fn authorization_matrix_every_rpc_by_every_role() -> Result<(), Box<dyn st
             }
         }
     }
-    assert_eq!(checked, (19 + 4 * 3) * CALLERS.len());
+    assert_eq!(checked, (20 + 4 * 3) * CALLERS.len());
     cluster.stop().await?;
     Ok(())
 }

@@ -14,13 +14,14 @@ use kvlease_telemetry::{TracedChannel, traced};
 use kvlease_tokenizer::{Specials, Tokenizer, TokenizerKind, TokenizerParts};
 use tonic::transport::Channel;
 
-use crate::convert::{outcomes, sequence_spec};
+use crate::convert::{match_results, outcomes, sequence_spec};
 use crate::domain::{
     Epoch, ExtendSpec, ForwardItem, ForwardResult, LeaseSpec, Outcome, PoolGeometry, SeqId,
     SessionId,
 };
 use crate::error::{Error, Result};
 use crate::session::{Session, SessionState};
+use crate::step::MatchWanted;
 
 fn endpoint(
     peer: &'static str,
@@ -277,6 +278,31 @@ impl CacheClient {
         let r = self.inner.clone().lease(req).await;
         let r = self.seen("Lease", r)?;
         outcomes("Lease", r.outcomes, specs.iter().map(|s| s.seq_id))
+    }
+
+    /// For each wanted request, the context tokens a lease would reuse now in
+    /// each of `groups` (in order): the cache's read-only `Match`.
+    pub async fn match_prefixes(
+        &self,
+        groups: &[String],
+        wanted: &[MatchWanted],
+    ) -> Result<Vec<Vec<u32>>> {
+        let s = self.session();
+        let req = pb::MatchRequest {
+            session_id: s.id.get(),
+            epoch: s.epoch.get(),
+            pool_groups: groups.to_vec(),
+            prompts: wanted
+                .iter()
+                .map(|w| pb::MatchPrompt {
+                    prompt_tokens: w.context.clone(),
+                    cache_salt: w.cache_salt.clone(),
+                })
+                .collect(),
+        };
+        let r = self.inner.clone().r#match(req).await;
+        let r = self.seen("Match", r)?;
+        match_results(r.results, wanted.len(), groups.len())
     }
 
     /// One batched Extend; one outcome per spec, in order; `traces` as for

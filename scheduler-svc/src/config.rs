@@ -10,6 +10,7 @@ use kvlease_telemetry::process::{ListenAddrs, ServiceConfig};
 
 use crate::error::{Error, Result};
 use crate::policy::{OnExhausted, Policy};
+use crate::routing::{PrefillWeight, Routing, RoutingConfig};
 use crate::step::CoreConfig;
 
 /// What to do with live sequences when the cache service lost them.
@@ -44,6 +45,8 @@ const DEFAULT_ON_CACHE_RESTART: OnCacheRestart = OnCacheRestart::Recompute;
 const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 << 20;
 const DEFAULT_MAX_QUEUE: usize = 4096;
 const DEFAULT_MAX_QUEUE_WAIT_MS: u64 = 60_000;
+const DEFAULT_ROUTING: Routing = Routing::KvAware;
+const DEFAULT_ROUTING_PREFILL_WEIGHT: PrefillWeight = PrefillWeight::ONE;
 
 /// The scheduler's configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Parser)]
@@ -186,6 +189,20 @@ pub struct Config {
     /// REJECTED with QUEUE_TIMEOUT. 0 for no limit.
     #[arg(long, env = "KVLEASE_SCHEDULER_MAX_QUEUE_WAIT_MS", default_value_t = DEFAULT_MAX_QUEUE_WAIT_MS)]
     pub max_queue_wait_ms: u64,
+    /// Which worker group admits a request when several could: kv-aware (the
+    /// lowest prefill-weight x blocks to prefill after the prefix the cache
+    /// holds there, plus blocks committed; ties to the least committed) or
+    /// least-committed. Only matters with more than one worker.
+    #[arg(long, env = "KVLEASE_SCHEDULER_ROUTING", default_value_t = DEFAULT_ROUTING)]
+    pub routing: Routing,
+    /// Weight of one block to prefill against one committed block in the
+    /// kv-aware routing cost (0 to 1000000; 0 routes by load alone).
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_ROUTING_PREFILL_WEIGHT",
+        default_value_t = DEFAULT_ROUTING_PREFILL_WEIGHT
+    )]
+    pub routing_prefill_weight: PrefillWeight,
     /// Transport limits (connections, keepalive, streams).
     #[command(flatten)]
     pub limits: kvlease_telemetry::limits::ServeLimits,
@@ -221,6 +238,8 @@ impl Default for Config {
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             max_queue: DEFAULT_MAX_QUEUE,
             max_queue_wait_ms: DEFAULT_MAX_QUEUE_WAIT_MS,
+            routing: DEFAULT_ROUTING,
+            routing_prefill_weight: DEFAULT_ROUTING_PREFILL_WEIGHT,
             limits: Default::default(),
         }
     }
@@ -281,6 +300,10 @@ impl Config {
             draft_k: self.spec_draft_k,
             max_queue_wait: (self.max_queue_wait_ms > 0)
                 .then(|| Duration::from_millis(self.max_queue_wait_ms)),
+            routing: RoutingConfig {
+                policy: self.routing,
+                prefill_weight: self.routing_prefill_weight,
+            },
         }
     }
 
@@ -307,6 +330,10 @@ mod tests {
             "http://a:1,http://b:2",
             "--overlap",
             "true",
+            "--routing",
+            "least-committed",
+            "--routing-prefill-weight",
+            "0.5",
         ]);
         let c = c.map_err(|e| e.to_string());
         assert!(c.is_ok(), "{c:?}");
@@ -314,6 +341,8 @@ mod tests {
             assert_eq!(c.policy, Policy::GuaranteedNoEvict);
             assert_eq!(c.worker_addrs.len(), 2);
             assert!(c.overlap);
+            assert_eq!(c.core().routing.policy, Routing::LeastCommitted);
+            assert_eq!(c.core().routing.prefill_weight.get(), 0.5);
         }
         assert!(Config::default().validate().is_ok());
         let parsed = kvlease_telemetry::process::parse_without_env::<Config, _, _>(

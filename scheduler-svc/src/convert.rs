@@ -296,6 +296,25 @@ pub(crate) fn reject_to_proto(r: &Reject) -> pb::Reject {
     }
 }
 
+/// `Match`'s answer as reused tokens per prompt and group, checked against
+/// what was asked (one row per prompt, one figure per group).
+pub(crate) fn match_results(
+    raw: Vec<pb::MatchResult>,
+    prompts: usize,
+    groups: usize,
+) -> Result<Vec<Vec<u32>>> {
+    if raw.len() != prompts || raw.iter().any(|r| r.reused_tokens.len() != groups) {
+        return Err(Error::Protocol {
+            peer: "cache",
+            message: format!(
+                "Match answered {} rows for {prompts} prompts of {groups} groups",
+                raw.len()
+            ),
+        });
+    }
+    Ok(raw.into_iter().map(|r| r.reused_tokens).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

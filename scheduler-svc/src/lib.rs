@@ -10,6 +10,9 @@
 //! - `domain.rs`: plain types (tables, grants, rejects, forward items, outputs).
 //! - `queue.rs`: waiting requests, first come first served.
 //! - `policy.rs`: the capacity policies (what to admit given pool figures).
+//! - `routing.rs`: the routing policies (`kv-aware`: prefill after prefix
+//!   reuse plus load, Dynamo's cost; `least-committed`) that pick the group
+//!   admitting a request.
 //! - `spec.rs`: prompt-lookup drafting and verification.
 //! - `step/`: the step loop's core (`step::Core`): plans each step
 //!   (extends, admissions, forward batch), applies lease outcomes and
@@ -49,6 +52,7 @@ pub mod error;
 pub mod metrics;
 pub mod policy;
 pub mod queue;
+pub mod routing;
 mod server;
 mod service;
 pub mod session;

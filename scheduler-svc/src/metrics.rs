@@ -31,6 +31,7 @@ pub struct SchedulerMetrics {
     prompt_tokens: Counter,
     output_tokens: Counter,
     reused_tokens: Counter,
+    match_failures: Counter,
     live: HashMap<RequestId, Clock>,
 }
 
@@ -136,8 +137,19 @@ impl SchedulerMetrics {
                     "Prompt tokens served from cached blocks instead of computed.",
                 )
                 .map_err(e)?,
+            match_failures: r
+                .counter(
+                    names::ROUTING_MATCH_FAILURES_TOTAL,
+                    "Match calls that failed: kv-aware routing fell back to least committed for the step.",
+                )
+                .map_err(e)?,
             live: HashMap::new(),
         })
+    }
+
+    /// A `Match` failed: the step routed by load alone.
+    pub fn match_failed(&self) {
+        self.match_failures.inc();
     }
 
     pub fn step(&self, d: Duration) {

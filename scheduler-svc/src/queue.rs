@@ -67,6 +67,11 @@ impl Request {
         all
     }
 
+    /// Length of [`Self::context`].
+    pub fn context_len(&self) -> usize {
+        self.prompt.len() + self.generated.len()
+    }
+
     /// Tokens still to generate.
     pub fn remaining(&self) -> u32 {
         self.max_tokens
@@ -162,6 +167,11 @@ impl Queue {
     /// Waiting requests that were preempted at least once.
     pub fn preempted(&self) -> usize {
         self.items.iter().filter(|r| r.preemptions > 0).count()
+    }
+
+    /// The first `n` requests, in queue order.
+    pub fn head(&self, n: usize) -> impl Iterator<Item = &Request> + '_ {
+        self.items.iter().take(n)
     }
 
     /// Ids in queue order.

@@ -421,6 +421,7 @@ impl StepLoop {
             // the keep-alive task notices when it is back
             return;
         }
+        self.route().await;
         let specs = self.core.plan_admission();
         if specs.is_empty() {
             return;
@@ -449,6 +450,26 @@ impl StepLoop {
             Err(e) => {
                 self.core.leases_failed();
                 self.note("Lease", &e);
+            }
+        }
+    }
+
+    /// Asks the cache what the queue head would reuse in each group, for
+    /// kv-aware routing; a failed `Match` leaves this step's routing to load
+    /// alone (least committed), logged and counted.
+    async fn route(&mut self) {
+        let wanted = self.core.match_wanted();
+        if wanted.is_empty() {
+            return;
+        }
+        let groups: Vec<String> = self.core.groups().iter().map(|g| g.name.clone()).collect();
+        match self.cache.match_prefixes(&groups, &wanted).await {
+            Ok(rows) => self
+                .core
+                .set_reuse(wanted.iter().map(|w| w.request).zip(rows).collect()),
+            Err(e) => {
+                self.metrics.match_failed();
+                tracing::warn!(error = %e, "Match failed: this step routes by load alone");
             }
         }
     }

@@ -276,36 +276,12 @@ impl Cache {
             }
             _ => (false, Vec::new(), Vec::new()),
         };
-        // Reuse at most the full blocks before the last prompt token, so at
-        // least one token is computed (its logits start the output).
-        let mut reuse_blocks = if hashable {
-            ((prompt_len - 1) / b).min(hashes.len() as u32)
+        let reuse_blocks = if hashable {
+            self.reusable_blocks(group, &hashes, prompt_len)
         } else {
             0
         };
-        let first_of = |window: u32, r: u32| {
-            if window == 0 {
-                0
-            } else {
-                (r * b + 1).saturating_sub(window) / b
-            }
-        };
-        // The longest reusable prefix that every pool can serve: full-attention
-        // pools need every block before it, windowed pools only those the
-        // first computed token's window reaches.
-        'shrink: while reuse_blocks > 0 {
-            for &i in &group.pools {
-                let entry = &self.pools[i];
-                let first = first_of(entry.window, reuse_blocks);
-                for idx in (first..reuse_blocks).rev() {
-                    if entry.pool.lookup(hashes[idx as usize]).is_none() {
-                        reuse_blocks = idx;
-                        continue 'shrink;
-                    }
-                }
-            }
-            break;
-        }
+        let first_of = |window: u32, r: u32| super::matching::first_block(window, r, b);
         let copy = match &spec.prompt {
             Prompt::Tokens(tokens) if hashable && spec.beam_width == 1 => {
                 self.plan_copy(group, tokens, &hashes, salt, reuse_blocks)

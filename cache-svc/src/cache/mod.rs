@@ -25,12 +25,15 @@
 //! - `release`: `Release` and `CompleteStep` (fences and hash publication).
 //! - `stats`: estimates and pool figures.
 //! - `evictions`: which sequence's allocation evicted cached blocks.
+//! - `matching`: `Match`, the read-only prefix lookup that routing asks
+//!   (what a lease would reuse in each group, changing nothing).
 //! - `audit`: the leak audit, `check_invariants` and views for tests.
 
 mod audit;
 mod evictions;
 mod extend;
 mod lease;
+mod matching;
 mod pools;
 mod release;
 mod sessions;
@@ -47,6 +50,7 @@ use crate::session::Session;
 
 pub use audit::{AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Leak};
 pub use evictions::Evicted;
+pub use matching::MatchPrompt;
 pub use pools::{PoolInfo, Unregistered};
 pub use sessions::{Opened, Reclaimed};
 pub use stats::{PoolEstimate, PoolStats, ShapeEstimate, Stats};
@@ -136,6 +140,9 @@ pub struct PoolEntry {
 #[derive(Debug)]
 struct Group {
     tokens_per_block: u32,
+    /// The principal that registered it first: only its sessions may
+    /// `Match` in it.
+    owner: String,
     /// Indices into `Cache::pools`, in registration order.
     pools: Vec<usize>,
 }

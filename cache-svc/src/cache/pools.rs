@@ -39,10 +39,29 @@ impl Cache {
         self.pools.get((pool_id as usize).checked_sub(1)?)
     }
 
-    /// Declares the pools of a group: `(window, num_blocks)` per distinct
-    /// window. Returns the pools and whether they were already registered.
+    /// Declares the pools of a group for the principal `anonymous` (see
+    /// [`register_pool_for`](Self::register_pool_for)).
     pub fn register_pool(
         &mut self,
+        group: &str,
+        tokens_per_block: u32,
+        pools: &[(u32, u32)],
+    ) -> Result<(Vec<PoolInfo>, bool)> {
+        self.register_pool_for(
+            kvlease_auth::principal::ANONYMOUS,
+            group,
+            tokens_per_block,
+            pools,
+        )
+    }
+
+    /// Declares the pools of a group: `(window, num_blocks)` per distinct
+    /// window. Returns the pools and whether they were already registered.
+    /// The first registration binds the group to `owner`, the only principal
+    /// whose sessions may `Match` in it.
+    pub fn register_pool_for(
+        &mut self,
+        owner: &str,
         group: &str,
         tokens_per_block: u32,
         pools: &[(u32, u32)],
@@ -123,6 +142,7 @@ impl Cache {
             group.to_owned(),
             Group {
                 tokens_per_block,
+                owner: owner.to_owned(),
                 pools: indices,
             },
         );

@@ -10,7 +10,7 @@ use crate::cache::{Batch, Cache, CacheConfig};
 use crate::lease::{Extra, Growth, Outcome, Prompt, RejectReason, ReleaseStatus, SeqSpec};
 use crate::pool::{BlockState, PoolCounts};
 
-const GROUP: &str = "model/r0";
+pub(super) const GROUP: &str = "model/r0";
 
 pub(super) struct Fixture {
     pub(super) cache: Cache,

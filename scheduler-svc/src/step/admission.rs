@@ -8,6 +8,7 @@ use super::{Core, Leasing, Sequence, Work};
 use crate::domain::{Extra, Finish, LeaseSpec, Outcome, Reject, RejectReason, SeqId};
 use crate::policy::{Admission, Demand, PoolLoad};
 use crate::queue::Request;
+use crate::routing::Candidate;
 
 impl Core {
     /// Extra slots the lease of `request` keeps: drafts for greedy requests
@@ -145,6 +146,7 @@ impl Core {
         let policy = self.config.policy;
         let mut leases = Vec::new();
         if self.exhausted_this_step {
+            self.reuse.clear();
             return leases;
         }
         let mut loads: Vec<Vec<PoolLoad>> = (0..self.groups.len()).map(|g| self.loads(g)).collect();
@@ -174,7 +176,10 @@ impl Core {
                 next_tokens: head.lease_tokens(extra),
                 life_tokens: head.full_life_tokens(extra),
             };
-            let mut chosen: Option<(usize, u32)> = None;
+            let lease_len = u32::try_from(head.context_len()).unwrap_or(u32::MAX);
+            let head_id = head.id;
+            let routing = self.config.routing;
+            let mut chosen: Option<(usize, Candidate)> = None;
             let mut never = 0;
             let now = Instant::now();
             for (g, group) in self.groups.iter().enumerate() {
@@ -192,9 +197,14 @@ impl Core {
                 }
                 match policy.admit(group, &loads[g], demand, self.batch_open) {
                     Admission::Admit => {
-                        let committed: u32 = loads[g].iter().map(|l| l.committed).sum();
-                        if chosen.is_none_or(|(_, c)| committed < c) {
-                            chosen = Some((g, committed));
+                        let here = Candidate {
+                            committed: loads[g].iter().map(|l| l.committed).sum(),
+                            prefill_tokens: lease_len
+                                .saturating_sub(self.reused_in(head_id, g).min(lease_len)),
+                            tokens_per_block: group.tokens_per_block,
+                        };
+                        if chosen.is_none_or(|(_, best)| routing.better(here, best)) {
+                            chosen = Some((g, here));
                         }
                     }
                     Admission::Never { .. } => never += 1,
@@ -233,6 +243,15 @@ impl Core {
                 .min(lease_len)
                 .min(self.budget[g].saturating_sub(reserve[g]));
             self.budget[g] -= first;
+            if self.groups.len() > 1 {
+                tracing::debug!(
+                    request = request.id.get(),
+                    pool_group = %group.name,
+                    reused_tokens = self.reused_in(request.id, g),
+                    routing = %routing.policy,
+                    "routed"
+                );
+            }
             leases.push(LeaseSpec {
                 seq_id,
                 request: request.id,
@@ -256,11 +275,13 @@ impl Core {
                 first_chunk: first,
             });
         }
+        // a match answers for this step only: the pools change under it
+        self.reuse.clear();
         leases
     }
 
     /// The pools of group `g` with what running sequences are charged.
-    fn loads(&self, g: usize) -> Vec<PoolLoad> {
+    pub(super) fn loads(&self, g: usize) -> Vec<PoolLoad> {
         let group = &self.groups[g];
         group
             .pools

@@ -29,8 +29,10 @@
 //! submodule adds the `impl Core` of one concern:
 //! - `fence`: step numbering, the fence of each release, when a step may be
 //!   reported complete (the founding rule).
-//! - `admission`: submitting requests, planning the step's leases, applying
-//!   the Lease outcomes.
+//! - `admission`: submitting requests, planning the step's leases (the group
+//!   by the routing cost), applying the Lease outcomes.
+//! - `routing`: what to ask the cache's `Match` for (the queue head) and the
+//!   per-group reuse it answered, which admission's routing cost reads.
 //! - `outcomes`: planning the running sequences' extends and forward batches,
 //!   applying the Extend outcomes and the forward results.
 //! - `lifecycle`: cancellation, preemption and requeue, finishing requests,
@@ -40,8 +42,9 @@ mod admission;
 mod fence;
 mod lifecycle;
 mod outcomes;
+mod routing;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use crate::domain::{Extra, GroupGeometry, Output, RequestId, SeqId, Table};
@@ -49,6 +52,7 @@ use crate::policy::{Demand, OnExhausted, Policy};
 use crate::queue::{Queue, Request};
 
 pub use fence::ReleaseBatch;
+pub use routing::{MATCH_BATCH, MatchWanted};
 
 /// The knobs of the core.
 #[derive(Debug, Clone)]
@@ -70,6 +74,8 @@ pub struct CoreConfig {
     /// Longest a request may wait in the queue before it ends `REJECTED`
     /// with `QUEUE_TIMEOUT` (None: forever).
     pub max_queue_wait: Option<Duration>,
+    /// How admission picks among the groups that could admit a request.
+    pub routing: crate::routing::RoutingConfig,
 }
 
 impl Default for CoreConfig {
@@ -83,6 +89,7 @@ impl Default for CoreConfig {
             prefill_chunk: 512,
             draft_k: 0,
             max_queue_wait: None,
+            routing: crate::routing::RoutingConfig::default(),
         }
     }
 }
@@ -244,6 +251,9 @@ pub struct Core {
     /// so new requests go to the replicas that still answer.
     down_until: Vec<Option<Instant>>,
     counters: Counters,
+    /// Reused tokens per queued request and group, from this step's
+    /// `Match` (see [`Core::set_reuse`]); cleared by admission.
+    reuse: HashMap<RequestId, Vec<u32>>,
 }
 
 /// How long a group whose worker failed is left out of admission before it
@@ -274,6 +284,7 @@ impl Core {
             exhausted_this_step: false,
             down_until,
             counters: Counters::default(),
+            reuse: HashMap::new(),
         }
     }
 

@@ -36,6 +36,9 @@ pub const REUSE_HIT_RATE: &str = "kvlease_reuse_hit_rate";
 pub const ESTIMATED_HIT_RATE: &str = "kvlease_cache_estimated_hit_rate";
 /// Counter, labels [`POOL_GROUP`], [`POOL_ID`]: blocks the leak audit reclaimed.
 pub const LEAKED_BLOCKS_RECLAIMED_TOTAL: &str = "kvlease_leaked_blocks_reclaimed_total";
+/// Counter: prompts `Match` looked up for routing (read-only; one per prompt, whatever the
+/// number of groups).
+pub const MATCH_PROMPTS_TOTAL: &str = "kvlease_match_prompts_total";
 
 // === scheduler ===
 
@@ -67,6 +70,9 @@ pub const PROMPT_TOKENS_TOTAL: &str = "kvlease_prompt_tokens_total";
 pub const OUTPUT_TOKENS_TOTAL: &str = "kvlease_output_tokens_total";
 /// Counter: prompt tokens served from cached blocks instead of being computed.
 pub const REUSED_TOKENS_TOTAL: &str = "kvlease_reused_tokens_total";
+/// Counter: `Match` calls that failed, so kv-aware routing fell back to load alone
+/// (least committed) for that step.
+pub const ROUTING_MATCH_FAILURES_TOTAL: &str = "kvlease_routing_match_failures_total";
 
 // === worker ===
 

@@ -560,3 +560,35 @@ class AuditResponse(_message.Message):
     reclaimed: _containers.RepeatedCompositeFieldContainer[LeakedBlock]
     blocks_checked: int
     def __init__(self, reclaimed: _Optional[_Iterable[_Union[LeakedBlock, _Mapping]]] = ..., blocks_checked: _Optional[int] = ...) -> None: ...
+
+class MatchPrompt(_message.Message):
+    __slots__ = ("prompt_tokens", "cache_salt")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class MatchRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "pool_groups", "prompts")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    POOL_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    epoch: int
+    pool_groups: _containers.RepeatedScalarFieldContainer[str]
+    prompts: _containers.RepeatedCompositeFieldContainer[MatchPrompt]
+    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., pool_groups: _Optional[_Iterable[str]] = ..., prompts: _Optional[_Iterable[_Union[MatchPrompt, _Mapping]]] = ...) -> None: ...
+
+class MatchResult(_message.Message):
+    __slots__ = ("reused_tokens",)
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    reused_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reused_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[MatchResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[MatchResult, _Mapping]]] = ...) -> None: ...

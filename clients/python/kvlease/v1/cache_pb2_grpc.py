@@ -104,6 +104,11 @@ class CacheServiceStub:
                 request_serializer=kvlease_dot_v1_dot_cache__pb2.AuditRequest.SerializeToString,
                 response_deserializer=kvlease_dot_v1_dot_cache__pb2.AuditResponse.FromString,
                 _registered_method=True)
+        self.Match = channel.unary_unary(
+                '/kvlease.v1.CacheService/Match',
+                request_serializer=kvlease_dot_v1_dot_cache__pb2.MatchRequest.SerializeToString,
+                response_deserializer=kvlease_dot_v1_dot_cache__pb2.MatchResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -237,6 +242,20 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Match(self, request, context):
+        """Batch, read-only: for each prompt and each named pool group, the prefix
+        tokens a Lease in that group would reuse right now. For routing a new
+        request to the replica that holds its prefix. Leases, pins and evicts
+        nothing, and changes neither the eviction order (recency) nor the hit
+        rates and miss-ratio curves. The caller names its session (the call renews
+        it) and may only match the groups its principal registered: PERMISSION_DENIED
+        for another principal's group, NOT_FOUND for an unknown one, so no caller
+        learns whether another tenant's prompt is cached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -309,6 +328,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Audit,
                     request_deserializer=kvlease_dot_v1_dot_cache__pb2.AuditRequest.FromString,
                     response_serializer=kvlease_dot_v1_dot_cache__pb2.AuditResponse.SerializeToString,
+            ),
+            'Match': grpc.unary_unary_rpc_method_handler(
+                    servicer.Match,
+                    request_deserializer=kvlease_dot_v1_dot_cache__pb2.MatchRequest.FromString,
+                    response_serializer=kvlease_dot_v1_dot_cache__pb2.MatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -689,6 +713,33 @@ class CacheService:
             '/kvlease.v1.CacheService/Audit',
             kvlease_dot_v1_dot_cache__pb2.AuditRequest.SerializeToString,
             kvlease_dot_v1_dot_cache__pb2.AuditResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Match(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvlease.v1.CacheService/Match',
+            kvlease_dot_v1_dot_cache__pb2.MatchRequest.SerializeToString,
+            kvlease_dot_v1_dot_cache__pb2.MatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,84 @@
+//! Routing inputs of admission: which queued requests the step loop should
+//! ask the cache's `Match` about, and the per-group reuse it answers, which
+//! [`Core::plan_admission`] consumes to score the groups
+//! ([`crate::routing`]).
+
+use std::collections::HashMap;
+
+use super::Core;
+use crate::domain::RequestId;
+use crate::policy::{Admission, Demand};
+use crate::routing::Routing;
+
+/// Most queued requests one step asks `Match` about.
+pub const MATCH_BATCH: usize = 64;
+
+/// A queued request the loop should match: its id, the context a lease of
+/// it would carry, and its cache salt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MatchWanted {
+    pub request: RequestId,
+    pub context: Vec<u32>,
+    pub cache_salt: String,
+}
+
+impl Core {
+    /// The requests admission may consider this step (the head of the
+    /// queue, up to the free sequence slots), when routing has a choice to
+    /// make: `kv-aware` with more than one group, and some group could
+    /// admit the head now. Empty otherwise.
+    pub fn match_wanted(&self) -> Vec<MatchWanted> {
+        if self.config.routing.policy != Routing::KvAware
+            || self.groups.len() < 2
+            || self.exhausted_this_step
+        {
+            return Vec::new();
+        }
+        // nothing to route while no group could take the head now (a
+        // saturated cluster would otherwise send the queue every step)
+        let Some(head) = self.queue.front() else {
+            return Vec::new();
+        };
+        let extra = self.extra_for(head);
+        let demand = Demand {
+            next_tokens: head.lease_tokens(extra),
+            life_tokens: head.full_life_tokens(extra),
+        };
+        let admissible = self.groups.iter().enumerate().any(|(g, group)| {
+            let loads = self.loads(g);
+            self.config
+                .policy
+                .admit(group, &loads, demand, self.batch_open)
+                == Admission::Admit
+        });
+        if !admissible {
+            return Vec::new();
+        }
+        let slots = (self.config.max_seqs as usize).saturating_sub(self.running());
+        self.queue
+            .head(slots.min(MATCH_BATCH))
+            .map(|r| MatchWanted {
+                request: r.id,
+                context: r.context(),
+                cache_salt: r.cache_salt.clone(),
+            })
+            .collect()
+    }
+
+    /// The reused tokens `Match` reported, per request and group (in the
+    /// order of [`Core::groups`]), for the next [`Core::plan_admission`]
+    /// only. A request without an entry is routed as if nothing were
+    /// cached for it (least committed, for groups of one block size).
+    pub fn set_reuse(&mut self, reuse: HashMap<RequestId, Vec<u32>>) {
+        self.reuse = reuse;
+    }
+
+    /// Tokens of `request`'s context cached in group `g`, as last matched.
+    pub(super) fn reused_in(&self, request: RequestId, g: usize) -> u32 {
+        self.reuse
+            .get(&request)
+            .and_then(|per_group| per_group.get(g))
+            .copied()
+            .unwrap_or(0)
+    }
+}
