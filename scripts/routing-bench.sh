@@ -32,7 +32,7 @@ kvlease=${KVLEASE_BIN:-target/release/kvlease}
 trace=${TRACE:-../shared/traces/mooncake-synthetic.jsonl}
 requests=200 max_prompt=384 max_output=8 concurrency=8 port=57051
 budgets="1:44 2:35 4:31" replicas="1 2 4" policies="least-committed kv-aware"
-max_context=512 sessions=80 weight=1 traces="mooncake conversations"
+max_context=512 sessions=80 weight=8 traces="mooncake conversations"
 while [ $# -gt 0 ]; do
   case "$1" in
     --requests) requests=$2; shift 2 ;;

@@ -126,7 +126,7 @@ struct UpArgs {
     #[arg(
         long,
         env = "KVLEASE_SCHEDULER_ROUTING_PREFILL_WEIGHT",
-        default_value = "1"
+        default_value = "8"
     )]
     routing_prefill_weight: scheduler_svc::routing::PrefillWeight,
     /// A real model on every worker: `smollm2` (after `kvlease model fetch

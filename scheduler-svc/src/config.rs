@@ -46,7 +46,7 @@ const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 << 20;
 const DEFAULT_MAX_QUEUE: usize = 4096;
 const DEFAULT_MAX_QUEUE_WAIT_MS: u64 = 60_000;
 const DEFAULT_ROUTING: Routing = Routing::KvAware;
-const DEFAULT_ROUTING_PREFILL_WEIGHT: PrefillWeight = PrefillWeight::ONE;
+const DEFAULT_ROUTING_PREFILL_WEIGHT: PrefillWeight = PrefillWeight::DEFAULT;
 
 /// The scheduler's configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Parser)]

@@ -65,7 +65,13 @@ impl FromStr for Routing {
 pub struct PrefillWeight(f64);
 
 impl PrefillWeight {
-    pub const ONE: Self = Self(1.0);
+    /// The default: eight blocks of load outweigh one block to prefill. A
+    /// group's committed blocks are the whole lives the capacity policy
+    /// charges its running sequences, so one running request weighs about
+    /// as much as a whole cached prompt saves; at weight 1 a busy group's
+    /// cached prefix rarely wins (README, Routing across replicas: the
+    /// bench at 1 and at 8).
+    pub const DEFAULT: Self = Self(8.0);
 
     pub fn get(self) -> f64 {
         self.0
@@ -115,7 +121,7 @@ impl Default for RoutingConfig {
     fn default() -> Self {
         Self {
             policy: Routing::KvAware,
-            prefill_weight: PrefillWeight::ONE,
+            prefill_weight: PrefillWeight::DEFAULT,
         }
     }
 }
@@ -165,14 +171,15 @@ mod tests {
     #[test]
     fn kv_aware_weighs_prefill_after_reuse_against_load() {
         let kv = RoutingConfig::default();
-        // 160 tokens to compute (10 blocks) on an idle group vs 16 (1 block)
-        // on a group with 5 blocks committed: the cached one wins
+        assert_eq!(kv.prefill_weight.get(), 8.0);
+        // 160 tokens to compute (10 blocks: 80) on an idle group vs 16 (1
+        // block: 8) on a group with 5 blocks committed: the cached one wins
         assert!(kv.better(cand(5, 16), cand(0, 160)));
-        // ... unless it is much more loaded
-        assert!(kv.better(cand(0, 160), cand(20, 16)));
-        // equal cost: the least committed
-        assert!(kv.better(cand(2, 32), cand(3, 16)));
-        assert!(!kv.better(cand(3, 16), cand(2, 32)));
+        // ... unless it is much more loaded (8 + 100 > 80)
+        assert!(kv.better(cand(0, 160), cand(100, 16)));
+        // equal cost (16 + 2 = 8 + 10): the least committed
+        assert!(kv.better(cand(2, 32), cand(10, 16)));
+        assert!(!kv.better(cand(10, 16), cand(2, 32)));
         // weight 0: load alone
         let load_only = RoutingConfig {
             prefill_weight: "0".parse().unwrap(),
@@ -206,7 +213,7 @@ mod tests {
         for bad in ["-1", "NaN", "inf", "x", "1e9"] {
             assert!(bad.parse::<PrefillWeight>().is_err(), "{bad}");
         }
-        let one: PrefillWeight = PrefillWeight::ONE.to_string().parse().unwrap();
-        assert_eq!(one, PrefillWeight::ONE);
+        let one: PrefillWeight = PrefillWeight::DEFAULT.to_string().parse().unwrap();
+        assert_eq!(one, PrefillWeight::DEFAULT);
     }
 }

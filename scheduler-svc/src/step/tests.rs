@@ -1588,8 +1588,9 @@ fn kv_aware_routing_leaves_a_much_more_loaded_group() {
     let mut c = two_groups(crate::routing::Routing::KvAware);
     // 50 blocks committed on g0
     assert_eq!(route(&mut c, request(1, 200, 64), Some([0, 0])), "g0");
-    // its prefix saves 19 blocks on g0, the load there costs 50 more
-    assert_eq!(route(&mut c, request(2, 80, 64), Some([76, 0])), "g1");
+    // its prefix saves 2 blocks on g0 (16 at the default weight 8), the
+    // load there costs 50 more
+    assert_eq!(route(&mut c, request(2, 80, 64), Some([8, 0])), "g1");
 }
 
 #[test]
