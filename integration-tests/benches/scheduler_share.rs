@@ -94,9 +94,13 @@ async fn forward_step() -> (Duration, Duration) {
                 ..Default::default()
             })
             .collect();
-        w.forward(pb::ForwardRequest { step: 1, sequences })
-            .await
-            .expect("prefill");
+        w.forward(pb::ForwardRequest {
+            tier_copies: Vec::new(),
+            step: 1,
+            sequences,
+        })
+        .await
+        .expect("prefill");
     }
     let mut wall = Duration::ZERO;
     let mut compute = Duration::ZERO;
@@ -113,6 +117,7 @@ async fn forward_step() -> (Duration, Duration) {
         let start = Instant::now();
         let r = w
             .forward(pb::ForwardRequest {
+                tier_copies: Vec::new(),
                 step: 2 + u64::from(i),
                 sequences,
             })

@@ -234,6 +234,7 @@ impl CacheClient {
             pools: pools
                 .iter()
                 .map(|&(window, num_blocks)| pb::PoolSpec {
+                    host_blocks: 0,
                     window: window.into(),
                     num_blocks: num_blocks.into(),
                 })
@@ -575,6 +576,7 @@ impl WorkerClient {
     /// One forward pass; one result per item, in order.
     pub async fn forward(&self, step: u64, items: &[ForwardItem]) -> Result<Vec<ForwardResult>> {
         let req = pb::ForwardRequest {
+            tier_copies: Vec::new(),
             step,
             sequences: items
                 .iter()

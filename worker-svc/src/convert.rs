@@ -90,6 +90,7 @@ pub(crate) fn describe_response(info: &WorkerInfo, tokenizer: &Tokenizer) -> pb:
             .pools
             .iter()
             .map(|p| pb::WorkerPool {
+                host_blocks: 0,
                 window: p.window,
                 num_layers: p.num_layers,
                 num_blocks: p.num_blocks,

@@ -264,6 +264,7 @@ mod tests {
         };
         let ok = svc
             .forward(Request::new(pb::ForwardRequest {
+                tier_copies: Vec::new(),
                 step: 1,
                 sequences: vec![seq(1, 8)],
             }))
@@ -271,6 +272,7 @@ mod tests {
         assert!(ok.is_ok(), "{ok:?}");
         let bad = svc
             .forward(Request::new(pb::ForwardRequest {
+                tier_copies: Vec::new(),
                 step: 2,
                 sequences: vec![seq(2, 9)],
             }))

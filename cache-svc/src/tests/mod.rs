@@ -3,6 +3,7 @@
 
 mod limits;
 mod proptests;
+mod tiers;
 
 use std::time::{Duration, Instant};
 
@@ -22,6 +23,25 @@ pub(super) struct Fixture {
 impl Fixture {
     pub(super) fn new(tokens_per_block: u32, pools: &[(u32, u32)]) -> Self {
         Self::with_config(CacheConfig::default(), tokens_per_block, pools)
+    }
+
+    pub(super) fn with_tiers(
+        config: CacheConfig,
+        tokens_per_block: u32,
+        pools: &[(u32, u32, u32)],
+    ) -> Self {
+        let mut cache = Cache::with_epoch(config, crate::Epoch(7));
+        cache
+            .register_pool_tiered(GROUP, tokens_per_block, pools)
+            .unwrap();
+        let now = Instant::now();
+        let opened = cache.open_session("test", None, now).unwrap();
+        Self {
+            cache,
+            session: opened.session_id,
+            epoch: opened.epoch,
+            now,
+        }
     }
 
     pub(super) fn with_config(
