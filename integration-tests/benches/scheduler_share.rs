@@ -136,11 +136,13 @@ fn group() -> GroupGeometry {
         tokens_per_block: TPB,
         pools: vec![
             PoolGeometry {
+                host_blocks: 0,
                 pool_id: 1,
                 window: 0,
                 num_blocks: 1_000_000,
             },
             PoolGeometry {
+                host_blocks: 0,
                 pool_id: 2,
                 window: 64,
                 num_blocks: 1_000_000,
@@ -171,6 +173,7 @@ fn extend_grant(seq_id: SeqId) -> Outcome {
         },
     ];
     Outcome::Grant(Grant {
+        tier_copies: Vec::new(),
         seq_id,
         tables,
         reused_tokens: 0,
@@ -181,6 +184,7 @@ fn extend_grant(seq_id: SeqId) -> Outcome {
 
 fn grant(seq_id: SeqId) -> Outcome {
     Outcome::Grant(Grant {
+        tier_copies: Vec::new(),
         seq_id,
         tables: tables(seq_id.get() as u32),
         reused_tokens: 0,

@@ -33,6 +33,8 @@
 //!   the Lease outcomes.
 //! - `outcomes`: planning the running sequences' extends and forward batches,
 //!   applying the Extend outcomes and the forward results.
+//! - `tiers`: the host-tier copies grants name, carried to the workers in
+//!   the forward pass of their step.
 //! - `lifecycle`: cancellation, preemption and requeue, finishing requests,
 //!   lost leases, and the outputs that tell the loop about each of them.
 
@@ -40,6 +42,7 @@ mod admission;
 mod fence;
 mod lifecycle;
 mod outcomes;
+mod tiers;
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
@@ -244,6 +247,9 @@ pub struct Core {
     /// so new requests go to the replicas that still answer.
     down_until: Vec<Option<Instant>>,
     counters: Counters,
+    /// Host-tier copies of this step, and whether the cache must drop
+    /// its pending demotions.
+    tiers: tiers::TierCopies,
 }
 
 /// How long a group whose worker failed is left out of admission before it
@@ -274,6 +280,7 @@ impl Core {
             exhausted_this_step: false,
             down_until,
             counters: Counters::default(),
+            tiers: tiers::TierCopies::default(),
         }
     }
 

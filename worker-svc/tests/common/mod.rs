@@ -65,6 +65,7 @@ fn tiny_config(rng: &mut Rng) -> ModelConfig {
 /// tokens, 2 threads.
 pub(crate) fn options() -> WorkerOptions {
     WorkerOptions {
+        host_blocks: 0,
         memory_budget_bytes: 16 << 20,
         limits: Limits {
             max_batch_sequences: 16,
