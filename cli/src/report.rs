@@ -199,8 +199,9 @@ impl fmt::Display for Summary {
             f,
             "TTFT",
             format!(
-                "p50 {}  p99 {}",
+                "p50 {}  p90 {}  p99 {}",
                 ms(percentile(&self.ttft, 50.0)),
+                ms(percentile(&self.ttft, 90.0)),
                 ms(percentile(&self.ttft, 99.0))
             ),
         )?;

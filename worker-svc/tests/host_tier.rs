@@ -8,9 +8,9 @@
 #[allow(dead_code)]
 mod common;
 
-use common::{fixed_model, table};
+use common::{fixed_model, seq_input as seq, table};
 use worker_svc::Error;
-use worker_svc::batch::{Sampling, SeqInput, TableInput, TierCopyInput, TierDirection};
+use worker_svc::batch::{SeqInput, TierCopyInput, TierDirection};
 use worker_svc::model::weights::Weights;
 use worker_svc::worker::{Worker, WorkerOptions};
 
@@ -20,18 +20,6 @@ fn tiered_worker(weights: &Weights, host_blocks: u32) -> Worker {
         ..common::options()
     };
     Worker::new_cpu(weights.clone(), options).unwrap_or_else(|e| panic!("worker: {e}"))
-}
-
-fn seq(seq_id: u64, tokens: &[u32], start: u32, tables: Vec<TableInput>) -> SeqInput {
-    SeqInput {
-        seq_id,
-        tokens: tokens.to_vec(),
-        start_pos: start,
-        tables,
-        all_positions: true,
-        sampling: Sampling::GREEDY,
-        copies: Vec::new(),
-    }
 }
 
 fn run(worker: &mut Worker, s: SeqInput) -> Vec<f32> {
@@ -165,5 +153,24 @@ fn malformed_tier_copies_are_refused_and_copy_nothing() {
             assert!(message.contains("no host tier"), "{message}")
         }
         other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// The cuda backend has no host tier yet: asked for one, it refuses at
+/// start-up, before it touches a device (so this runs without a GPU).
+#[cfg(feature = "cuda")]
+#[test]
+fn a_cuda_worker_asked_for_a_host_tier_refuses_at_start_up() {
+    let weights = fixed_model(vec![0, 32, 0], 4);
+    let options = WorkerOptions {
+        host_blocks: 8,
+        ..common::options()
+    };
+    let gpu = worker_svc::backend::CudaOptions::default();
+    match Worker::new_cuda(weights, options, gpu) {
+        Err(Error::Config(message)) => {
+            assert!(message.contains("host-memory tier"), "{message}")
+        }
+        other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
     }
 }

@@ -49,16 +49,8 @@ impl Fixture {
         tokens_per_block: u32,
         pools: &[(u32, u32)],
     ) -> Self {
-        let mut cache = Cache::with_epoch(config, crate::Epoch(7));
-        cache.register_pool(GROUP, tokens_per_block, pools).unwrap();
-        let now = Instant::now();
-        let opened = cache.open_session("test", None, now).unwrap();
-        Self {
-            cache,
-            session: opened.session_id,
-            epoch: opened.epoch,
-            now,
-        }
+        let tiered: Vec<(u32, u32, u32)> = pools.iter().map(|&(w, n)| (w, n, 0)).collect();
+        Self::with_tiers(config, tokens_per_block, &tiered)
     }
 
     pub(super) fn lease(&mut self, step: u64, atomic: bool, specs: &[SeqSpec]) -> Vec<Outcome> {
