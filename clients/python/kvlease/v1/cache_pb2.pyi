@@ -234,6 +234,20 @@ class Grant(_message.Message):
     tier_copies: _containers.RepeatedCompositeFieldContainer[TierCopy]
     def __init__(self, seq_id: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., reused_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., tier_copies: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ...) -> None: ...
 
+class BlockCopy(_message.Message):
+    __slots__ = ("pool_id", "window", "src_block", "dst_block", "tokens")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: int
+    window: int
+    src_block: int
+    dst_block: int
+    tokens: int
+    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., src_block: _Optional[int] = ..., dst_block: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
 class TierCopy(_message.Message):
     __slots__ = ("pool_id", "window", "direction", "device_block", "host_block")
     class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -253,20 +267,6 @@ class TierCopy(_message.Message):
     device_block: int
     host_block: int
     def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., direction: _Optional[_Union[TierCopy.Direction, str]] = ..., device_block: _Optional[int] = ..., host_block: _Optional[int] = ...) -> None: ...
-
-class BlockCopy(_message.Message):
-    __slots__ = ("pool_id", "window", "src_block", "dst_block", "tokens")
-    POOL_ID_FIELD_NUMBER: _ClassVar[int]
-    WINDOW_FIELD_NUMBER: _ClassVar[int]
-    SRC_BLOCK_FIELD_NUMBER: _ClassVar[int]
-    DST_BLOCK_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    pool_id: int
-    window: int
-    src_block: int
-    dst_block: int
-    tokens: int
-    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., src_block: _Optional[int] = ..., dst_block: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("seq_id", "reason", "pool_id", "window", "blocks_needed", "blocks_free", "blocks_pending_free", "message")
