@@ -108,6 +108,7 @@ async fn over_grpc(samples: usize) -> (Vec<Duration>, Vec<Duration>, usize) {
         pool_group: "g".into(),
         tokens_per_block: 16,
         pools: vec![pb::PoolSpec {
+            host_blocks: 0,
             window: 0,
             num_blocks: u64::from(BLOCKS),
         }],

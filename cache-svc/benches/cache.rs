@@ -172,10 +172,12 @@ async fn grpc(iterations: u32, tls: Option<&std::path::Path>) -> (Duration, Dura
             tokens_per_block: 16,
             pools: vec![
                 pb::PoolSpec {
+                    host_blocks: 0,
                     window: 0,
                     num_blocks: 65_536,
                 },
                 pb::PoolSpec {
+                    host_blocks: 0,
                     window: 256,
                     num_blocks: 65_536,
                 },

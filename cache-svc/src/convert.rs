@@ -6,7 +6,10 @@ use kvlease_proto::v1 as pb;
 use crate::cache::{MatchPrompt, PoolStats, ShapeEstimate};
 use crate::error::{Error, Result};
 use crate::events::EventKind;
-use crate::lease::{DEFAULT_PRIORITY, Extra, Grant, Outcome, Prompt, Reject, SeqSpec};
+use crate::lease::{
+    DEFAULT_PRIORITY, Extra, Grant, Outcome, Prompt, Reject, SeqSpec, TierCopy, TierDirection,
+};
+use crate::pool::Tier;
 
 pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
     let prompt = match (s.prompt_tokens.is_empty(), s.num_tokens) {
@@ -87,6 +90,21 @@ pub(crate) fn grant_to_pb(g: Grant) -> pb::Grant {
                 tokens: c.tokens,
             })
             .collect(),
+        tier_copies: g.tier_copies.into_iter().map(tier_copy_to_pb).collect(),
+    }
+}
+
+fn tier_copy_to_pb(c: TierCopy) -> pb::TierCopy {
+    let direction = match c.direction {
+        TierDirection::Demote => pb::tier_copy::Direction::Demote,
+        TierDirection::Onboard => pb::tier_copy::Direction::Onboard,
+    };
+    pb::TierCopy {
+        pool_id: c.pool_id,
+        window: c.window,
+        direction: direction as i32,
+        device_block: c.device_block,
+        host_block: c.host_block,
     }
 }
 
@@ -156,6 +174,14 @@ pub(crate) fn stats_to_pb(p: PoolStats) -> pb::PoolStats {
                 sampled_lookups: e.sampled_lookups,
             })
             .collect(),
+        host_total: p.host.total,
+        host_free: p.host.free,
+        host_pending: p.host.pending,
+        host_cached: p.host.cached,
+        host_pinned: p.host.pinned,
+        demotions: p.counters.demotions,
+        onboards: p.counters.onboards,
+        demotions_dropped: p.counters.demotions_dropped,
     }
 }
 
@@ -190,6 +216,10 @@ pub(crate) fn event_to_pb(e: crate::events::Event) -> pb::CacheEvent {
         id: e.id,
         pool_id: e.pool_id,
         kind: Some(kind),
+        tier: match e.tier {
+            Tier::Device => pb::Tier::Device,
+            Tier::Host => pb::Tier::Host,
+        } as i32,
     }
 }
 

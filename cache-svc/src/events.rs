@@ -2,6 +2,8 @@
 
 use std::collections::VecDeque;
 
+use crate::pool::Tier;
+
 /// What happened to some block hashes of one pool.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EventKind {
@@ -26,6 +28,8 @@ pub struct Event {
     pub id: u64,
     /// The pool.
     pub pool_id: u32,
+    /// The tier of the pool whose index changed.
+    pub tier: Tier,
     /// What happened.
     pub kind: EventKind,
 }
@@ -64,13 +68,14 @@ impl EventLog {
     }
 
     /// Appends one event, dropping the oldest when the buffer is full.
-    fn push(&mut self, pool_id: u32, kind: EventKind) {
+    fn push(&mut self, pool_id: u32, tier: Tier, kind: EventKind) {
         if self.buf.len() == self.capacity {
             self.buf.pop_front();
         }
         self.buf.push_back(Event {
             id: self.next_id,
             pool_id,
+            tier,
             kind,
         });
         self.next_id += 1;
@@ -78,7 +83,7 @@ impl EventLog {
 
     /// Appends the events of one operation on one pool, coalescing runs of
     /// stored chains and of removals.
-    pub(crate) fn push_batch(&mut self, pool_id: u32, kinds: Vec<EventKind>) {
+    pub(crate) fn push_batch(&mut self, pool_id: u32, tier: Tier, kinds: Vec<EventKind>) {
         let mut pending: Option<EventKind> = None;
         for kind in kinds {
             pending = match (pending, kind) {
@@ -97,14 +102,14 @@ impl EventLog {
                     Some(EventKind::Removed { hashes })
                 }
                 (Some(done), next) => {
-                    self.push(pool_id, done);
+                    self.push(pool_id, tier, done);
                     Some(next)
                 }
                 (None, next) => Some(next),
             };
         }
         if let Some(done) = pending {
-            self.push(pool_id, done);
+            self.push(pool_id, tier, done);
         }
     }
 
@@ -135,8 +140,16 @@ mod tests {
     #[test]
     fn ids_are_monotonic_and_chains_coalesce() {
         let mut log = EventLog::new(8);
-        log.push_batch(1, vec![stored(5, 0), stored(6, 5), stored(9, 0)]);
-        log.push_batch(1, vec![EventKind::Removed { hashes: vec![6] }]);
+        log.push_batch(
+            1,
+            Tier::Device,
+            vec![stored(5, 0), stored(6, 5), stored(9, 0)],
+        );
+        log.push_batch(
+            1,
+            Tier::Device,
+            vec![EventKind::Removed { hashes: vec![6] }],
+        );
         let all = log.since(0, 100);
         assert_eq!(all.lost_before, None);
         let ids: Vec<u64> = all.events.iter().map(|e| e.id).collect();
@@ -155,7 +168,11 @@ mod tests {
     fn the_buffer_is_bounded_and_says_what_was_lost() {
         let mut log = EventLog::new(2);
         for h in 1..=5 {
-            log.push_batch(1, vec![EventKind::Removed { hashes: vec![h] }]);
+            log.push_batch(
+                1,
+                Tier::Device,
+                vec![EventKind::Removed { hashes: vec![h] }],
+            );
         }
         let read = log.since(0, 100);
         assert_eq!(read.lost_before, Some(4));

@@ -192,6 +192,35 @@ pub struct Grant {
     /// Partial-block copies the forward pass of the lease's step applies
     /// first (`Lease` only; at most one per pool).
     pub copies: Vec<BlockCopy>,
+    /// Copies between the device and host tiers the forward pass of the
+    /// call's step applies before anything else, in order: demotions of
+    /// device blocks this call's allocations evicted, then onboardings of
+    /// this sequence's prefix blocks found on the host.
+    pub tier_copies: Vec<TierCopy>,
+}
+
+/// Which way a [`TierCopy`] goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TierDirection {
+    /// Device block -> host block (an evicted block kept on the host).
+    Demote,
+    /// Host block -> device block (a host-cached prefix block brought back).
+    Onboard,
+}
+
+/// Copy one whole block between the device and the host arena of a pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TierCopy {
+    /// The pool's service-wide id.
+    pub pool_id: u32,
+    /// The pool's window.
+    pub window: u32,
+    /// Which way.
+    pub direction: TierDirection,
+    /// The device block.
+    pub device_block: BlockId,
+    /// The host block.
+    pub host_block: crate::tier::HostBlockId,
 }
 
 /// Copy slots `[0, tokens)` of `src_block` into `dst_block`, in one pool.

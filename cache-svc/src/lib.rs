@@ -44,6 +44,7 @@ pub mod prefix;
 mod server;
 mod service;
 mod session;
+pub mod tier;
 
 pub use cache::{Batch, Cache, CacheConfig};
 pub use config::Config;

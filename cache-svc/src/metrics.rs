@@ -26,6 +26,8 @@ pub(crate) struct CacheMetrics {
     estimated_hit_rate: GaugeVec<3>,
     leaks: CounterVec<2>,
     matched: Counter,
+    host_blocks: GaugeVec<3>,
+    tier_copies: CounterVec<3>,
 }
 
 /// What the cache's metrics endpoint exports: every family it registers.
@@ -127,7 +129,23 @@ impl CacheMetrics {
                 "Prompts Match looked up for routing (read-only).",
             )
             .map_err(fail)?;
+        let host_blocks = r
+            .gauge_vec(
+                names::HOST_TIER_BLOCKS,
+                "Blocks of a pool's host tier in each state (free, pending, cached, pinned).",
+                [names::POOL_GROUP, names::POOL_ID, names::STATE],
+            )
+            .map_err(fail)?;
+        let tier_copies = r
+            .counter_vec(
+                names::TIER_COPY_BLOCKS_TOTAL,
+                "Blocks copied between a pool's device and host tiers (demoted, onboarded, demotion_dropped).",
+                [names::POOL_GROUP, names::POOL_ID, names::DIRECTION],
+            )
+            .map_err(fail)?;
         Ok(Self {
+            host_blocks,
+            tier_copies,
             registry: Arc::new(registry),
             blocks,
             capacity,
@@ -194,6 +212,24 @@ impl CacheMetrics {
             catch_up(&self.reuse_hits, pool, k.reuse_hits);
             catch_up(&self.reuse_lookups, pool, k.reuse_lookups);
             catch_up(&self.leaks, pool, k.leaks_reclaimed);
+            let h = p.pool.host().counts();
+            if h.total > 0 {
+                for (state, n) in [
+                    (names::STATE_FREE, h.free),
+                    (names::STATE_PENDING, h.pending),
+                    (names::STATE_CACHED, h.cached),
+                    (names::STATE_PINNED, h.pinned),
+                ] {
+                    self.host_blocks.with([group, &id, state]).set(f64::from(n));
+                }
+                for (direction, n) in [
+                    (names::DIRECTION_DEMOTED, k.demotions),
+                    (names::DIRECTION_ONBOARDED, k.onboards),
+                    (names::DIRECTION_DEMOTION_DROPPED, k.demotions_dropped),
+                ] {
+                    catch_up(&self.tier_copies, [group, &id, direction], n);
+                }
+            }
             let rate = if k.reuse_lookups == 0 {
                 0.0
             } else {
@@ -211,7 +247,7 @@ impl CacheMetrics {
 }
 
 /// Advances a counter to the core's monotonic figure.
-fn catch_up(counter: &CounterVec<2>, labels: [&str; 2], value: u64) {
+fn catch_up<const N: usize>(counter: &CounterVec<N>, labels: [&str; N], value: u64) {
     let c = counter.with(labels);
     c.inc_by(value.saturating_sub(c.get()));
 }

@@ -26,6 +26,7 @@ use foldhash::{HashMap, HashMapExt};
 use crate::eviction::{EvictionPolicy, PriorityLru};
 use crate::mrc::{HitRateEstimate, MissRatioCurve};
 use crate::partial::PartialIndex;
+use crate::tier::{Demotion, HostTier};
 
 pub use crate::ids::BlockId;
 
@@ -51,20 +52,34 @@ pub enum BlockState {
     Fenced,
 }
 
+/// Where a cached block's content lives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Tier {
+    /// The worker's device arena (the pool proper).
+    #[default]
+    Device,
+    /// The worker's host-memory arena (see `tier`).
+    Host,
+}
+
 /// An event of the prefix index, for the event stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum IndexEvent {
-    /// A block's hash became reusable.
+    /// A block's hash became reusable in `tier`.
     Stored {
         /// The block's hash.
         hash: u64,
         /// Its parent's hash (0 for a root block).
         parent: u64,
+        /// The tier it is now cached in.
+        tier: Tier,
     },
-    /// A hash left the index (its block was evicted).
+    /// A hash left `tier`'s index (its block was evicted).
     Removed {
         /// The block's hash.
         hash: u64,
+        /// The tier it left.
+        tier: Tier,
     },
 }
 
@@ -129,6 +144,12 @@ pub struct PoolCounters {
     pub leaks_reclaimed: u64,
     /// Blocks handed out for writing (free or evicted).
     pub allocations: u64,
+    /// Evicted device blocks demoted to the host tier (copy named).
+    pub demotions: u64,
+    /// Prompt blocks onboarded from the host tier (warm-up excluded).
+    pub onboards: u64,
+    /// Demotions dropped before publication (the copy was not vouched for).
+    pub demotions_dropped: u64,
 }
 
 /// One pool of blocks.
@@ -144,6 +165,10 @@ pub struct BlockPool {
     events: Vec<IndexEvent>,
     mrc: MissRatioCurve,
     partials: PartialIndex,
+    /// The host tier (no blocks: none).
+    host: HostTier,
+    /// Demotions decided by evictions since the caller last took them.
+    demotions: Vec<Demotion>,
 }
 
 impl BlockPool {
@@ -169,7 +194,31 @@ impl BlockPool {
             events: Vec::new(),
             mrc: MissRatioCurve::new(num_blocks),
             partials: PartialIndex::new(),
+            host: HostTier::new(0),
+            demotions: Vec::new(),
         }
+    }
+
+    /// Gives the pool a host tier of `host_blocks` (replacing an empty one).
+    pub fn with_host_tier(mut self, host_blocks: u32) -> Self {
+        self.host = HostTier::new(host_blocks);
+        self
+    }
+
+    /// The host tier (empty when the pool has none).
+    pub fn host(&self) -> &HostTier {
+        &self.host
+    }
+
+    /// The host tier, to pin, unpin, publish or discard its blocks.
+    pub fn host_mut(&mut self) -> &mut HostTier {
+        &mut self.host
+    }
+
+    /// Demotions decided since the last call, in the order the worker must
+    /// apply them.
+    pub fn take_demotions(&mut self) -> Vec<Demotion> {
+        std::mem::take(&mut self.demotions)
     }
 
     /// Current figures.
@@ -221,7 +270,9 @@ impl BlockPool {
 
     /// Events of the prefix index since the last call.
     pub fn drain_events(&mut self) -> Vec<IndexEvent> {
-        std::mem::take(&mut self.events)
+        let mut events = std::mem::take(&mut self.events);
+        events.extend(self.host.drain_events());
+        events
     }
 
     /// Who last held `block`.
@@ -291,6 +342,7 @@ impl BlockPool {
             Some(b) => b,
             None => {
                 let victim = self.eviction.pop_victim()?;
+                self.demote(victim);
                 // The policy no longer holds it; settle() must not remove it again.
                 self.unpublish(victim);
                 self.counters.evictions += 1;
@@ -310,6 +362,31 @@ impl BlockPool {
         self.counts.in_use += 1;
         self.counters.allocations += 1;
         Some(block)
+    }
+
+    /// Keeps the content of `victim` (a cached block being evicted) in the
+    /// host tier when it has room and not already the same hash: reserves a
+    /// pending host block and records the copy. Partly filled blocks are
+    /// not demoted.
+    fn demote(&mut self, victim: BlockId) {
+        if self.host.is_empty() {
+            return;
+        }
+        let m = &self.meta[victim as usize];
+        let (Some(hash), false) = (m.hash, m.partial) else {
+            return;
+        };
+        if self.host.lookup(hash).is_some() {
+            return;
+        }
+        if let Some(host) = self.host.reserve(hash, m.parent) {
+            self.counters.demotions += 1;
+            self.demotions.push(Demotion {
+                device: victim,
+                host,
+                generation: self.host.generation(host),
+            });
+        }
     }
 
     /// Adds a reader to a published (cached, fenced or in-use) block.
@@ -420,6 +497,7 @@ impl BlockPool {
         self.events.push(IndexEvent::Stored {
             hash,
             parent: m.parent,
+            tier: Tier::Device,
         });
         self.settle(block, before);
         true
@@ -453,7 +531,10 @@ impl BlockPool {
             m.children = 0;
             self.index.remove(&hash);
             self.adjust_children(parent, false);
-            self.events.push(IndexEvent::Removed { hash });
+            self.events.push(IndexEvent::Removed {
+                hash,
+                tier: Tier::Device,
+            });
         }
     }
 
@@ -556,7 +637,7 @@ impl BlockPool {
                 return Err(format!("index entry {h:#x} -> {b} is stale"));
             }
         }
-        Ok(())
+        self.host.check_invariants()
     }
 }
 
@@ -605,13 +686,18 @@ mod tests {
             vec![
                 IndexEvent::Stored {
                     hash: 11,
-                    parent: 0
+                    parent: 0,
+                    tier: Tier::Device
                 },
                 IndexEvent::Stored {
                     hash: 22,
-                    parent: 11
+                    parent: 11,
+                    tier: Tier::Device
                 },
-                IndexEvent::Removed { hash: 22 },
+                IndexEvent::Removed {
+                    hash: 22,
+                    tier: Tier::Device
+                },
             ]
         );
     }

@@ -531,9 +531,10 @@ impl CacheService for CacheServiceImpl {
                 Ok((
                     narrow("window", p.window)?,
                     narrow("num_blocks", p.num_blocks)?,
+                    narrow("host_blocks", p.host_blocks)?,
                 ))
             })
-            .collect::<Result<Vec<(u32, u32)>>>()?;
+            .collect::<Result<Vec<(u32, u32, u32)>>>()?;
         let tokens_per_block = narrow("tokens_per_block", r.tokens_per_block)?;
         let (infos, already) = self.lock().register_pool_for(
             caller.name(),
@@ -550,6 +551,7 @@ impl CacheService for CacheServiceImpl {
                     window: i.window,
                     num_blocks: i.num_blocks,
                     tokens_per_block: i.tokens_per_block,
+                    host_blocks: i.host_blocks,
                 })
                 .collect(),
             already_registered: already,
@@ -864,6 +866,7 @@ impl CacheService for CacheServiceImpl {
                         kind: Some(pb::cache_event::Kind::Lost(pb::EventsLost {
                             oldest_available: oldest,
                         })),
+                        tier: pb::Tier::Device as i32,
                     };
                     if tx.send(Ok(lost)).await.is_err() {
                         return;

@@ -103,6 +103,17 @@ pub(crate) struct BlockRef {
     pub generation: u32,
 }
 
+/// A host-tier block waiting on a step of the session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct HostRef {
+    /// Pool index.
+    pub pool: usize,
+    /// Host block id.
+    pub block: crate::tier::HostBlockId,
+    /// Its generation when the reference was taken.
+    pub generation: u32,
+}
+
 /// How many released sequence ids a session remembers to answer
 /// `ALREADY_RELEASED` rather than `UNKNOWN`. A duplicate Release is a retry
 /// that comes within seconds; at a few hundred releases a second this
@@ -128,6 +139,12 @@ pub(crate) struct Session {
     pub fences: BTreeMap<u64, Vec<BlockRef>>,
     /// Blocks whose hash publishes when the step completes, by step.
     pub pending: BTreeMap<u64, Vec<BlockRef>>,
+    /// Host blocks receiving demotions named at a step, by step: published
+    /// when it completes, dropped by a `discard_unwritten` release.
+    pub demotions: BTreeMap<u64, Vec<HostRef>>,
+    /// Host blocks read by onboarding copies at a step, by step: unpinned
+    /// when it completes.
+    pub host_pins: BTreeMap<u64, Vec<HostRef>>,
     /// Highest step reported complete.
     pub completed_step: Option<u64>,
     /// Block references held by its sequences (for the quota).
@@ -190,6 +207,8 @@ impl Session {
             seqs: HashMap::new(),
             fences: BTreeMap::new(),
             pending: BTreeMap::new(),
+            demotions: BTreeMap::new(),
+            host_pins: BTreeMap::new(),
             completed_step: None,
             references: 0,
             released: Released::default(),

@@ -63,10 +63,12 @@ async fn register(c: &mut CacheServiceClient<Channel>, blocks: u32) -> Vec<pb::P
         tokens_per_block: 4,
         pools: vec![
             pb::PoolSpec {
+                host_blocks: 0,
                 window: 0,
                 num_blocks: blocks.into(),
             },
             pb::PoolSpec {
+                host_blocks: 0,
                 window: 8,
                 num_blocks: blocks.into(),
             },
@@ -146,10 +148,12 @@ async fn register_pool_is_idempotent_and_validated() {
             tokens_per_block: 4,
             pools: vec![
                 pb::PoolSpec {
+                    host_blocks: 0,
                     window: 8,
                     num_blocks: 16,
                 },
                 pb::PoolSpec {
+                    host_blocks: 0,
                     window: 0,
                     num_blocks: 16,
                 },
@@ -165,6 +169,7 @@ async fn register_pool_is_idempotent_and_validated() {
             pool_group: GROUP.into(),
             tokens_per_block: 8,
             pools: vec![pb::PoolSpec {
+                host_blocks: 0,
                 window: 0,
                 num_blocks: 16,
             }],
@@ -176,6 +181,7 @@ async fn register_pool_is_idempotent_and_validated() {
             pool_group: "x".into(),
             tokens_per_block: 0,
             pools: vec![pb::PoolSpec {
+                host_blocks: 0,
                 window: 0,
                 num_blocks: 16,
             }],
@@ -188,10 +194,12 @@ async fn register_pool_is_idempotent_and_validated() {
             tokens_per_block: 4,
             pools: vec![
                 pb::PoolSpec {
+                    host_blocks: 0,
                     window: 0,
                     num_blocks: 16,
                 },
                 pb::PoolSpec {
+                    host_blocks: 0,
                     window: 0,
                     num_blocks: 8,
                 },

@@ -139,6 +139,11 @@ struct UpArgs {
     /// its activations and 4 sequences of the longest context.
     #[arg(long)]
     memory_budget_mib: Option<u64>,
+    /// Blocks of a host-memory tier per pool on every worker (beyond the
+    /// memory budget): the cache keeps blocks it evicts there and brings them
+    /// back on a prefix hit; 0 = none.
+    #[arg(long, default_value_t = 0)]
+    host_blocks: u32,
     /// The longest request (prompt + output) in tokens; the scheduler's
     /// warm-up runs it, and a --model worker's default budget holds 4.
     #[arg(long, default_value_t = scheduler_svc::Config::default().max_context)]
@@ -402,6 +407,7 @@ async fn main() -> ExitCode {
                     }
                 }
             }
+            config.worker.host_blocks = a.host_blocks;
             config.scheduler.policy = a.policy;
             config.scheduler.on_exhausted = a.on_exhausted;
             config.scheduler.routing = a.routing;

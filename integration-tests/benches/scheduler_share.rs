@@ -94,9 +94,13 @@ async fn forward_step() -> (Duration, Duration) {
                 ..Default::default()
             })
             .collect();
-        w.forward(pb::ForwardRequest { step: 1, sequences })
-            .await
-            .expect("prefill");
+        w.forward(pb::ForwardRequest {
+            tier_copies: Vec::new(),
+            step: 1,
+            sequences,
+        })
+        .await
+        .expect("prefill");
     }
     let mut wall = Duration::ZERO;
     let mut compute = Duration::ZERO;
@@ -113,6 +117,7 @@ async fn forward_step() -> (Duration, Duration) {
         let start = Instant::now();
         let r = w
             .forward(pb::ForwardRequest {
+                tier_copies: Vec::new(),
                 step: 2 + u64::from(i),
                 sequences,
             })
@@ -131,11 +136,13 @@ fn group() -> GroupGeometry {
         tokens_per_block: TPB,
         pools: vec![
             PoolGeometry {
+                host_blocks: 0,
                 pool_id: 1,
                 window: 0,
                 num_blocks: 1_000_000,
             },
             PoolGeometry {
+                host_blocks: 0,
                 pool_id: 2,
                 window: 64,
                 num_blocks: 1_000_000,
@@ -166,6 +173,7 @@ fn extend_grant(seq_id: SeqId) -> Outcome {
         },
     ];
     Outcome::Grant(Grant {
+        tier_copies: Vec::new(),
         seq_id,
         tables,
         reused_tokens: 0,
@@ -176,6 +184,7 @@ fn extend_grant(seq_id: SeqId) -> Outcome {
 
 fn grant(seq_id: SeqId) -> Outcome {
     Outcome::Grant(Grant {
+        tier_copies: Vec::new(),
         seq_id,
         tables: tables(seq_id.get() as u32),
         reused_tokens: 0,

@@ -201,6 +201,7 @@ async fn a_hostile_principal_cannot_write_over_another_tenants_blocks()
         .collect();
     assert!(!tables.is_empty());
     let poison = pb::ForwardRequest {
+        tier_copies: Vec::new(),
         step: 1 << 40,
         sequences: vec![pb::ForwardSequence {
             seq_id: 1 << 50,

@@ -112,6 +112,7 @@ async fn register(
         pool_group: group.into(),
         tokens_per_block: 16,
         pools: vec![pb::PoolSpec {
+            host_blocks: 0,
             window: 0,
             num_blocks: blocks,
         }],

@@ -165,6 +165,7 @@ async fn match_answers_only_in_the_callers_groups_and_refuses_malformed_requests
         pools: vec![pb::PoolSpec {
             window: 0,
             num_blocks: 16,
+            host_blocks: 0,
         }],
     })
     .await

@@ -152,6 +152,7 @@ async fn refused_atomic_warm_up_takes_nothing() {
             .pools
             .iter()
             .map(|p| pb::PoolSpec {
+                host_blocks: 0,
                 window: p.window.into(),
                 num_blocks: p.num_blocks.into(),
             })

@@ -24,11 +24,13 @@ fn group() -> GroupGeometry {
         tokens_per_block: 16,
         pools: vec![
             PoolGeometry {
+                host_blocks: 0,
                 pool_id: 1,
                 window: 0,
                 num_blocks: 1_000_000,
             },
             PoolGeometry {
+                host_blocks: 0,
                 pool_id: 2,
                 window: 64,
                 num_blocks: 1_000_000,
@@ -85,6 +87,7 @@ fn extend_grant(seq_id: SeqId, len: u32) -> Outcome {
         },
     ];
     Outcome::Grant(Grant {
+        tier_copies: Vec::new(),
         seq_id,
         tables,
         reused_tokens: 0,
@@ -95,6 +98,7 @@ fn extend_grant(seq_id: SeqId, len: u32) -> Outcome {
 
 fn grant(seq_id: SeqId, len: u32) -> Outcome {
     Outcome::Grant(Grant {
+        tier_copies: Vec::new(),
         seq_id,
         tables: tables(seq_id.get(), len),
         reused_tokens: 0,

@@ -11,7 +11,9 @@ use kvlease_tokenizer::Tokenizer;
 
 use crate::client::{CacheClient, WorkerClient, WorkerDescription};
 use crate::config::Config;
-use crate::domain::{ForwardItem, GroupGeometry, LeaseSpec, Outcome, RequestId, SeqId, Table};
+use crate::domain::{
+    ForwardItem, GroupGeometry, LeaseSpec, Outcome, RequestId, SeqId, Table, TierCopy,
+};
 use crate::error::{Error, Result};
 use crate::session;
 use crate::warmup::{self, WarmupLimits, WarmupShape};
@@ -292,9 +294,14 @@ async fn run_shape(
 ) -> Result<()> {
     let outcomes = cache.lease(*step, true, true, specs, &[]).await?;
     let mut tables: Vec<Vec<Table>> = Vec::with_capacity(specs.len());
+    // Host-tier copies the lease named: the first forward of its step runs them.
+    let mut tier_copies = Vec::new();
     for outcome in outcomes {
         match outcome {
-            Outcome::Grant(g) => tables.push(g.tables),
+            Outcome::Grant(g) => {
+                tier_copies.extend(g.tier_copies);
+                tables.push(g.tables);
+            }
             Outcome::Reject(r) if r.reason == crate::domain::RejectReason::RolledBack => {}
             Outcome::Reject(r) => {
                 return Err(Error::WarmupRejected {
@@ -340,7 +347,8 @@ async fn run_shape(
                 copies: Vec::new(),
             })
             .collect();
-        forward_batched(worker, group, step_tokens, *step, &items).await?;
+        let copies = std::mem::take(&mut tier_copies);
+        forward_batched(worker, group, step_tokens, *step, &items, &copies).await?;
         *step += 1;
         pos += len;
     }
@@ -355,6 +363,7 @@ async fn run_shape(
     for ((s, outcome), leased) in specs.iter().zip(outcomes).zip(&tables) {
         let tables = match outcome {
             Outcome::Grant(g) => {
+                tier_copies.extend(g.tier_copies);
                 let mut merged = leased.clone();
                 crate::domain::apply_extend(&mut merged, &g.tables);
                 merged
@@ -380,18 +389,21 @@ async fn run_shape(
             copies: Vec::new(),
         });
     }
-    forward_batched(worker, group, step_tokens, *step, &items).await?;
+    forward_batched(worker, group, step_tokens, *step, &items, &tier_copies).await?;
     Ok(())
 }
 
-/// Splits `items` into forward calls within the worker's limits.
+/// Splits `items` into forward calls within the worker's limits; the first
+/// call carries `tier_copies` (they run before anything of the step).
 async fn forward_batched(
     worker: &WorkerClient,
     group: &GroupGeometry,
     step_tokens: u32,
     step: u64,
     items: &[ForwardItem],
+    tier_copies: &[TierCopy],
 ) -> Result<()> {
+    let mut copies = tier_copies;
     let mut batch: Vec<ForwardItem> = Vec::new();
     let mut tokens = 0u32;
     for item in items {
@@ -399,15 +411,16 @@ async fn forward_batched(
         if !batch.is_empty()
             && (batch.len() as u32 >= group.max_batch_sequences || tokens + n > step_tokens)
         {
-            worker.forward(step, &batch).await?;
+            worker.forward(step, &batch, copies).await?;
+            copies = &[];
             batch.clear();
             tokens = 0;
         }
         tokens += n;
         batch.push(item.clone());
     }
-    if !batch.is_empty() {
-        worker.forward(step, &batch).await?;
+    if !batch.is_empty() || !copies.is_empty() {
+        worker.forward(step, &batch, copies).await?;
     }
     Ok(())
 }

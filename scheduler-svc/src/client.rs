@@ -17,7 +17,7 @@ use tonic::transport::Channel;
 use crate::convert::{match_results, outcomes, sequence_spec};
 use crate::domain::{
     Epoch, ExtendSpec, ForwardItem, ForwardResult, LeaseSpec, Outcome, PoolGeometry, SeqId,
-    SessionId,
+    SessionId, TierCopy,
 };
 use crate::error::{Error, Result};
 use crate::session::{Session, SessionState};
@@ -222,19 +222,20 @@ impl CacheClient {
     }
 
     /// Registers a group's pools; returns them with their ids, in the order
-    /// of `pools` (window, blocks).
+    /// of `pools` (window, blocks, host-tier blocks).
     pub async fn register_pool(
         &self,
         group: &str,
         tokens_per_block: u32,
-        pools: &[(u32, u32)],
+        pools: &[(u32, u32, u32)],
     ) -> Result<Vec<PoolGeometry>> {
         let req = pb::RegisterPoolRequest {
             pool_group: group.to_string(),
             tokens_per_block: tokens_per_block.into(),
             pools: pools
                 .iter()
-                .map(|&(window, num_blocks)| pb::PoolSpec {
+                .map(|&(window, num_blocks, host_blocks)| pb::PoolSpec {
+                    host_blocks: host_blocks.into(),
                     window: window.into(),
                     num_blocks: num_blocks.into(),
                 })
@@ -248,6 +249,7 @@ impl CacheClient {
                 pool_id: p.pool_id,
                 window: p.window,
                 num_blocks: p.num_blocks,
+                host_blocks: p.host_blocks,
             })
             .collect())
     }
@@ -502,8 +504,8 @@ pub struct WorkerDescription {
     /// The fingerprint of the model's tokenizer.
     pub tokenizer_fingerprint: String,
     pub tokens_per_block: u32,
-    /// (window, blocks) per pool.
-    pub pools: Vec<(u32, u32)>,
+    /// (window, blocks, host-tier blocks) per pool.
+    pub pools: Vec<(u32, u32, u32)>,
     pub max_context: u32,
     pub vocab_size: u32,
     pub max_batch_sequences: u32,
@@ -547,7 +549,11 @@ impl WorkerClient {
             model_name: model.name,
             tokenizer_fingerprint: model.tokenizer_fingerprint,
             tokens_per_block: r.tokens_per_block,
-            pools: r.pools.iter().map(|p| (p.window, p.num_blocks)).collect(),
+            pools: r
+                .pools
+                .iter()
+                .map(|p| (p.window, p.num_blocks, p.host_blocks))
+                .collect(),
             max_context: model.max_context,
             vocab_size: model.vocab_size,
             max_batch_sequences: r.max_batch_sequences,
@@ -599,8 +605,17 @@ impl WorkerClient {
     }
 
     /// One forward pass; one result per item, in order.
-    pub async fn forward(&self, step: u64, items: &[ForwardItem]) -> Result<Vec<ForwardResult>> {
+    pub async fn forward(
+        &self,
+        step: u64,
+        items: &[ForwardItem],
+        tier_copies: &[TierCopy],
+    ) -> Result<Vec<ForwardResult>> {
         let req = pb::ForwardRequest {
+            tier_copies: tier_copies
+                .iter()
+                .map(crate::convert::tier_copy_to_pb)
+                .collect(),
             step,
             sequences: items
                 .iter()

@@ -252,6 +252,33 @@ pub(crate) fn grant(g: pb::Grant, seq_id: SeqId) -> Grant {
                 tokens: c.tokens,
             })
             .collect(),
+        tier_copies: g.tier_copies.iter().map(tier_copy_from_pb).collect(),
+    }
+}
+
+fn tier_copy_from_pb(c: &pb::TierCopy) -> crate::domain::TierCopy {
+    crate::domain::TierCopy {
+        pool_id: c.pool_id,
+        window: c.window,
+        // DEMOTE is 0: an unknown direction reads as it, like any proto3 enum.
+        demote: c.direction != pb::tier_copy::Direction::Onboard as i32,
+        device_block: c.device_block,
+        host_block: c.host_block,
+    }
+}
+
+pub(crate) fn tier_copy_to_pb(c: &crate::domain::TierCopy) -> pb::TierCopy {
+    let direction = if c.demote {
+        pb::tier_copy::Direction::Demote
+    } else {
+        pb::tier_copy::Direction::Onboard
+    };
+    pb::TierCopy {
+        pool_id: c.pool_id,
+        window: c.window,
+        direction: direction as i32,
+        device_block: c.device_block,
+        host_block: c.host_block,
     }
 }
 

@@ -79,6 +79,8 @@ pub struct PoolGeometry {
     pub window: u32,
     /// Blocks in the pool.
     pub num_blocks: u32,
+    /// Blocks of the pool's host-memory tier in the worker (0: none).
+    pub host_blocks: u32,
 }
 
 /// A worker (model replica) and its pools: one pool group of the cache.
@@ -250,6 +252,24 @@ pub struct Grant {
     pub capacity_tokens: u32,
     /// Partial-block copies the lease step's forward pass must apply first.
     pub copies: Vec<BlockCopy>,
+    /// Host-tier copies the forward pass of the call's step must apply
+    /// before anything else (see [`TierCopy`]).
+    pub tier_copies: Vec<TierCopy>,
+}
+
+/// Copy one whole block between a pool's device arena and its host tier in
+/// the worker (cache.proto `TierCopy`): demotions of blocks the cache
+/// evicted, onboardings of host-cached prefix blocks. The scheduler carries
+/// every one a grant names to the group's worker in the forward pass of
+/// that step, whatever becomes of the sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierCopy {
+    pub pool_id: u32,
+    pub window: u32,
+    /// Device -> host (else host -> device).
+    pub demote: bool,
+    pub device_block: u32,
+    pub host_block: u32,
 }
 
 /// Copy slots `[0, tokens)` of `src_block` into `dst_block` in one pool, in

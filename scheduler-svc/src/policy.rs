@@ -192,11 +192,13 @@ mod tests {
             tokens_per_block: 16,
             pools: vec![
                 PoolGeometry {
+                    host_blocks: 0,
                     pool_id: 1,
                     window: 0,
                     num_blocks: blocks,
                 },
                 PoolGeometry {
+                    host_blocks: 0,
                     pool_id: 2,
                     window: 64,
                     num_blocks: blocks,

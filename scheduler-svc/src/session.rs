@@ -130,10 +130,10 @@ pub async fn reopen(
     let session = cache.open_session(holder, ttl_ms).await?;
     let mut groups = groups.to_vec();
     for group in &mut groups {
-        let pools: Vec<(u32, u32)> = group
+        let pools: Vec<(u32, u32, u32)> = group
             .pools
             .iter()
-            .map(|p| (p.window, p.num_blocks))
+            .map(|p| (p.window, p.num_blocks, p.host_blocks))
             .collect();
         group.pools = cache
             .register_pool(&group.name, group.tokens_per_block, &pools)

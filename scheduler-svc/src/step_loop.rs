@@ -481,6 +481,7 @@ impl StepLoop {
         }
         let mut tasks = Vec::with_capacity(batches.len());
         for (g, items) in batches {
+            let copies = self.core.take_tier_copies(g);
             let Some(worker) = self.workers.get(g).cloned() else {
                 self.core.forward_failed(g, "no worker for the group");
                 continue;
@@ -493,7 +494,7 @@ impl StepLoop {
                 kvlease_telemetry::add_link(&span, link, LINK_BATCHED);
             }
             let call = async move {
-                let result = worker.forward(step.get(), &items).await;
+                let result = worker.forward(step.get(), &items, &copies).await;
                 record_call(&tracing::Span::current(), &result);
                 result
             }

@@ -40,6 +40,7 @@ fn main() {
     let threads = std::thread::available_parallelism().map_or(1, usize::from);
     let weights = Weights::seeded(config.clone(), 1).unwrap_or_else(|e| fail(e));
     let options = WorkerOptions {
+        host_blocks: 0,
         memory_budget_bytes: 1 << 30,
         limits: Limits {
             max_batch_sequences: DECODE_SEQS,

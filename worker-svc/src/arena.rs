@@ -194,6 +194,25 @@ impl SlotLedger {
         true
     }
 
+    /// Makes `to_block` of `pool` in `self` hold K/V exactly in the slots
+    /// `from_block` of `pool` does in `from` (a whole-block copy between
+    /// the device arena and the host tier, whose ledgers have the same
+    /// tokens per block).
+    pub fn copy_block(&mut self, pool: usize, to_block: u32, from: &SlotLedger, from_block: u32) {
+        let wpb = self.words_per_block;
+        let words: Vec<u64> = from
+            .words(pool, from_block)
+            .map_or_else(|| vec![0; wpb], <[u64]>::to_vec);
+        let start = to_block as usize * wpb;
+        if let Some(dst) = self
+            .written
+            .get_mut(pool)
+            .and_then(|w| w.get_mut(start..start + wpb))
+        {
+            dst.copy_from_slice(&words);
+        }
+    }
+
     /// Records one batch's writes: `(pool, block, slot)` triples. Blocks
     /// written at slot 0 are cleared first.
     pub fn record(&mut self, writes: &[(usize, u32, usize)]) {

@@ -102,6 +102,91 @@ pub struct KvCopy {
     pub slots: usize,
 }
 
+/// Which way a host-tier copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TierDirection {
+    /// Device block -> host block.
+    Demote,
+    /// Host block -> device block.
+    Onboard,
+}
+
+/// A host-tier copy as the request gives it: one whole block of the pool of
+/// `window`, between its device arena and its host tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierCopyInput {
+    /// The pool's window (identifies the pool).
+    pub window: u32,
+    /// Which way.
+    pub direction: TierDirection,
+    /// Block of the device arena.
+    pub device_block: u32,
+    /// Block of the host tier.
+    pub host_block: u32,
+}
+
+/// A validated host-tier copy (pool index resolved, blocks in range).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierMove {
+    /// Pool index (`ArenaLayout::pools`).
+    pub pool: usize,
+    /// Which way.
+    pub direction: TierDirection,
+    /// Device block.
+    pub device: u32,
+    /// Host block.
+    pub host: u32,
+}
+
+/// Checks a request's host-tier copies against the device arena and the
+/// host tier (`host.pools[i].num_blocks` host blocks in pool `i`) and puts
+/// them in the order they run: every demotion, then every onboarding, each
+/// in request order. An error names the copy; nothing is copied.
+pub fn validate_tier_copies(
+    copies: &[TierCopyInput],
+    device: &ArenaLayout,
+    host: &ArenaLayout,
+) -> Result<Vec<TierMove>> {
+    let mut moves = Vec::with_capacity(copies.len());
+    for (index, c) in copies.iter().enumerate() {
+        let bad = |message: String| Error::InvalidTierCopy { index, message };
+        let Some(pool) = device.pool_of_window(c.window) else {
+            return Err(bad(format!("the model has no pool of window {}", c.window)));
+        };
+        let (blocks, host_blocks) = (
+            device.pools[pool].num_blocks,
+            host.pools.get(pool).map_or(0, |p| p.num_blocks),
+        );
+        if host_blocks == 0 {
+            return Err(bad(format!(
+                "the pool of window {} has no host tier (start the worker with --host-blocks)",
+                c.window
+            )));
+        }
+        if c.device_block >= blocks {
+            return Err(bad(format!(
+                "device_block {} is out of range (the pool has {blocks})",
+                c.device_block
+            )));
+        }
+        if c.host_block >= host_blocks {
+            return Err(bad(format!(
+                "host_block {} is out of range (the host tier has {host_blocks})",
+                c.host_block
+            )));
+        }
+        moves.push(TierMove {
+            pool,
+            direction: c.direction,
+            device: c.device_block,
+            host: c.host_block,
+        });
+    }
+    // Stable: demotions keep their order, then onboardings keep theirs.
+    moves.sort_by_key(|m| m.direction == TierDirection::Onboard);
+    Ok(moves)
+}
+
 /// A validated table: block index `first_block + i` is `block_ids[i]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolTable {

@@ -153,6 +153,13 @@ pub struct Config {
     #[arg(long, env = "KVLEASE_WORKER_THREADS", default_value_t = DEFAULT_THREADS)]
     pub threads: usize,
 
+    /// Blocks of a host-memory tier per pool, where the cache keeps blocks
+    /// it evicts from the pool and brings back on a prefix hit; 0 = no
+    /// tier. Outside the memory budget. The cuda backend refuses a tier at
+    /// start-up (it has none yet).
+    #[arg(long, env = "KVLEASE_WORKER_HOST_BLOCKS", default_value_t = 0)]
+    pub host_blocks: u32,
+
     /// Address of the Prometheus `GET /metrics` endpoint; off when absent.
     #[arg(long, env = "KVLEASE_WORKER_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
@@ -217,6 +224,7 @@ impl Default for Config {
             max_batch_sequences: DEFAULT_MAX_BATCH_SEQUENCES,
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
             threads: DEFAULT_THREADS,
+            host_blocks: 0,
             metrics_listen: None,
             backend: DEFAULT_BACKEND,
             kv_dtype: DEFAULT_KV_DTYPE,
@@ -346,6 +354,7 @@ impl Config {
                 max_batch_tokens: self.max_batch_tokens,
             },
             threads: self.threads,
+            host_blocks: self.host_blocks,
         }
     }
 }

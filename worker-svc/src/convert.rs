@@ -4,7 +4,7 @@
 
 use kvlease_proto::v1 as pb;
 
-use crate::batch::{CopyInput, Sampling, SeqInput, TableInput};
+use crate::batch::{CopyInput, Sampling, SeqInput, TableInput, TierCopyInput, TierDirection};
 use crate::worker::{SeqOutput, WorkerInfo};
 use kvlease_tokenizer::Tokenizer;
 
@@ -40,6 +40,21 @@ pub(crate) fn seq_input(seq: pb::ForwardSequence) -> SeqInput {
                 tokens: c.tokens,
             })
             .collect(),
+    }
+}
+
+pub(crate) fn tier_copy_input(c: &pb::TierCopy) -> TierCopyInput {
+    let direction = match pb::tier_copy::Direction::try_from(c.direction) {
+        Ok(pb::tier_copy::Direction::Onboard) => TierDirection::Onboard,
+        // DEMOTE is 0; an unknown value is read as the default, like any
+        // proto3 enum.
+        _ => TierDirection::Demote,
+    };
+    TierCopyInput {
+        window: c.window,
+        direction,
+        device_block: c.device_block,
+        host_block: c.host_block,
     }
 }
 
@@ -90,6 +105,7 @@ pub(crate) fn describe_response(info: &WorkerInfo, tokenizer: &Tokenizer) -> pb:
             .pools
             .iter()
             .map(|p| pb::WorkerPool {
+                host_blocks: p.host_blocks,
                 window: p.window,
                 num_layers: p.num_layers,
                 num_blocks: p.num_blocks,

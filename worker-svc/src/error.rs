@@ -52,6 +52,14 @@ pub enum Error {
         /// What is wrong with it.
         problem: SeqProblem,
     },
+    /// A host-tier copy of a Forward request is malformed; nothing was run.
+    #[error("tier_copies[{index}]: {message}")]
+    InvalidTierCopy {
+        /// Its index in the request.
+        index: usize,
+        /// What is wrong with it.
+        message: String,
+    },
     /// The compute backend failed.
     #[error("backend failure: {0}")]
     Backend(String),
@@ -265,9 +273,9 @@ impl From<Error> for tonic::Status {
     fn from(error: Error) -> Self {
         let message = error.to_string();
         match error {
-            Error::BatchOverLimit { .. } | Error::InvalidSequence { .. } => {
-                tonic::Status::invalid_argument(message)
-            }
+            Error::BatchOverLimit { .. }
+            | Error::InvalidSequence { .. }
+            | Error::InvalidTierCopy { .. } => tonic::Status::invalid_argument(message),
             Error::Config(_) | Error::Weights { .. } | Error::MemoryBudget { .. } => {
                 tonic::Status::failed_precondition(message)
             }

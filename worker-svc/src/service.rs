@@ -10,7 +10,9 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::batch::SeqInput;
-use crate::convert::{describe_response, forward_result, seq_input, tokenizer_response};
+use crate::convert::{
+    describe_response, forward_result, seq_input, tier_copy_input, tokenizer_response,
+};
 use crate::metrics::WorkerMetrics;
 use crate::worker::Worker;
 
@@ -161,6 +163,7 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
             kvlease.tokens = tokens as i64,
             kvlease.compute_us = tracing::field::Empty,
         );
+        let copies: Vec<_> = request.tier_copies.iter().map(tier_copy_input).collect();
         let inputs: Vec<SeqInput> = request.sequences.into_iter().map(seq_input).collect();
         let worker = Arc::clone(&self.worker);
         let metrics = self.metrics.clone();
@@ -171,6 +174,9 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
                     .map_err(|_| Status::internal("worker state poisoned by an earlier panic"))?;
                 // Timed after the lock: queueing behind another pass is not compute.
                 let started = Instant::now();
+                // The step's demotions and onboardings come first: the
+                // demoted device blocks may be written by this very pass.
+                worker.apply_tier_copies(&copies).map_err(Status::from)?;
                 // Only the tokens: logits stay where the backend computed them.
                 let outputs = worker.forward_tokens(inputs).map_err(Status::from)?;
                 Ok::<_, Status>((outputs, started.elapsed().as_micros() as u64))
@@ -239,6 +245,7 @@ mod tests {
         };
         let weights = Weights::seeded(config, 3).unwrap_or_else(|e| panic!("{e}"));
         let options = WorkerOptions {
+            host_blocks: 0,
             memory_budget_bytes: 8 << 20,
             limits: Limits {
                 max_batch_sequences: 4,
@@ -264,6 +271,7 @@ mod tests {
         };
         let ok = svc
             .forward(Request::new(pb::ForwardRequest {
+                tier_copies: Vec::new(),
                 step: 1,
                 sequences: vec![seq(1, 8)],
             }))
@@ -271,6 +279,7 @@ mod tests {
         assert!(ok.is_ok(), "{ok:?}");
         let bad = svc
             .forward(Request::new(pb::ForwardRequest {
+                tier_copies: Vec::new(),
                 step: 2,
                 sequences: vec![seq(2, 9)],
             }))

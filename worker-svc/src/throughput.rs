@@ -39,6 +39,7 @@ impl Harness {
             * config.kv_dim() as u64
             * 4;
         let options = WorkerOptions {
+            host_blocks: 0,
             // Weights, the arena with a margin, and activations.
             memory_budget_bytes: weights.bytes() + kv_bytes * 2 * pools + (1 << 30),
             limits: Limits {

@@ -7,7 +7,7 @@ use std::time::Instant;
 use crate::arena::{ArenaLayout, SlotLedger, plan_blocks};
 use crate::backend::cpu::{self, CpuBackend};
 use crate::backend::{Backend, BackendChoice, BatchLogits, CudaOptions, PhaseTimes};
-use crate::batch::{self, Batch, Limits, PlannedSeq, SeqInput};
+use crate::batch::{self, Batch, Limits, PlannedSeq, SeqInput, TierCopyInput, TierDirection};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::weights::Weights;
@@ -29,6 +29,8 @@ pub struct WorkerOptions {
     /// Compute threads; 0 = one per available core, at most
     /// [`DEFAULT_MAX_THREADS`].
     pub threads: usize,
+    /// Blocks of the host-memory tier of every pool (0: no tier).
+    pub host_blocks: u32,
 }
 
 /// One pool as `Describe` reports it.
@@ -42,6 +44,8 @@ pub struct PoolInfo {
     pub num_blocks: u32,
     /// Bytes of one block.
     pub bytes_per_block: u64,
+    /// Blocks of the pool's host tier (0: none).
+    pub host_blocks: u32,
 }
 
 /// What `Describe` reports.
@@ -113,6 +117,10 @@ pub struct Worker {
     info: WorkerInfo,
     layout: ArenaLayout,
     ledger: SlotLedger,
+    /// The host tier's geometry (`num_blocks` = host blocks per pool) and
+    /// which of its slots hold K/V.
+    host_layout: ArenaLayout,
+    host_ledger: SlotLedger,
     backend: Box<dyn Backend>,
     /// Host milliseconds of the last pass spent validating and building the
     /// outputs (for [`Worker::last_profile`]).
@@ -154,6 +162,14 @@ impl Worker {
         let config = weights.config.clone();
         config.validate()?;
         check_limits(options.limits)?;
+        if options.host_blocks > 0 {
+            // Refused before the device is touched: no silent run without
+            // the tier the operator asked for.
+            return Err(Error::Config(format!(
+                "--host-blocks {} asks for a host-memory tier, which the cuda backend does not have yet (use --backend cpu, or start without --host-blocks)",
+                options.host_blocks
+            )));
+        }
         let (backend, sizing) = crate::backend::cuda::CudaBackend::new(
             weights,
             options.limits.max_batch_tokens,
@@ -168,7 +184,7 @@ impl Worker {
             "cuda arena sized from free device memory"
         );
         let budget = sizing.weight_bytes + sizing.activation_bytes + sizing.kv_bytes;
-        Ok(Self::assemble(
+        Self::assemble(
             config,
             layout,
             Box::new(backend),
@@ -177,7 +193,8 @@ impl Worker {
             sizing.weight_bytes,
             sizing.activation_bytes,
             crate::backend::GPU_KV_ELEM_BYTES,
-        ))
+            0,
+        )
     }
 
     /// Without the `cuda` feature there is no CUDA backend: always an error.
@@ -224,7 +241,7 @@ impl Worker {
         )?;
         let layout = ArenaLayout::new(&config, &num_blocks);
         let backend = CpuBackend::new(weights, layout.clone(), threads)?;
-        Ok(Self::assemble(
+        Self::assemble(
             config,
             layout,
             Box::new(backend),
@@ -233,7 +250,8 @@ impl Worker {
             weight_bytes,
             activation_bytes,
             crate::arena::KV_ELEM_BYTES,
-        ))
+            options.host_blocks,
+        )
     }
 
     #[allow(clippy::too_many_arguments)] // the sizing figures, each reported once
@@ -246,7 +264,12 @@ impl Worker {
         weight_bytes: u64,
         activation_bytes: u64,
         kv_elem_bytes: u64,
-    ) -> Self {
+        host_blocks: u32,
+    ) -> Result<Self> {
+        let mut backend = backend;
+        let host_counts = vec![host_blocks; layout.pools.len()];
+        backend.set_host_tier(&host_counts)?;
+        let host_layout = ArenaLayout::new(&config, &host_counts);
         let info = WorkerInfo {
             pools: layout
                 .pools
@@ -256,6 +279,7 @@ impl Worker {
                     num_layers: p.layers.len() as u32,
                     num_blocks: p.num_blocks,
                     bytes_per_block: p.elems_per_block() as u64 * kv_elem_bytes,
+                    host_blocks,
                 })
                 .collect(),
             model: config,
@@ -276,13 +300,40 @@ impl Worker {
             pools = ?info.pools,
             "worker arena sized"
         );
-        Worker {
+        Ok(Worker {
             info,
             ledger: SlotLedger::new(&layout),
             layout,
+            host_ledger: SlotLedger::new(&host_layout),
+            host_layout,
             backend,
             host_times: (0.0, 0.0),
+        })
+    }
+
+    /// Applies a Forward request's host-tier copies, before its sequences
+    /// are validated and run: all are checked first (an error copies
+    /// nothing), then every demotion runs, then every onboarding, and the
+    /// slot ledgers follow the blocks (a copy carries which slots hold K/V).
+    pub fn apply_tier_copies(&mut self, copies: &[TierCopyInput]) -> Result<()> {
+        if copies.is_empty() {
+            return Ok(());
         }
+        let moves = batch::validate_tier_copies(copies, &self.layout, &self.host_layout)?;
+        self.backend.tier_copies(&moves)?;
+        for m in &moves {
+            match m.direction {
+                TierDirection::Demote => {
+                    self.host_ledger
+                        .copy_block(m.pool, m.host, &self.ledger, m.device)
+                }
+                TierDirection::Onboard => {
+                    self.ledger
+                        .copy_block(m.pool, m.device, &self.host_ledger, m.host)
+                }
+            }
+        }
+        Ok(())
     }
 
     /// What `Describe` reports.
@@ -316,6 +367,10 @@ impl Worker {
     /// either way ([`SeqOutput::rows`] still numbers the logits rows the
     /// sequence had).
     pub fn forward_tokens(&mut self, inputs: Vec<SeqInput>) -> Result<Vec<SeqOutput>> {
+        if inputs.is_empty() {
+            // A request of host-tier copies only: nothing to compute.
+            return Ok(Vec::new());
+        }
         let t_start = Instant::now();
         let batch = self.validate(inputs)?;
         let t_validated = Instant::now();

@@ -74,6 +74,7 @@ fn a_full_batch_stays_within_the_reported_activation_bytes() {
     };
     let weights = Weights::seeded(config.clone(), 5).unwrap_or_else(|e| panic!("{e}"));
     let options = WorkerOptions {
+        host_blocks: 0,
         memory_budget_bytes: 64 << 20,
         limits,
         threads: 2,

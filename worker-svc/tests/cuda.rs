@@ -150,6 +150,7 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
             max_batch_tokens: 1024,
         },
         threads: 2,
+        host_blocks: 0,
     };
     let mut cpu = match Worker::new_cpu(weights.clone(), options) {
         Ok(w) => w,

@@ -46,7 +46,11 @@ impl Server {
         sequences: Vec<pb::ForwardSequence>,
     ) -> Result<pb::ForwardResponse, tonic::Status> {
         self.client
-            .forward(pb::ForwardRequest { step: 1, sequences })
+            .forward(pb::ForwardRequest {
+                tier_copies: Vec::new(),
+                step: 1,
+                sequences,
+            })
             .await
             .map(tonic::Response::into_inner)
     }

@@ -16,6 +16,7 @@ use worker_svc::worker::{Worker, WorkerOptions};
 
 fn cpu_options(weight_bytes: u64) -> WorkerOptions {
     WorkerOptions {
+        host_blocks: 0,
         memory_budget_bytes: weight_bytes + (512 << 20),
         limits: Limits {
             max_batch_sequences: 8,

@@ -166,6 +166,7 @@ impl Cache {
                 }
             }
         }
+        self.check_tier_invariants()?;
         for session in self.sessions.values() {
             let refs: u64 = session.seqs.values().map(SeqState::references).sum();
             if refs != session.references {
@@ -195,6 +196,47 @@ impl Cache {
                             }
                         }
                     }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The host tiers: every pin is an onboarding of a session's step not
+    /// yet complete, every pending block a demotion of one.
+    fn check_tier_invariants(&self) -> Result<(), String> {
+        for (i, entry) in self.pools.iter().enumerate() {
+            let host = entry.pool.host();
+            let mut pins = vec![0u32; host.len() as usize];
+            let mut pending = vec![0u32; host.len() as usize];
+            for session in self.sessions.values() {
+                for r in session.host_pins.values().flatten().filter(|r| r.pool == i) {
+                    pins[r.block as usize] += 1;
+                }
+                for r in session.demotions.values().flatten().filter(|r| r.pool == i) {
+                    if host.generation(r.block) != r.generation {
+                        return Err(format!(
+                            "pool {}: demotion into host block {} is stale",
+                            entry.id, r.block
+                        ));
+                    }
+                    pending[r.block as usize] += 1;
+                }
+            }
+            for b in 0..host.len() {
+                let (found, want) = (host.pins(b), pins[b as usize]);
+                if found != want {
+                    return Err(format!(
+                        "pool {} host block {b}: {found} pins, sessions account for {want}",
+                        entry.id
+                    ));
+                }
+                let is_pending = host.state(b) == crate::tier::HostState::Pending;
+                if is_pending != (pending[b as usize] == 1) || pending[b as usize] > 1 {
+                    return Err(format!(
+                        "pool {} host block {b}: pending={is_pending}, {} demotions name it",
+                        entry.id, pending[b as usize]
+                    ));
                 }
             }
         }

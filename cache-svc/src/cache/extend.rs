@@ -244,8 +244,12 @@ impl Cache {
                     .and_then(|s| s.seqs.get(&item.seq_id))
                     .map_or(0, |seq| seq.capacity()),
                 copies: Vec::new(),
+                tier_copies: Vec::new(),
             },
         };
+        let mut grant = grant;
+        let pools: Vec<usize> = plan.iter().map(|p| p.pool).collect();
+        grant.tier_copies = self.take_demotions(session_id, &pools, step);
         if item.written_tokens > 0 {
             self.record_progress(session_id, item.seq_id, item.written_tokens, step);
         }
@@ -394,6 +398,7 @@ impl Cache {
             reused_tokens: 0,
             capacity_tokens: 0,
             copies: Vec::new(),
+            tier_copies: Vec::new(),
         };
         let Some(session) = self.sessions.get_mut(&session_id) else {
             return nothing();
@@ -520,6 +525,7 @@ impl Cache {
             reused_tokens: 0,
             capacity_tokens: seq.capacity(),
             copies: Vec::new(),
+            tier_copies: Vec::new(),
         };
         session.references = (session.references as i64 + added).max(0) as u64;
         if !fenced.is_empty() {

@@ -15,10 +15,14 @@ use std::time::Instant;
 use super::{Batch, Cache, PoolEntry, Tally, ceil_div};
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, Epoch, SessionId};
-use crate::lease::{BlockCopy, Grant, Outcome, Prompt, Reject, RejectReason, SeqSpec, Table};
+use crate::lease::{
+    BlockCopy, Grant, Outcome, Prompt, Reject, RejectReason, SeqSpec, Table, TierCopy,
+    TierDirection,
+};
 use crate::pool::{BlockState, Holder};
 use crate::prefix;
-use crate::session::{BeamTable, BlockRef, PoolTables, SeqState};
+use crate::session::{BeamTable, BlockRef, HostRef, PoolTables, SeqState};
+use crate::tier::HostBlockId;
 
 /// The blocks one new sequence takes from one pool.
 #[derive(Clone, Debug)]
@@ -35,13 +39,18 @@ struct PoolLease {
     /// One past the last block index.
     end: u32,
     /// A kept partly filled block to copy from, into the block after the
-    /// reused ones.
+    /// reused and onboarded ones.
     copy_src: Option<BlockId>,
+    /// Host blocks to onboard, for the indices after the reused ones: each
+    /// gets a new device block and a copy.
+    onboard: Vec<HostBlockId>,
 }
 
 impl PoolLease {
     fn new_blocks(&self, beams: u32) -> u64 {
-        u64::from(self.shared_new) + u64::from(beams) * u64::from(self.per_beam())
+        self.onboard.len() as u64
+            + u64::from(self.shared_new)
+            + u64::from(beams) * u64::from(self.per_beam())
     }
 
     fn per_beam(&self) -> u32 {
@@ -276,10 +285,11 @@ impl Cache {
             }
             _ => (false, Vec::new(), Vec::new()),
         };
-        let reuse_blocks = if hashable {
+        // the device prefix, then what the host tier adds after it
+        let (reuse_blocks, device_end) = if hashable {
             self.reusable_blocks(group, &hashes, prompt_len)
         } else {
-            0
+            (0, vec![0; group.pools.len()])
         };
         let first_of = |window: u32, r: u32| super::matching::first_block(window, r, b);
         let copy = match &spec.prompt {
@@ -305,8 +315,12 @@ impl Cache {
             .map(|(j, &i)| {
                 let entry = &self.pools[i];
                 let first = first_of(entry.window, reuse_blocks);
-                let reuse: Vec<BlockId> = (first..reuse_blocks)
+                let split = device_end[j].min(reuse_blocks).max(first);
+                let reuse: Vec<BlockId> = (first..split)
                     .filter_map(|idx| entry.pool.lookup(hashes[idx as usize]))
+                    .collect();
+                let onboard: Vec<HostBlockId> = (split..reuse_blocks)
+                    .filter_map(|idx| entry.pool.host().lookup(hashes[idx as usize]))
                     .collect();
                 PoolLease {
                     pool: i,
@@ -316,6 +330,7 @@ impl Cache {
                     shared_end,
                     end,
                     copy_src: copy.as_ref().map(|c| c.1[j]),
+                    onboard,
                 }
             })
             .collect();
@@ -478,6 +493,11 @@ impl Cache {
             if let Some(src) = p.copy_src {
                 pool.acquire(src, holder, plan.priority);
             }
+            // Before any allocation: a demotion must not take the host
+            // block this lease reads.
+            for &h in &p.onboard {
+                pool.host_mut().pin(h);
+            }
         }
     }
 
@@ -507,6 +527,8 @@ impl Cache {
         let mut held_back = Vec::new();
         let mut copies = Vec::new();
         let mut copy_fences = Vec::new();
+        let mut onboards = Vec::new();
+        let mut host_pins = Vec::new();
         let mut references = 0;
         for p in &plan.pools {
             let entry = &mut self.pools[p.pool];
@@ -515,6 +537,7 @@ impl Cache {
                 let eligible = ((plan.prompt_len - 1) / b).min(plan.hashes.len() as u32);
                 entry.pool.counters.reuse_lookups += u64::from(eligible);
                 entry.pool.counters.reuse_hits += u64::from(plan.reused_tokens / b);
+                entry.pool.counters.onboards += p.onboard.len() as u64;
                 entry
                     .pool
                     .observe_lookups(&plan.hashes[..eligible as usize]);
@@ -523,10 +546,25 @@ impl Cache {
             let pool = &mut entry.pool;
             let mut shared: Vec<BlockId> = p.reuse.clone();
             let shared_start = p.first + p.reuse.len() as u32;
-            for idx in shared_start..shared_start + p.shared_new {
+            let onboard_end = shared_start + p.onboard.len() as u32;
+            for idx in shared_start..onboard_end + p.shared_new {
                 let Some(block) = pool.allocate(holder, plan.priority) else {
                     break;
                 };
+                if let Some(&host_block) = p.onboard.get((idx - shared_start) as usize) {
+                    onboards.push(TierCopy {
+                        pool_id,
+                        window,
+                        direction: TierDirection::Onboard,
+                        device_block: block,
+                        host_block,
+                    });
+                    host_pins.push(HostRef {
+                        pool: p.pool,
+                        block: host_block,
+                        generation: pool.host().generation(host_block),
+                    });
+                }
                 for _ in 1..plan.beams {
                     pool.acquire(block, holder, plan.priority);
                 }
@@ -554,6 +592,13 @@ impl Cache {
                 }
                 shared.push(block);
             }
+            if shared.len() < (p.reuse.len() + p.onboard.len()) {
+                // Allocation fell short (a defect path): the pins of the
+                // onboardings that got no block must still be lifted.
+                for &h in &p.onboard[shared.len() - p.reuse.len()..] {
+                    pool.host_mut().unpin(h);
+                }
+            }
             let mut beams = Vec::with_capacity(plan.beams as usize);
             for _ in 0..plan.beams {
                 let mut blocks: std::collections::VecDeque<BlockId> =
@@ -573,7 +618,7 @@ impl Cache {
             // The copy source stays out of circulation until the forward
             // pass of this step (which reads it) is reported complete.
             if let (Some(src), Some(beam)) = (p.copy_src, beams.first()) {
-                let dst_index = p.first + p.reuse.len() as u32;
+                let dst_index = onboard_end;
                 if let Some(&dst) = dst_index
                     .checked_sub(beam.first)
                     .and_then(|i| beam.blocks.get(i as usize))
@@ -615,6 +660,10 @@ impl Cache {
         };
         let mut grant = self.grant_of(plan.seq_id, &seq, plan.reused_tokens);
         grant.copies = copies;
+        let pools: Vec<usize> = plan.pools.iter().map(|p| p.pool).collect();
+        grant.tier_copies = self.take_demotions(session_id, &pools, step);
+        grant.tier_copies.extend(onboards);
+        self.pin_host_until(session_id, step, host_pins);
         if let Some(session) = self.sessions.get_mut(&session_id) {
             session.references += references;
             session.forget_released(plan.seq_id);
@@ -657,5 +706,6 @@ fn grant_of(pools: &[PoolEntry], seq_id: u64, seq: &SeqState, reused_tokens: u32
         reused_tokens,
         capacity_tokens: seq.capacity(),
         copies: Vec::new(),
+        tier_copies: Vec::new(),
     }
 }

@@ -9,7 +9,9 @@
 //!
 //! The reuse rule is the one `Lease` applies ([`Cache::reusable_blocks`] is
 //! shared by both): the longest prefix of published full blocks that every
-//! pool of the group serves, never the block of the last prompt token.
+//! pool of the group serves, from its device blocks or, after them, from
+//! its host tier (a lease onboards those), never the block of the last
+//! prompt token.
 //! Partial-block copies are not counted: they save less than a block and
 //! are not worth a routing decision.
 
@@ -106,7 +108,7 @@ impl Cache {
                         chains.len() - 1
                     }
                 };
-                row.push(self.reusable_blocks(group, &chains[at].1, len) * b);
+                row.push(self.reusable_blocks(group, &chains[at].1, len).0 * b);
             }
             results.push(row);
         }
@@ -114,14 +116,25 @@ impl Cache {
     }
 
     /// Full blocks of a prompt of `prompt_len` tokens (whose full-block
-    /// hashes are `hashes`) that a lease in `group` reuses: at most the
-    /// blocks before the last prompt token (at least one token is computed:
-    /// its logits start the output), and only the longest prefix every pool
-    /// can serve: full-attention pools need every block before it, windowed
-    /// pools only those the first computed token's window reaches.
-    pub(super) fn reusable_blocks(&self, group: &Group, hashes: &[u64], prompt_len: u32) -> u32 {
+    /// hashes are `hashes`) that a lease in `group` reuses, and where each
+    /// pool's run of device blocks ends (in the group's pool order): at most
+    /// the blocks before the last prompt token (at least one token is
+    /// computed: its logits start the output). First the longest prefix
+    /// every pool can serve from its device blocks: full-attention pools
+    /// need every block before it, windowed pools only those the first
+    /// computed token's window reaches. Then the blocks after it that every
+    /// pool holds on its device (continuing its run of device blocks) or on
+    /// its host tier (once a block came from the host, the rest of that
+    /// pool's must too): a lease onboards those instead of recomputing them.
+    pub(super) fn reusable_blocks(
+        &self,
+        group: &Group,
+        hashes: &[u64],
+        prompt_len: u32,
+    ) -> (u32, Vec<u32>) {
         let b = group.tokens_per_block;
-        let mut reuse = (prompt_len.saturating_sub(1) / b).min(hashes.len() as u32);
+        let most = (prompt_len.saturating_sub(1) / b).min(hashes.len() as u32);
+        let mut reuse = most;
         'shrink: while reuse > 0 {
             for &i in &group.pools {
                 let entry = &self.pools[i];
@@ -135,7 +148,35 @@ impl Cache {
             }
             break;
         }
-        reuse
+        let mut device_end: Vec<u32> = vec![reuse; group.pools.len()];
+        let has_host = group
+            .pools
+            .iter()
+            .any(|&i| !self.pools[i].pool.host().is_empty());
+        if has_host {
+            for (end, &i) in device_end.iter_mut().zip(&group.pools) {
+                let pool = &self.pools[i].pool;
+                while *end < most && pool.lookup(hashes[*end as usize]).is_some() {
+                    *end += 1;
+                }
+            }
+            'grow: while reuse < most {
+                let idx = reuse;
+                for (&end, &i) in device_end.iter().zip(&group.pools) {
+                    if idx >= end
+                        && self.pools[i]
+                            .pool
+                            .host()
+                            .lookup(hashes[idx as usize])
+                            .is_none()
+                    {
+                        break 'grow;
+                    }
+                }
+                reuse += 1;
+            }
+        }
+        (reuse, device_end)
     }
 }
 
@@ -280,7 +321,7 @@ mod tests {
     fn match_refuses_malformed_requests_and_other_principals_groups() {
         let mut f = fixture(8);
         f.cache
-            .register_pool_for("someone-else", "m/theirs", 4, &[(0, 8)])
+            .register_pool_for("someone-else", "m/theirs", 4, &[(0, 8, 0)])
             .unwrap();
         let p = tokens(0, 5);
         let invalid = |r: Result<Vec<Vec<u32>>>, field: &str| match r {

@@ -27,6 +27,7 @@
 //! - `evictions`: which sequence's allocation evicted cached blocks.
 //! - `matching`: `Match`, the read-only prefix lookup that routing asks
 //!   (what a lease would reuse in each group, changing nothing).
+//! - `tiers`: the host tier's demotions and onboarding pins per step.
 //! - `audit`: the leak audit, `check_invariants` and views for tests.
 
 mod audit;
@@ -38,6 +39,7 @@ mod pools;
 mod release;
 mod sessions;
 mod stats;
+mod tiers;
 
 use foldhash::{HashMap, HashMapExt, HashSet};
 use std::time::Duration;
@@ -45,7 +47,7 @@ use std::time::Duration;
 use crate::events::{EventKind, EventLog, EventsSince};
 use crate::ids::{BlockId, Epoch, SessionId};
 use crate::lease::{Reject, RejectReason};
-use crate::pool::{BlockPool, IndexEvent};
+use crate::pool::{BlockPool, IndexEvent, Tier};
 use crate::session::Session;
 
 pub use audit::{AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Leak};
@@ -247,17 +249,28 @@ impl Cache {
             if raw.is_empty() {
                 continue;
             }
-            let kinds = raw
-                .into_iter()
-                .map(|e| match e {
-                    IndexEvent::Stored { hash, parent } => EventKind::Stored {
-                        hashes: vec![hash],
-                        parent,
-                    },
-                    IndexEvent::Removed { hash } => EventKind::Removed { hashes: vec![hash] },
-                })
-                .collect();
-            self.events.push_batch(entry.id, kinds);
+            for tier in [Tier::Device, Tier::Host] {
+                let kinds: Vec<EventKind> = raw
+                    .iter()
+                    .filter_map(|e| match *e {
+                        IndexEvent::Stored {
+                            hash,
+                            parent,
+                            tier: t,
+                        } if t == tier => Some(EventKind::Stored {
+                            hashes: vec![hash],
+                            parent,
+                        }),
+                        IndexEvent::Removed { hash, tier: t } if t == tier => {
+                            Some(EventKind::Removed { hashes: vec![hash] })
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                if !kinds.is_empty() {
+                    self.events.push_batch(entry.id, tier, kinds);
+                }
+            }
         }
     }
 

@@ -17,6 +17,8 @@ pub struct PoolInfo {
     pub num_blocks: u32,
     /// Tokens per block.
     pub tokens_per_block: u32,
+    /// Blocks of the pool's host tier (0: none).
+    pub host_blocks: u32,
 }
 
 /// What unregistering a group removed.
@@ -47,6 +49,23 @@ impl Cache {
         tokens_per_block: u32,
         pools: &[(u32, u32)],
     ) -> Result<(Vec<PoolInfo>, bool)> {
+        let tiered: Vec<(u32, u32, u32)> = pools.iter().map(|&(w, n)| (w, n, 0)).collect();
+        self.register_pool_for(
+            kvlease_auth::principal::ANONYMOUS,
+            group,
+            tokens_per_block,
+            &tiered,
+        )
+    }
+
+    /// Declares the pools of a group for the principal `anonymous`, with
+    /// host tiers (see [`register_pool_for`](Self::register_pool_for)).
+    pub fn register_pool_tiered(
+        &mut self,
+        group: &str,
+        tokens_per_block: u32,
+        pools: &[(u32, u32, u32)],
+    ) -> Result<(Vec<PoolInfo>, bool)> {
         self.register_pool_for(
             kvlease_auth::principal::ANONYMOUS,
             group,
@@ -55,16 +74,18 @@ impl Cache {
         )
     }
 
-    /// Declares the pools of a group: `(window, num_blocks)` per distinct
-    /// window. Returns the pools and whether they were already registered.
-    /// The first registration binds the group to `owner`, the only principal
-    /// whose sessions may `Match` in it.
+    /// Declares the pools of a group: `(window, num_blocks, host_blocks)`
+    /// per distinct window (`host_blocks` 0: no host tier). Returns the
+    /// pools and whether they were already registered. The host blocks are
+    /// part of the geometry: registering again with other counts is a
+    /// conflict. The first registration binds the group to `owner`, the
+    /// only principal whose sessions may `Match` in it.
     pub fn register_pool_for(
         &mut self,
         owner: &str,
         group: &str,
         tokens_per_block: u32,
-        pools: &[(u32, u32)],
+        pools: &[(u32, u32, u32)],
     ) -> Result<(Vec<PoolInfo>, bool)> {
         super::check_name("pool_group", group)?;
         if tokens_per_block == 0 || tokens_per_block > 65_536 {
@@ -78,7 +99,13 @@ impl Cache {
             ));
         }
         let mut windows = HashSet::new();
-        for &(window, num_blocks) in pools {
+        for &(window, num_blocks, host_blocks) in pools {
+            if host_blocks > self.config.max_pool_blocks {
+                return Err(Error::InvalidArgument(format!(
+                    "host_blocks of window {window} must be 0 to {}, got {host_blocks}",
+                    self.config.max_pool_blocks
+                )));
+            }
             if !windows.insert(window) {
                 return Err(Error::InvalidArgument(format!(
                     "window {window} is listed twice"
@@ -92,10 +119,13 @@ impl Cache {
             }
         }
         if let Some(existing) = self.groups.get(group) {
-            let have: Vec<(u32, u32)> = existing
+            let have: Vec<(u32, u32, u32)> = existing
                 .pools
                 .iter()
-                .map(|&i| (self.pools[i].window, self.pools[i].pool.len()))
+                .map(|&i| {
+                    let pool = &self.pools[i].pool;
+                    (self.pools[i].window, pool.len(), pool.host().len())
+                })
                 .collect();
             let mut want_sorted = pools.to_vec();
             want_sorted.sort_unstable();
@@ -112,7 +142,7 @@ impl Cache {
             }
             let infos = pools
                 .iter()
-                .filter_map(|&(w, _)| {
+                .filter_map(|&(w, _, _)| {
                     existing
                         .pools
                         .iter()
@@ -125,14 +155,15 @@ impl Cache {
         self.check_pool_limits(group, pools)?;
         let mut indices = Vec::with_capacity(pools.len());
         let policy = self.config.eviction.for_group(group);
-        for &(window, num_blocks) in pools {
+        for &(window, num_blocks, host_blocks) in pools {
             let index = self.pools.len();
             self.pools.push(PoolEntry {
                 id: index as u32 + 1,
                 group: group.to_owned(),
                 window,
                 tokens_per_block,
-                pool: BlockPool::with_policy(num_blocks, policy.build(num_blocks as usize)),
+                pool: BlockPool::with_policy(num_blocks, policy.build(num_blocks as usize))
+                    .with_host_tier(host_blocks),
                 retired: false,
             });
             indices.push(index);
@@ -154,13 +185,13 @@ impl Cache {
         self.pools
             .iter()
             .filter(|p| !p.retired)
-            .map(|p| u64::from(p.pool.len()))
+            .map(|p| u64::from(p.pool.len()) + u64::from(p.pool.host().len()))
             .sum()
     }
 
     /// Refuses a new group over the group limit or the memory budget, with
     /// the figures.
-    fn check_pool_limits(&self, group: &str, pools: &[(u32, u32)]) -> Result<()> {
+    fn check_pool_limits(&self, group: &str, pools: &[(u32, u32, u32)]) -> Result<()> {
         let max_groups = self.config.max_pool_groups;
         if max_groups > 0 && self.groups.len() >= max_groups {
             return Err(Error::LimitExceeded(format!(
@@ -170,7 +201,10 @@ impl Cache {
         }
         let budget = self.config.pool_memory_budget;
         if budget > 0 {
-            let asked: u64 = pools.iter().map(|&(_, n)| u64::from(n)).sum();
+            let asked: u64 = pools
+                .iter()
+                .map(|&(_, n, host)| u64::from(n) + u64::from(host))
+                .sum();
             let have = self.registered_blocks();
             let need = (have + asked).saturating_mul(BLOCK_STATE_BYTES);
             if need > budget {
@@ -221,6 +255,13 @@ impl Cache {
                 for refs in session.pending.values_mut() {
                     refs.retain(|r| r.pool != i);
                 }
+                for refs in session
+                    .demotions
+                    .values_mut()
+                    .chain(session.host_pins.values_mut())
+                {
+                    refs.retain(|r| r.pool != i);
+                }
             }
             let entry = &mut self.pools[i];
             gone.pools += 1;
@@ -238,6 +279,7 @@ impl Cache {
             window: p.window,
             num_blocks: p.pool.len(),
             tokens_per_block: p.tokens_per_block,
+            host_blocks: p.pool.host().len(),
         }
     }
 }

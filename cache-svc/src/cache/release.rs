@@ -113,6 +113,11 @@ impl Cache {
             session.remember_released(seq_id);
             results.push(result);
         }
+        if mode.discard_unwritten {
+            // The failed pass may not have run the demotion copies of any
+            // step not yet complete either: none of them may publish.
+            Self::drop_demotions(&mut self.pools, session);
+        }
         self.flush_events();
         Ok(results)
     }
@@ -145,6 +150,7 @@ impl Cache {
         for r in due_pending.into_values().flatten() {
             self.pools[r.pool].pool.publish(r.block, r.generation);
         }
+        self.complete_tier_steps(session_id, step);
         let mut returned = 0;
         for r in due_fences.into_values().flatten() {
             if self.pools[r.pool].pool.unfence(r.block) {

@@ -205,6 +205,7 @@ impl Cache {
                 }
             }
         }
+        Self::reclaim_tiers(&mut self.pools, &mut session);
         for (_, refs) in std::mem::take(&mut session.fences) {
             for r in refs {
                 if self.pools[r.pool].pool.unfence(r.block) {

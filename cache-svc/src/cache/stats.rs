@@ -6,6 +6,7 @@ use crate::estimate::{self, Shape};
 use crate::ids::Epoch;
 use crate::lease::SeqSpec;
 use crate::pool::{PoolCounters, PoolCounts};
+use crate::tier::HostCounts;
 
 /// Figures of one pool for `GetStats`.
 #[derive(Clone, Debug, PartialEq)]
@@ -18,6 +19,8 @@ pub struct PoolStats {
     pub counts: PoolCounts,
     /// Counters since start.
     pub counters: PoolCounters,
+    /// Host-tier blocks by state (all 0 without a tier).
+    pub host: HostCounts,
     /// Estimated hit rates at other pool sizes (the miss-ratio curve).
     pub hit_rate_estimates: Vec<crate::mrc::HitRateEstimate>,
 }
@@ -115,6 +118,7 @@ impl Cache {
                 info: self.info(i),
                 counts: p.pool.counts(),
                 counters: p.pool.counters,
+                host: p.pool.host().counts(),
                 hit_rate_estimates: p.pool.hit_rate_estimates(),
             })
             .collect();

@@ -3,6 +3,7 @@
 
 mod limits;
 mod proptests;
+mod tiers;
 
 use std::time::{Duration, Instant};
 
@@ -24,13 +25,15 @@ impl Fixture {
         Self::with_config(CacheConfig::default(), tokens_per_block, pools)
     }
 
-    pub(super) fn with_config(
+    pub(super) fn with_tiers(
         config: CacheConfig,
         tokens_per_block: u32,
-        pools: &[(u32, u32)],
+        pools: &[(u32, u32, u32)],
     ) -> Self {
         let mut cache = Cache::with_epoch(config, crate::Epoch(7));
-        cache.register_pool(GROUP, tokens_per_block, pools).unwrap();
+        cache
+            .register_pool_tiered(GROUP, tokens_per_block, pools)
+            .unwrap();
         let now = Instant::now();
         let opened = cache.open_session("test", None, now).unwrap();
         Self {
@@ -39,6 +42,15 @@ impl Fixture {
             epoch: opened.epoch,
             now,
         }
+    }
+
+    pub(super) fn with_config(
+        config: CacheConfig,
+        tokens_per_block: u32,
+        pools: &[(u32, u32)],
+    ) -> Self {
+        let tiered: Vec<(u32, u32, u32)> = pools.iter().map(|&(w, n)| (w, n, 0)).collect();
+        Self::with_tiers(config, tokens_per_block, &tiered)
     }
 
     pub(super) fn lease(&mut self, step: u64, atomic: bool, specs: &[SeqSpec]) -> Vec<Outcome> {

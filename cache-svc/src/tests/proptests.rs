@@ -73,6 +73,59 @@ fn prompt(family: u8, len: u8) -> Vec<u32> {
         .collect()
 }
 
+/// Content a holder's worker moves between tiers: demotions take the device
+/// block's content into a pending host block (only what a completed step
+/// vouches for becomes the host block's content: a failed pass may not have
+/// run the copy), onboardings take a host block's content into a device
+/// block. Every demotion of a grant comes before its onboardings.
+#[derive(Default)]
+struct TierModel {
+    host: HashMap<(u32, u32), Vec<u32>>,
+    pending: Vec<((u32, u32), Vec<u32>)>,
+}
+
+impl TierModel {
+    fn apply(
+        &mut self,
+        content: &mut HashMap<(u32, u32), Vec<u32>>,
+        copies: &[crate::lease::TierCopy],
+    ) {
+        use crate::lease::TierDirection;
+        for c in copies
+            .iter()
+            .filter(|c| c.direction == TierDirection::Demote)
+        {
+            let held = content
+                .get(&(c.pool_id, c.device_block))
+                .cloned()
+                .unwrap_or_default();
+            self.host.remove(&(c.pool_id, c.host_block));
+            self.pending.push(((c.pool_id, c.host_block), held));
+        }
+        for c in copies
+            .iter()
+            .filter(|c| c.direction == TierDirection::Onboard)
+        {
+            match self.host.get(&(c.pool_id, c.host_block)) {
+                Some(held) => content.insert((c.pool_id, c.device_block), held.clone()),
+                None => content.remove(&(c.pool_id, c.device_block)),
+            };
+        }
+    }
+
+    /// The step completed: its demotions ran.
+    fn complete(&mut self) {
+        for (k, v) in self.pending.drain(..) {
+            self.host.insert(k, v);
+        }
+    }
+
+    /// The pass failed (or the session ended): its demotions may not have run.
+    fn fail(&mut self) {
+        self.pending.clear();
+    }
+}
+
 /// Records the token ids of `tokens` in the blocks of `tables` that hold them.
 fn write_content(
     content: &mut HashMap<(u32, u32), Vec<u32>>,
@@ -98,6 +151,7 @@ proptest! {
     fn random_operations_keep_every_invariant(
         ops in prop::collection::vec(op(), 1..40),
         policy in prop::sample::select(PolicyKind::ALL.to_vec()),
+        host in prop::sample::select(vec![0u32, 3, 12, 40]),
     ) {
         let (b, w) = (4u32, 9u32);
         let config = CacheConfig {
@@ -105,7 +159,8 @@ proptest! {
             eviction: EvictionConfig { default: policy, groups: Vec::new() },
             ..CacheConfig::default()
         };
-        let mut f = Fixture::with_config(config, b, &[(0, 24), (w, 14)]);
+        let mut f = Fixture::with_tiers(config, b, &[(0, 24, host), (w, 14, host / 2)]);
+        let mut tiers = TierModel::default();
         let mut step = 1u64;
         let mut extra_of: HashMap<u64, u32> = HashMap::new();
         // What a holder knows: lease tables with every extend delta applied
@@ -145,6 +200,19 @@ proptest! {
                     }
                     for (o, s) in out.iter().zip(&specs) {
                         if let Outcome::Grant(g) = o {
+                            for c in &g.tier_copies {
+                                let pool = f.cache.pools().iter().find(|p| p.id == c.pool_id).unwrap();
+                                let state = pool.pool.host().state(c.host_block);
+                                match c.direction {
+                                    // a demotion in flight is never read
+                                    crate::lease::TierDirection::Demote => prop_assert_eq!(state, crate::tier::HostState::Pending),
+                                    crate::lease::TierDirection::Onboard => {
+                                        prop_assert!(!warmup);
+                                        prop_assert_eq!(state, crate::tier::HostState::Pinned);
+                                    }
+                                }
+                            }
+                            tiers.apply(&mut content, &g.tier_copies);
                             // A reserved life holds its future blocks on
                             // purpose; invariant 10 is about the sliding
                             // table of an ordinary lease.
@@ -221,6 +289,8 @@ proptest! {
                     for (o, (s, _)) in out.iter().zip(&items) {
                         match o {
                             Outcome::Grant(g) => {
+                                prop_assert!(g.tier_copies.iter().all(|c| c.direction == crate::lease::TierDirection::Demote));
+                                tiers.apply(&mut content, &g.tier_copies);
                                 if let Some(known) = mirror.get_mut(s) {
                                     for delta in g.tables.iter().filter(|t| t.beam == 0) {
                                         if let Some(t) = known.iter_mut().find(|t| t.pool_id == delta.pool_id) {
@@ -326,6 +396,7 @@ proptest! {
                         prefill_of.remove(id);
                     }
                     if failed {
+                        tiers.fail();
                         f.release_failed(&ids, fenced.then_some(step));
                     } else {
                         f.release(&ids, fenced.then_some(step));
@@ -333,11 +404,13 @@ proptest! {
                 }
                 Op::Complete => {
                     f.complete(step);
+                    tiers.complete();
                     step += 1;
                 }
                 Op::Expire => {
                     f.now += Duration::from_secs(3600);
                     f.cache.expire_sessions(f.now);
+                    tiers.fail();
                     f.check();
                     let opened = f.cache.open_session("test", None, f.now).unwrap();
                     f.session = opened.session_id;
@@ -360,6 +433,10 @@ proptest! {
             prop_assert_eq!(c.in_use, 0);
             prop_assert_eq!(c.fenced, 0);
             prop_assert_eq!(c.free + c.cached, c.total);
+        }
+        for p in f.cache.pools() {
+            let h = p.pool.host().counts();
+            prop_assert_eq!((h.pending, h.pinned), (0, 0));
         }
     }
 

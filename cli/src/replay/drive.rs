@@ -155,6 +155,7 @@ pub async fn replay(
             pool_group: group.to_owned(),
             tokens_per_block: REPLAY_BLOCK_TOKENS.into(),
             pools: vec![pb::PoolSpec {
+                host_blocks: 0,
                 window: 0,
                 num_blocks: capacity.into(),
             }],

@@ -306,6 +306,7 @@ impl Core {
 
     /// The Lease RPC failed as a whole: the requests go back to the queue.
     pub fn leases_failed(&mut self) {
+        self.tier_call_failed();
         for l in std::mem::take(&mut self.leasing) {
             self.released.push(l.seq_id);
             if self.cancelled_leasing.remove(&l.request.id) {
@@ -320,6 +321,7 @@ impl Core {
     /// step; transient refusals wait at the head of the queue; a refusal
     /// that can never succeed finishes the request `REJECTED` at once.
     pub fn apply_leases(&mut self, outcomes: Vec<Outcome>) {
+        self.collect_tier_copies(&outcomes);
         let mut leasing: BTreeMap<SeqId, Leasing> = std::mem::take(&mut self.leasing)
             .into_iter()
             .map(|l| (l.seq_id, l))

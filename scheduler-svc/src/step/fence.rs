@@ -34,7 +34,9 @@ pub struct ReleaseBatch {
 impl ReleaseBatch {
     /// Whether there is nothing to release.
     pub fn is_empty(&self) -> bool {
-        self.seq_ids.is_empty()
+        // A discard with no sequence still drops the session's pending
+        // host-tier demotions (see `tiers`).
+        self.seq_ids.is_empty() && !self.discard_unwritten
     }
 }
 
@@ -80,6 +82,7 @@ impl Core {
     /// token budgets.
     pub fn begin_step(&mut self) -> Step {
         self.steps.current = self.steps.current.next();
+        self.drop_stale_tier_copies();
         self.batch_open = self.running.is_empty() && self.leasing.is_empty();
         self.exhausted_this_step = false;
         for (budget, group) in self.budget.iter_mut().zip(&self.groups) {
@@ -139,8 +142,9 @@ impl Core {
     /// call. Send them, then call [`Core::releases_sent`], or
     /// [`Core::restore_releases`] when the call should be tried again.
     pub fn take_releases(&mut self) -> ReleaseBatch {
-        let discard_unwritten = !self.failed_releases.is_empty();
+        let discard_unwritten = !self.failed_releases.is_empty() || self.tiers.discard;
         let seq_ids = if discard_unwritten {
+            self.tiers.discard = false;
             std::mem::take(&mut self.failed_releases)
         } else {
             std::mem::take(&mut self.releases)
@@ -162,6 +166,7 @@ impl Core {
     /// (with the fence of that later moment).
     pub fn restore_releases(&mut self, batch: ReleaseBatch) {
         if batch.discard_unwritten {
+            self.tiers.discard = true;
             self.failed_releases.extend(batch.seq_ids);
         } else {
             self.releases.extend(batch.seq_ids);
@@ -170,7 +175,7 @@ impl Core {
 
     /// Whether any release is waiting to be sent.
     pub fn has_releases(&self) -> bool {
-        !self.releases.is_empty() || !self.failed_releases.is_empty()
+        !self.releases.is_empty() || !self.failed_releases.is_empty() || self.tiers.discard
     }
 
     /// The step to report complete now, if any: the last one whose forward
@@ -181,7 +186,7 @@ impl Core {
     /// that pass was to write). Call [`Core::step_completed`] once the cache
     /// acknowledged it; until then it stays pending.
     pub fn complete_through(&mut self) -> Option<Step> {
-        if !self.failed_releases.is_empty() {
+        if !self.failed_releases.is_empty() || self.tiers.discard {
             return None;
         }
         if self

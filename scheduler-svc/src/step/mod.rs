@@ -35,6 +35,8 @@
 //!   per-group reuse it answered, which admission's routing cost reads.
 //! - `outcomes`: planning the running sequences' extends and forward batches,
 //!   applying the Extend outcomes and the forward results.
+//! - `tiers`: the host-tier copies grants name, carried to the workers in
+//!   the forward pass of their step.
 //! - `lifecycle`: cancellation, preemption and requeue, finishing requests,
 //!   lost leases, and the outputs that tell the loop about each of them.
 
@@ -43,6 +45,7 @@ mod fence;
 mod lifecycle;
 mod outcomes;
 mod routing;
+mod tiers;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -254,6 +257,9 @@ pub struct Core {
     /// Reused tokens per queued request and group, from this step's
     /// `Match` (see [`Core::set_reuse`]); cleared by admission.
     reuse: HashMap<RequestId, Vec<u32>>,
+    /// Host-tier copies of this step, and whether the cache must drop
+    /// its pending demotions.
+    tiers: tiers::TierCopies,
 }
 
 /// How long a group whose worker failed is left out of admission before it
@@ -285,6 +291,7 @@ impl Core {
             down_until,
             counters: Counters::default(),
             reuse: HashMap::new(),
+            tiers: tiers::TierCopies::default(),
         }
     }
 

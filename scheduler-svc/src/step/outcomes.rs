@@ -70,6 +70,7 @@ impl Core {
     /// The Extend RPC failed as a whole (cache unreachable): decode sequences
     /// sit this step out and try again next step.
     pub fn extends_failed(&mut self) {
+        self.tier_call_failed();
         for seq in self.running.values_mut() {
             if matches!(seq.planned, Some(Work::Decode { .. })) {
                 seq.planned = None;
@@ -80,6 +81,7 @@ impl Core {
     /// Applies the Extend outcomes: grants update tables; a refused sequence
     /// is dropped from the step and preempted or finished `REJECTED`.
     pub fn apply_extends(&mut self, outcomes: Vec<Outcome>) {
+        self.collect_tier_copies(&outcomes);
         for outcome in outcomes {
             match outcome {
                 Outcome::Grant(grant) => {
@@ -163,10 +165,13 @@ impl Core {
             });
             seq.in_flight = Some(work);
         }
+        // A group whose grants named host-tier copies runs them even with
+        // no sequence this step (see `tiers`).
+        let with_copies = self.groups_with_tier_copies();
         let batches: Vec<(usize, Vec<ForwardItem>)> = batches
             .into_iter()
             .enumerate()
-            .filter(|(_, b)| !b.is_empty())
+            .filter(|(g, b)| !b.is_empty() || with_copies.contains(g))
             .collect();
         self.forward_launched(batches.iter().map(|(g, _)| *g).collect());
         batches
@@ -214,6 +219,7 @@ impl Core {
             };
             self.emit(result.seq_id, emit);
         }
+        self.tier_forward_returned(group, false);
         let missing: Vec<SeqId> = self
             .running
             .values()
@@ -263,6 +269,7 @@ impl Core {
         // promise: they are released apart, so the cache never publishes it.
         self.releases.retain(|s| !failed.contains(s));
         self.failed_releases.extend(failed);
+        self.tier_forward_returned(group, true);
         self.forward_returned(group);
     }
 

@@ -15,6 +15,7 @@ fn group(blocks: u32) -> GroupGeometry {
         name: "g0".into(),
         tokens_per_block: 4,
         pools: vec![PoolGeometry {
+            host_blocks: 0,
             pool_id: 1,
             window: 0,
             num_blocks: blocks,
@@ -44,6 +45,7 @@ fn request(id: u64, prompt_len: usize, max_tokens: u32) -> Request {
 
 fn grant(seq_id: SeqId) -> Outcome {
     Outcome::Grant(Grant {
+        tier_copies: Vec::new(),
         seq_id,
         tables: vec![Table {
             pool_id: 1,
@@ -1121,6 +1123,7 @@ impl ModelCache {
         let table = if delta { new } else { blocks.clone() };
         self.held.insert(seq_id, (tokens, blocks));
         Outcome::Grant(Grant {
+            tier_copies: Vec::new(),
             seq_id,
             tables: vec![Table {
                 pool_id: 1,
@@ -1406,6 +1409,7 @@ fn live_sequences_lost_to_a_cache_restart_in_reject_mode_end_rejected_cache_rest
 /// A grant reusing two full blocks (8 tokens) and copying 2 more slots.
 fn grant_with_copy(seq_id: SeqId) -> Outcome {
     Outcome::Grant(Grant {
+        tier_copies: Vec::new(),
         seq_id,
         tables: vec![Table {
             pool_id: 1,
@@ -1529,6 +1533,99 @@ fn without_a_maximum_wait_nothing_times_out_and_a_preempted_request_waits_anew()
     assert_eq!(c.expire_queue(t0 + Duration::from_millis(400)), 0);
     assert_eq!(c.expire_queue(t0 + Duration::from_millis(800)), 0);
     assert_eq!(c.expire_queue(t0 + Duration::from_millis(901)), 1);
+}
+
+// === host-tier copies ===
+
+fn tiered_group() -> GroupGeometry {
+    let mut g = group(100);
+    g.pools[0].host_blocks = 400;
+    g
+}
+
+fn demotion(device_block: u32, host_block: u32) -> crate::domain::TierCopy {
+    crate::domain::TierCopy {
+        pool_id: 1,
+        window: 0,
+        demote: true,
+        device_block,
+        host_block,
+    }
+}
+
+fn grant_with_copies(seq_id: SeqId, copies: Vec<crate::domain::TierCopy>) -> Outcome {
+    match grant(seq_id) {
+        Outcome::Grant(g) => Outcome::Grant(Grant {
+            tier_copies: copies,
+            ..g
+        }),
+        other => other,
+    }
+}
+
+#[test]
+fn tier_copies_of_a_step_ride_its_forward_even_when_their_sequence_does_not() {
+    let mut c = Core::new(CoreConfig::default(), vec![tiered_group()]);
+    c.submit(request(1, 4, 8));
+    c.begin_step();
+    let leases = c.plan_admission();
+    // The request is cancelled while its lease is in flight: the grant's
+    // sequence never runs, but the demotion its allocation caused must.
+    c.cancel(RequestId(1), "client went away");
+    c.apply_leases(vec![grant_with_copies(
+        leases[0].seq_id,
+        vec![demotion(3, 7)],
+    )]);
+    let batches = c.plan_forward();
+    assert_eq!(batches.len(), 1, "a forward of copies alone");
+    assert!(batches[0].1.is_empty());
+    assert_eq!(c.take_tier_copies(batches[0].0), vec![demotion(3, 7)]);
+    assert!(c.take_tier_copies(batches[0].0).is_empty(), "taken once");
+    c.apply_forward(batches[0].0, Vec::new());
+    let release = c.take_releases();
+    assert!(!release.discard_unwritten);
+    c.releases_sent(release);
+    assert!(c.complete_through().is_some());
+}
+
+#[test]
+fn a_failed_forward_that_carried_demotions_releases_with_discard_before_completing() {
+    let mut c = Core::new(CoreConfig::default(), vec![tiered_group()]);
+    c.submit(request(1, 4, 8));
+    c.begin_step();
+    let leases = c.plan_admission();
+    c.apply_leases(vec![grant_with_copies(
+        leases[0].seq_id,
+        vec![demotion(3, 7)],
+    )]);
+    let batches = c.plan_forward();
+    let g = batches[0].0;
+    assert_eq!(c.take_tier_copies(g).len(), 1);
+    c.forward_failed(g, "worker down");
+    assert_eq!(c.complete_through(), None, "not before the discard release");
+    let release = c.take_releases();
+    assert!(release.discard_unwritten);
+    c.releases_sent(release);
+    assert!(c.complete_through().is_some());
+}
+
+#[test]
+fn a_lease_call_that_failed_with_a_host_tier_sends_a_discard_even_with_no_sequence() {
+    let mut c = Core::new(CoreConfig::default(), vec![tiered_group()]);
+    c.submit(request(1, 4, 8));
+    c.begin_step();
+    c.plan_admission();
+    c.leases_failed();
+    assert!(c.has_releases());
+    let release = c.take_releases();
+    assert!(release.discard_unwritten && !release.is_empty());
+    // Without a host tier a failed lease call needs no such release.
+    let mut plain = core(Policy::MaxUtilization, 100);
+    plain.submit(request(1, 4, 8));
+    plain.begin_step();
+    plain.plan_admission();
+    plain.leases_failed();
+    assert!(!plain.take_releases().discard_unwritten);
 }
 
 // === routing ===

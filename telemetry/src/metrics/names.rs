@@ -39,6 +39,14 @@ pub const LEAKED_BLOCKS_RECLAIMED_TOTAL: &str = "kvlease_leaked_blocks_reclaimed
 /// Counter: prompts `Match` looked up for routing (read-only; one per prompt, whatever the
 /// number of groups).
 pub const MATCH_PROMPTS_TOTAL: &str = "kvlease_match_prompts_total";
+/// Gauge, labels [`POOL_GROUP`], [`POOL_ID`], [`STATE`]: blocks of a pool's host-memory tier
+/// in each state ([`STATE_FREE`], [`STATE_PENDING`], [`STATE_CACHED`], [`STATE_PINNED`]); only
+/// for pools registered with a host tier.
+pub const HOST_TIER_BLOCKS: &str = "kvlease_host_tier_blocks";
+/// Counter, labels [`POOL_GROUP`], [`POOL_ID`], [`DIRECTION`] ([`DIRECTION_DEMOTED`],
+/// [`DIRECTION_ONBOARDED`], [`DIRECTION_DEMOTION_DROPPED`]): blocks copied between a pool's
+/// device and host tiers (GetStats' `demotions`, `onboards`, `demotions_dropped`).
+pub const TIER_COPY_BLOCKS_TOTAL: &str = "kvlease_tier_copy_blocks_total";
 
 // === scheduler ===
 
@@ -99,6 +107,8 @@ pub const WINDOW: &str = "window";
 pub const STATE: &str = "state";
 /// Label: which call (`lease`, `extend`), lower case on every service.
 pub const OP: &str = "op";
+/// Label: which way a host-tier copy went.
+pub const DIRECTION: &str = "direction";
 /// Label: reject, finish or preemption reason.
 pub const REASON: &str = "reason";
 
@@ -115,3 +125,13 @@ pub const STATE_CACHED: &str = "cached";
 pub const STATE_IN_USE: &str = "in_use";
 /// [`STATE`] value: released blocks waiting for their fence step.
 pub const STATE_FENCED: &str = "fenced";
+/// [`STATE`] value: host blocks receiving a demotion whose step has not completed.
+pub const STATE_PENDING: &str = "pending";
+/// [`STATE`] value: host blocks read by onboardings whose step has not completed.
+pub const STATE_PINNED: &str = "pinned";
+/// [`DIRECTION`] value: device -> host (an evicted block kept).
+pub const DIRECTION_DEMOTED: &str = "demoted";
+/// [`DIRECTION`] value: host -> device (a prefix hit on the host tier).
+pub const DIRECTION_ONBOARDED: &str = "onboarded";
+/// [`DIRECTION`] value: a demotion dropped before it published.
+pub const DIRECTION_DEMOTION_DROPPED: &str = "demotion_dropped";

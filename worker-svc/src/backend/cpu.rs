@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use super::{Backend, BatchLogits};
 use crate::arena::{ArenaLayout, PoolGeometry};
-use crate::batch::{Batch, KvCopy, PlannedSeq, PoolTable};
+use crate::batch::{Batch, KvCopy, PlannedSeq, PoolTable, TierDirection, TierMove};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::weights::{Matrix, Weights};
@@ -28,6 +28,11 @@ const KEY_TILE: usize = 256;
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     state: CpuState,
+    /// The host tier: one array per pool, `ArenaLayout` order, in the
+    /// device arena's block layout (empty: no tier). On this backend both
+    /// arenas are host memory; the tier is what the cache may keep beyond
+    /// the device pool.
+    host_kv: Vec<Vec<f32>>,
 }
 
 /// Everything but the threads, so a pass can borrow it mutably inside
@@ -112,6 +117,7 @@ impl CpuBackend {
                 kv,
                 rope,
             },
+            host_kv: Vec::new(),
         })
     }
 
@@ -553,6 +559,44 @@ impl Backend for CpuBackend {
     fn forward(&mut self, batch: &Batch) -> Result<BatchLogits> {
         let state = &mut self.state;
         Ok(self.pool.install(|| state.run(batch)))
+    }
+
+    fn set_host_tier(&mut self, host_blocks: &[u32]) -> Result<()> {
+        let layout = &self.state.layout;
+        self.host_kv = layout
+            .pools
+            .iter()
+            .zip(host_blocks.iter().copied().chain(std::iter::repeat(0)))
+            .map(|(p, n)| vec![0.0; n as usize * p.elems_per_block()])
+            .collect();
+        Ok(())
+    }
+
+    fn tier_copies(&mut self, moves: &[TierMove]) -> Result<()> {
+        for m in moves {
+            let geometry = &self.state.layout.pools[m.pool];
+            let n = geometry.elems_per_block();
+            let (device, host) = (m.device as usize * n, m.host as usize * n);
+            let device_kv = &mut self.state.kv[m.pool];
+            let Some(host_kv) = self.host_kv.get_mut(m.pool) else {
+                return Err(Error::Backend(format!("pool {} has no host tier", m.pool)));
+            };
+            if device + n > device_kv.len() || host + n > host_kv.len() {
+                return Err(Error::Backend(format!(
+                    "tier copy of pool {} out of range (device block {}, host block {})",
+                    m.pool, m.device, m.host
+                )));
+            }
+            match m.direction {
+                TierDirection::Demote => {
+                    host_kv[host..host + n].copy_from_slice(&device_kv[device..device + n]);
+                }
+                TierDirection::Onboard => {
+                    device_kv[device..device + n].copy_from_slice(&host_kv[host..host + n]);
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -134,6 +134,30 @@ pub trait Backend: Send + std::fmt::Debug {
             .map(|row| crate::ops::argmax(row) as u32)
             .collect())
     }
+    /// Gives the backend a host tier of `host_blocks[i]` blocks for pool
+    /// `i` (a second arena in host memory). A backend that has none refuses
+    /// with a clear error, so a worker started with a tier never silently
+    /// runs without one.
+    fn set_host_tier(&mut self, host_blocks: &[u32]) -> Result<()> {
+        if host_blocks.iter().all(|&n| n == 0) {
+            return Ok(());
+        }
+        Err(crate::error::Error::Config(format!(
+            "the {} backend has no host-memory tier yet; start it without --host-blocks",
+            self.name()
+        )))
+    }
+    /// Copies whole blocks between the device arena and the host tier, in
+    /// the order given (validated against both).
+    fn tier_copies(&mut self, moves: &[crate::batch::TierMove]) -> Result<()> {
+        if moves.is_empty() {
+            return Ok(());
+        }
+        Err(crate::error::Error::Backend(format!(
+            "the {} backend has no host-memory tier",
+            self.name()
+        )))
+    }
     /// Turns per-phase timing of later passes on or off; backends that
     /// cannot time phases ignore it.
     fn set_profiling(&mut self, _on: bool) {}

@@ -65,6 +65,7 @@ fn tiny_config(rng: &mut Rng) -> ModelConfig {
 /// tokens, 2 threads.
 pub(crate) fn options() -> WorkerOptions {
     WorkerOptions {
+        host_blocks: 0,
         memory_budget_bytes: 16 << 20,
         limits: Limits {
             max_batch_sequences: 16,
@@ -333,7 +334,12 @@ pub(crate) fn table(window: u32, first_block: u32, block_ids: &[u32]) -> TableIn
     }
 }
 
-fn seq_input(seq_id: u64, tokens: &[u32], start: u32, tables: Vec<TableInput>) -> SeqInput {
+pub(crate) fn seq_input(
+    seq_id: u64,
+    tokens: &[u32],
+    start: u32,
+    tables: Vec<TableInput>,
+) -> SeqInput {
     SeqInput {
         seq_id,
         tokens: tokens.to_vec(),

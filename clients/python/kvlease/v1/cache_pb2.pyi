@@ -25,6 +25,11 @@ class ReleaseStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RELEASED: _ClassVar[ReleaseStatus]
     ALREADY_RELEASED: _ClassVar[ReleaseStatus]
     UNKNOWN: _ClassVar[ReleaseStatus]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DEVICE: _ClassVar[Tier]
+    HOST: _ClassVar[Tier]
 REJECT_REASON_UNSPECIFIED: RejectReason
 POOL_EXHAUSTED: RejectReason
 EXCEEDS_CAPACITY: RejectReason
@@ -38,14 +43,18 @@ RELEASE_STATUS_UNSPECIFIED: ReleaseStatus
 RELEASED: ReleaseStatus
 ALREADY_RELEASED: ReleaseStatus
 UNKNOWN: ReleaseStatus
+DEVICE: Tier
+HOST: Tier
 
 class PoolSpec(_message.Message):
-    __slots__ = ("window", "num_blocks")
+    __slots__ = ("window", "num_blocks", "host_blocks")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     window: int
     num_blocks: int
-    def __init__(self, window: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    host_blocks: int
+    def __init__(self, window: _Optional[int] = ..., num_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("pool_group", "tokens_per_block", "pools")
@@ -72,16 +81,18 @@ class UnregisterPoolResponse(_message.Message):
     def __init__(self, pools_removed: _Optional[int] = ..., blocks_removed: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("pool_id", "window", "num_blocks", "tokens_per_block")
+    __slots__ = ("pool_id", "window", "num_blocks", "tokens_per_block", "host_blocks")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     pool_id: int
     window: int
     num_blocks: int
     tokens_per_block: int
-    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_block: _Optional[int] = ...) -> None: ...
+    host_blocks: int
+    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., host_blocks: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pools", "already_registered")
@@ -208,18 +219,20 @@ class BlockTable(_message.Message):
     def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., beam: _Optional[int] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("seq_id", "tables", "reused_tokens", "capacity_tokens", "copies")
+    __slots__ = ("seq_id", "tables", "reused_tokens", "capacity_tokens", "copies", "tier_copies")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    TIER_COPIES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
     reused_tokens: int
     capacity_tokens: int
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, seq_id: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., reused_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    tier_copies: _containers.RepeatedCompositeFieldContainer[TierCopy]
+    def __init__(self, seq_id: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., reused_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., tier_copies: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("pool_id", "window", "src_block", "dst_block", "tokens")
@@ -234,6 +247,26 @@ class BlockCopy(_message.Message):
     dst_block: int
     tokens: int
     def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., src_block: _Optional[int] = ..., dst_block: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class TierCopy(_message.Message):
+    __slots__ = ("pool_id", "window", "direction", "device_block", "host_block")
+    class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        DEMOTE: _ClassVar[TierCopy.Direction]
+        ONBOARD: _ClassVar[TierCopy.Direction]
+    DEMOTE: TierCopy.Direction
+    ONBOARD: TierCopy.Direction
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    pool_id: int
+    window: int
+    direction: TierCopy.Direction
+    device_block: int
+    host_block: int
+    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., direction: _Optional[_Union[TierCopy.Direction, str]] = ..., device_block: _Optional[int] = ..., host_block: _Optional[int] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("seq_id", "reason", "pool_id", "window", "blocks_needed", "blocks_free", "blocks_pending_free", "message")
@@ -440,7 +473,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, pool_group: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_group", "pool_id", "window", "tokens_per_block", "total", "free", "cached_evictable", "in_use", "fenced", "grants", "rejects", "evictions", "reuse_lookups", "reuse_hits", "leaks_reclaimed", "hit_rate_estimates")
+    __slots__ = ("pool_group", "pool_id", "window", "tokens_per_block", "total", "free", "cached_evictable", "in_use", "fenced", "grants", "rejects", "evictions", "reuse_lookups", "reuse_hits", "leaks_reclaimed", "hit_rate_estimates", "host_total", "host_free", "host_pending", "host_cached", "host_pinned", "demotions", "onboards", "demotions_dropped")
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
@@ -457,6 +490,14 @@ class PoolStats(_message.Message):
     REUSE_HITS_FIELD_NUMBER: _ClassVar[int]
     LEAKS_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
     HIT_RATE_ESTIMATES_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_FREE_FIELD_NUMBER: _ClassVar[int]
+    HOST_PENDING_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHED_FIELD_NUMBER: _ClassVar[int]
+    HOST_PINNED_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    ONBOARDS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     pool_group: str
     pool_id: int
     window: int
@@ -473,7 +514,15 @@ class PoolStats(_message.Message):
     reuse_hits: int
     leaks_reclaimed: int
     hit_rate_estimates: _containers.RepeatedCompositeFieldContainer[HitRateEstimate]
-    def __init__(self, pool_group: _Optional[str] = ..., pool_id: _Optional[int] = ..., window: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached_evictable: _Optional[int] = ..., in_use: _Optional[int] = ..., fenced: _Optional[int] = ..., grants: _Optional[int] = ..., rejects: _Optional[int] = ..., evictions: _Optional[int] = ..., reuse_lookups: _Optional[int] = ..., reuse_hits: _Optional[int] = ..., leaks_reclaimed: _Optional[int] = ..., hit_rate_estimates: _Optional[_Iterable[_Union[HitRateEstimate, _Mapping]]] = ...) -> None: ...
+    host_total: int
+    host_free: int
+    host_pending: int
+    host_cached: int
+    host_pinned: int
+    demotions: int
+    onboards: int
+    demotions_dropped: int
+    def __init__(self, pool_group: _Optional[str] = ..., pool_id: _Optional[int] = ..., window: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached_evictable: _Optional[int] = ..., in_use: _Optional[int] = ..., fenced: _Optional[int] = ..., grants: _Optional[int] = ..., rejects: _Optional[int] = ..., evictions: _Optional[int] = ..., reuse_lookups: _Optional[int] = ..., reuse_hits: _Optional[int] = ..., leaks_reclaimed: _Optional[int] = ..., hit_rate_estimates: _Optional[_Iterable[_Union[HitRateEstimate, _Mapping]]] = ..., host_total: _Optional[int] = ..., host_free: _Optional[int] = ..., host_pending: _Optional[int] = ..., host_cached: _Optional[int] = ..., host_pinned: _Optional[int] = ..., demotions: _Optional[int] = ..., onboards: _Optional[int] = ..., demotions_dropped: _Optional[int] = ...) -> None: ...
 
 class HitRateEstimate(_message.Message):
     __slots__ = ("scale", "blocks", "hit_rate", "sampled_lookups")
@@ -506,18 +555,20 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, after_id: _Optional[int] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
-    __slots__ = ("id", "pool_id", "stored", "removed", "lost")
+    __slots__ = ("id", "pool_id", "stored", "removed", "lost", "tier")
     ID_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     id: int
     pool_id: int
     stored: BlocksStored
     removed: BlocksRemoved
     lost: EventsLost
-    def __init__(self, id: _Optional[int] = ..., pool_id: _Optional[int] = ..., stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., lost: _Optional[_Union[EventsLost, _Mapping]] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, id: _Optional[int] = ..., pool_id: _Optional[int] = ..., stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., lost: _Optional[_Union[EventsLost, _Mapping]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
     __slots__ = ("block_hashes", "parent_hash")

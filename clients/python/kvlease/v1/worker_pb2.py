@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvlease.v1 import cache_pb2 as kvlease_dot_v1_dot_cache__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvlease/v1/worker.proto\x12\nkvlease.v1\x1a\x16kvlease/v1/cache.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x83\x02\n\nModelShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x11\n\tnum_heads\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x10\n\x08\x66\x66n_size\x18\x08 \x01(\r\x12\x12\n\nrope_theta\x18\t \x01(\x02\x12\x15\n\rlayer_windows\x18\n \x03(\r\x12\x13\n\x0bmax_context\x18\x0b \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x0c \x01(\t\"]\n\nWorkerPool\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x04 \x01(\x04\"\xb1\x02\n\x10\x44\x65scribeResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.kvlease.v1.ModelShape\x12\x18\n\x10tokens_per_block\x18\x02 \x01(\r\x12%\n\x05pools\x18\x03 \x03(\x0b\x32\x16.kvlease.v1.WorkerPool\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x06 \x01(\x04\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x04\x12\x18\n\x10\x61\x63tivation_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13max_batch_sequences\x18\t \x01(\r\x12\x18\n\x10max_batch_tokens\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\"B\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"\xdc\x01\n\x0f\x46orwardSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12&\n\x06tables\x18\x04 \x03(\x0b\x32\x16.kvlease.v1.BlockTable\x12\x19\n\x11return_all_argmax\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvlease.v1.SamplingParams\x12%\n\x06\x63opies\x18\x07 \x03(\x0b\x32\x15.kvlease.v1.BlockCopy\"N\n\x0e\x46orwardRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.kvlease.v1.ForwardSequence\"C\n\rForwardResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12\x0e\n\x06\x61rgmax\x18\x03 \x03(\r\"Q\n\x0f\x46orwardResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvlease.v1.ForwardResult\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\"*\n\x13GetTokenizerRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"\xdf\x01\n\x14GetTokenizerResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x04 \x01(\t\x12\x15\n\rchat_template\x18\x05 \x01(\t\x12\x13\n\x06\x62os_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tbos_token\x18\x07 \x01(\t\x12\x11\n\teos_token\x18\x08 \x01(\t\x12\x0f\n\x07\x65nd_ids\x18\t \x03(\r\x12\x0f\n\x07\x61\x64\x64_bos\x18\n \x01(\x08\x42\t\n\x07_bos_id2\xed\x01\n\rWorkerService\x12\x45\n\x08\x44\x65scribe\x12\x1b.kvlease.v1.DescribeRequest\x1a\x1c.kvlease.v1.DescribeResponse\x12\x42\n\x07\x46orward\x12\x1a.kvlease.v1.ForwardRequest\x1a\x1b.kvlease.v1.ForwardResponse\x12Q\n\x0cGetTokenizer\x12\x1f.kvlease.v1.GetTokenizerRequest\x1a .kvlease.v1.GetTokenizerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvlease/v1/worker.proto\x12\nkvlease.v1\x1a\x16kvlease/v1/cache.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x83\x02\n\nModelShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x11\n\tnum_heads\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x10\n\x08\x66\x66n_size\x18\x08 \x01(\r\x12\x12\n\nrope_theta\x18\t \x01(\x02\x12\x15\n\rlayer_windows\x18\n \x03(\r\x12\x13\n\x0bmax_context\x18\x0b \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x0c \x01(\t\"r\n\nWorkerPool\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x04 \x01(\x04\x12\x13\n\x0bhost_blocks\x18\x05 \x01(\r\"\xb1\x02\n\x10\x44\x65scribeResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.kvlease.v1.ModelShape\x12\x18\n\x10tokens_per_block\x18\x02 \x01(\r\x12%\n\x05pools\x18\x03 \x03(\x0b\x32\x16.kvlease.v1.WorkerPool\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x06 \x01(\x04\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x04\x12\x18\n\x10\x61\x63tivation_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13max_batch_sequences\x18\t \x01(\r\x12\x18\n\x10max_batch_tokens\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\"B\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"\xdc\x01\n\x0f\x46orwardSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12&\n\x06tables\x18\x04 \x03(\x0b\x32\x16.kvlease.v1.BlockTable\x12\x19\n\x11return_all_argmax\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvlease.v1.SamplingParams\x12%\n\x06\x63opies\x18\x07 \x03(\x0b\x32\x15.kvlease.v1.BlockCopy\"y\n\x0e\x46orwardRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.kvlease.v1.ForwardSequence\x12)\n\x0btier_copies\x18\x03 \x03(\x0b\x32\x14.kvlease.v1.TierCopy\"C\n\rForwardResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12\x0e\n\x06\x61rgmax\x18\x03 \x03(\r\"Q\n\x0f\x46orwardResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvlease.v1.ForwardResult\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\"*\n\x13GetTokenizerRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"\xdf\x01\n\x14GetTokenizerResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x04 \x01(\t\x12\x15\n\rchat_template\x18\x05 \x01(\t\x12\x13\n\x06\x62os_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tbos_token\x18\x07 \x01(\t\x12\x11\n\teos_token\x18\x08 \x01(\t\x12\x0f\n\x07\x65nd_ids\x18\t \x03(\r\x12\x0f\n\x07\x61\x64\x64_bos\x18\n \x01(\x08\x42\t\n\x07_bos_id2\xed\x01\n\rWorkerService\x12\x45\n\x08\x44\x65scribe\x12\x1b.kvlease.v1.DescribeRequest\x1a\x1c.kvlease.v1.DescribeResponse\x12\x42\n\x07\x46orward\x12\x1a.kvlease.v1.ForwardRequest\x1a\x1b.kvlease.v1.ForwardResponse\x12Q\n\x0cGetTokenizer\x12\x1f.kvlease.v1.GetTokenizerRequest\x1a .kvlease.v1.GetTokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,23 +37,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELSHAPE']._serialized_start=83
   _globals['_MODELSHAPE']._serialized_end=342
   _globals['_WORKERPOOL']._serialized_start=344
-  _globals['_WORKERPOOL']._serialized_end=437
-  _globals['_DESCRIBERESPONSE']._serialized_start=440
-  _globals['_DESCRIBERESPONSE']._serialized_end=745
-  _globals['_SAMPLINGPARAMS']._serialized_start=747
-  _globals['_SAMPLINGPARAMS']._serialized_end=813
-  _globals['_FORWARDSEQUENCE']._serialized_start=816
-  _globals['_FORWARDSEQUENCE']._serialized_end=1036
-  _globals['_FORWARDREQUEST']._serialized_start=1038
-  _globals['_FORWARDREQUEST']._serialized_end=1116
-  _globals['_FORWARDRESULT']._serialized_start=1118
-  _globals['_FORWARDRESULT']._serialized_end=1185
-  _globals['_FORWARDRESPONSE']._serialized_start=1187
-  _globals['_FORWARDRESPONSE']._serialized_end=1268
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1270
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1312
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1315
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=1538
-  _globals['_WORKERSERVICE']._serialized_start=1541
-  _globals['_WORKERSERVICE']._serialized_end=1778
+  _globals['_WORKERPOOL']._serialized_end=458
+  _globals['_DESCRIBERESPONSE']._serialized_start=461
+  _globals['_DESCRIBERESPONSE']._serialized_end=766
+  _globals['_SAMPLINGPARAMS']._serialized_start=768
+  _globals['_SAMPLINGPARAMS']._serialized_end=834
+  _globals['_FORWARDSEQUENCE']._serialized_start=837
+  _globals['_FORWARDSEQUENCE']._serialized_end=1057
+  _globals['_FORWARDREQUEST']._serialized_start=1059
+  _globals['_FORWARDREQUEST']._serialized_end=1180
+  _globals['_FORWARDRESULT']._serialized_start=1182
+  _globals['_FORWARDRESULT']._serialized_end=1249
+  _globals['_FORWARDRESPONSE']._serialized_start=1251
+  _globals['_FORWARDRESPONSE']._serialized_end=1332
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1334
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1376
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=1379
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=1602
+  _globals['_WORKERSERVICE']._serialized_start=1605
+  _globals['_WORKERSERVICE']._serialized_end=1842
 # @@protoc_insertion_point(module_scope)

@@ -40,16 +40,18 @@ class ModelShape(_message.Message):
     def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., ffn_size: _Optional[int] = ..., rope_theta: _Optional[float] = ..., layer_windows: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class WorkerPool(_message.Message):
-    __slots__ = ("window", "num_layers", "num_blocks", "bytes_per_block")
+    __slots__ = ("window", "num_layers", "num_blocks", "bytes_per_block", "host_blocks")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     window: int
     num_layers: int
     num_blocks: int
     bytes_per_block: int
-    def __init__(self, window: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+    host_blocks: int
+    def __init__(self, window: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., host_blocks: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("model", "tokens_per_block", "pools", "backend", "kv_dtype", "memory_budget_bytes", "weight_bytes", "activation_bytes", "max_batch_sequences", "max_batch_tokens", "device")
@@ -106,12 +108,14 @@ class ForwardSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[_cache_pb2.BlockTable, _Mapping]]] = ..., return_all_argmax: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[_cache_pb2.BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("step", "sequences")
+    __slots__ = ("step", "sequences", "tier_copies")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TIER_COPIES_FIELD_NUMBER: _ClassVar[int]
     step: int
     sequences: _containers.RepeatedCompositeFieldContainer[ForwardSequence]
-    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ForwardSequence, _Mapping]]] = ...) -> None: ...
+    tier_copies: _containers.RepeatedCompositeFieldContainer[_cache_pb2.TierCopy]
+    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ForwardSequence, _Mapping]]] = ..., tier_copies: _Optional[_Iterable[_Union[_cache_pb2.TierCopy, _Mapping]]] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
     __slots__ = ("seq_id", "next_token", "argmax")

@@ -595,6 +595,7 @@ pub fn model_bench(
             max_batch_tokens: PREFILL_BATCH_TOKENS.max(max_batch),
         },
         threads: 1,
+        host_blocks: 0,
     };
     let gpu = super::CudaOptions {
         device: 0,

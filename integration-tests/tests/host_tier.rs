@@ -1,0 +1,115 @@
+//! The host-memory tier through a real cluster (cache, CPU worker with a
+//! host tier, scheduler on loopback ports): a small device pool is filled
+//! past its capacity with distinct prompts, so the first prompt's blocks are
+//! evicted; with the tier they were demoted to host memory, and repeating
+//! the first prompt onboards its prefix instead of recomputing it (reused
+//! tokens > 0, where a cluster without the tier reuses nothing), with the
+//! same greedy output as its first, solo run. The pools end whole and the
+//! leak audit reclaims nothing.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
+
+use std::time::Duration;
+
+use kvlease_integration_tests::{
+    GROUP, Generated, assert_cache_sound, collect, pool_stats, scheduler_client, small_worker,
+    start_cache, start_scheduler, start_worker, wait_whole,
+};
+use kvlease_proto::v1 as pb;
+
+const WITHIN: Duration = Duration::from_secs(60);
+
+fn prompt(i: u32) -> Vec<u32> {
+    (0..64).map(|j| (j * 13 + i * 37 + 5) % 250 + 1).collect()
+}
+
+struct Run {
+    first: Generated,
+    again: Generated,
+    stats: Vec<pb::PoolStats>,
+}
+
+/// The first prompt, six others (each takes 5 of the pool's 20 blocks),
+/// then the first again, one at a time, on a fresh cluster whose worker
+/// has `host_blocks` host blocks per pool.
+async fn fill_and_repeat(host_blocks: u32) -> Run {
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let worker = start_worker(worker_svc::Config {
+        host_blocks,
+        ..small_worker()
+    })
+    .await
+    .unwrap();
+    let config = scheduler_svc::Config {
+        max_context: 256,
+        max_tokens: 64,
+        ..scheduler_svc::Config::default()
+    };
+    let scheduler = start_scheduler(config, &cache.url(), &[worker.url()], WITHIN)
+        .await
+        .unwrap();
+    let mut client = scheduler_client(scheduler.addr).await.unwrap();
+    let mut generate = async |tokens: Vec<u32>| {
+        let request = pb::GenerateRequest {
+            tokens,
+            max_tokens: 4,
+            ..Default::default()
+        };
+        let out = collect(&mut client, request).await.unwrap();
+        assert_eq!(
+            out.finish_reason(),
+            pb::FinishReason::Length,
+            "{}",
+            out.message
+        );
+        // Its release and the CompleteStep after it: its blocks are cached
+        // (and the demotions its allocations caused are published).
+        wait_whole(cache.addr, GROUP, WITHIN).await.unwrap();
+        out
+    };
+    let first = generate(prompt(0)).await;
+    for i in 1..=6 {
+        generate(prompt(i)).await;
+    }
+    let again = generate(prompt(0)).await;
+    let stats = pool_stats(cache.addr, GROUP).await.unwrap();
+    assert_cache_sound(cache.addr, GROUP, WITHIN).await.unwrap();
+    scheduler.stop().await.unwrap();
+    worker.stop().await.unwrap();
+    cache.stop().await.unwrap();
+    Run {
+        first,
+        again,
+        stats,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_evicted_from_the_device_comes_back_from_the_host_tier() {
+    let tiered = fill_and_repeat(80).await;
+    let plain = fill_and_repeat(0).await;
+
+    // Without the tier the first prompt's blocks are gone: nothing reused.
+    assert_eq!(plain.again.reused_tokens, 0);
+    assert!(
+        plain
+            .stats
+            .iter()
+            .all(|p| p.host_total == 0 && p.demotions == 0)
+    );
+    // With it, its three full prompt blocks come back from host memory.
+    assert_eq!(tiered.again.reused_tokens, 48);
+    for p in &tiered.stats {
+        assert_eq!(p.host_total, 80, "{p:?}");
+        assert!(p.demotions > 0 && p.onboards >= 3, "{p:?}");
+        assert_eq!((p.host_pending, p.host_pinned), (0, 0), "{p:?}");
+        assert_eq!(
+            p.host_free + p.host_cached + p.host_pending + p.host_pinned,
+            p.host_total
+        );
+    }
+    // The same greedy output as the solo run, and as the recomputed one.
+    assert_eq!(tiered.again.tokens, tiered.first.tokens);
+    assert_eq!(tiered.again.tokens, plain.again.tokens);
+    assert_eq!(tiered.first.tokens, plain.first.tokens);
+}
