@@ -86,25 +86,7 @@ async fn start_inner(
                 ),
             });
         }
-        let model = if d.model_name.is_empty() {
-            "model"
-        } else {
-            d.model_name.as_str()
-        };
-        // The cache takes names of A-Z a-z 0-9 . _ - / : @ + only (names reach
-        // its logs); a model name may hold spaces or more.
-        let model: String = model
-            .chars()
-            .take(100)
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || "._-:@+".contains(c) {
-                    c
-                } else {
-                    '-'
-                }
-            })
-            .collect();
-        let name = format!("{model}/replica-{i}");
+        let name = config.pool_group(&d.model_name, i);
         let pools = cache
             .register_pool(&name, d.tokens_per_block, &d.pools)
             .await?;
