@@ -296,3 +296,53 @@ fn a_killed_scheduler_leaves_the_other_serving_and_its_blocks_return_at_its_ttl(
         cache.stop().await.unwrap();
     });
 }
+
+/// A scheduler started again at once after it was killed finds its group's
+/// blocks still held by its dead session: start-up waits for the cache to
+/// expire that session (one TTL) instead of failing its warm-up, then
+/// serves; nothing leaks.
+#[test]
+fn a_scheduler_started_again_within_its_ttl_waits_for_its_old_blocks() {
+    let main = runtime();
+    let (cache, worker_a) = main.block_on(async {
+        let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+        let worker_a = start_worker(small_worker()).await.unwrap();
+        (cache, worker_a)
+    });
+    let (rt_a, a) = start_a(&cache, &worker_a);
+    let load = Load::default();
+    load.start(&main, a.addr, 6, 64);
+    main.block_on(wait_until("A holds blocks", || {
+        let (cache, ok) = (&cache, load.ok());
+        async move { ok >= 2 && held(cache, GROUP_A).await > 0 }
+    }));
+    rt_a.shutdown_background();
+    drop(a);
+    assert!(
+        main.block_on(held(&cache, GROUP_A)) > 0,
+        "A died holding blocks"
+    );
+
+    let started = Instant::now();
+    let (rt_a, a) = start_a(&cache, &worker_a);
+    let took = started.elapsed();
+    main.block_on(async {
+        load.finish().await;
+        let mut client = scheduler_client(a.addr).await.unwrap();
+        let g = collect(&mut client, request(7, 16)).await.unwrap();
+        assert_eq!(g.finish_reason(), pb::FinishReason::Length, "{}", g.message);
+    });
+    rt_a.block_on(a.stop()).unwrap();
+    main.block_on(async {
+        assert_cache_sound(cache.addr, GROUP_A, WITHIN)
+            .await
+            .unwrap();
+        assert_eq!(stats(&cache).await.sessions, 0);
+        worker_a.stop().await.unwrap();
+        cache.stop().await.unwrap();
+    });
+    assert!(
+        took < WITHIN,
+        "start-up took {took:?} with the earlier session's blocks"
+    );
+}
