@@ -21,10 +21,10 @@ mkdir -p docker/bin
 for b in kvlease kvlease-cache kvlease-scheduler kvlease-worker kvlease-gateway; do
   # the release profile keeps line tables for backtraces; images do not need them
   if command -v strip >/dev/null 2>&1; then
-    strip --strip-debug -o "docker/bin/$b" "target/$TARGET/release/$b"
+    strip --strip-debug -o "docker/bin/$b" "${CARGO_TARGET_DIR:-target}/$TARGET/release/$b"
     chmod 0755 "docker/bin/$b"
   else
-    install -m 0755 "target/$TARGET/release/$b" "docker/bin/$b"
+    install -m 0755 "${CARGO_TARGET_DIR:-target}/$TARGET/release/$b" "docker/bin/$b"
   fi
 done
 echo "docker/build.sh: staged $(ls docker/bin | tr '\n' ' ')in docker/bin/"

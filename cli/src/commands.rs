@@ -261,6 +261,22 @@ pub async fn status(scheduler: &str) -> Result<()> {
     Ok(())
 }
 
+/// `kvlease audit`: the cache's sessions and pools, and its leak audit;
+/// `Ok(false)` when the audit reclaimed blocks or (`whole`) a pool has
+/// blocks in use or fenced.
+pub async fn audit(cache: &str, whole: bool) -> Result<bool> {
+    let mut client = connect::cache(cache).await?;
+    let audit = client
+        .audit(pb::AuditRequest {})
+        .await
+        .map(tonic::Response::into_inner)
+        .map_err(|s| Error::rpc("Audit", s))?;
+    let stats = connect::stats(&mut client).await?;
+    let problems = status::audit_problems(&stats, &audit, whole);
+    print!("{}", status::render_audit(&stats, &audit, &problems));
+    Ok(problems.is_empty())
+}
+
 /// `kvlease health`: `Ok(true)` when `addr` reports SERVING.
 pub async fn health(addr: &str, service: &str, within: Duration) -> Result<bool> {
     let serving = connect::health(addr, service, within).await?;

@@ -50,6 +50,17 @@ enum Command {
         )]
         scheduler: String,
     },
+    /// Run a cache's leak audit and show its sessions and pools (needs the admin role):
+    /// exit 1 when the audit reclaimed blocks or, with --whole, a pool has blocks in use
+    /// or fenced.
+    Audit {
+        #[arg(long, env = "KVLEASE_CACHE_ADDR", default_value = "127.0.0.1:50052")]
+        cache: String,
+        /// Every pool must be whole too (nothing in use, nothing fenced): no
+        /// request may be running.
+        #[arg(long)]
+        whole: bool,
+    },
     /// Real models: `kvlease model fetch smollm2`.
     Model {
         #[command(subcommand)]
@@ -584,6 +595,11 @@ async fn main() -> ExitCode {
         },
         Command::Status { scheduler } => match commands::status(&scheduler).await {
             Ok(()) => ExitCode::SUCCESS,
+            Err(e) => failed(e),
+        },
+        Command::Audit { cache, whole } => match commands::audit(&cache, whole).await {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::FAILURE,
             Err(e) => failed(e),
         },
         Command::Health {

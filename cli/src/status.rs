@@ -81,9 +81,113 @@ pub fn render_pools(pools: &[pb::PoolStats]) -> String {
     out
 }
 
+/// What `kvlease audit` found wrong with a cache: pools with blocks in use
+/// or fenced (`--whole`: no request should be running) and blocks the leak
+/// audit reclaimed. Empty when the cache is sound.
+pub fn audit_problems(
+    stats: &pb::GetStatsResponse,
+    audit: &pb::AuditResponse,
+    whole: bool,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    if whole {
+        for p in &stats.pools {
+            if p.in_use != 0 || p.fenced != 0 {
+                problems.push(format!(
+                    "pool {} ({}) not whole: {} in use, {} fenced",
+                    p.pool_id, p.pool_group, p.in_use, p.fenced
+                ));
+            }
+        }
+    }
+    if !audit.reclaimed.is_empty() {
+        problems.push(format!(
+            "the audit reclaimed {} leaked blocks (first: pool {} block {}, last held by {})",
+            audit.reclaimed.len(),
+            audit.reclaimed[0].pool_id,
+            audit.reclaimed[0].block_id,
+            audit.reclaimed[0].last_holder
+        ));
+    }
+    problems
+}
+
+/// `kvlease audit`'s report: the cache's sessions and pools, the audit's
+/// figures, then one line per problem.
+pub fn render_audit(
+    stats: &pb::GetStatsResponse,
+    audit: &pb::AuditResponse,
+    problems: &[String],
+) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "cache         epoch {}, {} sessions, {} sequences",
+        stats.epoch, stats.sessions, stats.sequences
+    );
+    out.push_str(&render_pools(&stats.pools));
+    let _ = writeln!(
+        out,
+        "audit         {} blocks checked, {} reclaimed",
+        audit.blocks_checked,
+        audit.reclaimed.len()
+    );
+    for p in problems {
+        let _ = writeln!(out, "problem       {p}");
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn audit_names_pools_not_whole_and_leaked_blocks() {
+        let pool = |id, in_use, fenced| pb::PoolStats {
+            pool_group: "g/replica-0".into(),
+            pool_id: id,
+            total: 10,
+            free: 10 - in_use - fenced,
+            in_use,
+            fenced,
+            ..Default::default()
+        };
+        let stats = pb::GetStatsResponse {
+            pools: vec![pool(1, 0, 0), pool(2, 3, 1)],
+            epoch: 7,
+            sessions: 1,
+            sequences: 2,
+        };
+        let clean = pb::AuditResponse {
+            reclaimed: vec![],
+            blocks_checked: 20,
+        };
+        let problems = audit_problems(&stats, &clean, true);
+        assert_eq!(
+            problems,
+            ["pool 2 (g/replica-0) not whole: 3 in use, 1 fenced"]
+        );
+        assert!(audit_problems(&stats, &clean, false).is_empty());
+        let leaked = pb::AuditResponse {
+            reclaimed: vec![pb::LeakedBlock {
+                pool_id: 1,
+                block_id: 4,
+                last_holder: "unknown".into(),
+            }],
+            blocks_checked: 20,
+        };
+        let problems = audit_problems(&stats, &leaked, false);
+        assert_eq!(problems.len(), 1);
+        assert!(
+            problems[0].contains("reclaimed 1 leaked blocks"),
+            "{problems:?}"
+        );
+        let text = render_audit(&stats, &leaked, &problems);
+        assert!(text.contains("epoch 7, 1 sessions"), "{text}");
+        assert!(text.contains("20 blocks checked, 1 reclaimed"), "{text}");
+        assert!(text.contains("problem       the audit"), "{text}");
+    }
 
     #[test]
     fn render_names_policy_and_pool_figures() {

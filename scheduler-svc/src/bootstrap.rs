@@ -6,6 +6,7 @@
 //! renews the cache session while it runs.
 
 use std::sync::Mutex;
+use std::time::Duration;
 
 use kvlease_tokenizer::Tokenizer;
 
@@ -17,6 +18,10 @@ use crate::domain::{
 use crate::error::{Error, Result};
 use crate::session;
 use crate::warmup::{self, WarmupLimits, WarmupShape};
+
+/// How long past a session's TTL the cache may take to reclaim it (its
+/// expiry sweep runs every few hundred milliseconds).
+const EXPIRY_SLACK: Duration = Duration::from_secs(1);
 
 /// Warm-up sequence ids live far above the ids of real sequences.
 const WARMUP_SEQ_BASE: SeqId = SeqId(1 << 62);
@@ -88,25 +93,7 @@ async fn start_inner(
                 ),
             });
         }
-        let model = if d.model_name.is_empty() {
-            "model"
-        } else {
-            d.model_name.as_str()
-        };
-        // The cache takes names of A-Z a-z 0-9 . _ - / : @ + only (names reach
-        // its logs); a model name may hold spaces or more.
-        let model: String = model
-            .chars()
-            .take(100)
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || "._-:@+".contains(c) {
-                    c
-                } else {
-                    '-'
-                }
-            })
-            .collect();
-        let name = format!("{model}/replica-{i}");
+        let name = config.pool_group(&d.model_name, i);
         let pools = cache
             .register_pool(&name, d.tokens_per_block, &d.pools)
             .await?;
@@ -125,6 +112,7 @@ async fn start_inner(
         };
         tracing::info!(group = %group.name, worker = worker.addr(), tokens_per_block = group.tokens_per_block,
             pools = group.pools.len(), "pools registered");
+        wait_for_an_earlier_session(config, cache, &group.name).await?;
         warm_up(
             config,
             cache,
@@ -142,6 +130,48 @@ async fn start_inner(
         last_step: step,
         tokenizer,
     })
+}
+
+/// A scheduler started again soon after it died (`kill -9`, no
+/// `CloseSession`) finds its groups' blocks still held by its earlier
+/// session until the cache expires it: waits up to one session TTL (its
+/// own, the same configuration) for `group`'s pools to be whole, so that
+/// warm-up finds them empty. After that warm-up runs anyway and says what
+/// it found.
+async fn wait_for_an_earlier_session(
+    config: &Config,
+    cache: &CacheClient,
+    group: &str,
+) -> Result<()> {
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_millis(config.session_ttl_ms) + EXPIRY_SLACK;
+    let mut waited = false;
+    loop {
+        let held = cache
+            .pool_states(group)
+            .await?
+            .iter()
+            .any(|p| p.in_use != 0 || p.fenced != 0);
+        if !held || tokio::time::Instant::now() >= deadline {
+            if waited {
+                tracing::info!(
+                    group,
+                    whole = !held,
+                    "done waiting for an earlier session's blocks"
+                );
+            }
+            return Ok(());
+        }
+        if !waited {
+            tracing::warn!(
+                group,
+                ttl_ms = config.session_ttl_ms,
+                "pools hold blocks of an earlier session: waiting up to its TTL for the cache to reclaim them"
+            );
+            waited = true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The tokenizer every worker serves, fetched from the first; start-up

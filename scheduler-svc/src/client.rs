@@ -28,6 +28,7 @@ fn endpoint(
     addr: &str,
     security: &Security,
     timeout: Option<Duration>,
+    keepalive: Option<Duration>,
 ) -> Result<Channel> {
     let mut ep = security
         .endpoint(addr)
@@ -40,6 +41,14 @@ fn endpoint(
         .tcp_nodelay(true);
     if let Some(t) = timeout {
         ep = ep.timeout(t);
+    }
+    if let Some(k) = keepalive {
+        // a peer cut off mid-call answers no ping: the call fails within two
+        // intervals instead of waiting for TCP to give up (many minutes)
+        ep = ep
+            .http2_keep_alive_interval(k)
+            .keep_alive_timeout(k)
+            .keep_alive_while_idle(true);
     }
     Ok(ep.connect_lazy())
 }
@@ -135,7 +144,7 @@ impl CacheClient {
     /// A lazily connecting client of `addr` (over mTLS when `security` has TLS
     /// material); every call times out after `timeout`.
     pub fn new(addr: &str, security: &Security, timeout: Duration) -> Result<Self> {
-        let channel = endpoint("cache", addr, security, Some(timeout))?;
+        let channel = endpoint("cache", addr, security, Some(timeout), None)?;
         Ok(Self {
             inner: CacheServiceClient::new(traced(channel)),
             state: Arc::default(),
@@ -521,9 +530,11 @@ pub struct WorkerClient {
 
 impl WorkerClient {
     /// A lazily connecting client of the worker at `addr` (over mTLS when
-    /// `security` has TLS material).
-    pub fn new(addr: &str, security: &Security) -> Result<Self> {
-        let channel = endpoint("worker", addr, security, None)?;
+    /// `security` has TLS material). A forward pass has no time limit (a long
+    /// prefill is legitimate), but the connection is pinged every
+    /// `keepalive`: a call to a worker that stops answering fails after two.
+    pub fn new(addr: &str, security: &Security, keepalive: Duration) -> Result<Self> {
+        let channel = endpoint("worker", addr, security, None, Some(keepalive))?;
         Ok(Self {
             addr: addr.to_string(),
             // GetTokenizer answers with a whole tokenizer.json

@@ -40,7 +40,9 @@ const DEFAULT_TRACE_STEPS_ONE_IN: u64 = 100;
 const DEFAULT_WARMUP_DEADLINE_MS: u64 = 60_000;
 const DEFAULT_SESSION_TTL_MS: u64 = 10_000;
 const DEFAULT_CACHE_TIMEOUT_MS: u64 = 5_000;
+const DEFAULT_WORKER_KEEPALIVE_MS: u64 = 2_000;
 const DEFAULT_HOLDER: &str = "kvlease-scheduler";
+const DEFAULT_POOL_GROUP_PREFIX: &str = "";
 const DEFAULT_ON_CACHE_RESTART: OnCacheRestart = OnCacheRestart::Recompute;
 const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 << 20;
 const DEFAULT_MAX_QUEUE: usize = 4096;
@@ -162,6 +164,15 @@ pub struct Config {
         default_value_t = DEFAULT_CACHE_TIMEOUT_MS
     )]
     pub cache_timeout_ms: u64,
+    /// HTTP/2 ping interval on the worker connections, in milliseconds: a
+    /// forward pass to a worker that answers no ping within as long again
+    /// fails, and its requests are requeued on another replica.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_WORKER_KEEPALIVE_MS",
+        default_value_t = DEFAULT_WORKER_KEEPALIVE_MS
+    )]
+    pub worker_keepalive_ms: u64,
     /// Holder name of the cache session.
     #[arg(
         long,
@@ -169,6 +180,15 @@ pub struct Config {
         default_value = DEFAULT_HOLDER
     )]
     pub holder: String,
+    /// Prefix of the pool groups this scheduler registers (`<prefix>/<model>/replica-<i>`;
+    /// `<model>/replica-<i>` when empty). Schedulers that share one cache service must each
+    /// take their own: a group's blocks live in one worker's memory.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_POOL_GROUP_PREFIX",
+        default_value = DEFAULT_POOL_GROUP_PREFIX
+    )]
+    pub pool_group_prefix: String,
     /// Live sequences when the cache service lost them: recompute or reject.
     #[arg(
         long,
@@ -233,7 +253,9 @@ impl Default for Config {
             warmup_deadline_ms: DEFAULT_WARMUP_DEADLINE_MS,
             session_ttl_ms: DEFAULT_SESSION_TTL_MS,
             cache_timeout_ms: DEFAULT_CACHE_TIMEOUT_MS,
+            worker_keepalive_ms: DEFAULT_WORKER_KEEPALIVE_MS,
             holder: DEFAULT_HOLDER.into(),
+            pool_group_prefix: DEFAULT_POOL_GROUP_PREFIX.into(),
             on_cache_restart: DEFAULT_ON_CACHE_RESTART,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             max_queue: DEFAULT_MAX_QUEUE,
@@ -276,11 +298,19 @@ impl Config {
         if self.session_ttl_ms < 30 {
             return bad("session_ttl_ms must be at least 30");
         }
+        if self.worker_keepalive_ms < 100 {
+            return bad("worker_keepalive_ms must be at least 100");
+        }
         if self.warmup_deadline_ms == 0 || self.cache_timeout_ms == 0 {
             return bad("deadlines and timeouts must be positive");
         }
         if self.holder.is_empty() || self.holder.len() > 128 {
             return bad("holder must be 1 to 128 characters");
+        }
+        if self.pool_group_prefix.len() > 64
+            || !self.pool_group_prefix.chars().all(is_group_name_char)
+        {
+            return bad("pool_group_prefix must be at most 64 of A-Z a-z 0-9 . _ - : @ +");
         }
         if self.max_message_bytes < 1024 {
             return bad("max_message_bytes must be at least 1024");
@@ -307,6 +337,23 @@ impl Config {
         }
     }
 
+    /// The pool group of replica `replica` serving `model` (any name; the
+    /// characters the cache refuses become `-`).
+    pub fn pool_group(&self, model: &str, replica: usize) -> String {
+        let model = if model.is_empty() { "model" } else { model };
+        // The cache takes names of A-Z a-z 0-9 . _ - / : @ + only (names reach
+        // its logs); a model name may hold spaces or more.
+        let model: String = model
+            .chars()
+            .take(100)
+            .map(|c| if is_group_name_char(c) { c } else { '-' })
+            .collect();
+        match self.pool_group_prefix.as_str() {
+            "" => format!("{model}/replica-{replica}"),
+            prefix => format!("{prefix}/{model}/replica-{replica}"),
+        }
+    }
+
     pub fn warmup_deadline(&self) -> Duration {
         Duration::from_millis(self.warmup_deadline_ms)
     }
@@ -314,6 +361,15 @@ impl Config {
     pub fn cache_timeout(&self) -> Duration {
         Duration::from_millis(self.cache_timeout_ms)
     }
+
+    pub fn worker_keepalive(&self) -> Duration {
+        Duration::from_millis(self.worker_keepalive_ms)
+    }
+}
+
+/// A character of a pool group name besides the `/` that joins its parts.
+fn is_group_name_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || "._-:@+".contains(c)
 }
 
 #[cfg(test)]
@@ -355,5 +411,33 @@ mod tests {
             ..Config::default()
         };
         assert!(matches!(zero.validate(), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn pool_groups_carry_the_prefix_and_only_names_the_cache_takes() {
+        let plain = Config::default();
+        assert_eq!(plain.pool_group("seeded-0", 1), "seeded-0/replica-1");
+        assert_eq!(plain.pool_group("", 0), "model/replica-0");
+        assert_eq!(
+            plain.pool_group("Llama 3 (8B)", 0),
+            "Llama-3--8B-/replica-0"
+        );
+        let a = Config {
+            pool_group_prefix: "sched-a".into(),
+            ..Config::default()
+        };
+        assert!(a.validate().is_ok());
+        assert_eq!(a.pool_group("seeded-0", 0), "sched-a/seeded-0/replica-0");
+        for bad in ["a/b", "a b", &"x".repeat(65)] {
+            let c = Config {
+                pool_group_prefix: bad.to_string(),
+                ..Config::default()
+            };
+            let err = c.validate().map_err(|e| e.to_string());
+            assert!(
+                matches!(&err, Err(m) if m.contains("pool_group_prefix")),
+                "{bad:?}: {err:?}"
+            );
+        }
     }
 }

@@ -59,7 +59,7 @@ pub async fn run(
         .worker_addrs
         .iter()
         .filter(|a| !a.trim().is_empty())
-        .map(|a| WorkerClient::new(a.trim(), &security))
+        .map(|a| WorkerClient::new(a.trim(), &security, config.worker_keepalive()))
         .collect::<Result<Vec<_>>>()?;
     let session = cache
         .open_session(&config.holder, config.session_ttl_ms)
