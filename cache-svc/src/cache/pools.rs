@@ -58,22 +58,6 @@ impl Cache {
         )
     }
 
-    /// Declares the pools of a group for the principal `anonymous`, with
-    /// host tiers (see [`register_pool_for`](Self::register_pool_for)).
-    pub fn register_pool_tiered(
-        &mut self,
-        group: &str,
-        tokens_per_block: u32,
-        pools: &[(u32, u32, u32)],
-    ) -> Result<(Vec<PoolInfo>, bool)> {
-        self.register_pool_for(
-            kvlease_auth::principal::ANONYMOUS,
-            group,
-            tokens_per_block,
-            pools,
-        )
-    }
-
     /// Declares the pools of a group: `(window, num_blocks, host_blocks)`
     /// per distinct window (`host_blocks` 0: no host tier). Returns the
     /// pools and whether they were already registered. The host blocks are

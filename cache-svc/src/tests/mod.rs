@@ -32,7 +32,12 @@ impl Fixture {
     ) -> Self {
         let mut cache = Cache::with_epoch(config, crate::Epoch(7));
         cache
-            .register_pool_tiered(GROUP, tokens_per_block, pools)
+            .register_pool_for(
+                kvlease_auth::principal::ANONYMOUS,
+                GROUP,
+                tokens_per_block,
+                pools,
+            )
             .unwrap();
         let now = Instant::now();
         let opened = cache.open_session("test", None, now).unwrap();
