@@ -155,8 +155,8 @@ pub struct Config {
 
     /// Blocks of a host-memory tier per pool, where the cache keeps blocks
     /// it evicts from the pool and brings back on a prefix hit; 0 = no
-    /// tier. Outside the memory budget. The cuda backend refuses a tier at
-    /// start-up (it has none yet).
+    /// tier. Outside the memory budget; on the cuda backend it is pinned
+    /// (page-locked) host memory.
     #[arg(long, env = "KVLEASE_WORKER_HOST_BLOCKS", default_value_t = 0)]
     pub host_blocks: u32,
 

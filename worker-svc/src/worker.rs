@@ -162,14 +162,6 @@ impl Worker {
         let config = weights.config.clone();
         config.validate()?;
         check_limits(options.limits)?;
-        if options.host_blocks > 0 {
-            // Refused before the device is touched: no silent run without
-            // the tier the operator asked for.
-            return Err(Error::Config(format!(
-                "--host-blocks {} asks for a host-memory tier, which the cuda backend does not have yet (use --backend cpu, or start without --host-blocks)",
-                options.host_blocks
-            )));
-        }
         let (backend, sizing) = crate::backend::cuda::CudaBackend::new(
             weights,
             options.limits.max_batch_tokens,
@@ -193,7 +185,7 @@ impl Worker {
             sizing.weight_bytes,
             sizing.activation_bytes,
             crate::backend::GPU_KV_ELEM_BYTES,
-            0,
+            options.host_blocks,
         )
     }
 

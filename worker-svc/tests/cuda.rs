@@ -16,12 +16,15 @@
 //! reference, and SmolLM2 against transformers (bf16 weights and products,
 //! bf16 arena): teacher-forced top-1 agreement >= 98% and the first 16
 //! greedy tokens of every prompt identical.
+//! The host tier in pinned memory: a demoted prefix onboarded back gives
+//! logits bit-identical to recomputing it (the scenarios of `host_tier.rs`).
 //! Without a usable GPU every test prints why and returns;
 //! `KVLEASE_REQUIRE_GPU=1` turns that into a failure.
 #![cfg(feature = "cuda")]
 
 mod common;
 mod model_files;
+mod tiers;
 
 use common::{MaxErr, fixed_model, options, relative_error, table};
 use worker_svc::backend::{CudaOptions, KvDtype};
@@ -72,6 +75,37 @@ fn cuda_worker(weights: &Weights, kv_dtype: KvDtype) -> Worker {
 
 fn gpu_worker(weights: &Weights) -> Worker {
     cuda_worker(weights, DTYPE)
+}
+
+/// A CUDA worker with a host tier of `host_blocks` pinned blocks per pool.
+fn tiered_cuda_worker(weights: &Weights, kv_dtype: KvDtype, host_blocks: u32) -> Worker {
+    let gpu = CudaOptions {
+        device: 0,
+        kv_dtype,
+        memory_fraction: 0.5,
+        max_kv_bytes: 8 << 20,
+    };
+    let options = WorkerOptions {
+        host_blocks,
+        ..options()
+    };
+    match Worker::new_cuda(weights.clone(), options, gpu) {
+        Ok(w) => w,
+        Err(e) => panic!("cuda worker with a host tier: {e}"),
+    }
+}
+
+#[test]
+fn onboarded_kv_from_the_pinned_host_tier_is_bit_identical_to_recomputed_kv() {
+    if !gpu_available("pinned_host_tier") {
+        return;
+    }
+    // Both arena types: the tier keeps 16-bit K/V as the arena stores it.
+    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+        let build = |w: &Weights, host_blocks: u32| tiered_cuda_worker(w, dtype, host_blocks);
+        tiers::onboarded_kv_is_bit_identical(&build);
+        tiers::copies_only_forward(&build);
+    }
 }
 
 #[test]

@@ -148,7 +148,9 @@ pub trait Backend: Send + std::fmt::Debug {
         )))
     }
     /// Copies whole blocks between the device arena and the host tier, in
-    /// the order given (validated against both).
+    /// the order given (validated against both), and returns once they are
+    /// done: a pass after it sees the onboarded blocks, and its writes do
+    /// not overtake a demotion.
     fn tier_copies(&mut self, moves: &[crate::batch::TierMove]) -> Result<()> {
         if moves.is_empty() {
             return Ok(());

@@ -98,7 +98,7 @@ impl MaxErr {
 }
 
 /// Panics at the first element where `a` and `b` differ in any bit.
-fn assert_bit_identical(a: &[f32], b: &[f32], what: &str) {
+pub(crate) fn assert_bit_identical(a: &[f32], b: &[f32], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
         panic!("{what}: element {i} differs: {} vs {}", a[i], b[i]);
@@ -351,7 +351,7 @@ pub(crate) fn seq_input(
     }
 }
 
-fn run_one(
+pub(crate) fn run_one(
     worker: &mut Worker,
     seq_id: u64,
     tokens: &[u32],

@@ -10,11 +10,12 @@ use half::bf16;
 use super::gemm::{Products, padded_rows};
 use super::kernels::{KernelShape, Kernels};
 use super::launches::{AttentionArgs, AttnOut, Launcher};
+use super::tier::HostTier;
 use super::uploads::{Activations, DeviceBatch, DeviceWeights};
 use super::{CudaOptions, GPU_KV_ELEM_BYTES, KvDtype, cuda_err, probe};
 use crate::arena::{ArenaLayout, split_kv_bytes};
 use crate::backend::{Backend, BatchLogits, HostTimes, PhaseTimes};
-use crate::batch::Batch;
+use crate::batch::{Batch, TierMove};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::weights::Weights;
@@ -31,6 +32,9 @@ pub struct CudaBackend {
     weights: DeviceWeights,
     acts: Activations,
     kv: Vec<CudaSlice<u16>>,
+    /// Pinned host blocks per pool (`--host-blocks`), in the arena's block
+    /// layout.
+    host_tier: HostTier,
     kv_dtype: KvDtype,
     device_name: String,
     weight_bytes: u64,
@@ -143,6 +147,7 @@ impl CudaBackend {
                 weights: dev_weights,
                 acts,
                 kv,
+                host_tier: HostTier::default(),
                 kv_dtype: options.kv_dtype,
                 device_name,
                 weight_bytes,
@@ -579,6 +584,24 @@ impl Backend for CudaBackend {
 
     fn forward(&mut self, batch: &Batch) -> Result<BatchLogits> {
         self.run(batch)
+    }
+
+    fn set_host_tier(&mut self, host_blocks: &[u32]) -> Result<()> {
+        self.host_tier = HostTier::alloc(&self.ctx, &self.layout, host_blocks)?;
+        if self.host_tier.bytes() == 0 {
+            return Ok(());
+        }
+        tracing::info!(
+            pinned_bytes = self.host_tier.bytes(),
+            ?host_blocks,
+            "cuda host tier allocated in pinned host memory"
+        );
+        Ok(())
+    }
+
+    fn tier_copies(&mut self, moves: &[TierMove]) -> Result<()> {
+        self.host_tier
+            .copy(&self.stream, &mut self.kv, &self.layout, moves)
     }
 
     fn forward_argmax(&mut self, batch: &Batch) -> Result<Vec<u32>> {

@@ -1,7 +1,8 @@
 //! Measurements behind `cargo bench -p worker-svc --features cuda --bench gpu`:
 //! the paged decode attention kernel against the device's copy bandwidth
-//! (with a host check of its output), cuBLAS's bf16 GEMM rate, and a
-//! worker's prefill and whole decode steps.
+//! (with a host check of its output), cuBLAS's bf16 GEMM rate, a
+//! worker's prefill and whole decode steps, and its pinned host tier
+//! (onboarding a prefix against recomputing it).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,7 +16,7 @@ use super::launches::{AttentionArgs, AttnOut, Launcher};
 use super::uploads::part_capacity;
 use super::{GPU_KV_ELEM_BYTES, KvDtype, cuda_err};
 use crate::backend::PhaseTimes;
-use crate::batch::{Limits, Sampling, SeqInput, TableInput};
+use crate::batch::{Limits, Sampling, SeqInput, TableInput, TierCopyInput, TierDirection};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::weights::{SplitMix64, Weights};
@@ -573,6 +574,19 @@ pub struct ModelReport {
     pub decodes: Vec<DecodeFigures>,
 }
 
+/// One table per pool window in `pools`, each `ids` from block index 0.
+fn tables_from_zero(pools: &[u32], ids: &[u32]) -> Vec<TableInput> {
+    pools
+        .iter()
+        .map(|&window| TableInput {
+            window,
+            beam: 0,
+            first_block: 0,
+            block_ids: ids.to_vec(),
+        })
+        .collect()
+}
+
 /// A CUDA worker for `model` (seeded weights, bf16 KV) that prefills
 /// `(sequences, tokens)` for each of `prefills`, timed, then for each batch
 /// of `decode_batches` prefills that many sequences to `context` tokens
@@ -615,16 +629,7 @@ pub fn model_bench(
         let ids: Vec<u32> = (next_block..next_block + n).collect();
         next_block += n;
         next_seq += 1;
-        let tables = pools
-            .iter()
-            .map(|&window| TableInput {
-                window,
-                beam: 0,
-                first_block: 0,
-                block_ids: ids.clone(),
-            })
-            .collect();
-        (next_seq, tables)
+        (next_seq, tables_from_zero(&pools, &ids))
     };
     let token = |s: u64, p: usize| ((s * 131 + p as u64 * 31) % vocab) as u32;
     let input = |s: u64, tables: &[TableInput], start: usize, end: usize| SeqInput {
@@ -724,4 +729,190 @@ pub fn model_bench(
         });
     }
     Ok(report)
+}
+
+// === the host tier ===
+
+/// Pinned host <-> device copy of `bytes`, best of `iters`, GB/s each way
+/// (host to device, device to host), and pageable host to device for
+/// comparison: the link rates the tier's copies are measured against.
+pub fn host_link_rates(bytes: usize, iters: usize) -> Result<(f64, f64, f64)> {
+    super::probe().map_err(Error::Backend)?;
+    let ctx = CudaContext::new(0).map_err(cuda_err("context"))?;
+    let stream = ctx.default_stream();
+    let mut device = stream.alloc_zeros::<u8>(bytes).map_err(cuda_err("alloc"))?;
+    // SAFETY: the memory is only written by the copies below, and read by
+    // none on the host.
+    let mut pinned =
+        unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes, 0) }.map_err(cuda_err("pinned alloc"))?;
+    let pageable = vec![1u8; bytes];
+    let timed = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let best = |copy: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        let mut best = f64::INFINITY;
+        for _ in 0..iters {
+            let start = stream.record_event(timed).map_err(cuda_err("event"))?;
+            copy()?;
+            let end = stream.record_event(timed).map_err(cuda_err("event"))?;
+            end.synchronize().map_err(cuda_err("synchronize"))?;
+            best = best.min(f64::from(
+                start.elapsed_ms(&end).map_err(cuda_err("event"))?,
+            ));
+        }
+        Ok(bytes as f64 / (best * 1e-3) / 1e9)
+    };
+    let dtoh = best(&mut || {
+        stream
+            .memcpy_dtoh(&device, &mut pinned)
+            .map_err(cuda_err("copy"))
+    })?;
+    let htod = best(&mut || {
+        stream
+            .memcpy_htod(&pinned, &mut device)
+            .map_err(cuda_err("copy"))
+    })?;
+    let pageable_htod = best(&mut || {
+        stream
+            .memcpy_htod(&pageable, &mut device)
+            .map_err(cuda_err("copy"))
+    })?;
+    Ok((htod, dtoh, pageable_htod))
+}
+
+/// One prompt length of [`host_tier_bench`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierFigures {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Full prefix blocks moved per pool (the prompt minus its last token,
+    /// as much as the cache would reuse).
+    pub blocks: usize,
+    /// Bytes moved each way (every pool).
+    pub bytes: u64,
+    /// Best of the iterations: demoting the prefix (device blocks scattered).
+    pub demote_ms: f64,
+    /// Onboarding the prefix into scattered device blocks.
+    pub onboard_ms: f64,
+    /// Onboarding, then the forward of the tokens after the prefix.
+    pub onboard_then_rest_ms: f64,
+    /// The forward of the whole prompt (recomputing the prefix).
+    pub recompute_ms: f64,
+    /// Whether both ways picked the same next token.
+    pub same_token: bool,
+}
+
+/// A CUDA worker for `model` (seeded weights, bf16 KV) with a host tier;
+/// for each prompt length: prefill it, demote its full prefix blocks from
+/// scattered device blocks, onboard them into other scattered ones and run
+/// the rest of the prompt, against recomputing the whole prompt; best of
+/// `iters`, through `Worker::apply_tier_copies` and
+/// `Worker::forward_tokens` (validation, uploads, kernels, tokens back).
+pub fn host_tier_bench(
+    model: &ModelConfig,
+    prompts: &[usize],
+    iters: usize,
+) -> Result<Vec<TierFigures>> {
+    let b = model.tokens_per_block as usize;
+    let longest = prompts.iter().copied().max().unwrap_or(1);
+    let host_blocks = longest.div_ceil(b) as u32;
+    let weights = Weights::seeded(model.clone(), 3)?;
+    let options = WorkerOptions {
+        memory_budget_bytes: 0,
+        limits: Limits {
+            max_batch_sequences: 16,
+            max_batch_tokens: longest.max(1),
+        },
+        threads: 1,
+        host_blocks,
+    };
+    let gpu = super::CudaOptions {
+        device: 0,
+        kv_dtype: KvDtype::Bf16,
+        memory_fraction: 0.3,
+        max_kv_bytes: 0,
+    };
+    let mut worker = Worker::new_cuda(weights, options, gpu)?;
+    let pools: Vec<u32> = model.pools().into_iter().map(|p| p.window).collect();
+    let block_bytes: u64 = worker.info().pools.iter().map(|p| p.bytes_per_block).sum();
+    let device_blocks = worker.info().pools[0].num_blocks as usize;
+    let vocab = model.vocab_size as u64;
+    let mut rng = Mix(SplitMix64::new(17));
+    let mut perm: Vec<u32> = (0..device_blocks as u32).collect();
+    for i in (1..perm.len()).rev() {
+        perm.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    let mut figures = Vec::new();
+    for &len in prompts {
+        let n = len.div_ceil(b);
+        if 3 * n > device_blocks {
+            return Err(Error::Backend(format!(
+                "host tier bench: a {len}-token prompt needs {} device blocks, the arena has {device_blocks}",
+                3 * n
+            )));
+        }
+        let prefix = (len - 1) / b;
+        // Three sequences in disjoint, shuffled device blocks.
+        let ids = |k: usize| perm[k * n..(k + 1) * n].to_vec();
+        let (a, onboarded, recomputed) = (ids(0), ids(1), ids(2));
+        let prompt: Vec<u32> = (0..len as u64)
+            .map(|p| ((p * 131 + 7) % vocab) as u32)
+            .collect();
+        let input = |seq_id: u64, ids: &[u32], start: usize| SeqInput {
+            seq_id,
+            tokens: prompt[start..].to_vec(),
+            start_pos: start as u32,
+            tables: tables_from_zero(&pools, ids),
+            all_positions: false,
+            sampling: Sampling::GREEDY,
+            copies: Vec::new(),
+        };
+        let copies = |direction: TierDirection, device: &[u32]| -> Vec<TierCopyInput> {
+            pools
+                .iter()
+                .flat_map(|&window| {
+                    device[..prefix]
+                        .iter()
+                        .enumerate()
+                        .map(move |(i, &device_block)| TierCopyInput {
+                            window,
+                            direction,
+                            device_block,
+                            host_block: i as u32,
+                        })
+                })
+                .collect()
+        };
+        let next_token = |out: Vec<crate::worker::SeqOutput>| out.first().map(|o| o.next_token);
+        worker.forward_tokens(vec![input(1, &a, 0)])?;
+        let (demote, onboard) = (
+            copies(TierDirection::Demote, &a),
+            copies(TierDirection::Onboard, &onboarded),
+        );
+        let mut f = TierFigures {
+            prompt_tokens: len,
+            blocks: prefix,
+            bytes: prefix as u64 * block_bytes,
+            demote_ms: f64::INFINITY,
+            onboard_ms: f64::INFINITY,
+            onboard_then_rest_ms: f64::INFINITY,
+            recompute_ms: f64::INFINITY,
+            same_token: true,
+        };
+        let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
+        for _ in 0..iters.max(1) {
+            let t = Instant::now();
+            worker.apply_tier_copies(&demote)?;
+            f.demote_ms = f.demote_ms.min(ms(t));
+            let t = Instant::now();
+            worker.apply_tier_copies(&onboard)?;
+            f.onboard_ms = f.onboard_ms.min(ms(t));
+            let rest = worker.forward_tokens(vec![input(2, &onboarded, prefix * b)])?;
+            f.onboard_then_rest_ms = f.onboard_then_rest_ms.min(ms(t));
+            let t = Instant::now();
+            let whole = worker.forward_tokens(vec![input(3, &recomputed, 0)])?;
+            f.recompute_ms = f.recompute_ms.min(ms(t));
+            f.same_token &= next_token(rest) == next_token(whole);
+        }
+        figures.push(f);
+    }
+    Ok(figures)
 }

@@ -19,6 +19,8 @@
 //! - `gemm`: the matrix products, in calls of a fixed row count.
 //! - `uploads`: weights, activation buffers and each batch's metadata on the
 //!   device.
+//! - `tier`: the host tier in pinned host memory and the whole-block copies
+//!   between it and the arena.
 //! - `backend`: [`CudaBackend`], which sizes the arena and runs a batch.
 //! - `bench` (feature `bench`, for `benches/gpu.rs` and the GPU tests only):
 //!   measurements and the f64 check of the attention kernels.
@@ -30,6 +32,7 @@ pub mod bench;
 mod gemm;
 mod kernels;
 mod launches;
+mod tier;
 mod uploads;
 
 use cudarc::driver::CudaContext;

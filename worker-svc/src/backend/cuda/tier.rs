@@ -1,0 +1,236 @@
+//! The host tier of the CUDA backend: one page-locked (pinned) host array
+//! per pool, in the device arena's block layout, and the whole-block copies
+//! between the two.
+//!
+//! A block is contiguous in both arrays (`arena` module: block-major), so a
+//! copy is one DMA of `elems_per_block` elements, and a run of moves whose
+//! device and host blocks both ascend by one is one DMA of the run. Pinned
+//! memory is what lets the copy engine move it at the link's rate and
+//! without a staging copy through the driver's own pinned buffer.
+//!
+//! Ordering is the stream's: the copies go on the backend's one stream
+//! ahead of the pass that follows, so a demotion reads a device block before
+//! that pass's K/V scatter can overwrite it, and an onboarding lands before
+//! its attention reads it. [`HostTier::copy`] waits for them before it
+//! returns, so an answered Forward never leaves a demotion in flight that
+//! the cache would count as written (the next pass's metadata upload, a
+//! pageable copy on the same stream, would wait for them anyway).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut, PinnedHostSlice, sys};
+
+use super::cuda_err;
+use crate::arena::ArenaLayout;
+use crate::batch::{TierDirection, TierMove};
+use crate::error::{Error, Result};
+
+/// The pinned host arrays of every pool (empty: no tier).
+#[derive(Debug, Default)]
+pub(super) struct HostTier {
+    /// Per pool, `ArenaLayout` order; `None` for a pool without host blocks.
+    pools: Vec<Option<PinnedHostSlice<u16>>>,
+}
+
+/// Moves of one direction between consecutive blocks of one pool, copied as
+/// one DMA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    pool: usize,
+    direction: TierDirection,
+    device: u32,
+    host: u32,
+    blocks: u32,
+}
+
+impl HostTier {
+    /// Allocates `host_blocks[i]` pinned blocks for pool `i` of `layout`.
+    pub(super) fn alloc(
+        ctx: &Arc<CudaContext>,
+        layout: &ArenaLayout,
+        host_blocks: &[u32],
+    ) -> Result<Self> {
+        let pools = layout
+            .pools
+            .iter()
+            .zip(host_blocks.iter().copied().chain(std::iter::repeat(0)))
+            .map(|(geometry, blocks)| {
+                if blocks == 0 {
+                    return Ok(None);
+                }
+                let elems = (blocks as usize)
+                    .checked_mul(geometry.elems_per_block())
+                    .filter(|&n| n.checked_mul(2).is_some_and(|b| b < isize::MAX as usize))
+                    .ok_or_else(|| {
+                        Error::Config(format!(
+                            "a host tier of {blocks} blocks of window {} does not fit in memory",
+                            geometry.window
+                        ))
+                    })?;
+                // SAFETY: `alloc_pinned_with_flags` leaves the memory
+                // uninitialised. The host never reads or writes it: only
+                // the DMAs of `copy` do, and the worker's slot ledger
+                // (which starts empty for the tier) keeps K/V that no
+                // demotion wrote from being attended after an onboarding.
+                // Flags 0: plain page-locked memory, cacheable for the CPU
+                // (write-combined memory, cudarc's default, is only good
+                // for host writes).
+                let mem = unsafe { ctx.alloc_pinned_with_flags::<u16>(elems, 0) }
+                    .map_err(cuda_err("pinned host tier alloc"))?;
+                Ok(Some(mem))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(HostTier { pools })
+    }
+
+    /// Bytes of pinned host memory held.
+    pub(super) fn bytes(&self) -> u64 {
+        self.pools
+            .iter()
+            .flatten()
+            .map(|p| p.num_bytes() as u64)
+            .sum()
+    }
+
+    /// Runs `moves` (validated against the arena and the tier, demotions
+    /// first) on `stream`, then waits for them.
+    pub(super) fn copy(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        arena: &mut [CudaSlice<u16>],
+        layout: &ArenaLayout,
+        moves: &[TierMove],
+    ) -> Result<()> {
+        // The raw copies below need the context current on this thread
+        // (cudarc's own calls bind it themselves).
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda_err("bind context"))?;
+        for run in runs(moves) {
+            let epb = layout.pools[run.pool].elems_per_block();
+            let n = run.blocks as usize * epb;
+            let (device_at, host_at) = (run.device as usize * epb, run.host as usize * epb);
+            let (Some(Some(host)), Some(device)) =
+                (self.pools.get_mut(run.pool), arena.get_mut(run.pool))
+            else {
+                return Err(Error::Backend(format!(
+                    "tier copy: pool {} has no host tier",
+                    run.pool
+                )));
+            };
+            if device_at + n > device.len() || host_at + n > host.len() {
+                return Err(Error::Backend(format!(
+                    "tier copy of pool {}: {} blocks at device block {} / host block {} are out \
+                     of range",
+                    run.pool, run.blocks, run.device, run.host
+                )));
+            }
+            let bytes = n * size_of::<u16>();
+            // `as_mut_ptr` first waits for the allocation's event, which
+            // cudarc records only for its own copies (this tier makes none),
+            // so it returns at once.
+            let host_base = host.as_mut_ptr().map_err(cuda_err("pinned host tier"))?;
+            let (device_base, _in_use) = device.device_ptr_mut(stream);
+            let device_ptr = device_base + (device_at * size_of::<u16>()) as u64;
+            // SAFETY: `host_at + n <= host.len()` (checked above), so the
+            // pointer and the `bytes` after it lie inside the pinned
+            // allocation, which outlives the copy (`copy` waits for it
+            // below, and the tier is only dropped with the backend).
+            let host_ptr = unsafe { host_base.add(host_at) };
+            // SAFETY: both ranges hold `bytes` bytes inside their
+            // allocations (checked above); the device array belongs to
+            // `stream`'s context; no Rust reference to the host range
+            // exists while the DMA runs (the host never touches the
+            // tier), and the wait below ends it before `copy` returns.
+            let result = unsafe {
+                match run.direction {
+                    TierDirection::Demote => sys::cuMemcpyDtoHAsync_v2(
+                        host_ptr.cast(),
+                        device_ptr,
+                        bytes,
+                        stream.cu_stream(),
+                    ),
+                    TierDirection::Onboard => sys::cuMemcpyHtoDAsync_v2(
+                        device_ptr,
+                        host_ptr.cast_const().cast(),
+                        bytes,
+                        stream.cu_stream(),
+                    ),
+                }
+            };
+            result.result().map_err(cuda_err("tier copy"))?;
+        }
+        stream.synchronize().map_err(cuda_err("tier copy wait"))
+    }
+}
+
+/// `moves` in order, consecutive moves of one pool and direction whose
+/// device and host blocks both go up by one merged into one run.
+fn runs(moves: &[TierMove]) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    for m in moves {
+        if let Some(last) = runs.last_mut()
+            && last.pool == m.pool
+            && last.direction == m.direction
+            && last.device.checked_add(last.blocks) == Some(m.device)
+            && last.host.checked_add(last.blocks) == Some(m.host)
+        {
+            last.blocks += 1;
+            continue;
+        }
+        runs.push(Run {
+            pool: m.pool,
+            direction: m.direction,
+            device: m.device,
+            host: m.host,
+            blocks: 1,
+        });
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mv(pool: usize, direction: TierDirection, device: u32, host: u32) -> TierMove {
+        TierMove {
+            pool,
+            direction,
+            device,
+            host,
+        }
+    }
+
+    #[test]
+    fn consecutive_blocks_of_one_pool_and_direction_are_one_run() {
+        use TierDirection::{Demote, Onboard};
+        let moves = [
+            mv(0, Demote, 4, 10),
+            mv(0, Demote, 5, 11),
+            mv(0, Demote, 6, 12),
+            mv(0, Demote, 8, 13), // device gap
+            mv(1, Demote, 9, 14), // other pool
+            mv(1, Onboard, 10, 15),
+            mv(1, Onboard, 11, 17), // host gap
+            mv(1, Onboard, 12, 18),
+        ];
+        let got: Vec<(usize, u32, u32, u32)> = runs(&moves)
+            .iter()
+            .map(|r| (r.pool, r.device, r.host, r.blocks))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, 4, 10, 3),
+                (0, 8, 13, 1),
+                (1, 9, 14, 1),
+                (1, 10, 15, 1),
+                (1, 11, 17, 2)
+            ]
+        );
+        assert_eq!(runs(&moves)[3].direction, Onboard);
+        assert!(runs(&[]).is_empty());
+    }
+}
