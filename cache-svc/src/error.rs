@@ -23,8 +23,9 @@ pub enum Error {
         /// The principal that tried.
         caller: String,
     },
-    /// A pool group another principal registered.
-    #[error("pool group {group:?} belongs to another principal; {caller} may not match in it")]
+    /// A pool group another principal registered (`Match`, `Lease`, or
+    /// `RegisterPool` of it again).
+    #[error("pool group {group:?} belongs to another principal; {caller} may not use it")]
     GroupNotOwned {
         /// The group.
         group: String,

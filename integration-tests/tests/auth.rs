@@ -1,19 +1,23 @@
 //! The trust boundary, end to end over mTLS: the authorization matrix (every RPC of every
 //! service x every role -> expected status), and the attacks of issue 13 that must now fail:
 //! a hostile principal's Forward over another tenant's blocks, the use of another
-//! principal's cache session, and probing another tenant's prefixes.
+//! principal's cache session, probing another tenant's prefixes, and a second scheduler
+//! principal leasing, matching or registering in the first one's pool groups.
 
 use std::time::Duration;
 
 use kvlease_auth::matrix::MATRIX;
-use kvlease_integration_tests::secure::{SecureCluster, channel_as};
-use kvlease_integration_tests::{Generated, collect};
+use kvlease_integration_tests::secure::{SecureCluster, channel_as, security_args};
+use kvlease_integration_tests::{Generated, collect, small_worker, start_scheduler, start_worker};
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::scheduler_client::SchedulerClient;
 use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
 use tonic::Code;
 use tonic::transport::Channel;
+
+/// How long a scheduler started here may take to serve.
+const WITHIN: Duration = Duration::from_secs(60);
 
 fn config() -> scheduler_svc::Config {
     scheduler_svc::Config {
@@ -231,6 +235,19 @@ async fn a_hostile_principal_cannot_write_over_another_tenants_blocks()
     Ok(())
 }
 
+/// A cache session of mallory's own (role scheduler).
+async fn open_as_mallory(
+    cache: &mut CacheServiceClient<Channel>,
+) -> Result<pb::OpenSessionResponse, tonic::Status> {
+    let opened = cache
+        .open_session(pb::OpenSessionRequest {
+            holder: "mallory".into(),
+            ..Default::default()
+        })
+        .await?;
+    Ok(opened.into_inner())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_principals_cache_session_cannot_be_used_or_seen()
 -> Result<(), Box<dyn std::error::Error>> {
@@ -289,13 +306,7 @@ async fn another_principals_cache_session_cannot_be_used_or_seen()
             .map(|_| ()),
     );
     // mallory's own session works; its id is not the next one after the scheduler's
-    let own = cache
-        .open_session(pb::OpenSessionRequest {
-            holder: "mallory".into(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
+    let own = open_as_mallory(&mut cache).await?;
     assert_ne!(own.session_id, session_id + 1);
     cache
         .keep_alive(pb::KeepAliveRequest {
@@ -306,6 +317,115 @@ async fn another_principals_cache_session_cannot_be_used_or_seen()
     // the scheduler still serves
     let g = generate_as(&cluster, "alice", &[5, 6, 7]).await?;
     assert_eq!(g.tokens.len(), 8);
+    cluster.stop().await?;
+    Ok(())
+}
+
+/// Two scheduler principals on one cache (invariant 11): `mallory` (role scheduler, its own
+/// session) asking for the pool group `scheduler` registered gets PERMISSION_DENIED naming
+/// it, for Lease (of a prompt alice has cached there), Match and RegisterPool; a scheduler
+/// of its own, with a worker it owns, fails its start-up on that group's name with the same
+/// message. (Serving beside the first one with a prefix of its own would take a server
+/// certificate for `mallory`; `kvlease_integration_tests::secure` issues
+/// principals client certificates only. Two schedulers with their own groups on one cache
+/// are `several_schedulers.rs`, as one principal.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_scheduler_principal_cannot_use_the_first_ones_pool_groups()
+-> Result<(), Box<dyn std::error::Error>> {
+    let cluster = SecureCluster::start(config()).await?;
+    let prompt: Vec<u32> = (0..65).map(|i| 3 + (i * 11) % 200).collect();
+    generate_as(&cluster, "alice", &prompt).await?;
+    let mut ops = CacheServiceClient::new(channel_as(cluster.cache.addr, Some("ops")).await?);
+    let stats = ops
+        .get_stats(pb::GetStatsRequest::default())
+        .await?
+        .into_inner();
+    let first = stats
+        .pools
+        .first()
+        .ok_or("the scheduler registered no pool")?;
+    let group = first.pool_group.clone();
+    let geometry = pb::RegisterPoolRequest {
+        pool_group: group.clone(),
+        tokens_per_block: first.tokens_per_block.into(),
+        pools: stats
+            .pools
+            .iter()
+            .filter(|p| p.pool_group == group)
+            .map(|p| pb::PoolSpec {
+                window: p.window.into(),
+                num_blocks: p.total.into(),
+                host_blocks: p.host_total.into(),
+            })
+            .collect(),
+    };
+
+    let mut cache = CacheServiceClient::new(channel_as(cluster.cache.addr, Some("mallory")).await?);
+    let own = open_as_mallory(&mut cache).await?;
+    let named =
+        format!("pool group {group:?} belongs to another principal; mallory may not use it");
+    let denied = |r: Result<(), tonic::Status>, rpc: &str| match r {
+        Err(s) if s.code() == Code::PermissionDenied => {
+            assert!(s.message().contains(&named), "{rpc}: {s:?}");
+        }
+        other => panic!("{rpc}: want PERMISSION_DENIED, got {other:?}"),
+    };
+    let lease = cache
+        .lease(pb::LeaseRequest {
+            session_id: own.session_id,
+            epoch: own.epoch,
+            step: 1,
+            sequences: vec![pb::SequenceSpec {
+                seq_id: 1,
+                pool_group: group.clone(),
+                prompt_tokens: prompt.clone(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        })
+        .await;
+    denied(lease.map(drop), "Lease");
+    let matched = cache
+        .r#match(pb::MatchRequest {
+            session_id: own.session_id,
+            epoch: own.epoch,
+            pool_groups: vec![group.clone()],
+            prompts: vec![pb::MatchPrompt {
+                prompt_tokens: prompt.clone(),
+                cache_salt: String::new(),
+            }],
+        })
+        .await;
+    denied(matched.map(drop), "Match");
+    denied(
+        cache.register_pool(geometry).await.map(drop),
+        "RegisterPool",
+    );
+
+    // mallory's own scheduler and worker on the same cache
+    let worker = start_worker(worker_svc::Config {
+        security: security_args("worker"),
+        owner: Some("mallory".into()),
+        ..small_worker()
+    })
+    .await?;
+    let second = scheduler_svc::Config {
+        security: security_args("mallory"),
+        holder: "mallory".into(),
+        ..config()
+    };
+    let refused = start_scheduler(second, &cluster.cache.url(), &[worker.url()], WITHIN).await;
+    match refused {
+        Err(e) => assert!(e.to_string().contains(&named), "{e}"),
+        Ok(s) => {
+            s.stop().await?;
+            panic!("a scheduler started on another principal's pool group");
+        }
+    }
+    // the first scheduler still serves alice from her cached prefix
+    let again = generate_as(&cluster, "alice", &prompt).await?;
+    assert!(again.reused_tokens >= 64, "{again:?}");
+    worker.stop().await?;
     cluster.stop().await?;
     Ok(())
 }

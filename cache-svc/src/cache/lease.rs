@@ -95,6 +95,9 @@ struct LeasePlan {
 
 impl Cache {
     /// Leases blocks for new sequences; one outcome per spec, in order.
+    /// Every spec must name a group the session's principal registered:
+    /// one that does not fails the whole call with
+    /// [`Error::GroupNotOwned`], nothing taken.
     pub fn lease(
         &mut self,
         session_id: SessionId,
@@ -118,8 +121,13 @@ impl Cache {
         {
             return Err(Error::StepAlreadyCompleted { step, completed });
         }
+        // Every sequence's group is its session principal's, or the whole
+        // call is refused before anything is taken: an authorization
+        // failure is a status, not a per-sequence reject.
+        let principal = self.session_principal(session_id)?;
         for spec in specs {
             self.validate_spec(spec)?;
+            self.owned_group(&spec.group, &principal, "lease")?;
         }
         let holder = |seq| Holder {
             session: session_id.0,

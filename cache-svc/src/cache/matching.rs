@@ -71,25 +71,10 @@ impl Cache {
                 "prompts[{i}].prompt_tokens must not be empty"
             )));
         }
-        let owner = self
-            .sessions
-            .get(&session_id)
-            .map(|s| s.owner.to_string())
-            .unwrap_or_default();
+        let principal = self.session_principal(session_id)?;
         let mut resolved = Vec::with_capacity(groups.len());
         for name in groups {
-            let group = self
-                .groups
-                .get(name)
-                .ok_or_else(|| Error::UnknownGroup(name.clone()))?;
-            if group.owner != owner {
-                tracing::warn!(pool_group = %name, principal = %owner, "match in a group another principal registered; refused");
-                return Err(Error::GroupNotOwned {
-                    group: name.clone(),
-                    caller: owner,
-                });
-            }
-            resolved.push(group);
+            resolved.push(self.owned_group(name, &principal, "match")?);
         }
         let mut results = Vec::with_capacity(prompts.len());
         // one hash chain per prompt and block size, shared by the groups

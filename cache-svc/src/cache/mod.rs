@@ -143,7 +143,7 @@ pub struct PoolEntry {
 struct Group {
     tokens_per_block: u32,
     /// The principal that registered it first: only its sessions may
-    /// `Match` in it.
+    /// `Match` or `Lease` in it, and only it may register it again.
     owner: String,
     /// Indices into `Cache::pools`, in registration order.
     pools: Vec<usize>,

@@ -63,7 +63,10 @@ impl Cache {
     /// pools and whether they were already registered. The host blocks are
     /// part of the geometry: registering again with other counts is a
     /// conflict. The first registration binds the group to `owner`, the
-    /// only principal whose sessions may `Match` in it.
+    /// only principal whose sessions may `Match` or `Lease` in it
+    /// ([`owned_group`](Self::owned_group)); registering it again as another
+    /// principal is refused ([`Error::GroupNotOwned`]) rather than answered
+    /// as a success that principal could never use.
     pub fn register_pool_for(
         &mut self,
         owner: &str,
@@ -102,7 +105,9 @@ impl Cache {
                 )));
             }
         }
-        if let Some(existing) = self.groups.get(group) {
+        if self.groups.contains_key(group) {
+            // before the geometry: another principal learns nothing of it
+            let existing = self.owned_group(group, owner, "register_pool")?;
             let have: Vec<(u32, u32, u32)> = existing
                 .pools
                 .iter()
@@ -164,6 +169,38 @@ impl Cache {
         Ok((infos, false))
     }
 
+    /// The group `name`, refused unless the principal `principal`
+    /// registered it (invariant 11: a session names only its own
+    /// principal's groups, so no tenant can read, probe or exhaust another's
+    /// cache). There is no admin override: an admin may close another's
+    /// session, which only gives blocks back, but its own sessions lease and
+    /// match in its own groups like any other. `op` names the call in the
+    /// log line.
+    pub(super) fn owned_group(
+        &self,
+        name: &str,
+        principal: &str,
+        op: &'static str,
+    ) -> Result<&Group> {
+        let group = self
+            .groups
+            .get(name)
+            .ok_or_else(|| Error::UnknownGroup(name.to_owned()))?;
+        if group.owner != principal {
+            tracing::warn!(
+                pool_group = name,
+                principal,
+                op,
+                "pool group of another principal named; refused"
+            );
+            return Err(Error::GroupNotOwned {
+                group: name.to_owned(),
+                caller: principal.to_owned(),
+            });
+        }
+        Ok(group)
+    }
+
     /// Blocks of every registered (not retired) pool.
     pub fn registered_blocks(&self) -> u64 {
         self.pools
@@ -203,7 +240,10 @@ impl Cache {
 
     /// Removes a pool group whose blocks nobody holds: its pools' blocks
     /// (free and cached) are dropped and their ids are not reused. Refused
-    /// with the figures while any block of it is leased or fenced.
+    /// with the figures while any block of it is leased or fenced. Takes no
+    /// principal: it is an operator's act (`admin` only, by the
+    /// authorization matrix) on any group, and it reads nothing of the
+    /// group's cache.
     pub fn unregister_pool(&mut self, group: &str) -> Result<Unregistered> {
         super::check_name("pool_group", group)?;
         let Some(existing) = self.groups.get(group) else {

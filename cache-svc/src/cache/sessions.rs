@@ -1,6 +1,7 @@
 //! Holder sessions: open, touch (renew), keep-alive, close, expiry, and
 //! reclaiming everything a session held.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Cache;
@@ -108,6 +109,15 @@ impl Cache {
             }),
             _ => Ok(()),
         }
+    }
+
+    /// The principal that opened `session_id`: the one whose groups its
+    /// calls may name.
+    pub(super) fn session_principal(&self, session_id: SessionId) -> Result<Arc<str>> {
+        self.sessions
+            .get(&session_id)
+            .map(|s| Arc::clone(&s.owner))
+            .ok_or(Error::UnknownSession(session_id))
     }
 
     /// Checks a session's id and epoch; reclaims it if it has expired.

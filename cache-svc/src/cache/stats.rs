@@ -64,6 +64,9 @@ pub struct ShapeEstimate {
 
 impl Cache {
     /// Blocks each shape needs in every pool of its group over its life.
+    /// Takes no session and checks no owner: the answer follows from the
+    /// shape and the group's geometry alone (what `GetStats` shows anyone
+    /// the matrix lets read figures), never from what is cached.
     pub fn estimate(&self, specs: &[SeqSpec]) -> Result<Vec<ShapeEstimate>> {
         specs
             .iter()

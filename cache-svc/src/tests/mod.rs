@@ -347,6 +347,130 @@ fn invariant_10_windowed_pool_holds_at_most_window_over_block_plus_one() {
     assert!(windowed.in_use as usize <= bound);
 }
 
+/// Another principal's group, `m/theirs` (8 blocks of 4 tokens) with the
+/// 2 full blocks of `prompt` published and cached, and its owner's session.
+fn theirs(f: &mut Fixture, prompt: &[u32]) -> (crate::SessionId, crate::Epoch) {
+    f.cache
+        .register_pool_for("principal-b", "m/theirs", 4, &[(0, 8, 0)])
+        .unwrap();
+    let b = f
+        .cache
+        .open_session_for("principal-b", "b", None, f.now)
+        .unwrap();
+    let batch = |step| Batch {
+        step,
+        ..Batch::default()
+    };
+    let own = SeqSpec::new(1, "m/theirs", Prompt::Tokens(prompt.to_vec()));
+    let out = f
+        .cache
+        .lease(b.session_id, b.epoch, batch(1), &[own], f.now)
+        .unwrap();
+    assert!(out[0].grant().is_some(), "{out:?}");
+    f.cache
+        .complete_step(b.session_id, b.epoch, 1, f.now)
+        .unwrap();
+    f.cache
+        .release(b.session_id, b.epoch, &[1], None, f.now)
+        .unwrap();
+    f.check();
+    (b.session_id, b.epoch)
+}
+
+#[test]
+fn invariant_11_a_session_leases_only_in_its_principals_groups() {
+    let mut f = Fixture::new(4, &[(0, 8)]);
+    let prompt = tokens(40, 9);
+    let (b, b_epoch) = theirs(&mut f, &prompt);
+    let before = (f.counts(), f.cache.stats(None).unwrap());
+    // two full blocks and the kept partly filled one
+    assert_eq!(
+        before.0[1].cached, 3,
+        "the other principal's prefix is cached"
+    );
+    let probe = |seq| SeqSpec::new(seq, "m/theirs", Prompt::Tokens(prompt.clone()));
+    // alone, after a sequence of its own group (taken one at a time in a
+    // batch that is not atomic), and in an atomic batch: the whole call is
+    // refused before anything is taken, naming the group
+    for (atomic, specs) in [
+        (false, vec![probe(7)]),
+        (false, vec![spec(6, Prompt::Tokens(tokens(0, 9))), probe(7)]),
+        (true, vec![spec(6, Prompt::Count(5)), probe(7)]),
+    ] {
+        let batch = Batch {
+            step: 1,
+            atomic,
+            warmup: false,
+        };
+        let err = f
+            .cache
+            .lease(f.session, f.epoch, batch, &specs, f.now)
+            .unwrap_err();
+        assert!(
+            matches!(&err, crate::Error::GroupNotOwned { group, caller }
+                if group == "m/theirs" && caller == kvlease_auth::principal::ANONYMOUS),
+            "{err}"
+        );
+        assert!(err.to_string().contains("\"m/theirs\""), "{err}");
+        f.check();
+        assert_eq!(
+            (f.counts(), f.cache.stats(None).unwrap()),
+            before,
+            "a refused lease took, pinned or counted something"
+        );
+    }
+    // the refused sequences are not held: their ids are free to lease
+    let out = f.lease(
+        2,
+        false,
+        &[spec(6, Prompt::Count(5)), spec(7, Prompt::Count(5))],
+    );
+    assert!(out.iter().all(|o| o.grant().is_some()), "{out:?}");
+    f.release(&[6, 7], None);
+    // its owner's sessions still lease there, reusing the cached prefix
+    let out = f
+        .cache
+        .lease(
+            b,
+            b_epoch,
+            Batch {
+                step: 2,
+                ..Batch::default()
+            },
+            &[probe(8)],
+            f.now,
+        )
+        .unwrap();
+    assert_eq!(out[0].grant().map(|g| g.reused_tokens), Some(8), "{out:?}");
+    f.check();
+}
+
+#[test]
+fn invariant_11_a_group_is_registered_again_only_by_its_principal() {
+    let mut f = Fixture::new(4, &[(0, 8)]);
+    let (_, _) = theirs(&mut f, &tokens(40, 9));
+    let before = f.cache.stats(None).unwrap();
+    // the same geometry (not an idempotent success: the caller could never
+    // use the group) and another one (refused before the geometry is told)
+    for pools in [[(0, 8, 0)], [(0, 9, 0)]] {
+        let err = f
+            .cache
+            .register_pool_for(kvlease_auth::principal::ANONYMOUS, "m/theirs", 4, &pools)
+            .unwrap_err();
+        assert!(
+            matches!(&err, crate::Error::GroupNotOwned { group, .. } if group == "m/theirs"),
+            "{err}"
+        );
+    }
+    assert_eq!(f.cache.stats(None).unwrap(), before);
+    let (_, again) = f
+        .cache
+        .register_pool_for("principal-b", "m/theirs", 4, &[(0, 8, 0)])
+        .unwrap();
+    assert!(again, "its own principal registers it again idempotently");
+    f.check();
+}
+
 #[test]
 fn seed_exhaustion_saturated_pool_under_reuse_and_oversubscription() {
     // MAX_UTILIZATION-style: admit on the next step's need only, ten times more
