@@ -96,6 +96,34 @@ fn tiered_cuda_worker(weights: &Weights, kv_dtype: KvDtype, host_blocks: u32) ->
 }
 
 #[test]
+fn a_host_tier_larger_than_host_memory_is_a_clear_start_up_error() {
+    if !gpu_available("host_tier_too_large") {
+        return;
+    }
+    // 2^31 blocks of 512 + 256 bytes: 1.5 TiB, more than the host has;
+    // refused before the driver is asked to pin it.
+    let weights = fixed_model(vec![0, 32, 0], 4);
+    let options = WorkerOptions {
+        host_blocks: 1 << 31,
+        ..options()
+    };
+    let gpu = CudaOptions {
+        max_kv_bytes: 8 << 20,
+        ..CudaOptions::default()
+    };
+    match Worker::new_cuda(weights, options, gpu) {
+        Err(e) => {
+            let message = e.to_string();
+            assert!(
+                message.contains("cannot pin a host tier of 2147483648 blocks"),
+                "{message}"
+            );
+        }
+        Ok(_) => panic!("a 1.5 TiB pinned host tier was granted"),
+    }
+}
+
+#[test]
 fn onboarded_kv_from_the_pinned_host_tier_is_bit_identical_to_recomputed_kv() {
     if !gpu_available("pinned_host_tier") {
         return;

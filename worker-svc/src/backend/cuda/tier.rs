@@ -44,29 +44,33 @@ struct Run {
 }
 
 impl HostTier {
-    /// Allocates `host_blocks[i]` pinned blocks for pool `i` of `layout`.
+    /// Allocates `host_blocks[i]` pinned blocks for pool `i` of `layout`,
+    /// after checking that the host has that much memory available (pinned
+    /// pages cannot be swapped out: asking the driver for more than the
+    /// host has would push everything else out of memory first).
     pub(super) fn alloc(
         ctx: &Arc<CudaContext>,
         layout: &ArenaLayout,
         host_blocks: &[u32],
     ) -> Result<Self> {
-        let pools = layout
+        let elems: Vec<usize> = layout
             .pools
             .iter()
             .zip(host_blocks.iter().copied().chain(std::iter::repeat(0)))
-            .map(|(geometry, blocks)| {
-                if blocks == 0 {
+            .map(|(geometry, n)| n as usize * geometry.elems_per_block())
+            .collect();
+        let bytes: u64 = elems.iter().map(|&n| (n * size_of::<u16>()) as u64).sum();
+        if bytes == 0 {
+            return Ok(HostTier::default());
+        }
+        check_host_memory(bytes, host_blocks, available_host_bytes())?;
+        let pools = elems
+            .into_iter()
+            .zip(&layout.pools)
+            .map(|(elems, geometry)| {
+                if elems == 0 {
                     return Ok(None);
                 }
-                let elems = (blocks as usize)
-                    .checked_mul(geometry.elems_per_block())
-                    .filter(|&n| n.checked_mul(2).is_some_and(|b| b < isize::MAX as usize))
-                    .ok_or_else(|| {
-                        Error::Config(format!(
-                            "a host tier of {blocks} blocks of window {} does not fit in memory",
-                            geometry.window
-                        ))
-                    })?;
                 // SAFETY: `alloc_pinned_with_flags` leaves the memory
                 // uninitialised. The host never reads or writes it: only
                 // the DMAs of `copy` do, and the worker's slot ledger
@@ -75,8 +79,13 @@ impl HostTier {
                 // Flags 0: plain page-locked memory, cacheable for the CPU
                 // (write-combined memory, cudarc's default, is only good
                 // for host writes).
-                let mem = unsafe { ctx.alloc_pinned_with_flags::<u16>(elems, 0) }
-                    .map_err(cuda_err("pinned host tier alloc"))?;
+                let mem = unsafe { ctx.alloc_pinned_with_flags::<u16>(elems, 0) }.map_err(|e| {
+                    Error::Backend(format!(
+                        "cannot pin the host tier of window {} ({} MiB): {e}",
+                        geometry.window,
+                        (elems * size_of::<u16>()) >> 20
+                    ))
+                })?;
                 Ok(Some(mem))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -165,6 +174,28 @@ impl HostTier {
     }
 }
 
+/// Bytes of memory the host has available now (`MemAvailable` of
+/// `/proc/meminfo`), if it says.
+fn available_host_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Refuses a tier of `bytes` when the host has less available (`None`:
+/// unknown, so the driver decides, up to what an allocation can address).
+fn check_host_memory(bytes: u64, host_blocks: &[u32], available: Option<u64>) -> Result<()> {
+    match available.or(Some(isize::MAX as u64)) {
+        Some(available) if bytes > available => Err(Error::Config(format!(
+            "--host-blocks {host_blocks:?} needs {} MiB of pinned host memory, the host has {} MiB available",
+            bytes >> 20,
+            available >> 20
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// `moves` in order, consecutive moves of one pool and direction whose
 /// device and host blocks both go up by one merged into one run.
 fn runs(moves: &[TierMove]) -> Vec<Run> {
@@ -201,6 +232,22 @@ mod tests {
             device,
             host,
         }
+    }
+
+    #[test]
+    fn a_tier_larger_than_the_available_host_memory_is_refused_with_the_figures() {
+        let message = match check_host_memory(3 << 30, &[1000], Some(2 << 30)) {
+            Err(Error::Config(message)) => message,
+            other => panic!("expected a refusal, got {other:?}"),
+        };
+        assert!(
+            message.contains("needs 3072 MiB") && message.contains("2048 MiB available"),
+            "{message}"
+        );
+        assert!(check_host_memory(2 << 30, &[1000], Some(2 << 30)).is_ok());
+        assert!(check_host_memory(3 << 30, &[1000], None).is_ok());
+        assert!(check_host_memory(u64::MAX, &[u32::MAX], None).is_err());
+        assert!(available_host_bytes().is_some_and(|b| b > 0));
     }
 
     #[test]
