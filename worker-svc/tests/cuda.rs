@@ -115,7 +115,7 @@ fn a_host_tier_larger_than_host_memory_is_a_clear_start_up_error() {
         Err(e) => {
             let message = e.to_string();
             assert!(
-                message.contains("cannot pin a host tier of 2147483648 blocks"),
+                message.contains("needs 1572864 MiB of pinned host memory"),
                 "{message}"
             );
         }
