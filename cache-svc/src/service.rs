@@ -589,6 +589,8 @@ impl CacheService for CacheServiceImpl {
             session_id: opened.session_id.0,
             epoch: opened.epoch.0,
             ttl_ms: opened.ttl.as_millis() as u64,
+            // a limit past u32 is no limit a holder could reach
+            max_batch: u32::try_from(self.max_batch).unwrap_or(u32::MAX),
         }))
     }
 

@@ -81,15 +81,18 @@ async fn register(c: &mut CacheServiceClient<Channel>, blocks: u32) -> Vec<pb::P
 }
 
 async fn open(c: &mut CacheServiceClient<Channel>) -> (u64, u64) {
-    let r = c
-        .open_session(pb::OpenSessionRequest {
-            holder: "test".into(),
-            ttl_ms: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let r = open_session(c).await;
     (r.session_id, r.epoch)
+}
+
+async fn open_session(c: &mut CacheServiceClient<Channel>) -> pb::OpenSessionResponse {
+    c.open_session(pb::OpenSessionRequest {
+        holder: "test".into(),
+        ttl_ms: 0,
+    })
+    .await
+    .unwrap()
+    .into_inner()
 }
 
 fn seq(seq_id: u64, tokens: Vec<u32>) -> pb::SequenceSpec {
@@ -520,6 +523,34 @@ async fn oversized_message_is_resource_exhausted() {
         Code::ResourceExhausted,
         "the limit is: 4096 bytes",
     );
+    s.shutdown().await;
+}
+
+/// A holder learns the batch limit from `OpenSession`, so it can split its
+/// batches instead of finding the limit by a refusal: a list of exactly
+/// that many entries is taken, one more is refused.
+#[tokio::test]
+async fn open_session_advertises_the_batch_limit_it_enforces() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    register(c, 64).await;
+    let opened = open_session(c).await;
+    assert_eq!(opened.max_batch, 8);
+    let sess = (opened.session_id, opened.epoch);
+    let at_limit: Vec<_> = (1..=8).map(|i| seq(i, vec![1])).collect();
+    c.lease(lease_req(sess, 1, at_limit)).await.unwrap();
+    let release = |seq_ids: Vec<u64>| pb::ReleaseRequest {
+        session_id: sess.0,
+        epoch: sess.1,
+        seq_ids,
+        ..Default::default()
+    };
+    assert_status(
+        c.release(release((1..=9).collect())).await,
+        Code::ResourceExhausted,
+        "batch limit is 8",
+    );
+    c.release(release((1..=8).collect())).await.unwrap();
     s.shutdown().await;
 }
 

@@ -7,7 +7,8 @@
 //! A [`Gate`] is a pass-through proxy of a real worker whose forward passes
 //! wait while the test holds it closed: a way to keep a request in flight
 //! (and unfinished) for as long as a test needs, whatever the machine's
-//! speed.
+//! speed. [`Refusals`] make a cache tap refuse every call that carries a
+//! release while the test says so, as a cache that keeps refusing one.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -101,6 +102,35 @@ pub struct CacheTap {
     inner: CacheServiceClient<Channel>,
     log: Log,
     held: Arc<Mutex<Held>>,
+    refusals: Refusals,
+}
+
+/// The test's handle on a cache tap's refusals (see [`start_refusing_cache`]).
+#[derive(Debug, Clone, Default)]
+pub struct Refusals {
+    on: Arc<std::sync::atomic::AtomicBool>,
+    count: Arc<AtomicU64>,
+}
+
+impl Refusals {
+    /// While on, every `Release`, and every `Step` with a release part, is
+    /// answered RESOURCE_EXHAUSTED without reaching the cache.
+    pub fn refuse_releases(&self, on: bool) {
+        self.on.store(on, Ordering::Release);
+    }
+
+    /// Calls refused so far.
+    pub fn refused(&self) -> u64 {
+        self.count.load(Ordering::Acquire)
+    }
+
+    fn refuse(&self) -> Result<(), Status> {
+        if !self.on.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.count.fetch_add(1, Ordering::AcqRel);
+        Err(Status::resource_exhausted("injected: release refused"))
+    }
 }
 
 impl CacheTap {
@@ -183,6 +213,7 @@ impl CacheService for CacheTap {
         &self,
         r: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        self.refusals.refuse()?;
         let req = r.into_inner();
         {
             let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
@@ -213,6 +244,9 @@ impl CacheService for CacheTap {
         r: Request<pb::StepRequest>,
     ) -> Result<Response<pb::StepResponse>, Status> {
         let req = r.into_inner();
+        if req.release.is_some() {
+            self.refusals.refuse()?;
+        }
         // noted in the order the cache applies the parts
         if let Some(release) = &req.release {
             {
@@ -350,6 +384,7 @@ pub async fn start_taps(
         inner: crate::cache_client(cache).await?,
         log: log.clone(),
         held: Arc::default(),
+        refusals: Refusals::default(),
     };
     let worker_tap = WorkerTap {
         inner: crate::worker_client(worker).await?,
@@ -361,6 +396,21 @@ pub async fn start_taps(
     let c = serve_tap("cache tap", CacheServiceServer::new(cache_tap)).await?;
     let w = serve_worker_tap("worker tap", worker_tap).await?;
     Ok((c, w, log))
+}
+
+/// Starts a pass-through proxy in front of `cache` that refuses the calls
+/// carrying a release while the returned [`Refusals`] says so (none at
+/// first).
+pub async fn start_refusing_cache(cache: SocketAddr) -> Result<(Service, Refusals), Error> {
+    let refusals = Refusals::default();
+    let tap = CacheTap {
+        inner: crate::cache_client(cache).await?,
+        log: Log::default(),
+        held: Arc::default(),
+        refusals: refusals.clone(),
+    };
+    let service = serve_tap("refusing cache", CacheServiceServer::new(tap)).await?;
+    Ok((service, refusals))
 }
 
 /// The test's handle on a gated worker (see [`start_gate`]).

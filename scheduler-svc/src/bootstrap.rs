@@ -60,7 +60,7 @@ pub async fn start(
                 std::mem::take(&mut *held.lock().unwrap_or_else(|e| e.into_inner()));
             if !ids.is_empty() {
                 // best effort: closing the session reclaims them anyway
-                let _ = cache.release(&ids, None, false, &[]).await;
+                let _ = release_all(cache, &ids, None).await;
             }
             Err(Error::WarmupDeadline {
                 deadline_ms: config.warmup_deadline_ms,
@@ -75,6 +75,7 @@ async fn start_inner(
     workers: &[WorkerClient],
     held: &Mutex<Vec<SeqId>>,
 ) -> Result<Started> {
+    config.check_cache_batch_limit(workers.len(), cache.session().batch_limit())?;
     let mut descriptions = Vec::with_capacity(workers.len());
     for worker in workers {
         descriptions.push(worker.describe().await?);
@@ -290,7 +291,7 @@ async fn warm_up(
         // release whatever happened: atomic leases took all or nothing, and
         // release is idempotent; fenced at the last warm-up step, completed
         let fence = *step;
-        let released = cache.release(&ids, Some(fence), false, &[]).await;
+        let released = release_all(cache, &ids, Some(fence)).await;
         let completed = cache.complete_step(fence).await;
         held.lock().unwrap_or_else(|e| e.into_inner()).clear();
         outcome?;
@@ -322,7 +323,18 @@ async fn run_shape(
     specs: &[LeaseSpec],
     step: &mut u64,
 ) -> Result<()> {
-    let outcomes = cache.lease(*step, true, true, specs, &[]).await?;
+    // A shape wider than the cache's batch limit is leased in several
+    // atomic calls: all or nothing per call. A refusal of any still fails
+    // the shape, and the caller releases every sequence of it either way.
+    let mut outcomes = Vec::with_capacity(specs.len());
+    for chunk in specs.chunks(batch_limit(cache)) {
+        let answered = cache.lease(*step, true, true, chunk, &[]).await?;
+        let refused = answered.iter().any(|o| matches!(o, Outcome::Reject(_)));
+        outcomes.extend(answered);
+        if refused {
+            break;
+        }
+    }
     let mut tables: Vec<Vec<Table>> = Vec::with_capacity(specs.len());
     // Host-tier copies the lease named: the first forward of its step runs them.
     let mut tier_copies = Vec::new();
@@ -388,7 +400,10 @@ async fn run_shape(
         .draft
         .min(group.max_context.saturating_sub(shape.prompt_len + 1));
     let grow: Vec<(SeqId, u32)> = specs.iter().map(|s| (s.seq_id, 1)).collect();
-    let outcomes = cache.extend_by(*step, &grow).await?;
+    let mut outcomes = Vec::with_capacity(grow.len());
+    for chunk in grow.chunks(batch_limit(cache)) {
+        outcomes.extend(cache.extend_by(*step, chunk).await?);
+    }
     let mut items = Vec::with_capacity(specs.len());
     for ((s, outcome), leased) in specs.iter().zip(outcomes).zip(&tables) {
         let tables = match outcome {
@@ -421,6 +436,25 @@ async fn run_shape(
     }
     forward_batched(worker, group, step_tokens, *step, &items, &tier_copies).await?;
     Ok(())
+}
+
+/// The most entries one cache call of the session may carry.
+fn batch_limit(cache: &CacheClient) -> usize {
+    cache.session().batch_limit().unwrap_or(usize::MAX).max(1)
+}
+
+/// Releases `ids` (fenced at `fence`) in calls of at most the cache's batch
+/// limit; every call is tried, and the first failure is returned.
+async fn release_all(cache: &CacheClient, ids: &[SeqId], fence: Option<u64>) -> Result<()> {
+    let mut first_failure = Ok(());
+    for chunk in ids.chunks(batch_limit(cache)) {
+        if let Err(e) = cache.release(chunk, fence, false, &[]).await
+            && first_failure.is_ok()
+        {
+            first_failure = Err(e);
+        }
+    }
+    first_failure
 }
 
 /// Splits `items` into forward calls within the worker's limits; the first

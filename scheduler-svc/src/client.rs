@@ -199,6 +199,7 @@ impl CacheClient {
             id: SessionId(r.session_id),
             epoch: Epoch(r.epoch),
             ttl_ms: r.ttl_ms,
+            max_batch: r.max_batch,
         };
         self.state.opened(session);
         Ok(session)

@@ -318,6 +318,25 @@ impl Config {
         self.limits.validate().map_err(Error::Config)
     }
 
+    /// Checks the scheduler's batches against the cache's batch limit
+    /// (`OpenSession.max_batch`; `None`: the cache advertised none). The
+    /// step loop fits every batch it builds to the limit (release batches
+    /// and a step's leases are capped, a step's extends split into several
+    /// calls, warm-up leases split into several atomic ones) except one: a
+    /// kv-aware `Match` names every worker group in one list, so more groups
+    /// than the limit is refused here, naming both numbers.
+    pub fn check_cache_batch_limit(&self, groups: usize, limit: Option<usize>) -> Result<()> {
+        let Some(limit) = limit else {
+            return Ok(());
+        };
+        if self.routing == Routing::KvAware && groups > 1 && groups > limit {
+            return Err(Error::Config(format!(
+                "{groups} worker groups with --routing kv-aware, but the cache takes at most {limit} entries in one batch (its --max-batch) and a Match names every group: raise the cache's --max-batch to {groups} or more, or use --routing least-committed"
+            )));
+        }
+        Ok(())
+    }
+
     /// The core's knobs.
     pub fn core(&self) -> CoreConfig {
         CoreConfig {
@@ -411,6 +430,35 @@ mod tests {
             ..Config::default()
         };
         assert!(matches!(zero.validate(), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn a_cache_batch_limit_below_the_groups_a_match_names_is_refused_naming_both() {
+        let c = Config::default();
+        assert!(
+            c.check_cache_batch_limit(3, None).is_ok(),
+            "no limit advertised"
+        );
+        assert!(c.check_cache_batch_limit(3, Some(3)).is_ok());
+        assert!(
+            c.check_cache_batch_limit(1, Some(1)).is_ok(),
+            "one group asks no Match"
+        );
+        let err = c
+            .check_cache_batch_limit(3, Some(2))
+            .map_err(|e| e.to_string());
+        assert!(
+            matches!(&err, Err(m) if m.contains("3 worker groups") && m.contains("at most 2 entries")),
+            "{err:?}"
+        );
+        let least = Config {
+            routing: Routing::LeastCommitted,
+            ..Config::default()
+        };
+        assert!(
+            least.check_cache_batch_limit(3, Some(2)).is_ok(),
+            "no Match asked"
+        );
     }
 
     #[test]

@@ -68,6 +68,7 @@ pub async fn run(
         session_id = session.id.get(),
         epoch = session.epoch.get(),
         ttl_ms = session.ttl_ms,
+        max_batch = session.max_batch,
         "cache session opened"
     );
     let started = match bootstrap::start(&config, &cache, &workers).await {

@@ -22,6 +22,17 @@ pub struct Session {
     pub id: SessionId,
     pub epoch: Epoch,
     pub ttl_ms: u64,
+    /// The most entries the cache takes in one batched list (its
+    /// `--max-batch`), as it answered `OpenSession`; 0 when it advertised
+    /// none (a cache from before the field).
+    pub max_batch: u32,
+}
+
+impl Session {
+    /// The cache's batch limit, if it advertised one.
+    pub fn batch_limit(&self) -> Option<usize> {
+        (self.max_batch > 0).then_some(self.max_batch as usize)
+    }
 }
 
 /// What every clone of a cache client knows about its session.

@@ -9,6 +9,16 @@
 //! With overlap on, step N+1's releases and admission leases run while step
 //! N's forward pass is in flight (so the core fences those releases at N);
 //! without it, every call of a step runs before its forward pass.
+//!
+//! Failed cache calls: a release the cache did not answer is kept by the core
+//! and sent again at the next step (`Core::release_failed`), whatever the
+//! error, unless the session is gone; nothing is retried in a tight loop. No
+//! call carries more entries than the cache's batch limit (`OpenSession`'s
+//! `max_batch`): the core caps release batches and a step's leases, and the
+//! loop splits a step's extends. When the cache refuses a call (an error
+//! status, not an unreachable cache), the step's parts go in calls of their
+//! own until a step passes without a refusal, so one part the cache keeps
+//! refusing never holds back the others.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,12 +32,14 @@ use tracing::Instrument;
 
 use crate::client::{CacheClient, StepCall, StepExtend, StepRelease, WorkerClient};
 use crate::config::OnCacheRestart;
-use crate::domain::{ForwardResult, GroupGeometry, Outcome, Output, RequestId, SeqId, Step};
+use crate::domain::{
+    ExtendSpec, ForwardResult, GroupGeometry, Outcome, Output, RequestId, SeqId, Step,
+};
 use crate::error::{Error, Result};
 use crate::metrics::SchedulerMetrics;
 use crate::queue::Request;
 use crate::session;
-use crate::step::{Core, CoreConfig, Counters};
+use crate::step::{CallFailure, Core, CoreConfig, Counters, ReleaseBatch};
 use crate::traces::{RequestTraces, StepSampling};
 
 /// A request handed to the loop, with the stream its outputs go to and the
@@ -155,6 +167,11 @@ pub struct StepLoop {
     metrics: SchedulerMetrics,
     /// Counters as last reported to the metrics.
     reported: std::cell::Cell<Counters>,
+    /// The cache refused a call of this step (see [`CallFailure::Refused`]),
+    /// and of the step before: while either is set, `settle` sends the
+    /// step's parts in calls of their own instead of one `Step` call.
+    refused: bool,
+    refused_before: bool,
 }
 
 impl std::fmt::Debug for InFlight {
@@ -190,6 +207,7 @@ impl StepLoop {
         };
         let mut core = Core::new(config.core.clone(), groups);
         core.continue_after(Step(config.first_step));
+        core.set_batch_limit(cache.session().batch_limit());
         let step_loop = Self {
             core,
             config,
@@ -207,6 +225,8 @@ impl StepLoop {
             backoff: MIN_BACKOFF,
             metrics,
             reported: std::cell::Cell::new(Counters::default()),
+            refused: false,
+            refused_before: false,
         };
         (step_loop, handle)
     }
@@ -344,6 +364,7 @@ impl StepLoop {
     /// One step (begun in the core); returns whether any forward pass ran
     /// or finished.
     async fn step_once(&mut self, step: Step) -> bool {
+        self.refused_before = std::mem::take(&mut self.refused);
         let mut progressed = false;
         if self.config.overlap {
             self.flush_releases().await;
@@ -394,24 +415,51 @@ impl StepLoop {
         if specs.is_empty() {
             return;
         }
-        let span = self.batch_span("Extend", step);
         let traces = self.traces.traceparents(specs.iter().map(|s| s.seq_id));
-        let result = self
-            .cache
-            .extend(step.get(), &specs, &traces)
-            .instrument(span.clone())
-            .await;
-        record_call(&span, &result);
-        match result {
-            Ok(outcomes) => {
-                self.trace_rejects("Extend", &outcomes);
-                self.core.apply_extends(outcomes);
-                self.trace_preemptions();
+        let (outcomes, failed) = self.extend_calls(step, &specs, &traces).await;
+        self.apply_extends(outcomes, failed);
+    }
+
+    /// Sends extends of `step` in `Extend` calls of at most the cache's
+    /// batch limit each (`traces` as for `CacheClient::lease`), stopping at
+    /// the first that fails; returns the outcomes of the calls answered, in
+    /// order, and that failure.
+    async fn extend_calls(
+        &mut self,
+        step: Step,
+        specs: &[ExtendSpec],
+        traces: &[String],
+    ) -> (Vec<Outcome>, Option<Error>) {
+        let mut outcomes = Vec::with_capacity(specs.len());
+        let mut sent = 0;
+        for chunk in specs.chunks(self.core.batch_limit().max(1)) {
+            let end = (sent + chunk.len()).min(traces.len());
+            let chunk_traces = traces.get(sent.min(end)..end).unwrap_or_default();
+            sent += chunk.len();
+            let span = self.batch_span("Extend", step);
+            let result = self
+                .cache
+                .extend(step.get(), chunk, chunk_traces)
+                .instrument(span.clone())
+                .await;
+            record_call(&span, &result);
+            match result {
+                Ok(answered) => outcomes.extend(answered),
+                Err(e) => return (outcomes, Some(e)),
             }
-            Err(e) => {
-                self.core.extends_failed();
-                self.note("Extend", &e);
-            }
+        }
+        (outcomes, None)
+    }
+
+    /// Applies a step's extend outcomes, all at once (a planned decode with
+    /// no outcome does not run); `failed`: the call that failed after them.
+    fn apply_extends(&mut self, outcomes: Vec<Outcome>, failed: Option<Error>) {
+        self.trace_rejects("Extend", &outcomes);
+        self.core.apply_extends(outcomes);
+        self.trace_preemptions();
+        if let Some(e) = failed {
+            self.core.extends_failed();
+            self.note("Extend", &e, None);
         }
     }
 
@@ -449,7 +497,7 @@ impl StepLoop {
             }
             Err(e) => {
                 self.core.leases_failed();
-                self.note("Lease", &e);
+                self.note("Lease", &e, None);
             }
         }
     }
@@ -547,8 +595,21 @@ impl StepLoop {
     /// After a forward pass returned: the releases the core hands out (what
     /// ended, fenced at the pass's step), the completion of the steps the
     /// core says are complete and, with `extend`, that step's extends, in
-    /// one `Step` call (the cache applies them in that order).
+    /// one `Step` call (the cache applies them in that order). Extends past
+    /// the cache's batch limit follow in `Extend` calls; releases past it
+    /// wait for the next flush.
     async fn settle(&mut self, extend: Option<Step>) {
+        if self.refused || self.refused_before {
+            // The cache refused a call of this step or the last: each part
+            // in its own call, so the one it refuses (an invalid item, a
+            // limit it did not advertise) does not hold back the others.
+            // The releases go alone at the next step's flush.
+            self.complete().await;
+            if let Some(step) = extend {
+                self.extend(step).await;
+            }
+            return;
+        }
         let batch = self.core.take_releases();
         let complete = self.core.complete_through();
         let specs = match extend {
@@ -565,6 +626,10 @@ impl StepLoop {
             self.traces.releasing(&batch.seq_ids, fence)
         };
         let extend_traces = self.traces.traceparents(specs.iter().map(|s| s.seq_id));
+        // the first extends ride the Step call, the rest follow it
+        let (first, rest) = specs.split_at(specs.len().min(self.core.batch_limit()));
+        let (first_traces, rest_traces) =
+            extend_traces.split_at(first.len().min(extend_traces.len()));
         let span_step = extend.or(complete).unwrap_or(self.core.step());
         let span = self.batch_span("Step", span_step);
         let call = StepCall {
@@ -575,10 +640,10 @@ impl StepLoop {
                 traces: &release_traces,
             }),
             complete_step: complete.map(Step::get),
-            extend: extend.filter(|_| !specs.is_empty()).map(|step| StepExtend {
+            extend: extend.filter(|_| !first.is_empty()).map(|step| StepExtend {
                 step: step.get(),
-                specs: &specs,
-                traces: &extend_traces,
+                specs: first,
+                traces: first_traces,
             }),
         };
         let result = self.cache.step(call).instrument(span.clone()).await;
@@ -596,22 +661,28 @@ impl StepLoop {
                     self.core.step_completed(step);
                 }
                 if !specs.is_empty() {
-                    self.trace_rejects("Extend", &answer.extended);
-                    self.core.apply_extends(answer.extended);
-                    self.trace_preemptions();
+                    let mut outcomes = answer.extended;
+                    let mut failed = None;
+                    if let Some(step) = extend.filter(|_| !rest.is_empty()) {
+                        let (more, e) = self.extend_calls(step, rest, rest_traces).await;
+                        outcomes.extend(more);
+                        failed = e;
+                    }
+                    self.apply_extends(outcomes, failed);
                 }
             }
             Err(e) => {
-                // as for a failed Release: what an unreachable cache did not
-                // take goes again; a pending completion folds into the next
-                match &e {
-                    Error::CacheUnavailable(_) => self.core.restore_releases(batch),
-                    _ => self.core.releases_sent(batch),
+                // Nothing of it is taken as done: the releases wait for the
+                // next batch (unless the session is gone), a pending
+                // completion folds into the next, the decodes sit this
+                // step out.
+                let failure = self.note("Step", &e, Some(&batch));
+                if !batch.is_empty() {
+                    self.core.release_failed(batch, failure);
                 }
                 if !specs.is_empty() {
                     self.core.extends_failed();
                 }
-                self.note("Step", &e);
             }
         }
         self.forget_released();
@@ -625,16 +696,27 @@ impl StepLoop {
         let span = self.batch_span("CompleteStep", step);
         match self.cache.complete_step(step.get()).instrument(span).await {
             Ok(_) => self.core.step_completed(step),
-            Err(e) => self.note("CompleteStep", &e),
+            Err(e) => {
+                self.note("CompleteStep", &e, None);
+            }
         }
     }
 
-    /// Sends the releases the core hands out, fenced where it says.
+    /// Sends the releases the core hands out, fenced where it says, in
+    /// `Release` calls of at most the cache's batch limit, until none is
+    /// left or one fails (its sequences then wait for the next step).
     async fn flush_releases(&mut self) {
-        let batch = self.core.take_releases();
-        if batch.is_empty() {
-            return;
+        while self.core.has_releases() {
+            let batch = self.core.take_releases();
+            if batch.is_empty() || !self.release(batch).await {
+                break;
+            }
         }
+        self.forget_released();
+    }
+
+    /// One `Release` call; returns whether the cache answered it.
+    async fn release(&mut self, batch: ReleaseBatch) -> bool {
         let fence = batch.fence_step;
         let span = self.batch_span("Release", fence.unwrap_or(self.core.step()));
         let (release_spans, traces) = self.traces.releasing(&batch.seq_ids, fence);
@@ -654,25 +736,42 @@ impl StepLoop {
             Ok(counts) => {
                 log_released(&batch, counts);
                 self.core.releases_sent(batch);
-            }
-            Err(e @ Error::CacheUnavailable(_)) => {
-                self.core.restore_releases(batch);
-                self.note("Release", &e);
+                true
             }
             Err(e) => {
-                self.core.releases_sent(batch);
-                self.note("Release", &e);
+                let failure = self.note("Release", &e, Some(&batch));
+                self.core.release_failed(batch, failure);
+                false
             }
         }
-        self.forget_released();
     }
 
-    fn note(&self, method: &'static str, e: &Error) {
-        match e {
-            // the client flagged the session lost; the loop re-opens it
-            Error::SessionLost(_) => tracing::warn!(method, error = %e, "cache session lost"),
+    /// Logs a failed cache call (with the releases it carried, which the
+    /// core keeps to send again unless the session is gone) and notes a
+    /// refusal for `settle`; returns how it failed.
+    fn note(
+        &mut self,
+        method: &'static str,
+        e: &Error,
+        releases: Option<&ReleaseBatch>,
+    ) -> CallFailure {
+        let failure = call_failure(e);
+        let kept = releases.map_or(0, |b| b.seq_ids.len());
+        match failure {
+            // the client flagged the session lost; the loop re-opens it, and
+            // the cache reclaimed what the session held
+            CallFailure::SessionLost => tracing::warn!(method, error = %e, "cache session lost"),
+            _ if releases.is_some_and(|b| !b.is_empty()) => tracing::warn!(
+                method,
+                error = %e,
+                sequences = kept,
+                fence_step = releases.and_then(|b| b.fence_step).map(Step::get),
+                "cache call failed: its releases are kept and sent again at the next step"
+            ),
             _ => tracing::warn!(method, error = %e, "cache call failed"),
         }
+        self.refused |= failure == CallFailure::Refused;
+        failure
     }
 
     /// Re-opens the session after the cache lost it, re-registers the pools
@@ -696,12 +795,15 @@ impl StepLoop {
             }
         };
         self.core.set_groups(groups);
+        // a restarted cache may have another batch limit
+        self.core.set_batch_limit(session.batch_limit());
         let recompute = self.config.on_cache_restart == OnCacheRestart::Recompute;
         self.core.leases_lost(recompute);
         self.cache.state().recovered();
         tracing::info!(
             session_id = session.id.get(),
             epoch = session.epoch.get(),
+            max_batch = session.max_batch,
             recompute,
             "cache session re-opened"
         );
@@ -792,6 +894,17 @@ impl StepLoop {
             *s = snapshot;
             changed
         });
+    }
+}
+
+/// How a cache call failed, for the core's decisions: no answer (retry as
+/// is), a refusal (retry, parts apart), or the session gone.
+fn call_failure(e: &Error) -> CallFailure {
+    match e {
+        Error::SessionLost(_) => CallFailure::SessionLost,
+        // an answer outside the protocol, or an error status
+        Error::Rpc { .. } | Error::Protocol { .. } => CallFailure::Refused,
+        _ => CallFailure::Unanswered,
     }
 }
 

@@ -141,7 +141,9 @@ impl Core {
     }
 
     /// Admits requests from the head of the queue while the policy lets them
-    /// in, and returns the leases to take.
+    /// in, and returns the leases to take: at most [`Core::batch_limit`] a
+    /// step, so they go in one Lease call the cache takes (the queue's next
+    /// requests are admitted at the next step).
     pub fn plan_admission(&mut self) -> Vec<LeaseSpec> {
         let policy = self.config.policy;
         let mut leases = Vec::new();
@@ -165,7 +167,7 @@ impl Core {
             per_group[l.group] += 1;
         }
         loop {
-            if self.running() >= self.config.max_seqs as usize {
+            if self.running() >= self.config.max_seqs as usize || leases.len() >= self.batch_limit {
                 break;
             }
             let Some(head) = self.queue.front() else {

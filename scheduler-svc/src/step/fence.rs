@@ -16,6 +16,16 @@
 //!   `discard_unwritten` (the cache would otherwise publish, at
 //!   `CompleteStep`, hashes of blocks the pass may never have written), and
 //!   [`Core::complete_through`] names no step while such a release waits.
+//!
+//! And a release is never lost: the core forgets a sequence's release only
+//! once the cache answered it, or once the session is gone (the cache
+//! reclaimed everything the session held). A call that failed in any other
+//! way (unreachable, timed out, refused with an error status) leaves its
+//! sequences waiting for the next batch, fenced as that later moment says;
+//! sending them again is safe because the cache's Release is idempotent. No
+//! batch holds more than the cache's batch limit, so a backlog (releases
+//! kept while the cache was unreachable, several groups' ends at once) is
+//! never refused for its size.
 
 use super::Core;
 use crate::domain::{SeqId, Step};
@@ -38,6 +48,22 @@ impl ReleaseBatch {
         // host-tier demotions (see `tiers`).
         self.seq_ids.is_empty() && !self.discard_unwritten
     }
+}
+
+/// How a cache call failed, as far as the core's decisions go (the loop
+/// classifies its errors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallFailure {
+    /// No answer came back: the cache was unreachable or the call timed out
+    /// (the cache may or may not have applied it).
+    Unanswered,
+    /// The cache answered with an error status (over a limit, malformed,
+    /// not allowed), or with an answer the protocol does not allow; the same
+    /// call is likely to fail again.
+    Refused,
+    /// The cache no longer knows the session (restart, expiry, stale
+    /// epoch): it reclaimed everything the session held.
+    SessionLost,
 }
 
 /// One forward pass launched by the core.
@@ -139,16 +165,21 @@ impl Core {
     /// could read their blocks and is not complete yet (see the module
     /// documentation). Those of a failed forward pass come first, in a batch
     /// of their own with `discard_unwritten`; the others wait for the next
-    /// call. Send them, then call [`Core::releases_sent`], or
-    /// [`Core::restore_releases`] when the call should be tried again.
+    /// call. At most [`Core::batch_limit`] sequences, the oldest first; the
+    /// rest wait for the next call too ([`Core::has_releases`] says whether
+    /// any is left). Send them, then call [`Core::releases_sent`] once the
+    /// cache answered, or [`Core::release_failed`].
     pub fn take_releases(&mut self) -> ReleaseBatch {
         let discard_unwritten = !self.failed_releases.is_empty() || self.tiers.discard;
-        let seq_ids = if discard_unwritten {
+        let waiting = if discard_unwritten {
+            // any discard drops every pending demotion of the session
             self.tiers.discard = false;
-            std::mem::take(&mut self.failed_releases)
+            &mut self.failed_releases
         } else {
-            std::mem::take(&mut self.releases)
+            &mut self.releases
         };
+        let n = waiting.len().min(self.batch_limit);
+        let seq_ids = waiting.drain(..n).collect();
         ReleaseBatch {
             seq_ids,
             fence_step: self.steps.forward.as_ref().map(|f| f.step),
@@ -156,15 +187,32 @@ impl Core {
         }
     }
 
-    /// The cache answered a release (or refused it for good): its
-    /// sequences hold nothing there any more.
+    /// The cache answered a release: its sequences hold nothing there any
+    /// more (whatever each one's status: released, already released or
+    /// unknown).
     pub fn releases_sent(&mut self, batch: ReleaseBatch) {
         self.released.extend(batch.seq_ids);
     }
 
-    /// Puts back releases whose call did not reach the cache, to try again
+    /// A release call failed. Its sequences still hold their blocks at the
+    /// cache, so they wait for the next batch (with the fence of that later
+    /// moment; the cache's Release is idempotent, so what it may have taken
+    /// already is not freed twice), however it failed: a refusal is logged
+    /// by the loop at every try rather than dropped, since a dropped
+    /// release leaks its blocks for the whole life of the session. Only
+    /// when the session is gone are they forgotten: the cache reclaimed its
+    /// blocks with it, and [`Core::leases_lost`] deals with the rest when
+    /// the loop re-opens it.
+    pub fn release_failed(&mut self, batch: ReleaseBatch, failure: CallFailure) {
+        match failure {
+            CallFailure::SessionLost => self.released.extend(batch.seq_ids),
+            CallFailure::Unanswered | CallFailure::Refused => self.restore_releases(batch),
+        }
+    }
+
+    /// Puts back releases whose call the cache did not answer, to try again
     /// (with the fence of that later moment).
-    pub fn restore_releases(&mut self, batch: ReleaseBatch) {
+    pub(super) fn restore_releases(&mut self, batch: ReleaseBatch) {
         if batch.discard_unwritten {
             self.tiers.discard = true;
             self.failed_releases.extend(batch.seq_ids);

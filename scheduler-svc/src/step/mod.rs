@@ -10,7 +10,9 @@
 //!            -> plan_admission -> [Lease] -> apply_leases
 //!            -> plan_forward -> [Forward] -> apply_forward (per group)
 //!            -> take_releases -> [Release fenced at batch.fence_step] -> releases_sent
-//!               (a failed pass's sequences first, alone, with discard_unwritten)
+//!               (a failed pass's sequences first, alone, with discard_unwritten;
+//!               at most the cache's batch limit a batch; a call that failed:
+//!               release_failed, which keeps the batch to send again)
 //!            -> complete_through -> [CompleteStep] -> step_completed
 //! ```
 //!
@@ -54,7 +56,7 @@ use crate::domain::{Extra, GroupGeometry, Output, RequestId, SeqId, Table};
 use crate::policy::{Demand, OnExhausted, Policy};
 use crate::queue::{Queue, Request};
 
-pub use fence::ReleaseBatch;
+pub use fence::{CallFailure, ReleaseBatch};
 pub use routing::{MATCH_BATCH, MatchWanted};
 
 /// The knobs of the core.
@@ -260,6 +262,9 @@ pub struct Core {
     /// Host-tier copies of this step, and whether the cache must drop
     /// its pending demotions.
     tiers: tiers::TierCopies,
+    /// Most entries the cache takes in one batched list (`usize::MAX`: it
+    /// advertised no limit). See [`Core::set_batch_limit`].
+    batch_limit: usize,
 }
 
 /// How long a group whose worker failed is left out of admission before it
@@ -292,7 +297,22 @@ impl Core {
             counters: Counters::default(),
             reuse: HashMap::new(),
             tiers: tiers::TierCopies::default(),
+            batch_limit: usize::MAX,
         }
+    }
+
+    /// The cache's batch limit (`OpenSession.max_batch`; `None`: it
+    /// advertised none), learned anew with every session: no release batch
+    /// the core hands out, and no step's leases, hold more, and the loop
+    /// splits the step's extends into calls of at most that many.
+    pub fn set_batch_limit(&mut self, limit: Option<usize>) {
+        self.batch_limit = limit.unwrap_or(usize::MAX).max(1);
+    }
+
+    /// The most entries one batched cache call may carry (`usize::MAX`: no
+    /// limit).
+    pub fn batch_limit(&self) -> usize {
+        self.batch_limit
     }
 
     pub fn config(&self) -> &CoreConfig {

@@ -67,12 +67,16 @@ impl Core {
         extends
     }
 
-    /// The Extend RPC failed as a whole (cache unreachable): decode sequences
-    /// sit this step out and try again next step.
+    /// An Extend call failed: the decode sequences it was to grow sit this
+    /// step out and try again next step. The loop splits a step's extends
+    /// into calls of at most the cache's batch limit and stops at the first
+    /// that fails; it applies the outcomes of those answered before
+    /// (`apply_extends`) and then calls this: a sequence the cache already
+    /// grew keeps its decode (planning it again would grow it twice).
     pub fn extends_failed(&mut self) {
         self.tier_call_failed();
         for seq in self.running.values_mut() {
-            if matches!(seq.planned, Some(Work::Decode { .. })) {
+            if matches!(seq.planned, Some(Work::Decode { .. })) && seq.cache_len < seq.kv_len + 1 {
                 seq.planned = None;
             }
         }

@@ -56,7 +56,8 @@ impl Core {
         }
         let slots = (self.config.max_seqs as usize).saturating_sub(self.running());
         self.queue
-            .head(slots.min(MATCH_BATCH))
+            // admission leases no more than the batch limit in a step
+            .head(slots.min(MATCH_BATCH).min(self.batch_limit))
             .map(|r| MatchWanted {
                 request: r.id,
                 context: r.context(),

@@ -1086,6 +1086,212 @@ fn released_names_every_sequence_once_it_holds_nothing() {
     assert_eq!(released, vec![SeqId(7), SeqId(8)]);
 }
 
+/// `n` requests running (prefilled, decoding), admitted over as many steps
+/// as the batch limit takes.
+fn running(c: &mut Core, n: u64) {
+    for id in 1..=n {
+        c.submit(request(id, 4, 8));
+    }
+    while c.queued() > 0 {
+        step_granting(c, 7);
+    }
+    assert_eq!(c.running(), n as usize);
+}
+
+/// A release is forgotten only once the cache answered it: a call the cache
+/// refused (an error status such as RESOURCE_EXHAUSTED or INVALID_ARGUMENT)
+/// leaves its sequences held at the cache, so they go again with the next
+/// batch, as after a call that never reached it; dropping them would leak
+/// their blocks for the life of the session.
+#[test]
+fn a_release_the_cache_refused_or_did_not_answer_is_kept_and_sent_again() {
+    for failure in [CallFailure::Refused, CallFailure::Unanswered] {
+        let mut c = core(Policy::MaxUtilization, 100);
+        running(&mut c, 2);
+        c.take_released();
+        c.cancel(RequestId(1), "gone");
+        let batch = c.take_releases();
+        assert_eq!(batch.seq_ids, vec![SeqId(1)]);
+        c.release_failed(batch, failure);
+        assert!(c.take_released().is_empty(), "{failure:?}: still held");
+        assert!(c.has_releases(), "{failure:?}");
+        assert!(!c.is_quiet());
+        // tried again, and again, until the cache answers
+        for _ in 0..3 {
+            let again = c.take_releases();
+            assert_eq!(again.seq_ids, vec![SeqId(1)], "{failure:?}");
+            c.release_failed(again, failure);
+        }
+        c.cancel(RequestId(2), "gone");
+        let batch = c.take_releases();
+        assert_eq!(batch.seq_ids, vec![SeqId(1), SeqId(2)], "{failure:?}");
+        c.releases_sent(batch);
+        assert_eq!(c.take_released(), vec![SeqId(1), SeqId(2)], "{failure:?}");
+        assert!(!c.has_releases());
+    }
+}
+
+/// A refused release of a failed pass's sequences keeps its
+/// `discard_unwritten` and keeps holding back the step's completion.
+#[test]
+fn a_refused_discard_release_is_kept_with_its_flag_and_still_holds_back_completion() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 4, 8));
+    let step = c.begin_step();
+    let leases = c.plan_admission();
+    c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
+    let batches = c.plan_forward();
+    c.forward_failed(batches[0].0, "connection refused");
+    let batch = c.take_releases();
+    assert!(batch.discard_unwritten);
+    c.release_failed(batch, CallFailure::Refused);
+    assert_eq!(c.complete_through(), None, "the discard goes first");
+    let batch = c.take_releases();
+    assert_eq!(
+        (batch.seq_ids.clone(), batch.discard_unwritten),
+        (vec![SeqId(1)], true)
+    );
+    c.releases_sent(batch);
+    assert_eq!(c.complete_through(), Some(step));
+}
+
+/// Once the session is gone the cache has reclaimed everything it held: a
+/// release that failed so is forgotten at once, and the loss of the leases
+/// (the loop re-opening the session) does not name it a second time; a
+/// release kept from an unanswered call is forgotten there, once.
+#[test]
+fn releases_of_a_lost_session_are_forgotten_exactly_once() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    running(&mut c, 3);
+    c.take_released();
+    c.cancel(RequestId(1), "gone");
+    let batch = c.take_releases();
+    c.release_failed(batch, CallFailure::SessionLost);
+    assert_eq!(c.take_released(), vec![SeqId(1)]);
+    assert!(!c.has_releases());
+    c.cancel(RequestId(2), "gone");
+    let batch = c.take_releases();
+    c.release_failed(batch, CallFailure::Unanswered);
+    assert!(c.take_released().is_empty());
+    c.leases_lost(true);
+    let mut released = c.take_released();
+    released.sort_unstable();
+    assert_eq!(released, vec![SeqId(2), SeqId(3)], "each once");
+    assert!(!c.has_releases());
+}
+
+/// No release batch holds more than the cache's batch limit: a backlog
+/// (several requests ending at once, releases kept while the cache was
+/// unreachable) goes in several batches, oldest first, the failed pass's
+/// sequences first and alone, and completion waits for all of those.
+#[test]
+fn release_batches_never_exceed_the_caches_batch_limit() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.set_batch_limit(Some(4));
+    running(&mut c, 10);
+    c.take_released();
+    for id in 1..=10 {
+        c.cancel(RequestId(id), "gone");
+    }
+    let mut sizes = Vec::new();
+    let mut sent = Vec::new();
+    while c.has_releases() {
+        let batch = c.take_releases();
+        sizes.push(batch.seq_ids.len());
+        sent.extend(batch.seq_ids.iter().map(|s| s.get()));
+        // the first try fails: kept, sent again with the next batches
+        if sizes.len() == 1 {
+            c.release_failed(batch, CallFailure::Refused);
+            sent.clear();
+            continue;
+        }
+        c.releases_sent(batch);
+    }
+    assert_eq!(sizes, vec![4, 4, 4, 2]);
+    sent.sort_unstable();
+    assert_eq!(sent, (1..=10).collect::<Vec<_>>(), "every one, once");
+    // a failed pass of 6 sequences: 4 then 2, with discard_unwritten,
+    // before any completion
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.set_batch_limit(Some(4));
+    running(&mut c, 6);
+    let step = c.begin_step();
+    let e = c.plan_extends();
+    c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
+    let batches = c.plan_forward();
+    c.forward_failed(batches[0].0, "connection refused");
+    for n in [4, 2] {
+        assert_eq!(c.complete_through(), None);
+        let batch = c.take_releases();
+        assert_eq!((batch.seq_ids.len(), batch.discard_unwritten), (n, true));
+        c.releases_sent(batch);
+    }
+    assert_eq!(c.complete_through(), Some(step));
+    // no advertised limit: one batch
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.set_batch_limit(Some(4));
+    running(&mut c, 6);
+    c.set_batch_limit(None);
+    c.cancel_all("stop");
+    assert_eq!(c.take_releases().seq_ids.len(), 6);
+}
+
+/// A step never leases more than the cache's batch limit, nor asks Match
+/// about more requests: the rest of the queue is admitted at later steps.
+#[test]
+fn a_steps_leases_and_matches_never_exceed_the_caches_batch_limit() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.set_batch_limit(Some(3));
+    for id in 1..=7 {
+        c.submit(request(id, 4, 8));
+    }
+    let mut per_step = Vec::new();
+    while c.queued() > 0 {
+        c.begin_step();
+        let leases = c.plan_admission();
+        per_step.push(leases.len());
+        c.apply_leases(leases.iter().map(|l| grant(l.seq_id)).collect());
+    }
+    assert_eq!(per_step, vec![3, 3, 1]);
+    let mut two = two_groups(crate::routing::Routing::KvAware);
+    two.set_batch_limit(Some(2));
+    for id in 1..=5 {
+        two.submit(request(id, 8, 4));
+    }
+    assert_eq!(two.match_wanted().len(), 2);
+}
+
+/// The loop splits a step's extends into calls of at most the batch limit
+/// and stops at the first that fails: the sequences the answered calls grew
+/// keep their decode this step (planning them again would grow them at the
+/// cache twice), the others sit it out and are planned again next step.
+#[test]
+fn extends_answered_before_a_failed_call_keep_their_decode() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    running(&mut c, 3);
+    c.begin_step();
+    let extends = c.plan_extends();
+    assert_eq!(extends.len(), 3);
+    // the first call (two items) answered, the second failed
+    c.apply_extends(extends[..2].iter().map(|e| grant(e.seq_id)).collect());
+    c.extends_failed();
+    let batches = c.plan_forward();
+    let ran: Vec<SeqId> = batches
+        .iter()
+        .flat_map(|(_, items)| items.iter().map(|i| i.seq_id))
+        .collect();
+    assert_eq!(ran, vec![extends[0].seq_id, extends[1].seq_id]);
+    for (g, items) in &batches {
+        c.apply_forward(*g, results(items, 7, false));
+    }
+    c.begin_step();
+    let next = c.plan_extends();
+    assert_eq!(next.len(), 3);
+    for e in &next {
+        assert_eq!(e.new_tokens.len(), 1, "one new token each: {e:?}");
+    }
+}
+
 /// The cache's block bookkeeping as the protocol specifies it, for one pool
 /// of full attention: what `Lease`, `Extend`, `Release` (fenced or not) and
 /// `CompleteStep` do to the blocks. Freed blocks are handed out first, so a

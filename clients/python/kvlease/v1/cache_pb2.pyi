@@ -111,14 +111,16 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, holder: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "epoch", "ttl_ms")
+    __slots__ = ("session_id", "epoch", "ttl_ms", "max_batch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     epoch: int
     ttl_ms: int
-    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    max_batch: int
+    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("session_id", "epoch")

@@ -137,8 +137,9 @@ class CacheServiceServicer:
 
     def OpenSession(self, request, context):
         """Opens a holder session. The response carries the service's epoch, which
-        every later call of the session must echo. RESOURCE_EXHAUSTED over the
-        service's session limit or the per-holder one.
+        every later call of the session must echo, and the service's batch limit
+        (max_batch). RESOURCE_EXHAUSTED over the service's session limit or the
+        per-holder one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
