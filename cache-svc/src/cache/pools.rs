@@ -64,7 +64,7 @@ impl Cache {
     /// part of the geometry: registering again with other counts is a
     /// conflict. The first registration binds the group to `owner`, the
     /// only principal whose sessions may `Match` or `Lease` in it
-    /// ([`owned_group`](Self::owned_group)); registering it again as another
+    /// (`owned_group`); registering it again as another
     /// principal is refused ([`Error::GroupNotOwned`]) rather than answered
     /// as a success that principal could never use.
     pub fn register_pool_for(
