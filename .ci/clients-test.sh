@@ -4,7 +4,7 @@
 #   (clients/openai/check.py);
 # - the kvlease Python package (clients/python): its committed stubs match the
 #   protos, it installs with pip, its check and its three examples;
-# - the README's grpcurl recipes (clients/grpcurl/check.py).
+# - the grpcurl recipes of docs/operations.md (clients/grpcurl/check.py).
 # One cluster of the seeded model serves them all. When SmolLM2 is cached
 # (`kvlease model fetch smollm2`, run by .ci/run before this), a second
 # cluster serves it for the openai check's factual chat; otherwise that step
@@ -74,8 +74,8 @@ echo "-- the kvlease Python package"
 "$py" clients/python/examples/stream.py "$scheduler" || on_failure
 "$py" clients/python/examples/rejected.py "$scheduler" || on_failure
 "$py" clients/python/examples/load.py "$scheduler" --requests 32 --concurrency 8 || on_failure
-echo "-- grpcurl recipes of the README"
-"$py" clients/grpcurl/check.py README.md --scheduler "$scheduler" --cache "$cache" \
+echo "-- grpcurl recipes of docs/operations.md"
+"$py" clients/grpcurl/check.py docs/operations.md --scheduler "$scheduler" --cache "$cache" \
     --grpcurl "$venv/bin/grpcurl" || on_failure
 
 echo "-- SmolLM2: a factual chat through the openai package"

@@ -1,11 +1,11 @@
-"""Runs the grpcurl recipes of the README against a running cluster.
+"""Runs the grpcurl recipes of docs/operations.md against a running cluster.
 
-Usage: python check.py README.md --scheduler HOST:PORT --cache HOST:PORT [--grpcurl PATH]
+Usage: python check.py docs/operations.md --scheduler HOST:PORT --cache HOST:PORT [--grpcurl PATH]
 
 The recipes are the shell block that follows the line
-`<!-- grpcurl recipes: checked by clients/grpcurl/check.py -->` in the
-README: `# comment` lines, then one command each (`\\` continues a line).
-The README's addresses 127.0.0.1:50051 (scheduler) and 127.0.0.1:50052
+`<!-- grpcurl recipes: checked by clients/grpcurl/check.py -->` in that
+file: `# comment` lines, then one command each (`\\` continues a line).
+The recipes' addresses 127.0.0.1:50051 (scheduler) and 127.0.0.1:50052
 (cache) are replaced by the given ones. Every recipe must exit 0 and print
 what its method answers, except one whose comment names INVALID_ARGUMENT,
 which must fail with that code. Every user-facing RPC must have a recipe.
@@ -19,8 +19,8 @@ import subprocess
 import sys
 
 MARKER = "<!-- grpcurl recipes: checked by clients/grpcurl/check.py -->"
-README_SCHEDULER = "127.0.0.1:50051"
-README_CACHE = "127.0.0.1:50052"
+DOC_SCHEDULER = "127.0.0.1:50051"
+DOC_CACHE = "127.0.0.1:50052"
 REQUIRED = {
     "list",
     "grpc.health.v1.Health/Check",
@@ -123,19 +123,19 @@ def summary(run):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("readme")
+    p.add_argument("doc")
     p.add_argument("--scheduler", required=True)
     p.add_argument("--cache", required=True)
     p.add_argument("--grpcurl", default="grpcurl")
     a = p.parse_args()
 
     seen, failed = set(), 0
-    for comment, argv in recipes(a.readme):
+    for comment, argv in recipes(a.doc):
         if not argv or argv[0] != "grpcurl":
             print(f"FAIL: a recipe that is not a grpcurl command: {argv}")
             failed += 1
             continue
-        argv = [a.grpcurl] + [x.replace(README_SCHEDULER, a.scheduler).replace(README_CACHE, a.cache)
+        argv = [a.grpcurl] + [x.replace(DOC_SCHEDULER, a.scheduler).replace(DOC_CACHE, a.cache)
                               for x in argv[1:]]
         method = method_of(argv)
         seen.add(method)
@@ -155,7 +155,7 @@ def main():
             failed += 1
     missing = sorted(REQUIRED - seen)
     if missing:
-        print(f"FAIL: the README has no recipe for {missing}")
+        print(f"FAIL: {a.doc} has no recipe for {missing}")
         failed += 1
     if failed:
         sys.exit(1)

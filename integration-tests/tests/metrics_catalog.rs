@@ -1,6 +1,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a failed test
 //! What the services export, as their registries describe it, against what
-//! people read: the README's metrics table (every family, its type, service
+//! people read: the metrics catalog of `docs/metrics.md` (every family, its type, service
 //! and labels) and the Grafana dashboard (`deploy/grafana/kvlease.json`: its
 //! shape, and that every PromQL query names exported series and labels).
 
@@ -74,9 +74,9 @@ fn repo_file(path: &str) -> String {
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
-// === the README table ===
+// === the catalog in docs/metrics.md ===
 
-/// One row of the README's metrics table.
+/// One row of the catalog table of `docs/metrics.md`.
 #[derive(Debug, PartialEq, Eq)]
 struct Row {
     kind: String,
@@ -84,12 +84,12 @@ struct Row {
     labels: Vec<String>,
 }
 
-/// The rows of the table under `## Metrics`, by metric name.
-fn readme_rows(readme: &str) -> BTreeMap<String, Row> {
-    let section = readme
-        .split("\n## Metrics\n")
+/// The rows of the table under `## Catalog`, by metric name.
+fn catalog_rows(doc: &str) -> BTreeMap<String, Row> {
+    let section = doc
+        .split("\n## Catalog\n")
         .nth(1)
-        .expect("README has a `## Metrics` section");
+        .expect("docs/metrics.md has a `## Catalog` section");
     let section = section.split("\n## ").next().unwrap_or(section);
     let mut rows = BTreeMap::new();
     for line in section.lines().filter(|l| l.starts_with("| `kvlease_")) {
@@ -114,14 +114,14 @@ fn readme_rows(readme: &str) -> BTreeMap<String, Row> {
 }
 
 #[test]
-fn the_readme_table_documents_every_exported_metric() {
+fn the_catalog_documents_every_exported_metric() {
     let exported = exported();
-    let rows = readme_rows(&repo_file("README.md"));
+    let rows = catalog_rows(&repo_file("docs/metrics.md"));
     let documented: BTreeSet<&String> = rows.keys().collect();
     let registered: BTreeSet<&String> = exported.keys().collect();
     assert_eq!(
         documented, registered,
-        "README table vs what the services register"
+        "docs/metrics.md catalog vs what the services register"
     );
     for (name, e) in &exported {
         let expected = Row {
@@ -129,16 +129,16 @@ fn the_readme_table_documents_every_exported_metric() {
             services: e.services.iter().map(|s| s.to_string()).collect(),
             labels: e.labels.iter().map(|l| l.to_string()).collect(),
         };
-        assert_eq!(rows[name], expected, "README row of {name}");
+        assert_eq!(rows[name], expected, "docs/metrics.md row of {name}");
     }
 }
 
 #[test]
-fn readme_rows_are_read_cell_by_cell() {
-    let text = "x\n## Metrics\n\n| metric | type | service | labels | meaning |\n|---|---|---|---|---|\n\
+fn catalog_rows_are_read_cell_by_cell() {
+    let text = "x\n## Catalog\n\n| metric | type | service | labels | meaning |\n|---|---|---|---|---|\n\
         | `kvlease_a_total` | counter | cache, scheduler | `op`, `reason` | A. |\n\
         | `kvlease_b` | gauge | worker | - | B. |\n\n## Next\n| `kvlease_c` | gauge | x | - | C. |\n";
-    let rows = readme_rows(text);
+    let rows = catalog_rows(text);
     assert_eq!(rows.len(), 2, "{rows:?}");
     assert_eq!(rows["kvlease_a_total"].labels, vec!["op", "reason"]);
     assert_eq!(rows["kvlease_a_total"].services.len(), 2);

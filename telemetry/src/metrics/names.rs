@@ -1,6 +1,6 @@
 //! The metric names and labels kvlease services expose, in one place so that services,
 //! dashboards and tests agree. Counters end in `_total`, durations are seconds, sizes name
-//! their unit (`_blocks`, `_tokens`). The README's metrics table documents each one; a test
+//! their unit (`_blocks`, `_tokens`). The catalog in `docs/metrics.md` documents each one; a test
 //! checks it against what the services register.
 
 // === cache service ===
