@@ -1,7 +1,12 @@
 #!/usr/bin/env python3
 """Checks what Prometheus answers about a kvlease cluster against the
 cluster's own GetStatus (`kvlease status`; its pools are the cache's
-GetStats). Usage: prometheus-check.py PROMETHEUS_URL KVLEASE_BINARY SCHEDULER.
+GetStats). Usage: prometheus-check.py PROMETHEUS_URL KVLEASE_BINARY SCHEDULER
+DASHBOARD_JSON STARTED (the cluster's start, Unix seconds).
+
+The dashboard's "Reject ratio" panel is evaluated too, its expression as the
+dashboard has it with `$__rate_interval` set to a window that covers the whole
+run, and must be within 1% of rejected / finished requests from GetStatus.
 
 Waits for the cluster to be idle and its status to hold still, then for a
 scrape of every target after that moment, then compares. Exits 1 and says
@@ -15,7 +20,8 @@ import time
 import urllib.parse
 import urllib.request
 
-PROM, KV, SCHED = sys.argv[1:4]
+PROM, KV, SCHED, DASHBOARD = sys.argv[1:5]
+STARTED = int(sys.argv[5])
 FAILURES = []
 
 
@@ -149,6 +155,10 @@ for reason, jobs in sorted(by_reason.items()):
          jobs.get("kvlease-cache", 0.0), jobs.get("kvlease-scheduler", 0.0))
 
 finished = {m["reason"]: v for m, v in query('kvlease_requests_finished_total')}
+missing = {"length", "stop", "rejected", "cancelled", "error"} - finished.keys()
+if missing:
+    fail(f"kvlease_requests_finished_total has no series for {sorted(missing)}: "
+         "every reason is exported from the start, at 0")
 for reason in ["length", "stop", "rejected", "cancelled", "error"]:
     same(f"requests finished {reason}", finished.get(reason, 0.0), s[reason])
 same("preemptions", scalar('sum(kvlease_preemptions_total) or vector(0)'), s["preemptions"])
@@ -156,6 +166,31 @@ same("queue depth", scalar('kvlease_queue_depth'), s["queued"])
 same("running sequences", scalar('kvlease_running_sequences'), s["running"])
 same("requests timed", scalar('sum(kvlease_request_duration_seconds_count)'),
      sum(s[k] for k in ["length", "stop", "rejected", "cancelled", "error"]))
+
+# the dashboard's reject ratio: requests rejected over requests finished
+def panel_expr(title):
+    with open(DASHBOARD) as f:
+        panels = json.load(f)["panels"]
+    exprs = [t["expr"] for p in panels if p.get("title") == title for t in p.get("targets", [])]
+    if len(exprs) != 1:
+        raise SystemExit(f"{DASHBOARD}: expected one query in panel {title!r}, got {exprs}")
+    return exprs[0]
+
+
+expr = panel_expr("Reject ratio")
+# a window reaching back past the cluster's start: the ratio of the whole run
+run_window = f"{int(time.time()) - STARTED + 60}s"
+panel = scalar(expr.replace("$__rate_interval", run_window))
+finished_total = sum(s[k] for k in ["length", "stop", "rejected", "cancelled", "error"])
+if s["rejected"] == 0:
+    fail("the bench rejected no request: the reject ratio is not tested")
+truth = s["rejected"] / finished_total
+checks += 1
+print(f"dashboard reject ratio over [{run_window}]: {panel:.6f}; GetStatus: "
+      f"{s['rejected']} rejected of {finished_total} finished = {truth:.6f}")
+if abs(panel - truth) > 0.01 * truth:
+    fail(f"dashboard reject ratio {panel:.6f} is not within 1% of rejected/finished {truth:.6f} "
+         f"(expression {expr})")
 
 # the rest is printed for the record
 print("prometheus says:")

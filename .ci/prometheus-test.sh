@@ -6,8 +6,12 @@
 # per-pool grants/rejects/evictions, the reject rate, rejects by reason on
 # both services, finished requests, preemptions, request counts) are checked
 # against the cluster's own GetStatus (`kvlease status`, whose pools are the
-# cache's GetStats) by .ci/prometheus-check.py. Fails when any figure
-# disagrees, when the bench caused no reject, or when a target is down.
+# cache's GetStats) by .ci/prometheus-check.py, and so is the Grafana
+# dashboard's "Reject ratio" panel (its expression, evaluated over the run,
+# within 1% of the requests rejected over the requests finished). The cluster
+# rejects a request whose pool is exhausted (`--on-exhausted reject`), so the
+# run has a known reject rate. Fails when any figure disagrees, when the bench
+# caused no reject, or when a target is down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,9 +60,11 @@ PY
 )
 
 # a small pool (32 MiB per worker leave the seeded model room for little more than its longest sequence) so the bench below
-# over-subscribes it: leases and extends are refused, requests preempted
+# over-subscribes it: leases and extends are refused, and a running request
+# whose extend is refused is rejected (not preempted)
+started="$(date +%s)"
 RUST_LOG=warn "$KV" up --workers 2 --base-port 0 --metrics-base-port "$mbase" --memory-budget-mib 32 \
-    --threads 1 >"$work/up.log" 2>&1 &
+    --threads 1 --on-exhausted reject >"$work/up.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 1 600); do
     grep -q '^serving' "$work/up.log" && break
@@ -94,4 +100,4 @@ echo "== over-subscribed bench (2 workers, 32 MiB each)"
 "$KV" bench --scheduler "$sched" --requests 96 --concurrency 64 --prefixes 2 \
     --tail-max 160 --output-min 64 --output-max 128 --no-progress --fail-on-error | tail -3
 
-python3 .ci/prometheus-check.py "http://127.0.0.1:$pport" "$KV" "$sched"
+python3 .ci/prometheus-check.py "http://127.0.0.1:$pport" "$KV" "$sched" deploy/grafana/kvlease.json "$started"

@@ -43,6 +43,12 @@ struct Clock {
     first_token: bool,
 }
 
+/// Every `reason` of [`names::REQUESTS_FINISHED_TOTAL`]: each series exists,
+/// at 0, from registration on, so a ratio of two of them (the dashboard's
+/// reject ratio: rejected over all finished) is defined from the first scrape
+/// and every series starts at the same scrape.
+const FINISH_REASONS: [&str; 5] = ["length", "stop", "rejected", "cancelled", "error"];
+
 /// What the scheduler's metrics endpoint exports: every family it registers.
 pub fn metric_catalog() -> Result<Vec<Described>> {
     let mut registry = Registry::new();
@@ -55,7 +61,7 @@ impl SchedulerMetrics {
     pub fn register(registry: &mut Registry) -> Result<Self> {
         let e = |e: kvlease_telemetry::Error| Error::Config(format!("metrics: {e}"));
         let r = registry;
-        Ok(Self {
+        let metrics = Self {
             step: r
                 .histogram(
                     names::STEP_DURATION_SECONDS,
@@ -144,7 +150,11 @@ impl SchedulerMetrics {
                 )
                 .map_err(e)?,
             live: HashMap::new(),
-        })
+        };
+        for reason in FINISH_REASONS {
+            metrics.finished.with([reason]);
+        }
+        Ok(metrics)
     }
 
     /// A `Match` failed: the step routed by load alone.
@@ -297,6 +307,15 @@ mod tests {
         (registry, m)
     }
 
+    /// Fails naming the first of `lines` that `registry` does not render.
+    fn assert_renders<S: AsRef<str>>(registry: &Registry, lines: &[S]) {
+        let text = registry.render();
+        for line in lines {
+            let line = line.as_ref();
+            assert!(text.contains(line), "{line:?} not in\n{text}");
+        }
+    }
+
     #[test]
     fn a_request_is_timed_from_arrival_and_its_tokens_counted() {
         let (registry, mut m) = metrics();
@@ -319,20 +338,42 @@ mod tests {
             t0 + Duration::from_millis(700),
         );
         assert!(m.live.is_empty(), "a finished request is forgotten");
-        let text = registry.render();
-        for line in [
-            "kvlease_prompt_tokens_total 12\n",
-            "kvlease_output_tokens_total 3\n",
-            "kvlease_reused_tokens_total 8\n",
-            // the first token at 300 ms, counted once
-            "kvlease_time_to_first_token_seconds_bucket{le=\"0.25\"} 0\n",
-            "kvlease_time_to_first_token_seconds_bucket{le=\"0.5\"} 1\n",
-            "kvlease_time_to_first_token_seconds_count 1\n",
-            "kvlease_request_duration_seconds_bucket{reason=\"length\",le=\"0.5\"} 0\n",
-            "kvlease_request_duration_seconds_bucket{reason=\"length\",le=\"1\"} 1\n",
-        ] {
-            assert!(text.contains(line), "{line:?} not in\n{text}");
-        }
+        assert_renders(
+            &registry,
+            &[
+                "kvlease_prompt_tokens_total 12\n",
+                "kvlease_output_tokens_total 3\n",
+                "kvlease_reused_tokens_total 8\n",
+                // the first token at 300 ms, counted once
+                "kvlease_time_to_first_token_seconds_bucket{le=\"0.25\"} 0\n",
+                "kvlease_time_to_first_token_seconds_bucket{le=\"0.5\"} 1\n",
+                "kvlease_time_to_first_token_seconds_count 1\n",
+                "kvlease_request_duration_seconds_bucket{reason=\"length\",le=\"0.5\"} 0\n",
+                "kvlease_request_duration_seconds_bucket{reason=\"length\",le=\"1\"} 1\n",
+            ],
+        );
+    }
+
+    #[test]
+    fn every_finish_reason_is_exported_at_zero_before_any_request() {
+        let (registry, m) = metrics();
+        let zeros = FINISH_REASONS
+            .map(|reason| format!("kvlease_requests_finished_total{{reason=\"{reason}\"}} 0\n"));
+        assert_renders(&registry, &zeros);
+        let after = Counters {
+            rejected: 2,
+            finished_length: 3,
+            ..Counters::default()
+        };
+        m.update(0, 0, &Counters::default(), &after);
+        assert_renders(
+            &registry,
+            &[
+                "kvlease_requests_finished_total{reason=\"rejected\"} 2\n",
+                "kvlease_requests_finished_total{reason=\"length\"} 3\n",
+                "kvlease_requests_finished_total{reason=\"stop\"} 0\n",
+            ],
+        );
     }
 
     #[test]
@@ -347,15 +388,16 @@ mod tests {
         after.preemptions_by[PreemptCause::PoolExhausted.index()] = 2;
         after.preemptions_by[PreemptCause::WorkerFailed.index()] = 1;
         m.update(0, 0, &Counters::default(), &after);
+        assert_renders(
+            &registry,
+            &[
+                "kvlease_rejects_total{op=\"extend\",reason=\"POOL_EXHAUSTED\"} 1\n",
+                "kvlease_rejects_total{op=\"lease\",reason=\"EXCEEDS_CAPACITY\"} 1\n",
+                "kvlease_preemptions_total{reason=\"POOL_EXHAUSTED\"} 2\n",
+                "kvlease_preemptions_total{reason=\"WORKER_FAILED\"} 1\n",
+            ],
+        );
         let text = registry.render();
-        for line in [
-            "kvlease_rejects_total{op=\"extend\",reason=\"POOL_EXHAUSTED\"} 1\n",
-            "kvlease_rejects_total{op=\"lease\",reason=\"EXCEEDS_CAPACITY\"} 1\n",
-            "kvlease_preemptions_total{reason=\"POOL_EXHAUSTED\"} 2\n",
-            "kvlease_preemptions_total{reason=\"WORKER_FAILED\"} 1\n",
-        ] {
-            assert!(text.contains(line), "{line:?} not in\n{text}");
-        }
         assert!(!text.contains("QUOTA_EXCEEDED"), "{text}");
     }
 }
