@@ -16,7 +16,7 @@ use kvlease::mooncake::Expand;
 use kvlease::replay::conversations::{self, Conversations};
 use kvlease::replay::{self, ReplayOptions};
 use kvlease::workload::Synthetic;
-use kvlease_telemetry::process::{self, EXIT_USAGE};
+use kvlease_runtime::process::{self, EXIT_USAGE};
 use scheduler_svc::policy::{OnExhausted, Policy};
 
 /// kvlease: paged KV cache leases over gRPC.

@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 
 use clap::CommandFactory;
 use kvlease_auth::SecurityArgs;
-use kvlease_telemetry::process::parse_without_env;
+use kvlease_runtime::process::parse_without_env;
 use worker_svc::backend::BackendChoice;
 use yaml_rust2::{Yaml, YamlLoader};
 
@@ -153,7 +153,7 @@ fn parse_gateway(argv: &[String]) -> Result<Served, String> {
 fn binaries() -> Vec<Binary> {
     use kvlease_proto::v1::{cache_service_server, scheduler_server, worker_service_server};
     // "" is the whole server: tonic-health's reporter answers it SERVING from
-    // the start; kvlease_telemetry::serve sets the one service SERVING.
+    // the start; kvlease_runtime::serve sets the one service SERVING.
     vec![
         Binary {
             image: "kvlease-cache",

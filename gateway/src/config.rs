@@ -36,7 +36,7 @@ pub struct Config {
     pub default_max_tokens: u32,
     /// Transport limits (connections, keepalive, streams).
     #[command(flatten)]
-    pub limits: kvlease_telemetry::limits::ServeLimits,
+    pub limits: kvlease_runtime::limits::ServeLimits,
 }
 
 /// The model id when none is configured.

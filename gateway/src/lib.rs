@@ -101,16 +101,16 @@ pub async fn run(
 }
 
 /// The HTTP listener under the shared connection limits
-/// ([`kvlease_telemetry::limits::Gate`]): a cap on open connections, a
+/// ([`kvlease_runtime::limits::Gate`]): a cap on open connections, a
 /// deadline for a new connection's first bytes, an idle deadline.
 #[derive(Debug)]
 struct GatedListener {
     listener: TcpListener,
-    gate: kvlease_telemetry::limits::Gate,
+    gate: kvlease_runtime::limits::Gate,
 }
 
 impl axum::serve::Listener for GatedListener {
-    type Io = kvlease_telemetry::limits::Guarded<tokio::net::TcpStream>;
+    type Io = kvlease_runtime::limits::Guarded<tokio::net::TcpStream>;
     type Addr = std::net::SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {

@@ -18,7 +18,7 @@ async fn main() {
             std::process::exit(1);
         }
     };
-    let listener = match kvlease_telemetry::serve::bind("http", config.listen).await {
+    let listener = match kvlease_runtime::serve::bind("http", config.listen).await {
         Ok(l) => l,
         Err(e) => {
             eprintln!("kvlease-gateway: {e}");
@@ -26,7 +26,7 @@ async fn main() {
         }
     };
     // SIGTERM too: Kubernetes stops a pod with it, and in-flight streams get to finish
-    let shutdown = kvlease_telemetry::process::shutdown_signal();
+    let shutdown = kvlease_runtime::process::shutdown_signal();
     if let Err(e) = kvlease_gateway::run(listener, config, shutdown).await {
         eprintln!("kvlease-gateway: {e}");
         std::process::exit(1);

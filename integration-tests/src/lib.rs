@@ -25,7 +25,7 @@ use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::scheduler_client::SchedulerClient;
 use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
-use kvlease_telemetry::serve::Listeners;
+use kvlease_runtime::serve::Listeners;
 use tokio::net::TcpListener;
 use tonic::transport::Channel;
 

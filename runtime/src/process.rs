@@ -151,7 +151,7 @@ where
         }
     };
     // Dropped when this returns, which flushes the spans still buffered.
-    let _telemetry = match crate::init(name) {
+    let _telemetry = match kvlease_telemetry::init(name) {
         Ok(guard) => guard,
         Err(err) => {
             // RUST_LOG and OTEL_* are configuration too.
