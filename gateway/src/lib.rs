@@ -46,6 +46,9 @@ pub mod service;
 pub use config::Config;
 pub use error::ApiError;
 
+/// The name the gateway's spans and messages go by.
+pub const SERVICE: &str = "kvlease-gateway";
+
 /// Why the gateway could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -53,6 +56,12 @@ pub enum Error {
     Config(String),
     #[error("http server error: {0}")]
     Serve(#[from] std::io::Error),
+}
+
+impl kvlease_runtime::process::RunError for Error {
+    fn is_config(&self) -> bool {
+        matches!(self, Error::Config(_))
+    }
 }
 
 /// Serves the gateway on `listener` until `shutdown` resolves. The scheduler

@@ -45,7 +45,17 @@ impl From<TcpListener> for Listeners {
 impl Listeners {
     /// Binds the gRPC address and, when given, the metrics address.
     pub async fn bind(grpc: SocketAddr, metrics: Option<SocketAddr>) -> Result<Self> {
-        let grpc = bind("grpc", grpc).await?;
+        Self::bind_named("grpc", grpc, metrics).await
+    }
+
+    /// As [`Listeners::bind`], with the main listener named `what` in a bind
+    /// error (the gateway's serves `http`).
+    pub async fn bind_named(
+        what: &'static str,
+        main: SocketAddr,
+        metrics: Option<SocketAddr>,
+    ) -> Result<Self> {
+        let grpc = bind(what, main).await?;
         let metrics = match metrics {
             Some(addr) => Some(bind("metrics", addr).await?),
             None => None,
