@@ -14,8 +14,11 @@
 //! - [`pool_stats`], [`wait_whole`]: the cache's figures for one pool group.
 //! - [`tap`]: recording pass-through proxies of the cache and a worker.
 //! - [`secure`]: an mTLS cluster and channels that present any principal's certificate.
+//! - [`gateway`]: the HTTP front on a loopback port in front of a scheduler,
+//!   and a ChatML tokenizer for its chat requests.
 //!
-//! The tests themselves are under `tests/`.
+//! The tests themselves are under `tests/`, the whole-system benches under
+//! `benches/`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -29,6 +32,7 @@ use kvlease_runtime::serve::Listeners;
 use tokio::net::TcpListener;
 use tonic::transport::Channel;
 
+pub mod gateway;
 pub mod otlp;
 pub mod secure;
 pub mod tap;
@@ -48,6 +52,8 @@ pub enum Error {
     Cluster(#[from] kvlease::Error),
     #[error("rpc failed: {0}")]
     Rpc(#[from] tonic::Status),
+    #[error("gateway: {0}")]
+    Gateway(String),
 }
 
 /// How long a test service may take to start (a scheduler's warm-up included).
