@@ -45,7 +45,7 @@ pub enum Error {
     #[error("cannot bind a loopback port: {0}")]
     Bind(#[from] std::io::Error),
     #[error(transparent)]
-    Listen(#[from] kvlease_telemetry::Error),
+    Listen(#[from] kvlease_runtime::Error),
     #[error("cannot connect to {addr}: {message}")]
     Connect { addr: SocketAddr, message: String },
     #[error(transparent)]

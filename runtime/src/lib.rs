@@ -13,6 +13,7 @@
 //!   flags, the connection gate, the status fix-up layer); the gateway's HTTP
 //!   server uses the gate too.
 //! - `accept`: the connections a gRPC server takes from its listener.
+//! - `error`: [`Error`], why a server could not start or stopped serving.
 //!
 //! Data flow: `process::main` parses and checks a service's configuration,
 //! starts `kvlease-telemetry`, binds [`serve::Listeners`] and calls the
@@ -24,6 +25,9 @@
 //! depend on each other.
 
 mod accept;
+mod error;
 pub mod limits;
 pub mod process;
 pub mod serve;
+
+pub use error::{Error, Result};

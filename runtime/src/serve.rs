@@ -18,9 +18,10 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::server::NamedService;
 
-use kvlease_telemetry::{Error, GrpcTraceLayer, Result};
+use kvlease_telemetry::GrpcTraceLayer;
 
 use crate::accept::incoming;
+use crate::error::{Error, Result};
 use crate::limits::{ServeLimits, StatusLayer};
 
 /// The sockets one server serves on, bound before it starts.
