@@ -12,9 +12,11 @@
 //! leased blocks) and one protocol; its validation stays the single check
 //! of prompts, limits and sampling for both paths, because the gateway only
 //! maps the scheduler's `INVALID_ARGUMENT` to 400 with its message. The
-//! services' dependency rules hold (the gateway depends on `kvlease-proto`
-//! only), and `kvlease up` and compose run it as one more service. The cost,
-//! one loopback gRPC hop per request, is measured by the HTTP-vs-gRPC bench.
+//! services' dependency rules hold (the gateway depends on the protocol and
+//! the shared auth, telemetry and runtime crates, never on a service crate),
+//! and `kvlease up` and compose run it as one more service. The cost, one
+//! loopback gRPC hop per request, is measured by the HTTP-vs-gRPC bench
+//! (`cargo bench -p kvlease-integration-tests --bench http_vs_grpc`).
 //!
 //! # Layout
 //! - [`config`]: flags with environment fallbacks.
