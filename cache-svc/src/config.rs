@@ -5,7 +5,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use kvlease_telemetry::process::{ListenAddrs, ServiceConfig};
+use kvlease_runtime::process::{ListenAddrs, ServiceConfig};
 
 use crate::cache::CacheConfig;
 use crate::eviction::{EvictionConfig, PolicyKind, parse_group_policy};
@@ -106,7 +106,7 @@ pub struct Config {
     pub partial_reuse: bool,
     /// Transport limits (connections, keepalive, streams).
     #[command(flatten)]
-    pub limits: kvlease_telemetry::limits::ServeLimits,
+    pub limits: kvlease_runtime::limits::ServeLimits,
 }
 
 impl Default for Config {
@@ -185,7 +185,7 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
-    use kvlease_telemetry::process::parse_without_env;
+    use kvlease_runtime::process::parse_without_env;
 
     use super::*;
 

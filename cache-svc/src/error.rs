@@ -78,7 +78,7 @@ pub enum Error {
     Io(#[from] std::io::Error),
     /// Serving failed (listeners, reflection, the gRPC server).
     #[error("{0}")]
-    Serve(#[from] kvlease_telemetry::Error),
+    Serve(#[from] kvlease_runtime::Error),
 }
 
 /// Result alias of the crate.

@@ -5,8 +5,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use kvlease_proto::v1::cache_service_server::CacheServiceServer;
-use kvlease_telemetry::process::RunError;
-use kvlease_telemetry::serve::{Listeners, ServerInfo, Stop, StopWatch, serve};
+use kvlease_runtime::process::RunError;
+use kvlease_runtime::serve::{Listeners, ServerInfo, Stop, StopWatch, serve};
 
 use crate::cache::Cache;
 use crate::config::Config;

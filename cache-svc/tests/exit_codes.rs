@@ -1,7 +1,7 @@
 //! The binary's exit codes, the same in all three services: 64 for a usage
 //! or configuration error (before anything starts), 0 for `--help`.
 
-use kvlease_telemetry::process::exit_code_of;
+use kvlease_runtime::process::exit_code_of;
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvlease-cache");
 

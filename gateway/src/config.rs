@@ -2,6 +2,8 @@
 
 use std::net::SocketAddr;
 
+use kvlease_runtime::process::{ListenAddrs, ServiceConfig};
+
 /// Where the gateway listens, which scheduler it fronts and the model name
 /// it answers to.
 #[derive(Debug, Clone, clap::Parser)]
@@ -36,7 +38,7 @@ pub struct Config {
     pub default_max_tokens: u32,
     /// Transport limits (connections, keepalive, streams).
     #[command(flatten)]
-    pub limits: kvlease_telemetry::limits::ServeLimits,
+    pub limits: kvlease_runtime::limits::ServeLimits,
 }
 
 /// The model id when none is configured.
@@ -52,6 +54,15 @@ impl Default for Config {
             default_max_tokens: 256,
             limits: Default::default(),
         }
+    }
+}
+
+impl ServiceConfig for Config {
+    const LISTENER: &'static str = "http";
+
+    fn listen_addrs(&self) -> Result<ListenAddrs, String> {
+        // no metrics endpoint of its own
+        ListenAddrs::checked(self.validate(), self.listen, None)
     }
 }
 

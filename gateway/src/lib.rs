@@ -12,9 +12,11 @@
 //! leased blocks) and one protocol; its validation stays the single check
 //! of prompts, limits and sampling for both paths, because the gateway only
 //! maps the scheduler's `INVALID_ARGUMENT` to 400 with its message. The
-//! services' dependency rules hold (the gateway depends on `kvlease-proto`
-//! only), and `kvlease up` and compose run it as one more service. The cost,
-//! one loopback gRPC hop per request, is measured by the HTTP-vs-gRPC bench.
+//! services' dependency rules hold (the gateway depends on the protocol and
+//! the shared auth, telemetry and runtime crates, never on a service crate),
+//! and `kvlease up` and compose run it as one more service. The cost, one
+//! loopback gRPC hop per request, is measured by the HTTP-vs-gRPC bench
+//! (`cargo bench -p kvlease-integration-tests --bench http_vs_grpc`).
 //!
 //! # Layout
 //! - [`config`]: flags with environment fallbacks.
@@ -46,6 +48,9 @@ pub mod service;
 pub use config::Config;
 pub use error::ApiError;
 
+/// The name the gateway's spans and messages go by.
+pub const SERVICE: &str = "kvlease-gateway";
+
 /// Why the gateway could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -53,6 +58,12 @@ pub enum Error {
     Config(String),
     #[error("http server error: {0}")]
     Serve(#[from] std::io::Error),
+}
+
+impl kvlease_runtime::process::RunError for Error {
+    fn is_config(&self) -> bool {
+        matches!(self, Error::Config(_))
+    }
 }
 
 /// Serves the gateway on `listener` until `shutdown` resolves. The scheduler
@@ -101,16 +112,16 @@ pub async fn run(
 }
 
 /// The HTTP listener under the shared connection limits
-/// ([`kvlease_telemetry::limits::Gate`]): a cap on open connections, a
+/// ([`kvlease_runtime::limits::Gate`]): a cap on open connections, a
 /// deadline for a new connection's first bytes, an idle deadline.
 #[derive(Debug)]
 struct GatedListener {
     listener: TcpListener,
-    gate: kvlease_telemetry::limits::Gate,
+    gate: kvlease_runtime::limits::Gate,
 }
 
 impl axum::serve::Listener for GatedListener {
-    type Io = kvlease_telemetry::limits::Guarded<tokio::net::TcpStream>;
+    type Io = kvlease_runtime::limits::Guarded<tokio::net::TcpStream>;
     type Addr = std::net::SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {

@@ -1,34 +1,14 @@
-//! `kvlease-gateway`: the OpenAI-compatible HTTP front, as its own process.
+//! `kvlease-gateway`: the OpenAI-compatible HTTP front, as its own process,
+//! on the `main` every kvlease binary shares (exit code 64 for usage and
+//! configuration errors; SIGINT or SIGTERM stop it, in-flight streams finish).
 
-use clap::Parser;
-use kvlease_gateway::Config;
+use std::process::ExitCode;
 
 #[tokio::main]
-async fn main() {
-    let config = Config::parse();
-    if let Err(e) = config.validate() {
-        eprintln!("kvlease-gateway: {e}");
-        std::process::exit(64);
-    }
-    // The guard flushes telemetry when main returns.
-    let _telemetry = match kvlease_telemetry::init("kvlease-gateway") {
-        Ok(guard) => guard,
-        Err(e) => {
-            eprintln!("kvlease-gateway: {e}");
-            std::process::exit(1);
-        }
-    };
-    let listener = match kvlease_telemetry::serve::bind("http", config.listen).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("kvlease-gateway: {e}");
-            std::process::exit(64);
-        }
-    };
-    // SIGTERM too: Kubernetes stops a pod with it, and in-flight streams get to finish
-    let shutdown = kvlease_telemetry::process::shutdown_signal();
-    if let Err(e) = kvlease_gateway::run(listener, config, shutdown).await {
-        eprintln!("kvlease-gateway: {e}");
-        std::process::exit(1);
-    }
+async fn main() -> ExitCode {
+    kvlease_runtime::process::main(kvlease_gateway::SERVICE, |listeners, config, shutdown| {
+        // the main listener serves HTTP here; the gateway has no metrics endpoint
+        kvlease_gateway::run(listeners.grpc, config, shutdown)
+    })
+    .await
 }

@@ -14,8 +14,11 @@
 //! - [`pool_stats`], [`wait_whole`]: the cache's figures for one pool group.
 //! - [`tap`]: recording pass-through proxies of the cache and a worker.
 //! - [`secure`]: an mTLS cluster and channels that present any principal's certificate.
+//! - [`gateway`]: the HTTP front on a loopback port in front of a scheduler,
+//!   and a ChatML tokenizer for its chat requests.
 //!
-//! The tests themselves are under `tests/`.
+//! The tests themselves are under `tests/`, the whole-system benches under
+//! `benches/`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -25,10 +28,11 @@ use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::scheduler_client::SchedulerClient;
 use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
-use kvlease_telemetry::serve::Listeners;
+use kvlease_runtime::serve::Listeners;
 use tokio::net::TcpListener;
 use tonic::transport::Channel;
 
+pub mod gateway;
 pub mod otlp;
 pub mod secure;
 pub mod tap;
@@ -41,13 +45,15 @@ pub enum Error {
     #[error("cannot bind a loopback port: {0}")]
     Bind(#[from] std::io::Error),
     #[error(transparent)]
-    Listen(#[from] kvlease_telemetry::Error),
+    Listen(#[from] kvlease_runtime::Error),
     #[error("cannot connect to {addr}: {message}")]
     Connect { addr: SocketAddr, message: String },
     #[error(transparent)]
     Cluster(#[from] kvlease::Error),
     #[error("rpc failed: {0}")]
     Rpc(#[from] tonic::Status),
+    #[error("gateway: {0}")]
+    Gateway(String),
 }
 
 /// How long a test service may take to start (a scheduler's warm-up included).

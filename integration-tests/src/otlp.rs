@@ -222,7 +222,7 @@ impl OversubscribedCluster {
                 // `traced_bench` opens a connection per request, all at
                 // once: 2,000 in the export-load test, a burst the default
                 // caps (1,024 open, 128 not yet heard from) would cut
-                limits: kvlease_telemetry::limits::ServeLimits {
+                limits: kvlease_runtime::limits::ServeLimits {
                     max_connections: 4096,
                     max_pending_handshakes: 4096,
                     ..Default::default()

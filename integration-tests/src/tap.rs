@@ -21,7 +21,7 @@ use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::cache_service_server::{CacheService, CacheServiceServer};
 use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
 use kvlease_proto::v1::worker_service_server::{WorkerService, WorkerServiceServer};
-use kvlease_telemetry::serve::{Listeners, ServerInfo, serve};
+use kvlease_runtime::serve::{Listeners, ServerInfo, serve};
 use tokio::sync::watch;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};

@@ -378,7 +378,7 @@ async fn the_cache_refuses_every_input_fault_with_the_documented_status() {
 #[tokio::test]
 async fn idle_connections_do_not_lock_real_clients_out() {
     let cache = start_cache(cache_svc::Config {
-        limits: kvlease_telemetry::limits::ServeLimits {
+        limits: kvlease_runtime::limits::ServeLimits {
             max_connections: 64,
             max_pending_handshakes: 16,
             handshake_timeout_ms: 60_000,

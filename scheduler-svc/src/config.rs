@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use clap::Parser;
-use kvlease_telemetry::process::{ListenAddrs, ServiceConfig};
+use kvlease_runtime::process::{ListenAddrs, ServiceConfig};
 
 use crate::error::{Error, Result};
 use crate::policy::{OnExhausted, Policy};
@@ -225,7 +225,7 @@ pub struct Config {
     pub routing_prefill_weight: PrefillWeight,
     /// Transport limits (connections, keepalive, streams).
     #[command(flatten)]
-    pub limits: kvlease_telemetry::limits::ServeLimits,
+    pub limits: kvlease_runtime::limits::ServeLimits,
 }
 
 impl Default for Config {
@@ -420,7 +420,7 @@ mod tests {
             assert_eq!(c.core().routing.prefill_weight.get(), 0.5);
         }
         assert!(Config::default().validate().is_ok());
-        let parsed = kvlease_telemetry::process::parse_without_env::<Config, _, _>(
+        let parsed = kvlease_runtime::process::parse_without_env::<Config, _, _>(
             "kvlease-scheduler",
             ["kvlease-scheduler"],
         );

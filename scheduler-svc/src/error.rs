@@ -98,7 +98,7 @@ pub enum Error {
     },
     /// Serving failed (reflection, the gRPC server).
     #[error("{0}")]
-    Serve(#[from] kvlease_telemetry::Error),
+    Serve(#[from] kvlease_runtime::Error),
 }
 
 impl Error {

@@ -4,5 +4,5 @@ use std::process::ExitCode;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    kvlease_telemetry::process::main(scheduler_svc::SERVICE, scheduler_svc::run).await
+    kvlease_runtime::process::main(scheduler_svc::SERVICE, scheduler_svc::run).await
 }

@@ -5,8 +5,8 @@
 use std::future::Future;
 
 use kvlease_proto::v1::scheduler_server::SchedulerServer;
-use kvlease_telemetry::process::RunError;
-use kvlease_telemetry::serve::{Listeners, ServerInfo, Stop, serve};
+use kvlease_runtime::process::RunError;
+use kvlease_runtime::serve::{Listeners, ServerInfo, Stop, serve};
 
 use crate::bootstrap;
 use crate::client::{CacheClient, WorkerClient};

@@ -51,27 +51,6 @@ pub enum Error {
     /// Two metrics with one name were registered in one registry.
     #[error("metric {0:?} is already registered")]
     DuplicateMetric(String),
-    /// A listener could not be bound.
-    #[error("cannot listen for {what} on {addr}: {source}")]
-    Bind {
-        /// What the listener was for: `grpc`, `metrics` or `http`.
-        what: &'static str,
-        /// The address.
-        addr: std::net::SocketAddr,
-        /// The operating system's complaint.
-        #[source]
-        source: std::io::Error,
-    },
-    /// gRPC reflection could not read the descriptor set it was given.
-    #[error("cannot build grpc reflection: {0}")]
-    Reflection(String),
-    /// The transport security does not allow serving (plaintext off loopback without
-    /// `--insecure`, bad TLS material).
-    #[error("{0}")]
-    Security(#[from] kvlease_auth::Error),
-    /// The gRPC server failed.
-    #[error("grpc server: {0}")]
-    Serve(#[source] tonic::transport::Error),
 }
 
 impl From<Error> for tonic::Status {

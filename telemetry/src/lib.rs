@@ -18,12 +18,9 @@
 //! - `attributes`: the `kvlease.*` keys, [`record_reject`], [`add_link`].
 //! - `metrics`: the Prometheus registry (on `prometheus-client`), the metric names every
 //!   service uses, and [`metrics::serve_metrics`].
-//! - [`limits`]: the transport limits every server shares ([`limits::ServeLimits`] flags, the
-//!   connection gate, the status fix-up layer); transport security belongs beside them.
-//! - [`serve`]: what every kvlease server wraps around its one gRPC service
-//!   (listeners bound by the caller, health, reflection, the metrics endpoint,
-//!   the stop signal), and [`process`]: what every service binary's `main`
-//!   does (exit codes, one SIGINT/SIGTERM handler).
+//!
+//! The service runtime (process `main`, server wrapping, transport limits) lives in
+//! `kvlease-runtime`, which builds on this crate.
 //!
 //! Data flow: the interceptor writes the current span's context into the request metadata;
 //! the layer reads it from the headers into the server span's parent (plus the logical
@@ -36,10 +33,7 @@ mod config;
 mod context;
 mod error;
 mod export;
-pub mod limits;
 pub mod metrics;
-pub mod process;
-pub mod serve;
 mod server;
 mod setup;
 
@@ -61,7 +55,7 @@ pub use context::{
     span_context, traceparent, with_current_service, with_service,
 };
 pub use error::{Error, Result};
-pub use server::{GrpcTraceLayer, GrpcTraceService, ResponseFuture, TracedBody, incoming};
+pub use server::{GrpcTraceLayer, GrpcTraceService, ResponseFuture, TracedBody};
 pub use setup::{
     TelemetryGuard, init, init_with, subscriber, tracer_provider, tracer_provider_builder,
 };

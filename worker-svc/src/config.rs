@@ -5,7 +5,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 
-use kvlease_telemetry::process::{ListenAddrs, ServiceConfig};
+use kvlease_runtime::process::{ListenAddrs, ServiceConfig};
 
 use crate::backend::{BackendChoice, CudaOptions, KvDtype};
 use crate::batch::Limits;
@@ -195,7 +195,7 @@ pub struct Config {
     pub max_message_bytes: usize,
     /// Transport limits (connections, keepalive, streams).
     #[command(flatten)]
-    pub limits: kvlease_telemetry::limits::ServeLimits,
+    pub limits: kvlease_runtime::limits::ServeLimits,
 }
 
 impl Default for Config {
@@ -361,7 +361,7 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
-    use kvlease_telemetry::process::parse_without_env;
+    use kvlease_runtime::process::parse_without_env;
 
     use super::*;
 

@@ -65,7 +65,7 @@ pub enum Error {
     Backend(String),
     /// Serving failed (reflection, the gRPC server).
     #[error("{0}")]
-    Serve(#[from] kvlease_telemetry::Error),
+    Serve(#[from] kvlease_runtime::Error),
 }
 
 /// What is wrong with one sequence of a Forward batch.

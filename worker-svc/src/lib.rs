@@ -15,6 +15,9 @@
 //! - [`arena`]: pool geometry (where each K/V row lives) and the ledger of written slots.
 //! - [`batch`]: a Forward batch in domain terms; [`batch::validate`] checks all of it
 //!   before anything is written.
+//! - [`ops`]: the numeric building blocks (RMSNorm, RoPE, softmax, row-exact
+//!   `gemm` products) of the CPU backend and the reference; [`threads`]: whether a
+//!   product may spread over the rayon pool, a leaf both `ops` and `packed` use.
 //! - [`packed`]: Q4_0/Q4_1/Q8_0 matrices kept in their GGUF blocks, and row-exact
 //!   products (AVX2+FMA or portable) that dequantize tiles of them on the fly.
 //! - [`backend`]: the compute trait; [`backend::cpu`] owns the host arena and runs
@@ -48,6 +51,7 @@ pub mod reference;
 mod sampling;
 mod server;
 mod service;
+pub mod threads;
 #[cfg(feature = "bench")]
 pub mod throughput;
 pub mod worker;

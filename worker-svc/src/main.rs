@@ -4,5 +4,5 @@ use std::process::ExitCode;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    kvlease_telemetry::process::main(worker_svc::SERVICE, worker_svc::run).await
+    kvlease_runtime::process::main(worker_svc::SERVICE, worker_svc::run).await
 }

@@ -14,15 +14,7 @@
 //! zero rows up to it.
 
 use crate::model::weights::Matrix;
-
-/// Whether a matrix product may spread over the rayon pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Threads {
-    /// On the calling thread only (inside an already-parallel task).
-    One,
-    /// Over every thread of the current rayon pool.
-    Pool,
-}
+pub use crate::threads::Threads;
 
 /// `out[m, n] = a[m, k] · w[n, k]ᵀ` (plus `out` when `accumulate`), all
 /// row-major: the product of activations with a `[out, in]` weight matrix.

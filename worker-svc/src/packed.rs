@@ -24,7 +24,7 @@
 use rayon::prelude::*;
 
 use crate::model::dequant::GgmlType;
-use crate::ops::Threads;
+use crate::threads::Threads;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;

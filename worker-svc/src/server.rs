@@ -4,9 +4,9 @@
 use std::future::Future;
 
 use kvlease_proto::v1::worker_service_server::WorkerServiceServer;
+use kvlease_runtime::process::RunError;
+use kvlease_runtime::serve::{Listeners, ServerInfo, serve};
 use kvlease_telemetry::metrics::Registry;
-use kvlease_telemetry::process::RunError;
-use kvlease_telemetry::serve::{Listeners, ServerInfo, serve};
 
 use crate::config::Config;
 use crate::error::{Error, Result};

@@ -1,5 +1,5 @@
-//! What the `main` of each service binary does, written once so the three
-//! behave the same: flags parsed by clap (usage errors exit 64, help and
+//! What the `main` of each service binary does, written once so the cache,
+//! the scheduler, the worker and the gateway behave the same: flags parsed by clap (usage errors exit 64, help and
 //! version exit 0), the configuration checked before anything starts (exit
 //! 64), telemetry started, listeners bound (exit 64 when they cannot be),
 //! then the service runs until SIGINT or SIGTERM. `main` returns the
@@ -100,7 +100,7 @@ pub trait RunError: Display {
 /// The addresses a service binary binds before it runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ListenAddrs {
-    /// The gRPC address.
+    /// The main listener's address: gRPC (the gateway's: HTTP).
     pub grpc: SocketAddr,
     /// The Prometheus endpoint's address; none when off.
     pub metrics: Option<SocketAddr>,
@@ -121,6 +121,9 @@ impl ListenAddrs {
 
 /// A service's configuration as its binary's `main` sees it.
 pub trait ServiceConfig: clap::Parser {
+    /// What the main listener serves, as a bind error names it.
+    const LISTENER: &'static str = "grpc";
+
     /// Checks what can be checked before anything starts; where to listen.
     fn listen_addrs(&self) -> Result<ListenAddrs, String>;
 }
@@ -151,7 +154,7 @@ where
         }
     };
     // Dropped when this returns, which flushes the spans still buffered.
-    let _telemetry = match crate::init(name) {
+    let _telemetry = match kvlease_telemetry::init(name) {
         Ok(guard) => guard,
         Err(err) => {
             // RUST_LOG and OTEL_* are configuration too.
@@ -159,7 +162,7 @@ where
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    let listeners = match Listeners::bind(addrs.grpc, addrs.metrics).await {
+    let listeners = match Listeners::bind_named(C::LISTENER, addrs.grpc, addrs.metrics).await {
         Ok(listeners) => listeners,
         Err(err) => {
             tracing::error!(error = %err, "cannot start");

@@ -23,7 +23,7 @@
 //! alternating (gRPC first in even rounds, HTTP first in odd ones), prints
 //! each round and the medians over rounds, and the ratios of the medians.
 //!
-//! `cargo bench -p kvlease-gateway --bench http_vs_grpc [-- REQUESTS CONCURRENCY ROUNDS THINK_MS]`
+//! `cargo bench -p kvlease-integration-tests --bench http_vs_grpc [-- REQUESTS CONCURRENCY ROUNDS THINK_MS]`
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench: a failed setup ends the run
 
@@ -36,44 +36,13 @@ use futures::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
+use kvlease_integration_tests::gateway::{Gateway, chatml_tokenizer};
 use kvlease_integration_tests::*;
 use kvlease_proto::v1 as pb;
-use kvlease_tokenizer::{GgufVocab, Tokenizer};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const MAX_TOKENS: u32 = 32;
-
-fn chatml_tokenizer() -> Tokenizer {
-    let mut extra = 0u32;
-    let mut tokens: Vec<String> = (0..=255u32)
-        .map(|b| {
-            let printable = matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
-            let code = if printable {
-                b
-            } else {
-                extra += 1;
-                255 + extra
-            };
-            char::from_u32(code).unwrap_or('?').to_string()
-        })
-        .collect();
-    tokens.push("<|im_start|>".into());
-    tokens.push("<|im_end|>".into());
-    let mut token_types = vec![1; 256];
-    token_types.extend([3, 3]);
-    Tokenizer::from_gguf(&GgufVocab {
-        model: "gpt2".into(),
-        tokens,
-        token_types,
-        eos_id: Some(257),
-        chat_template: Some(
-            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}".into(),
-        ),
-        ..Default::default()
-    })
-    .expect("the ChatML tokenizer builds")
-}
 
 fn question(i: usize) -> String {
     format!("Request {i}: say something about paged KV caches and their blocks.")
@@ -265,9 +234,12 @@ async fn main() {
     let cache = start_cache(cache_svc::Config::default())
         .await
         .expect("cache");
-    let worker = start_worker_with_tokenizer(small_worker_with(64, 2048), chatml_tokenizer())
-        .await
-        .expect("worker");
+    let worker = start_worker_with_tokenizer(
+        small_worker_with(64, 2048),
+        chatml_tokenizer().expect("the ChatML tokenizer builds"),
+    )
+    .await
+    .expect("worker");
     let scheduler = start_scheduler(
         scheduler_svc::Config {
             max_context: 256,
@@ -280,19 +252,8 @@ async fn main() {
     )
     .await
     .expect("scheduler");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let http = listener.local_addr().expect("addr");
-    let config = kvlease_gateway::Config {
-        listen: http,
-        scheduler_addr: scheduler.url(),
-        ..Default::default()
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let gateway = tokio::spawn(kvlease_gateway::run(listener, config, async {
-        let _ = stopped.await;
-    }));
+    let gateway = Gateway::start(scheduler.url()).await.expect("gateway");
+    let http = gateway.http;
     let s = scheduler.addr;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     // the users of the first mode send their next request the moment an
@@ -378,8 +339,7 @@ async fn main() {
             h_tps / g_tps
         );
     }
-    let _ = stop.send(());
-    let _ = gateway.await;
+    let _ = gateway.stop().await;
     let _ = scheduler.stop().await;
     let _ = worker.stop().await;
     let _ = cache.stop().await;

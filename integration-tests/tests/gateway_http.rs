@@ -1,5 +1,5 @@
-//! The HTTP front against a real cluster: cache, a CPU worker and the
-//! scheduler in-process on loopback ports, the gateway on `127.0.0.1:0`,
+//! The HTTP front (`kvlease-gateway`) against a real cluster: cache, a CPU
+//! worker and the scheduler in-process on loopback ports, the gateway on `127.0.0.1:0`,
 //! and real HTTP/1.1 requests. Each answer is checked against the same
 //! request sent over gRPC.
 
@@ -11,12 +11,12 @@ use std::time::Duration;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
+use kvlease_integration_tests::gateway::{Gateway, chatml_tokenizer};
 use kvlease_integration_tests::*;
 use kvlease_proto::v1 as pb;
-use kvlease_tokenizer::{GgufVocab, Tokenizer};
+use kvlease_tokenizer::Tokenizer;
 use serde_json::{Value, json};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
+use tokio::net::TcpStream;
 
 /// A running cluster with the gateway in front.
 struct Front {
@@ -24,8 +24,7 @@ struct Front {
     scheduler: Service,
     worker: Service,
     cache: Service,
-    stop: oneshot::Sender<()>,
-    gateway: tokio::task::JoinHandle<Result<(), kvlease_gateway::Error>>,
+    gateway: Gateway,
 }
 
 /// The small worker's pools hold 23 blocks of 16 tokens: a context of 256
@@ -62,23 +61,12 @@ impl Front {
             start_scheduler(config, &cache.url(), &[worker_url], Duration::from_secs(60))
                 .await
                 .unwrap();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let http = listener.local_addr().unwrap();
-        let config = kvlease_gateway::Config {
-            listen: http,
-            scheduler_addr: scheduler.url(),
-            ..Default::default()
-        };
-        let (stop, stopped) = oneshot::channel::<()>();
-        let gateway = tokio::spawn(kvlease_gateway::run(listener, config, async {
-            let _ = stopped.await;
-        }));
+        let gateway = Gateway::start(scheduler.url()).await.unwrap();
         Front {
-            http,
+            http: gateway.http,
             scheduler,
             worker,
             cache,
-            stop,
             gateway,
         }
     }
@@ -97,8 +85,7 @@ impl Front {
     }
 
     async fn stop(self) {
-        let _ = self.stop.send(());
-        self.gateway.await.unwrap().unwrap();
+        self.gateway.stop().await.unwrap();
         self.scheduler.stop().await.unwrap();
         self.worker.stop().await.unwrap();
         self.cache.stop().await.unwrap();
@@ -342,48 +329,9 @@ async fn invalid_requests_are_400_in_openai_shape_with_the_schedulers_message() 
     f.stop().await;
 }
 
-/// GPT-2's printable spelling of each byte.
-fn byte_alphabet() -> Vec<String> {
-    let mut extra = 0u32;
-    (0..=255u32)
-        .map(|b| {
-            let printable = matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
-            let code = if printable {
-                b
-            } else {
-                extra += 1;
-                255 + extra
-            };
-            char::from_u32(code).unwrap().to_string()
-        })
-        .collect()
-}
-
-/// A byte-level BPE over the seeded model's 258 ids with ChatML specials
-/// and a ChatML template: `<|im_start|>` is 256, `<|im_end|>` (the end of
-/// a turn) 257.
-fn chatml_tokenizer() -> Tokenizer {
-    let mut tokens = byte_alphabet();
-    tokens.push("<|im_start|>".into());
-    tokens.push("<|im_end|>".into());
-    let mut token_types = vec![1; 256];
-    token_types.extend([3, 3]);
-    Tokenizer::from_gguf(&GgufVocab {
-        model: "gpt2".into(),
-        tokens,
-        token_types,
-        eos_id: Some(257),
-        chat_template: Some(
-            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}".into(),
-        ),
-        ..Default::default()
-    })
-    .expect("builds")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_whole_and_streamed_match_grpc() {
-    let f = Front::start(Some(chatml_tokenizer())).await;
+    let f = Front::start(Some(chatml_tokenizer().unwrap())).await;
     let messages = [("system", "You are brief."), ("user", "Name a colour.")];
     let grpc = f
         .grpc(pb::GenerateRequest {

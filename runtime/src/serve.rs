@@ -6,8 +6,8 @@
 //! and the stop signal the server's background tasks watch. Connection
 //! limits and timeouts belong next to the TLS set-up in [`serve`].
 //!
-//! It lives here because the three service crates never depend on each other
-//! and this is the crate (besides the generated protocol) they all share.
+//! It lives in `kvlease-runtime` because every binary needs it and the
+//! service crates never depend on each other.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -18,9 +18,11 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::server::NamedService;
 
+use kvlease_telemetry::GrpcTraceLayer;
+
+use crate::accept::incoming;
 use crate::error::{Error, Result};
 use crate::limits::{ServeLimits, StatusLayer};
-use crate::server::{GrpcTraceLayer, incoming};
 
 /// The sockets one server serves on, bound before it starts.
 #[derive(Debug)]
@@ -44,7 +46,17 @@ impl From<TcpListener> for Listeners {
 impl Listeners {
     /// Binds the gRPC address and, when given, the metrics address.
     pub async fn bind(grpc: SocketAddr, metrics: Option<SocketAddr>) -> Result<Self> {
-        let grpc = bind("grpc", grpc).await?;
+        Self::bind_named("grpc", grpc, metrics).await
+    }
+
+    /// As [`Listeners::bind`], with the main listener named `what` in a bind
+    /// error (the gateway's serves `http`).
+    pub async fn bind_named(
+        what: &'static str,
+        main: SocketAddr,
+        metrics: Option<SocketAddr>,
+    ) -> Result<Self> {
+        let grpc = bind(what, main).await?;
         let metrics = match metrics {
             Some(addr) => Some(bind("metrics", addr).await?),
             None => None,
@@ -227,7 +239,7 @@ where
     let metrics = match listeners.metrics {
         Some(listener) => {
             tracing::info!(service = info.name, addr = ?listener.local_addr().ok(), "metrics serving");
-            Some(tokio::spawn(crate::metrics::serve_metrics(
+            Some(tokio::spawn(kvlease_telemetry::metrics::serve_metrics(
                 listener,
                 render_metrics,
                 metrics_stop.watch().into_stopped(),

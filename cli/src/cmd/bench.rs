@@ -1,0 +1,115 @@
+//! `kvlease bench`: drive load (synthetic, or a Mooncake trace) through a
+//! scheduler and print a table.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use kvlease::bench::Load;
+use kvlease::commands::{self, Source};
+use kvlease::mooncake::Expand;
+use kvlease::workload::Synthetic;
+
+use super::failed;
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct BenchArgs {
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_ADDR",
+        default_value = "127.0.0.1:50051"
+    )]
+    scheduler: String,
+    /// Mooncake trace (JSON lines with timestamp, input_length, output_length, hash_ids).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Trace lengths (and 512-token blocks) are divided by this.
+    #[arg(long, default_value_t = 32)]
+    scale: u32,
+    /// Trace prompts are cut to this many tokens (keeping their prefix); 0 = no cut.
+    #[arg(long, default_value_t = 1024)]
+    max_prompt: u32,
+    /// Trace outputs are capped at this many tokens; 0 = no cap.
+    #[arg(long, default_value_t = 128)]
+    max_output: u32,
+    /// Replay the trace's arrival times (divided by --speedup) instead of sending as fast as possible.
+    #[arg(long)]
+    replay: bool,
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Requests to send (synthetic), or the first N of the trace (0 = all).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Requests in flight at most.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Requests per second (overrides trace arrivals); unset = as fast as concurrency allows.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Synthetic: shared prefixes and their length in tokens.
+    #[arg(long, default_value_t = 4)]
+    prefixes: u32,
+    #[arg(long, default_value_t = 64)]
+    prefix_tokens: u32,
+    /// Synthetic: unique prompt tail length range.
+    #[arg(long, default_value_t = 16)]
+    tail_min: u32,
+    #[arg(long, default_value_t = 96)]
+    tail_max: u32,
+    /// Synthetic: output length range.
+    #[arg(long, default_value_t = 8)]
+    output_min: u32,
+    #[arg(long, default_value_t = 32)]
+    output_max: u32,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Bound on one request, in seconds.
+    #[arg(long, default_value_t = 300)]
+    timeout_s: u64,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+    /// Exit 1 when any request ends in an error (rejects are answers, not errors).
+    #[arg(long)]
+    fail_on_error: bool,
+}
+
+/// Runs `kvlease bench` with `a`.
+pub(crate) async fn run(a: BenchArgs) -> ExitCode {
+    let source = match a.trace {
+        Some(path) => Source::Trace {
+            path,
+            expand: Expand {
+                scale: a.scale.max(1),
+                max_prompt: a.max_prompt,
+                max_output: a.max_output,
+                speedup: a.speedup,
+            },
+            limit: a.requests.unwrap_or(0),
+            replay: a.replay,
+        },
+        None => Source::Synthetic(Synthetic {
+            requests: a.requests.unwrap_or(100),
+            prefixes: a.prefixes,
+            prefix_tokens: a.prefix_tokens,
+            tail_min: a.tail_min,
+            tail_max: a.tail_max,
+            output_min: a.output_min,
+            output_max: a.output_max,
+            seed: a.seed,
+        }),
+    };
+    let load = Load {
+        concurrency: a.concurrency.max(1),
+        rate: a.rate,
+        timeout: Duration::from_secs(a.timeout_s.max(1)),
+        progress: !a.no_progress,
+    };
+    match commands::bench(&a.scheduler, source, load).await {
+        Ok(s) if a.fail_on_error && s.errors_total() > 0 => {
+            failed(format!("{} request(s) ended in an error", s.errors_total()))
+        }
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => failed(e),
+    }
+}

@@ -1,0 +1,129 @@
+//! `kvlease up`: a whole cluster (cache, workers, scheduler, optionally the
+//! HTTP gateway) in this process on loopback ports, until SIGINT or SIGTERM.
+
+use std::net::IpAddr;
+use std::process::ExitCode;
+
+use kvlease::cluster::ClusterConfig;
+use kvlease::{commands, models};
+use kvlease_runtime::process::{self, EXIT_USAGE};
+use scheduler_svc::policy::{OnExhausted, Policy};
+
+use super::failed;
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct UpArgs {
+    /// Workers (model replicas) to start.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Address the services listen on. They serve plaintext gRPC: an address other than
+    /// loopback also takes --insecure.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Serve plaintext gRPC on a non-loopback --host (logged as a warning).
+    #[arg(long)]
+    insecure: bool,
+    /// Scheduler port; the cache takes the next one and the workers the ones after (0 = any free ports).
+    #[arg(long, default_value_t = 50051)]
+    base_port: u16,
+    #[arg(long, default_value = "max-utilization")]
+    policy: Policy,
+    #[arg(long, default_value = "preempt")]
+    on_exhausted: OnExhausted,
+    /// Which worker admits a request: kv-aware (prefill after the prefix
+    /// cached there, plus load) or least-committed.
+    #[arg(long, env = "KVLEASE_SCHEDULER_ROUTING", default_value = "kv-aware")]
+    routing: scheduler_svc::routing::Routing,
+    /// Weight of a block to prefill against a committed block (kv-aware).
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_ROUTING_PREFILL_WEIGHT",
+        default_value = "8"
+    )]
+    routing_prefill_weight: scheduler_svc::routing::PrefillWeight,
+    /// A real model on every worker: `smollm2` (after `kvlease model fetch
+    /// smollm2`), or a GGUF file or Hugging Face directory. Default: the
+    /// seeded model.
+    #[arg(long, env = "KVLEASE_MODEL")]
+    model: Option<String>,
+    /// Each worker's memory for weights, activations and KV blocks, in MiB.
+    /// Default: 64 for the seeded model; with --model, what holds the model,
+    /// its activations and 4 sequences of the longest context.
+    #[arg(long)]
+    memory_budget_mib: Option<u64>,
+    /// Blocks of a host-memory tier per pool on every worker (beyond the
+    /// memory budget): the cache keeps blocks it evicts there and brings them
+    /// back on a prefix hit; 0 = none.
+    #[arg(long, default_value_t = 0)]
+    host_blocks: u32,
+    /// The longest request (prompt + output) in tokens; the scheduler's
+    /// warm-up runs it, and a --model worker's default budget holds 4.
+    #[arg(long, default_value_t = scheduler_svc::Config::default().max_context)]
+    max_context: u32,
+    /// Compute threads per worker; 0 = the cores divided among the workers.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Prometheus endpoints: the scheduler on this port, the cache on port + 1,
+    /// the workers from port + 2; 0 turns them off.
+    #[arg(long, default_value_t = 9090)]
+    metrics_base_port: u16,
+    /// Serve the OpenAI-compatible HTTP API (/v1/completions,
+    /// /v1/chat/completions, /v1/models, /health) here, e.g. 127.0.0.1:8000;
+    /// off when absent.
+    #[arg(long)]
+    http_listen: Option<std::net::SocketAddr>,
+}
+
+/// Runs `kvlease up` with `a`.
+pub(crate) async fn run(a: UpArgs) -> ExitCode {
+    if a.workers == 0 {
+        eprintln!("kvlease: --workers must be at least 1");
+        return ExitCode::from(EXIT_USAGE);
+    }
+    let mut config = ClusterConfig::on_ports(a.host, a.base_port, a.workers);
+    config.cache.security.insecure = a.insecure;
+    config.worker.security.insecure = a.insecure;
+    config.scheduler.security.insecure = a.insecure;
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    config.scheduler.max_context = a.max_context;
+    config.worker.threads = if a.threads == 0 {
+        (cores / a.workers).max(1)
+    } else {
+        a.threads
+    };
+    match &a.model {
+        Some(model) => {
+            let path = match models::home(|k| std::env::var_os(k))
+                .and_then(|home| models::resolve(model, &home))
+            {
+                Ok(path) => path,
+                Err(e) => {
+                    eprintln!("kvlease: {e}");
+                    return ExitCode::from(EXIT_USAGE);
+                }
+            };
+            match config.serve_model(path.clone(), a.memory_budget_mib) {
+                Ok(budget) => println!(
+                    "kvlease up: model {} ({budget} MiB per worker)",
+                    path.display()
+                ),
+                Err(e) => return failed(e),
+            }
+        }
+        None => {
+            if let Some(budget) = a.memory_budget_mib {
+                config.worker.memory_budget_mib = budget;
+            }
+        }
+    }
+    config.worker.host_blocks = a.host_blocks;
+    config.scheduler.policy = a.policy;
+    config.scheduler.on_exhausted = a.on_exhausted;
+    config.scheduler.routing = a.routing;
+    config.scheduler.routing_prefill_weight = a.routing_prefill_weight;
+    config.metrics_port = (a.metrics_base_port != 0).then_some(a.metrics_base_port);
+    match commands::up(config, a.http_listen, process::shutdown_signal()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => failed(e),
+    }
+}
