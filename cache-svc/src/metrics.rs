@@ -40,7 +40,7 @@ impl CacheMetrics {
     pub(crate) fn new() -> Result<Self> {
         let mut registry = Registry::new();
         let r = &mut registry;
-        let fail = |e: kvlease_telemetry::Error| Error::InvalidArgument(format!("metrics: {e}"));
+        let fail = |e: kvlease_telemetry::Error| Error::Config(format!("metrics: {e}"));
         let pool = [names::POOL_GROUP, names::POOL_ID];
         let blocks = r
             .gauge_vec(

@@ -24,6 +24,8 @@
 //! - `extend`: `Extend` of held sequences (plan, check, execute).
 //! - `release`: `Release` and `CompleteStep` (fences and hash publication).
 //! - `stats`: estimates and pool figures.
+//! - `step`: `Step`, a holder's release, completion and extend in that
+//!   order, every part checked before any is applied.
 //! - `evictions`: which sequence's allocation evicted cached blocks.
 //! - `matching`: `Match`, the read-only prefix lookup that routing asks
 //!   (what a lease would reuse in each group, changing nothing).
@@ -39,15 +41,17 @@ mod pools;
 mod release;
 mod sessions;
 mod stats;
+mod step;
 mod tiers;
 
 use foldhash::{HashMap, HashMapExt, HashSet};
 use std::time::Duration;
 
 use crate::events::{EventKind, EventLog, EventsSince};
+use crate::events::{IndexEvent, Tier};
 use crate::ids::{BlockId, Epoch, SessionId};
 use crate::lease::{Reject, RejectReason};
-use crate::pool::{BlockPool, IndexEvent, Tier};
+use crate::pool::BlockPool;
 use crate::session::Session;
 
 pub use audit::{AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Leak};
@@ -56,6 +60,7 @@ pub use matching::MatchPrompt;
 pub use pools::{PoolInfo, Unregistered};
 pub use sessions::{Opened, Reclaimed};
 pub use stats::{PoolEstimate, PoolStats, ShapeEstimate, Stats};
+pub use step::{StepExtend, StepOutcome, StepParts, StepRelease};
 
 /// How a batch of `Lease` or `Extend` is applied.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
