@@ -49,6 +49,7 @@ mod service;
 mod session;
 pub mod tier;
 mod trace;
+mod watchers;
 
 pub use cache::{Batch, Cache, CacheConfig};
 pub use config::Config;

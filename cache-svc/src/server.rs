@@ -47,7 +47,10 @@ pub async fn run(
         metrics,
         config.max_batch,
         config.max_message_bytes,
-        config.max_watch_streams,
+        (
+            config.max_watch_streams,
+            config.max_watch_streams_per_principal,
+        ),
         stop.watch(),
     );
     let housekeeping = tokio::spawn(housekeeping(

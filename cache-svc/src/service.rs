@@ -4,7 +4,6 @@
 //! (the lock, ownership, the call's span), converts with `convert`, calls
 //! the core once, and leaves the spans to `trace`.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -17,7 +16,9 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::cache::{AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Batch, Cache, StepParts};
+use crate::cache::{
+    AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Batch, Cache, Registration, StepParts,
+};
 use crate::convert::{
     audit_to_pb, estimate_to_pb, event_to_pb, extend_from_pb, match_prompt_from_pb, narrow,
     outcomes_to_pb, pool_info_to_pb, release_from_pb, release_to_pb, spec_from_pb, stats_to_pb,
@@ -27,6 +28,7 @@ use crate::ids::{Epoch, SessionId, Step};
 use crate::lease::Outcome;
 use crate::metrics::CacheMetrics;
 use crate::trace::{FenceLinks, trace_call, trace_complete, trace_outcomes, trace_releases};
+use crate::watchers::WatchSlots;
 
 /// Events sent per read of the log by one WatchEvents stream.
 const EVENT_CHUNK: usize = 256;
@@ -39,35 +41,13 @@ pub(crate) struct CacheServiceImpl {
     fence_links: Arc<Mutex<FenceLinks>>,
     max_batch: usize,
     max_message_bytes: usize,
-    /// Most WatchEvents streams open at once, and the streams open now.
-    max_watch_streams: usize,
-    watchers: Arc<AtomicUsize>,
+    /// The WatchEvents streams open, and their limits.
+    watchers: WatchSlots,
     /// Id of the newest event, for WatchEvents streams to wait on.
     events: watch::Sender<u64>,
     /// Set when the server starts shutting down, so streams end and
     /// graceful shutdown does not wait on them forever.
     stopping: StopWatch,
-}
-
-/// One open WatchEvents stream, counted while it lives.
-#[derive(Debug)]
-struct WatchSlot(Arc<AtomicUsize>);
-
-impl WatchSlot {
-    /// A slot, or `None` when `max` streams are open.
-    fn take(open: &Arc<AtomicUsize>, max: usize) -> Option<Self> {
-        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-            (n < max).then_some(n + 1)
-        })
-        .ok()
-        .map(|_| Self(Arc::clone(open)))
-    }
-}
-
-impl Drop for WatchSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
 }
 
 /// The time the core sees: tokio's clock, so paused-time tests drive TTLs.
@@ -82,7 +62,7 @@ impl CacheServiceImpl {
         metrics: CacheMetrics,
         max_batch: usize,
         max_message_bytes: usize,
-        max_watch_streams: usize,
+        max_watch_streams: (usize, usize),
         stopping: StopWatch,
     ) -> Self {
         let (events, _) = watch::channel(cache.last_event_id());
@@ -92,8 +72,7 @@ impl CacheServiceImpl {
             fence_links: Arc::default(),
             max_batch,
             max_message_bytes,
-            max_watch_streams,
-            watchers: Arc::default(),
+            watchers: WatchSlots::new(max_watch_streams.0, max_watch_streams.1),
             events,
             stopping,
         }
@@ -261,12 +240,23 @@ impl CacheService for CacheServiceImpl {
             })
             .collect::<Result<Vec<(u32, u32, u32)>>>()?;
         let tokens_per_block = narrow("tokens_per_block", r.tokens_per_block)?;
-        let (infos, already) = self.lock().register_pool_for(
+        let plan = self.lock().plan_registration(
             caller.name(),
             &r.pool_group,
             tokens_per_block,
             &pools,
         )?;
+        let (infos, already) = match plan {
+            Registration::Already(infos) => (infos, true),
+            Registration::New(new) => {
+                // Building the pools costs time linear in their blocks: not
+                // under the lock every other call needs.
+                let built = tokio::task::spawn_blocking(move || new.build())
+                    .await
+                    .map_err(|e| Status::internal(format!("building the pools failed: {e}")))?;
+                self.lock().commit_registration(built)?
+            }
+        };
         tracing::info!(pool_group = %r.pool_group, pools = infos.len(), already, "pools registered");
         Ok(Response::new(pb::RegisterPoolResponse {
             pools: infos.into_iter().map(pool_info_to_pb).collect(),
@@ -532,19 +522,15 @@ impl CacheService for CacheServiceImpl {
         &self,
         request: Request<pb::WatchEventsRequest>,
     ) -> Result<Response<Self::WatchEventsStream>, Status> {
-        let mut after = request.into_inner().after_id;
+        let (caller, r) = self.accept(request)?;
+        let mut after = r.after_id;
         let last = self.lock().last_event_id();
         if after > last {
             return Err(Status::out_of_range(format!(
                 "after_id {after} is beyond the newest event {last}: ids belong to one start of the service; resume from 0"
             )));
         }
-        let Some(slot) = WatchSlot::take(&self.watchers, self.max_watch_streams) else {
-            return Err(Status::resource_exhausted(format!(
-                "{} WatchEvents streams are open, the limit is {}",
-                self.max_watch_streams, self.max_watch_streams
-            )));
-        };
+        let slot = self.watchers.take(caller.name())?;
         let (tx, rx) = mpsc::channel(EVENT_CHUNK);
         let cache = Arc::clone(&self.cache);
         let mut changed = self.events.subscribe();

@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use kvlease_proto::v1 as pb;
@@ -572,4 +572,88 @@ async fn malformed_item_trace_contexts_are_ignored() {
     assert_eq!(released.len(), 2);
     assert_eq!(released[0].status, pb::ReleaseStatus::Released as i32);
     assert_eq!(released[1].status, pb::ReleaseStatus::Unknown as i32);
+}
+
+/// Issue 29, point 3: a RegisterPool past the principal's block limit is
+/// RESOURCE_EXHAUSTED naming the figures, and registers nothing.
+#[tokio::test]
+async fn a_registration_over_the_principals_block_limit_is_resource_exhausted() {
+    let mut s = Server::start(cache_svc::Config {
+        max_blocks_per_principal: 100,
+        ..config()
+    })
+    .await;
+    let c = &mut s.client;
+    c.register_pool(register_req("m/a", 4, vec![pool_spec(0, 64)]))
+        .await
+        .unwrap();
+    assert_status(
+        c.register_pool(register_req("m/b", 4, vec![pool_spec(0, 64)]))
+            .await,
+        Code::ResourceExhausted,
+        "pool group \"m/b\" asks for 64 blocks; principal anonymous has 64 registered, 128 in all is over the limit of 100 blocks per principal (36 more fit)",
+    );
+    assert_eq!(stats(c).await.pools.len(), 1, "nothing of m/b registered");
+    s.shutdown().await;
+}
+
+/// Issue 29, point 3: a large RegisterPool builds its pools outside the
+/// cache's lock: another session's calls are answered while it builds,
+/// each in a small part of the registration's time (with the build under
+/// the lock, one waited for nearly all of it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_calls_are_answered_while_a_large_pool_is_built() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    register(c, 16).await;
+    let sess = open(c).await;
+    let mut other = c.clone();
+    let registering = tokio::spawn(async move {
+        let started = Instant::now();
+        let big = register_req("m/big", 16, vec![pool_spec(0, 1 << 21)]);
+        other.register_pool(big).await.unwrap();
+        started.elapsed()
+    });
+    let (mut calls, mut slowest) = (0, Duration::ZERO);
+    while !registering.is_finished() {
+        let started = Instant::now();
+        c.keep_alive(keep_alive_req(sess)).await.unwrap();
+        slowest = slowest.max(started.elapsed());
+        calls += 1;
+    }
+    let took = registering.await.unwrap();
+    assert!(calls > 1, "{calls} calls while it built in {took:?}");
+    assert!(
+        slowest < took / 4,
+        "a keep-alive waited {slowest:?} of the registration's {took:?}"
+    );
+    s.shutdown().await;
+}
+
+/// Issue 29, point 9: WatchEvents streams are limited per principal as well
+/// as in all; the refusal names the figures.
+#[tokio::test]
+async fn watch_streams_are_limited_per_principal() {
+    let mut s = Server::start(cache_svc::Config {
+        max_watch_streams: 4,
+        max_watch_streams_per_principal: 2,
+        ..config()
+    })
+    .await;
+    let c = &mut s.client;
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let stream = c
+            .watch_events(pb::WatchEventsRequest { after_id: 0 })
+            .await
+            .unwrap();
+        open.push(stream);
+    }
+    assert_status(
+        c.watch_events(pb::WatchEventsRequest { after_id: 0 }).await,
+        Code::ResourceExhausted,
+        "principal anonymous has 2 WatchEvents streams open, the limit per principal is 2",
+    );
+    drop(open);
+    s.shutdown().await;
 }

@@ -57,7 +57,7 @@ use crate::session::Session;
 pub use audit::{AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Leak};
 pub use evictions::Evicted;
 pub use matching::MatchPrompt;
-pub use pools::{PoolInfo, Unregistered};
+pub use pools::{BuiltGroup, NewGroup, PoolInfo, Registration, Unregistered};
 pub use sessions::{Opened, Reclaimed};
 pub use stats::{PoolEstimate, PoolStats, ShapeEstimate, Stats};
 pub use step::{StepExtend, StepOutcome, StepParts, StepRelease};
@@ -97,6 +97,13 @@ pub struct CacheConfig {
     pub max_sessions_per_holder: usize,
     /// Most pool groups registered at once (0: unlimited).
     pub max_pool_groups: usize,
+    /// Most pool groups one principal may have registered at once (0:
+    /// unlimited), so that no principal takes every group.
+    pub max_pool_groups_per_principal: usize,
+    /// Most blocks (device and host) of the groups one principal
+    /// registered (0: unlimited): what one principal may make the cache
+    /// build and keep.
+    pub max_blocks_per_principal: u64,
     /// Bytes of block state all pools together may take; a `RegisterPool`
     /// that would pass it is refused (0: unlimited).
     pub pool_memory_budget: u64,
@@ -120,6 +127,8 @@ impl Default for CacheConfig {
             max_sessions: 0,
             max_sessions_per_holder: 0,
             max_pool_groups: 0,
+            max_pool_groups_per_principal: 0,
+            max_blocks_per_principal: 0,
             pool_memory_budget: 0,
             eviction: crate::eviction::EvictionConfig::default(),
             partial_reuse: true,
