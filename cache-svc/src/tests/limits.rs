@@ -296,3 +296,26 @@ fn a_registration_builds_its_pools_without_the_cache() {
     assert!(already);
     assert_eq!(infos, again);
 }
+
+/// Issue 29, point 9: a QUOTA_EXCEEDED reject names the pool the sequence
+/// asked the most of and what is left under the quota.
+#[test]
+fn a_quota_reject_names_the_pool_and_what_is_left() {
+    let config = CacheConfig {
+        session_quota: 5,
+        ..CacheConfig::default()
+    };
+    let mut f = Fixture::with_config(config, 4, &[(0, 16)]);
+    let out = f.lease(1, false, &[spec(1, Prompt::Count(4))]);
+    assert!(out[0].grant().is_some(), "{out:?}");
+    // 20 tokens: 5 blocks, with the 1 held one past the quota of 5
+    let out = f.lease(1, false, &[spec(2, Prompt::Count(20))]);
+    let r = out[0].reject().expect("a reject");
+    assert_eq!(r.reason, RejectReason::QuotaExceeded);
+    assert_eq!((r.pool_id, r.window), (1, 0), "{r:?}");
+    assert_eq!((r.blocks_needed, r.blocks_free), (5, 4), "{r:?}");
+    assert!(
+        r.message.contains("most in pool 1, window 0") && r.message.contains("4 free under it"),
+        "{r:?}"
+    );
+}
