@@ -26,8 +26,13 @@ const DEFAULT_EVICTION_POLICY: PolicyKind = PolicyKind::Lru;
 const DEFAULT_MAX_SESSIONS: usize = 4096;
 const DEFAULT_MAX_SESSIONS_PER_HOLDER: usize = 64;
 const DEFAULT_MAX_POOL_GROUPS: usize = 256;
+const DEFAULT_MAX_POOL_GROUPS_PER_PRINCIPAL: usize = 64;
+/// 2^22 blocks (384 MiB of block state at 96 bytes a block), a quarter of
+/// the largest pool one RegisterPool may ask for.
+const DEFAULT_MAX_BLOCKS_PER_PRINCIPAL: u64 = 4_194_304;
 const DEFAULT_POOL_MEMORY_BUDGET_MIB: u64 = 4096;
 const DEFAULT_MAX_WATCH_STREAMS: usize = 64;
+const DEFAULT_MAX_WATCH_STREAMS_PER_PRINCIPAL: usize = 16;
 
 /// Configuration of the cache service.
 #[derive(Clone, Debug, PartialEq, Eq, clap::Parser)]
@@ -90,6 +95,15 @@ pub struct Config {
     /// Most pool groups registered at once; 0 for no limit.
     #[arg(long, env = "KVLEASE_CACHE_MAX_POOL_GROUPS", default_value_t = DEFAULT_MAX_POOL_GROUPS)]
     pub max_pool_groups: usize,
+    /// Most pool groups one principal may have registered at once; 0 for no
+    /// limit.
+    #[arg(long, env = "KVLEASE_CACHE_MAX_POOL_GROUPS_PER_PRINCIPAL", default_value_t = DEFAULT_MAX_POOL_GROUPS_PER_PRINCIPAL)]
+    pub max_pool_groups_per_principal: usize,
+    /// Most blocks (device and host) of the pool groups one principal
+    /// registered; a RegisterPool over it is refused with
+    /// RESOURCE_EXHAUSTED. 0 for no limit.
+    #[arg(long, env = "KVLEASE_CACHE_MAX_BLOCKS_PER_PRINCIPAL", default_value_t = DEFAULT_MAX_BLOCKS_PER_PRINCIPAL)]
+    pub max_blocks_per_principal: u64,
     /// MiB of block state (96 bytes a block) all pools together may take; a
     /// RegisterPool over it is refused. 0 for no limit.
     #[arg(long, env = "KVLEASE_CACHE_POOL_MEMORY_BUDGET_MIB", default_value_t = DEFAULT_POOL_MEMORY_BUDGET_MIB)]
@@ -97,6 +111,9 @@ pub struct Config {
     /// Most WatchEvents streams open at once.
     #[arg(long, env = "KVLEASE_CACHE_MAX_WATCH_STREAMS", default_value_t = DEFAULT_MAX_WATCH_STREAMS)]
     pub max_watch_streams: usize,
+    /// Most WatchEvents streams one principal may have open at once.
+    #[arg(long, env = "KVLEASE_CACHE_MAX_WATCH_STREAMS_PER_PRINCIPAL", default_value_t = DEFAULT_MAX_WATCH_STREAMS_PER_PRINCIPAL)]
+    pub max_watch_streams_per_principal: usize,
     /// Eviction policy of one pool group, as GROUP=POLICY; repeatable.
     #[arg(long, value_parser = parse_group_policy)]
     pub group_eviction_policy: Vec<(String, PolicyKind)>,
@@ -130,8 +147,11 @@ impl Default for Config {
             max_sessions: DEFAULT_MAX_SESSIONS,
             max_sessions_per_holder: DEFAULT_MAX_SESSIONS_PER_HOLDER,
             max_pool_groups: DEFAULT_MAX_POOL_GROUPS,
+            max_pool_groups_per_principal: DEFAULT_MAX_POOL_GROUPS_PER_PRINCIPAL,
+            max_blocks_per_principal: DEFAULT_MAX_BLOCKS_PER_PRINCIPAL,
             pool_memory_budget_mib: DEFAULT_POOL_MEMORY_BUDGET_MIB,
             max_watch_streams: DEFAULT_MAX_WATCH_STREAMS,
+            max_watch_streams_per_principal: DEFAULT_MAX_WATCH_STREAMS_PER_PRINCIPAL,
             limits: Default::default(),
         }
     }
@@ -155,6 +175,8 @@ impl Config {
             max_sessions: self.max_sessions,
             max_sessions_per_holder: self.max_sessions_per_holder,
             max_pool_groups: self.max_pool_groups,
+            max_pool_groups_per_principal: self.max_pool_groups_per_principal,
+            max_blocks_per_principal: self.max_blocks_per_principal,
             pool_memory_budget: self.pool_memory_budget_mib.saturating_mul(1 << 20),
             eviction: EvictionConfig {
                 default: self.eviction_policy,

@@ -1,29 +1,59 @@
 //! Protobuf <-> domain conversion for the cache service: requests into the
-//! core's types, its answers back into `kvlease.v1` messages.
+//! core's types (ids wrapped, 32-bit fields narrowed or refused), its answers
+//! back into `kvlease.v1` messages.
 
 use kvlease_proto::v1 as pb;
 
-use crate::cache::{MatchPrompt, PoolStats, ShapeEstimate};
-use crate::error::{Error, Result};
-use crate::events::EventKind;
-use crate::lease::{
-    DEFAULT_PRIORITY, Extra, Grant, Outcome, Prompt, Reject, SeqSpec, TierCopy, TierDirection,
+use crate::cache::{
+    AuditReport, Batch, MatchPrompt, PoolInfo, PoolStats, ShapeEstimate, StepExtend, StepRelease,
 };
-use crate::pool::Tier;
+use crate::error::{Error, Result};
+use crate::events::{EventKind, Tier};
+use crate::ids::SeqId;
+use crate::lease::{
+    DEFAULT_PRIORITY, ExtendItem, Extra, Grant, Growth, Outcome, Prompt, Reject, ReleaseMode,
+    ReleaseResult, ReleaseStatus, SeqSpec, TierCopy, TierDirection,
+};
+
+/// What a sequence's pair of token fields (`tokens`, or a count of them)
+/// gave: exactly one of them, or neither.
+enum Tokens {
+    Ids(Vec<u32>),
+    Count(u32),
+    Neither,
+}
+
+/// The token ids or the count of `seq_id`'s `{field}_tokens` / `num_tokens`
+/// pair; both given is INVALID_ARGUMENT.
+fn tokens(seq_id: u64, field: &str, ids: Vec<u32>, count: u32) -> Result<Tokens> {
+    match (ids.is_empty(), count) {
+        (false, 0) => Ok(Tokens::Ids(ids)),
+        (true, 0) => Ok(Tokens::Neither),
+        (true, n) => Ok(Tokens::Count(n)),
+        (false, _) => Err(Error::InvalidArgument(format!(
+            "sequence {seq_id}: give only one of {field}_tokens and num_tokens"
+        ))),
+    }
+}
+
+/// A uint64 wire field that holds a 32-bit value, refused rather than
+/// truncated when it does not fit.
+pub(crate) fn narrow(field: &str, value: u64) -> Result<u32> {
+    u32::try_from(value).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "{field} is {value}, over its limit of {}",
+            u32::MAX
+        ))
+    })
+}
 
 pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
-    let prompt = match (s.prompt_tokens.is_empty(), s.num_tokens) {
-        (false, 0) => Prompt::Tokens(s.prompt_tokens),
-        (true, n) if n > 0 => Prompt::Count(n),
-        (true, _) => {
+    let prompt = match tokens(s.seq_id, "prompt", s.prompt_tokens, s.num_tokens)? {
+        Tokens::Ids(ids) => Prompt::Tokens(ids),
+        Tokens::Count(n) => Prompt::Count(n),
+        Tokens::Neither => {
             return Err(Error::InvalidArgument(format!(
                 "sequence {}: give prompt_tokens or num_tokens > 0",
-                s.seq_id
-            )));
-        }
-        (false, _) => {
-            return Err(Error::InvalidArgument(format!(
-                "sequence {}: give only one of prompt_tokens and num_tokens",
                 s.seq_id
             )));
         }
@@ -61,6 +91,103 @@ pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
         reserve_full_life: s.reserve_full_life,
         prefill_tokens: s.prefill_tokens,
     })
+}
+
+/// An extend part's items (growth or a chunked-prefill progress report),
+/// with their trace contexts taken out (`traces[i]` is item `i`'s).
+pub(crate) fn extend_from_pb(part: pb::StepExtend) -> Result<(Vec<String>, StepExtend)> {
+    let mut traces = Vec::with_capacity(part.items.len());
+    let items = part
+        .items
+        .into_iter()
+        .map(|i| {
+            traces.push(i.traceparent);
+            let growth = match tokens(i.seq_id, "new", i.new_tokens, i.num_tokens)? {
+                Tokens::Ids(ids) => Some(Growth::Tokens(ids)),
+                Tokens::Count(n) => Some(Growth::Count(n)),
+                // a chunked-prefill progress report only
+                Tokens::Neither if i.written_tokens > 0 => None,
+                Tokens::Neither => {
+                    return Err(Error::InvalidArgument(format!(
+                        "sequence {}: give new_tokens or num_tokens > 0, or written_tokens > 0",
+                        i.seq_id
+                    )));
+                }
+            };
+            Ok(ExtendItem {
+                seq_id: i.seq_id,
+                growth,
+                written_tokens: i.written_tokens,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let batch = Batch {
+        step: part.step,
+        atomic: part.atomic,
+        warmup: false,
+    };
+    Ok((traces, StepExtend { batch, items }))
+}
+
+/// A release part: its sequences, and how they are given back.
+pub(crate) fn release_from_pb(part: &pb::StepRelease) -> StepRelease {
+    StepRelease {
+        seq_ids: part.seq_ids.iter().copied().map(SeqId).collect(),
+        mode: ReleaseMode {
+            fence_step: part.fence_step,
+            discard_unwritten: part.discard_unwritten,
+        },
+    }
+}
+
+pub(crate) fn release_to_pb(results: Vec<ReleaseResult>) -> pb::ReleaseResponse {
+    pb::ReleaseResponse {
+        results: results
+            .into_iter()
+            .map(|x| pb::ReleaseResult {
+                seq_id: x.seq_id,
+                status: match x.status {
+                    ReleaseStatus::Released => pb::ReleaseStatus::Released,
+                    ReleaseStatus::AlreadyReleased => pb::ReleaseStatus::AlreadyReleased,
+                    ReleaseStatus::Unknown => pb::ReleaseStatus::Unknown,
+                } as i32,
+                blocks_freed: x.blocks_freed,
+                blocks_fenced: x.blocks_fenced,
+            })
+            .collect(),
+    }
+}
+
+pub(crate) fn pool_info_to_pb(i: PoolInfo) -> pb::PoolInfo {
+    pb::PoolInfo {
+        pool_id: i.pool_id,
+        window: i.window,
+        num_blocks: i.num_blocks,
+        tokens_per_block: i.tokens_per_block,
+        host_blocks: i.host_blocks,
+    }
+}
+
+pub(crate) fn audit_to_pb(report: AuditReport) -> pb::AuditResponse {
+    pb::AuditResponse {
+        reclaimed: report
+            .reclaimed
+            .into_iter()
+            .map(|l| pb::LeakedBlock {
+                pool_id: l.pool_id,
+                block_id: l.block,
+                last_holder: if l.last_holder.session == 0 {
+                    "unknown".to_owned()
+                } else {
+                    format!(
+                        "session {} sequence {}",
+                        l.last_holder.session, l.last_holder.seq
+                    )
+                },
+            })
+            .collect(),
+        blocks_checked: report.blocks_checked,
+    }
 }
 
 pub(crate) fn grant_to_pb(g: Grant) -> pb::Grant {

@@ -73,6 +73,10 @@ pub enum Error {
         /// The pools that hold blocks, with their counts.
         detail: String,
     },
+    /// The service's configuration is refused (a flag out of range, a
+    /// certificate that does not load); `run` fails before serving.
+    #[error("invalid configuration: {0}")]
+    Config(String),
     /// An I/O error (binding, reading the listener address).
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
@@ -100,7 +104,7 @@ impl From<Error> for tonic::Status {
             | Error::GroupBusy { .. } => tonic::Status::failed_precondition(message),
             Error::UnknownGroup(_) => tonic::Status::not_found(message),
             Error::GeometryConflict { .. } => tonic::Status::already_exists(message),
-            Error::Io(_) | Error::Serve(_) => tonic::Status::internal(message),
+            Error::Config(_) | Error::Io(_) | Error::Serve(_) => tonic::Status::internal(message),
         }
     }
 }

@@ -1,8 +1,38 @@
-//! The bounded stream of stored / removed block-hash events.
+//! The bounded stream of stored / removed block-hash events, and the index
+//! events and tiers they are made of (a leaf: it imports no other module).
 
 use std::collections::VecDeque;
 
-use crate::pool::Tier;
+/// Where a cached block's content lives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Tier {
+    /// The worker's device arena (the pool proper).
+    #[default]
+    Device,
+    /// The worker's host-memory arena (see `tier`).
+    Host,
+}
+
+/// An event of the prefix index, for the event stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IndexEvent {
+    /// A block's hash became reusable in `tier`.
+    Stored {
+        /// The block's hash.
+        hash: u64,
+        /// Its parent's hash (0 for a root block).
+        parent: u64,
+        /// The tier it is now cached in.
+        tier: Tier,
+    },
+    /// A hash left `tier`'s index (its block was evicted).
+    Removed {
+        /// The block's hash.
+        hash: u64,
+        /// The tier it left.
+        tier: Tier,
+    },
+}
 
 /// What happened to some block hashes of one pool.
 #[derive(Clone, Debug, PartialEq, Eq)]

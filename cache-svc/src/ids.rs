@@ -1,6 +1,7 @@
 //! The numbers the cache is handed, each its own type so that two adjacent
 //! arguments cannot be swapped: a holder's session and the epoch it was
-//! opened in. They print as the bare number (logs, error messages).
+//! opened in, a sequence and a step. They print as the bare number (logs,
+//! error messages). The gRPC edge (`convert`) wraps and unwraps them.
 
 use std::fmt;
 
@@ -28,4 +29,12 @@ id!(
 id!(
     /// One start of the cache service: calls that carry another are stale.
     Epoch
+);
+id!(
+    /// A sequence, as its holder numbers it within its session.
+    SeqId
+);
+id!(
+    /// A holder's step: fences and hash publication key on it.
+    Step
 );

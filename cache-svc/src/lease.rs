@@ -3,7 +3,7 @@
 //! These mirror the `kvlease.v1` messages without depending on them; only
 //! `service.rs` converts.
 
-use crate::pool::BlockId;
+use crate::ids::BlockId;
 
 /// The tokens of a new sequence.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -11,18 +11,21 @@
 //! - [`mrc`]: online miss-ratio curves (hit rates at other pool sizes) from
 //!   spatially sampled shadow LRUs.
 //! - [`lease`]: the domain types of requests and answers; `ids`: the
-//!   numbers the cache is handed ([`SessionId`], [`Epoch`], [`BlockId`]).
+//!   numbers the cache is handed ([`SessionId`], [`Epoch`], [`SeqId`],
+//!   [`Step`], [`BlockId`]).
 //! - `session`: holder sessions, their sequences' block tables, fences and
 //!   hashes waiting for a step to complete.
 //! - [`cache`]: the protocol over all of the above ([`Cache`]), plain and
 //!   synchronous; `estimate` derives block needs in closed form.
-//! - `events`: the bounded stream of stored / removed hashes.
-//! - The gRPC edge: `convert` (protobuf <-> domain, the only module besides
-//!   `service` that knows protobuf), `service` (the `CacheService`
-//!   implementation, with reject spans and fenced-release links), `server`
-//!   ([`run`]: health, reflection, the metrics endpoint, session expiry and
-//!   leak audits) and `metrics` (Prometheus, read from the core at scrape
-//!   time).
+//! - `events`: the bounded stream of stored / removed hashes, and the
+//!   index events and tiers it is made of (a leaf module).
+//! - The gRPC edge: `convert` (protobuf <-> domain: ids wrapped, 32-bit
+//!   fields narrowed), `service` (the `CacheService` handlers: one preamble,
+//!   one core call each), `trace` (the spans of a call's outcomes and the
+//!   fenced-release links), `server` ([`run`]: health, reflection, the
+//!   metrics endpoint, session expiry and leak audits) and `metrics`
+//!   (Prometheus, read from the core at scrape time). No other module knows
+//!   protobuf.
 //!
 //! Data flows one way: `service` converts a request into domain types, calls
 //! `Cache` under a mutex, and converts the outcomes back.
@@ -45,11 +48,13 @@ mod server;
 mod service;
 mod session;
 pub mod tier;
+mod trace;
+mod watchers;
 
 pub use cache::{Batch, Cache, CacheConfig};
 pub use config::Config;
 pub use error::{Error, Result};
-pub use ids::{BlockId, Epoch, SessionId};
+pub use ids::{BlockId, Epoch, SeqId, SessionId, Step};
 pub use metrics::metric_catalog;
 pub use server::{SERVICE, run};
 

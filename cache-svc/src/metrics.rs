@@ -40,7 +40,7 @@ impl CacheMetrics {
     pub(crate) fn new() -> Result<Self> {
         let mut registry = Registry::new();
         let r = &mut registry;
-        let fail = |e: kvlease_telemetry::Error| Error::InvalidArgument(format!("metrics: {e}"));
+        let fail = |e: kvlease_telemetry::Error| Error::Config(format!("metrics: {e}"));
         let pool = [names::POOL_GROUP, names::POOL_ID];
         let blocks = r
             .gauge_vec(
@@ -191,6 +191,10 @@ impl CacheMetrics {
         for p in cache.pools() {
             let (group, id, window) = (p.group.as_str(), p.id.to_string(), p.window.to_string());
             let pool = [group, id.as_str()];
+            if p.retired {
+                self.forget(pool, &window);
+                continue;
+            }
             let c = p.pool.counts();
             for (state, n) in [
                 (names::STATE_FREE, c.free),
@@ -243,6 +247,51 @@ impl CacheMetrics {
             }
         }
         self.registry.render()
+    }
+
+    /// Removes every series of an unregistered pool, so a dashboard no
+    /// longer shows it (its id is never reused).
+    fn forget(&self, pool: [&str; 2], window: &str) {
+        let [group, id] = pool;
+        for state in [
+            names::STATE_FREE,
+            names::STATE_CACHED,
+            names::STATE_IN_USE,
+            names::STATE_FENCED,
+        ] {
+            self.blocks.remove([group, id, window, state]);
+        }
+        self.capacity.remove([group, id, window]);
+        for counter in [
+            &self.pool_grants,
+            &self.pool_rejects,
+            &self.evictions,
+            &self.reuse_hits,
+            &self.reuse_lookups,
+            &self.leaks,
+        ] {
+            counter.remove(pool);
+        }
+        self.hit_rate.remove(pool);
+        for scale in crate::mrc::SCALES {
+            self.estimated_hit_rate
+                .remove([group, id, &scale.to_string()]);
+        }
+        for state in [
+            names::STATE_FREE,
+            names::STATE_PENDING,
+            names::STATE_CACHED,
+            names::STATE_PINNED,
+        ] {
+            self.host_blocks.remove([group, id, state]);
+        }
+        for direction in [
+            names::DIRECTION_DEMOTED,
+            names::DIRECTION_ONBOARDED,
+            names::DIRECTION_DEMOTION_DROPPED,
+        ] {
+            self.tier_copies.remove([group, id, direction]);
+        }
     }
 }
 
@@ -309,6 +358,34 @@ mod tests {
         assert!(
             text.contains(
                 r#"kvlease_cache_estimated_hit_rate{pool_group="g",pool_id="1",scale="0.5"} 0.0"#
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn an_unregistered_groups_series_are_removed() {
+        let mut cache = Cache::with_epoch(CacheConfig::default(), crate::Epoch(1));
+        cache
+            .register_pool_for("p", "gone", 4, &[(0, 8, 4), (16, 8, 0)])
+            .unwrap();
+        cache.register_pool("kept", 4, &[(0, 8)]).unwrap();
+        let metrics = CacheMetrics::new().unwrap();
+        let text = metrics.render(&cache);
+        assert!(text.contains(r#"pool_group="gone""#), "{text}");
+        cache.unregister_pool("gone").unwrap();
+        let text = metrics.render(&cache);
+        let left: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains(r#"pool_group="gone""#))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "series of the unregistered group: {left:#?}"
+        );
+        assert!(
+            text.contains(
+                r#"kvlease_pool_capacity_blocks{pool_group="kept",pool_id="3",window="0"} 8.0"#
             ),
             "{text}"
         );

@@ -23,6 +23,7 @@
 
 use foldhash::{HashMap, HashMapExt};
 
+pub use crate::events::{IndexEvent, Tier};
 use crate::eviction::{EvictionPolicy, PriorityLru};
 use crate::mrc::{HitRateEstimate, MissRatioCurve};
 use crate::partial::PartialIndex;
@@ -50,37 +51,6 @@ pub enum BlockState {
     InUse,
     /// Released under a fence that has not completed.
     Fenced,
-}
-
-/// Where a cached block's content lives.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Tier {
-    /// The worker's device arena (the pool proper).
-    #[default]
-    Device,
-    /// The worker's host-memory arena (see `tier`).
-    Host,
-}
-
-/// An event of the prefix index, for the event stream.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum IndexEvent {
-    /// A block's hash became reusable in `tier`.
-    Stored {
-        /// The block's hash.
-        hash: u64,
-        /// Its parent's hash (0 for a root block).
-        parent: u64,
-        /// The tier it is now cached in.
-        tier: Tier,
-    },
-    /// A hash left `tier`'s index (its block was evicted).
-    Removed {
-        /// The block's hash.
-        hash: u64,
-        /// The tier it left.
-        tier: Tier,
-    },
 }
 
 #[derive(Clone, Copy, Debug, Default)]

@@ -20,7 +20,7 @@ pub const SERVICE: &str = "kvlease-cache";
 impl RunError for Error {
     /// `run` refuses a configuration [`Config::validate`] refuses.
     fn is_config(&self) -> bool {
-        matches!(self, Error::InvalidArgument(_))
+        matches!(self, Error::Config(_))
     }
 }
 
@@ -33,11 +33,11 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    config.validate().map_err(Error::InvalidArgument)?;
+    config.validate().map_err(Error::Config)?;
     let security = config
         .security
         .load()
-        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        .map_err(|e| Error::Config(e.to_string()))?;
     let cache = Cache::new(config.cache_config());
     let epoch = cache.epoch();
     let stop = Stop::new();
@@ -47,7 +47,10 @@ pub async fn run(
         metrics,
         config.max_batch,
         config.max_message_bytes,
-        config.max_watch_streams,
+        (
+            config.max_watch_streams,
+            config.max_watch_streams_per_principal,
+        ),
         stop.watch(),
     );
     let housekeeping = tokio::spawn(housekeeping(

@@ -22,9 +22,9 @@
 
 use foldhash::{HashMap, HashMapExt};
 
+use crate::events::{IndexEvent, Tier};
 use crate::eviction::{EvictionPolicy, PriorityLru};
 use crate::ids::BlockId;
-use crate::pool::{IndexEvent, Tier};
 
 /// A block id of the host tier (indexes the worker's host arena).
 pub type HostBlockId = u32;

@@ -471,17 +471,29 @@ impl Cache {
             }
             let held = self.sessions.get(&session_id).map_or(0, |s| s.references);
             if held + refs > quota {
-                // No pool is at fault: the figures are the quota's, in
-                // block references (needed now, left under the quota).
+                // The figures are the quota's, in block references (needed
+                // now, left under the quota); the pool named is the one the
+                // sequence asks the most references of, so a holder sees
+                // where its quota goes.
                 let clamp = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+                let left = quota.saturating_sub(held);
+                let (pool_id, window) = plan
+                    .pools
+                    .iter()
+                    .max_by_key(|p| p.references(plan.beams))
+                    .map_or((0, 0), |p| {
+                        (self.pools[p.pool].id, self.pools[p.pool].window)
+                    });
                 return Err(Reject {
+                    pool_id,
+                    window,
                     blocks_needed: clamp(refs),
-                    blocks_free: clamp(quota.saturating_sub(held)),
+                    blocks_free: clamp(left),
                     ..Reject::plain(
                         plan.seq_id,
                         RejectReason::QuotaExceeded,
                         format!(
-                            "session holds {held} block references, {refs} more would pass its quota of {quota}"
+                            "session holds {held} block references, {refs} more (most in pool {pool_id}, window {window}) would pass its quota of {quota}; {left} free under it"
                         ),
                     )
                 });

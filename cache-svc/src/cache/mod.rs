@@ -24,6 +24,8 @@
 //! - `extend`: `Extend` of held sequences (plan, check, execute).
 //! - `release`: `Release` and `CompleteStep` (fences and hash publication).
 //! - `stats`: estimates and pool figures.
+//! - `step`: `Step`, a holder's release, completion and extend in that
+//!   order, every part checked before any is applied.
 //! - `evictions`: which sequence's allocation evicted cached blocks.
 //! - `matching`: `Match`, the read-only prefix lookup that routing asks
 //!   (what a lease would reuse in each group, changing nothing).
@@ -39,23 +41,26 @@ mod pools;
 mod release;
 mod sessions;
 mod stats;
+mod step;
 mod tiers;
 
 use foldhash::{HashMap, HashMapExt, HashSet};
 use std::time::Duration;
 
 use crate::events::{EventKind, EventLog, EventsSince};
+use crate::events::{IndexEvent, Tier};
 use crate::ids::{BlockId, Epoch, SessionId};
 use crate::lease::{Reject, RejectReason};
-use crate::pool::{BlockPool, IndexEvent, Tier};
+use crate::pool::BlockPool;
 use crate::session::Session;
 
 pub use audit::{AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Leak};
 pub use evictions::Evicted;
 pub use matching::MatchPrompt;
-pub use pools::{PoolInfo, Unregistered};
+pub use pools::{BuiltGroup, NewGroup, PoolInfo, Registration, Unregistered};
 pub use sessions::{Opened, Reclaimed};
 pub use stats::{PoolEstimate, PoolStats, ShapeEstimate, Stats};
+pub use step::{StepExtend, StepOutcome, StepParts, StepRelease};
 
 /// How a batch of `Lease` or `Extend` is applied.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -92,6 +97,13 @@ pub struct CacheConfig {
     pub max_sessions_per_holder: usize,
     /// Most pool groups registered at once (0: unlimited).
     pub max_pool_groups: usize,
+    /// Most pool groups one principal may have registered at once (0:
+    /// unlimited), so that no principal takes every group.
+    pub max_pool_groups_per_principal: usize,
+    /// Most blocks (device and host) of the groups one principal
+    /// registered (0: unlimited): what one principal may make the cache
+    /// build and keep.
+    pub max_blocks_per_principal: u64,
     /// Bytes of block state all pools together may take; a `RegisterPool`
     /// that would pass it is refused (0: unlimited).
     pub pool_memory_budget: u64,
@@ -115,6 +127,8 @@ impl Default for CacheConfig {
             max_sessions: 0,
             max_sessions_per_holder: 0,
             max_pool_groups: 0,
+            max_pool_groups_per_principal: 0,
+            max_blocks_per_principal: 0,
             pool_memory_budget: 0,
             eviction: crate::eviction::EvictionConfig::default(),
             partial_reuse: true,

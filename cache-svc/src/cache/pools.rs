@@ -1,10 +1,63 @@
 //! Pool groups: registration and lookup.
+//!
+//! Registering a group costs time linear in its blocks (each block's slot,
+//! its eviction entry, the host tier's). So that no registration holds the
+//! cache while it builds, it comes in three parts:
+//! [`Cache::plan_registration`] checks it against the cache (names,
+//! geometry, ownership, the limits), [`NewGroup::build`] builds the pools
+//! without the cache, and [`Cache::commit_registration`] checks again (the
+//! cache may have changed meanwhile) and inserts them. The gRPC edge builds
+//! outside its lock; [`Cache::register_pool_for`] does all three at once.
 
 use foldhash::{HashSet, HashSetExt};
 
 use super::{BLOCK_STATE_BYTES, Cache, Group, PoolEntry};
 use crate::error::{Error, Result};
+use crate::eviction::PolicyKind;
 use crate::pool::BlockPool;
+
+/// A registration checked against the cache.
+#[derive(Debug)]
+pub enum Registration {
+    /// The group is registered with this geometry already: its pools.
+    Already(Vec<PoolInfo>),
+    /// A new group: build it, then commit it.
+    New(NewGroup),
+}
+
+/// A new group's registration, checked, its pools not built yet.
+#[derive(Debug)]
+pub struct NewGroup {
+    owner: String,
+    group: String,
+    tokens_per_block: u32,
+    /// `(window, num_blocks, host_blocks)` per pool.
+    pools: Vec<(u32, u32, u32)>,
+    policy: PolicyKind,
+}
+
+/// A new group with its pools built, to commit.
+#[derive(Debug)]
+pub struct BuiltGroup {
+    new: NewGroup,
+    pools: Vec<BlockPool>,
+}
+
+impl NewGroup {
+    /// Builds the pools: the cost of a registration, linear in its blocks.
+    /// Needs no cache, so a caller can run it without holding one.
+    pub fn build(self) -> BuiltGroup {
+        let pools = self
+            .pools
+            .iter()
+            .map(|&(_, num_blocks, host_blocks)| {
+                BlockPool::with_policy(num_blocks, self.policy.build(num_blocks as usize))
+                    .with_host_tier(host_blocks)
+            })
+            .collect();
+        BuiltGroup { new: self, pools }
+    }
+}
 
 /// A registered pool, as `RegisterPool` reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,6 +127,22 @@ impl Cache {
         tokens_per_block: u32,
         pools: &[(u32, u32, u32)],
     ) -> Result<(Vec<PoolInfo>, bool)> {
+        match self.plan_registration(owner, group, tokens_per_block, pools)? {
+            Registration::Already(infos) => Ok((infos, true)),
+            Registration::New(new) => self.commit_registration(new.build()),
+        }
+    }
+
+    /// Checks a registration (see [`register_pool_for`](Self::register_pool_for))
+    /// without building or changing anything: the group's pools if it is
+    /// registered with this geometry, else the new group to build.
+    pub fn plan_registration(
+        &self,
+        owner: &str,
+        group: &str,
+        tokens_per_block: u32,
+        pools: &[(u32, u32, u32)],
+    ) -> Result<Registration> {
         super::check_name("pool_group", group)?;
         if tokens_per_block == 0 || tokens_per_block > 65_536 {
             return Err(Error::InvalidArgument(format!(
@@ -139,30 +208,48 @@ impl Cache {
                         .map(|&i| self.info(i))
                 })
                 .collect();
+            return Ok(Registration::Already(infos));
+        }
+        self.check_pool_limits(owner, group, pools)?;
+        Ok(Registration::New(NewGroup {
+            owner: owner.to_owned(),
+            group: group.to_owned(),
+            tokens_per_block,
+            pools: pools.to_vec(),
+            policy: self.config.eviction.for_group(group),
+        }))
+    }
+
+    /// Inserts a built group, checked again first: a registration of the
+    /// same group (or of others, against the limits) may have come while it
+    /// was built. The group registered meanwhile with this geometry is
+    /// answered as already registered, and the built pools are dropped.
+    pub fn commit_registration(&mut self, built: BuiltGroup) -> Result<(Vec<PoolInfo>, bool)> {
+        let BuiltGroup { new, pools } = built;
+        let plan =
+            self.plan_registration(&new.owner, &new.group, new.tokens_per_block, &new.pools)?;
+        if let Registration::Already(infos) = plan {
             return Ok((infos, true));
         }
-        self.check_pool_limits(group, pools)?;
         let mut indices = Vec::with_capacity(pools.len());
-        let policy = self.config.eviction.for_group(group);
-        for &(window, num_blocks, host_blocks) in pools {
+        for (&(window, _, _), pool) in new.pools.iter().zip(pools) {
             let index = self.pools.len();
             self.pools.push(PoolEntry {
                 id: index as u32 + 1,
-                group: group.to_owned(),
+                group: new.group.clone(),
                 window,
-                tokens_per_block,
-                pool: BlockPool::with_policy(num_blocks, policy.build(num_blocks as usize))
-                    .with_host_tier(host_blocks),
+                tokens_per_block: new.tokens_per_block,
+                pool,
                 retired: false,
             });
             indices.push(index);
         }
         let infos = indices.iter().map(|&i| self.info(i)).collect();
         self.groups.insert(
-            group.to_owned(),
+            new.group,
             Group {
-                tokens_per_block,
-                owner: owner.to_owned(),
+                tokens_per_block: new.tokens_per_block,
+                owner: new.owner,
                 pools: indices,
             },
         );
@@ -210,9 +297,23 @@ impl Cache {
             .sum()
     }
 
-    /// Refuses a new group over the group limit or the memory budget, with
-    /// the figures.
-    fn check_pool_limits(&self, group: &str, pools: &[(u32, u32, u32)]) -> Result<()> {
+    /// Blocks (device and host) of the groups `owner` registered.
+    pub fn blocks_of(&self, owner: &str) -> u64 {
+        self.groups
+            .values()
+            .filter(|g| g.owner == owner)
+            .flat_map(|g| &g.pools)
+            .map(|&i| {
+                let pool = &self.pools[i].pool;
+                u64::from(pool.len()) + u64::from(pool.host().len())
+            })
+            .sum()
+    }
+
+    /// Refuses `owner`'s new group over the group limits (all principals
+    /// together, and each one's) or the block limits (the memory budget of
+    /// all pools, and each principal's blocks), with the figures.
+    fn check_pool_limits(&self, owner: &str, group: &str, pools: &[(u32, u32, u32)]) -> Result<()> {
         let max_groups = self.config.max_pool_groups;
         if max_groups > 0 && self.groups.len() >= max_groups {
             return Err(Error::LimitExceeded(format!(
@@ -220,12 +321,30 @@ impl Cache {
                 self.groups.len()
             )));
         }
+        let per_principal = self.config.max_pool_groups_per_principal;
+        let owned = self.groups.values().filter(|g| g.owner == owner).count();
+        if per_principal > 0 && owned >= per_principal {
+            return Err(Error::LimitExceeded(format!(
+                "principal {owner} has registered {owned} pool groups, the limit per principal is {per_principal}; unregister one first"
+            )));
+        }
+        let asked: u64 = pools
+            .iter()
+            .map(|&(_, n, host)| u64::from(n) + u64::from(host))
+            .sum();
+        let cap = self.config.max_blocks_per_principal;
+        if cap > 0 {
+            let have = self.blocks_of(owner);
+            if have + asked > cap {
+                return Err(Error::LimitExceeded(format!(
+                    "pool group {group:?} asks for {asked} blocks; principal {owner} has {have} registered, {} in all is over the limit of {cap} blocks per principal ({} more fit)",
+                    have + asked,
+                    cap.saturating_sub(have)
+                )));
+            }
+        }
         let budget = self.config.pool_memory_budget;
         if budget > 0 {
-            let asked: u64 = pools
-                .iter()
-                .map(|&(_, n, host)| u64::from(n) + u64::from(host))
-                .sum();
             let have = self.registered_blocks();
             let need = (have + asked).saturating_mul(BLOCK_STATE_BYTES);
             if need > budget {

@@ -32,7 +32,7 @@ use std::str::FromStr;
 pub use probation::{Classes, Doorkeeper, Probation};
 pub use ranked::{Frequency, GreedyDual, PriorityLru, Ranked, Recency};
 
-use crate::pool::BlockId;
+use crate::ids::BlockId;
 
 /// Retention priorities run from 0 (evict first) to this value (keep longest).
 pub const MAX_PRIORITY: u8 = 100;

@@ -12,7 +12,7 @@
 //! One-off prompts thus leave the cache first, whatever their recency.
 
 use super::ranked::{Ranked, Ranker};
-use crate::pool::BlockId;
+use crate::ids::BlockId;
 
 const PROBATION: u64 = 0;
 const PROTECTED: u64 = 1;

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 
 use super::{EvictionPolicy, MAX_PRIORITY};
-use crate::pool::BlockId;
+use crate::ids::BlockId;
 
 /// Eviction order: the smallest rank goes first.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]

@@ -1,13 +1,13 @@
-//! The limits of the core (issue 13): sessions, pool groups, the memory
-//! budget, unregistering, names, `CompleteStep(u64::MAX)` and the sliced
-//! audit.
+//! The limits of the core (issues 13 and 29): sessions, pool groups (in all
+//! and per principal), the memory budget, blocks per principal, quotas,
+//! unregistering, names, `CompleteStep(u64::MAX)` and the sliced audit.
 
 use std::time::Instant;
 
 use super::{Fixture, GROUP, spec, tokens, whole};
-use crate::cache::{AuditCursor, AuditReport, Batch, Cache, CacheConfig, check_name};
+use crate::cache::{AuditCursor, AuditReport, Batch, Cache, CacheConfig, Registration, check_name};
 use crate::error::Error;
-use crate::lease::Prompt;
+use crate::lease::{Prompt, RejectReason};
 
 #[test]
 fn complete_step_at_u64_max_returns_every_fence_instead_of_overflowing() {
@@ -170,4 +170,152 @@ fn a_sliced_audit_finds_what_the_whole_audit_finds_and_no_more() {
     assert_eq!(found, vec![(1, leaked[0]), (2, leaked[1])]);
     f.check();
     assert!(f.cache.audit().reclaimed.is_empty());
+}
+
+/// Issue 29, point 3: a principal's registered blocks are capped, so one
+/// principal cannot make the cache build (and keep) pools without end; the
+/// refusal names the figures, and another principal still registers.
+#[test]
+fn blocks_per_principal_are_capped_with_figures() {
+    let mut cache = Cache::new(CacheConfig {
+        max_blocks_per_principal: 1000,
+        ..CacheConfig::default()
+    });
+    cache
+        .register_pool_for("a", "a/1", 4, &[(0, 600, 0)])
+        .unwrap();
+    let err = cache
+        .register_pool_for("a", "a/2", 4, &[(0, 300, 200)])
+        .unwrap_err();
+    assert!(matches!(err, Error::LimitExceeded(_)), "{err}");
+    let text = err.to_string();
+    for needle in [
+        "pool group \"a/2\" asks for 500 blocks",
+        "principal a has 600 registered",
+        "1100 in all is over the limit of 1000 blocks per principal",
+        "400 more fit",
+    ] {
+        assert!(text.contains(needle), "{needle:?} not in {text}");
+    }
+    assert_eq!(cache.blocks_of("a"), 600, "nothing of the refused group");
+    cache
+        .register_pool_for("a", "a/2", 4, &[(0, 400, 0)])
+        .unwrap();
+    cache
+        .register_pool_for("b", "b/1", 4, &[(0, 1000, 0)])
+        .unwrap();
+    // unregistering gives a principal's blocks back
+    cache.unregister_pool("a/1").unwrap();
+    cache
+        .register_pool_for("a", "a/3", 4, &[(0, 600, 0)])
+        .unwrap();
+}
+
+/// Issue 29, point 9: pool groups are capped per principal as well as in
+/// all, so one principal cannot take every group.
+#[test]
+fn pool_groups_are_capped_per_principal() {
+    let mut cache = Cache::new(CacheConfig {
+        max_pool_groups: 3,
+        max_pool_groups_per_principal: 2,
+        ..CacheConfig::default()
+    });
+    cache
+        .register_pool_for("a", "a/1", 4, &[(0, 4, 0)])
+        .unwrap();
+    cache
+        .register_pool_for("a", "a/2", 4, &[(0, 4, 0)])
+        .unwrap();
+    let err = cache
+        .register_pool_for("a", "a/3", 4, &[(0, 4, 0)])
+        .unwrap_err();
+    assert!(matches!(err, Error::LimitExceeded(_)), "{err}");
+    assert!(
+        err.to_string()
+            .contains("principal a has registered 2 pool groups, the limit per principal is 2"),
+        "{err}"
+    );
+    // registering one of its groups again is no new group
+    cache
+        .register_pool_for("a", "a/1", 4, &[(0, 4, 0)])
+        .unwrap();
+    cache
+        .register_pool_for("b", "b/1", 4, &[(0, 4, 0)])
+        .unwrap();
+    let err = cache
+        .register_pool_for("c", "c/1", 4, &[(0, 4, 0)])
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("3 pool groups are registered, the limit is 3"),
+        "{err}"
+    );
+}
+
+/// A registration is checked, built without the cache, then committed: the
+/// cache serves other calls between plan and commit, and a commit checks
+/// again what changed meanwhile.
+#[test]
+fn a_registration_builds_its_pools_without_the_cache() {
+    let mut cache = Cache::new(CacheConfig {
+        max_blocks_per_principal: 100,
+        ..CacheConfig::default()
+    });
+    let Registration::New(big) = cache
+        .plan_registration("a", "big", 4, &[(0, 64, 0)])
+        .unwrap()
+    else {
+        panic!("a new group");
+    };
+    let Registration::New(rival) = cache
+        .plan_registration("a", "rival", 4, &[(0, 64, 0)])
+        .unwrap()
+    else {
+        panic!("a new group");
+    };
+    // while `big` is built, the cache is free for anything else: another
+    // group of the same principal registers (and takes its blocks)
+    let built = big.build();
+    cache.commit_registration(rival.build()).unwrap();
+    let err = cache.commit_registration(built).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("over the limit of 100 blocks per principal"),
+        "{err}"
+    );
+    // the same group built twice: the second commit is answered as
+    // registered already, with the first one's pools
+    let plan = || match cache.plan_registration("a", "g", 4, &[(0, 8, 0)]).unwrap() {
+        Registration::New(new) => new,
+        Registration::Already(_) => panic!("a new group"),
+    };
+    let (first, second) = (plan(), plan());
+    let (infos, already) = cache.commit_registration(first.build()).unwrap();
+    assert!(!already);
+    let (again, already) = cache.commit_registration(second.build()).unwrap();
+    assert!(already);
+    assert_eq!(infos, again);
+}
+
+/// Issue 29, point 9: a QUOTA_EXCEEDED reject names the pool the sequence
+/// asked the most of and what is left under the quota.
+#[test]
+fn a_quota_reject_names_the_pool_and_what_is_left() {
+    let config = CacheConfig {
+        session_quota: 5,
+        ..CacheConfig::default()
+    };
+    let mut f = Fixture::with_config(config, 4, &[(0, 16)]);
+    let out = f.lease(1, false, &[spec(1, Prompt::Count(4))]);
+    assert!(out[0].grant().is_some(), "{out:?}");
+    // 20 tokens: 5 blocks, with the 1 held one past the quota of 5
+    let out = f.lease(1, false, &[spec(2, Prompt::Count(20))]);
+    let r = out[0].reject().expect("a reject");
+    assert_eq!(r.reason, RejectReason::QuotaExceeded);
+    assert_eq!((r.pool_id, r.window), (1, 0), "{r:?}");
+    assert_eq!((r.blocks_needed, r.blocks_free), (5, 4), "{r:?}");
+    assert!(
+        r.message.contains("most in pool 1, window 0") && r.message.contains("4 free under it"),
+        "{r:?}"
+    );
 }

@@ -3,8 +3,8 @@
 
 use super::{Fixture, spec, tokens};
 use crate::cache::CacheConfig;
+use crate::events::Tier;
 use crate::lease::{Grant, Outcome, Prompt, RejectReason, TierCopy, TierDirection};
-use crate::pool::Tier;
 use crate::tier::HostState;
 
 /// A fixture whose one full-attention pool has `device` blocks of 4 tokens

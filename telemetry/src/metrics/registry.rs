@@ -249,6 +249,13 @@ impl<const N: usize, M: Clone, C: MetricConstructor<M>> Labelled<N, M, C> {
         let labels: Labels<N> = std::array::from_fn(|i| (self.names[i], values[i].to_owned()));
         self.family.get_or_create_owned(&labels)
     }
+
+    /// Drops the child for these label values: its series is no longer
+    /// rendered (the thing it measured is gone). Returns whether it existed.
+    pub fn remove(&self, values: [&str; N]) -> bool {
+        let labels: Labels<N> = std::array::from_fn(|i| (self.names[i], values[i].to_owned()));
+        self.family.remove(&labels)
+    }
 }
 
 /// The upper bounds a histogram family builds its children with.
