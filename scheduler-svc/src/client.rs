@@ -14,10 +14,10 @@ use kvlease_telemetry::{TracedChannel, traced};
 use kvlease_tokenizer::{Specials, Tokenizer, TokenizerKind, TokenizerParts};
 use tonic::transport::Channel;
 
-use crate::convert::{match_results, outcomes, sequence_spec};
+use crate::convert::{self, match_results, outcomes, release_counts, sequence_spec};
 use crate::domain::{
-    Epoch, ExtendSpec, ForwardItem, ForwardResult, LeaseSpec, Outcome, PoolGeometry, SeqId,
-    SessionId, TierCopy,
+    Epoch, ExtendSpec, ForwardItem, ForwardResult, LeaseMode, LeaseSpec, Outcome, PoolGeometry,
+    SeqId, SessionId, Step, StepCall, TierCopy,
 };
 use crate::error::{Error, Result};
 use crate::session::{Session, SessionState};
@@ -51,62 +51,6 @@ fn endpoint(
             .keep_alive_while_idle(true);
     }
     Ok(ep.connect_lazy())
-}
-
-/// Item `i`'s trace context among `traces` (the W3C `traceparent` of its
-/// request, which a batched cache call carries per item); empty when there is
-/// none, e.g. warm-up calls that pass no traces.
-fn item_trace(traces: &[String], i: usize) -> String {
-    traces.get(i).cloned().unwrap_or_default()
-}
-
-/// Extend items for `specs`, with their `traces` as for [`CacheClient::lease`].
-fn extend_items(specs: &[ExtendSpec], traces: &[String]) -> Vec<pb::ExtendItem> {
-    specs
-        .iter()
-        .enumerate()
-        .map(|(i, e)| pb::ExtendItem {
-            seq_id: e.seq_id.get(),
-            new_tokens: e.new_tokens.clone(),
-            num_tokens: 0,
-            traceparent: item_trace(traces, i),
-            written_tokens: e.written_tokens,
-        })
-        .collect()
-}
-
-/// Blocks a release freed at once and blocks it fenced.
-fn release_counts(r: &pb::ReleaseResponse) -> (u64, u64) {
-    let freed = r.results.iter().map(|x| u64::from(x.blocks_freed)).sum();
-    let fenced = r.results.iter().map(|x| u64::from(x.blocks_fenced)).sum();
-    (freed, fenced)
-}
-
-/// The parts of a [`CacheClient::step`] call.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct StepCall<'a> {
-    pub release: Option<StepRelease<'a>>,
-    pub complete_step: Option<u64>,
-    pub extend: Option<StepExtend<'a>>,
-}
-
-/// Sequences to release, fenced at `fence_step` when given, with their
-/// requests' `traceparent`s.
-#[derive(Debug, Clone, Copy)]
-pub struct StepRelease<'a> {
-    pub seq_ids: &'a [SeqId],
-    pub fence_step: Option<u64>,
-    /// See `ReleaseRequest.discard_unwritten`.
-    pub discard_unwritten: bool,
-    pub traces: &'a [String],
-}
-
-/// The extends of `step`, with their requests' `traceparent`s.
-#[derive(Debug, Clone, Copy)]
-pub struct StepExtend<'a> {
-    pub step: u64,
-    pub specs: &'a [ExtendSpec],
-    pub traces: &'a [String],
 }
 
 /// What a [`CacheClient::step`] call answered, per part sent.
@@ -264,29 +208,17 @@ impl CacheClient {
             .collect())
     }
 
-    /// One batched Lease; one outcome per spec, in order. `traces[i]` is the
-    /// `traceparent` of spec i's request (empty: none).
+    /// One batched Lease of `step`, taken as `mode` says; one outcome per
+    /// spec, in order. `traces[i]` is the `traceparent` of spec i's request
+    /// (empty: none).
     pub async fn lease(
         &self,
-        step: u64,
-        atomic: bool,
-        warmup: bool,
+        step: Step,
+        mode: LeaseMode,
         specs: &[LeaseSpec],
         traces: &[String],
     ) -> Result<Vec<Outcome>> {
-        let s = self.session();
-        let req = pb::LeaseRequest {
-            session_id: s.id.get(),
-            epoch: s.epoch.get(),
-            step,
-            atomic,
-            warmup,
-            sequences: specs
-                .iter()
-                .enumerate()
-                .map(|(i, spec)| sequence_spec(spec, item_trace(traces, i)))
-                .collect(),
-        };
+        let req = convert::lease_request(self.session(), step, mode, specs, traces);
         let r = self.inner.clone().lease(req).await;
         let r = self.seen("Lease", r)?;
         outcomes("Lease", r.outcomes, specs.iter().map(|s| s.seq_id))
@@ -317,47 +249,24 @@ impl CacheClient {
         match_results(r.results, wanted.len(), groups.len())
     }
 
-    /// One batched Extend; one outcome per spec, in order; `traces` as for
-    /// [`CacheClient::lease`].
+    /// One batched Extend of `step`; one outcome per spec, in order;
+    /// `traces` as for [`CacheClient::lease`].
     pub async fn extend(
         &self,
-        step: u64,
+        step: Step,
         specs: &[ExtendSpec],
         traces: &[String],
     ) -> Result<Vec<Outcome>> {
-        let s = self.session();
-        let req = pb::ExtendRequest {
-            session_id: s.id.get(),
-            epoch: s.epoch.get(),
-            step,
-            atomic: false,
-            items: extend_items(specs, traces),
-        };
+        let req = convert::extend_request(self.session(), step, specs, traces);
         let r = self.inner.clone().extend(req).await;
         let r = self.seen("Extend", r)?;
         outcomes("Extend", r.outcomes, specs.iter().map(|s| s.seq_id))
     }
 
     /// Extends sequences by a number of tokens whose ids are not known
-    /// (warm-up).
-    pub async fn extend_by(&self, step: u64, items: &[(SeqId, u32)]) -> Result<Vec<Outcome>> {
-        let s = self.session();
-        let req = pb::ExtendRequest {
-            session_id: s.id.get(),
-            epoch: s.epoch.get(),
-            step,
-            atomic: true,
-            items: items
-                .iter()
-                .map(|&(seq_id, n)| pb::ExtendItem {
-                    seq_id: seq_id.get(),
-                    new_tokens: Vec::new(),
-                    num_tokens: n,
-                    traceparent: String::new(),
-                    written_tokens: 0,
-                })
-                .collect(),
-        };
+    /// (warm-up), all or nothing.
+    pub async fn extend_by(&self, step: Step, items: &[(SeqId, u32)]) -> Result<Vec<Outcome>> {
+        let req = convert::extend_by_request(self.session(), step, items);
         let r = self.inner.clone().extend(req).await;
         let r = self.seen("Extend", r)?;
         outcomes("Extend", r.outcomes, items.iter().map(|i| i.0))
@@ -369,19 +278,17 @@ impl CacheClient {
     pub async fn release(
         &self,
         seq_ids: &[SeqId],
-        fence_step: Option<u64>,
+        fence_step: Option<Step>,
         discard_unwritten: bool,
         traces: &[String],
     ) -> Result<(u64, u64)> {
-        let s = self.session();
-        let req = pb::ReleaseRequest {
-            session_id: s.id.get(),
-            epoch: s.epoch.get(),
-            seq_ids: seq_ids.iter().map(|s| s.get()).collect(),
+        let req = convert::release_request(
+            self.session(),
+            seq_ids,
             fence_step,
-            traceparents: traces.to_vec(),
             discard_unwritten,
-        };
+            traces,
+        );
         let r = self.inner.clone().release(req).await;
         let r = self.seen("Release", r)?;
         Ok(release_counts(&r))
@@ -392,23 +299,7 @@ impl CacheClient {
     /// freed and fenced, the blocks the completion returned, and one extend
     /// outcome per spec.
     pub async fn step(&self, call: StepCall<'_>) -> Result<StepAnswer> {
-        let s = self.session();
-        let req = pb::StepRequest {
-            session_id: s.id.get(),
-            epoch: s.epoch.get(),
-            release: call.release.map(|r| pb::StepRelease {
-                seq_ids: r.seq_ids.iter().map(|s| s.get()).collect(),
-                fence_step: r.fence_step,
-                traceparents: r.traces.to_vec(),
-                discard_unwritten: r.discard_unwritten,
-            }),
-            complete_step: call.complete_step,
-            extend: call.extend.map(|e| pb::StepExtend {
-                step: e.step,
-                atomic: false,
-                items: extend_items(e.specs, e.traces),
-            }),
-        };
+        let req = convert::step_request(self.session(), &call);
         let r = self.inner.clone().step(req).await;
         let r = self.seen("Step", r)?;
         let missing = |part: &str| Error::Protocol {
@@ -438,13 +329,8 @@ impl CacheClient {
     }
 
     /// Reports `step` complete; returns the blocks returned to circulation.
-    pub async fn complete_step(&self, step: u64) -> Result<u64> {
-        let s = self.session();
-        let req = pb::CompleteStepRequest {
-            session_id: s.id.get(),
-            epoch: s.epoch.get(),
-            step,
-        };
+    pub async fn complete_step(&self, step: Step) -> Result<u64> {
+        let req = convert::complete_step_request(self.session(), step);
         let r = self.inner.clone().complete_step(req).await;
         Ok(self.seen("CompleteStep", r)?.blocks_returned)
     }
@@ -616,56 +502,14 @@ impl WorkerClient {
         Ok(tokenizer)
     }
 
-    /// One forward pass; one result per item, in order.
+    /// One forward pass of `step`; one result per item, in order.
     pub async fn forward(
         &self,
-        step: u64,
+        step: Step,
         items: &[ForwardItem],
         tier_copies: &[TierCopy],
     ) -> Result<Vec<ForwardResult>> {
-        let req = pb::ForwardRequest {
-            tier_copies: tier_copies
-                .iter()
-                .map(crate::convert::tier_copy_to_pb)
-                .collect(),
-            step,
-            sequences: items
-                .iter()
-                .map(|i| pb::ForwardSequence {
-                    seq_id: i.seq_id.get(),
-                    tokens: i.tokens.clone(),
-                    start_pos: i.start_pos,
-                    tables: i
-                        .tables
-                        .iter()
-                        .map(|t| pb::BlockTable {
-                            pool_id: t.pool_id,
-                            window: t.window,
-                            beam: 0,
-                            first_block: t.first_block,
-                            block_ids: t.block_ids.clone(),
-                        })
-                        .collect(),
-                    return_all_argmax: i.return_all_argmax,
-                    sampling: Some(pb::SamplingParams {
-                        temperature: i.sampling.temperature,
-                        top_p: i.sampling.top_p,
-                        seed: i.sampling.seed,
-                    }),
-                    copies: i
-                        .copies
-                        .iter()
-                        .map(|c| pb::BlockCopy {
-                            pool_id: c.pool_id,
-                            window: c.window,
-                            src_block: c.src_block,
-                            dst_block: c.dst_block,
-                            tokens: c.tokens,
-                        })
-                        .collect(),
-                })
-                .collect(),
-        };
+        let req = convert::forward_request(step, items, tier_copies);
         let r = self
             .inner
             .clone()
@@ -673,23 +517,6 @@ impl WorkerClient {
             .await
             .map_err(|s| Error::from_worker("Forward", &s))?
             .into_inner();
-        if r.results.len() != items.len() {
-            return Err(Error::Protocol {
-                peer: "worker",
-                message: format!(
-                    "Forward answered {} results for {} sequences",
-                    r.results.len(),
-                    items.len()
-                ),
-            });
-        }
-        Ok(r.results
-            .into_iter()
-            .map(|x| ForwardResult {
-                seq_id: SeqId(x.seq_id),
-                next_token: x.next_token,
-                argmax: x.argmax,
-            })
-            .collect())
+        convert::forward_results(r.results, items.len())
     }
 }

@@ -1378,14 +1378,6 @@ impl ModelCache {
 /// The forward pass in flight in [`drive`]: its step and its batches.
 type InFlight = Option<(Step, Vec<(usize, Vec<ForwardItem>)>)>;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Order {
-    /// Every call of a step runs before its forward pass.
-    Plain,
-    /// Step N+1's releases and leases run while forward N is in flight.
-    Overlap,
-}
-
 /// What a run of [`drive`] exercised, so a test can tell it was not vacuous.
 #[derive(Debug, Default)]
 struct Exercised {
@@ -1396,8 +1388,8 @@ struct Exercised {
     finished: usize,
 }
 
-/// Drives a core the way the step loop does, in `order`, against the model
-/// cache, with clients that come and go at random (seeded); a forward pass
+/// Drives a core the way the step loop does, executing the core's
+/// [`StepPlan`] for `order`, against the model cache, with clients that come and go at random (seeded); a forward pass
 /// is "in flight" from `plan_forward` until its results are applied. Panics
 /// the moment a block reaches a sequence while an in-flight forward pass
 /// reads it for another, or a `CompleteStep` names a step whose forward is
@@ -1487,7 +1479,6 @@ fn drive(order: Order, seed: u64) -> Exercised {
             continue;
         }
         let step = c.begin_step();
-        let mut progressed = false;
         let admit =
             |c: &mut Core, cache: &mut ModelCache, in_flight: &InFlight, seen: &mut Exercised| {
                 let specs = c.plan_admission();
@@ -1501,48 +1492,40 @@ fn drive(order: Order, seed: u64) -> Exercised {
             check_grants(&outcomes, &None, seen);
             c.apply_extends(outcomes);
         };
-        let finish = |c: &mut Core,
-                      cache: &mut ModelCache,
-                      in_flight: &mut InFlight,
-                      seen: &mut Exercised| {
-            if let Some((_, batches)) = in_flight.take() {
-                for (g, items) in batches {
-                    c.apply_forward(g, results(&items, 7, false));
+        // the loop's order, from the core: this driver only executes it
+        let mut plan = StepPlan::new(order, in_flight.is_some());
+        while let Some(call) = plan.next_call() {
+            match call {
+                Call::FlushReleases => flush(&mut c, &mut cache, &in_flight, &mut seen),
+                Call::Admit => admit(&mut c, &mut cache, &in_flight, &mut seen),
+                Call::Extend => extend(&mut c, &mut cache, &mut seen),
+                Call::Launch => {
+                    let batches = c.plan_forward();
+                    plan.launched(!batches.is_empty());
+                    if !batches.is_empty() {
+                        in_flight = Some((step, batches));
+                    }
                 }
-                seen.finished += finishes(&c.drain_outputs()).len();
-                flush(c, cache, in_flight, seen);
-                complete(c, cache, in_flight, seen);
+                Call::Collect => {
+                    if let Some((_, batches)) = in_flight.take() {
+                        for (g, items) in batches {
+                            c.apply_forward(g, results(&items, 7, false));
+                        }
+                        seen.finished += finishes(&c.drain_outputs()).len();
+                    }
+                }
+                // the cache applies a Step call's parts in this order
+                Call::Settle {
+                    extend: with_extends,
+                } => {
+                    flush(&mut c, &mut cache, &in_flight, &mut seen);
+                    complete(&mut c, &mut cache, &in_flight, &mut seen);
+                    if with_extends {
+                        extend(&mut c, &mut cache, &mut seen);
+                    }
+                }
+                Call::RetryComplete => complete(&mut c, &mut cache, &in_flight, &mut seen),
             }
-        };
-        match order {
-            Order::Overlap => {
-                flush(&mut c, &mut cache, &in_flight, &mut seen);
-                admit(&mut c, &mut cache, &in_flight, &mut seen);
-                if in_flight.is_some() {
-                    finish(&mut c, &mut cache, &mut in_flight, &mut seen);
-                    progressed = true;
-                }
-                extend(&mut c, &mut cache, &mut seen);
-                let batches = c.plan_forward();
-                if !batches.is_empty() {
-                    in_flight = Some((step, batches));
-                    progressed = true;
-                }
-            }
-            Order::Plain => {
-                flush(&mut c, &mut cache, &in_flight, &mut seen);
-                extend(&mut c, &mut cache, &mut seen);
-                admit(&mut c, &mut cache, &in_flight, &mut seen);
-                let batches = c.plan_forward();
-                if !batches.is_empty() {
-                    in_flight = Some((step, batches));
-                    finish(&mut c, &mut cache, &mut in_flight, &mut seen);
-                    progressed = true;
-                }
-            }
-        }
-        if !progressed {
-            complete(&mut c, &mut cache, &in_flight, &mut seen);
         }
     }
     assert!(c.is_quiet() && in_flight.is_none(), "the run did not drain");
