@@ -29,7 +29,7 @@ const WARMUP_SEQ_BASE: SeqId = SeqId(1 << 62);
 
 /// What start-up produced.
 #[derive(Debug, Clone)]
-pub struct Started {
+pub(crate) struct Started {
     /// One group per worker, in the order of the worker addresses.
     pub groups: Vec<GroupGeometry>,
     /// The last step number warm-up used.
@@ -39,7 +39,7 @@ pub struct Started {
 }
 
 /// Describes, registers and warms up every worker within the deadline.
-pub async fn start(
+pub(crate) async fn start(
     config: &Config,
     cache: &CacheClient,
     workers: &[WorkerClient],
@@ -208,7 +208,7 @@ async fn one_tokenizer(
 }
 
 /// The limits the warm-up shapes are built from.
-pub fn limits(config: &Config, group: &GroupGeometry) -> WarmupLimits {
+pub(crate) fn limits(config: &Config, group: &GroupGeometry) -> WarmupLimits {
     WarmupLimits {
         max_context: group.max_context,
         max_tokens: config.max_tokens,

@@ -55,18 +55,16 @@ fn endpoint(
 
 /// What a [`CacheClient::step`] call answered, per part sent.
 #[derive(Debug, Clone)]
-pub struct StepAnswer {
+pub(crate) struct StepAnswer {
     /// Blocks freed at once and blocks fenced by the release.
     pub released: Option<(u64, u64)>,
-    /// Blocks the completion returned to circulation.
-    pub returned: Option<u64>,
     /// One outcome per extend spec, in order (empty without an extend).
     pub extended: Vec<Outcome>,
 }
 
 /// One pool's state figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PoolState {
+pub(crate) struct PoolState {
     pub pool_id: u32,
     pub window: u32,
     pub total: u32,
@@ -79,7 +77,7 @@ pub struct PoolState {
 /// The cache service client, with the session state (`session.rs`) shared
 /// by every clone.
 #[derive(Debug, Clone)]
-pub struct CacheClient {
+pub(crate) struct CacheClient {
     inner: CacheServiceClient<TracedChannel>,
     state: Arc<SessionState>,
 }
@@ -87,7 +85,7 @@ pub struct CacheClient {
 impl CacheClient {
     /// A lazily connecting client of `addr` (over mTLS when `security` has TLS
     /// material); every call times out after `timeout`.
-    pub fn new(addr: &str, security: &Security, timeout: Duration) -> Result<Self> {
+    pub(crate) fn new(addr: &str, security: &Security, timeout: Duration) -> Result<Self> {
         let channel = endpoint("cache", addr, security, Some(timeout), None)?;
         Ok(Self {
             inner: CacheServiceClient::new(traced(channel)),
@@ -96,17 +94,17 @@ impl CacheClient {
     }
 
     /// The session in use.
-    pub fn session(&self) -> Session {
+    pub(crate) fn session(&self) -> Session {
         self.state.session()
     }
 
     /// What the calls so far say about the cache and the session.
-    pub fn state(&self) -> &SessionState {
+    pub(crate) fn state(&self) -> &SessionState {
         &self.state
     }
 
     /// Whether the last call reached the cache service.
-    pub fn is_up(&self) -> bool {
+    pub(crate) fn is_up(&self) -> bool {
         self.state.is_up()
     }
 
@@ -129,7 +127,7 @@ impl CacheClient {
     }
 
     /// Opens a new session (replacing the one held).
-    pub async fn open_session(&self, holder: &str, ttl_ms: u64) -> Result<Session> {
+    pub(crate) async fn open_session(&self, holder: &str, ttl_ms: u64) -> Result<Session> {
         let r = self
             .inner
             .clone()
@@ -149,7 +147,7 @@ impl CacheClient {
         Ok(session)
     }
 
-    pub async fn keep_alive(&self) -> Result<u64> {
+    pub(crate) async fn keep_alive(&self) -> Result<u64> {
         let s = self.session();
         let r = self
             .inner
@@ -162,7 +160,7 @@ impl CacheClient {
         Ok(self.seen("KeepAlive", r)?.ttl_ms)
     }
 
-    pub async fn close_session(&self) -> Result<()> {
+    pub(crate) async fn close_session(&self) -> Result<()> {
         let s = self.session();
         let r = self
             .inner
@@ -177,7 +175,7 @@ impl CacheClient {
 
     /// Registers a group's pools; returns them with their ids, in the order
     /// of `pools` (window, blocks, host-tier blocks).
-    pub async fn register_pool(
+    pub(crate) async fn register_pool(
         &self,
         group: &str,
         tokens_per_block: u32,
@@ -211,7 +209,7 @@ impl CacheClient {
     /// One batched Lease of `step`, taken as `mode` says; one outcome per
     /// spec, in order. `traces[i]` is the `traceparent` of spec i's request
     /// (empty: none).
-    pub async fn lease(
+    pub(crate) async fn lease(
         &self,
         step: Step,
         mode: LeaseMode,
@@ -226,7 +224,7 @@ impl CacheClient {
 
     /// For each wanted request, the context tokens a lease would reuse now in
     /// each of `groups` (in order): the cache's read-only `Match`.
-    pub async fn match_prefixes(
+    pub(crate) async fn match_prefixes(
         &self,
         groups: &[String],
         wanted: &[MatchWanted],
@@ -251,7 +249,7 @@ impl CacheClient {
 
     /// One batched Extend of `step`; one outcome per spec, in order;
     /// `traces` as for [`CacheClient::lease`].
-    pub async fn extend(
+    pub(crate) async fn extend(
         &self,
         step: Step,
         specs: &[ExtendSpec],
@@ -265,7 +263,11 @@ impl CacheClient {
 
     /// Extends sequences by a number of tokens whose ids are not known
     /// (warm-up), all or nothing.
-    pub async fn extend_by(&self, step: Step, items: &[(SeqId, u32)]) -> Result<Vec<Outcome>> {
+    pub(crate) async fn extend_by(
+        &self,
+        step: Step,
+        items: &[(SeqId, u32)],
+    ) -> Result<Vec<Outcome>> {
         let req = convert::extend_by_request(self.session(), step, items);
         let r = self.inner.clone().extend(req).await;
         let r = self.seen("Extend", r)?;
@@ -275,7 +277,7 @@ impl CacheClient {
     /// Releases sequences, fenced at `fence_step` when given; `traces` as for
     /// [`CacheClient::lease`]. Returns the blocks freed now and the blocks
     /// fenced.
-    pub async fn release(
+    pub(crate) async fn release(
         &self,
         seq_ids: &[SeqId],
         fence_step: Option<Step>,
@@ -296,9 +298,8 @@ impl CacheClient {
 
     /// A step's release, completion and extends in one `Step` call (each
     /// part optional, applied in that order). Returns the blocks the release
-    /// freed and fenced, the blocks the completion returned, and one extend
-    /// outcome per spec.
-    pub async fn step(&self, call: StepCall<'_>) -> Result<StepAnswer> {
+    /// freed and fenced, and one extend outcome per spec.
+    pub(crate) async fn step(&self, call: StepCall<'_>) -> Result<StepAnswer> {
         let req = convert::step_request(self.session(), &call);
         let r = self.inner.clone().step(req).await;
         let r = self.seen("Step", r)?;
@@ -311,32 +312,27 @@ impl CacheClient {
             (Some(_), None) => return Err(missing("release")),
             (None, _) => None,
         };
-        let returned = match (call.complete_step, r.complete) {
-            (Some(_), Some(c)) => Some(c.blocks_returned),
-            (Some(_), None) => return Err(missing("complete")),
-            (None, _) => None,
-        };
+        // the loop reads no figure of the completion, only that it was done
+        if call.complete_step.is_some() && r.complete.is_none() {
+            return Err(missing("complete"));
+        }
         let extended = match (call.extend, r.extend) {
             (Some(e), Some(x)) => outcomes("Step", x.outcomes, e.specs.iter().map(|s| s.seq_id))?,
             (Some(_), None) => return Err(missing("extend")),
             (None, _) => Vec::new(),
         };
-        Ok(StepAnswer {
-            released,
-            returned,
-            extended,
-        })
+        Ok(StepAnswer { released, extended })
     }
 
     /// Reports `step` complete; returns the blocks returned to circulation.
-    pub async fn complete_step(&self, step: Step) -> Result<u64> {
+    pub(crate) async fn complete_step(&self, step: Step) -> Result<u64> {
         let req = convert::complete_step_request(self.session(), step);
         let r = self.inner.clone().complete_step(req).await;
         Ok(self.seen("CompleteStep", r)?.blocks_returned)
     }
 
     /// Per shape, per pool: (window, peak blocks, pool blocks), and fits.
-    pub async fn estimate(
+    pub(crate) async fn estimate(
         &self,
         shapes: &[LeaseSpec],
     ) -> Result<Vec<(Vec<(u32, u32, u32)>, bool)>> {
@@ -363,7 +359,7 @@ impl CacheClient {
     }
 
     /// Pool figures of `group` (all groups when empty), as the protocol has them.
-    pub async fn stats_raw(&self, group: &str) -> Result<pb::GetStatsResponse> {
+    pub(crate) async fn stats_raw(&self, group: &str) -> Result<pb::GetStatsResponse> {
         let r = self
             .inner
             .clone()
@@ -375,7 +371,7 @@ impl CacheClient {
     }
 
     /// Pool states of `group`.
-    pub async fn pool_states(&self, group: &str) -> Result<Vec<PoolState>> {
+    pub(crate) async fn pool_states(&self, group: &str) -> Result<Vec<PoolState>> {
         let r = self.stats_raw(group).await?;
         Ok(r.pools
             .iter()
@@ -395,7 +391,7 @@ impl CacheClient {
 
 /// What a worker says about itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WorkerDescription {
+pub(crate) struct WorkerDescription {
     pub model_name: String,
     /// The fingerprint of the model's tokenizer.
     pub tokenizer_fingerprint: String,
@@ -410,7 +406,7 @@ pub struct WorkerDescription {
 
 /// A worker client.
 #[derive(Debug, Clone)]
-pub struct WorkerClient {
+pub(crate) struct WorkerClient {
     addr: String,
     inner: WorkerServiceClient<TracedChannel>,
 }
@@ -420,7 +416,7 @@ impl WorkerClient {
     /// `security` has TLS material). A forward pass has no time limit (a long
     /// prefill is legitimate), but the connection is pinged every
     /// `keepalive`: a call to a worker that stops answering fails after two.
-    pub fn new(addr: &str, security: &Security, keepalive: Duration) -> Result<Self> {
+    pub(crate) fn new(addr: &str, security: &Security, keepalive: Duration) -> Result<Self> {
         let channel = endpoint("worker", addr, security, None, Some(keepalive))?;
         Ok(Self {
             addr: addr.to_string(),
@@ -430,11 +426,11 @@ impl WorkerClient {
         })
     }
 
-    pub fn addr(&self) -> &str {
+    pub(crate) fn addr(&self) -> &str {
         &self.addr
     }
 
-    pub async fn describe(&self) -> Result<WorkerDescription> {
+    pub(crate) async fn describe(&self) -> Result<WorkerDescription> {
         let r = self
             .inner
             .clone()
@@ -461,7 +457,7 @@ impl WorkerClient {
 
     /// The model's tokenizer, which must have `fingerprint`; its parts are
     /// checked against the fingerprint they arrive with.
-    pub async fn get_tokenizer(&self, fingerprint: &str) -> Result<Tokenizer> {
+    pub(crate) async fn get_tokenizer(&self, fingerprint: &str) -> Result<Tokenizer> {
         let r = self
             .inner
             .clone()
@@ -503,7 +499,7 @@ impl WorkerClient {
     }
 
     /// One forward pass of `step`; one result per item, in order.
-    pub async fn forward(
+    pub(crate) async fn forward(
         &self,
         step: Step,
         items: &[ForwardItem],

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 
 /// The session this scheduler holds at the cache.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Session {
+pub(crate) struct Session {
     pub id: SessionId,
     pub epoch: Epoch,
     pub ttl_ms: u64,
@@ -27,14 +27,14 @@ pub struct Session {
 
 impl Session {
     /// The cache's batch limit, if it advertised one.
-    pub fn batch_limit(&self) -> Option<usize> {
+    pub(crate) fn batch_limit(&self) -> Option<usize> {
         (self.max_batch > 0).then_some(self.max_batch as usize)
     }
 }
 
 /// What every clone of a cache client knows about its session.
 #[derive(Debug)]
-pub struct SessionState {
+pub(crate) struct SessionState {
     session: Mutex<Session>,
     up: AtomicBool,
     lost: AtomicBool,
@@ -52,18 +52,18 @@ impl Default for SessionState {
 
 impl SessionState {
     /// The session in use.
-    pub fn session(&self) -> Session {
+    pub(crate) fn session(&self) -> Session {
         *self.session.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Whether the last call reached the cache service.
-    pub fn is_up(&self) -> bool {
+    pub(crate) fn is_up(&self) -> bool {
         self.up.load(Ordering::Relaxed)
     }
 
     /// Whether the cache lost the session: it must be re-opened (and the
     /// pools re-registered) before leases mean anything again.
-    pub fn is_lost(&self) -> bool {
+    pub(crate) fn is_lost(&self) -> bool {
         self.lost.load(Ordering::Relaxed)
     }
 

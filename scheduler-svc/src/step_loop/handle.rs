@@ -15,7 +15,7 @@ use crate::step::Counters;
 /// span of its `Generate` call (the root of the request's trace: the loop
 /// adds its spans under it, see `traces.rs`).
 #[derive(Debug)]
-pub struct Submission {
+pub(crate) struct Submission {
     pub request: Request,
     pub events: mpsc::UnboundedSender<Output>,
     pub trace: tracing::Span,
@@ -23,7 +23,7 @@ pub struct Submission {
 
 /// What `GetStatus` shows of the loop.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct StatusSnapshot {
+pub(crate) struct StatusSnapshot {
     pub queued: u32,
     pub running: u32,
     pub preempted: u32,
@@ -35,7 +35,7 @@ pub struct StatusSnapshot {
 
 /// The service side of the loop: submit requests, read the status.
 #[derive(Debug, Clone)]
-pub struct StepLoopHandle {
+pub(crate) struct StepLoopHandle {
     submit: mpsc::UnboundedSender<Submission>,
     status: watch::Receiver<StatusSnapshot>,
     next_id: Arc<AtomicU64>,
@@ -65,13 +65,13 @@ impl StepLoopHandle {
     }
 
     /// A fresh request id (also its arrival order).
-    pub fn next_request_id(&self) -> RequestId {
+    pub(crate) fn next_request_id(&self) -> RequestId {
         RequestId(self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
     /// Hands a request to the loop; its outputs arrive on the receiver, the
     /// last one being `Output::Finished`. Dropping the receiver cancels it.
-    pub fn submit(
+    pub(crate) fn submit(
         &self,
         request: Request,
         trace: tracing::Span,
@@ -99,7 +99,7 @@ impl StepLoopHandle {
         Ok(rx)
     }
 
-    pub fn status(&self) -> StatusSnapshot {
+    pub(crate) fn status(&self) -> StatusSnapshot {
         self.status.borrow().clone()
     }
 }

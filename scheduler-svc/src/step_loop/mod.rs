@@ -55,11 +55,11 @@ use crate::step::{Call, Core, CoreConfig, Counters, Order, StepPlan};
 use crate::traces::{RequestTraces, StepSampling};
 
 use forward::{BetweenPasses, InFlight};
-pub use handle::{StatusSnapshot, StepLoopHandle, Submission};
+pub(crate) use handle::{StatusSnapshot, StepLoopHandle, Submission};
 
 /// Everything the loop needs besides the core.
 #[derive(Debug, Clone)]
-pub struct StepLoopConfig {
+pub(crate) struct StepLoopConfig {
     pub core: CoreConfig,
     pub overlap: bool,
     pub holder: String,
@@ -76,7 +76,7 @@ pub struct StepLoopConfig {
 
 /// The step loop. Build with [`StepLoop::new`], run with [`StepLoop::run`].
 #[derive(Debug)]
-pub struct StepLoop {
+pub(crate) struct StepLoop {
     core: Core,
     config: StepLoopConfig,
     cache: CacheClient,
@@ -110,7 +110,7 @@ const MAX_BACKOFF: Duration = Duration::from_millis(500);
 
 impl StepLoop {
     /// A loop over `groups` (index i served by `workers[i]`).
-    pub fn new(
+    pub(crate) fn new(
         config: StepLoopConfig,
         groups: Vec<GroupGeometry>,
         cache: CacheClient,
@@ -149,7 +149,7 @@ impl StepLoop {
 
     /// Runs until `shutdown` turns true; then finishes every request
     /// (`CANCELLED`), releases what it holds and closes the session.
-    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
+    pub(crate) async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
         self.publish();
         loop {
             if *shutdown.borrow() {
