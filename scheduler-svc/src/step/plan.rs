@@ -13,6 +13,8 @@
 //!
 //! A step that neither launched nor collected a forward pass ends with a
 //! retry of `CompleteStep` (one the cache did not acknowledge earlier).
+//! Outside a step (before re-opening a lost session, at shutdown), the pass
+//! in flight is finished with [`StepPlan::finish_in_flight`]: collect, settle.
 
 use std::collections::VecDeque;
 
@@ -97,6 +99,17 @@ impl StepPlan {
         }
     }
 
+    /// The calls that finish the forward pass in flight outside a step:
+    /// collect it, then settle it (its releases and completion, no extends).
+    pub fn finish_in_flight() -> Self {
+        Self {
+            order: Order::Plain,
+            calls: VecDeque::from([Call::Collect, Call::Settle { extend: false }]),
+            launching: false,
+            progressed: false,
+        }
+    }
+
     /// The next call to make, or `None` once the step is done. After
     /// [`Call::Launch`], report its answer with [`StepPlan::launched`]
     /// before asking again.
@@ -140,7 +153,10 @@ mod tests {
 
     /// Every call of a plan, `launches` answering `Launch`.
     fn calls(order: Order, in_flight: bool, launches: bool) -> (Vec<Call>, bool) {
-        let mut plan = StepPlan::new(order, in_flight);
+        run(StepPlan::new(order, in_flight), launches)
+    }
+
+    fn run(mut plan: StepPlan, launches: bool) -> (Vec<Call>, bool) {
         let mut calls = Vec::new();
         while let Some(call) = plan.next_call() {
             calls.push(call);
@@ -206,6 +222,14 @@ mod tests {
                 vec![FlushReleases, Extend, Admit, Launch, RetryComplete],
                 false
             )
+        );
+    }
+
+    #[test]
+    fn a_pass_finished_outside_a_step_is_collected_then_settled_without_extends() {
+        assert_eq!(
+            run(StepPlan::finish_in_flight(), true),
+            (vec![Collect, Settle { extend: false }], true)
         );
     }
 

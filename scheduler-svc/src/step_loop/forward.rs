@@ -70,13 +70,6 @@ impl StepLoop {
         true
     }
 
-    /// Waits for a forward pass, applies it, streams its tokens, releases
-    /// what ended (fenced at its step) and completes the step.
-    pub(super) async fn finish_forward(&mut self, f: InFlight) {
-        self.collect_forward(f).await;
-        self.settle(None).await;
-    }
-
     /// Waits for a forward pass, applies its results and streams its tokens.
     /// Returns when the last group's answer arrived.
     pub(super) async fn collect_forward(&mut self, f: InFlight) -> Instant {

@@ -235,9 +235,7 @@ impl StepLoop {
     }
 
     async fn stop(&mut self) {
-        if let Some(f) = self.in_flight.take() {
-            self.finish_forward(f).await;
-        }
+        self.finish_in_flight().await;
         self.take_submissions();
         self.core.cancel_all("the scheduler is shutting down");
         self.route_outputs();
@@ -283,7 +281,23 @@ impl StepLoop {
     async fn step_once(&mut self, step: Step) -> bool {
         self.refused_before = std::mem::take(&mut self.refused);
         let order = Order::from_overlap(self.config.overlap);
-        let mut plan = StepPlan::new(order, self.in_flight.is_some());
+        let plan = StepPlan::new(order, self.in_flight.is_some());
+        self.execute(step, plan).await
+    }
+
+    /// Waits for the forward pass in flight, if any, applies it, streams its
+    /// tokens, releases what ended (fenced at its step) and completes the
+    /// step: the core's [`StepPlan::finish_in_flight`].
+    async fn finish_in_flight(&mut self) {
+        if self.in_flight.is_some() {
+            self.execute(self.core.step(), StepPlan::finish_in_flight())
+                .await;
+        }
+    }
+
+    /// Makes `plan`'s calls for `step`, in its order; returns whether a
+    /// forward pass ran or finished.
+    async fn execute(&mut self, step: Step, mut plan: StepPlan) -> bool {
         let mut between = BetweenPasses::default();
         while let Some(call) = plan.next_call() {
             match call {
@@ -315,9 +329,7 @@ impl StepLoop {
     /// Re-opens the session after the cache lost it, re-registers the pools
     /// and re-leases (recompute) or rejects every live sequence.
     async fn recover(&mut self) {
-        if let Some(f) = self.in_flight.take() {
-            self.finish_forward(f).await;
-        }
+        self.finish_in_flight().await;
         let reopened = keepalive::reopen(
             &self.cache,
             &self.config.holder,
