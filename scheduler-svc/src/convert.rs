@@ -600,6 +600,116 @@ mod tests {
         }
     }
 
+    fn session() -> Session {
+        Session {
+            id: crate::domain::SessionId(7),
+            epoch: crate::domain::Epoch(3),
+            ttl_ms: 1_000,
+            max_batch: 0,
+        }
+    }
+
+    #[test]
+    fn lease_modes_and_ids_reach_the_protocol_unwrapped_here() {
+        let spec = LeaseSpec {
+            seq_id: SeqId(11),
+            request: RequestId(1),
+            pool_group: "g0".into(),
+            prompt_tokens: vec![1, 2, 3],
+            extra: Extra::default(),
+            max_new_tokens: 4,
+            priority: 0,
+            cache_salt: String::new(),
+            reserve_full_life: false,
+            prefill_tokens: 3,
+        };
+        let traces = ["00-t-s-01".to_string()];
+        let admit = lease_request(
+            session(),
+            Step(5),
+            LeaseMode::Admit,
+            std::slice::from_ref(&spec),
+            &traces,
+        );
+        assert_eq!(
+            (
+                admit.session_id,
+                admit.epoch,
+                admit.step,
+                admit.atomic,
+                admit.warmup
+            ),
+            (7, 3, 5, false, false)
+        );
+        assert_eq!(admit.sequences[0].seq_id, 11);
+        assert_eq!(admit.sequences[0].traceparent, "00-t-s-01");
+        let warmup = lease_request(session(), Step(1), LeaseMode::Warmup, &[spec], &[]);
+        assert!(warmup.atomic && warmup.warmup, "warm-up is all or nothing");
+        assert_eq!(warmup.sequences[0].traceparent, "", "no trace: empty");
+
+        let release = release_request(session(), &[SeqId(11)], Some(Step(4)), true, &[]);
+        assert_eq!(
+            (
+                release.seq_ids,
+                release.fence_step,
+                release.discard_unwritten
+            ),
+            (vec![11], Some(4), true)
+        );
+        let call = StepCall {
+            release: None,
+            complete_step: Some(Step(4)),
+            extend: None,
+        };
+        let step = step_request(session(), &call);
+        assert_eq!(
+            (step.complete_step, step.release, step.extend),
+            (Some(4), None, None)
+        );
+        assert_eq!(complete_step_request(session(), Step(9)).step, 9);
+    }
+
+    #[test]
+    fn a_forward_request_carries_each_item_and_the_step_and_its_answer_is_checked() {
+        let item = ForwardItem {
+            seq_id: SeqId(2),
+            tokens: vec![5, 6],
+            start_pos: 8,
+            tables: vec![Table {
+                pool_id: 1,
+                window: 0,
+                first_block: 2,
+                block_ids: vec![4],
+            }],
+            return_all_argmax: true,
+            sampling: Sampling::default(),
+            copies: Vec::new(),
+        };
+        let req = forward_request(Step(6), std::slice::from_ref(&item), &[]);
+        assert_eq!(req.step, 6);
+        let sent = &req.sequences[0];
+        assert_eq!(
+            (sent.seq_id, sent.start_pos, &sent.tokens),
+            (2, 8, &vec![5, 6])
+        );
+        assert_eq!(
+            (sent.tables[0].first_block, &sent.tables[0].block_ids),
+            (2, &vec![4])
+        );
+        let answer = pb::ForwardResult {
+            seq_id: 2,
+            next_token: 9,
+            argmax: vec![9],
+        };
+        let results = forward_results(vec![answer.clone()], 1).unwrap();
+        assert_eq!((results[0].seq_id, results[0].next_token), (SeqId(2), 9));
+        let short = forward_results(vec![answer], 2).unwrap_err();
+        assert!(
+            short.to_string().contains("1 results for 2 sequences"),
+            "{short}"
+        );
+    }
+
     #[test]
     fn validation_names_what_is_wrong() {
         let l = limits();
