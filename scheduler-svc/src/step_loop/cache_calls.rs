@@ -6,8 +6,9 @@
 use tracing::Instrument;
 
 use super::StepLoop;
+use super::report::record_call;
 use crate::domain::{ExtendSpec, LeaseMode, Outcome, Step, StepCall, StepExtend, StepRelease};
-use crate::error::{Error, Result};
+use crate::error::Error;
 use crate::step::{CallFailure, ReleaseBatch};
 
 impl StepLoop {
@@ -337,17 +338,4 @@ fn log_released(batch: &ReleaseBatch, (freed, fenced): (u64, u64)) {
         fence_step = batch.fence_step.map(Step::get),
         "released"
     );
-}
-
-/// Records a call's outcome on its client span: the peer's status code when
-/// it answered one, UNAVAILABLE when it could not be reached.
-pub(super) fn record_call<T>(span: &tracing::Span, result: &Result<T>) {
-    let status = match result {
-        Ok(_) => Ok(()),
-        Err(Error::Rpc { code, message, .. }) => Err(tonic::Status::new(*code, message.clone())),
-        Err(e @ Error::CacheUnavailable(_)) => Err(tonic::Status::unavailable(e.to_string())),
-        Err(e @ Error::SessionLost(_)) => Err(tonic::Status::failed_precondition(e.to_string())),
-        Err(e) => Err(tonic::Status::unknown(e.to_string())),
-    };
-    kvlease_telemetry::record_client_result(span, &status);
 }

@@ -8,7 +8,7 @@ use tokio::task::JoinHandle;
 use tracing::Instrument;
 
 use super::StepLoop;
-use super::cache_calls::record_call;
+use super::report::record_call;
 use crate::domain::{ForwardResult, SeqId, Step};
 use crate::error::Result;
 
@@ -32,6 +32,9 @@ impl std::fmt::Debug for InFlight {
 }
 
 impl StepLoop {
+    /// Launches the step's forward batches, one task per group (with the
+    /// host-tier copies of the group's step); returns whether any was
+    /// launched.
     pub(super) fn launch(&mut self, step: Step) -> bool {
         let batches = self.core.plan_forward();
         if batches.is_empty() {

@@ -1,9 +1,11 @@
 //! What the step loop reports: outputs to the request streams, the
-//! preemptions and refusals of a step into its traces and metrics, and the
-//! status snapshot `GetStatus` reads.
+//! preemptions and refusals of a step into its traces and metrics, each
+//! call's outcome on its client span, and the status snapshot `GetStatus`
+//! reads.
 
 use super::{StatusSnapshot, StepLoop};
 use crate::domain::{Outcome, Output};
+use crate::error::{Error, Result};
 
 impl StepLoop {
     pub(super) fn route_outputs(&mut self) {
@@ -75,4 +77,17 @@ impl StepLoop {
             changed
         });
     }
+}
+
+/// Records a call's outcome on its client span: the peer's status code when
+/// it answered one, UNAVAILABLE when it could not be reached.
+pub(super) fn record_call<T>(span: &tracing::Span, result: &Result<T>) {
+    let status = match result {
+        Ok(_) => Ok(()),
+        Err(Error::Rpc { code, message, .. }) => Err(tonic::Status::new(*code, message.clone())),
+        Err(e @ Error::CacheUnavailable(_)) => Err(tonic::Status::unavailable(e.to_string())),
+        Err(e @ Error::SessionLost(_)) => Err(tonic::Status::failed_precondition(e.to_string())),
+        Err(e) => Err(tonic::Status::unknown(e.to_string())),
+    };
+    kvlease_telemetry::record_client_result(span, &status);
 }
