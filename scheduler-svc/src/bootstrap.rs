@@ -13,10 +13,11 @@ use kvlease_tokenizer::Tokenizer;
 use crate::client::{CacheClient, WorkerClient, WorkerDescription};
 use crate::config::Config;
 use crate::domain::{
-    ForwardItem, GroupGeometry, LeaseSpec, Outcome, RequestId, SeqId, Table, TierCopy,
+    ForwardItem, GroupGeometry, LeaseMode, LeaseSpec, Outcome, RequestId, SeqId, Step, Table,
+    TierCopy,
 };
 use crate::error::{Error, Result};
-use crate::session;
+use crate::keepalive;
 use crate::warmup::{self, WarmupLimits, WarmupShape};
 
 /// How long past a session's TTL the cache may take to reclaim it (its
@@ -28,17 +29,17 @@ const WARMUP_SEQ_BASE: SeqId = SeqId(1 << 62);
 
 /// What start-up produced.
 #[derive(Debug, Clone)]
-pub struct Started {
+pub(crate) struct Started {
     /// One group per worker, in the order of the worker addresses.
     pub groups: Vec<GroupGeometry>,
     /// The last step number warm-up used.
-    pub last_step: u64,
+    pub last_step: Step,
     /// The models' tokenizer (every worker's is the same).
     pub tokenizer: Tokenizer,
 }
 
 /// Describes, registers and warms up every worker within the deadline.
-pub async fn start(
+pub(crate) async fn start(
     config: &Config,
     cache: &CacheClient,
     workers: &[WorkerClient],
@@ -50,7 +51,7 @@ pub async fn start(
     let run = async {
         tokio::select! {
             started = start => started,
-            never = session::keep_alive_while_awaited(cache) => match never {},
+            never = keepalive::keep_alive_while_awaited(cache) => match never {},
         }
     };
     match tokio::time::timeout(config.warmup_deadline(), run).await {
@@ -82,7 +83,7 @@ async fn start_inner(
     }
     let tokenizer = one_tokenizer(workers, &descriptions).await?;
     let mut groups = Vec::with_capacity(workers.len());
-    let mut step = 0u64;
+    let mut step = Step(0);
     let mut next_seq = WARMUP_SEQ_BASE;
     for (i, (worker, d)) in workers.iter().zip(descriptions).enumerate() {
         if d.pools.is_empty() || d.tokens_per_block == 0 {
@@ -207,7 +208,7 @@ async fn one_tokenizer(
 }
 
 /// The limits the warm-up shapes are built from.
-pub fn limits(config: &Config, group: &GroupGeometry) -> WarmupLimits {
+pub(crate) fn limits(config: &Config, group: &GroupGeometry) -> WarmupLimits {
     WarmupLimits {
         max_context: group.max_context,
         max_tokens: config.max_tokens,
@@ -229,7 +230,7 @@ async fn warm_up(
     cache: &CacheClient,
     worker: &WorkerClient,
     group: &GroupGeometry,
-    step: &mut u64,
+    step: &mut Step,
     next_seq: &mut SeqId,
     held: &Mutex<Vec<SeqId>>,
 ) -> Result<()> {
@@ -284,7 +285,7 @@ async fn warm_up(
                 }
             }
         }
-        *step += 1;
+        *step = step.next();
         let ids: Vec<SeqId> = specs.iter().map(|s| s.seq_id).collect();
         held.lock().unwrap_or_else(|e| e.into_inner()).extend(&ids);
         let outcome = run_shape(config, cache, worker, group, shape, &specs, step).await;
@@ -321,14 +322,14 @@ async fn run_shape(
     group: &GroupGeometry,
     shape: &WarmupShape,
     specs: &[LeaseSpec],
-    step: &mut u64,
+    step: &mut Step,
 ) -> Result<()> {
     // A shape wider than the cache's batch limit is leased in several
     // atomic calls: all or nothing per call. A refusal of any still fails
     // the shape, and the caller releases every sequence of it either way.
     let mut outcomes = Vec::with_capacity(specs.len());
     for chunk in specs.chunks(batch_limit(cache)) {
-        let answered = cache.lease(*step, true, true, chunk, &[]).await?;
+        let answered = cache.lease(*step, LeaseMode::Warmup, chunk, &[]).await?;
         let refused = answered.iter().any(|o| matches!(o, Outcome::Reject(_)));
         outcomes.extend(answered);
         if refused {
@@ -391,7 +392,7 @@ async fn run_shape(
             .collect();
         let copies = std::mem::take(&mut tier_copies);
         forward_batched(worker, group, step_tokens, *step, &items, &copies).await?;
-        *step += 1;
+        *step = step.next();
         pos += len;
     }
     // one decode step feeding a token and the drafts into the reserved slots
@@ -445,7 +446,7 @@ fn batch_limit(cache: &CacheClient) -> usize {
 
 /// Releases `ids` (fenced at `fence`) in calls of at most the cache's batch
 /// limit; every call is tried, and the first failure is returned.
-async fn release_all(cache: &CacheClient, ids: &[SeqId], fence: Option<u64>) -> Result<()> {
+async fn release_all(cache: &CacheClient, ids: &[SeqId], fence: Option<Step>) -> Result<()> {
     let mut first_failure = Ok(());
     for chunk in ids.chunks(batch_limit(cache)) {
         if let Err(e) = cache.release(chunk, fence, false, &[]).await
@@ -463,7 +464,7 @@ async fn forward_batched(
     worker: &WorkerClient,
     group: &GroupGeometry,
     step_tokens: u32,
-    step: u64,
+    step: Step,
     items: &[ForwardItem],
     tier_copies: &[TierCopy],
 ) -> Result<()> {

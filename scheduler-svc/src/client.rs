@@ -14,10 +14,10 @@ use kvlease_telemetry::{TracedChannel, traced};
 use kvlease_tokenizer::{Specials, Tokenizer, TokenizerKind, TokenizerParts};
 use tonic::transport::Channel;
 
-use crate::convert::{match_results, outcomes, sequence_spec};
+use crate::convert::{self, match_results, outcomes, release_counts, sequence_spec};
 use crate::domain::{
-    Epoch, ExtendSpec, ForwardItem, ForwardResult, LeaseSpec, Outcome, PoolGeometry, SeqId,
-    SessionId, TierCopy,
+    Epoch, ExtendSpec, ForwardItem, ForwardResult, LeaseMode, LeaseSpec, Outcome, PoolGeometry,
+    SeqId, SessionId, Step, StepCall, TierCopy,
 };
 use crate::error::{Error, Result};
 use crate::session::{Session, SessionState};
@@ -53,76 +53,18 @@ fn endpoint(
     Ok(ep.connect_lazy())
 }
 
-/// Item `i`'s trace context among `traces` (the W3C `traceparent` of its
-/// request, which a batched cache call carries per item); empty when there is
-/// none, e.g. warm-up calls that pass no traces.
-fn item_trace(traces: &[String], i: usize) -> String {
-    traces.get(i).cloned().unwrap_or_default()
-}
-
-/// Extend items for `specs`, with their `traces` as for [`CacheClient::lease`].
-fn extend_items(specs: &[ExtendSpec], traces: &[String]) -> Vec<pb::ExtendItem> {
-    specs
-        .iter()
-        .enumerate()
-        .map(|(i, e)| pb::ExtendItem {
-            seq_id: e.seq_id.get(),
-            new_tokens: e.new_tokens.clone(),
-            num_tokens: 0,
-            traceparent: item_trace(traces, i),
-            written_tokens: e.written_tokens,
-        })
-        .collect()
-}
-
-/// Blocks a release freed at once and blocks it fenced.
-fn release_counts(r: &pb::ReleaseResponse) -> (u64, u64) {
-    let freed = r.results.iter().map(|x| u64::from(x.blocks_freed)).sum();
-    let fenced = r.results.iter().map(|x| u64::from(x.blocks_fenced)).sum();
-    (freed, fenced)
-}
-
-/// The parts of a [`CacheClient::step`] call.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct StepCall<'a> {
-    pub release: Option<StepRelease<'a>>,
-    pub complete_step: Option<u64>,
-    pub extend: Option<StepExtend<'a>>,
-}
-
-/// Sequences to release, fenced at `fence_step` when given, with their
-/// requests' `traceparent`s.
-#[derive(Debug, Clone, Copy)]
-pub struct StepRelease<'a> {
-    pub seq_ids: &'a [SeqId],
-    pub fence_step: Option<u64>,
-    /// See `ReleaseRequest.discard_unwritten`.
-    pub discard_unwritten: bool,
-    pub traces: &'a [String],
-}
-
-/// The extends of `step`, with their requests' `traceparent`s.
-#[derive(Debug, Clone, Copy)]
-pub struct StepExtend<'a> {
-    pub step: u64,
-    pub specs: &'a [ExtendSpec],
-    pub traces: &'a [String],
-}
-
 /// What a [`CacheClient::step`] call answered, per part sent.
 #[derive(Debug, Clone)]
-pub struct StepAnswer {
+pub(crate) struct StepAnswer {
     /// Blocks freed at once and blocks fenced by the release.
     pub released: Option<(u64, u64)>,
-    /// Blocks the completion returned to circulation.
-    pub returned: Option<u64>,
     /// One outcome per extend spec, in order (empty without an extend).
     pub extended: Vec<Outcome>,
 }
 
 /// One pool's state figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PoolState {
+pub(crate) struct PoolState {
     pub pool_id: u32,
     pub window: u32,
     pub total: u32,
@@ -135,7 +77,7 @@ pub struct PoolState {
 /// The cache service client, with the session state (`session.rs`) shared
 /// by every clone.
 #[derive(Debug, Clone)]
-pub struct CacheClient {
+pub(crate) struct CacheClient {
     inner: CacheServiceClient<TracedChannel>,
     state: Arc<SessionState>,
 }
@@ -143,7 +85,7 @@ pub struct CacheClient {
 impl CacheClient {
     /// A lazily connecting client of `addr` (over mTLS when `security` has TLS
     /// material); every call times out after `timeout`.
-    pub fn new(addr: &str, security: &Security, timeout: Duration) -> Result<Self> {
+    pub(crate) fn new(addr: &str, security: &Security, timeout: Duration) -> Result<Self> {
         let channel = endpoint("cache", addr, security, Some(timeout), None)?;
         Ok(Self {
             inner: CacheServiceClient::new(traced(channel)),
@@ -152,17 +94,17 @@ impl CacheClient {
     }
 
     /// The session in use.
-    pub fn session(&self) -> Session {
+    pub(crate) fn session(&self) -> Session {
         self.state.session()
     }
 
     /// What the calls so far say about the cache and the session.
-    pub fn state(&self) -> &SessionState {
+    pub(crate) fn state(&self) -> &SessionState {
         &self.state
     }
 
     /// Whether the last call reached the cache service.
-    pub fn is_up(&self) -> bool {
+    pub(crate) fn is_up(&self) -> bool {
         self.state.is_up()
     }
 
@@ -185,7 +127,7 @@ impl CacheClient {
     }
 
     /// Opens a new session (replacing the one held).
-    pub async fn open_session(&self, holder: &str, ttl_ms: u64) -> Result<Session> {
+    pub(crate) async fn open_session(&self, holder: &str, ttl_ms: u64) -> Result<Session> {
         let r = self
             .inner
             .clone()
@@ -205,7 +147,7 @@ impl CacheClient {
         Ok(session)
     }
 
-    pub async fn keep_alive(&self) -> Result<u64> {
+    pub(crate) async fn keep_alive(&self) -> Result<u64> {
         let s = self.session();
         let r = self
             .inner
@@ -218,7 +160,7 @@ impl CacheClient {
         Ok(self.seen("KeepAlive", r)?.ttl_ms)
     }
 
-    pub async fn close_session(&self) -> Result<()> {
+    pub(crate) async fn close_session(&self) -> Result<()> {
         let s = self.session();
         let r = self
             .inner
@@ -233,7 +175,7 @@ impl CacheClient {
 
     /// Registers a group's pools; returns them with their ids, in the order
     /// of `pools` (window, blocks, host-tier blocks).
-    pub async fn register_pool(
+    pub(crate) async fn register_pool(
         &self,
         group: &str,
         tokens_per_block: u32,
@@ -264,29 +206,17 @@ impl CacheClient {
             .collect())
     }
 
-    /// One batched Lease; one outcome per spec, in order. `traces[i]` is the
-    /// `traceparent` of spec i's request (empty: none).
-    pub async fn lease(
+    /// One batched Lease of `step`, taken as `mode` says; one outcome per
+    /// spec, in order. `traces[i]` is the `traceparent` of spec i's request
+    /// (empty: none).
+    pub(crate) async fn lease(
         &self,
-        step: u64,
-        atomic: bool,
-        warmup: bool,
+        step: Step,
+        mode: LeaseMode,
         specs: &[LeaseSpec],
         traces: &[String],
     ) -> Result<Vec<Outcome>> {
-        let s = self.session();
-        let req = pb::LeaseRequest {
-            session_id: s.id.get(),
-            epoch: s.epoch.get(),
-            step,
-            atomic,
-            warmup,
-            sequences: specs
-                .iter()
-                .enumerate()
-                .map(|(i, spec)| sequence_spec(spec, item_trace(traces, i)))
-                .collect(),
-        };
+        let req = convert::lease_request(self.session(), step, mode, specs, traces);
         let r = self.inner.clone().lease(req).await;
         let r = self.seen("Lease", r)?;
         outcomes("Lease", r.outcomes, specs.iter().map(|s| s.seq_id))
@@ -294,7 +224,7 @@ impl CacheClient {
 
     /// For each wanted request, the context tokens a lease would reuse now in
     /// each of `groups` (in order): the cache's read-only `Match`.
-    pub async fn match_prefixes(
+    pub(crate) async fn match_prefixes(
         &self,
         groups: &[String],
         wanted: &[MatchWanted],
@@ -317,47 +247,28 @@ impl CacheClient {
         match_results(r.results, wanted.len(), groups.len())
     }
 
-    /// One batched Extend; one outcome per spec, in order; `traces` as for
-    /// [`CacheClient::lease`].
-    pub async fn extend(
+    /// One batched Extend of `step`; one outcome per spec, in order;
+    /// `traces` as for [`CacheClient::lease`].
+    pub(crate) async fn extend(
         &self,
-        step: u64,
+        step: Step,
         specs: &[ExtendSpec],
         traces: &[String],
     ) -> Result<Vec<Outcome>> {
-        let s = self.session();
-        let req = pb::ExtendRequest {
-            session_id: s.id.get(),
-            epoch: s.epoch.get(),
-            step,
-            atomic: false,
-            items: extend_items(specs, traces),
-        };
+        let req = convert::extend_request(self.session(), step, specs, traces);
         let r = self.inner.clone().extend(req).await;
         let r = self.seen("Extend", r)?;
         outcomes("Extend", r.outcomes, specs.iter().map(|s| s.seq_id))
     }
 
     /// Extends sequences by a number of tokens whose ids are not known
-    /// (warm-up).
-    pub async fn extend_by(&self, step: u64, items: &[(SeqId, u32)]) -> Result<Vec<Outcome>> {
-        let s = self.session();
-        let req = pb::ExtendRequest {
-            session_id: s.id.get(),
-            epoch: s.epoch.get(),
-            step,
-            atomic: true,
-            items: items
-                .iter()
-                .map(|&(seq_id, n)| pb::ExtendItem {
-                    seq_id: seq_id.get(),
-                    new_tokens: Vec::new(),
-                    num_tokens: n,
-                    traceparent: String::new(),
-                    written_tokens: 0,
-                })
-                .collect(),
-        };
+    /// (warm-up), all or nothing.
+    pub(crate) async fn extend_by(
+        &self,
+        step: Step,
+        items: &[(SeqId, u32)],
+    ) -> Result<Vec<Outcome>> {
+        let req = convert::extend_by_request(self.session(), step, items);
         let r = self.inner.clone().extend(req).await;
         let r = self.seen("Extend", r)?;
         outcomes("Extend", r.outcomes, items.iter().map(|i| i.0))
@@ -366,22 +277,20 @@ impl CacheClient {
     /// Releases sequences, fenced at `fence_step` when given; `traces` as for
     /// [`CacheClient::lease`]. Returns the blocks freed now and the blocks
     /// fenced.
-    pub async fn release(
+    pub(crate) async fn release(
         &self,
         seq_ids: &[SeqId],
-        fence_step: Option<u64>,
+        fence_step: Option<Step>,
         discard_unwritten: bool,
         traces: &[String],
     ) -> Result<(u64, u64)> {
-        let s = self.session();
-        let req = pb::ReleaseRequest {
-            session_id: s.id.get(),
-            epoch: s.epoch.get(),
-            seq_ids: seq_ids.iter().map(|s| s.get()).collect(),
+        let req = convert::release_request(
+            self.session(),
+            seq_ids,
             fence_step,
-            traceparents: traces.to_vec(),
             discard_unwritten,
-        };
+            traces,
+        );
         let r = self.inner.clone().release(req).await;
         let r = self.seen("Release", r)?;
         Ok(release_counts(&r))
@@ -389,26 +298,9 @@ impl CacheClient {
 
     /// A step's release, completion and extends in one `Step` call (each
     /// part optional, applied in that order). Returns the blocks the release
-    /// freed and fenced, the blocks the completion returned, and one extend
-    /// outcome per spec.
-    pub async fn step(&self, call: StepCall<'_>) -> Result<StepAnswer> {
-        let s = self.session();
-        let req = pb::StepRequest {
-            session_id: s.id.get(),
-            epoch: s.epoch.get(),
-            release: call.release.map(|r| pb::StepRelease {
-                seq_ids: r.seq_ids.iter().map(|s| s.get()).collect(),
-                fence_step: r.fence_step,
-                traceparents: r.traces.to_vec(),
-                discard_unwritten: r.discard_unwritten,
-            }),
-            complete_step: call.complete_step,
-            extend: call.extend.map(|e| pb::StepExtend {
-                step: e.step,
-                atomic: false,
-                items: extend_items(e.specs, e.traces),
-            }),
-        };
+    /// freed and fenced, and one extend outcome per spec.
+    pub(crate) async fn step(&self, call: StepCall<'_>) -> Result<StepAnswer> {
+        let req = convert::step_request(self.session(), &call);
         let r = self.inner.clone().step(req).await;
         let r = self.seen("Step", r)?;
         let missing = |part: &str| Error::Protocol {
@@ -420,37 +312,27 @@ impl CacheClient {
             (Some(_), None) => return Err(missing("release")),
             (None, _) => None,
         };
-        let returned = match (call.complete_step, r.complete) {
-            (Some(_), Some(c)) => Some(c.blocks_returned),
-            (Some(_), None) => return Err(missing("complete")),
-            (None, _) => None,
-        };
+        // the loop reads no figure of the completion, only that it was done
+        if call.complete_step.is_some() && r.complete.is_none() {
+            return Err(missing("complete"));
+        }
         let extended = match (call.extend, r.extend) {
             (Some(e), Some(x)) => outcomes("Step", x.outcomes, e.specs.iter().map(|s| s.seq_id))?,
             (Some(_), None) => return Err(missing("extend")),
             (None, _) => Vec::new(),
         };
-        Ok(StepAnswer {
-            released,
-            returned,
-            extended,
-        })
+        Ok(StepAnswer { released, extended })
     }
 
     /// Reports `step` complete; returns the blocks returned to circulation.
-    pub async fn complete_step(&self, step: u64) -> Result<u64> {
-        let s = self.session();
-        let req = pb::CompleteStepRequest {
-            session_id: s.id.get(),
-            epoch: s.epoch.get(),
-            step,
-        };
+    pub(crate) async fn complete_step(&self, step: Step) -> Result<u64> {
+        let req = convert::complete_step_request(self.session(), step);
         let r = self.inner.clone().complete_step(req).await;
         Ok(self.seen("CompleteStep", r)?.blocks_returned)
     }
 
     /// Per shape, per pool: (window, peak blocks, pool blocks), and fits.
-    pub async fn estimate(
+    pub(crate) async fn estimate(
         &self,
         shapes: &[LeaseSpec],
     ) -> Result<Vec<(Vec<(u32, u32, u32)>, bool)>> {
@@ -477,7 +359,7 @@ impl CacheClient {
     }
 
     /// Pool figures of `group` (all groups when empty), as the protocol has them.
-    pub async fn stats_raw(&self, group: &str) -> Result<pb::GetStatsResponse> {
+    pub(crate) async fn stats_raw(&self, group: &str) -> Result<pb::GetStatsResponse> {
         let r = self
             .inner
             .clone()
@@ -489,7 +371,7 @@ impl CacheClient {
     }
 
     /// Pool states of `group`.
-    pub async fn pool_states(&self, group: &str) -> Result<Vec<PoolState>> {
+    pub(crate) async fn pool_states(&self, group: &str) -> Result<Vec<PoolState>> {
         let r = self.stats_raw(group).await?;
         Ok(r.pools
             .iter()
@@ -509,7 +391,7 @@ impl CacheClient {
 
 /// What a worker says about itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WorkerDescription {
+pub(crate) struct WorkerDescription {
     pub model_name: String,
     /// The fingerprint of the model's tokenizer.
     pub tokenizer_fingerprint: String,
@@ -524,7 +406,7 @@ pub struct WorkerDescription {
 
 /// A worker client.
 #[derive(Debug, Clone)]
-pub struct WorkerClient {
+pub(crate) struct WorkerClient {
     addr: String,
     inner: WorkerServiceClient<TracedChannel>,
 }
@@ -534,7 +416,7 @@ impl WorkerClient {
     /// `security` has TLS material). A forward pass has no time limit (a long
     /// prefill is legitimate), but the connection is pinged every
     /// `keepalive`: a call to a worker that stops answering fails after two.
-    pub fn new(addr: &str, security: &Security, keepalive: Duration) -> Result<Self> {
+    pub(crate) fn new(addr: &str, security: &Security, keepalive: Duration) -> Result<Self> {
         let channel = endpoint("worker", addr, security, None, Some(keepalive))?;
         Ok(Self {
             addr: addr.to_string(),
@@ -544,11 +426,11 @@ impl WorkerClient {
         })
     }
 
-    pub fn addr(&self) -> &str {
+    pub(crate) fn addr(&self) -> &str {
         &self.addr
     }
 
-    pub async fn describe(&self) -> Result<WorkerDescription> {
+    pub(crate) async fn describe(&self) -> Result<WorkerDescription> {
         let r = self
             .inner
             .clone()
@@ -575,7 +457,7 @@ impl WorkerClient {
 
     /// The model's tokenizer, which must have `fingerprint`; its parts are
     /// checked against the fingerprint they arrive with.
-    pub async fn get_tokenizer(&self, fingerprint: &str) -> Result<Tokenizer> {
+    pub(crate) async fn get_tokenizer(&self, fingerprint: &str) -> Result<Tokenizer> {
         let r = self
             .inner
             .clone()
@@ -616,56 +498,14 @@ impl WorkerClient {
         Ok(tokenizer)
     }
 
-    /// One forward pass; one result per item, in order.
-    pub async fn forward(
+    /// One forward pass of `step`; one result per item, in order.
+    pub(crate) async fn forward(
         &self,
-        step: u64,
+        step: Step,
         items: &[ForwardItem],
         tier_copies: &[TierCopy],
     ) -> Result<Vec<ForwardResult>> {
-        let req = pb::ForwardRequest {
-            tier_copies: tier_copies
-                .iter()
-                .map(crate::convert::tier_copy_to_pb)
-                .collect(),
-            step,
-            sequences: items
-                .iter()
-                .map(|i| pb::ForwardSequence {
-                    seq_id: i.seq_id.get(),
-                    tokens: i.tokens.clone(),
-                    start_pos: i.start_pos,
-                    tables: i
-                        .tables
-                        .iter()
-                        .map(|t| pb::BlockTable {
-                            pool_id: t.pool_id,
-                            window: t.window,
-                            beam: 0,
-                            first_block: t.first_block,
-                            block_ids: t.block_ids.clone(),
-                        })
-                        .collect(),
-                    return_all_argmax: i.return_all_argmax,
-                    sampling: Some(pb::SamplingParams {
-                        temperature: i.sampling.temperature,
-                        top_p: i.sampling.top_p,
-                        seed: i.sampling.seed,
-                    }),
-                    copies: i
-                        .copies
-                        .iter()
-                        .map(|c| pb::BlockCopy {
-                            pool_id: c.pool_id,
-                            window: c.window,
-                            src_block: c.src_block,
-                            dst_block: c.dst_block,
-                            tokens: c.tokens,
-                        })
-                        .collect(),
-                })
-                .collect(),
-        };
+        let req = convert::forward_request(step, items, tier_copies);
         let r = self
             .inner
             .clone()
@@ -673,23 +513,6 @@ impl WorkerClient {
             .await
             .map_err(|s| Error::from_worker("Forward", &s))?
             .into_inner();
-        if r.results.len() != items.len() {
-            return Err(Error::Protocol {
-                peer: "worker",
-                message: format!(
-                    "Forward answered {} results for {} sequences",
-                    r.results.len(),
-                    items.len()
-                ),
-            });
-        }
-        Ok(r.results
-            .into_iter()
-            .map(|x| ForwardResult {
-                seq_id: SeqId(x.seq_id),
-                next_token: x.next_token,
-                argmax: x.argmax,
-            })
-            .collect())
+        convert::forward_results(r.results, items.len())
     }
 }

@@ -5,14 +5,26 @@
 use kvlease_proto::v1 as pb;
 
 use crate::domain::{
-    Extra, Grant, LeaseSpec, Outcome, Reject, RejectReason, RequestId, Sampling, SeqId, Table,
+    ExtendSpec, Extra, ForwardItem, ForwardResult, Grant, LeaseMode, LeaseSpec, Outcome, Reject,
+    RejectReason, RequestId, Sampling, SeqId, Step, StepCall, Table, TierCopy,
 };
 use crate::error::{Error, Result};
 use crate::queue::Request;
-use crate::service::Limits;
+use crate::session::Session;
 use kvlease_tokenizer::{Message, Tokenizer};
 
 // === the Scheduler API ===
+
+/// Limits a request is validated against.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Limits {
+    /// Largest `max_tokens`.
+    pub(crate) max_tokens: u32,
+    /// Largest prompt + `max_tokens`.
+    pub(crate) max_context: u32,
+    /// Token ids must be below this.
+    pub(crate) vocab_size: u32,
+}
 
 const MAX_LABEL: usize = 256;
 /// Limits on stop strings: how many, and the bytes of each.
@@ -169,6 +181,142 @@ pub(crate) fn validate(
 
 // === the cache's messages ===
 
+/// Item `i`'s trace context among `traces` (the W3C `traceparent` of its
+/// request, which a batched cache call carries per item); empty when there is
+/// none, e.g. warm-up calls that pass no traces.
+fn item_trace(traces: &[String], i: usize) -> String {
+    traces.get(i).cloned().unwrap_or_default()
+}
+
+pub(crate) fn lease_request(
+    session: Session,
+    step: Step,
+    mode: LeaseMode,
+    specs: &[LeaseSpec],
+    traces: &[String],
+) -> pb::LeaseRequest {
+    let warmup = mode == LeaseMode::Warmup;
+    pb::LeaseRequest {
+        session_id: session.id.get(),
+        epoch: session.epoch.get(),
+        step: step.get(),
+        // warm-up leases a shape whole or not at all
+        atomic: warmup,
+        warmup,
+        sequences: specs
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| sequence_spec(spec, item_trace(traces, i)))
+            .collect(),
+    }
+}
+
+/// Extend items for `specs`, with their `traces` as for [`lease_request`].
+fn extend_items(specs: &[ExtendSpec], traces: &[String]) -> Vec<pb::ExtendItem> {
+    specs
+        .iter()
+        .enumerate()
+        .map(|(i, e)| pb::ExtendItem {
+            seq_id: e.seq_id.get(),
+            new_tokens: e.new_tokens.clone(),
+            num_tokens: 0,
+            traceparent: item_trace(traces, i),
+            written_tokens: e.written_tokens,
+        })
+        .collect()
+}
+
+pub(crate) fn extend_request(
+    session: Session,
+    step: Step,
+    specs: &[ExtendSpec],
+    traces: &[String],
+) -> pb::ExtendRequest {
+    pb::ExtendRequest {
+        session_id: session.id.get(),
+        epoch: session.epoch.get(),
+        step: step.get(),
+        atomic: false,
+        items: extend_items(specs, traces),
+    }
+}
+
+/// An all-or-nothing extend of each sequence by a number of tokens whose
+/// ids are not known (warm-up).
+pub(crate) fn extend_by_request(
+    session: Session,
+    step: Step,
+    items: &[(SeqId, u32)],
+) -> pb::ExtendRequest {
+    pb::ExtendRequest {
+        session_id: session.id.get(),
+        epoch: session.epoch.get(),
+        step: step.get(),
+        atomic: true,
+        items: items
+            .iter()
+            .map(|&(seq_id, n)| pb::ExtendItem {
+                seq_id: seq_id.get(),
+                new_tokens: Vec::new(),
+                num_tokens: n,
+                traceparent: String::new(),
+                written_tokens: 0,
+            })
+            .collect(),
+    }
+}
+
+pub(crate) fn release_request(
+    session: Session,
+    seq_ids: &[SeqId],
+    fence_step: Option<Step>,
+    discard_unwritten: bool,
+    traces: &[String],
+) -> pb::ReleaseRequest {
+    pb::ReleaseRequest {
+        session_id: session.id.get(),
+        epoch: session.epoch.get(),
+        seq_ids: seq_ids.iter().map(|s| s.get()).collect(),
+        fence_step: fence_step.map(Step::get),
+        traceparents: traces.to_vec(),
+        discard_unwritten,
+    }
+}
+
+pub(crate) fn step_request(session: Session, call: &StepCall<'_>) -> pb::StepRequest {
+    pb::StepRequest {
+        session_id: session.id.get(),
+        epoch: session.epoch.get(),
+        release: call.release.map(|r| pb::StepRelease {
+            seq_ids: r.seq_ids.iter().map(|s| s.get()).collect(),
+            fence_step: r.fence_step.map(Step::get),
+            traceparents: r.traces.to_vec(),
+            discard_unwritten: r.discard_unwritten,
+        }),
+        complete_step: call.complete_step.map(Step::get),
+        extend: call.extend.map(|e| pb::StepExtend {
+            step: e.step.get(),
+            atomic: false,
+            items: extend_items(e.specs, e.traces),
+        }),
+    }
+}
+
+pub(crate) fn complete_step_request(session: Session, step: Step) -> pb::CompleteStepRequest {
+    pb::CompleteStepRequest {
+        session_id: session.id.get(),
+        epoch: session.epoch.get(),
+        step: step.get(),
+    }
+}
+
+/// Blocks a release freed at once and blocks it fenced.
+pub(crate) fn release_counts(r: &pb::ReleaseResponse) -> (u64, u64) {
+    let freed = r.results.iter().map(|x| u64::from(x.blocks_freed)).sum();
+    let fenced = r.results.iter().map(|x| u64::from(x.blocks_fenced)).sum();
+    (freed, fenced)
+}
+
 pub(crate) fn sequence_spec(s: &LeaseSpec, traceparent: String) -> pb::SequenceSpec {
     pb::SequenceSpec {
         seq_id: s.seq_id.get(),
@@ -256,8 +404,8 @@ pub(crate) fn grant(g: pb::Grant, seq_id: SeqId) -> Grant {
     }
 }
 
-fn tier_copy_from_pb(c: &pb::TierCopy) -> crate::domain::TierCopy {
-    crate::domain::TierCopy {
+fn tier_copy_from_pb(c: &pb::TierCopy) -> TierCopy {
+    TierCopy {
         pool_id: c.pool_id,
         window: c.window,
         // DEMOTE is 0: an unknown direction reads as it, like any proto3 enum.
@@ -267,7 +415,7 @@ fn tier_copy_from_pb(c: &pb::TierCopy) -> crate::domain::TierCopy {
     }
 }
 
-pub(crate) fn tier_copy_to_pb(c: &crate::domain::TierCopy) -> pb::TierCopy {
+fn tier_copy_to_pb(c: &TierCopy) -> pb::TierCopy {
     let direction = if c.demote {
         pb::tier_copy::Direction::Demote
     } else {
@@ -323,6 +471,81 @@ pub(crate) fn reject_to_proto(r: &Reject) -> pb::Reject {
     }
 }
 
+// === the workers' messages ===
+
+pub(crate) fn forward_request(
+    step: Step,
+    items: &[ForwardItem],
+    tier_copies: &[TierCopy],
+) -> pb::ForwardRequest {
+    pb::ForwardRequest {
+        tier_copies: tier_copies.iter().map(tier_copy_to_pb).collect(),
+        step: step.get(),
+        sequences: items.iter().map(forward_sequence).collect(),
+    }
+}
+
+fn forward_sequence(i: &ForwardItem) -> pb::ForwardSequence {
+    pb::ForwardSequence {
+        seq_id: i.seq_id.get(),
+        tokens: i.tokens.clone(),
+        start_pos: i.start_pos,
+        tables: i
+            .tables
+            .iter()
+            .map(|t| pb::BlockTable {
+                pool_id: t.pool_id,
+                window: t.window,
+                beam: 0,
+                first_block: t.first_block,
+                block_ids: t.block_ids.clone(),
+            })
+            .collect(),
+        return_all_argmax: i.return_all_argmax,
+        sampling: Some(pb::SamplingParams {
+            temperature: i.sampling.temperature,
+            top_p: i.sampling.top_p,
+            seed: i.sampling.seed,
+        }),
+        copies: i
+            .copies
+            .iter()
+            .map(|c| pb::BlockCopy {
+                pool_id: c.pool_id,
+                window: c.window,
+                src_block: c.src_block,
+                dst_block: c.dst_block,
+                tokens: c.tokens,
+            })
+            .collect(),
+    }
+}
+
+/// A forward pass's results, checked against the `sent` sequences (one
+/// result each, in order).
+pub(crate) fn forward_results(
+    raw: Vec<pb::ForwardResult>,
+    sent: usize,
+) -> Result<Vec<ForwardResult>> {
+    if raw.len() != sent {
+        return Err(Error::Protocol {
+            peer: "worker",
+            message: format!(
+                "Forward answered {} results for {sent} sequences",
+                raw.len()
+            ),
+        });
+    }
+    Ok(raw
+        .into_iter()
+        .map(|x| ForwardResult {
+            seq_id: SeqId(x.seq_id),
+            next_token: x.next_token,
+            argmax: x.argmax,
+        })
+        .collect())
+}
+
 /// `Match`'s answer as reused tokens per prompt and group, checked against
 /// what was asked (one row per prompt, one figure per group).
 pub(crate) fn match_results(
@@ -375,6 +598,116 @@ mod tests {
             Ok(_) => "ok".into(),
             Err(e) => e.to_string(),
         }
+    }
+
+    fn session() -> Session {
+        Session {
+            id: crate::domain::SessionId(7),
+            epoch: crate::domain::Epoch(3),
+            ttl_ms: 1_000,
+            max_batch: 0,
+        }
+    }
+
+    #[test]
+    fn lease_modes_and_ids_reach_the_protocol_unwrapped_here() {
+        let spec = LeaseSpec {
+            seq_id: SeqId(11),
+            request: RequestId(1),
+            pool_group: "g0".into(),
+            prompt_tokens: vec![1, 2, 3],
+            extra: Extra::default(),
+            max_new_tokens: 4,
+            priority: 0,
+            cache_salt: String::new(),
+            reserve_full_life: false,
+            prefill_tokens: 3,
+        };
+        let traces = ["00-t-s-01".to_string()];
+        let admit = lease_request(
+            session(),
+            Step(5),
+            LeaseMode::Admit,
+            std::slice::from_ref(&spec),
+            &traces,
+        );
+        assert_eq!(
+            (
+                admit.session_id,
+                admit.epoch,
+                admit.step,
+                admit.atomic,
+                admit.warmup
+            ),
+            (7, 3, 5, false, false)
+        );
+        assert_eq!(admit.sequences[0].seq_id, 11);
+        assert_eq!(admit.sequences[0].traceparent, "00-t-s-01");
+        let warmup = lease_request(session(), Step(1), LeaseMode::Warmup, &[spec], &[]);
+        assert!(warmup.atomic && warmup.warmup, "warm-up is all or nothing");
+        assert_eq!(warmup.sequences[0].traceparent, "", "no trace: empty");
+
+        let release = release_request(session(), &[SeqId(11)], Some(Step(4)), true, &[]);
+        assert_eq!(
+            (
+                release.seq_ids,
+                release.fence_step,
+                release.discard_unwritten
+            ),
+            (vec![11], Some(4), true)
+        );
+        let call = StepCall {
+            release: None,
+            complete_step: Some(Step(4)),
+            extend: None,
+        };
+        let step = step_request(session(), &call);
+        assert_eq!(
+            (step.complete_step, step.release, step.extend),
+            (Some(4), None, None)
+        );
+        assert_eq!(complete_step_request(session(), Step(9)).step, 9);
+    }
+
+    #[test]
+    fn a_forward_request_carries_each_item_and_the_step_and_its_answer_is_checked() {
+        let item = ForwardItem {
+            seq_id: SeqId(2),
+            tokens: vec![5, 6],
+            start_pos: 8,
+            tables: vec![Table {
+                pool_id: 1,
+                window: 0,
+                first_block: 2,
+                block_ids: vec![4],
+            }],
+            return_all_argmax: true,
+            sampling: Sampling::default(),
+            copies: Vec::new(),
+        };
+        let req = forward_request(Step(6), std::slice::from_ref(&item), &[]);
+        assert_eq!(req.step, 6);
+        let sent = &req.sequences[0];
+        assert_eq!(
+            (sent.seq_id, sent.start_pos, &sent.tokens),
+            (2, 8, &vec![5, 6])
+        );
+        assert_eq!(
+            (sent.tables[0].first_block, &sent.tables[0].block_ids),
+            (2, &vec![4])
+        );
+        let answer = pb::ForwardResult {
+            seq_id: 2,
+            next_token: 9,
+            argmax: vec![9],
+        };
+        let results = forward_results(vec![answer.clone()], 1).unwrap();
+        assert_eq!((results[0].seq_id, results[0].next_token), (SeqId(2), 9));
+        let short = forward_results(vec![answer], 2).unwrap_err();
+        assert!(
+            short.to_string().contains("1 results for 2 sequences"),
+            "{short}"
+        );
     }
 
     #[test]

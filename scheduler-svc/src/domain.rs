@@ -70,6 +70,46 @@ impl SeqId {
     }
 }
 
+/// How a `Lease` call takes its sequences.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseMode {
+    /// The step loop's admissions: each sequence granted or refused on its
+    /// own, reusing and publishing cached prefixes.
+    Admit,
+    /// Warm-up: all or nothing (a refusal rolls back the call's grants),
+    /// neither reading nor feeding the cache's prefixes, and left out of its
+    /// hit-rate figures.
+    Warmup,
+}
+
+/// The parts of one `Step` call to the cache (each optional), which it
+/// applies in this order: release, complete, extend.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepCall<'a> {
+    pub release: Option<StepRelease<'a>>,
+    pub complete_step: Option<Step>,
+    pub extend: Option<StepExtend<'a>>,
+}
+
+/// Sequences to release, fenced at `fence_step` when given, with their
+/// requests' `traceparent`s.
+#[derive(Debug, Clone, Copy)]
+pub struct StepRelease<'a> {
+    pub seq_ids: &'a [SeqId],
+    pub fence_step: Option<Step>,
+    /// See `ReleaseRequest.discard_unwritten`.
+    pub discard_unwritten: bool,
+    pub traces: &'a [String],
+}
+
+/// The extends of `step`, with their requests' `traceparent`s.
+#[derive(Debug, Clone, Copy)]
+pub struct StepExtend<'a> {
+    pub step: Step,
+    pub specs: &'a [ExtendSpec],
+    pub traces: &'a [String],
+}
+
 /// One pool of a worker group as registered with the cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolGeometry {

@@ -17,22 +17,26 @@
 //! - `step/`: the step loop's core (`step::Core`): plans each step
 //!   (extends, admissions, forward batch), applies lease outcomes and
 //!   forward results, says what to release, fenced at which step, and when a
-//!   step is complete.
+//!   step is complete; and the order of a step's calls (`step::StepPlan`),
+//!   which the loop and the core's model-checked test driver both execute.
 //! - `warmup.rs`: the warm-up shapes and their block estimate.
 //!   (All of the above are synchronous and free of protobuf types.)
 //!   Prompts are encoded and output decoded with the model's tokenizer
 //!   (`kvlease-tokenizer`), fetched from the workers at start-up.
 //! - `client.rs`: the cache and worker gRPC clients (messages via `convert.rs`).
 //! - `session.rs`: the cache session every client clone shares (id, epoch,
-//!   up, lost), its keep-alive, and re-opening it after a loss.
+//!   up, lost).
+//! - `keepalive.rs`: renewing that session, and re-opening it after a loss.
 //! - `bootstrap.rs`: start-up: describe workers, register pools, warm up.
-//! - `step_loop.rs`: the async step loop: drives `step::Core` over the
-//!   clients (I/O only).
-//! - `traces.rs`: what the loop writes into each request's trace (queue,
+//! - `step_loop/`: the async step loop: drives `step::Core` over the
+//!   clients (I/O only), one file per job (the loop, the service's handle,
+//!   the cache calls, the forward passes, reporting).
+//! - `traces.rs`: the service name in traces ([`SERVICE`]), what the loop writes into each request's trace (queue,
 //!   lease, preempt, forward summary, release) and the step-trace sampling.
 //! - `convert.rs`: protobuf <-> domain (Generate requests checked against the
-//!   limits, the cache's messages); with `service.rs` and `client.rs` the
-//!   only place that knows protobuf types.
+//!   limits, every cache and worker request built from domain types, their
+//!   answers read back); with `service.rs` and `client.rs` the only place
+//!   that knows protobuf types.
 //! - `service.rs`: the `Scheduler` API: hands requests to the step loop and
 //!   streams its outputs.
 //! - `metrics.rs`: Prometheus instruments the loop updates.
@@ -40,30 +44,36 @@
 //!   reflection and the metrics endpoint come from `kvlease-telemetry`).
 //! - `config.rs`, `error.rs`.
 //!
+//! Only `domain`, `queue`, `policy`, `routing`, `step` and `error` are public
+//! modules (the benches, the CLI and the integration tests use them); the
+//! rest is private behind [`run`] and [`Config`].
+//!
 //! Data flow: `service` -> (submission) -> `step_loop` -> `step::Core` plans ->
 //! `client` RPCs -> outcomes back into `Core` -> outputs -> `service` streams.
 
-pub mod bootstrap;
-pub mod client;
+mod bootstrap;
+mod client;
 mod config;
 mod convert;
 pub mod domain;
 pub mod error;
-pub mod metrics;
+mod keepalive;
+mod metrics;
 pub mod policy;
 pub mod queue;
 pub mod routing;
 mod server;
 mod service;
-pub mod session;
-pub mod spec;
+mod session;
+mod spec;
 pub mod step;
-pub mod step_loop;
-pub mod tenant;
+mod step_loop;
+mod tenant;
 mod traces;
-pub mod warmup;
+mod warmup;
 
 pub use config::{Config, OnCacheRestart};
 pub use error::{Error, Result};
 pub use metrics::metric_catalog;
-pub use server::{SERVICE, run};
+pub use server::run;
+pub use traces::SERVICE;

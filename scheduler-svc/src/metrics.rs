@@ -17,7 +17,7 @@ use crate::step::{Counters, PreemptCause};
 
 /// The scheduler's instruments, and the clock of each live request.
 #[derive(Debug, Clone)]
-pub struct SchedulerMetrics {
+pub(crate) struct SchedulerMetrics {
     step: Histogram,
     forward: Histogram,
     queue: Gauge,
@@ -58,7 +58,7 @@ pub fn metric_catalog() -> Result<Vec<Described>> {
 
 impl SchedulerMetrics {
     /// Registers the instruments in `registry`.
-    pub fn register(registry: &mut Registry) -> Result<Self> {
+    pub(crate) fn register(registry: &mut Registry) -> Result<Self> {
         let e = |e: kvlease_telemetry::Error| Error::Config(format!("metrics: {e}"));
         let r = registry;
         let metrics = Self {
@@ -158,22 +158,22 @@ impl SchedulerMetrics {
     }
 
     /// A `Match` failed: the step routed by load alone.
-    pub fn match_failed(&self) {
+    pub(crate) fn match_failed(&self) {
         self.match_failures.inc();
     }
 
-    pub fn step(&self, d: Duration) {
+    pub(crate) fn step(&self, d: Duration) {
         self.step.observe(d.as_secs_f64());
     }
 
     /// One step's forward pass, RPCs included.
-    pub fn forward(&self, d: Duration) {
+    pub(crate) fn forward(&self, d: Duration) {
         self.forward.observe(d.as_secs_f64());
     }
 
     /// One refused sequence of a `method` call (`"Lease"`, `"Extend"`),
     /// counted under the lower-case op the cache uses too.
-    pub fn reject(&self, method: &str, reason: &str) {
+    pub(crate) fn reject(&self, method: &str, reason: &str) {
         let op = match method {
             "Lease" => names::OP_LEASE,
             "Extend" => names::OP_EXTEND,
@@ -183,7 +183,7 @@ impl SchedulerMetrics {
     }
 
     /// A request entered the scheduler now.
-    pub fn arrived(&mut self, id: RequestId, prompt_tokens: usize) {
+    pub(crate) fn arrived(&mut self, id: RequestId, prompt_tokens: usize) {
         self.arrived_at(id, prompt_tokens, Instant::now());
     }
 
@@ -201,7 +201,7 @@ impl SchedulerMetrics {
 
     /// The outcomes of one admission `Lease` over `specs`: the first grant of
     /// a request ends its queue wait.
-    pub fn admitted(&mut self, specs: &[LeaseSpec], outcomes: &[Outcome]) {
+    pub(crate) fn admitted(&mut self, specs: &[LeaseSpec], outcomes: &[Outcome]) {
         let now = Instant::now();
         for outcome in outcomes {
             let Outcome::Grant(grant) = outcome else {
@@ -221,7 +221,7 @@ impl SchedulerMetrics {
     }
 
     /// An output on its way to the request's stream.
-    pub fn output(&mut self, output: &Output) {
+    pub(crate) fn output(&mut self, output: &Output) {
         self.output_at(output, Instant::now());
     }
 
@@ -258,7 +258,7 @@ impl SchedulerMetrics {
     }
 
     /// Sets the gauges and adds what the counters gained since `before`.
-    pub fn update(&self, queued: u32, running: u32, before: &Counters, now: &Counters) {
+    pub(crate) fn update(&self, queued: u32, running: u32, before: &Counters, now: &Counters) {
         self.queue.set(f64::from(queued));
         self.running.set(f64::from(running));
         let gained = |a: u64, b: u64| b.saturating_sub(a);

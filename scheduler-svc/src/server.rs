@@ -11,16 +11,15 @@ use kvlease_runtime::serve::{Listeners, ServerInfo, Stop, serve};
 use crate::bootstrap;
 use crate::client::{CacheClient, WorkerClient};
 use crate::config::Config;
+use crate::convert::Limits;
 use crate::error::{Error, Result};
+use crate::keepalive::keep_alive;
 use crate::metrics::SchedulerMetrics;
-use crate::service::{Limits, SchedulerService};
-use crate::session::keep_alive;
+use crate::service::SchedulerService;
 use crate::step_loop::{StepLoop, StepLoopConfig};
 use crate::tenant::Tenancy;
+use crate::traces::SERVICE;
 use kvlease_auth::salt::SaltKey;
-
-/// The service name in traces.
-pub const SERVICE: &str = "kvlease-scheduler";
 
 impl RunError for Error {
     /// A configuration [`Config::validate`] refuses.
@@ -99,7 +98,7 @@ pub async fn run(
     let tokenizer = started.tokenizer.clone();
     let mut registry = kvlease_telemetry::metrics::Registry::new();
     let metrics = SchedulerMetrics::register(&mut registry)?;
-    let (engine, handle) = StepLoop::new(
+    let (step_loop, handle) = StepLoop::new(
         StepLoopConfig {
             core: config.core(),
             overlap: config.overlap,
@@ -116,9 +115,9 @@ pub async fn run(
         metrics,
     );
     let stop = Stop::new();
-    let engine_task = tokio::spawn(kvlease_telemetry::in_service(
+    let step_loop_task = tokio::spawn(kvlease_telemetry::in_service(
         SERVICE,
-        engine.run(stop.watch().receiver()),
+        step_loop.run(stop.watch().receiver()),
     ));
     let keep_alive_task = tokio::spawn(keep_alive(cache.clone(), stop.watch().receiver()));
     let service = SchedulerService::new(
@@ -147,7 +146,7 @@ pub async fn run(
     )
     .await;
     stop.stop();
-    if let Err(e) = engine_task.await {
+    if let Err(e) = step_loop_task.await {
         tracing::error!(error = %e, "step loop task failed");
     }
     if let Err(e) = keep_alive_task.await {

@@ -18,28 +18,17 @@ use tokio::time::Instant;
 use tonic::{Request as GrpcRequest, Response, Status};
 
 use crate::client::CacheClient;
-use crate::convert::{TextOutput, reject_to_proto};
+use crate::convert::{Limits, TextOutput, reject_to_proto};
 use crate::domain::{Finish, Output};
 use crate::error::Error;
 use crate::policy::{OnExhausted, Policy};
 use crate::step_loop::StepLoopHandle;
 use kvlease_tokenizer::{StopStrings, StreamDecoder, Tokenizer};
 
-/// Limits a request is validated against.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Limits {
-    /// Largest `max_tokens`.
-    pub max_tokens: u32,
-    /// Largest prompt + `max_tokens`.
-    pub max_context: u32,
-    /// Token ids must be below this.
-    pub vocab_size: u32,
-}
-
 /// The Scheduler service.
 #[derive(Debug, Clone)]
 pub(crate) struct SchedulerService {
-    engine: StepLoopHandle,
+    step_loop: StepLoopHandle,
     cache: CacheClient,
     limits: Limits,
     tokenizer: Tokenizer,
@@ -52,7 +41,7 @@ pub(crate) struct SchedulerService {
 impl SchedulerService {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
-        engine: StepLoopHandle,
+        step_loop: StepLoopHandle,
         cache: CacheClient,
         limits: Limits,
         tokenizer: Tokenizer,
@@ -62,7 +51,7 @@ impl SchedulerService {
         tenancy: Tenancy,
     ) -> Self {
         Self {
-            engine,
+            step_loop,
             cache,
             limits,
             tokenizer,
@@ -286,7 +275,7 @@ impl Scheduler for SchedulerService {
             };
         let tenant = self.tenancy.tenant_of(&caller, asserted)?;
         let req = request.into_inner();
-        let id = self.engine.next_request_id();
+        let id = self.step_loop.next_request_id();
         let (mut r, text) =
             crate::convert::validate(id.get(), &req, &self.limits, &self.tokenizer)?;
         r.cache_salt = self.tenancy.salt(&tenant, &req.cache_salt);
@@ -305,7 +294,7 @@ impl Scheduler for SchedulerService {
             root.set_attribute("kvlease.client_request_id", req.request_id.clone());
         }
         root.set_attribute(attributes::PROMPT_TOKENS, i64::from(prompt_tokens));
-        let rx = self.engine.submit(r, root.clone())?;
+        let rx = self.step_loop.submit(r, root.clone())?;
         let text = text.map(|t| (t, &self.tokenizer));
         Ok(Response::new(response_stream(
             rx,
@@ -323,7 +312,7 @@ impl Scheduler for SchedulerService {
         // The session id and epoch are the scheduler's credentials towards the cache: only
         // admins see them (0 for everyone else).
         let admin = caller(&request).has(Role::Admin);
-        let s = self.engine.status();
+        let s = self.step_loop.status();
         let mut pools = Vec::new();
         for group in &self.groups {
             match self.cache.stats_raw(group).await {

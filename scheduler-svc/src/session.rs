@@ -1,24 +1,21 @@
 //! The scheduler's session at the cache service, in one place: which session
 //! it holds ([`Session`]: id, epoch, TTL), whether the cache answered the
 //! last call (`up`), whether the cache lost the session (`lost`: restart,
-//! expiry, stale epoch), the keep-alive that renews it, and re-opening it
-//! after a loss. Every clone of the cache client shares one
+//! expiry, stale epoch). Every clone of the cache client shares one
 //! [`SessionState`], and every call's answer updates it, so the step loop,
-//! the keep-alive task and start-up see the same thing.
+//! the keep-alive task and start-up see the same thing. (Renewing the session
+//! and re-opening it after a loss are `keepalive.rs`: they call the client,
+//! which reads this state.)
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
-use tokio::sync::watch;
-
-use crate::client::CacheClient;
-use crate::domain::{Epoch, GroupGeometry, SessionId};
+use crate::domain::{Epoch, SessionId};
 use crate::error::{Error, Result};
 
 /// The session this scheduler holds at the cache.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Session {
+pub(crate) struct Session {
     pub id: SessionId,
     pub epoch: Epoch,
     pub ttl_ms: u64,
@@ -30,14 +27,14 @@ pub struct Session {
 
 impl Session {
     /// The cache's batch limit, if it advertised one.
-    pub fn batch_limit(&self) -> Option<usize> {
+    pub(crate) fn batch_limit(&self) -> Option<usize> {
         (self.max_batch > 0).then_some(self.max_batch as usize)
     }
 }
 
 /// What every clone of a cache client knows about its session.
 #[derive(Debug)]
-pub struct SessionState {
+pub(crate) struct SessionState {
     session: Mutex<Session>,
     up: AtomicBool,
     lost: AtomicBool,
@@ -55,18 +52,18 @@ impl Default for SessionState {
 
 impl SessionState {
     /// The session in use.
-    pub fn session(&self) -> Session {
+    pub(crate) fn session(&self) -> Session {
         *self.session.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Whether the last call reached the cache service.
-    pub fn is_up(&self) -> bool {
+    pub(crate) fn is_up(&self) -> bool {
         self.up.load(Ordering::Relaxed)
     }
 
     /// Whether the cache lost the session: it must be re-opened (and the
     /// pools re-registered) before leases mean anything again.
-    pub fn is_lost(&self) -> bool {
+    pub(crate) fn is_lost(&self) -> bool {
         self.lost.load(Ordering::Relaxed)
     }
 
@@ -92,69 +89,6 @@ impl SessionState {
             Ok(()) | Err(_) => self.up.store(true, Ordering::Relaxed),
         }
     }
-}
-
-/// Renews the session every third of its TTL until `shutdown` turns true
-/// (a lost session is flagged by the call itself).
-pub async fn keep_alive(cache: CacheClient, mut shutdown: watch::Receiver<bool>) {
-    loop {
-        tokio::select! {
-            _ = renew_every_third_of_ttl(&cache) => {}
-            _ = shutdown.changed() => return,
-        }
-        if *shutdown.borrow() {
-            return;
-        }
-    }
-}
-
-/// Renews the session for as long as it is awaited (start-up runs it beside
-/// warm-up, which may take longer than the TTL).
-pub async fn keep_alive_while_awaited(cache: &CacheClient) -> std::convert::Infallible {
-    loop {
-        renew_every_third_of_ttl(cache).await;
-    }
-}
-
-async fn renew_every_third_of_ttl(cache: &CacheClient) {
-    let ttl = cache.session().ttl_ms.max(30);
-    tokio::time::sleep(Duration::from_millis(ttl / 3)).await;
-    match cache.keep_alive().await {
-        Ok(_) => {}
-        Err(Error::SessionLost(m)) => {
-            tracing::warn!(message = %m, "keep-alive: cache session lost")
-        }
-        Err(e) => tracing::warn!(error = %e, "keep-alive failed"),
-    }
-}
-
-/// Opens a new session after the cache lost the old one and registers
-/// `groups`' pools again; returns the session and the groups with their new
-/// pool ids. The session stays flagged lost until the caller has dealt with
-/// the live sequences (`SessionState::recovered`).
-pub async fn reopen(
-    cache: &CacheClient,
-    holder: &str,
-    ttl_ms: u64,
-    groups: &[GroupGeometry],
-) -> Result<(Session, Vec<GroupGeometry>)> {
-    let session = cache.open_session(holder, ttl_ms).await?;
-    let mut groups = groups.to_vec();
-    for group in &mut groups {
-        let pools: Vec<(u32, u32, u32)> = group
-            .pools
-            .iter()
-            .map(|p| (p.window, p.num_blocks, p.host_blocks))
-            .collect();
-        group.pools = cache
-            .register_pool(&group.name, group.tokens_per_block, &pools)
-            .await
-            .map_err(|e| {
-                tracing::warn!(group = %group.name, error = %e, "re-registering pools failed");
-                e
-            })?;
-    }
-    Ok((session, groups))
 }
 
 #[cfg(test)]

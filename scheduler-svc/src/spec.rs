@@ -7,12 +7,12 @@
 //! exactly the greedy output; only the number of forward passes changes.
 
 /// Longest n-gram tried when looking for a draft.
-pub const MAX_NGRAM: usize = 3;
+pub(crate) const MAX_NGRAM: usize = 3;
 
 /// Up to `k` draft tokens for `context` (prompt and generated tokens, the
 /// last one being the token fed next). Empty when no n-gram of length
 /// `MAX_NGRAM` down to 1 occurs earlier in the context.
-pub fn draft(context: &[u32], k: usize) -> Vec<u32> {
+pub(crate) fn draft(context: &[u32], k: usize) -> Vec<u32> {
     if k == 0 || context.len() < 2 {
         return Vec::new();
     }
@@ -37,7 +37,7 @@ pub fn draft(context: &[u32], k: usize) -> Vec<u32> {
 /// (`argmax.len() == drafts.len() + 1`: the fed token, then each draft).
 /// Returns how many drafts were accepted and the tokens to emit: the accepted
 /// drafts and the model's token after them. `None` when `argmax` is too short.
-pub fn verify(drafts: &[u32], argmax: &[u32]) -> Option<(usize, Vec<u32>)> {
+pub(crate) fn verify(drafts: &[u32], argmax: &[u32]) -> Option<(usize, Vec<u32>)> {
     if argmax.len() < drafts.len() + 1 {
         return None;
     }

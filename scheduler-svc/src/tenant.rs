@@ -17,11 +17,11 @@ use kvlease_auth::salt::SaltKey;
 use crate::error::{Error, Result};
 
 /// The metadata key by which a tenant asserter names the tenant it acts for.
-pub const TENANT_METADATA: &str = "kvlease-tenant";
+pub(crate) const TENANT_METADATA: &str = "kvlease-tenant";
 
 /// The scheduler's tenancy rules.
 #[derive(Debug, Clone)]
-pub struct Tenancy {
+pub(crate) struct Tenancy {
     key: SaltKey,
     groups: HashMap<String, String>,
     asserters: HashSet<String>,
@@ -30,7 +30,7 @@ pub struct Tenancy {
 impl Tenancy {
     /// Rules with the salt key `key`, tenant `groups` (tenant, group) and the principals that
     /// may assert a tenant.
-    pub fn new(key: SaltKey, groups: &[(String, String)], asserters: &[String]) -> Self {
+    pub(crate) fn new(key: SaltKey, groups: &[(String, String)], asserters: &[String]) -> Self {
         Self {
             key,
             groups: groups.iter().cloned().collect(),
@@ -41,7 +41,7 @@ impl Tenancy {
     /// The tenant of a request by `caller`, which named `asserted` (the `kvlease-tenant`
     /// metadata) or nothing. Naming a tenant takes `--tenant-asserter`; a name outside the safe
     /// set is refused.
-    pub fn tenant_of(&self, caller: &Principal, asserted: Option<&str>) -> Result<String> {
+    pub(crate) fn tenant_of(&self, caller: &Principal, asserted: Option<&str>) -> Result<String> {
         match asserted {
             None | Some("") => Ok(caller.name().to_string()),
             Some(_) if !self.asserters.contains(caller.name()) => {
@@ -59,7 +59,7 @@ impl Tenancy {
     }
 
     /// The cache salt of `tenant`'s request that asked for `request_salt` (usually empty).
-    pub fn salt(&self, tenant: &str, request_salt: &str) -> String {
+    pub(crate) fn salt(&self, tenant: &str, request_salt: &str) -> String {
         let group = self.groups.get(tenant).map_or(tenant, String::as_str);
         // A group name holds no newline, so `group\nsalt` is unambiguous.
         self.key.salt(&format!("{group}\n{request_salt}"))
@@ -67,7 +67,7 @@ impl Tenancy {
 }
 
 /// Parses `TENANT=GROUP`.
-pub fn parse_tenant_group(s: &str) -> std::result::Result<(String, String), String> {
+pub(crate) fn parse_tenant_group(s: &str) -> std::result::Result<(String, String), String> {
     let (tenant, group) = s
         .split_once('=')
         .ok_or_else(|| format!("{s:?} is not TENANT=GROUP"))?;

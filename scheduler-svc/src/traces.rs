@@ -28,6 +28,10 @@ use tracing::field::Empty;
 use crate::domain::{RequestId, SeqId, Step};
 use crate::step::Preemption;
 
+/// The service name in traces (and the scheduler's logical service in
+/// every span it starts).
+pub const SERVICE: &str = "kvlease-scheduler";
+
 /// One live request's spans.
 #[derive(Debug)]
 struct RequestTrace {

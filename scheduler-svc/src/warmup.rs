@@ -8,7 +8,7 @@ use crate::domain::{Extra, GroupGeometry};
 
 /// Scheduler limits that decide the warm-up shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WarmupLimits {
+pub(crate) struct WarmupLimits {
     /// Largest prompt + output, in tokens.
     pub max_context: u32,
     /// Largest `max_tokens` of a request.
@@ -23,7 +23,7 @@ pub struct WarmupLimits {
 
 /// One warm-up shape: `num_seqs` identical sequences leased atomically.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WarmupShape {
+pub(crate) struct WarmupShape {
     pub name: &'static str,
     pub num_seqs: u32,
     pub prompt_len: u32,
@@ -33,21 +33,21 @@ pub struct WarmupShape {
 
 impl WarmupShape {
     /// Token slots one sequence holds over its whole life.
-    pub fn life_tokens(&self) -> u32 {
+    pub(crate) fn life_tokens(&self) -> u32 {
         self.prompt_len
             .saturating_add(self.max_new_tokens.saturating_sub(1))
             .saturating_add(self.extra.total())
     }
 
     /// Blocks the whole shape holds at its peak in a pool of `window`.
-    pub fn peak_blocks(&self, group: &GroupGeometry, window: u32) -> u32 {
+    pub(crate) fn peak_blocks(&self, group: &GroupGeometry, window: u32) -> u32 {
         self.num_seqs
             .saturating_mul(group.blocks_for(self.life_tokens(), window))
     }
 }
 
 /// The shapes to warm up with: the longest request, and the widest batch.
-pub fn shapes(limits: WarmupLimits, group: &GroupGeometry) -> Vec<WarmupShape> {
+pub(crate) fn shapes(limits: WarmupLimits, group: &GroupGeometry) -> Vec<WarmupShape> {
     let extra = Extra {
         draft: limits.draft_k,
         ..Extra::default()
@@ -92,7 +92,7 @@ pub fn shapes(limits: WarmupLimits, group: &GroupGeometry) -> Vec<WarmupShape> {
 
 /// A shape that does not fit in one of the group's pools.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DoesNotFit {
+pub(crate) struct DoesNotFit {
     pub shape: WarmupShape,
     pub window: u32,
     pub needed: u32,
@@ -101,7 +101,7 @@ pub struct DoesNotFit {
 
 /// Checks every shape against the group's (empty) pools with the local
 /// block arithmetic; the cache's `Estimate` is checked as well by the caller.
-pub fn check(shapes: &[WarmupShape], group: &GroupGeometry) -> Result<(), DoesNotFit> {
+pub(crate) fn check(shapes: &[WarmupShape], group: &GroupGeometry) -> Result<(), DoesNotFit> {
     for shape in shapes {
         for pool in &group.pools {
             let needed = shape.peak_blocks(group, pool.window);

@@ -1,9 +1,10 @@
 //! The scheduler core: the step loop's decisions, in plain synchronous code.
 //! Which sequences run each step and how, what to lease, extend and
 //! release, what each lease outcome and forward result means for the
-//! requests, and the founding rule of the protocol: blocks a forward pass
-//! could read never reach another sequence before that pass returned. The
-//! async loop in `step_loop.rs` only does the I/O around these calls:
+//! requests, the order of a step's calls ([`StepPlan`]), and the founding
+//! rule of the protocol: blocks a forward pass could read never reach
+//! another sequence before that pass returned. The async loop in
+//! `step_loop/` only does the I/O around these calls:
 //!
 //! ```text
 //! begin_step -> plan_extends -> [Extend] -> apply_extends
@@ -19,6 +20,9 @@
 //! With overlap on, the loop takes step N+1's releases and leases while step
 //! N's forward pass is in flight; `take_releases` then fences them at N, and
 //! `complete_through` never names a step whose forward has not returned.
+//! Which of these calls come in which order, with overlap on and off, is
+//! `plan`'s [`StepPlan`]: the loop and the model-checked test driver both
+//! execute it.
 //!
 //! A sequence is one lease of a request. Its KV bookkeeping: `kv_len`
 //! positions hold KV; the cache has accounted `cache_len` slots (plus the
@@ -39,6 +43,7 @@
 //!   applying the Extend outcomes and the forward results.
 //! - `tiers`: the host-tier copies grants name, carried to the workers in
 //!   the forward pass of their step.
+//! - `plan`: the call order of a step ([`StepPlan`], [`Call`], [`Order`]).
 //! - `lifecycle`: cancellation, preemption and requeue, finishing requests,
 //!   lost leases, and the outputs that tell the loop about each of them.
 
@@ -46,6 +51,7 @@ mod admission;
 mod fence;
 mod lifecycle;
 mod outcomes;
+mod plan;
 mod routing;
 mod tiers;
 
@@ -57,6 +63,7 @@ use crate::policy::{Demand, OnExhausted, Policy};
 use crate::queue::{Queue, Request};
 
 pub use fence::{CallFailure, ReleaseBatch};
+pub use plan::{Call, Order, StepPlan};
 pub use routing::{MATCH_BATCH, MatchWanted};
 
 /// The knobs of the core.

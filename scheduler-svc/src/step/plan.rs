@@ -1,0 +1,283 @@
+//! The call order of one step, once: which calls the loop makes and in what
+//! order, with overlap on or off. The async loop (`step_loop/`) and the
+//! model-checked test driver (`step/tests/model.rs`) both execute a
+//! [`StepPlan`] call by call, so the order the model check proves safe is
+//! the order the loop runs.
+//!
+//! ```text
+//! overlap, a pass in flight:  flush releases, admit, collect, settle+extend, launch
+//! overlap, nothing in flight: flush releases, admit, extend, launch
+//! plain:                      flush releases, extend, admit, launch, then
+//!                             (if it launched) collect, settle
+//! ```
+//!
+//! A step that neither launched nor collected a forward pass ends with a
+//! retry of `CompleteStep` (one the cache did not acknowledge earlier).
+//! Outside a step (before re-opening a lost session, at shutdown), the pass
+//! in flight is finished with [`StepPlan::finish_in_flight`]: collect, settle.
+
+use std::collections::VecDeque;
+
+/// Whether a step's calls overlap the previous step's forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// Every call of a step runs before its forward pass, which is awaited
+    /// within the step.
+    Plain,
+    /// Step N+1's releases and leases run while forward N is in flight; the
+    /// pass is collected in the next step.
+    Overlap,
+}
+
+impl Order {
+    /// The order for the loop's `overlap` setting.
+    pub fn from_overlap(overlap: bool) -> Self {
+        if overlap { Self::Overlap } else { Self::Plain }
+    }
+}
+
+/// One call of a step, as the loop makes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    /// Send every release the core hands out (`take_releases` ->
+    /// `Release` -> `releases_sent`), in batches of the cache's limit.
+    FlushReleases,
+    /// Lease the step's admissions (`plan_admission` -> `Lease` ->
+    /// `apply_leases`).
+    Admit,
+    /// Extend the running sequences (`plan_extends` -> `Extend` ->
+    /// `apply_extends`).
+    Extend,
+    /// Plan the forward batches and launch them (`plan_forward` ->
+    /// `Forward`); the loop reports whether anything launched with
+    /// [`StepPlan::launched`].
+    Launch,
+    /// Wait for the forward pass in flight and apply its results
+    /// (`apply_forward`, per group).
+    Collect,
+    /// After a collected pass: its releases (fenced at its step), the
+    /// completion the core allows and, with `extend`, this step's extends,
+    /// in one `Step` call the cache applies in that order.
+    Settle { extend: bool },
+    /// Retry a `CompleteStep` the cache did not acknowledge.
+    RetryComplete,
+}
+
+/// The calls of one step, handed out one at a time.
+#[derive(Debug, Clone)]
+pub struct StepPlan {
+    order: Order,
+    calls: VecDeque<Call>,
+    /// `Launch` was handed out and its answer not reported yet.
+    launching: bool,
+    /// A forward pass was launched or collected in this step.
+    progressed: bool,
+}
+
+impl StepPlan {
+    /// The plan of a step in `order`; `in_flight`: a forward pass of the
+    /// previous step is still running (only with overlap).
+    pub fn new(order: Order, in_flight: bool) -> Self {
+        use Call::*;
+        let calls: &[Call] = match (order, in_flight) {
+            (Order::Overlap, true) => &[
+                FlushReleases,
+                Admit,
+                Collect,
+                Settle { extend: true },
+                Launch,
+            ],
+            (Order::Overlap, false) => &[FlushReleases, Admit, Extend, Launch],
+            // a plain step awaits its own pass: none is in flight at its start
+            (Order::Plain, _) => &[FlushReleases, Extend, Admit, Launch],
+        };
+        Self {
+            order,
+            calls: calls.iter().copied().collect(),
+            launching: false,
+            progressed: false,
+        }
+    }
+
+    /// The calls that finish the forward pass in flight outside a step:
+    /// collect it, then settle it (its releases and completion, no extends).
+    pub fn finish_in_flight() -> Self {
+        Self {
+            order: Order::Plain,
+            calls: VecDeque::from([Call::Collect, Call::Settle { extend: false }]),
+            launching: false,
+            progressed: false,
+        }
+    }
+
+    /// The next call to make, or `None` once the step is done. After
+    /// [`Call::Launch`], report its answer with [`StepPlan::launched`]
+    /// before asking again.
+    pub fn next_call(&mut self) -> Option<Call> {
+        debug_assert!(!self.launching, "Launch's answer was not reported");
+        let call = self.calls.pop_front()?;
+        match call {
+            Call::Collect => self.progressed = true,
+            Call::Launch => self.launching = true,
+            _ => {}
+        }
+        Some(call)
+    }
+
+    /// Whether the `Launch` just handed out started a forward pass.
+    pub fn launched(&mut self, launched: bool) {
+        debug_assert!(self.launching, "launched() without a Launch");
+        self.launching = false;
+        if launched {
+            self.progressed = true;
+            if self.order == Order::Plain {
+                self.calls.push_back(Call::Collect);
+                self.calls.push_back(Call::Settle { extend: false });
+            }
+        }
+        if !self.progressed {
+            self.calls.push_back(Call::RetryComplete);
+        }
+    }
+
+    /// Whether a forward pass ran or finished in this step.
+    pub fn progressed(&self) -> bool {
+        self.progressed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use Call::*;
+
+    /// Every call of a plan, `launches` answering `Launch`.
+    fn calls(order: Order, in_flight: bool, launches: bool) -> (Vec<Call>, bool) {
+        run(StepPlan::new(order, in_flight), launches)
+    }
+
+    fn run(mut plan: StepPlan, launches: bool) -> (Vec<Call>, bool) {
+        let mut calls = Vec::new();
+        while let Some(call) = plan.next_call() {
+            calls.push(call);
+            if call == Launch {
+                plan.launched(launches);
+            }
+        }
+        (calls, plan.progressed())
+    }
+
+    #[test]
+    fn overlap_with_a_pass_in_flight_releases_and_leases_before_collecting_it() {
+        for launches in [true, false] {
+            let (calls, progressed) = calls(Order::Overlap, true, launches);
+            assert_eq!(
+                calls,
+                [
+                    FlushReleases,
+                    Admit,
+                    Collect,
+                    Settle { extend: true },
+                    Launch
+                ]
+            );
+            assert!(progressed, "the collected pass is progress");
+        }
+    }
+
+    #[test]
+    fn overlap_with_nothing_in_flight_extends_then_launches() {
+        assert_eq!(
+            calls(Order::Overlap, false, true),
+            (vec![FlushReleases, Admit, Extend, Launch], true)
+        );
+        assert_eq!(
+            calls(Order::Overlap, false, false),
+            (
+                vec![FlushReleases, Admit, Extend, Launch, RetryComplete],
+                false
+            )
+        );
+    }
+
+    #[test]
+    fn plain_awaits_its_own_pass_then_settles_without_extends() {
+        assert_eq!(
+            calls(Order::Plain, false, true),
+            (
+                vec![
+                    FlushReleases,
+                    Extend,
+                    Admit,
+                    Launch,
+                    Collect,
+                    Settle { extend: false }
+                ],
+                true
+            )
+        );
+        assert_eq!(
+            calls(Order::Plain, false, false),
+            (
+                vec![FlushReleases, Extend, Admit, Launch, RetryComplete],
+                false
+            )
+        );
+    }
+
+    #[test]
+    fn a_pass_finished_outside_a_step_is_collected_then_settled_without_extends() {
+        assert_eq!(
+            run(StepPlan::finish_in_flight(), true),
+            (vec![Collect, Settle { extend: false }], true)
+        );
+    }
+
+    /// The rules the orders share, over every path: a pass is collected
+    /// before it is settled, each call at most once, a step ends with its
+    /// launch or after the settle of the pass it awaited, and a retry of
+    /// `CompleteStep` only when nothing progressed.
+    #[test]
+    fn every_path_collects_before_settling_and_retries_completion_only_when_idle() {
+        for order in [Order::Plain, Order::Overlap] {
+            for in_flight in [false, true] {
+                for launches in [false, true] {
+                    let (calls, progressed) = calls(order, in_flight, launches);
+                    let at = |c: Call| calls.iter().position(|x| *x == c);
+                    let settle = calls.iter().position(|c| matches!(c, Settle { .. }));
+                    if let Some(settle) = settle {
+                        assert!(
+                            at(Collect).is_some_and(|collect| collect < settle),
+                            "{order:?} settles before it collects: {calls:?}"
+                        );
+                    }
+                    for c in &calls {
+                        assert_eq!(
+                            calls.iter().filter(|x| *x == c).count(),
+                            1,
+                            "{c:?} twice: {calls:?}"
+                        );
+                    }
+                    assert_eq!(at(FlushReleases), Some(0), "releases go first: {calls:?}");
+                    assert_eq!(
+                        at(RetryComplete).is_some(),
+                        !progressed,
+                        "{order:?}: {calls:?}"
+                    );
+                    // extends are sent exactly once, alone or riding the settle
+                    let extends = calls
+                        .iter()
+                        .filter(|c| matches!(c, Extend | Settle { extend: true }))
+                        .count();
+                    assert_eq!(extends, 1, "{order:?}: {calls:?}");
+                    // the extends reach the cache before the step's launch
+                    let launch = at(Launch);
+                    let extend = calls
+                        .iter()
+                        .position(|c| matches!(c, Extend | Settle { extend: true }));
+                    assert!(extend < launch, "{order:?}: {calls:?}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! The model check: a core driven through thousands of random steps by the
+//! core's own [`StepPlan`], against a model of the cache's block
+//! bookkeeping, panicking the moment a block reaches a sequence while a
+//! forward pass in flight reads it for another.
+
+use super::*;
+
+/// The cache's block bookkeeping as the protocol specifies it, for one pool
+/// of full attention: what `Lease`, `Extend`, `Release` (fenced or not) and
+/// `CompleteStep` do to the blocks. Freed blocks are handed out first, so a
+/// block released too early reaches another sequence at once.
+struct ModelCache {
+    tokens_per_block: u32,
+    total: usize,
+    free: Vec<u32>,
+    held: HashMap<SeqId, (u32, Vec<u32>)>,
+    fenced: Vec<(Step, Vec<u32>)>,
+}
+
+impl ModelCache {
+    fn new(blocks: u32, tokens_per_block: u32) -> Self {
+        Self {
+            tokens_per_block,
+            total: blocks as usize,
+            free: (0..blocks).rev().collect(),
+            held: HashMap::new(),
+            fenced: Vec::new(),
+        }
+    }
+
+    fn take(&mut self, seq_id: SeqId, tokens: u32, delta: bool) -> Outcome {
+        let (had, mut blocks) = self.held.remove(&seq_id).unwrap_or_default();
+        let need = (tokens.div_ceil(self.tokens_per_block) as usize).saturating_sub(blocks.len());
+        if need > self.free.len() {
+            if !blocks.is_empty() {
+                self.held.insert(seq_id, (had, blocks));
+            }
+            return exhausted(seq_id);
+        }
+        let new: Vec<u32> = self.free.split_off(self.free.len() - need);
+        blocks.extend(&new);
+        let table = if delta { new } else { blocks.clone() };
+        self.held.insert(seq_id, (tokens, blocks));
+        Outcome::Grant(Grant {
+            capacity_tokens: tokens,
+            ..grant_of(seq_id, table)
+        })
+    }
+
+    fn lease(&mut self, spec: &LeaseSpec) -> Outcome {
+        let tokens = spec.prompt_tokens.len() as u32 + spec.extra.total();
+        self.take(spec.seq_id, tokens, false)
+    }
+
+    fn extend(&mut self, spec: &ExtendSpec) -> Outcome {
+        let Some(&(tokens, _)) = self.held.get(&spec.seq_id) else {
+            return reject(spec.seq_id, RejectReason::UnknownSequence);
+        };
+        self.take(spec.seq_id, tokens + spec.new_tokens.len() as u32, true)
+    }
+
+    fn release(&mut self, batch: &ReleaseBatch) {
+        for seq_id in &batch.seq_ids {
+            if let Some((_, blocks)) = self.held.remove(seq_id) {
+                match batch.fence_step {
+                    Some(step) => self.fenced.push((step, blocks)),
+                    None => self.free.extend(blocks),
+                }
+            }
+        }
+    }
+
+    fn complete_step(&mut self, step: Step) {
+        let (due, parked): (Vec<_>, Vec<_>) = std::mem::take(&mut self.fenced)
+            .into_iter()
+            .partition(|(s, _)| *s <= step);
+        self.fenced = parked;
+        self.free.extend(due.into_iter().flat_map(|(_, b)| b));
+    }
+}
+
+/// The forward pass in flight in [`drive`]: its step and its batches.
+type InFlight = Option<(Step, Vec<(usize, Vec<ForwardItem>)>)>;
+
+/// What a run of [`drive`] exercised, so a test can tell it was not vacuous.
+#[derive(Debug, Default)]
+struct Exercised {
+    grants: usize,
+    /// Releases sent while a forward pass was in flight.
+    released_in_flight: usize,
+    completes: usize,
+    finished: usize,
+}
+
+/// Drives a core the way the step loop does, executing the core's
+/// [`StepPlan`] for `order`, against the model cache, with clients that come and go at random (seeded); a forward pass
+/// is "in flight" from `plan_forward` until its results are applied. Panics
+/// the moment a block reaches a sequence while an in-flight forward pass
+/// reads it for another, or a `CompleteStep` names a step whose forward is
+/// in flight.
+fn drive(order: Order, seed: u64) -> Exercised {
+    let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut rand = move |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    let mut c = core(Policy::MaxUtilization, 24);
+    let mut cache = ModelCache::new(24, 4);
+    let mut in_flight: InFlight = None;
+    let mut seen = Exercised::default();
+    let mut next_id = 1;
+
+    fn check_grants(outcomes: &[Outcome], in_flight: &InFlight, seen: &mut Exercised) {
+        for outcome in outcomes {
+            let Outcome::Grant(g) = outcome else {
+                continue;
+            };
+            seen.grants += 1;
+            let Some((step, batches)) = in_flight else {
+                continue;
+            };
+            for block in g.tables.iter().flat_map(|t| &t.block_ids) {
+                for item in batches.iter().flat_map(|(_, items)| items) {
+                    let reads = item.tables.iter().any(|t| t.block_ids.contains(block));
+                    assert!(
+                        item.seq_id == g.seq_id || !reads,
+                        "block {block} granted to sequence {} while forward {step} still reads it for sequence {}",
+                        g.seq_id,
+                        item.seq_id
+                    );
+                }
+            }
+        }
+    }
+    let complete =
+        |c: &mut Core, cache: &mut ModelCache, in_flight: &InFlight, seen: &mut Exercised| {
+            if let Some(step) = c.complete_through() {
+                if let Some((running, _)) = in_flight {
+                    assert!(
+                        step < *running,
+                        "CompleteStep({step}) sent while forward {running} is in flight"
+                    );
+                }
+                cache.complete_step(step);
+                c.step_completed(step);
+                seen.completes += 1;
+            }
+        };
+    let flush =
+        |c: &mut Core, cache: &mut ModelCache, in_flight: &InFlight, seen: &mut Exercised| {
+            let batch = c.take_releases();
+            if batch.is_empty() {
+                return;
+            }
+            if in_flight.is_some() {
+                seen.released_in_flight += 1;
+            }
+            cache.release(&batch);
+            c.releases_sent(batch);
+        };
+
+    for _ in 0..3_000 {
+        // the loop's top: clients arrive and go away, with a forward pass
+        // possibly in flight; a retry of CompleteStep may come at any time
+        if next_id <= 80 && rand(2) == 0 {
+            let prompt = 3 + rand(10) as usize;
+            c.submit(request(next_id, prompt, 2 + rand(8) as u32));
+            next_id += 1;
+        }
+        let live = c.live_requests();
+        if !live.is_empty() && rand(4) == 0 {
+            c.cancel(live[rand(live.len() as u64) as usize], "gone");
+        }
+        if rand(3) == 0 {
+            complete(&mut c, &mut cache, &in_flight, &mut seen);
+        }
+        if c.is_quiet() && in_flight.is_none() {
+            if next_id > 80 {
+                break;
+            }
+            continue;
+        }
+        let step = c.begin_step();
+        let admit =
+            |c: &mut Core, cache: &mut ModelCache, in_flight: &InFlight, seen: &mut Exercised| {
+                let specs = c.plan_admission();
+                let outcomes: Vec<Outcome> = specs.iter().map(|s| cache.lease(s)).collect();
+                check_grants(&outcomes, in_flight, seen);
+                c.apply_leases(outcomes);
+            };
+        let extend = |c: &mut Core, cache: &mut ModelCache, seen: &mut Exercised| {
+            let specs = c.plan_extends();
+            let outcomes: Vec<Outcome> = specs.iter().map(|s| cache.extend(s)).collect();
+            check_grants(&outcomes, &None, seen);
+            c.apply_extends(outcomes);
+        };
+        // the loop's order, from the core: this driver only executes it
+        let mut plan = StepPlan::new(order, in_flight.is_some());
+        while let Some(call) = plan.next_call() {
+            match call {
+                Call::FlushReleases => flush(&mut c, &mut cache, &in_flight, &mut seen),
+                Call::Admit => admit(&mut c, &mut cache, &in_flight, &mut seen),
+                Call::Extend => extend(&mut c, &mut cache, &mut seen),
+                Call::Launch => {
+                    let batches = c.plan_forward();
+                    plan.launched(!batches.is_empty());
+                    if !batches.is_empty() {
+                        in_flight = Some((step, batches));
+                    }
+                }
+                Call::Collect => {
+                    if let Some((_, batches)) = in_flight.take() {
+                        for (g, items) in batches {
+                            c.apply_forward(g, results(&items, 7, false));
+                        }
+                        seen.finished += finishes(&c.drain_outputs()).len();
+                    }
+                }
+                // the cache applies a Step call's parts in this order
+                Call::Settle {
+                    extend: with_extends,
+                } => {
+                    flush(&mut c, &mut cache, &in_flight, &mut seen);
+                    complete(&mut c, &mut cache, &in_flight, &mut seen);
+                    if with_extends {
+                        extend(&mut c, &mut cache, &mut seen);
+                    }
+                }
+                Call::RetryComplete => complete(&mut c, &mut cache, &in_flight, &mut seen),
+            }
+        }
+    }
+    assert!(c.is_quiet() && in_flight.is_none(), "the run did not drain");
+    assert_eq!(
+        cache.free.len(),
+        cache.total,
+        "every block back after the run: {} held, {} fenced",
+        cache.held.len(),
+        cache.fenced.len()
+    );
+    seen
+}
+
+#[test]
+fn overlap_no_block_reaches_another_sequence_before_the_forward_that_could_read_it_returned() {
+    let mut total = Exercised::default();
+    for seed in 1..=40 {
+        let seen = drive(Order::Overlap, seed);
+        total.grants += seen.grants;
+        total.released_in_flight += seen.released_in_flight;
+        total.completes += seen.completes;
+        total.finished += seen.finished;
+    }
+    assert!(
+        total.released_in_flight > 100 && total.grants > 1_000 && total.completes > 1_000,
+        "the runs exercised too little: {total:?}"
+    );
+}
+
+#[test]
+fn plain_no_block_reaches_another_sequence_early_and_every_fenced_block_comes_back() {
+    let mut total = Exercised::default();
+    for seed in 1..=40 {
+        let seen = drive(Order::Plain, seed);
+        total.grants += seen.grants;
+        total.completes += seen.completes;
+        total.finished += seen.finished;
+    }
+    assert_eq!(
+        total.released_in_flight, 0,
+        "nothing is in flight at a release"
+    );
+    assert!(
+        total.grants > 1_000 && total.completes > 1_000 && total.finished > 1_000,
+        "the runs exercised too little: {total:?}"
+    );
+}

@@ -1,0 +1,341 @@
+//! The step loop's calls to the cache: releases (alone or in a `Step`
+//! call with the completion and the extends), leases with the `Match` that
+//! routes them, extends split at the batch limit, `CompleteStep`; and how a
+//! failed call is noted for the core.
+
+use tracing::Instrument;
+
+use super::StepLoop;
+use super::report::record_call;
+use crate::domain::{ExtendSpec, LeaseMode, Outcome, Step, StepCall, StepExtend, StepRelease};
+use crate::error::Error;
+use crate::step::{CallFailure, ReleaseBatch};
+
+impl StepLoop {
+    pub(super) async fn extend(&mut self, step: Step) {
+        let specs = self.core.plan_extends();
+        if specs.is_empty() {
+            return;
+        }
+        let traces = self.traces.traceparents(specs.iter().map(|s| s.seq_id));
+        let (outcomes, failed) = self.extend_calls(step, &specs, &traces).await;
+        self.apply_extends(outcomes, failed);
+    }
+
+    /// Sends extends of `step` in `Extend` calls of at most the cache's
+    /// batch limit each (`traces` as for `CacheClient::lease`), stopping at
+    /// the first that fails; returns the outcomes of the calls answered, in
+    /// order, and that failure.
+    pub(super) async fn extend_calls(
+        &mut self,
+        step: Step,
+        specs: &[ExtendSpec],
+        traces: &[String],
+    ) -> (Vec<Outcome>, Option<Error>) {
+        let mut outcomes = Vec::with_capacity(specs.len());
+        let mut sent = 0;
+        for chunk in specs.chunks(self.core.batch_limit().max(1)) {
+            let end = (sent + chunk.len()).min(traces.len());
+            let chunk_traces = traces.get(sent.min(end)..end).unwrap_or_default();
+            sent += chunk.len();
+            let span = self.batch_span("Extend", step);
+            let result = self
+                .cache
+                .extend(step, chunk, chunk_traces)
+                .instrument(span.clone())
+                .await;
+            record_call(&span, &result);
+            match result {
+                Ok(answered) => outcomes.extend(answered),
+                Err(e) => return (outcomes, Some(e)),
+            }
+        }
+        (outcomes, None)
+    }
+
+    /// Applies a step's extend outcomes, all at once (a planned decode with
+    /// no outcome does not run); `failed`: the call that failed after them.
+    pub(super) fn apply_extends(&mut self, outcomes: Vec<Outcome>, failed: Option<Error>) {
+        self.trace_rejects("Extend", &outcomes);
+        self.core.apply_extends(outcomes);
+        self.trace_preemptions();
+        if let Some(e) = failed {
+            self.core.extends_failed();
+            self.note("Extend", &e, None);
+        }
+    }
+
+    pub(super) async fn admit(&mut self, step: Step) {
+        if !self.cache.is_up() {
+            // probing with leases while the cache is down only adds load;
+            // the keep-alive task notices when it is back
+            return;
+        }
+        self.route().await;
+        let specs = self.core.plan_admission();
+        if specs.is_empty() {
+            return;
+        }
+        let (lease_spans, traces) = self
+            .traces
+            .leasing(step, specs.iter().map(|s| (s.seq_id, s.request)));
+        let span = self.batch_span("Lease", step);
+        let result = self
+            .cache
+            .lease(step, LeaseMode::Admit, &specs, &traces)
+            .instrument(span.clone())
+            .await;
+        record_call(&span, &result);
+        for (lease, outcome) in lease_spans.iter().zip(result.iter().flatten()) {
+            let granted = matches!(outcome, Outcome::Grant(_));
+            lease.record("kvlease.outcome", if granted { "grant" } else { "reject" });
+        }
+        drop(lease_spans);
+        match result {
+            Ok(outcomes) => {
+                self.metrics.admitted(&specs, &outcomes);
+                self.trace_rejects("Lease", &outcomes);
+                self.core.apply_leases(outcomes)
+            }
+            Err(e) => {
+                self.core.leases_failed();
+                self.note("Lease", &e, None);
+            }
+        }
+    }
+
+    /// Asks the cache what the queue head would reuse in each group, for
+    /// kv-aware routing; a failed `Match` leaves this step's routing to load
+    /// alone (least committed), logged and counted.
+    pub(super) async fn route(&mut self) {
+        let wanted = self.core.match_wanted();
+        if wanted.is_empty() {
+            return;
+        }
+        let groups: Vec<String> = self.core.groups().iter().map(|g| g.name.clone()).collect();
+        match self.cache.match_prefixes(&groups, &wanted).await {
+            Ok(rows) => self
+                .core
+                .set_reuse(wanted.iter().map(|w| w.request).zip(rows).collect()),
+            Err(e) => {
+                self.metrics.match_failed();
+                tracing::warn!(error = %e, "Match failed: this step routes by load alone");
+            }
+        }
+    }
+
+    /// After a forward pass returned: the releases the core hands out (what
+    /// ended, fenced at the pass's step), the completion of the steps the
+    /// core says are complete and, with `extend`, that step's extends, in
+    /// one `Step` call (the cache applies them in that order). Extends past
+    /// the cache's batch limit follow in `Extend` calls; releases past it
+    /// wait for the next flush.
+    pub(super) async fn settle(&mut self, extend: Option<Step>) {
+        if self.refused || self.refused_before {
+            // The cache refused a call of this step or the last: each part
+            // in its own call, so the one it refuses (an invalid item, a
+            // limit it did not advertise) does not hold back the others.
+            // The releases go alone at the next step's flush.
+            self.complete().await;
+            if let Some(step) = extend {
+                self.extend(step).await;
+            }
+            return;
+        }
+        let batch = self.core.take_releases();
+        let complete = self.core.complete_through();
+        let specs = match extend {
+            Some(_) => self.core.plan_extends(),
+            None => Vec::new(),
+        };
+        if batch.is_empty() && complete.is_none() && specs.is_empty() {
+            return;
+        }
+        let fence = batch.fence_step;
+        let (release_spans, release_traces) = if batch.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            self.traces.releasing(&batch.seq_ids, fence)
+        };
+        let extend_traces = self.traces.traceparents(specs.iter().map(|s| s.seq_id));
+        // the first extends ride the Step call, the rest follow it
+        let (first, rest) = specs.split_at(specs.len().min(self.core.batch_limit()));
+        let (first_traces, rest_traces) =
+            extend_traces.split_at(first.len().min(extend_traces.len()));
+        let span_step = extend.or(complete).unwrap_or(self.core.step());
+        let span = self.batch_span("Step", span_step);
+        let call = StepCall {
+            release: (!batch.is_empty()).then_some(StepRelease {
+                seq_ids: &batch.seq_ids,
+                fence_step: fence,
+                discard_unwritten: batch.discard_unwritten,
+                traces: &release_traces,
+            }),
+            complete_step: complete,
+            extend: extend.filter(|_| !first.is_empty()).map(|step| StepExtend {
+                step,
+                specs: first,
+                traces: first_traces,
+            }),
+        };
+        let result = self.cache.step(call).instrument(span.clone()).await;
+        record_call(&span, &result);
+        drop(release_spans);
+        match result {
+            Ok(answer) => {
+                if let Some(counts) = answer.released {
+                    log_released(&batch, counts);
+                }
+                if !batch.is_empty() {
+                    self.core.releases_sent(batch);
+                }
+                if let Some(step) = complete {
+                    self.core.step_completed(step);
+                }
+                if !specs.is_empty() {
+                    let mut outcomes = answer.extended;
+                    let mut failed = None;
+                    if let Some(step) = extend.filter(|_| !rest.is_empty()) {
+                        let (more, e) = self.extend_calls(step, rest, rest_traces).await;
+                        outcomes.extend(more);
+                        failed = e;
+                    }
+                    self.apply_extends(outcomes, failed);
+                }
+            }
+            Err(e) => {
+                // Nothing of it is taken as done: the releases wait for the
+                // next batch (unless the session is gone), a pending
+                // completion folds into the next, the decodes sit this
+                // step out.
+                let failure = self.note("Step", &e, Some(&batch));
+                if !batch.is_empty() {
+                    self.core.release_failed(batch, failure);
+                }
+                if !specs.is_empty() {
+                    self.core.extends_failed();
+                }
+            }
+        }
+        self.forget_released();
+    }
+
+    /// Sends `CompleteStep` for the step the core says is complete, if any.
+    pub(super) async fn complete(&mut self) {
+        let Some(step) = self.core.complete_through() else {
+            return;
+        };
+        let span = self.batch_span("CompleteStep", step);
+        match self.cache.complete_step(step).instrument(span).await {
+            Ok(_) => self.core.step_completed(step),
+            Err(e) => {
+                self.note("CompleteStep", &e, None);
+            }
+        }
+    }
+
+    /// Sends the releases the core hands out, fenced where it says, in
+    /// `Release` calls of at most the cache's batch limit, until none is
+    /// left or one fails (its sequences then wait for the next step).
+    pub(super) async fn flush_releases(&mut self) {
+        while self.core.has_releases() {
+            let batch = self.core.take_releases();
+            if batch.is_empty() || !self.release(batch).await {
+                break;
+            }
+        }
+        self.forget_released();
+    }
+
+    /// One `Release` call; returns whether the cache answered it.
+    pub(super) async fn release(&mut self, batch: ReleaseBatch) -> bool {
+        let fence = batch.fence_step;
+        let span = self.batch_span("Release", fence.unwrap_or(self.core.step()));
+        let (release_spans, traces) = self.traces.releasing(&batch.seq_ids, fence);
+        let result = self
+            .cache
+            .release(&batch.seq_ids, fence, batch.discard_unwritten, &traces)
+            .instrument(span.clone())
+            .await;
+        record_call(&span, &result);
+        drop(release_spans);
+        match result {
+            Ok(counts) => {
+                log_released(&batch, counts);
+                self.core.releases_sent(batch);
+                true
+            }
+            Err(e) => {
+                let failure = self.note("Release", &e, Some(&batch));
+                self.core.release_failed(batch, failure);
+                false
+            }
+        }
+    }
+
+    /// Logs a failed cache call (with the releases it carried, which the
+    /// core keeps to send again unless the session is gone) and notes a
+    /// refusal for `settle`; returns how it failed.
+    pub(super) fn note(
+        &mut self,
+        method: &'static str,
+        e: &Error,
+        releases: Option<&ReleaseBatch>,
+    ) -> CallFailure {
+        let failure = call_failure(e);
+        let kept = releases.map_or(0, |b| b.seq_ids.len());
+        match failure {
+            // the client flagged the session lost; the loop re-opens it, and
+            // the cache reclaimed what the session held
+            CallFailure::SessionLost => tracing::warn!(method, error = %e, "cache session lost"),
+            _ if releases.is_some_and(|b| !b.is_empty()) => tracing::warn!(
+                method,
+                error = %e,
+                sequences = kept,
+                fence_step = releases.and_then(|b| b.fence_step).map(Step::get),
+                "cache call failed: its releases are kept and sent again at the next step"
+            ),
+            _ => tracing::warn!(method, error = %e, "cache call failed"),
+        }
+        self.refused |= failure == CallFailure::Refused;
+        failure
+    }
+
+    /// Drops the trace contexts of sequences the core says are released.
+    pub(super) fn forget_released(&mut self) {
+        for seq_id in self.core.take_released() {
+            self.traces.forget_seq(seq_id);
+        }
+    }
+
+    /// The client span of one of the step's calls to the cache, in the
+    /// step's trace (the current span); the requests it serves get their
+    /// own spans through the items' trace contexts.
+    pub(super) fn batch_span(&self, method: &'static str, step: Step) -> tracing::Span {
+        let span = kvlease_telemetry::client_span("kvlease.v1.CacheService", method);
+        span.record("kvlease.step", step.get() as i64);
+        span
+    }
+}
+
+/// How a cache call failed, for the core's decisions: no answer (retry as
+/// is), a refusal (retry, parts apart), or the session gone.
+fn call_failure(e: &Error) -> CallFailure {
+    match e {
+        Error::SessionLost(_) => CallFailure::SessionLost,
+        // an answer outside the protocol, or an error status
+        Error::Rpc { .. } | Error::Protocol { .. } => CallFailure::Refused,
+        _ => CallFailure::Unanswered,
+    }
+}
+
+/// A release the cache took: blocks freed at once and blocks fenced.
+fn log_released(batch: &ReleaseBatch, (freed, fenced): (u64, u64)) {
+    tracing::debug!(
+        sequences = batch.seq_ids.len(),
+        freed,
+        fenced,
+        fence_step = batch.fence_step.map(Step::get),
+        "released"
+    );
+}
