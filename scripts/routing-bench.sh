@@ -26,13 +26,75 @@
 #   scripts/routing-bench.sh                       # release build of kvlease
 #   KVLEASE_BIN=target/debug/kvlease scripts/routing-bench.sh --requests 40
 #   (from a checkout beside ../shared: --trace picks another file)
+#
+# Targets (issue 16; README "Routing across replicas"), at the largest
+# replica count run, on each trace: kv-aware keeps >= 0.9x the hit rate of the
+# single pool (the better of the 1-replica rows), beats least-committed on
+# TTFT p50 and p90, and no replica takes more than 1.5x the mean load.
+#   --check             after the table, judge it: a line per target, exit 1
+#                       on a miss or on a figure the bench did not print
+#   --check-table FILE  judge a table this script printed before (no run)
+# A figure the bench did not print is "-" in the table, never filled in.
 set -euo pipefail
+
+# check_table FILE: the targets above against the table rows in FILE.
+check_table() {
+  awk -F'|' '
+    function num(v) { gsub(/ |%|ms|req\/s/, "", v); return v }
+    function known(v) { return v != "" && v != "-" }
+    NF >= 11 && $3 ~ /^ *[0-9]+ *$/ {
+      for (i = 2; i <= 10; i++) gsub(/^ +| +$/, "", $i)
+      t = $2; n = $3 + 0; p = $4
+      if (!(t in most)) order[++ntraces] = t
+      if (n > most[t]) most[t] = n
+      key = t SUBSEP n SUBSEP p; seen[key] = 1
+      hit[key] = $6; p50[key] = $7; p90[key] = $8; load[key] = $10
+    }
+    function miss(what) { printf "MISSED %s\n", what; failed = 1 }
+    function met(what) { printf "met    %s\n", what }
+    END {
+      if (ntraces == 0) { print "no table rows to check"; exit 1 }
+      for (k = 1; k <= ntraces; k++) {
+        t = order[k]
+        n = most[t]; kv = t SUBSEP n SUBSEP "kv-aware"; lc = t SUBSEP n SUBSEP "least-committed"
+        if (n < 2 || !(kv in seen) || !(lc in seen)) {
+          miss(t ": no run of both policies on more than one replica"); continue
+        }
+        best = ""
+        split("kv-aware least-committed", pols, " ")
+        for (i = 1; i <= 2; i++) {
+          one = t SUBSEP 1 SUBSEP pols[i]
+          if ((one in seen) && known(hit[one]) && (best == "" || num(hit[one]) + 0 > best + 0)) best = num(hit[one])
+        }
+        if (best == "") miss(t ": no single-pool hit rate (run --replicas 1 too)")
+        else if (!known(hit[kv])) miss(t ": no kv-aware hit rate at " n " replicas")
+        else {
+          what = sprintf("%s: kv-aware hit rate at %d replicas %s%% vs single pool %s%% (%.3fx, target >= 0.9x)", t, n, num(hit[kv]), best, best > 0 ? num(hit[kv]) / best : 1)
+          if (best > 0 && num(hit[kv]) / best < 0.9) miss(what); else met(what)
+        }
+        split("p50 p90", qs, " ")
+        for (i = 1; i <= 2; i++) {
+          q = qs[i]; a = (q == "p50") ? p50[kv] : p90[kv]; b = (q == "p50") ? p50[lc] : p90[lc]
+          if (!known(a) || !known(b)) { miss(t ": no TTFT " q " for both policies at " n " replicas"); continue }
+          what = sprintf("%s: TTFT %s at %d replicas kv-aware %s ms vs least-committed %s ms (target: lower)", t, q, n, num(a), num(b))
+          if (num(a) + 0 < num(b) + 0) met(what); else miss(what)
+        }
+        if (!known(load[kv])) miss(t ": no replica load line for kv-aware at " n " replicas")
+        else {
+          what = sprintf("%s: kv-aware max/mean load at %d replicas %s (target <= 1.5)", t, n, load[kv])
+          if (load[kv] + 0 <= 1.5) met(what); else miss(what)
+        }
+      }
+      exit failed
+    }
+  ' "$1"
+}
 
 kvlease=${KVLEASE_BIN:-target/release/kvlease}
 trace=${TRACE:-../shared/traces/mooncake-synthetic.jsonl}
 requests=200 max_prompt=384 max_output=8 concurrency=8 port=57051
 budgets="1:44 2:35 4:31" replicas="1 2 4" policies="least-committed kv-aware"
-max_context=512 sessions=80 weight=8 traces="mooncake conversations"
+max_context=512 sessions=80 weight=8 traces="mooncake conversations" check=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --requests) requests=$2; shift 2 ;;
@@ -48,6 +110,8 @@ while [ $# -gt 0 ]; do
     --prefill-weight) weight=$2; shift 2 ;;
     --traces) traces=$2; shift 2 ;;
     --trace) trace=$2; shift 2 ;;
+    --check) check=1; shift ;;
+    --check-table) check_table "$2"; exit ;;
     *) echo "routing-bench: unknown flag $1" >&2; exit 64 ;;
   esac
 done
@@ -97,11 +161,17 @@ run() {
     $1 == "TTFT" { p50 = $3 " " $4; p90 = $6 " " $7 }
     $1 == "throughput" { thr = $2 " " $3; sub(/,$/, "", thr) }
     /replica load/ { bal = $4 }
-    END { if (bal == "") bal = "1.00"; printf "%s|%s|%s|%s|%s|%s\n", blocks, hit, p50, p90, thr, bal }
+    END {
+      # what the bench did not print stays "-"; one replica has no load line
+      printf "%s|%s|%s|%s|%s|%s\n", or_dash(blocks), or_dash(hit), or_dash(p50), or_dash(p90), or_dash(thr), or_dash(bal)
+    }
+    function or_dash(v) { return v == "" ? "-" : v }
   ' "$work/bench.txt"
 }
 
 start=$(date +%s)
+table=$work/table.md
+{
 printf '| trace | replicas | routing | KV blocks a pool (all replicas) | hit rate | TTFT p50 | TTFT p90 | throughput | max/mean load |\n'
 printf '|---|---|---|---|---|---|---|---|---|\n'
 for name in $traces; do
@@ -118,5 +188,10 @@ for name in $traces; do
     done
   done
 done
+} | tee "$table"
 echo
 echo "$(( $(date +%s) - start )) s; --requests $requests --max-prompt $max_prompt --max-output $max_output --concurrency $concurrency --max-context $max_context; worker budgets (N:MiB) $budgets; --prefill-weight $weight"
+if [ "$check" = 1 ]; then
+  echo
+  check_table "$table"
+fi

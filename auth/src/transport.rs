@@ -6,8 +6,8 @@
 //! certificate as client identity).
 //!
 //! Without TLS material a server serves plaintext: on a loopback listener by default (what
-//! `kvlease demo`/`up` and tests do), anywhere only with `--insecure`. Either way it logs a
-//! warning.
+//! `kvlease demo`/`up` and tests do), anywhere only with `--insecure`. On loopback, which no
+//! other host reaches, it says so at INFO; anywhere else it logs a warning.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -147,7 +147,7 @@ impl Security {
     }
 
     /// Checks that a server may listen on `addr` (plaintext beyond loopback takes
-    /// `--insecure`) and logs a warning for plaintext.
+    /// `--insecure`) and logs plaintext: at INFO on loopback, a warning elsewhere.
     pub fn check_listener(&self, service: &str, addr: SocketAddr) -> Result<()> {
         if self.tls.is_some() {
             return Ok(());
@@ -158,11 +158,19 @@ impl Security {
                  give --tls-cert/--tls-key/--tls-ca, or --insecure to mean it"
             )));
         }
-        tracing::warn!(
-            service,
-            %addr,
-            "serving plaintext gRPC without authentication of peers (no --tls-cert)"
-        );
+        if addr.ip().is_loopback() {
+            tracing::info!(
+                service,
+                %addr,
+                "serving plaintext gRPC on loopback (no --tls-cert)"
+            );
+        } else {
+            tracing::warn!(
+                service,
+                %addr,
+                "serving plaintext gRPC without authentication of peers (no --tls-cert)"
+            );
+        }
         Ok(())
     }
 
@@ -206,5 +214,77 @@ impl Security {
             Some(tls) => endpoint.tls_config(tls).map_err(|e| e.to_string()),
             None => Ok(endpoint),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// What `check_listener` logs for `addr`, one line an event.
+    fn logged(security: &Security, addr: &str) -> String {
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<Mutex<Vec<u8>>>);
+        impl Write for Buffer {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                if let Ok(mut b) = self.0.lock() {
+                    b.extend_from_slice(bytes);
+                }
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::TRACE)
+            .with_writer(move || writer.clone())
+            .finish();
+        let addr: SocketAddr = addr.parse().unwrap_or_else(|e| panic!("{addr}: {e}"));
+        tracing::subscriber::with_default(subscriber, || {
+            security
+                .check_listener("cache", addr)
+                .unwrap_or_else(|e| panic!("{e}"));
+        });
+        let bytes = buffer.0.lock().map(|b| b.clone()).unwrap_or_default();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    #[test]
+    fn plaintext_on_loopback_is_info_and_elsewhere_a_warning() {
+        let plain = Security::default();
+        for addr in ["127.0.0.1:50051", "[::1]:50051"] {
+            let log = logged(&plain, addr);
+            assert!(
+                log.contains(" INFO ") && log.contains("plaintext") && !log.contains("WARN"),
+                "{addr}: {log}"
+            );
+        }
+        let insecure = SecurityArgs {
+            insecure: true,
+            ..SecurityArgs::default()
+        }
+        .load()
+        .unwrap_or_else(|e| panic!("{e}"));
+        let log = logged(&insecure, "10.0.0.7:50051");
+        assert!(
+            log.contains(" WARN ") && log.contains("without authentication of peers"),
+            "{log}"
+        );
+        assert!(
+            plain
+                .check_listener(
+                    "cache",
+                    "10.0.0.7:50051".parse().unwrap_or_else(|e| panic!("{e}"))
+                )
+                .is_err(),
+            "plaintext off loopback takes --insecure"
+        );
     }
 }

@@ -81,9 +81,11 @@ mod tests {
         );
     }
 
-    /// Values computed by an independent SipHash-1-3 (a few lines of Python
-    /// from the paper's reference) over the documented byte encoding. A
-    /// change here breaks every consumer of the event stream.
+    /// Values computed by an independent SipHash-1-3 over the documented
+    /// byte encoding: `cache-svc/scripts/golden_hashes.py` (pure Python from
+    /// the paper, checked against its test vector; `--check` compares its
+    /// values with these). A change here breaks every consumer of the event
+    /// stream.
     #[test]
     fn golden_values() {
         assert_eq!(salt_hash(""), 0);

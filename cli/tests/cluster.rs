@@ -194,7 +194,8 @@ async fn up_with_smollm2_names_the_least_budget_sizes_its_own_and_says_paris() -
     let path = match kvlease::models::resolve("smollm2", &home) {
         Ok(path) => path,
         Err(e) => {
-            println!("skipped: SmolLM2 is not cached ({e})");
+            // fails instead under KVLEASE_REQUIRE_MODEL=1
+            kvlease_tokenizer::testing::model_missing(&format!("SmolLM2 is not cached ({e})"));
             return Ok(());
         }
     };

@@ -256,20 +256,52 @@ pub(crate) fn record_status(span: &Span, code: tonic::Code, message: &str) {
     }
 }
 
+/// The status of a response from its headers (or trailers), the message
+/// decoded: `grpc-message` is percent-encoded on the wire ("invalid%20argument").
 fn grpc_status(headers: &http::HeaderMap) -> Option<(tonic::Code, String)> {
     let code = headers.get("grpc-status")?;
     let code = tonic::Code::from_bytes(code.as_bytes());
     let message = headers
         .get("grpc-message")
-        .and_then(|m| m.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
+        .map(|m| {
+            percent_encoding::percent_decode(m.as_bytes())
+                .decode_utf8_lossy()
+                .into_owned()
+        })
+        .unwrap_or_default();
     Some((code, message))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::split_path;
+    use super::{grpc_status, split_path};
+
+    #[test]
+    fn status_messages_are_decoded() {
+        let mut headers = http::HeaderMap::new();
+        assert_eq!(grpc_status(&headers), None);
+        headers.insert("grpc-status", http::HeaderValue::from_static("3"));
+        assert_eq!(
+            grpc_status(&headers),
+            Some((tonic::Code::InvalidArgument, String::new()))
+        );
+        // the headers tonic writes for a status
+        let message = "invalid argument: 100% of «max_tokens»";
+        let mut written = http::HeaderMap::new();
+        tonic::Status::invalid_argument(message)
+            .add_header(&mut written)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let raw = written.get("grpc-message").map(|m| m.as_bytes().to_vec());
+        assert!(
+            raw.as_deref()
+                .is_some_and(|m| m.starts_with(b"invalid%20argument")),
+            "percent-encoded on the wire: {raw:?}"
+        );
+        assert_eq!(
+            grpc_status(&written),
+            Some((tonic::Code::InvalidArgument, message.to_owned()))
+        );
+    }
 
     #[test]
     fn paths_split_into_service_and_method() {

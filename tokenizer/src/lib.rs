@@ -14,6 +14,8 @@
 //! - `stream.rs`: [`StreamDecoder`] (text as tokens arrive, only complete
 //!   characters) and [`StopStrings`].
 //! - `chat.rs`: chat templates rendered with `minijinja`.
+//! - `testing.rs` (feature `testing`, tests only): where the SmolLM2 GGUF of
+//!   the real-model tests is, and `KVLEASE_REQUIRE_MODEL`.
 //!
 //! Data flow: the worker builds a [`Tokenizer`] from its model file, reports
 //! its [`Tokenizer::fingerprint`] in `Describe` and hands its
@@ -29,6 +31,8 @@ mod error;
 pub mod gguf;
 mod hf;
 mod stream;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 use std::path::Path;
 use std::sync::Arc;

@@ -39,9 +39,17 @@ run() {
   echo "== GPU correctness tests"
   KVLEASE_REQUIRE_GPU=1 timeout 240 "$dir/cuda-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/tests.log" || status=1
   echo "== worker binary with --backend cuda (runs 6 s)"
+  # a worker that starts serves until timeout stops it (status 124); one that
+  # exits by itself within 6 s, even with 0, did not start
+  local worker_status=0
   RUST_LOG=info timeout 6 "$dir/kvlease-worker" --backend cuda --gpu-memory-fraction 0.1 --listen 127.0.0.1:50953 \
-    >"$out/worker.log" 2>&1
+    >"$out/worker.log" 2>&1 || worker_status=$?
   grep -E "cuda|arena|error" "$out/worker.log" | head -5
+  if [ "$worker_status" -ne 124 ] || ! grep -q "grpc serving" "$out/worker.log"; then
+    echo "FAILED: the CUDA worker did not start and serve for 6 s (exit status $worker_status; $out/worker.log):"
+    tail -5 "$out/worker.log"
+    status=1
+  fi
   echo "== paged decode attention and decode step"
   KVLEASE_REQUIRE_GPU=1 timeout 240 "$dir/gpu-bench" 2>&1 | tee "$out/bench.log" || status=1
   echo "== PyTorch SDPA over contiguous KV"

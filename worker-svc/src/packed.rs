@@ -640,11 +640,7 @@ mod tests {
         let c = random(GgmlType::Q8_0, 3, 64, 3);
         let values = noise(3 * 64, 4);
         let q = PackedMatrix::quantize_q8_0(3, 64, &values).unwrap_or_else(|e| panic!("{e}"));
-        let err = q
-            .to_f32()
-            .iter()
-            .zip(&values)
-            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        let err = crate::reference::max_abs_diff(&q.to_f32(), &values);
         assert!(err > 0.0 && err < 0.01, "q8_0 round trip error {err}");
         assert!(PackedMatrix::quantize_q8_0(3, 60, &values[..180]).is_err());
         assert!(PackedMatrix::stack(&[&a, &c]).is_none());

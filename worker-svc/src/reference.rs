@@ -1,7 +1,9 @@
 //! A dense reference of the same model: one token at a time, contiguous K/V
 //! per sequence, plain loops. It shares the weight structs and the small
 //! elementwise helpers with the paged path, and no attention or projection
-//! code, so tests can hold the paged backend to it.
+//! code, so tests can hold the paged backend to it. [`max_abs_diff`] and
+//! [`relative_error`] are the yardsticks they measure with (a NaN
+//! anywhere gives NaN, which fails every tolerance).
 
 use crate::model::weights::Weights;
 use crate::ops::{Rope, rms_norm, softmax, swiglu, window_start};
@@ -131,5 +133,78 @@ fn matvec(w: &[f32], x: &[f32], rows: usize) -> Vec<f32> {
 fn add(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
+    }
+}
+
+// === comparisons ===
+
+/// The larger of `m` and `v`, NaN as soon as either is: `f32::max` returns
+/// the other operand for a NaN, so a fold with it scores an all-NaN output
+/// as 0 and lets it pass every tolerance. Tests keep their worst error
+/// with it.
+pub fn nan_max(m: f32, v: f32) -> f32 {
+    if m.is_nan() || v.is_nan() {
+        f32::NAN
+    } else {
+        m.max(v)
+    }
+}
+
+/// max |v| over `values` (0 when empty); NaN when any value is NaN.
+pub fn max_abs(values: &[f32]) -> f32 {
+    values.iter().fold(0.0, |m, v| nan_max(m, v.abs()))
+}
+
+/// max |a - b| over paired elements; NaN when any element of either is NaN,
+/// so every `err <= tolerance` check on it fails.
+///
+/// # Panics
+/// When the lengths differ: a comparison of part of the output is no
+/// comparison.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "compared outputs differ in length");
+    a.iter()
+        .zip(b)
+        .fold(0.0, |m, (x, y)| nan_max(m, (x - y).abs()))
+}
+
+/// max |a - b| / max |b|: the error of `a` relative to the scale of the
+/// reference `b` (a scale under 1e-6 counts as 1e-6). NaN when either side
+/// holds a NaN.
+///
+/// # Panics
+/// When the lengths differ.
+pub fn relative_error(a: &[f32], b: &[f32]) -> f32 {
+    max_abs_diff(a, b) / nan_max(max_abs(b), 1e-6)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nan_anywhere_fails_every_tolerance() {
+        let good = [1.0, -2.0, 3.0];
+        assert_eq!(max_abs_diff(&good, &good), 0.0);
+        assert_eq!(max_abs(&good), 3.0);
+        assert!((relative_error(&[1.0, -2.0, 3.3], &good) - 0.1).abs() < 1e-6);
+        for i in 0..good.len() {
+            let mut planted = good;
+            planted[i] = f32::NAN;
+            for err in [
+                max_abs_diff(&planted, &good),
+                max_abs_diff(&good, &planted),
+                relative_error(&planted, &good),
+                relative_error(&good, &planted),
+                max_abs(&planted),
+            ] {
+                assert!(err.is_nan(), "NaN at {i} scored {err}");
+            }
+        }
+        let all_nan = [f32::NAN; 3];
+        assert!(relative_error(&all_nan, &good).is_nan());
+        assert!(max_abs_diff(&[f32::INFINITY], &[1.0]).is_infinite());
+        assert!(nan_max(f32::NAN, 1.0).is_nan() && nan_max(1.0, f32::NAN).is_nan());
+        assert_eq!(nan_max(1.0, 2.0), 2.0);
     }
 }

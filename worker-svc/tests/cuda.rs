@@ -39,13 +39,18 @@ fn gpu_available(test: &str) -> bool {
     match worker_svc::backend::cuda::probe() {
         Ok(()) => true,
         Err(reason) => {
-            if std::env::var("KVLEASE_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            if gpu_required() {
                 panic!("{test}: no usable GPU ({reason}) but KVLEASE_REQUIRE_GPU=1");
             }
             eprintln!("{test}: skipped, no usable GPU: {reason}");
             false
         }
     }
+}
+
+/// `KVLEASE_REQUIRE_GPU=1`: the GPU run of CI, where a skip is a failure.
+fn gpu_required() -> bool {
+    std::env::var("KVLEASE_REQUIRE_GPU").is_ok_and(|v| v == "1")
 }
 
 const DTYPE: KvDtype = KvDtype::Bf16;
@@ -620,6 +625,11 @@ fn smollm2_on_the_gpu_agrees_with_transformers() {
         return;
     }
     let Some(path) = model_files::smollm2_gguf() else {
+        // the GPU run checks the real model too: without it, it proves less
+        assert!(
+            !gpu_required(),
+            "smollm2: no SmolLM2 file but KVLEASE_REQUIRE_GPU=1 (run `kvlease model fetch smollm2`)"
+        );
         return;
     };
     let fixture = model_files::fixture();

@@ -115,6 +115,21 @@ fn paged_equals_dense_for_random_shapes_tables_and_mixed_batches() {
     println!("paged vs dense on the CPU: max relative error {max:.2e}");
 }
 
+/// A worker whose output is all NaN (a NaN final-norm weight) must fail
+/// the comparison: a maximum taken with `f32::max` skips NaN and scored it 0.
+#[test]
+#[should_panic(expected = "relative error NaN")]
+fn an_all_nan_output_fails_paged_vs_dense() {
+    common::paged_equals_dense(
+        &|weights| {
+            let mut poisoned = weights.clone();
+            poisoned.final_norm[0] = f32::NAN;
+            cpu_worker(&poisoned)
+        },
+        TOLERANCE,
+    );
+}
+
 #[test]
 fn paged_equals_dense_for_head_widths_64_and_128() {
     let max = common::paged_equals_dense_wide_heads(&cpu_worker, TOLERANCE);

@@ -72,6 +72,14 @@ pub(crate) struct UpArgs {
     /// off when absent.
     #[arg(long)]
     http_listen: Option<std::net::SocketAddr>,
+    /// Step traces the scheduler exports besides the steps that rejected or
+    /// preempted (always exported): one in this many; 0 exports only those.
+    #[arg(
+        long,
+        env = "KVLEASE_TRACE_STEPS_ONE_IN",
+        default_value_t = scheduler_svc::Config::default().trace_steps_one_in
+    )]
+    trace_steps_one_in: u64,
 }
 
 /// Runs `kvlease up` with `a`.
@@ -121,6 +129,7 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
     config.scheduler.on_exhausted = a.on_exhausted;
     config.scheduler.routing = a.routing;
     config.scheduler.routing_prefill_weight = a.routing_prefill_weight;
+    config.scheduler.trace_steps_one_in = a.trace_steps_one_in;
     config.metrics_port = (a.metrics_base_port != 0).then_some(a.metrics_base_port);
     match commands::up(config, a.http_listen, process::shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,4 +1,5 @@
-//! Test helpers: where the SmolLM2 GGUF is, and a reader of a GGUF file's
+//! Test helpers: where the SmolLM2 GGUF is (shared with the other crates'
+//! tests), and a reader of a GGUF file's
 //! metadata (just enough for the `tokenizer.*` keys; the worker's model
 //! loader has the full reader).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
@@ -10,32 +11,8 @@ use std::path::{Path, PathBuf};
 
 use kvlease_tokenizer::GgufVocab;
 
-/// The file `kvlease model fetch smollm2` unpacks.
-pub const SMOLLM2_FILE: &str = "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// The SmolLM2 GGUF: `$KVLEASE_SMOLLM2_GGUF`, else the model cache
-/// (`$KVLEASE_HOME` or `~/.cache/kvlease/models`). `None` (with the reason
-/// printed) when it is not there.
-pub fn smollm2_gguf() -> Option<PathBuf> {
-    let candidates: Vec<PathBuf> = match std::env::var_os("KVLEASE_SMOLLM2_GGUF") {
-        Some(p) => vec![PathBuf::from(p)],
-        None => {
-            let home = std::env::var_os("KVLEASE_HOME")
-                .map(PathBuf::from)
-                .or_else(|| {
-                    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvlease/models"))
-                });
-            home.into_iter().map(|h| h.join(SMOLLM2_FILE)).collect()
-        }
-    };
-    let found = candidates.iter().find(|p| p.is_file()).cloned();
-    if found.is_none() {
-        println!(
-            "SKIPPED: the SmolLM2 GGUF is not at {candidates:?}; run `kvlease model fetch smollm2` or set KVLEASE_SMOLLM2_GGUF"
-        );
-    }
-    found
-}
+/// The SmolLM2 GGUF, or `None` (a failure under `KVLEASE_REQUIRE_MODEL=1`).
+pub use kvlease_tokenizer::testing::smollm2_gguf;
 
 #[derive(Debug, Clone)]
 pub enum Meta {

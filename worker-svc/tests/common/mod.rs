@@ -75,16 +75,9 @@ pub(crate) fn options() -> WorkerOptions {
     }
 }
 
-/// max |a - b| / max |b|: the error relative to the logits' scale.
-pub(crate) fn relative_error(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
-    let diff = a
-        .iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-    diff / scale
-}
+/// max |a - b| / max |b|, NaN when either holds one (see
+/// [`worker_svc::reference::relative_error`]).
+pub(crate) use worker_svc::reference::relative_error;
 
 /// The largest relative error a test has seen; fails over the tolerance.
 #[derive(Default)]
@@ -92,7 +85,7 @@ pub(crate) struct MaxErr(pub(crate) f32);
 
 impl MaxErr {
     pub(crate) fn check(&mut self, err: f32, tol: f32, what: impl FnOnce() -> String) {
-        self.0 = self.0.max(err);
+        self.0 = worker_svc::reference::nan_max(self.0, err);
         assert!(err <= tol, "{}: relative error {err} over {tol}", what());
     }
 }

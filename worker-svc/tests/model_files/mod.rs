@@ -19,7 +19,7 @@ use worker_svc::batch::{Sampling, SeqInput, TableInput};
 use worker_svc::model::load::{self, LoadedModel, ServingShape};
 use worker_svc::model::weights::Weights;
 use worker_svc::model::{ModelConfig, RopeScaling};
-use worker_svc::reference::DenseModel;
+use worker_svc::reference::{self, DenseModel};
 use worker_svc::worker::Worker;
 
 // === a tiny Hugging Face checkpoint ===
@@ -259,46 +259,16 @@ pub fn paged_vs_dense(worker: &mut Worker, weights: &Weights) -> f32 {
         got.extend(out.logits(0).chunks_exact(vocab).map(<[f32]>::to_vec));
         start += chunk;
     }
-    let scale = expected
-        .iter()
-        .flatten()
-        .fold(0.0f32, |m, v| m.max(v.abs()));
-    got.iter()
-        .flatten()
-        .zip(expected.iter().flatten())
-        .fold(0.0f32, |m, (g, e)| m.max((g - e).abs()))
-        / scale
+    // NaN anywhere makes the error NaN, which fails every tolerance
+    reference::relative_error(&got.concat(), &expected.concat())
 }
 
 // === SmolLM2 against transformers ===
 
-/// The file `kvlease model fetch smollm2` unpacks under the model cache.
-pub const SMOLLM2_FILE: &str = "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// The SmolLM2 GGUF: `$KVLEASE_SMOLLM2_GGUF`, else the model cache
-/// (`$KVLEASE_HOME` or `~/.cache/kvlease/models`). `None`, with the reason
-/// printed, when it is not there.
-pub fn smollm2_gguf() -> Option<PathBuf> {
-    let candidates: Vec<PathBuf> = match std::env::var_os("KVLEASE_SMOLLM2_GGUF") {
-        Some(p) => vec![PathBuf::from(p)],
-        None => std::env::var_os("KVLEASE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| {
-                std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvlease/models"))
-            })
-            .into_iter()
-            .map(|home| home.join(SMOLLM2_FILE))
-            .collect(),
-    };
-    let found = candidates.iter().find(|p| p.is_file()).cloned();
-    if found.is_none() {
-        println!(
-            "SKIPPED: the SmolLM2 GGUF is not at {candidates:?}; run `kvlease model fetch smollm2` \
-             or set KVLEASE_SMOLLM2_GGUF"
-        );
-    }
-    found
-}
+/// The SmolLM2 GGUF (`kvlease model fetch smollm2`), or `None` with the
+/// reason printed; a missing file fails the test under
+/// `KVLEASE_REQUIRE_MODEL=1`.
+pub use kvlease_tokenizer::testing::smollm2_gguf;
 
 /// The reference outputs: `$KVLEASE_SMOLLM2_FIXTURE`, else the committed file.
 pub fn fixture() -> Fixture {
@@ -453,15 +423,15 @@ pub fn compare(worker: &mut Worker, fixture: &Fixture) -> Report {
         let mut prompt_err = 0.0f32;
         for (pos, (ids, values)) in p.top_ids.iter().zip(&p.top_logits).enumerate() {
             let row = &logits[pos * vocab..(pos + 1) * vocab];
-            for (&id, &v) in ids.iter().zip(values) {
-                prompt_err = prompt_err.max((row[id as usize] - v).abs());
-            }
+            let ours: Vec<f32> = ids.iter().map(|&id| row[id as usize]).collect();
+            // a NaN stays NaN, so the tolerance check fails on it
+            prompt_err = reference::nan_max(prompt_err, reference::max_abs_diff(&ours, values));
             report.positions += 1;
             if out.seqs[0].argmax[pos] == ids[0] {
                 report.top1_agree += 1;
             }
         }
-        report.max_abs_err = report.max_abs_err.max(prompt_err);
+        report.max_abs_err = reference::nan_max(report.max_abs_err, prompt_err);
 
         let matched = ours
             .iter()
