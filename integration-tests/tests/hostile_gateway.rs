@@ -89,9 +89,9 @@ async fn slowloris(addr: SocketAddr, every: Duration) -> JoinHandle<tokio::time:
             }
             // a closed connection shows as EOF (or a reset) on a read
             let mut byte = [0u8; 1];
-            match tokio::time::timeout(Duration::from_millis(1), conn.read(&mut byte)).await {
-                Ok(Ok(0) | Err(_)) => break,
-                _ => {}
+            let read = tokio::time::timeout(Duration::from_millis(1), conn.read(&mut byte));
+            if let Ok(Ok(0) | Err(_)) = read.await {
+                break;
             }
         }
         tokio::time::Instant::now()
@@ -161,9 +161,7 @@ async fn a_body_sent_too_slowly_gets_408() {
     })
     .await;
     let mut conn = TcpStream::connect(gateway.http).await.unwrap();
-    let head = format!(
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 100\r\n\r\n{{"
-    );
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 100\r\n\r\n{";
     conn.write_all(head.as_bytes()).await.unwrap();
     let mut answer = String::new();
     tokio::time::timeout(Duration::from_secs(10), conn.read_to_string(&mut answer))
