@@ -36,10 +36,18 @@ pub struct Config {
         default_value_t = 256
     )]
     pub default_max_tokens: u32,
-    /// Transport limits (connections, keepalive, streams).
+    /// Transport limits (connections, keepalive, streams). A connection
+    /// proves itself (leaves the evictable pool, stops the handshake
+    /// deadline) only by a request whose headers arrived whole.
     #[command(flatten)]
     pub limits: kvlease_runtime::limits::ServeLimits,
+    /// Milliseconds a request's body may take to arrive whole (408 after).
+    #[arg(long, env = "KVLEASE_GATEWAY_BODY_TIMEOUT_MS", default_value_t = DEFAULT_BODY_TIMEOUT_MS)]
+    pub body_timeout_ms: u64,
 }
+
+/// The default of `--body-timeout-ms`.
+pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 10_000;
 
 /// The model id when none is configured.
 pub const DEFAULT_MODEL: &str = "kvlease";
@@ -53,6 +61,7 @@ impl Default for Config {
             model: DEFAULT_MODEL.into(),
             default_max_tokens: 256,
             limits: Default::default(),
+            body_timeout_ms: DEFAULT_BODY_TIMEOUT_MS,
         }
     }
 }
@@ -76,6 +85,9 @@ impl Config {
             return Err("--default-max-tokens must be at least 1".into());
         }
         self.limits.validate()?;
+        if self.body_timeout_ms == 0 {
+            return Err("--body-timeout-ms must be at least 1".into());
+        }
         kvlease_auth::Security::loopback()
             .endpoint(&self.scheduler_addr)
             .map(|_| ())

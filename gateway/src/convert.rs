@@ -10,16 +10,19 @@ use kvlease_proto::v1 as pb;
 use crate::error::ApiError;
 use crate::request::{Generate, Input};
 
-/// The scheduler request of `g`, traced under the client-visible `id`.
-pub fn generate_request(g: &Generate, id: &str) -> pb::GenerateRequest {
+/// The scheduler request of `g` for `tenant`, traced under the
+/// client-visible `id`.
+pub fn generate_request(g: &Generate, id: &str, tenant: &str) -> pb::GenerateRequest {
     let mut r = pb::GenerateRequest {
         max_tokens: g.max_tokens,
         temperature: g.temperature,
         top_p: g.top_p,
         seed: g.seed,
         stop: g.stop.clone(),
-        // the end user's prefix reuse is kept apart from other users'
-        cache_salt: g.user.clone().unwrap_or_default(),
+        // The authenticated tenant's prefix reuse is kept apart from other
+        // tenants'. Not `user`: anyone sets it, so salting by it let
+        // `user=alice` read alice's cached prefixes (issue 29, finding 5).
+        cache_salt: tenant.to_string(),
         request_id: id.to_string(),
         ignore_eos: g.ignore_eos,
         ..Default::default()

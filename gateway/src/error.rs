@@ -41,6 +41,19 @@ pub(crate) struct Detail<'a> {
     code: Option<&'a str>,
 }
 
+/// What of a caller's input an error message may echo: its first
+/// [`ECHO_CHARS`] characters. A message that echoed a 1 MB field whole pushed
+/// replies over the message cap (issue 29, point 9).
+pub fn clip(input: &str) -> String {
+    match input.char_indices().nth(ECHO_CHARS) {
+        None => format!("{input:?}"),
+        Some((end, _)) => format!("{:?}... ({} bytes)", &input[..end], input.len()),
+    }
+}
+
+/// How many characters of an input [`clip`] keeps.
+pub const ECHO_CHARS: usize = 64;
+
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
         Self {
@@ -55,6 +68,39 @@ impl ApiError {
     fn code(mut self, code: impl Into<String>) -> Self {
         self.code = Some(code.into());
         self
+    }
+
+    /// 408: the request body did not arrive in time.
+    pub fn body_timeout(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            message,
+        )
+        .code("timeout")
+    }
+
+    /// 413 for a body over the limit, 400 for one that could not be read.
+    pub fn body_unreadable(message: String) -> Self {
+        if message.contains("length limit") {
+            Self::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                message,
+            )
+        } else {
+            Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+        }
+    }
+
+    /// 401: no valid bearer token.
+    pub fn unauthenticated(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", message).code("invalid_api_key")
+    }
+
+    /// 403: a principal without the role the route needs.
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "permission_error", message)
     }
 
     /// 400: the request is malformed or asks for what is not offered.
@@ -77,7 +123,10 @@ impl ApiError {
             ..Self::new(
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
-                format!("the model {asked:?} does not exist; this server serves {served:?}"),
+                format!(
+                    "the model {} does not exist; this server serves {served:?}",
+                    clip(asked)
+                ),
             )
             .code("model_not_found")
         }

@@ -34,8 +34,15 @@
 //! pieces -> one JSON answer or SSE chunks, ending `data: [DONE]`.
 
 use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
 
+use axum::body::Body;
+use axum::extract::{ConnectInfo, Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use axum::serve::ListenerExt;
+use kvlease_runtime::limits::Gate;
 use tokio::net::TcpListener;
 
 pub mod config;
@@ -90,25 +97,76 @@ pub async fn run(
         model: config.model.clone(),
         default_max_tokens: config.default_max_tokens,
     };
-    let app = service::Gateway::new(channel, served).router();
+    // Only a request whose headers arrived whole proves a connection, and
+    // only requests keep it from going idle: a client trickling header
+    // lines (slowloris) stays evictable and meets the handshake deadline
+    // (issue 29, finding 2).
+    let gate = config.limits.call_gate();
+    let calls = Calls {
+        gate: gate.clone(),
+        body_timeout: Duration::from_millis(config.body_timeout_ms),
+    };
+    let app = service::Gateway::new(channel, served)
+        .with_tokens(security.tokens().cloned())
+        .router()
+        .layer(axum::middleware::from_fn_with_state(calls, track_call));
     tracing::info!(listen = %config.listen, scheduler = %config.scheduler_addr,
         model = %config.model, "gateway serving");
     // Server-sent events are small writes, one per step: with Nagle's
     // algorithm on, one waits for the client's (delayed) ACK of the one
     // before, adding up to tens of milliseconds to a token's arrival.
-    let listener = GatedListener {
-        listener,
-        gate: config.limits.gate(),
-    }
-    .tap_io(|conn| {
+    let listener = GatedListener { listener, gate }.tap_io(|conn| {
         if let Err(e) = conn.get_ref().set_nodelay(true) {
             tracing::warn!(error = %e, "cannot set TCP_NODELAY on an HTTP connection");
         }
     });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await?;
     Ok(())
+}
+
+/// What [`track_call`] needs.
+#[derive(Debug, Clone)]
+struct Calls {
+    gate: Gate,
+    body_timeout: Duration,
+}
+
+/// The most a request body may hold (axum's default limit).
+const MAX_BODY: usize = 2 * 1024 * 1024;
+
+/// Tells the gate about each request (its connection is proven and busy
+/// until the response body is dropped) and reads the body whole within the
+/// body deadline, so that a slowly sent body cannot hold a connection.
+async fn track_call(
+    State(calls): State<Calls>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let guard = calls.gate.call_began(peer);
+    let (parts, body) = request.into_parts();
+    let read = tokio::time::timeout(calls.body_timeout, axum::body::to_bytes(body, MAX_BODY));
+    let body = match read.await {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(e)) => return ApiError::body_unreadable(e.to_string()).into_response(),
+        Err(_) => {
+            return ApiError::body_timeout(format!(
+                "the request body did not arrive within {} ms",
+                calls.body_timeout.as_millis()
+            ))
+            .into_response();
+        }
+    };
+    let response = next.run(Request::from_parts(parts, Body::from(body))).await;
+    match guard {
+        Some(guard) => response.map(|body| Body::new(guard.hold(body))),
+        None => response,
+    }
 }
 
 /// The HTTP listener under the shared connection limits
@@ -117,7 +175,7 @@ pub async fn run(
 #[derive(Debug)]
 struct GatedListener {
     listener: TcpListener,
-    gate: kvlease_runtime::limits::Gate,
+    gate: Gate,
 }
 
 impl axum::serve::Listener for GatedListener {
@@ -128,7 +186,7 @@ impl axum::serve::Listener for GatedListener {
         loop {
             let (conn, addr) = axum::serve::Listener::accept(&mut self.listener).await;
             // None: over the cap, closed by dropping it
-            if let Some(conn) = self.gate.admit(conn) {
+            if let Some(conn) = self.gate.admit_from(conn, Some(addr)) {
                 return (conn, addr);
             }
         }

@@ -44,6 +44,9 @@ pub struct Served {
 
 /// A user id longer than this is refused (the scheduler's label limit).
 const MAX_USER: usize = 256;
+/// Stop strings: how many, and the bytes of each (the scheduler's limits).
+const MAX_STOPS: usize = 16;
+const MAX_STOP_BYTES: usize = 256;
 
 impl Served {
     /// `POST /v1/completions`.
@@ -162,6 +165,24 @@ impl Served {
             Some(Stop::One(s)) => vec![s],
             Some(Stop::Many(v)) => v,
         };
+        if stop.len() > MAX_STOPS {
+            return Err(ApiError::invalid_param(
+                "stop",
+                format!("{} stop strings; at most {MAX_STOPS}", stop.len()),
+            ));
+        }
+        if let Some(s) = stop
+            .iter()
+            .find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
+        {
+            return Err(ApiError::invalid_param(
+                "stop",
+                format!(
+                    "stop string {} must be 1 to {MAX_STOP_BYTES} bytes",
+                    crate::error::clip(s)
+                ),
+            ));
+        }
         let stream = c.stream.unwrap_or(false);
         Ok(Generate {
             input,

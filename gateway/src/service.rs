@@ -8,17 +8,27 @@
 //! first token ends the stream with an error event and `data: [DONE]`.
 //! Dropping the response (the client went away) drops the gRPC stream,
 //! which cancels the request in the scheduler.
+//!
+//! With a token file (`--token-file`) every `/v1` route takes
+//! `Authorization: Bearer TOKEN` of a principal with role `client` (401
+//! without a known token, 403 without the role), and that principal is the
+//! request's tenant: its name salts prefix reuse, so one principal cannot
+//! probe another's cached prefixes. OpenAI's `user` is only a label
+//! (issue 29, findings 4 and 5).
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::{Stream, StreamExt};
+use kvlease_auth::Role;
+use kvlease_auth::tokens::Tokens;
 use kvlease_proto::v1::scheduler_client::SchedulerClient;
 use serde::de::DeserializeOwned;
 use tonic::transport::Channel;
@@ -39,11 +49,53 @@ use crate::request::{Generate, Served};
 pub struct Gateway {
     channel: Channel,
     served: Served,
+    /// The bearer tokens callers must bring; anyone may call without.
+    tokens: Option<Arc<Tokens>>,
 }
 
 impl Gateway {
+    /// A gateway open to any caller, all of one tenant.
     pub fn new(channel: Channel, served: Served) -> Self {
-        Self { channel, served }
+        Self {
+            channel,
+            served,
+            tokens: None,
+        }
+    }
+
+    /// The same, taking only callers with a bearer token of `tokens`.
+    pub fn with_tokens(self, tokens: Option<Tokens>) -> Self {
+        Self {
+            tokens: tokens.map(Arc::new),
+            ..self
+        }
+    }
+
+    /// The tenant of a request with `headers`: the name of its bearer
+    /// token's principal, or empty (one tenant) when the gateway takes no
+    /// tokens; the 401/403 when it brings no valid token of a client.
+    fn tenant(&self, headers: &HeaderMap) -> Result<String> {
+        let Some(tokens) = &self.tokens else {
+            return Ok(String::new());
+        };
+        let token = headers
+            .get(header::AUTHORIZATION)
+            .ok_or_else(|| ApiError::unauthenticated("no `Authorization: Bearer TOKEN` header"))?
+            .to_str()
+            .ok()
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .ok_or_else(|| ApiError::unauthenticated("authorization is not `Bearer TOKEN`"))?;
+        let principal = tokens
+            .get(token.trim())
+            .ok_or_else(|| ApiError::unauthenticated("unknown bearer token"))?;
+        if !principal.has(Role::Client) {
+            return Err(ApiError::forbidden(format!(
+                "principal {} has roles {}; generating needs role client",
+                principal.name(),
+                principal.roles()
+            )));
+        }
+        Ok(principal.name().to_string())
     }
 
     /// The routes.
@@ -90,7 +142,10 @@ fn model_entry(served: &Served) -> Model {
     }
 }
 
-async fn models(State(g): State<Gateway>) -> Response {
+async fn models(State(g): State<Gateway>, headers: HeaderMap) -> Response {
+    if let Err(e) = g.tenant(&headers) {
+        return e.into_response();
+    }
     let list = ModelList {
         object: "list",
         data: vec![model_entry(&g.served)],
@@ -98,7 +153,10 @@ async fn models(State(g): State<Gateway>) -> Response {
     json(StatusCode::OK, &list)
 }
 
-async fn model(State(g): State<Gateway>, Path(id): Path<String>) -> Response {
+async fn model(State(g): State<Gateway>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+    if let Err(e) = g.tenant(&headers) {
+        return e.into_response();
+    }
     if id == g.served.model {
         json(StatusCode::OK, &model_entry(&g.served))
     } else {
@@ -117,18 +175,26 @@ async fn not_found() -> Response {
     .into_response()
 }
 
-async fn completions(State(g): State<Gateway>, body: Bytes) -> Response {
+async fn completions(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -> Response {
+    let tenant = match g.tenant(&headers) {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
     let request = parse(&body).and_then(|r| g.served.completion(r));
     match request {
-        Ok(r) => g.generate(Kind::Completion, r).await,
+        Ok(r) => g.generate(Kind::Completion, r, &tenant).await,
         Err(e) => e.into_response(),
     }
 }
 
-async fn chat_completions(State(g): State<Gateway>, body: Bytes) -> Response {
+async fn chat_completions(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -> Response {
+    let tenant = match g.tenant(&headers) {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
     let request = parse(&body).and_then(|r| g.served.chat(r));
     match request {
-        Ok(r) => g.generate(Kind::Chat, r).await,
+        Ok(r) => g.generate(Kind::Chat, r, &tenant).await,
         Err(e) => e.into_response(),
     }
 }
@@ -181,7 +247,7 @@ struct Answer {
 }
 
 impl Gateway {
-    async fn generate(&self, kind: Kind, g: Generate) -> Response {
+    async fn generate(&self, kind: Kind, g: Generate, tenant: &str) -> Response {
         let answer = Answer {
             kind,
             id: format!(
@@ -199,7 +265,7 @@ impl Gateway {
         };
         let mut client = SchedulerClient::new(self.channel.clone());
         let stream = match client
-            .generate(convert::generate_request(&g, &answer.id))
+            .generate(convert::generate_request(&g, &answer.id, tenant))
             .await
         {
             Ok(r) => r.into_inner(),

@@ -376,8 +376,11 @@ async fn chat_whole_and_streamed_match_grpc() {
     assert_eq!(w["choices"][0]["finish_reason"], finish);
     assert_eq!(w["usage"]["prompt_tokens"], rendered);
     assert_eq!(w["usage"]["completion_tokens"], grpc.tokens.len());
-    // "alice" is a tenant of her own: the gRPC call's blocks are not hers
-    assert_eq!(w["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // `user` is only a label (issue 29, finding 5): without a token file every caller
+    // is one tenant, so "alice" reuses the gRPC call's blocks (tenants by token:
+    // integration-tests/tests/hostile_gateway.rs)
+    let cached = w["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    assert!(cached.is_some_and(|c| c > 0), "{}", w["usage"]);
 
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);

@@ -19,6 +19,7 @@ pub(crate) fn incoming(
             return Some(Err(e));
         }
         // None: over the connection cap, closed here
-        gate.admit(conn).map(Ok)
+        let peer = conn.peer_addr().ok();
+        gate.admit_from(conn, peer).map(Ok)
     })
 }

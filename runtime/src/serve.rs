@@ -22,7 +22,7 @@ use kvlease_telemetry::GrpcTraceLayer;
 
 use crate::accept::incoming;
 use crate::error::{Error, Result};
-use crate::limits::{ServeLimits, StatusLayer};
+use crate::limits::{CallLayer, ServeLimits, StatusLayer};
 
 /// The sockets one server serves on, bound before it starts.
 #[derive(Debug)]
@@ -182,8 +182,8 @@ pub struct ServerInfo {
 /// tonic's own refusals given the documented codes ([`StatusLayer`]), then
 /// authenticated and authorized ([`AuthLayer`]), over mTLS when `security`
 /// has TLS material (plaintext only where [`Security::check_listener`]
-/// allows it), under the transport limits of `limits` (connection gate,
-/// HTTP/2 keepalive, concurrent streams); serves
+/// allows it), under the transport limits of `limits` (connection gate
+/// proven by authenticated calls, HTTP/2 keepalive, concurrent streams); serves
 /// `render_metrics` on `listeners.metrics` when there is one. Returns once
 /// `shutdown` resolved and the gRPC server drained, then stops the metrics
 /// endpoint.
@@ -250,7 +250,9 @@ where
 
     let addr = listeners.grpc.local_addr().ok();
     tracing::info!(service = info.name, ?addr, "grpc serving");
-    let gate = limits.gate();
+    // Only authenticated calls prove a connection: PING-only or
+    // certificate-less connections stay evictable (issue 29, finding 1).
+    let gate = limits.call_gate();
     let served = builder
         .http2_keepalive_interval(Some(limits.keepalive_interval()))
         .http2_keepalive_timeout(Some(limits.keepalive_timeout()))
@@ -262,6 +264,8 @@ where
         // inside the trace layer, so spans record the corrected code
         .layer(StatusLayer)
         .layer(AuthLayer::new(security.clone()))
+        // inside the authorization layer: it sees only authenticated calls
+        .layer(CallLayer::new(gate.clone()))
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

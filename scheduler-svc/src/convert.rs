@@ -146,8 +146,11 @@ pub(crate) fn validate(
         .iter()
         .find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES)
     {
+        // never the whole string: a 1 MB one echoed pushed the reply over the message cap
+        let start: String = s.chars().take(64).collect();
         return bad(format!(
-            "stop string {s:?} must be 1 to {MAX_STOP_BYTES} bytes"
+            "stop string of {} bytes ({start:?}...) must be 1 to {MAX_STOP_BYTES} bytes",
+            s.len()
         ));
     }
     if !req.stop.is_empty() && !is_text {

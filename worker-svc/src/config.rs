@@ -59,9 +59,17 @@ pub struct Config {
     #[command(flatten)]
     pub security: kvlease_auth::SecurityArgs,
     /// The principal whose Forward calls this worker serves (the scheduler of its pool
-    /// group); without it, the first principal that calls Forward.
-    #[arg(long, env = "KVLEASE_WORKER_OWNER")]
+    /// group). Required under TLS or a token file, unless --owner-first-caller.
+    #[arg(
+        long,
+        env = "KVLEASE_WORKER_OWNER",
+        conflicts_with = "owner_first_caller"
+    )]
     pub owner: Option<String>,
+    /// Without --owner under TLS or a token file: let the first authenticated principal
+    /// that calls Forward own this worker (first come, first owner; opt in knowingly).
+    #[arg(long, env = "KVLEASE_WORKER_OWNER_FIRST_CALLER")]
+    pub owner_first_caller: bool,
 
     /// A real model: a GGUF file (architecture llama) or a Hugging Face
     /// directory (config.json, safetensors, tokenizer.json). Its shape
@@ -204,6 +212,7 @@ impl Default for Config {
             listen: DEFAULT_LISTEN,
             security: kvlease_auth::SecurityArgs::default(),
             owner: None,
+            owner_first_caller: false,
             model: None,
             weights: None,
             seed: DEFAULT_SEED,
@@ -252,7 +261,24 @@ impl Config {
             ));
         }
         self.limits.validate().map_err(Error::Config)?;
+        self.check_owner()?;
         self.model_config().map(drop)
+    }
+
+    /// A secured worker names its owner, or says that the first caller owns it (issue 29,
+    /// finding 7: first come was the silent default). A plaintext worker's callers are all
+    /// the one anonymous loopback principal, so there first come is no choice at all.
+    pub(crate) fn check_owner(&self) -> Result<()> {
+        let secured = self.security.tls_cert.is_some() || self.security.token_file.is_some();
+        if secured && self.owner.is_none() && !self.owner_first_caller {
+            return Err(Error::Config(
+                "--owner is required under TLS or a token file: name the principal of the \
+                 scheduler this worker serves, or give --owner-first-caller to let the first \
+                 principal that calls Forward own it"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     /// The model shape the flags describe.
@@ -370,5 +396,26 @@ mod tests {
         let parsed = parse_without_env::<Config, _, _>("kvlease-worker", ["kvlease-worker"]);
         assert_eq!(parsed.map_err(|e| e.to_string()), Ok(Config::default()));
         assert!(Config::default().validate().is_ok());
+        let secured = Config {
+            security: kvlease_auth::SecurityArgs {
+                tls_cert: Some("w.pem".into()),
+                tls_key: Some("w.key".into()),
+                tls_ca: Some("ca.pem".into()),
+                ..Default::default()
+            },
+            ..Config::default()
+        };
+        let e = secured.validate().unwrap_err().to_string();
+        assert!(e.contains("--owner is required"), "{e}");
+        let named = Config {
+            owner: Some("scheduler".into()),
+            ..secured.clone()
+        };
+        assert!(named.validate().is_ok());
+        let first_come = Config {
+            owner_first_caller: true,
+            ..secured
+        };
+        assert!(first_come.validate().is_ok());
     }
 }

@@ -93,6 +93,7 @@ async fn serve_model(
     if let Some(tokenizer) = tokenizer {
         service = service.with_tokenizer(tokenizer)?;
     }
+    config.check_owner()?;
     if let Some(owner) = &config.owner {
         service = service.with_owner(owner);
     }
