@@ -1,8 +1,10 @@
 //! Decode passes replayed from CUDA graphs.
 //!
 //! A decode step enqueues every launch and product of the model (about ten
-//! per layer); at small model widths the host's launch calls, not the
-//! device, set the step's pace. A batch of decode rows (one token and one
+//! per layer). Measured on an H200 (2026-12-03, `benches/gpu.rs`), replaying
+//! them from a graph did not shorten the step at batch 64 or 256: the
+//! device's work and the host's validation set its pace, not the launch
+//! calls. A batch of decode rows (one token and one
 //! logit row per sequence) is padded to a row bucket (see
 //! [`BatchMeta::build`]) and its metadata copied into buffers that keep
 //! their device addresses; the pass's launches for that bucket and each
