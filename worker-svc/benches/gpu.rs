@@ -6,6 +6,7 @@
 //! measured in the same run. Without a usable device it says
 //! why and exits 0, unless `KVLEASE_REQUIRE_GPU=1` (then it fails).
 
+use worker_svc::backend::CudaOptions;
 use worker_svc::backend::cuda::AttentionTuning;
 use worker_svc::backend::cuda::bench::{self, AttentionShape};
 use worker_svc::model::{ModelConfig, RopeScaling};
@@ -167,12 +168,33 @@ fn main() {
         }
     }
 
-    // Targets 1 and 2 of issue 12, each against a limit measured here.
+    // Decode steps against the byte limit and prefill against cuBLAS's
+    // rate (issue 12's targets 1 and 2, issue 23's), each limit measured
+    // here, for each model shape of `KVLEASE_BENCH_MODELS` (comma
+    // separated; default all three). Decode steps run twice: from CUDA
+    // graphs, and launched one by one (`decode_graphs` off).
     let copy_gbps = bench::device_copy_bandwidth(1 << 30, 20).unwrap_or_else(|e| fail(e));
     let (gm, gk, gn) = (8192, 8192, 8192);
     let gemm_tflops = bench::gemm_rate(gm, gk, gn, 20).unwrap_or_else(|e| fail(e));
-    let model = ModelConfig {
-        name: "bench-1b".into(),
+    println!(
+        "limits measured in this run: device-to-device copy {copy_gbps:.0} GB/s (read + write, 1 GiB); cuBLAS bf16 GEMM {gm}x{gk}x{gn} (f32 accumulation) {gemm_tflops:.0} TFLOP/s"
+    );
+    let names = std::env::var("KVLEASE_BENCH_MODELS")
+        .unwrap_or_else(|_| "smollm2-135m,llama-1.1b,bench-1b".into());
+    for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        let Some(model) = bench_model(name) else {
+            eprintln!("model {name}: not smollm2-135m, llama-1.1b or bench-1b, skipped");
+            continue;
+        };
+        model_tables(&model, copy_gbps, gemm_tflops);
+    }
+}
+
+/// The model shapes of the decode and prefill bench (seeded weights: the
+/// speed does not depend on their values).
+fn bench_model(name: &str) -> Option<ModelConfig> {
+    let base = ModelConfig {
+        name: name.into(),
         vocab_size: 32000,
         hidden_size: 2048,
         num_heads: 32,
@@ -187,13 +209,73 @@ fn main() {
         tokens_per_block: 16,
         tied_embeddings: false,
     };
+    match name {
+        "bench-1b" => Some(base),
+        // SmolLM2-135M's shape.
+        "smollm2-135m" => Some(ModelConfig {
+            vocab_size: 49152,
+            hidden_size: 576,
+            num_heads: 9,
+            num_kv_heads: 3,
+            ffn_size: 1536,
+            rope_theta: 100_000.0,
+            layer_windows: vec![0; 30],
+            tied_embeddings: true,
+            ..base
+        }),
+        // The 1.1B Llama shape of issue 23 (TinyLlama's, SmolLM2's vocabulary).
+        "llama-1.1b" => Some(ModelConfig {
+            vocab_size: 49152,
+            num_kv_heads: 4,
+            layer_windows: vec![0; 22],
+            ..base
+        }),
+        _ => None,
+    }
+}
+
+/// Prefill and decode of one model, decode from graphs and eager.
+fn model_tables(model: &ModelConfig, copy_gbps: f64, gemm_tflops: f64) {
     let (context, steps) = (1024, 50);
     let prefills = [(64, 1024), (8, 4096)];
     let batches = [64, 256];
-    let r =
-        bench::model_bench(&model, &prefills, &batches, context, steps).unwrap_or_else(|e| fail(e));
+    let default_streams = CudaOptions::default().gemm_streams;
+    let graphed = bench::model_bench(
+        model,
+        &prefills,
+        &batches,
+        (context, steps),
+        (true, default_streams),
+    )
+    .unwrap_or_else(|e| fail(e));
+    let eager = bench::model_bench(
+        model,
+        &[],
+        &batches,
+        (context, steps),
+        (false, default_streams),
+    )
+    .unwrap_or_else(|e| fail(e));
+    // Prefill with the product tiles over other stream counts
+    // (`KVLEASE_BENCH_GEMM_STREAMS`, comma separated; none by default).
+    let streams: Vec<usize> = std::env::var("KVLEASE_BENCH_GEMM_STREAMS")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|n| n.trim().parse().ok())
+        .collect();
+    let mut prefill_rows: Vec<(usize, bench::PrefillFigures)> = graphed
+        .prefills
+        .iter()
+        .map(|p| (default_streams, p.clone()))
+        .collect();
+    for n in streams {
+        let r = bench::model_bench(model, &prefills, &[], (context, steps), (true, n))
+            .unwrap_or_else(|e| fail(e));
+        prefill_rows.extend(r.prefills.into_iter().map(|p| (n, p)));
+    }
     println!(
-        "model: {} layers, hidden {}, heads {}/{} kv x {}, ffn {}, vocab {}, {:.0} M params; bf16 weights and products (f32 accumulation, calls of a fixed row count), bf16 KV",
+        "model {}: {} layers, hidden {}, heads {}/{} kv x {}, ffn {}, vocab {}, {:.0} M params; bf16 weights and products (f32 accumulation, calls of a fixed row count), bf16 KV",
+        model.name,
         model.num_layers(),
         model.hidden_size,
         model.num_heads,
@@ -204,36 +286,38 @@ fn main() {
         model.num_params() as f64 / 1e6
     );
     println!(
-        "limits measured in this run: device-to-device copy {copy_gbps:.0} GB/s (read + write, 1 GiB); cuBLAS bf16 GEMM {gm}x{gk}x{gn} (f32 accumulation) {gemm_tflops:.0} TFLOP/s"
+        "decode step (Worker::forward_tokens, greedy tokens back), context {context}; graphs: {} captured, {} passes replayed; eager run: {} replayed",
+        graphed.graphs.captures, graphed.graphs.replays, eager.graphs.replays
     );
     println!(
-        "target 1: decode step (Worker::forward_tokens, greedy tokens back), context {context}"
+        "| model | batch | step, graphs | step, eager | bytes it must read | limit at copy bandwidth | limit / step (graphs) | limit / step (eager) |"
     );
-    println!(
-        "| batch | step | bytes it must read | limit at copy bandwidth | limit / step | target |"
-    );
-    println!("|---:|---:|---:|---:|---:|---:|");
-    for d in &r.decodes {
-        let limit_ms = d.bytes as f64 / (copy_gbps * 1e9) * 1e3;
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for (g, e) in graphed.decodes.iter().zip(&eager.decodes) {
+        let limit_ms = g.bytes as f64 / (copy_gbps * 1e9) * 1e3;
         println!(
-            "| {} | {:.3} ms | {:.2} GB | {:.3} ms | {:.2} | >= 0.6 |",
-            d.batch,
-            d.step_ms,
-            d.bytes as f64 / 1e9,
+            "| {} | {} | {:.3} ms | {:.3} ms | {:.2} GB | {:.3} ms | {:.2} | {:.2} |",
+            model.name,
+            g.batch,
+            g.step_ms,
+            e.step_ms,
+            g.bytes as f64 / 1e9,
             limit_ms,
-            limit_ms / d.step_ms
+            limit_ms / g.step_ms,
+            limit_ms / e.step_ms
         );
     }
     println!(
-        "target 2: prefill (Worker::forward_tokens, {} tokens per forward)",
+        "prefill (Worker::forward_tokens, {} tokens per forward)",
         bench::PREFILL_BATCH_TOKENS
     );
-    println!("| prefill | time | TFLOP | TFLOP/s | / cuBLAS bf16 rate | target |");
-    println!("|---|---:|---:|---:|---:|---:|");
-    for p in &r.prefills {
+    println!("| model | prefill | product streams | time | TFLOP | TFLOP/s | / cuBLAS bf16 rate |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    for (streams, p) in &prefill_rows {
         let rate = p.flops / p.seconds / 1e12;
         println!(
-            "| {} x {} | {:.3} s | {:.1} | {:.0} | {:.2} | >= 0.5 |",
+            "| {} | {} x {} | {streams} | {:.3} s | {:.1} | {:.0} | {:.2} |",
+            model.name,
             p.seqs,
             p.tokens,
             p.seconds,
@@ -242,16 +326,16 @@ fn main() {
             rate / gemm_tflops
         );
     }
-    println!("profile of one forward (device time by phase, ms; host wall by stage, ms):");
+    println!("profile of one eager forward (device time by phase, ms; host wall by stage, ms):");
     println!(
-        "| forward | device | matmul | attention | other | host: validate | upload | launch | wait + tokens back | outputs |"
+        "| model | forward | device | matmul | attention | other | host: validate | upload | launch | wait + tokens back | outputs |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    let rows = r
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let rows = graphed
         .decodes
         .iter()
         .map(|d| (format!("decode step, batch {}", d.batch), d.phases))
-        .chain(r.prefills.iter().map(|p| {
+        .chain(graphed.prefills.iter().map(|p| {
             let len = p.tokens.min(bench::PREFILL_BATCH_TOKENS);
             let per_forward = (bench::PREFILL_BATCH_TOKENS / len).clamp(1, p.seqs);
             (format!("prefill, {per_forward} x {len}"), p.phases)
@@ -260,7 +344,8 @@ fn main() {
         let h = p.host;
         let total = p.matmul_ms + p.attention_ms + p.other_ms;
         println!(
-            "| {what} | {total:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |",
+            "| {} | {what} | {total:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |",
+            model.name,
             p.matmul_ms,
             p.attention_ms,
             p.other_ms,

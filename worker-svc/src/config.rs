@@ -368,6 +368,7 @@ impl Config {
             kv_dtype: self.kv_dtype,
             memory_fraction: self.gpu_memory_fraction,
             max_kv_bytes: self.gpu_max_kv_mib.saturating_mul(1 << 20),
+            ..CudaOptions::default()
         }
     }
 

@@ -202,6 +202,11 @@ impl Worker {
         self.backend.set_profiling(on);
     }
 
+    /// Graphs the backend captured and passes it replayed from them.
+    pub fn graph_counts(&self) -> crate::backend::GraphCounts {
+        self.backend.graph_counts()
+    }
+
     /// Phase times of the last profiled pass, if the backend times phases,
     /// with this worker's own host stages of the last pass.
     pub fn last_profile(&self) -> Option<PhaseTimes> {

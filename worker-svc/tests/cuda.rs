@@ -71,6 +71,7 @@ fn cuda_worker(weights: &Weights, kv_dtype: KvDtype) -> Worker {
         kv_dtype,
         memory_fraction: 0.5,
         max_kv_bytes: 8 << 20,
+        ..CudaOptions::default()
     };
     match Worker::new_cuda(weights.clone(), options(), gpu) {
         Ok(w) => w,
@@ -89,6 +90,7 @@ fn tiered_cuda_worker(weights: &Weights, kv_dtype: KvDtype, host_blocks: u32) ->
         kv_dtype,
         memory_fraction: 0.5,
         max_kv_bytes: 8 << 20,
+        ..CudaOptions::default()
     };
     let options = WorkerOptions {
         host_blocks,
@@ -228,6 +230,7 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
         kv_dtype: DTYPE,
         memory_fraction: 0.5,
         max_kv_bytes: 16 << 20,
+        ..CudaOptions::default()
     };
     let mut gpu = match Worker::new_cuda(weights.clone(), options, gpu_options) {
         Ok(w) => w,
@@ -386,6 +389,112 @@ fn prefill_rows_are_bit_identical_to_decoding_them_one_by_one() {
             );
         }
     }
+}
+
+#[test]
+fn decode_from_graphs_is_bit_identical_to_eager_decode() {
+    if !gpu_available("decode_graphs_equal_eager") {
+        return;
+    }
+    // Two pools (full and a window of 32), tensor-core heads; batches of 1
+    // to 24 decode rows (row buckets 8, 16 and 32) whose keys grow from 6 to
+    // 114 (key buckets 8 to 128), so graphs are captured for several
+    // buckets and replayed over new metadata each step.
+    let config = ModelConfig {
+        name: "graphs".into(),
+        vocab_size: 50,
+        hidden_size: 64,
+        num_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 64,
+        ffn_size: 96,
+        rope_theta: 10_000.0,
+        rope_scaling: RopeScaling::None,
+        rms_norm_eps: 1e-5,
+        layer_windows: vec![0, 32],
+        max_context: 512,
+        tokens_per_block: 16,
+        tied_embeddings: false,
+    };
+    let weights = match Weights::seeded(config, 23) {
+        Ok(w) => w,
+        Err(e) => panic!("weights: {e}"),
+    };
+    let worker = |decode_graphs: bool| {
+        let options = WorkerOptions {
+            limits: Limits {
+                max_batch_sequences: 64,
+                max_batch_tokens: 4096,
+            },
+            ..options()
+        };
+        let gpu = CudaOptions {
+            max_kv_bytes: 8 << 20,
+            decode_graphs,
+            ..CudaOptions::default()
+        };
+        match Worker::new_cuda(weights.clone(), options, gpu) {
+            Ok(w) => w,
+            Err(e) => panic!("cuda worker: {e}"),
+        }
+    };
+    let (mut graphed, mut eager) = (worker(true), worker(false));
+    const SEQS: usize = 24;
+    let token = |s: usize, p: usize| ((s * 7 + p * 3) % 50) as u32;
+    let input = |s: usize, start: usize, end: usize| {
+        let ids: Vec<u32> = (s as u32 * 8..s as u32 * 8 + 8).collect();
+        SeqInput {
+            seq_id: s as u64 + 1,
+            tokens: (start..end).map(|p| token(s, p)).collect(),
+            start_pos: start as u32,
+            tables: vec![table(0, 0, &ids), table(32, 0, &ids)],
+            all_positions: false,
+            sampling: Sampling::GREEDY,
+            copies: Vec::new(),
+        }
+    };
+    let mut both = |inputs: Vec<SeqInput>, what: &str| {
+        let a = match graphed.forward(inputs.clone()) {
+            Ok(o) => o,
+            Err(e) => panic!("{what}, graphs: {e}"),
+        };
+        let b = match eager.forward(inputs.clone()) {
+            Ok(o) => o,
+            Err(e) => panic!("{what}, eager: {e}"),
+        };
+        for (k, seq) in inputs.iter().enumerate() {
+            let (x, y) = (a.logits(k), b.logits(k));
+            if let Some(i) = (0..x.len()).find(|&i| x[i].to_bits() != y[i].to_bits()) {
+                panic!(
+                    "{what}: sequence {} at {}, logit {i}: {} from a graph, {} eager",
+                    seq.seq_id, seq.start_pos, x[i], y[i]
+                );
+            }
+        }
+    };
+    let mut pos: Vec<usize> = (0..SEQS).map(|s| 5 + 3 * s).collect();
+    both((0..SEQS).map(|s| input(s, 0, pos[s])).collect(), "prefill");
+    let sizes = [24, 13, 1, 7, 3, 24, 16, 9];
+    let steps = 40;
+    for step in 0..steps {
+        let n = sizes[step % sizes.len()];
+        let chosen: Vec<usize> = (0..n).map(|i| (step * 5 + i) % SEQS).collect();
+        let inputs = chosen
+            .iter()
+            .map(|&s| input(s, pos[s], pos[s] + 1))
+            .collect();
+        both(inputs, &format!("decode step {step} of {n} sequences"));
+        for s in chosen {
+            pos[s] += 1;
+        }
+    }
+    let (g, e) = (graphed.graph_counts(), eager.graph_counts());
+    assert_eq!(g.replays, steps as u64, "every decode step from a graph");
+    assert!(
+        g.captures >= 3 && g.captures < g.replays,
+        "graphs of several buckets, reused: {g:?}"
+    );
+    assert_eq!(e.replays + e.captures, 0, "no graph with decode_graphs off");
 }
 
 #[test]
@@ -639,6 +748,7 @@ fn smollm2_on_the_gpu_agrees_with_transformers() {
         kv_dtype: DTYPE,
         memory_fraction: 0.5,
         max_kv_bytes: 256 << 20,
+        ..CudaOptions::default()
     };
     let mut worker = Worker::new_cuda(loaded.weights, options(), gpu)
         .unwrap_or_else(|e| panic!("cuda worker: {e}"));

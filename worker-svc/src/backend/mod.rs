@@ -57,6 +57,13 @@ pub struct CudaOptions {
     pub memory_fraction: f64,
     /// Upper bound on the arena's bytes; 0 = none.
     pub max_kv_bytes: u64,
+    /// Decode passes (one token per sequence, up to 256 sequences) replayed
+    /// from CUDA graphs captured per batch-size bucket, instead of launched
+    /// one kernel at a time; the same bits either way.
+    pub decode_graphs: bool,
+    /// Streams the row tiles of a long product (a prefill's) run on at
+    /// once, each tile the same fixed-shape call whatever the count.
+    pub gemm_streams: usize,
 }
 
 impl Default for CudaOptions {
@@ -66,6 +73,8 @@ impl Default for CudaOptions {
             kv_dtype: KvDtype::Bf16,
             memory_fraction: 0.9,
             max_kv_bytes: 0,
+            decode_graphs: true,
+            gemm_streams: 4,
         }
     }
 }
@@ -168,4 +177,20 @@ pub trait Backend: Send + std::fmt::Debug {
     fn last_profile(&self) -> Option<PhaseTimes> {
         None
     }
+
+    /// Passes captured into graphs and passes replayed from them so far
+    /// (CUDA decode graphs; zero for backends without graphs).
+    fn graph_counts(&self) -> GraphCounts {
+        GraphCounts::default()
+    }
+}
+
+/// What [`Backend::graph_counts`] reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphCounts {
+    /// Graphs captured (a capture per row bucket and split plan, again
+    /// after the metadata buffers grew).
+    pub captures: u64,
+    /// Passes replayed from a graph.
+    pub replays: u64,
 }

@@ -4,17 +4,19 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, sys::CUevent_flags};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use half::bf16;
 
 use super::gemm::{Products, padded_rows};
+use super::graphs::{self, DecodeGraphs, Graph, GraphKey};
 use super::kernels::{KernelShape, Kernels};
 use super::launches::{AttentionArgs, AttnOut, Launcher};
 use super::tier::HostTier;
-use super::uploads::{Activations, DeviceBatch, DeviceWeights};
+use super::uploads::{Activations, BatchMeta, DeviceBatch, DeviceWeights};
 use super::{CudaOptions, GPU_KV_ELEM_BYTES, KvDtype, cuda_err, probe};
 use crate::arena::{ArenaLayout, split_kv_bytes};
-use crate::backend::{Backend, BatchLogits, HostTimes, PhaseTimes};
+use crate::backend::{Backend, BatchLogits, GraphCounts, HostTimes, PhaseTimes};
 use crate::batch::{Batch, TierMove};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
@@ -40,6 +42,9 @@ pub struct CudaBackend {
     weight_bytes: u64,
     profiling: bool,
     last_profile: Option<PhaseTimes>,
+    /// Decode passes from CUDA graphs (`CudaOptions::decode_graphs`).
+    use_graphs: bool,
+    graphs: DecodeGraphs,
 }
 
 /// What sizing found: the device's memory and what the arena got.
@@ -84,8 +89,10 @@ impl CudaBackend {
             )));
         }
         let ctx = CudaContext::new(options.device).map_err(cuda_err("context"))?;
-        let stream = ctx.default_stream();
-        let products = Products::new(&ctx, &stream)?;
+        // A stream of its own: the legacy default stream cannot be captured
+        // into a graph.
+        let stream = ctx.new_stream().map_err(cuda_err("stream"))?;
+        let products = Products::new(&ctx, &stream, options.gemm_streams)?;
         let kernels = Kernels::compile(
             &ctx,
             KernelShape {
@@ -153,6 +160,8 @@ impl CudaBackend {
                 weight_bytes,
                 profiling: false,
                 last_profile: None,
+                use_graphs: options.decode_graphs,
+                graphs: DecodeGraphs::default(),
             },
             sizing,
         ))
@@ -180,24 +189,125 @@ impl CudaBackend {
         self.weights.bytes_read_per_step()
     }
 
-    /// One pass up to the logits: upload the batch's metadata, embed, the
-    /// layers, the final norm and LM head over the logit rows, which stay on
-    /// the device in `acts.logits`. Profiling marks go into `prof`.
-    fn pass(&mut self, batch: &Batch, prof: &mut Profiler) -> Result<DeviceBatch> {
-        let (kernels, part_cap) = (&self.kernels, self.acts.part_cap);
-        let dev = DeviceBatch::upload(
-            &self.stream,
-            batch,
-            &self.layout,
-            &self.config,
-            |w, keys| kernels.max_group(w, kernels.split_plan(keys, part_cap)),
-        )?;
+    /// One pass up to the logits, which stay on the device in
+    /// `acts.logits`: the batch's metadata uploaded, then the launches, from
+    /// a graph for a decode batch (see `graphs`) or one by one. Returns how
+    /// many logit rows the batch has (the first rows of `acts.logits`).
+    /// Profiling marks go into `prof` (a profiled pass runs eagerly).
+    fn pass(&mut self, batch: &Batch, prof: &mut Profiler) -> Result<usize> {
+        let graph_rows = graphs::decode_rows(batch).filter(|_| self.use_graphs && !prof.is_on());
+        if let Some(rows) = graph_rows {
+            let meta = self.batch_meta(batch, graphs::bucket(rows));
+            let mut state = std::mem::take(&mut self.graphs);
+            let replayed = self.replay(&mut state, batch, &meta, prof);
+            self.graphs = state;
+            if replayed? {
+                return Ok(rows);
+            }
+        }
+        let meta = self.batch_meta(batch, batch.total_tokens());
+        let dev = DeviceBatch::upload(&self.stream, meta)?;
         prof.uploaded();
+        self.copy_partial_blocks(batch)?;
+        self.launch_pass(&dev, prof)?;
+        Ok(dev.num_logit_rows)
+    }
+
+    /// The metadata of `batch`, padded to `rows` rows.
+    fn batch_meta(&self, batch: &Batch, rows: usize) -> BatchMeta {
+        let (kernels, part_cap) = (&self.kernels, self.acts.part_cap);
+        let max_group = |w, keys| kernels.max_group(w, kernels.split_plan(keys, part_cap));
+        BatchMeta::build(batch, &self.layout, &self.config, max_group, rows)
+    }
+
+    /// A decode pass from the graph of its row and key buckets, captured
+    /// first when there is none yet. False, with nothing run, when the
+    /// capture failed: graphs are then off for good (the pass runs eagerly).
+    fn replay(
+        &mut self,
+        state: &mut DecodeGraphs,
+        batch: &Batch,
+        meta: &BatchMeta,
+        prof: &mut Profiler,
+    ) -> Result<bool> {
+        let key = GraphKey {
+            rows: meta.rows(),
+            keys: meta
+                .pools
+                .iter()
+                .map(|p| graphs::keys_bucket(p.max_keys))
+                .collect(),
+        };
+        let fits = match state.batch.as_mut() {
+            Some(dev) => dev.overwrite(&self.stream, meta)?,
+            None => false,
+        };
+        if !fits {
+            // New addresses: every graph captured so far reads the old ones.
+            state.graphs.clear();
+            let mut dev = DeviceBatch::alloc_for(&self.stream, meta, 2, graphs::MAX_GRAPH_ROWS)?;
+            if !dev.overwrite(&self.stream, meta)? {
+                return Err(Error::Backend(
+                    "decode graph metadata does not fit the buffers made for it".into(),
+                ));
+            }
+            state.batch = Some(dev);
+        }
+        let Some(dev) = state.batch.as_mut() else {
+            return Err(Error::Backend("decode graph metadata missing".into()));
+        };
+        for (pool, &keys) in dev.pools.iter_mut().zip(&key.keys) {
+            pool.max_keys = keys;
+        }
+        prof.uploaded();
+        if !state.graphs.contains_key(&key) {
+            match self.capture(dev) {
+                Ok(graph) => {
+                    state.captures += 1;
+                    state.graphs.insert(key.clone(), graph);
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "cuda graph capture failed; decode passes run eagerly");
+                    self.use_graphs = false;
+                    return Ok(false);
+                }
+            }
+        }
+        let Some(graph) = state.graphs.get(&key) else {
+            return Err(Error::Backend("decode graph missing after capture".into()));
+        };
+        self.copy_partial_blocks(batch)?;
+        graph.0.launch().map_err(cuda_err("graph launch"))?;
+        state.replays += 1;
+        Ok(true)
+    }
+
+    /// Records the launches of a pass over `dev` into a graph (nothing runs).
+    fn capture(&mut self, dev: &DeviceBatch) -> Result<Graph> {
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(cuda_err("begin capture"))?;
+        let mut off = Profiler::start(&self.stream, false)?;
+        let launched = self.launch_pass(dev, &mut off);
+        // Ends the capture whatever happened, so the stream takes work again.
+        let ended = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(cuda_err("end capture"));
+        launched?;
+        match ended? {
+            Some(graph) => Ok(Graph(graph)),
+            None => Err(Error::Backend("cuda graph capture recorded nothing".into())),
+        }
+    }
+
+    /// The partial-block copies of `batch`'s sequences: before the pass,
+    /// whose attention reads them.
+    fn copy_partial_blocks(&mut self, batch: &Batch) -> Result<()> {
         let launch = Launcher {
             stream: &self.stream,
             kernels: &self.kernels,
         };
-        // Partial-block copies first: this pass's attention reads them.
         for seq in &batch.seqs {
             for c in &seq.copies {
                 let geometry = &self.layout.pools[c.pool];
@@ -212,6 +322,16 @@ impl CudaBackend {
                 )?;
             }
         }
+        Ok(())
+    }
+
+    /// The launches of a pass over `dev`'s rows: embed, the layers, the
+    /// final norm and LM head over the logit rows.
+    fn launch_pass(&mut self, dev: &DeviceBatch, prof: &mut Profiler) -> Result<()> {
+        let launch = Launcher {
+            stream: &self.stream,
+            kernels: &self.kernels,
+        };
         let h = self.config.hidden_size;
         launch.embed(
             &self.weights.embed,
@@ -222,22 +342,21 @@ impl CudaBackend {
         )?;
         prof.mark(Phase::Other)?;
         for layer in 0..self.weights.layers.len() {
-            self.attention_block(layer, &dev, prof)?;
-            self.mlp_block(layer, &dev, prof)?;
+            self.attention_block(layer, dev, prof)?;
+            self.mlp_block(layer, dev, prof)?;
         }
-        self.logits(&dev, prof)?;
-        Ok(dev)
+        self.logits(dev, prof)
     }
 
     /// A pass, then the logits rows back to the host.
     fn run(&mut self, batch: &Batch) -> Result<BatchLogits> {
         let mut prof = Profiler::start(&self.stream, self.profiling)?;
-        let dev = self.pass(batch, &mut prof)?;
+        let rows = self.pass(batch, &mut prof)?;
         prof.launched();
         let vocab = self.config.vocab_size;
         let values = self
             .stream
-            .clone_dtoh(&self.acts.logits.slice(..dev.num_logit_rows * vocab))
+            .clone_dtoh(&self.acts.logits.slice(..rows * vocab))
             .map_err(cuda_err("download logits"))?;
         self.finish_profile(prof)?;
         Ok(BatchLogits { vocab, values })
@@ -247,8 +366,7 @@ impl CudaBackend {
     /// per row comes back instead of the row.
     fn run_argmax(&mut self, batch: &Batch) -> Result<Vec<u32>> {
         let mut prof = Profiler::start(&self.stream, self.profiling)?;
-        let dev = self.pass(batch, &mut prof)?;
-        let rows = dev.num_logit_rows;
+        let rows = self.pass(batch, &mut prof)?;
         let launch = Launcher {
             stream: &self.stream,
             kernels: &self.kernels,
@@ -313,19 +431,11 @@ impl CudaBackend {
             (t, h, qkv_dim),
             prof,
         )?;
-        let rope_heads = cfg.num_heads + cfg.num_kv_heads;
-        launch.rope(
+        launch.rope_write_kv(
             &mut acts.qkv,
-            qkv_dim,
-            rope_heads,
+            (qkv_dim, cfg.num_heads, cfg.num_kv_heads, d),
             &dev.positions,
             &acts.inv_freq,
-            t,
-        )?;
-        launch.write_kv(
-            &acts.qkv,
-            qkv_dim,
-            qd,
             &pool.dst_base,
             layer_off,
             &mut self.kv[pi],
@@ -614,5 +724,12 @@ impl Backend for CudaBackend {
 
     fn last_profile(&self) -> Option<PhaseTimes> {
         self.last_profile
+    }
+
+    fn graph_counts(&self) -> GraphCounts {
+        GraphCounts {
+            captures: self.graphs.captures,
+            replays: self.graphs.replays,
+        }
     }
 }

@@ -468,7 +468,7 @@ pub fn gemm_rate(m: usize, k: usize, n: usize, iters: usize) -> Result<f64> {
     super::probe().map_err(Error::Backend)?;
     let ctx = CudaContext::new(0).map_err(cuda_err("context"))?;
     let stream = ctx.default_stream();
-    let products = Products::new(&ctx, &stream)?;
+    let products = Products::new(&ctx, &stream, 0)?;
     let mut rng = Mix(SplitMix64::new(5));
     let mut random = |len: usize| -> Result<CudaSlice<bf16>> {
         let host: Vec<bf16> = (0..len).map(|_| bf16::from_f32(rng.unit())).collect();
@@ -572,6 +572,8 @@ pub struct ModelReport {
     pub prefills: Vec<PrefillFigures>,
     /// Decode steps, in `decode_batches` order.
     pub decodes: Vec<DecodeFigures>,
+    /// Graphs captured and passes replayed from them over the whole bench.
+    pub graphs: crate::backend::GraphCounts,
 }
 
 /// One table per pool window in `pools`, each `ids` from block index 0.
@@ -592,13 +594,15 @@ fn tables_from_zero(pools: &[u32], ids: &[u32]) -> Vec<TableInput> {
 /// of `decode_batches` prefills that many sequences to `context` tokens
 /// (untimed) and times `steps` decode steps of the whole batch through
 /// `Worker::forward_tokens` (validation, uploads, kernels, greedy tokens
-/// back), and profiles one more.
+/// back), and profiles one more (eagerly: a profiled pass is never a
+/// graph's). Decode steps replay CUDA graphs when `decode_graphs`; a
+/// prefill's product tiles spread over `gemm_streams` streams.
 pub fn model_bench(
     model: &ModelConfig,
     prefills: &[(usize, usize)],
     decode_batches: &[usize],
-    context: usize,
-    steps: usize,
+    (context, steps): (usize, usize),
+    (decode_graphs, gemm_streams): (bool, usize),
 ) -> Result<ModelReport> {
     let max_batch = decode_batches.iter().copied().max().unwrap_or(1);
     let weights = Weights::seeded(model.clone(), 3)?;
@@ -616,6 +620,8 @@ pub fn model_bench(
         kv_dtype: KvDtype::Bf16,
         memory_fraction: 0.6,
         max_kv_bytes: 0,
+        decode_graphs,
+        gemm_streams,
     };
     let mut worker = Worker::new_cuda(weights, options, gpu)?;
     let pools: Vec<u32> = model.pools().into_iter().map(|p| p.window).collect();
@@ -665,6 +671,7 @@ pub fn model_bench(
     let mut report = ModelReport {
         prefills: Vec::new(),
         decodes: Vec::new(),
+        graphs: Default::default(),
     };
     for &(count, len) in prefills {
         let seqs: Vec<_> = (0..count).map(|_| new_seq(len)).collect();
@@ -728,6 +735,7 @@ pub fn model_bench(
             phases: worker.last_profile().unwrap_or_default(),
         });
     }
+    report.graphs = worker.graph_counts();
     Ok(report)
 }
 
@@ -829,6 +837,7 @@ pub fn host_tier_bench(
         kv_dtype: KvDtype::Bf16,
         memory_fraction: 0.3,
         max_kv_bytes: 0,
+        ..super::CudaOptions::default()
     };
     let mut worker = Worker::new_cuda(weights, options, gpu)?;
     let pools: Vec<u32> = model.pools().into_iter().map(|p| p.window).collect();

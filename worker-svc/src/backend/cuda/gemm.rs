@@ -31,9 +31,6 @@ pub(super) fn padded_rows(rows: usize) -> usize {
     rows.next_multiple_of(GEMM_ROWS)
 }
 
-/// Side streams a long product's row tiles spread over.
-const SIDE_STREAMS: usize = 4;
-
 /// Products of at least this many row tiles spread over the side streams;
 /// shorter ones (decode steps) run on the pass's stream alone.
 const SPREAD_TILES: usize = 4;
@@ -51,10 +48,14 @@ pub(super) struct Products {
 }
 
 impl Products {
-    /// Handles on `stream` and on [`SIDE_STREAMS`] streams forked from it.
+    /// Handles on `stream` and on `side_streams` streams forked from it.
     /// The context's automatic event tracking is off (see the SAFETY note);
     /// `linear` orders the side streams against `stream` with events.
-    pub(super) fn new(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> Result<Self> {
+    pub(super) fn new(
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        side_streams: usize,
+    ) -> Result<Self> {
         // SAFETY: with more than one stream, cudarc would record an event
         // for every buffer a launch touches; we order the streams ourselves
         // instead. Every buffer is allocated, used and freed on `stream`,
@@ -65,7 +66,7 @@ impl Products {
         // `stream` while a side stream may still touch it, none is used
         // before it exists, and no two streams write the same elements.
         unsafe { ctx.disable_event_tracking() };
-        let side = (0..SIDE_STREAMS)
+        let side = (0..side_streams)
             .map(|_| {
                 let s = stream.fork().map_err(cuda_err("fork stream"))?;
                 let blas = CudaBlas::new(s.clone()).map_err(blas_err)?;

@@ -108,23 +108,41 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x,
     }
 }
 
-// Rotates the first `heads` heads of every qkv row ("rotate half" pairs
-// (i, i + D/2)) to the row's position. inv_freq has D/2 entries.
-extern "C" __global__ void rope(float* __restrict__ qkv, int stride, int heads,
-                                const int* __restrict__ positions,
-                                const float* __restrict__ inv_freq) {
+// RoPE over the query and key heads of every row of qkv (in place), then
+// the row's K and V into the arena: dst_base[r] is the element offset of
+// the row's (block, slot) in the pool, layer_off that of the layer within a
+// block (a block is runs of B * D elements per (K or V, KV head)). One
+// block per row.
+extern "C" __global__ void rope_write_kv(float* __restrict__ qkv, int stride, int q_heads,
+                                         const int* __restrict__ positions,
+                                         const float* __restrict__ inv_freq,
+                                         const long long* __restrict__ dst_base,
+                                         long long layer_off, kv_t* __restrict__ arena) {
     const int r = blockIdx.x;
     const float p = (float)positions[r];
     float* row = qkv + (unsigned long long)r * stride;
     const int half = D / 2;
-    for (int i = threadIdx.x; i < heads * half; i += blockDim.x) {
+    const long long base = dst_base[r] + layer_off;
+    for (int i = threadIdx.x; i < (q_heads + KV_HEADS) * half; i += blockDim.x) {
         const int head = i / half, k = i % half;
         float s, c;
         sincosf(p * inv_freq[k], &s, &c);
         float* a = row + head * D + k;
         const float x1 = a[0], x2 = a[half];
-        a[0] = x1 * c - x2 * s;
-        a[half] = x2 * c + x1 * s;
+        const float y1 = x1 * c - x2 * s;
+        const float y2 = x2 * c + x1 * s;
+        a[0] = y1;
+        a[half] = y2;
+        if (head >= q_heads) {
+            kv_t* key = arena + base + (long long)(head - q_heads) * B * D + k;
+            key[0] = f32_to_kv(y1);
+            key[half] = f32_to_kv(y2);
+        }
+    }
+    const float* v = row + (q_heads + KV_HEADS) * D;
+    kv_t* values = arena + base + (long long)KV_HEADS * B * D;
+    for (int i = threadIdx.x; i < KV_HEADS * D; i += blockDim.x) {
+        values[(long long)(i / D) * B * D + i % D] = f32_to_kv(v[i]);
     }
 }
 
@@ -150,23 +168,6 @@ extern "C" __global__ void copy_kv_slots(kv_t* arena, long long src_base, long l
     const long long run = (long long)blockIdx.x * B * D;
     for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
         arena[dst_base + run + i] = arena[src_base + run + i];
-    }
-}
-
-// Copies the new K and V of every row (columns k_col.. of qkv) into the
-// arena: dst_base[r] is the element offset of (block, slot) in the pool,
-// layer_off that of the layer within a block. One block per row.
-extern "C" __global__ void write_kv(const float* __restrict__ qkv, int stride, int k_col,
-                                    const long long* __restrict__ dst_base, long long layer_off,
-                                    kv_t* __restrict__ arena) {
-    const int r = blockIdx.x;
-    const int kvd = KV_HEADS * D;
-    const long long per_kv = (long long)KV_HEADS * B * D;
-    const long long base = dst_base[r] + layer_off;
-    for (int i = threadIdx.x; i < 2 * kvd; i += blockDim.x) {
-        const int kv = i / kvd, rem = i % kvd, head = rem / D, d = rem % D;
-        arena[base + kv * per_kv + (long long)head * B * D + d] =
-            f32_to_kv(qkv[(unsigned long long)r * stride + k_col + i]);
     }
 }
 

@@ -78,9 +78,8 @@ pub(super) struct MmaAttention {
 pub(super) struct Kernels {
     pub(super) embed: CudaFunction,
     pub(super) rms_norm: CudaFunction,
-    pub(super) rope: CudaFunction,
+    pub(super) rope_write_kv: CudaFunction,
     pub(super) swiglu: CudaFunction,
-    pub(super) write_kv: CudaFunction,
     pub(super) copy_kv_slots: CudaFunction,
     pub(super) paged_attention: CudaFunction,
     pub(super) paged_attention_mma: Option<MmaAttention>,
@@ -211,9 +210,8 @@ impl Kernels {
         Ok(Kernels {
             embed: f("embed")?,
             rms_norm: f("rms_norm")?,
-            rope: f("rope")?,
+            rope_write_kv: f("rope_write_kv")?,
             swiglu: f("swiglu")?,
-            write_kv: f("write_kv")?,
             copy_kv_slots: f("copy_kv_slots")?,
             paged_attention: f("paged_attention")?,
             paged_attention_mma,

@@ -148,35 +148,57 @@ impl Launcher<'_> {
         Ok(())
     }
 
-    /// Rotates the first `heads` heads of `rows` rows of `qkv` (row stride
-    /// `stride`) to each row's position.
-    pub(super) fn rope(
+    /// RoPE over the `q_heads` query heads and the KV heads of every row
+    /// of `qkv` (rows of `stride`, Q | K | V heads of `head_dim`), in
+    /// place, then each row's K and V into the arena at `dst_base[r] +
+    /// layer_off` (the layout of `ArenaLayout`): one launch for both.
+    #[allow(clippy::too_many_arguments)] // the kernel's own parameters
+    pub(super) fn rope_write_kv(
         &self,
         qkv: &mut CudaSlice<f32>,
-        stride: usize,
-        heads: usize,
+        (stride, q_heads, kv_heads, head_dim): (usize, usize, usize, usize),
         positions: &CudaSlice<i32>,
         inv_freq: &CudaSlice<f32>,
+        dst_base: &CudaSlice<i64>,
+        layer_off: i64,
+        arena: &mut CudaSlice<u16>,
         rows: usize,
     ) -> Result<()> {
-        check_len("rope", "positions", positions.len(), rows)?;
-        check_len("rope", "qkv", qkv.len(), rows * stride)?;
-        let (stride_i, heads_i) = (stride as i32, heads as i32);
-        // SAFETY: matches `rope(float* qkv, int stride, int heads, const int*
-        // positions, const float* inv_freq)`; the grid covers `rows` rows of
-        // `qkv` and `positions` (checked above); `inv_freq` holds HEAD_DIM/2
-        // entries (uploaded with the activations).
+        check_len("rope_write_kv", "positions", positions.len(), rows)?;
+        check_len("rope_write_kv", "dst_base", dst_base.len(), rows)?;
+        check_len("rope_write_kv", "inv_freq", inv_freq.len(), head_dim / 2)?;
+        check_len("rope_write_kv", "qkv", qkv.len(), rows * stride)?;
+        check_len(
+            "rope_write_kv",
+            "a qkv row",
+            stride,
+            (q_heads + 2 * kv_heads) * head_dim,
+        )?;
+        let (stride_i, q_heads_i) = (stride as i32, q_heads as i32);
+        // SAFETY: matches `rope_write_kv(float* qkv, int stride, int
+        // q_heads, const int* positions, const float* inv_freq, const long
+        // long* dst_base, long long layer_off, kv_t* arena)`, compiled for
+        // this model's HEAD_DIM and KV_HEADS; the grid covers `rows` rows of
+        // `qkv` (each holding the Q, K and V heads, checked above),
+        // `positions` and `dst_base`; `inv_freq` holds HEAD_DIM/2 entries.
+        // Each `dst_base` is a (block, slot) offset of a block id that
+        // `batch::validate` found below the pool's block count, and
+        // `layer_off` a layer slot of the pool, so every element written
+        // lies inside the pool's arena.
         unsafe {
             self.stream
-                .launch_builder(&self.kernels.rope)
+                .launch_builder(&self.kernels.rope_write_kv)
                 .arg(qkv)
                 .arg(&stride_i)
-                .arg(&heads_i)
+                .arg(&q_heads_i)
                 .arg(positions)
                 .arg(inv_freq)
+                .arg(dst_base)
+                .arg(&layer_off)
+                .arg(arena)
                 .launch(per_row(rows, 128))
         }
-        .map_err(cuda_err("rope"))?;
+        .map_err(cuda_err("rope_write_kv"))?;
         Ok(())
     }
 
@@ -235,44 +257,6 @@ impl Launcher<'_> {
                 .launch(per_row(rows, 1024))
         }
         .map_err(cuda_err("argmax_rows"))?;
-        Ok(())
-    }
-
-    /// Copies the K and V columns (`k_col..`) of `rows` rows of `qkv` into
-    /// the arena slots `dst_base[r] + layer_off`.
-    #[allow(clippy::too_many_arguments)] // the kernel's own parameters
-    pub(super) fn write_kv(
-        &self,
-        qkv: &CudaSlice<f32>,
-        stride: usize,
-        k_col: usize,
-        dst_base: &CudaSlice<i64>,
-        layer_off: i64,
-        arena: &mut CudaSlice<u16>,
-        rows: usize,
-    ) -> Result<()> {
-        check_len("write_kv", "dst_base", dst_base.len(), rows)?;
-        check_len("write_kv", "qkv", qkv.len(), rows * stride)?;
-        let (stride_i, k_col_i) = (stride as i32, k_col as i32);
-        // SAFETY: matches `write_kv(const float* qkv, int stride, int k_col,
-        // const long long* dst_base, long long layer_off, kv_t* arena)`; the
-        // grid covers `rows` rows of `qkv` and `dst_base` (checked above);
-        // each `dst_base` is a (block, slot) offset of a block id that
-        // `batch::validate` found below the pool's block count, and
-        // `layer_off` a layer slot of the pool, so every element written lies
-        // inside the pool's arena.
-        unsafe {
-            self.stream
-                .launch_builder(&self.kernels.write_kv)
-                .arg(qkv)
-                .arg(&stride_i)
-                .arg(&k_col_i)
-                .arg(dst_base)
-                .arg(&layer_off)
-                .arg(arena)
-                .launch(per_row(rows, 128))
-        }
-        .map_err(cuda_err("write_kv"))?;
         Ok(())
     }
 

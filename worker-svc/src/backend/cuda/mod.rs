@@ -1,7 +1,7 @@
 //! The CUDA backend (feature `cuda`): weights, activations and a 16-bit KV
 //! arena (f16 or bf16) in device memory; kernels compiled at start-up with
-//! NVRTC (`kernels.cu`: embedding, RMSNorm, RoPE, SwiGLU, K/V scatter into
-//! the leased slots, split-key paged attention for decode and prefill rows
+//! NVRTC (`kernels.cu`: embedding, RMSNorm, RoPE with the K/V scatter into
+//! the leased slots, SwiGLU, split-key paged attention for decode and prefill rows
 //! with per-layer windows — on the tensor cores for head widths 64 and 128,
 //! see [`AttentionTuning`] — and the merge of the splits); matrix products
 //! as f32 cuBLAS GEMMs over every token of the batch.
@@ -17,6 +17,8 @@
 //! - `launches`: one typed, safe wrapper per kernel (the only `unsafe`
 //!   launches).
 //! - `gemm`: the matrix products, in calls of a fixed row count.
+//! - `graphs`: decode passes captured once per row and key bucket and
+//!   replayed from CUDA graphs.
 //! - `uploads`: weights, activation buffers and each batch's metadata on the
 //!   device.
 //! - `tier`: the host tier in pinned host memory and the whole-block copies
@@ -30,6 +32,7 @@ mod backend;
 #[doc(hidden)]
 pub mod bench;
 mod gemm;
+mod graphs;
 mod kernels;
 mod launches;
 mod tier;

@@ -208,7 +208,7 @@ pub(super) struct PoolBatch {
 /// A validated batch's metadata in device memory.
 #[derive(Debug)]
 pub(super) struct DeviceBatch {
-    /// Rows (input tokens of every sequence).
+    /// Rows (input tokens of every sequence, and any padding rows).
     pub(super) rows: usize,
     pub(super) tokens: CudaSlice<u32>,
     pub(super) positions: CudaSlice<i32>,
@@ -221,24 +221,60 @@ pub(super) struct DeviceBatch {
     pub(super) pools: Vec<PoolBatch>,
 }
 
-impl DeviceBatch {
-    /// Builds and uploads the metadata of `batch`, which passed
-    /// [`crate::batch::validate`] against `layout`; a pool's attention row
-    /// groups hold at most `max_group(window, max_keys)` rows.
-    pub(super) fn upload(
-        stream: &Arc<CudaStream>,
+/// One pool's part of [`BatchMeta`].
+#[derive(Debug)]
+pub(super) struct PoolMeta {
+    tables: Vec<u32>,
+    table_off: Vec<i32>,
+    first_block: Vec<i32>,
+    dst_base: Vec<i64>,
+    pub(super) max_keys: usize,
+    group_first: Vec<i32>,
+}
+
+/// A validated batch's metadata on the host, as [`DeviceBatch`] holds it
+/// on the device.
+#[derive(Debug)]
+pub(super) struct BatchMeta {
+    rows: usize,
+    tokens: Vec<u32>,
+    positions: Vec<i32>,
+    tok_seq: Vec<i32>,
+    logit_rows: Vec<u32>,
+    pub(super) pools: Vec<PoolMeta>,
+}
+
+impl BatchMeta {
+    /// Rows, padding included.
+    pub(super) fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The metadata of `batch`, which passed [`crate::batch::validate`]
+    /// against `layout`; a pool's attention row groups hold at most
+    /// `max_group(window, max_keys)` rows.
+    ///
+    /// With `rows` above the batch's token count, the last row is repeated
+    /// up to `rows` rows, each a logit row and an attention group of its
+    /// own: a padding row computes what the row it copies computes, bit for
+    /// bit (every kernel and product treats rows alone), so its K/V writes
+    /// land on that row's slot with the same values, and its outputs are
+    /// never read.
+    pub(super) fn build(
         batch: &Batch,
         layout: &ArenaLayout,
         cfg: &ModelConfig,
         max_group: impl Fn(u32, usize) -> usize,
-    ) -> Result<Self> {
+        rows: usize,
+    ) -> Self {
         let t = batch.total_tokens();
+        let pad = rows.saturating_sub(t);
         let b = cfg.tokens_per_block as usize;
         let d = cfg.head_dim;
-        let mut tokens = Vec::with_capacity(t);
-        let mut positions = Vec::with_capacity(t);
-        let mut tok_seq = Vec::with_capacity(t);
-        let mut logit_rows: Vec<u32> = Vec::new();
+        let mut tokens = Vec::with_capacity(t + pad);
+        let mut positions = Vec::with_capacity(t + pad);
+        let mut tok_seq = Vec::with_capacity(t + pad);
+        let mut logit_rows: Vec<u32> = Vec::with_capacity(batch.seqs.len() + pad);
         for (s, seq) in batch.seqs.iter().enumerate() {
             let row0 = tokens.len();
             tokens.extend(seq.tokens.iter().copied());
@@ -247,12 +283,21 @@ impl DeviceBatch {
             let n = seq.tokens.len();
             logit_rows.extend(((row0 + n - seq.logit_rows())..(row0 + n)).map(|r| r as u32));
         }
+        if let (Some(&tok), Some(&pos), Some(&seq)) =
+            (tokens.last(), positions.last(), tok_seq.last())
+        {
+            tokens.resize(t + pad, tok);
+            positions.resize(t + pad, pos);
+            tok_seq.resize(t + pad, seq);
+            logit_rows.extend((t..t + pad).map(|r| r as u32));
+        }
         let mut pools = Vec::with_capacity(layout.pools.len());
-        for (pi, geometry) in layout.pools.iter().enumerate() {
+        for geometry in &layout.pools {
+            let pi = pools.len();
             let mut flat = Vec::new();
             let mut offs = Vec::with_capacity(batch.seqs.len());
             let mut firsts = Vec::with_capacity(batch.seqs.len());
-            let mut dst = Vec::with_capacity(t);
+            let mut dst = Vec::with_capacity(t + pad);
             let mut max_keys = 1;
             let epb = geometry.elems_per_block() as i64;
             for seq in &batch.seqs {
@@ -267,31 +312,154 @@ impl DeviceBatch {
                     max_keys = max_keys.max(pos + 1 - lo);
                 }
             }
+            if let Some(&last) = dst.last() {
+                dst.resize(t + pad, last);
+            }
             if flat.is_empty() {
                 flat.push(0);
             }
-            let group_first = row_groups(
+            let mut group_first = row_groups(
                 batch.seqs.iter().map(|s| s.tokens.len()),
                 max_group(geometry.window, max_keys),
             );
-            pools.push(PoolBatch {
-                groups: upload(stream, &group_first, "upload batch")?,
-                group_first,
-                tables: upload(stream, &flat, "upload batch")?,
-                table_off: upload(stream, &offs, "upload batch")?,
-                first_block: upload(stream, &firsts, "upload batch")?,
-                dst_base: upload(stream, &dst, "upload batch")?,
+            group_first.extend((t + 1..=t + pad).map(|r| r as i32));
+            pools.push(PoolMeta {
+                tables: flat,
+                table_off: offs,
+                first_block: firsts,
+                dst_base: dst,
                 max_keys,
+                group_first,
             });
         }
+        BatchMeta {
+            rows: tokens.len(),
+            tokens,
+            positions,
+            tok_seq,
+            logit_rows,
+            pools,
+        }
+    }
+}
+
+impl DeviceBatch {
+    /// `meta` in freshly allocated device buffers.
+    pub(super) fn upload(stream: &Arc<CudaStream>, meta: BatchMeta) -> Result<Self> {
+        let pools = meta
+            .pools
+            .into_iter()
+            .map(|p| {
+                Ok(PoolBatch {
+                    groups: upload(stream, &p.group_first, "upload batch")?,
+                    group_first: p.group_first,
+                    tables: upload(stream, &p.tables, "upload batch")?,
+                    table_off: upload(stream, &p.table_off, "upload batch")?,
+                    first_block: upload(stream, &p.first_block, "upload batch")?,
+                    dst_base: upload(stream, &p.dst_base, "upload batch")?,
+                    max_keys: p.max_keys,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(DeviceBatch {
-            rows: t,
-            tokens: upload(stream, &tokens, "upload batch")?,
-            positions: upload(stream, &positions, "upload batch")?,
-            tok_seq: upload(stream, &tok_seq, "upload batch")?,
-            num_logit_rows: logit_rows.len(),
-            logit_rows: upload(stream, &logit_rows, "upload batch")?,
+            rows: meta.rows,
+            tokens: upload(stream, &meta.tokens, "upload batch")?,
+            positions: upload(stream, &meta.positions, "upload batch")?,
+            tok_seq: upload(stream, &meta.tok_seq, "upload batch")?,
+            num_logit_rows: meta.logit_rows.len(),
+            logit_rows: upload(stream, &meta.logit_rows, "upload batch")?,
             pools,
         })
+    }
+
+    /// Zeroed buffers of `room` times the lengths `meta` needs, and room
+    /// for at least `min_rows` rows (no rows yet): room for batches like it
+    /// to come, see [`Self::overwrite`].
+    pub(super) fn alloc_for(
+        stream: &Arc<CudaStream>,
+        meta: &BatchMeta,
+        room: usize,
+        min_rows: usize,
+    ) -> Result<Self> {
+        fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+            stream: &Arc<CudaStream>,
+            n: usize,
+        ) -> Result<CudaSlice<T>> {
+            stream
+                .alloc_zeros::<T>(n.max(1))
+                .map_err(cuda_err("alloc batch"))
+        }
+        let room = room.max(1);
+        let rows = (meta.rows * room).max(min_rows);
+        let pools = meta
+            .pools
+            .iter()
+            .map(|p| {
+                Ok(PoolBatch {
+                    groups: zeros(stream, (p.group_first.len() * room).max(rows + 1))?,
+                    group_first: Vec::new(),
+                    tables: zeros(stream, p.tables.len() * room)?,
+                    table_off: zeros(stream, (p.table_off.len() * room).max(rows))?,
+                    first_block: zeros(stream, (p.first_block.len() * room).max(rows))?,
+                    dst_base: zeros(stream, rows)?,
+                    max_keys: 1,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(DeviceBatch {
+            rows: 0,
+            tokens: zeros(stream, rows)?,
+            positions: zeros(stream, rows)?,
+            tok_seq: zeros(stream, rows)?,
+            num_logit_rows: 0,
+            logit_rows: zeros(stream, (meta.logit_rows.len() * room).max(rows))?,
+            pools,
+        })
+    }
+
+    /// Copies `meta` into this batch's buffers, which keep their device
+    /// addresses (a captured graph reads them there); false, with nothing
+    /// copied, when a buffer is too short for it.
+    pub(super) fn overwrite(&mut self, stream: &Arc<CudaStream>, meta: &BatchMeta) -> Result<bool> {
+        let fits = self.tokens.len() >= meta.rows
+            && self.positions.len() >= meta.rows
+            && self.tok_seq.len() >= meta.rows
+            && self.logit_rows.len() >= meta.logit_rows.len()
+            && self.pools.len() == meta.pools.len()
+            && self.pools.iter().zip(&meta.pools).all(|(d, h)| {
+                d.tables.len() >= h.tables.len()
+                    && d.table_off.len() >= h.table_off.len()
+                    && d.first_block.len() >= h.first_block.len()
+                    && d.dst_base.len() >= h.dst_base.len()
+                    && d.groups.len() >= h.group_first.len()
+            });
+        if !fits {
+            return Ok(false);
+        }
+        fn copy<T: DeviceRepr>(
+            stream: &Arc<CudaStream>,
+            src: &[T],
+            dst: &mut CudaSlice<T>,
+        ) -> Result<()> {
+            stream
+                .memcpy_htod(src, &mut dst.slice_mut(..src.len()))
+                .map_err(cuda_err("upload batch"))
+        }
+        copy(stream, &meta.tokens, &mut self.tokens)?;
+        copy(stream, &meta.positions, &mut self.positions)?;
+        copy(stream, &meta.tok_seq, &mut self.tok_seq)?;
+        copy(stream, &meta.logit_rows, &mut self.logit_rows)?;
+        for (d, h) in self.pools.iter_mut().zip(&meta.pools) {
+            copy(stream, &h.tables, &mut d.tables)?;
+            copy(stream, &h.table_off, &mut d.table_off)?;
+            copy(stream, &h.first_block, &mut d.first_block)?;
+            copy(stream, &h.dst_base, &mut d.dst_base)?;
+            copy(stream, &h.group_first, &mut d.groups)?;
+            d.group_first.clone_from(&h.group_first);
+            d.max_keys = h.max_keys;
+        }
+        self.rows = meta.rows;
+        self.num_logit_rows = meta.logit_rows.len();
+        Ok(true)
     }
 }
