@@ -10,6 +10,15 @@
 //! [`MAX_SHADOW_KEYS`] hashes: memory is bounded whatever the pool size
 //! (small pools are tracked exactly).
 //!
+//! Sampling by hash weighs a block by whether it was drawn: a block that
+//! every request reads (a shared system prompt) is either sampled, and then
+//! counts once per request where it should count `rate` times, or missed.
+//! SHARDS' adjustment corrects for it: the curve counts every lookup, sampled
+//! or not, and adds the difference between the sampled lookups expected
+//! (`lookups * rate`) and those seen to the hits at every size (a reference
+//! at reuse distance 0), then divides by the expected count. Exact curves
+//! (rate 1) are unchanged.
+//!
 //! A request touches its chain deepest block first, so within one request a
 //! parent is more recent than its children and a plain LRU of the sampled
 //! hashes evicts chains from the tail, as the pool's leaf-first LRU does.
@@ -34,7 +43,8 @@ pub struct HitRateEstimate {
     pub scale: f64,
     /// The pool size estimated, in blocks.
     pub blocks: u64,
-    /// Estimated hit rate (0 before any sampled lookup).
+    /// Estimated hit rate, SHARDS-adjusted, in `[0, 1]` (0 before any
+    /// sampled lookup).
     pub hit_rate: f64,
     /// Sampled lookups behind the estimate.
     pub sampled_lookups: u64,
@@ -83,7 +93,10 @@ pub struct MissRatioCurve {
     /// Sampled when `hash % RATE_UNITS < threshold`.
     threshold: u64,
     shadows: Vec<Shadow>,
+    /// Sampled lookups.
     lookups: u64,
+    /// Every lookup, sampled or not.
+    seen: u64,
     clock: u64,
     sampled: Vec<u64>,
 }
@@ -107,6 +120,7 @@ impl MissRatioCurve {
             threshold,
             shadows,
             lookups: 0,
+            seen: 0,
             clock: 0,
             sampled: Vec::new(),
         }
@@ -117,13 +131,15 @@ impl MissRatioCurve {
         self.threshold as f64 / RATE_UNITS as f64
     }
 
-    fn sampled(&self, hash: u64) -> bool {
+    /// Whether lookups of `hash` are sampled.
+    pub fn samples(&self, hash: u64) -> bool {
         // the low bits of a SipHash output are uniform
         hash % RATE_UNITS < self.threshold
     }
 
     /// One request looked up `chain` (its full-block hashes, parent first).
     pub fn observe(&mut self, chain: &[u64]) {
+        self.seen += chain.len() as u64;
         self.sampled.clear();
         let threshold = self.threshold;
         self.sampled.extend(
@@ -135,7 +151,7 @@ impl MissRatioCurve {
         if self.sampled.is_empty() {
             return;
         }
-        debug_assert!(self.sampled.iter().all(|&h| self.sampled(h)));
+        debug_assert!(self.sampled.iter().all(|&h| self.samples(h)));
         self.lookups += self.sampled.len() as u64;
         for shadow in &mut self.shadows {
             shadow.hits += self
@@ -158,16 +174,20 @@ impl MissRatioCurve {
 
     /// The estimates, one per [`SCALES`] entry.
     pub fn estimates(&self) -> Vec<HitRateEstimate> {
+        // SHARDS_adj: the sampled lookups a fair draw would have given, and
+        // the surplus or shortfall of this draw, credited at distance 0.
+        let expected = self.seen as f64 * self.rate();
+        let correction = expected - self.lookups as f64;
         SCALES
             .iter()
             .zip(&self.shadows)
             .map(|(&scale, shadow)| HitRateEstimate {
                 scale,
                 blocks: (scale * self.blocks as f64).round() as u64,
-                hit_rate: if self.lookups == 0 {
+                hit_rate: if self.lookups == 0 || expected <= 0.0 {
                     0.0
                 } else {
-                    shadow.hits as f64 / self.lookups as f64
+                    ((shadow.hits as f64 + correction) / expected).clamp(0.0, 1.0)
                 },
                 sampled_lookups: self.lookups,
             })
@@ -209,6 +229,47 @@ mod tests {
         assert!((e[2].hit_rate - 0.9).abs() < 1e-9, "{e:?}");
         assert!((e[3].hit_rate - 0.9).abs() < 1e-9);
         assert_eq!(e[2].blocks, 16);
+    }
+
+    /// Every request reads `root`, then a block never read again: the true
+    /// hit rate at every size is 1/2.
+    fn assert_half_hits(mrc: &mut MissRatioCurve, root: u64) {
+        let mut fresh = 1u64;
+        for _ in 0..40_000 {
+            fresh = fresh
+                .wrapping_mul(0x5851_f42d_4c95_7f2d)
+                .wrapping_add(0x1405_7b7e_f767_814f);
+            mrc.observe(&[root, fresh]);
+        }
+        for e in mrc.estimates() {
+            assert!((e.hit_rate - 0.5).abs() < 0.02, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn a_sampled_block_that_every_request_reads_is_weighed_by_the_rate() {
+        // A pool sampled at 1/4 whose every request reads one shared,
+        // sampled root and then a fresh block that is never read again: the
+        // true hit rate is 1/2 (the root hits from the second request on).
+        // Unadjusted, the root's hits are weighed as if every sampled lookup
+        // were the root's: about 0.8.
+        let mut mrc = MissRatioCurve::new(16_384);
+        assert!((mrc.rate() - 0.25).abs() < 1e-6, "{}", mrc.rate());
+        let root = (0u64..)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+            .find(|&h| mrc.samples(h));
+        assert_half_hits(&mut mrc, root.unwrap_or_default());
+    }
+
+    #[test]
+    fn a_missed_block_that_every_request_reads_still_counts() {
+        // As above with the root not sampled: unadjusted, no sampled lookup
+        // ever hits and the estimate is 0.
+        let mut mrc = MissRatioCurve::new(16_384);
+        let root = (0u64..)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+            .find(|&h| !mrc.samples(h));
+        assert_half_hits(&mut mrc, root.unwrap_or_default());
     }
 
     #[test]

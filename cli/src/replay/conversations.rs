@@ -12,6 +12,9 @@ use crate::workload::SplitMix64;
 pub struct Conversations {
     /// Conversations in the trace.
     pub sessions: usize,
+    /// Blocks every request starts with, before its system prompt (a
+    /// prompt shared by every session; 0 for none).
+    pub shared_root_blocks: u32,
     /// Distinct system prompts.
     pub system_prompts: u32,
     /// Zipf exponent of system prompt popularity (0 = uniform).
@@ -37,6 +40,7 @@ impl Default for Conversations {
     fn default() -> Self {
         Self {
             sessions: 1500,
+            shared_root_blocks: 0,
             system_prompts: 40,
             zipf: 1.0,
             system_blocks: (2, 12),
@@ -74,10 +78,13 @@ impl Conversations {
             next_id += u64::from(n);
             ids
         };
+        let root = fresh(self.shared_root_blocks);
         let systems: Vec<Vec<u64>> = (0..prompts)
             .map(|_| {
                 let len = rng.between(self.system_blocks.0, self.system_blocks.1);
-                fresh(len.max(1))
+                let mut system = root.clone();
+                system.extend(fresh(len.max(1)));
+                system
             })
             .collect();
         // Zipf over the prompts' ranks: weight 1 / (rank + 1)^s.
@@ -160,6 +167,25 @@ mod tests {
         let parsed = crate::mooncake::parse(&to_jsonl(&a)).map_err(|e| format!("{e:?}"));
         assert_eq!(parsed.as_ref(), Ok(&a));
         assert!(a.windows(2).all(|w| w[0].timestamp <= w[1].timestamp));
+    }
+
+    #[test]
+    fn a_shared_root_opens_every_request_and_is_off_by_default() {
+        let plain = Conversations {
+            sessions: 100,
+            ..Conversations::default()
+        };
+        let rooted = Conversations {
+            shared_root_blocks: 2,
+            ..plain.clone()
+        };
+        let records = rooted.records();
+        let root = &records[0].hash_ids[..2];
+        assert!(records.iter().all(|r| &r.hash_ids[..2] == root));
+        // without it, no block opens every request
+        let plain = plain.records();
+        assert!(plain.iter().any(|r| r.hash_ids[0] != plain[0].hash_ids[0]));
+        assert_eq!(records.len(), plain.len());
     }
 
     #[test]
