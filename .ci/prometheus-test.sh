@@ -96,6 +96,18 @@ for _ in $(seq 1 120); do
 done
 curl -fsS "http://127.0.0.1:$pport/-/ready" >/dev/null || { echo "prometheus did not become ready"; exit 1; }
 
+# the first refusals come within a second of the bench's start: the bench
+# waits until Prometheus has scraped all four targets once, so each counter's
+# starting 0 is in the series and rate() sees the whole rise
+for _ in $(seq 1 60); do
+    up="$(curl -fsS "http://127.0.0.1:$pport/api/v1/query" \
+        --data-urlencode 'query=count(up{job=~"kvlease-.*"} == 1)' 2>/dev/null |
+        python3 -c 'import json,sys; r=json.load(sys.stdin)["data"]["result"]; print(r[0]["value"][1] if r else 0)' 2>/dev/null || echo 0)"
+    [ "$up" = 4 ] && break
+    sleep 0.5
+done
+[ "$up" = 4 ] || { echo "prometheus scraped $up of 4 targets in 30 s"; exit 1; }
+
 echo "== over-subscribed bench (2 workers, 32 MiB each)"
 "$KV" bench --scheduler "$sched" --requests 96 --concurrency 64 --prefixes 2 \
     --tail-max 160 --output-min 64 --output-max 128 --no-progress --fail-on-error | tail -3
