@@ -353,6 +353,9 @@ impl Config {
                 policy: self.routing,
                 prefill_weight: self.routing_prefill_weight,
             },
+            // with overlap, a decode launches on the slot granted a step
+            // ahead and its extend follows the launch
+            lookahead: u32::from(self.overlap),
         }
     }
 

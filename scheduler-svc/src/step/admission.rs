@@ -12,7 +12,7 @@ use crate::routing::Candidate;
 
 impl Core {
     /// Extra slots the lease of `request` keeps: drafts for greedy requests
-    /// when speculation is on.
+    /// when speculation is on, and the lookahead.
     pub fn extra_for(&self, request: &Request) -> Extra {
         let draft = if self.config.draft_k > 0 && request.sampling.is_greedy() {
             self.config.draft_k
@@ -21,6 +21,7 @@ impl Core {
         };
         Extra {
             draft,
+            extra_decoding_steps: self.config.lookahead,
             ..Extra::default()
         }
     }
@@ -380,6 +381,7 @@ impl Core {
                             lease_len: l.lease_len,
                             kv_len: reused,
                             cache_len: l.lease_len,
+                            capacity: grant.capacity_tokens,
                             reused_tokens: reused,
                             copies,
                             planned: (len > 0).then_some(Work::Prefill { len }),

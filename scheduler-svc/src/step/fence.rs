@@ -131,10 +131,16 @@ impl Core {
             return;
         }
         if let Some(previous) = self.steps.forward.take() {
-            // The loop waits for a pass before it launches the next; should
-            // one still be out, the new fence covers it and completion waits
-            // for both.
-            groups.extend(previous.out);
+            if previous.out.is_empty() {
+                // returned before this launch (the overlap order launches
+                // before it settles the previous pass): its step is complete
+                self.steps.fold_pending(previous.step);
+            } else {
+                // The loop waits for a pass before it launches the next;
+                // should one still be out, the new fence covers it and
+                // completion waits for both.
+                groups.extend(previous.out);
+            }
         }
         self.steps.forward = Some(Forward {
             step: self.steps.current,

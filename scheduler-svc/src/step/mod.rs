@@ -88,6 +88,12 @@ pub struct CoreConfig {
     pub max_queue_wait: Option<Duration>,
     /// How admission picks among the groups that could admit a request.
     pub routing: crate::routing::RoutingConfig,
+    /// Token slots every lease keeps past the sequence's length
+    /// (`extra_decoding_steps`), so that a decode step has room in the
+    /// blocks already granted: with [`Order::Overlap`], a decode launches
+    /// before its extend is answered and the extend, sent after the launch,
+    /// grows the lease a step ahead of need.
+    pub lookahead: u32,
 }
 
 impl Default for CoreConfig {
@@ -102,6 +108,7 @@ impl Default for CoreConfig {
             draft_k: 0,
             max_queue_wait: None,
             routing: crate::routing::RoutingConfig::default(),
+            lookahead: 0,
         }
     }
 }
@@ -177,7 +184,11 @@ struct Sequence {
     /// Context length the lease was taken for.
     lease_len: u32,
     kv_len: u32,
+    /// Tokens the cache knows the sequence holds (sent in extends).
     cache_len: u32,
+    /// Token slots the lease covers, as its last grant said (the cache's
+    /// `capacity_tokens`: tokens plus extra slots).
+    capacity: u32,
     reused_tokens: u32,
     /// Partial-block copies for the first forward pass, which runs in the
     /// lease's step (the cache pins the sources only until it completes).

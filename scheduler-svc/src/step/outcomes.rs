@@ -12,9 +12,18 @@ use crate::spec;
 
 impl Core {
     /// Plans the running sequences' work for this step (decode first, then
-    /// prefill chunks) and returns the extends decode needs, with a progress
+    /// prefill chunks) and returns the extends it needs, with a progress
     /// report for each prefill chunk after a sequence's first.
-    pub fn plan_extends(&mut self) -> Vec<ExtendSpec> {
+    ///
+    /// `ahead` false: every decode is planned, and its extend must be
+    /// answered before the pass launches (a decode the cache did not grow
+    /// does not run). `ahead` true (the overlap order with a pass in
+    /// flight): a decode runs only if its step fits in the slots its lease
+    /// already covers, and its extend, which reports the fed token and
+    /// grows the lease a step ahead (the lookahead slots), is sent after
+    /// the launch; a decode without room sits this step out, and its extend
+    /// grows the lease for the next.
+    pub fn plan_extends(&mut self, ahead: bool) -> Vec<ExtendSpec> {
         let mut extends = Vec::new();
         let draft_k = self.config.draft_k;
         for seq in self.running.values_mut() {
@@ -25,23 +34,42 @@ impl Core {
             if *budget == 0 {
                 continue;
             }
+            let from = seq.cache_len as usize;
+            let to = seq.kv_len as usize + 1;
+            let report = ExtendSpec {
+                seq_id: seq.seq_id,
+                new_tokens: seq.context[from.min(to)..to].to_vec(),
+                written_tokens: 0,
+            };
+            // slots past this decode's own that the lease covers (the
+            // cache's length is a floor: it always covers its tokens)
+            let spare = if ahead {
+                let covered = seq.capacity.max(seq.cache_len);
+                match covered.checked_sub(seq.kv_len + 1) {
+                    Some(spare) => spare,
+                    None => {
+                        // no room: the extend grows the lease for the next step
+                        extends.push(report);
+                        continue;
+                    }
+                }
+            } else {
+                u32::MAX
+            };
             let remaining = seq.request.remaining();
             let room = (*budget - 1)
                 .min(remaining.saturating_sub(1))
-                .min(seq.extra.draft);
+                .min(seq.extra.draft)
+                .min(spare);
             let drafts = if draft_k > 0 && room > 0 {
                 spec::draft(&seq.context[..=seq.kv_len as usize], room as usize)
             } else {
                 Vec::new()
             };
             *budget -= 1 + drafts.len() as u32;
-            let from = seq.cache_len as usize;
-            let to = seq.kv_len as usize + 1;
-            extends.push(ExtendSpec {
-                seq_id: seq.seq_id,
-                new_tokens: seq.context[from.min(to)..to].to_vec(),
-                written_tokens: 0,
-            });
+            if !report.new_tokens.is_empty() {
+                extends.push(report);
+            }
             seq.planned = Some(Work::Decode { drafts });
         }
         let chunk_limit = self.config.prefill_chunk.max(1);
@@ -91,11 +119,17 @@ impl Core {
                 Outcome::Grant(grant) => {
                     if let Some(seq) = self.running.get_mut(&grant.seq_id) {
                         // a prefill chunk's progress report grows nothing
-                        if matches!(seq.planned, Some(Work::Prefill { .. })) {
+                        // (its chunk planned, or launched when the extends
+                        // follow the launch)
+                        let work = seq.planned.as_ref().or(seq.in_flight.as_ref());
+                        if matches!(work, Some(Work::Prefill { .. })) {
                             continue;
                         }
                         crate::domain::apply_extend(&mut seq.tables, &grant.tables);
                         seq.cache_len = seq.kv_len + 1;
+                        if grant.capacity_tokens > 0 {
+                            seq.capacity = grant.capacity_tokens;
+                        }
                     }
                 }
                 Outcome::Reject(reject) => self.extend_refused(reject),
@@ -111,14 +145,22 @@ impl Core {
 
     fn extend_refused(&mut self, reject: Reject) {
         let seq_id = reject.seq_id;
-        if !self.running.contains_key(&seq_id) {
+        let Some(seq) = self.running.get(&seq_id) else {
             return;
-        }
+        };
         let transient = matches!(
             reject.reason,
             RejectReason::PoolExhausted | RejectReason::QuotaExceeded
         );
         self.exhausted_this_step |= transient;
+        if seq.in_flight.is_some() {
+            // An extend sent after its decode launched, growing the lease a
+            // step ahead: the pass in flight had room and runs to its end.
+            // The cache added nothing; the sequence sits the next step out
+            // when it has no room and its extend is asked again, from a
+            // sequence at rest, where a refusal counts as below.
+            return;
+        }
         let preempt = transient
             && self.config.policy == Policy::MaxUtilization
             && self.config.on_exhausted == OnExhausted::Preempt;

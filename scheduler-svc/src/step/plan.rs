@@ -5,11 +5,19 @@
 //! the order the loop runs.
 //!
 //! ```text
-//! overlap, a pass in flight:  flush releases, admit, collect, settle+extend, launch
+//! overlap, a pass in flight:  flush releases, admit, collect, plan, launch,
+//!                             settle+extend
 //! overlap, nothing in flight: flush releases, admit, extend, launch
 //! plain:                      flush releases, extend, admit, launch, then
 //!                             (if it launched) collect, settle
 //! ```
+//!
+//! With a pass in flight, overlap takes the cache off the token's critical
+//! path: the collected pass's successor launches at once, on slots its
+//! lease already covers (each lease keeps lookahead slots past its length),
+//! and the step's extends (the fed tokens, growth a step ahead, prefill
+//! progress) ride the `Step` call that settles the collected pass while the
+//! new one runs. A decode without room sits the step out (`plan_extends`).
 //!
 //! A step that neither launched nor collected a forward pass ends with a
 //! retry of `CompleteStep` (one the cache did not acknowledge earlier).
@@ -25,7 +33,8 @@ pub enum Order {
     /// within the step.
     Plain,
     /// Step N+1's releases and leases run while forward N is in flight; the
-    /// pass is collected in the next step.
+    /// pass is collected in the next step, step N+1's pass launched at once
+    /// and its extends sent while it runs.
     Overlap,
 }
 
@@ -48,6 +57,10 @@ pub enum Call {
     /// Extend the running sequences (`plan_extends` -> `Extend` ->
     /// `apply_extends`).
     Extend,
+    /// Plan the running sequences' work with room in their leases
+    /// (`plan_extends(true)`), keeping its extends for the `Settle` after
+    /// the launch.
+    Plan,
     /// Plan the forward batches and launch them (`plan_forward` ->
     /// `Forward`); the loop reports whether anything launched with
     /// [`StepPlan::launched`].
@@ -56,8 +69,9 @@ pub enum Call {
     /// (`apply_forward`, per group).
     Collect,
     /// After a collected pass: its releases (fenced at its step), the
-    /// completion the core allows and, with `extend`, this step's extends,
-    /// in one `Step` call the cache applies in that order.
+    /// completion the core allows and, with `extend`, this step's extends
+    /// (those `Plan` kept, else planned now), in one `Step` call the cache
+    /// applies in that order.
     Settle { extend: bool },
     /// Retry a `CompleteStep` the cache did not acknowledge.
     RetryComplete,
@@ -84,8 +98,9 @@ impl StepPlan {
                 FlushReleases,
                 Admit,
                 Collect,
-                Settle { extend: true },
+                Plan,
                 Launch,
+                Settle { extend: true },
             ],
             (Order::Overlap, false) => &[FlushReleases, Admit, Extend, Launch],
             // a plain step awaits its own pass: none is in flight at its start
@@ -168,7 +183,7 @@ mod tests {
     }
 
     #[test]
-    fn overlap_with_a_pass_in_flight_releases_and_leases_before_collecting_it() {
+    fn overlap_with_a_pass_in_flight_leases_before_collecting_it_and_extends_after_the_launch() {
         for launches in [true, false] {
             let (calls, progressed) = calls(Order::Overlap, true, launches);
             assert_eq!(
@@ -177,8 +192,9 @@ mod tests {
                     FlushReleases,
                     Admit,
                     Collect,
-                    Settle { extend: true },
-                    Launch
+                    Plan,
+                    Launch,
+                    Settle { extend: true }
                 ]
             );
             assert!(progressed, "the collected pass is progress");
@@ -270,12 +286,18 @@ mod tests {
                         .filter(|c| matches!(c, Extend | Settle { extend: true }))
                         .count();
                     assert_eq!(extends, 1, "{order:?}: {calls:?}");
-                    // the extends reach the cache before the step's launch
+                    // the work is planned before the step's launch; its
+                    // extends reach the cache before it unless the work was
+                    // planned ahead (only what the leases already cover)
                     let launch = at(Launch);
+                    let planned = calls
+                        .iter()
+                        .position(|c| matches!(c, Plan | Extend | Settle { extend: true }));
+                    assert!(planned < launch, "{order:?}: {calls:?}");
                     let extend = calls
                         .iter()
                         .position(|c| matches!(c, Extend | Settle { extend: true }));
-                    assert!(extend < launch, "{order:?}: {calls:?}");
+                    assert_eq!(extend > launch, at(Plan).is_some(), "{order:?}: {calls:?}");
                 }
             }
         }

@@ -13,13 +13,22 @@ use crate::step::{CallFailure, ReleaseBatch};
 
 impl StepLoop {
     pub(super) async fn extend(&mut self, step: Step) {
-        let specs = self.core.plan_extends();
+        let specs = self.take_extends();
         if specs.is_empty() {
             return;
         }
         let traces = self.traces.traceparents(specs.iter().map(|s| s.seq_id));
         let (outcomes, failed) = self.extend_calls(step, &specs, &traces).await;
         self.apply_extends(outcomes, failed);
+    }
+
+    /// The extends to send: those [`Call::Plan`](crate::step::Call::Plan)
+    /// planned before the launch, else the work planned now (every decode
+    /// waiting for its extend).
+    fn take_extends(&mut self) -> Vec<ExtendSpec> {
+        self.planned_extends
+            .take()
+            .unwrap_or_else(|| self.core.plan_extends(false))
     }
 
     /// Sends extends of `step` in `Extend` calls of at most the cache's
@@ -126,7 +135,8 @@ impl StepLoop {
 
     /// After a forward pass returned: the releases the core hands out (what
     /// ended, fenced at the pass's step), the completion of the steps the
-    /// core says are complete and, with `extend`, that step's extends, in
+    /// core says are complete and, with `extend`, that step's extends (those
+    /// planned before this step's launch, if it planned ahead), in
     /// one `Step` call (the cache applies them in that order). Extends past
     /// the cache's batch limit follow in `Extend` calls; releases past it
     /// wait for the next flush.
@@ -145,7 +155,7 @@ impl StepLoop {
         let batch = self.core.take_releases();
         let complete = self.core.complete_through();
         let specs = match extend {
-            Some(_) => self.core.plan_extends(),
+            Some(_) => self.take_extends(),
             None => Vec::new(),
         };
         if batch.is_empty() && complete.is_none() && specs.is_empty() {

@@ -103,6 +103,8 @@ pub(crate) struct StepLoop {
     /// step's parts in calls of their own instead of one `Step` call.
     refused: bool,
     refused_before: bool,
+    /// The extends [`Call::Plan`] planned, to send after the launch.
+    planned_extends: Option<Vec<crate::domain::ExtendSpec>>,
 }
 
 const MIN_BACKOFF: Duration = Duration::from_millis(5);
@@ -143,6 +145,7 @@ impl StepLoop {
             reported: std::cell::Cell::new(Counters::default()),
             refused: false,
             refused_before: false,
+            planned_extends: None,
         };
         (step_loop, handle)
     }
@@ -304,6 +307,7 @@ impl StepLoop {
                 Call::FlushReleases => self.flush_releases().await,
                 Call::Admit => self.admit(step).await,
                 Call::Extend => self.extend(step).await,
+                Call::Plan => self.planned_extends = Some(self.core.plan_extends(true)),
                 Call::Launch => {
                     let launched = self.launch(step);
                     plan.launched(launched);

@@ -152,7 +152,7 @@ fn an_unacknowledged_complete_step_is_retried_but_never_for_a_step_in_flight() {
     assert_eq!(c.complete_through(), Some(first));
     // the cache did not acknowledge it; the next forward is launched
     let second = c.begin_step();
-    let e = c.plan_extends();
+    let e = c.plan_extends(false);
     c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
     let batches = c.plan_forward();
     assert_eq!(
@@ -356,7 +356,7 @@ fn release_batches_never_exceed_the_caches_batch_limit() {
     c.set_batch_limit(Some(4));
     running(&mut c, 6);
     let step = c.begin_step();
-    let e = c.plan_extends();
+    let e = c.plan_extends(false);
     c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
     let batches = c.plan_forward();
     c.forward_failed(batches[0].0, "connection refused");
@@ -410,7 +410,7 @@ fn extends_answered_before_a_failed_call_keep_their_decode() {
     let mut c = core(Policy::MaxUtilization, 100);
     running(&mut c, 3);
     c.begin_step();
-    let extends = c.plan_extends();
+    let extends = c.plan_extends(false);
     assert_eq!(extends.len(), 3);
     // the first call (two items) answered, the second failed
     c.apply_extends(extends[..2].iter().map(|e| grant(e.seq_id)).collect());
@@ -425,7 +425,7 @@ fn extends_answered_before_a_failed_call_keep_their_decode() {
         c.apply_forward(*g, results(items, 7, false));
     }
     c.begin_step();
-    let next = c.plan_extends();
+    let next = c.plan_extends(false);
     assert_eq!(next.len(), 3);
     for e in &next {
         assert_eq!(e.new_tokens.len(), 1, "one new token each: {e:?}");

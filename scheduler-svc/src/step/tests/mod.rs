@@ -11,6 +11,7 @@ use crate::domain::{
 };
 use crate::policy::OnExhausted;
 
+mod ahead;
 mod fences;
 mod model;
 mod policies;
@@ -182,7 +183,7 @@ fn step_with(
     token: u32,
 ) -> Vec<ForwardItem> {
     core.begin_step();
-    let extends = core.plan_extends();
+    let extends = core.plan_extends(false);
     core.apply_extends(extends.iter().map(extend).collect());
     let leases = core.plan_admission();
     core.apply_leases(leases.iter().map(lease).collect());

@@ -13,8 +13,18 @@ struct ModelCache {
     tokens_per_block: u32,
     total: usize,
     free: Vec<u32>,
+    /// Slots each lease covers (tokens and extra) and its blocks.
     held: HashMap<SeqId, (u32, Vec<u32>)>,
+    /// Tokens each sequence reported (its prompt, then its extends).
+    known: HashMap<SeqId, u32>,
     fenced: Vec<(Step, Vec<u32>)>,
+    /// Another holder of the pool takes the free blocks now and then: an
+    /// extend that needs a block is refused one time in this many.
+    contested_one_in: u64,
+    rng: u64,
+    /// Extends refused as contested, and of those the ones sent while a
+    /// forward pass was in flight.
+    contested: usize,
 }
 
 impl ModelCache {
@@ -24,7 +34,11 @@ impl ModelCache {
             total: blocks as usize,
             free: (0..blocks).rev().collect(),
             held: HashMap::new(),
+            known: HashMap::new(),
             fenced: Vec::new(),
+            contested_one_in: 6,
+            rng: 0x2545_f491_4f6c_dd1d,
+            contested: 0,
         }
     }
 
@@ -49,18 +63,38 @@ impl ModelCache {
 
     fn lease(&mut self, spec: &LeaseSpec) -> Outcome {
         let tokens = spec.prompt_tokens.len() as u32 + spec.extra.total();
-        self.take(spec.seq_id, tokens, false)
+        let outcome = self.take(spec.seq_id, tokens, false);
+        if matches!(outcome, Outcome::Grant(_)) {
+            self.known
+                .insert(spec.seq_id, spec.prompt_tokens.len() as u32);
+        }
+        outcome
     }
 
     fn extend(&mut self, spec: &ExtendSpec) -> Outcome {
-        let Some(&(tokens, _)) = self.held.get(&spec.seq_id) else {
+        let Some((tokens, blocks)) = self.held.get(&spec.seq_id) else {
             return reject(spec.seq_id, RejectReason::UnknownSequence);
         };
-        self.take(spec.seq_id, tokens + spec.new_tokens.len() as u32, true)
+        let tokens = *tokens;
+        let grows = (tokens + spec.new_tokens.len() as u32).div_ceil(self.tokens_per_block)
+            > blocks.len() as u32;
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        if grows && self.rng % self.contested_one_in == 0 {
+            self.contested += 1;
+            return exhausted(spec.seq_id);
+        }
+        let outcome = self.take(spec.seq_id, tokens + spec.new_tokens.len() as u32, true);
+        if matches!(outcome, Outcome::Grant(_)) {
+            *self.known.entry(spec.seq_id).or_default() += spec.new_tokens.len() as u32;
+        }
+        outcome
     }
 
     fn release(&mut self, batch: &ReleaseBatch) {
         for seq_id in &batch.seq_ids {
+            self.known.remove(seq_id);
             if let Some((_, blocks)) = self.held.remove(seq_id) {
                 match batch.fence_step {
                     Some(step) => self.fenced.push((step, blocks)),
@@ -90,6 +124,39 @@ struct Exercised {
     released_in_flight: usize,
     completes: usize,
     finished: usize,
+    /// Extend items sent while a forward pass was in flight.
+    extended_in_flight: usize,
+    /// Decodes launched before the cache knew the token they feed.
+    launched_ahead: usize,
+    /// Extends refused while a forward pass was in flight.
+    refused_in_flight: usize,
+}
+
+/// Every item of a launch writes only blocks the cache holds for its
+/// sequence, at positions inside the slots its lease covers.
+fn check_launch(batches: &[(usize, Vec<ForwardItem>)], cache: &ModelCache, seen: &mut Exercised) {
+    for item in batches.iter().flat_map(|(_, items)| items) {
+        let Some((capacity, blocks)) = cache.held.get(&item.seq_id) else {
+            panic!("sequence {} launched without a lease", item.seq_id);
+        };
+        for block in item.tables.iter().flat_map(|t| &t.block_ids) {
+            assert!(
+                blocks.contains(block),
+                "sequence {} launched on block {block}, which the cache does not hold for it",
+                item.seq_id
+            );
+        }
+        let end = item.start_pos + item.tokens.len() as u32;
+        assert!(
+            end <= *capacity,
+            "sequence {} writes through position {end} but its lease covers {capacity} slots",
+            item.seq_id
+        );
+        let known = cache.known.get(&item.seq_id).copied().unwrap_or(0);
+        if item.tokens.len() == 1 && known <= item.start_pos {
+            seen.launched_ahead += 1;
+        }
+    }
 }
 
 /// Drives a core the way the step loop does, executing the core's
@@ -106,7 +173,14 @@ fn drive(order: Order, seed: u64) -> Exercised {
         rng ^= rng << 17;
         rng % n
     };
-    let mut c = core(Policy::MaxUtilization, 24);
+    // the loop's lookahead: overlap plans ahead on it
+    let mut c = Core::new(
+        CoreConfig {
+            lookahead: u32::from(order == Order::Overlap),
+            ..CoreConfig::default()
+        },
+        vec![group(24)],
+    );
     let mut cache = ModelCache::new(24, 4);
     let mut in_flight: InFlight = None;
     let mut seen = Exercised::default();
@@ -190,21 +264,36 @@ fn drive(order: Order, seed: u64) -> Exercised {
                 check_grants(&outcomes, in_flight, seen);
                 c.apply_leases(outcomes);
             };
-        let extend = |c: &mut Core, cache: &mut ModelCache, seen: &mut Exercised| {
-            let specs = c.plan_extends();
+        let extend = |c: &mut Core,
+                      cache: &mut ModelCache,
+                      specs: Vec<ExtendSpec>,
+                      in_flight: &InFlight,
+                      seen: &mut Exercised| {
+            let contested = cache.contested;
             let outcomes: Vec<Outcome> = specs.iter().map(|s| cache.extend(s)).collect();
-            check_grants(&outcomes, &None, seen);
+            if in_flight.is_some() {
+                seen.extended_in_flight += specs.len();
+                seen.refused_in_flight += cache.contested - contested;
+            }
+            check_grants(&outcomes, in_flight, seen);
             c.apply_extends(outcomes);
         };
+        // the extends `Plan` kept for the settle after the launch
+        let mut planned: Option<Vec<ExtendSpec>> = None;
         // the loop's order, from the core: this driver only executes it
         let mut plan = StepPlan::new(order, in_flight.is_some());
         while let Some(call) = plan.next_call() {
             match call {
                 Call::FlushReleases => flush(&mut c, &mut cache, &in_flight, &mut seen),
                 Call::Admit => admit(&mut c, &mut cache, &in_flight, &mut seen),
-                Call::Extend => extend(&mut c, &mut cache, &mut seen),
+                Call::Extend => {
+                    let specs = c.plan_extends(false);
+                    extend(&mut c, &mut cache, specs, &in_flight, &mut seen)
+                }
+                Call::Plan => planned = Some(c.plan_extends(true)),
                 Call::Launch => {
                     let batches = c.plan_forward();
+                    check_launch(&batches, &cache, &mut seen);
                     plan.launched(!batches.is_empty());
                     if !batches.is_empty() {
                         in_flight = Some((step, batches));
@@ -225,7 +314,8 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     flush(&mut c, &mut cache, &in_flight, &mut seen);
                     complete(&mut c, &mut cache, &in_flight, &mut seen);
                     if with_extends {
-                        extend(&mut c, &mut cache, &mut seen);
+                        let specs = planned.take().unwrap_or_else(|| c.plan_extends(false));
+                        extend(&mut c, &mut cache, specs, &in_flight, &mut seen);
                     }
                 }
                 Call::RetryComplete => complete(&mut c, &mut cache, &in_flight, &mut seen),
@@ -252,9 +342,17 @@ fn overlap_no_block_reaches_another_sequence_before_the_forward_that_could_read_
         total.released_in_flight += seen.released_in_flight;
         total.completes += seen.completes;
         total.finished += seen.finished;
+        total.extended_in_flight += seen.extended_in_flight;
+        total.launched_ahead += seen.launched_ahead;
+        total.refused_in_flight += seen.refused_in_flight;
     }
     assert!(
-        total.released_in_flight > 100 && total.grants > 1_000 && total.completes > 1_000,
+        total.released_in_flight > 100
+            && total.grants > 1_000
+            && total.completes > 1_000
+            && total.extended_in_flight > 1_000
+            && total.launched_ahead > 1_000
+            && total.refused_in_flight > 100,
         "the runs exercised too little: {total:?}"
     );
 }
@@ -267,11 +365,15 @@ fn plain_no_block_reaches_another_sequence_early_and_every_fenced_block_comes_ba
         total.grants += seen.grants;
         total.completes += seen.completes;
         total.finished += seen.finished;
+        total.extended_in_flight += seen.extended_in_flight;
+        total.launched_ahead += seen.launched_ahead;
     }
     assert_eq!(
-        total.released_in_flight, 0,
-        "nothing is in flight at a release"
+        (total.released_in_flight, total.extended_in_flight),
+        (0, 0),
+        "nothing is in flight at a release or an extend"
     );
+    assert_eq!(total.launched_ahead, 0, "every decode waits for its extend");
     assert!(
         total.grants > 1_000 && total.completes > 1_000 && total.finished > 1_000,
         "the runs exercised too little: {total:?}"

@@ -28,7 +28,7 @@ fn extend_reports_the_fed_token_ids() {
     c.submit(request(1, 4, 5));
     step_granting(&mut c, 7);
     c.begin_step();
-    let e = c.plan_extends();
+    let e = c.plan_extends(false);
     assert_eq!(
         e,
         vec![ExtendSpec {
@@ -75,7 +75,7 @@ fn step_recording(
     token: u32,
 ) -> (Vec<ExtendSpec>, Vec<LeaseSpec>, Vec<ForwardItem>) {
     core.begin_step();
-    let extends = core.plan_extends();
+    let extends = core.plan_extends(false);
     core.apply_extends(extends.iter().map(|e| grant(e.seq_id)).collect());
     let leases = core.plan_admission();
     core.apply_leases(leases.iter().map(lease).collect());
@@ -225,7 +225,7 @@ fn speculative_decode_feeds_drafts_and_extends_by_accepted_plus_one() {
     c.apply_forward(0, results(&b[0].1, 3, false));
     // decode: feed 3 with drafts from the earlier "2 3" -> "1 2 3"
     c.begin_step();
-    let e = c.plan_extends();
+    let e = c.plan_extends(false);
     assert_eq!(e[0].new_tokens, vec![3]);
     c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
     let b = c.plan_forward();
@@ -239,7 +239,7 @@ fn speculative_decode_feeds_drafts_and_extends_by_accepted_plus_one() {
     assert_eq!(tokens_of(&out, 1), vec![3, 1, 2, 3, 9]);
     // next extend covers the 3 accepted drafts and the fed token
     c.begin_step();
-    let e = c.plan_extends();
+    let e = c.plan_extends(false);
     assert_eq!(e[0].new_tokens, vec![1, 2, 3, 9]);
 }
 
@@ -253,7 +253,7 @@ fn drafts_never_overshoot_max_tokens() {
     c.submit(Request::new(RequestId(1), vec![1, 2, 1, 2, 1, 2], 3));
     step_granting(&mut c, 1);
     c.begin_step();
-    let e = c.plan_extends();
+    let e = c.plan_extends(false);
     c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
     let b = c.plan_forward();
     // 1 generated, 2 left: at most 1 draft
@@ -281,7 +281,7 @@ fn newcomers_do_not_take_the_decode_budget_of_running_requests() {
     c.begin_step();
     let leases = c.plan_admission();
     grant_all(&mut c, &leases);
-    let e = c.plan_extends();
+    let e = c.plan_extends(false);
     assert_eq!(e.len(), 3, "every running request still decodes this step");
     c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
     let b = c.plan_forward();
