@@ -170,8 +170,10 @@ async fn track_call(
 }
 
 /// The HTTP listener under the shared connection limits
-/// ([`kvlease_runtime::limits::Gate`]): a cap on open connections, a
-/// deadline for a new connection's first bytes, an idle deadline.
+/// ([`kvlease_runtime::limits::Gate`]): a cap on open connections, caps on
+/// connections no request has proven yet (overall and per peer address), a
+/// deadline for a new connection's first whole request headers, an idle
+/// deadline.
 #[derive(Debug)]
 struct GatedListener {
     listener: TcpListener,

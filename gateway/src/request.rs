@@ -25,8 +25,9 @@ pub struct Generate {
     pub top_p: f32,
     pub seed: u64,
     pub stop: Vec<String>,
-    /// The caller's end-user id: its prefix reuse is kept apart from other
-    /// users' (the cache salt).
+    /// OpenAI's end-user id, checked for length only: it is no tenant and
+    /// no cache salt, since anyone may set it (the tenant is the bearer
+    /// token's principal, see [`crate::service`]).
     pub user: Option<String>,
     pub stream: bool,
     /// Generate `max_tokens` even past an end-of-sequence token.

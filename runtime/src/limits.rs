@@ -7,17 +7,19 @@
 //! fix-up layer ([`StatusLayer`]) so that what tonic itself refuses answers
 //! with the codes the protocol documents.
 //!
-//! What proves a connection depends on the server. A gRPC server's gate
-//! ([`ServeLimits::call_gate`]) counts only authenticated calls: an HTTP/2
+//! Every server's gate ([`ServeLimits::call_gate`]) is proven by calls, not
+//! bytes. On a gRPC server only an authenticated call counts: an HTTP/2
 //! connection that does nothing but answer PINGs (or a TLS connection
 //! without a client certificate) stays evictable, is closed at the
 //! handshake deadline, and its PINGs never reset the idle deadline (issue 29,
-//! finding 1). The gateway's gate ([`ServeLimits::gate`]) counts a
-//! connection's first byte; hyper's header timeout does the rest there.
+//! finding 1). On the gateway's HTTP server its middleware reports each
+//! request whose headers arrived whole (before its bearer token is checked),
+//! so a client trickling header lines stays evictable (issue 29, finding 2). A byte gate ([`ServeLimits::gate`]),
+//! proven by a connection's first byte, is used by no server now.
 //!
-//! The gRPC settings (HTTP/2 keepalive, concurrent streams, TCP keepalive)
-//! are applied by [`crate::serve::serve`]; the gateway's HTTP server uses the
-//! [`Gate`] alone. Transport security belongs next to these.
+//! The gRPC settings (HTTP/2 keepalive, concurrent streams) are applied by
+//! [`crate::serve::serve`]; the gateway's HTTP server uses the [`Gate`]
+//! alone. Transport security belongs next to these.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -151,14 +153,16 @@ impl ServeLimits {
     }
 
     /// A gate enforcing these connection limits, where a connection proves
-    /// itself by sending its first byte (the gateway's HTTP server).
+    /// itself by sending its first byte and any byte read or written keeps
+    /// it from going idle.
     pub fn gate(&self) -> Gate {
         self.gate_proven_by(false)
     }
 
     /// A gate enforcing these connection limits, where a connection proves
     /// itself only by an authenticated call ([`CallLayer`] tells it) and
-    /// only calls keep it from going idle (every gRPC server).
+    /// only calls keep it from going idle (every gRPC server, and the
+    /// gateway's HTTP server, whose requests count as calls).
     pub fn call_gate(&self) -> Gate {
         self.gate_proven_by(true)
     }

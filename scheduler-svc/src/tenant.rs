@@ -1,8 +1,9 @@
 //! Tenants: whose a `Generate` is, and the cache salt that keeps tenants' prefixes apart.
 //!
 //! A request's tenant is its caller's principal. A principal the operator names with
-//! `--tenant-asserter` (the HTTP gateway) may instead name the tenant it acts for in the
-//! `kvlease-tenant` metadata (the gateway passes the OpenAI `user` field). An operator may put
+//! `--tenant-asserter` may instead name the tenant it acts for in the `kvlease-tenant`
+//! metadata. (The HTTP gateway sends none: it keeps its callers apart by sending each bearer
+//! token's principal as the request's `cache_salt`.) An operator may put
 //! tenants in one group (`--tenant-group TENANT=GROUP`) so that they share prefixes. The cache
 //! salt is HMAC-SHA256(server secret, group) (and the request's own `cache_salt`, which can only
 //! partition a tenant's prefixes further): a tenant can neither reach another group's cached
