@@ -5,7 +5,7 @@
 //! whose tables are indexed by pool and whose every position is known to
 //! lie in a listed, in-range block.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use crate::arena::{ArenaLayout, SlotLedger};
 use crate::error::{Error, Result, SeqProblem};
@@ -252,14 +252,138 @@ impl Batch {
     }
 }
 
+/// Per-pool marks on blocks that validation keeps between batches, so that
+/// each check of a block is an array access, not a hash: a batch of 256
+/// decoding sequences reads thousands of blocks.
+#[derive(Debug, Default)]
+pub struct BlockMarks {
+    /// The last stamp handed out (a table or a batch each take one).
+    stamp: u32,
+    /// Per pool: the stamp of the table that last listed each block.
+    listed: Vec<Vec<u32>>,
+    /// Per pool: the stamp of the batch whose runs [`Self::head`] indexes.
+    written: Vec<Vec<u32>>,
+    /// Per pool: the last of the batch's write runs in each block.
+    head: Vec<Vec<u32>>,
+}
+
+impl BlockMarks {
+    /// Sizes the marks for `layout`'s pools (after a new layout, cleared).
+    fn fit(&mut self, layout: &ArenaLayout) {
+        let fits = self.listed.len() == layout.pools.len()
+            && self
+                .listed
+                .iter()
+                .zip(&layout.pools)
+                .all(|(l, p)| l.len() == p.num_blocks as usize);
+        if !fits {
+            let sized = || -> Vec<Vec<u32>> {
+                layout
+                    .pools
+                    .iter()
+                    .map(|p| vec![0; p.num_blocks as usize])
+                    .collect()
+            };
+            (self.listed, self.written, self.head) = (sized(), sized(), sized());
+            self.stamp = 0;
+        }
+    }
+
+    /// A stamp no mark holds yet.
+    fn next_stamp(&mut self) -> u32 {
+        if self.stamp == u32::MAX {
+            for marks in [&mut self.listed, &mut self.written] {
+                marks.iter_mut().for_each(|m| m.fill(0));
+            }
+            self.stamp = 0;
+        }
+        self.stamp += 1;
+        self.stamp
+    }
+}
+
+/// Slots `lo..hi` of one block that one sequence writes in a batch; `prev`
+/// is the block's previous run in the batch (`NO_RUN`: none).
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    seq_id: u64,
+    lo: usize,
+    hi: usize,
+    prev: u32,
+}
+
+const NO_RUN: u32 = u32::MAX;
+
+/// What a batch writes, block by block, over [`BlockMarks`].
+struct BatchWrites<'m> {
+    stamp: u32,
+    written: &'m mut [Vec<u32>],
+    head: &'m mut [Vec<u32>],
+    runs: Vec<Run>,
+}
+
+impl BatchWrites<'_> {
+    fn runs(&self, pool: usize, block: u32) -> impl Iterator<Item = &Run> {
+        let b = block as usize;
+        let mut at = if self.written[pool][b] == self.stamp {
+            self.head[pool][b]
+        } else {
+            NO_RUN
+        };
+        std::iter::from_fn(move || {
+            let run = self.runs.get(at as usize)?;
+            at = run.prev;
+            Some(run)
+        })
+    }
+
+    fn touched(&self, pool: usize, block: u32) -> bool {
+        self.written[pool][block as usize] == self.stamp
+    }
+
+    /// Adds a run; on a slot another sequence writes, that slot and
+    /// sequence.
+    fn add(
+        &mut self,
+        pool: usize,
+        block: u32,
+        slots: std::ops::Range<usize>,
+        seq_id: u64,
+    ) -> std::result::Result<(), (usize, u64)> {
+        if let Some(other) = self
+            .runs(pool, block)
+            .find(|r| r.lo < slots.end && slots.start < r.hi)
+        {
+            return Err((slots.start.max(other.lo), other.seq_id));
+        }
+        let b = block as usize;
+        let prev = if self.touched(pool, block) {
+            self.head[pool][b]
+        } else {
+            NO_RUN
+        };
+        self.written[pool][b] = self.stamp;
+        self.head[pool][b] = self.runs.len() as u32;
+        self.runs.push(Run {
+            seq_id,
+            lo: slots.start,
+            hi: slots.end,
+            prev,
+        });
+        Ok(())
+    }
+}
+
 /// Checks a batch and plans it. Nothing is written anywhere: an error leaves
-/// the arena and the ledger as they were.
+/// the arena and the ledger as they were. `marks` is scratch kept between
+/// calls (any state; sized here).
 pub fn validate(
     inputs: Vec<SeqInput>,
     model: &ModelConfig,
     layout: &ArenaLayout,
     ledger: &SlotLedger,
     limits: Limits,
+    marks: &mut BlockMarks,
 ) -> Result<Batch> {
     if inputs.len() > limits.max_batch_sequences {
         return Err(Error::BatchOverLimit {
@@ -279,8 +403,9 @@ pub fn validate(
         });
     }
 
+    marks.fit(layout);
     let b = model.tokens_per_block as usize;
-    let mut seen = HashSet::new();
+    let mut seen = HashSet::with_capacity(inputs.len());
     let mut seqs = Vec::with_capacity(inputs.len());
     for input in inputs {
         let seq_id = input.seq_id;
@@ -288,43 +413,50 @@ pub fn validate(
         if !seen.insert(seq_id) {
             return Err(bad(SeqProblem::DuplicateId));
         }
-        let planned = plan_sequence(input, model, layout).map_err(bad)?;
+        let planned = plan_sequence(input, model, layout, marks).map_err(bad)?;
         seqs.push(planned);
     }
 
-    // Every slot written, and by whom; two writers of one slot is a conflict.
-    let mut writers: HashMap<(usize, u32, usize), u64> = HashMap::new();
+    // Every slot written, and by whom, a run of slots per block; two
+    // writers of one slot is a conflict.
+    let stamp = marks.next_stamp();
+    let mut batch = BatchWrites {
+        stamp,
+        written: &mut marks.written,
+        head: &mut marks.head,
+        runs: Vec::with_capacity(seqs.len() * layout.pools.len()),
+    };
+    let conflict = |seq_id, window, block_id, (slot, other): (usize, u64)| Error::InvalidSequence {
+        seq_id,
+        problem: SeqProblem::SlotConflict {
+            window,
+            block_id,
+            slot: slot as u32,
+            other_seq_id: other,
+        },
+    };
     let mut writes = Vec::with_capacity(total * layout.pools.len());
     for seq in &seqs {
+        let end = seq.start_pos + seq.tokens.len();
         for (pool, table) in seq.tables.iter().enumerate() {
-            for pos in seq.start_pos..seq.start_pos + seq.tokens.len() {
+            let mut pos = seq.start_pos;
+            while pos < end {
                 let block = table.block_for(pos, b);
-                let slot = pos % b;
-                if let Some(&other) = writers.get(&(pool, block, slot)) {
-                    return Err(Error::InvalidSequence {
-                        seq_id: seq.seq_id,
-                        problem: SeqProblem::SlotConflict {
-                            window: layout.pools[pool].window,
-                            block_id: block,
-                            slot: slot as u32,
-                            other_seq_id: other,
-                        },
-                    });
-                }
-                writers.insert((pool, block, slot), seq.seq_id);
-                writes.push((pool, block, slot));
+                let run_end = ((pos / b + 1) * b).min(end);
+                let slots = pos % b..(run_end - 1) % b + 1;
+                batch
+                    .add(pool, block, slots.clone(), seq.seq_id)
+                    .map_err(|c| conflict(seq.seq_id, layout.pools[pool].window, block, c))?;
+                writes.extend(slots.map(|slot| (pool, block, slot)));
+                pos = run_end;
             }
         }
     }
 
     // Partial-block copies: the source slots hold K/V and no sequence of the
-    // batch writes the source; the copied slots count as written by the
-    // sequence (so they conflict with any other writer, and satisfy the
-    // reads below).
-    let written_blocks: HashSet<(usize, u32)> = writes
-        .iter()
-        .map(|&(pool, block, _)| (pool, block))
-        .collect();
+    // batch writes the source (all sources checked before any copy counts);
+    // the copied slots count as written by the sequence (so they conflict
+    // with any other writer, and satisfy the reads below).
     for seq in &seqs {
         for c in &seq.copies {
             let window = layout.pools[c.pool].window;
@@ -332,7 +464,7 @@ pub fn validate(
                 seq_id: seq.seq_id,
                 problem: SeqProblem::BadCopy { window, message },
             };
-            if written_blocks.contains(&(c.pool, c.src)) {
+            if batch.touched(c.pool, c.src) {
                 return Err(bad(format!(
                     "source block {} is written by this batch",
                     c.src
@@ -344,36 +476,21 @@ pub fn validate(
                     c.slots, c.src
                 )));
             }
-            for slot in 0..c.slots {
-                if let Some(&other) = writers.get(&(c.pool, c.dst, slot)) {
-                    return Err(Error::InvalidSequence {
-                        seq_id: seq.seq_id,
-                        problem: SeqProblem::SlotConflict {
-                            window,
-                            block_id: c.dst,
-                            slot: slot as u32,
-                            other_seq_id: other,
-                        },
-                    });
-                }
-                writers.insert((c.pool, c.dst, slot), seq.seq_id);
-                writes.push((c.pool, c.dst, slot));
-            }
+        }
+    }
+    for seq in &seqs {
+        for c in &seq.copies {
+            let window = layout.pools[c.pool].window;
+            batch
+                .add(c.pool, c.dst, 0..c.slots, seq.seq_id)
+                .map_err(|x| conflict(seq.seq_id, window, c.dst, x))?;
+            writes.extend((0..c.slots).map(|slot| (c.pool, c.dst, slot)));
         }
     }
 
     // Positions before start_pos that the pass reads must hold K/V: written
     // earlier (and not in a block this batch restarts) or written now.
     // Checked a block at a time: most blocks read are not written this batch.
-    let touched: HashSet<(usize, u32)> = writes
-        .iter()
-        .map(|&(pool, block, _)| (pool, block))
-        .collect();
-    let restarted: HashSet<(usize, u32)> = writes
-        .iter()
-        .filter(|w| w.2 == 0)
-        .map(|&(pool, block, _)| (pool, block))
-        .collect();
     for seq in &seqs {
         for (pool, table) in seq.tables.iter().enumerate() {
             let geometry = &layout.pools[pool];
@@ -381,31 +498,27 @@ pub fn validate(
             while pos < seq.start_pos {
                 let block = table.block_for(pos, b);
                 let run_end = ((pos / b + 1) * b).min(seq.start_pos);
-                let is_touched = touched.contains(&(pool, block));
-                let is_restarted = restarted.contains(&(pool, block));
                 // Blocks this batch does not write (all but a decode step's
                 // last): one mask test for the whole run.
-                if !is_touched
-                    && !is_restarted
-                    && ledger.all_written(pool, block, pos % b..(run_end - 1) % b + 1)
-                {
-                    pos = run_end;
-                    continue;
+                if !batch.touched(pool, block) {
+                    if ledger.all_written(pool, block, pos % b..(run_end - 1) % b + 1) {
+                        pos = run_end;
+                        continue;
+                    }
+                    let missing = (pos..run_end)
+                        .find(|&p| !ledger.is_written(pool, block, p % b))
+                        .unwrap_or(pos);
+                    return Err(missing_kv(seq, geometry.window, missing, block));
                 }
+                let restarted = batch.runs(pool, block).any(|r| r.lo == 0);
                 for p in pos..run_end {
                     let slot = p % b;
-                    let ok = (is_touched && writers.contains_key(&(pool, block, slot)))
-                        || (!is_restarted && ledger.is_written(pool, block, slot));
+                    let ok = batch
+                        .runs(pool, block)
+                        .any(|r| (r.lo..r.hi).contains(&slot))
+                        || (!restarted && ledger.is_written(pool, block, slot));
                     if !ok {
-                        return Err(Error::InvalidSequence {
-                            seq_id: seq.seq_id,
-                            problem: SeqProblem::MissingKv {
-                                window: geometry.window,
-                                position: p as u64,
-                                block_id: block,
-                                start_pos: seq.start_pos as u32,
-                            },
-                        });
+                        return Err(missing_kv(seq, geometry.window, p, block));
                     }
                 }
                 pos = run_end;
@@ -415,11 +528,26 @@ pub fn validate(
     Ok(Batch { seqs, writes })
 }
 
+/// The error of a read of position `position` in `block`, which holds no
+/// K/V.
+fn missing_kv(seq: &PlannedSeq, window: u32, position: usize, block_id: u32) -> Error {
+    Error::InvalidSequence {
+        seq_id: seq.seq_id,
+        problem: SeqProblem::MissingKv {
+            window,
+            position: position as u64,
+            block_id,
+            start_pos: seq.start_pos as u32,
+        },
+    }
+}
+
 /// Checks one sequence on its own (tokens, positions, sampling, tables).
 fn plan_sequence(
     input: SeqInput,
     model: &ModelConfig,
     layout: &ArenaLayout,
+    marks: &mut BlockMarks,
 ) -> std::result::Result<PlannedSeq, SeqProblem> {
     if input.tokens.is_empty() {
         return Err(SeqProblem::NoTokens);
@@ -465,7 +593,8 @@ fn plan_sequence(
             return Err(SeqProblem::DuplicateTable { window });
         }
         let num_blocks = layout.pools[pool].num_blocks;
-        let mut ids = HashSet::with_capacity(table.block_ids.len());
+        let stamp = marks.next_stamp();
+        let listed = &mut marks.listed[pool];
         for &block_id in &table.block_ids {
             if block_id >= num_blocks {
                 return Err(SeqProblem::BlockOutOfRange {
@@ -474,9 +603,11 @@ fn plan_sequence(
                     num_blocks,
                 });
             }
-            if !ids.insert(block_id) {
+            let mark = &mut listed[block_id as usize];
+            if *mark == stamp {
                 return Err(SeqProblem::RepeatedBlock { window, block_id });
             }
+            *mark = stamp;
         }
         // The pass reads from the window start of its first query and writes
         // up to its last token: both ends must lie in listed blocks.
@@ -652,9 +783,26 @@ mod tests {
         let ledger = SlotLedger::new(&layout);
         // Sequence 2 reuses the block sequence 1 fills in this very batch.
         let batch = vec![seq(1, 4, 0, &[3]), seq(2, 2, 4, &[3, 5])];
-        assert!(validate(batch, &m, &layout, &ledger, LIMITS).is_ok());
+        assert!(
+            validate(
+                batch,
+                &m,
+                &layout,
+                &ledger,
+                LIMITS,
+                &mut BlockMarks::default()
+            )
+            .is_ok()
+        );
         // Without sequence 1 the block holds nothing yet.
-        let err = validate(vec![seq(2, 2, 4, &[3, 5])], &m, &layout, &ledger, LIMITS);
+        let err = validate(
+            vec![seq(2, 2, 4, &[3, 5])],
+            &m,
+            &layout,
+            &ledger,
+            LIMITS,
+            &mut BlockMarks::default(),
+        );
         assert!(matches!(
             err,
             Err(Error::InvalidSequence {
@@ -668,19 +816,50 @@ mod tests {
     fn a_restarted_block_forgets_its_old_slots() {
         let (m, layout) = (model(), ArenaLayout::new(&model(), &[16]));
         let mut ledger = SlotLedger::new(&layout);
-        let first = validate(vec![seq(1, 4, 0, &[3])], &m, &layout, &ledger, LIMITS);
+        let first = validate(
+            vec![seq(1, 4, 0, &[3])],
+            &m,
+            &layout,
+            &ledger,
+            LIMITS,
+            &mut BlockMarks::default(),
+        );
         match first {
             Ok(batch) => ledger.record(&batch.writes),
             Err(e) => panic!("{e}"),
         }
-        assert!(validate(vec![seq(1, 1, 4, &[3, 4])], &m, &layout, &ledger, LIMITS).is_ok());
+        assert!(
+            validate(
+                vec![seq(1, 1, 4, &[3, 4])],
+                &m,
+                &layout,
+                &ledger,
+                LIMITS,
+                &mut BlockMarks::default()
+            )
+            .is_ok()
+        );
         // Another sequence takes block 3 and writes slot 0 only: slots 1..4
         // are stale now.
-        match validate(vec![seq(2, 1, 0, &[3])], &m, &layout, &ledger, LIMITS) {
+        match validate(
+            vec![seq(2, 1, 0, &[3])],
+            &m,
+            &layout,
+            &ledger,
+            LIMITS,
+            &mut BlockMarks::default(),
+        ) {
             Ok(batch) => ledger.record(&batch.writes),
             Err(e) => panic!("{e}"),
         }
-        let stale = validate(vec![seq(2, 1, 3, &[3])], &m, &layout, &ledger, LIMITS);
+        let stale = validate(
+            vec![seq(2, 1, 3, &[3])],
+            &m,
+            &layout,
+            &ledger,
+            LIMITS,
+            &mut BlockMarks::default(),
+        );
         assert!(matches!(
             stale,
             Err(Error::InvalidSequence {

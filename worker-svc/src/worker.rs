@@ -117,6 +117,8 @@ pub struct Worker {
     info: WorkerInfo,
     layout: ArenaLayout,
     ledger: SlotLedger,
+    /// Validation's scratch marks on blocks, kept between batches.
+    marks: batch::BlockMarks,
     /// The host tier's geometry (`num_blocks` = host blocks per pool) and
     /// which of its slots hold K/V.
     host_layout: ArenaLayout,
@@ -300,6 +302,7 @@ impl Worker {
         Ok(Worker {
             info,
             ledger: SlotLedger::new(&layout),
+            marks: batch::BlockMarks::default(),
             layout,
             host_ledger: SlotLedger::new(&host_layout),
             host_layout,
@@ -390,13 +393,14 @@ impl Worker {
         }))
     }
 
-    fn validate(&self, inputs: Vec<SeqInput>) -> Result<Batch> {
+    fn validate(&mut self, inputs: Vec<SeqInput>) -> Result<Batch> {
         batch::validate(
             inputs,
             &self.info.model,
             &self.layout,
             &self.ledger,
             self.info.limits,
+            &mut self.marks,
         )
     }
 

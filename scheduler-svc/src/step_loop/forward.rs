@@ -110,18 +110,19 @@ pub(super) struct BetweenPasses {
 }
 
 impl BetweenPasses {
-    /// Logs the gap after a launch that followed a collected, settled pass.
+    /// Logs the gap after a launch that followed a collected pass: the
+    /// settle's share is 0 when the order settles after the launch (the
+    /// overlap order planning ahead).
     pub(super) fn log(&self, step: Step, launched: bool) {
-        let (Some(arrived), Some(applied), Some(settled)) =
-            (self.arrived, self.applied, self.settled)
-        else {
+        let (Some(arrived), Some(applied)) = (self.arrived, self.applied) else {
             return;
         };
+        let ready = self.settled.unwrap_or(applied);
         tracing::debug!(
             step = step.get(),
             apply_us = (applied - arrived).as_micros() as u64,
-            settle_us = (settled - applied).as_micros() as u64,
-            launch_us = settled.elapsed().as_micros() as u64,
+            settle_us = (ready - applied).as_micros() as u64,
+            launch_us = ready.elapsed().as_micros() as u64,
             launched,
             "between forward passes"
         );
