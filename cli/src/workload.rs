@@ -62,8 +62,7 @@ impl Synthetic {
                     tokens.extend(block_tokens(prefix, self.prefix_tokens));
                 }
                 let tail = rng.between(self.tail_min, self.tail_max);
-                // a key no prefix uses: the high bit marks tails
-                tokens.extend(block_tokens((1 << 63) | index as u64, tail));
+                tokens.extend(block_tokens(self.tail_key(index), tail));
                 if tokens.is_empty() {
                     tokens.push(b'a'.into());
                 }
@@ -75,6 +74,15 @@ impl Synthetic {
                 }
             })
             .collect()
+    }
+
+    /// The key of request `index`'s tail: from the seed and the index, so
+    /// that workloads of different seeds (a warm-up wave and the measured
+    /// ones) share no tail; the high bit, which no prefix key has, marks
+    /// tails.
+    fn tail_key(&self, index: usize) -> u64 {
+        let mut rng = SplitMix64(self.seed ^ (index as u64).wrapping_mul(0xd605_bbb5_8c8a_bbbd));
+        (1 << 63) | rng.next_u64()
     }
 }
 
@@ -139,6 +147,35 @@ mod tests {
         }
         // tails differ even under the same prefix
         assert_ne!(a[0].tokens[64..], a[1].tokens[64..]);
+    }
+
+    /// With no shared prefix every prompt is unique: within a workload and
+    /// across seeds (the bench's warm-up wave and its measured waves), so
+    /// the cache finds nothing to reuse, not even a first block.
+    #[test]
+    fn unique_prompts_share_no_block_within_or_across_seeds() {
+        let wave = |seed, requests| Synthetic {
+            requests,
+            prefixes: 0,
+            prefix_tokens: 0,
+            tail_min: 18,
+            tail_max: 18,
+            seed,
+            ..Synthetic::default()
+        };
+        let mut first_blocks = std::collections::HashSet::new();
+        for r in wave(2, 256)
+            .requests()
+            .iter()
+            .chain(&wave(1, 1024).requests())
+        {
+            assert!(
+                first_blocks.insert(r.tokens[..16].to_vec()),
+                "request {} repeats a first block",
+                r.index
+            );
+        }
+        assert_eq!(first_blocks.len(), 1280);
     }
 
     #[test]
