@@ -19,7 +19,7 @@ compute (target <= 10%).
 The model is a GGUF file or a Hugging Face directory (--model). With
 --make-llama-1b DIR, the script first writes a 1.1B Llama-shaped directory
 there (22 layers, hidden 2048, 32/4 heads, ffn 5632, SmolLM2's vocabulary
-and tokenizer, taken from --tokenizer-gguf; random bf16 weights, seeded):
+and tokenizer, taken from --tokenizer; random bf16 weights, seeded):
 nothing to download. With --prefixes N the prompts are N shared prefixes of
 --prefix-tokens plus a unique tail of --prompt-tokens (transformers' static
 cache is then skipped: it has no prefix reuse to compare with).
@@ -210,14 +210,15 @@ def load_hf(model, cls, dtype):
     return cls.from_pretrained(directory, gguf_file=name)
 
 
-def make_llama_1b(directory, tokenizer_gguf):
-    """A 1.1B Llama-shaped model with random bf16 weights and SmolLM2's tokenizer."""
+def make_llama_1b(directory, tokenizer):
+    """A 1.1B Llama-shaped model with random bf16 weights and the tokenizer of
+    `tokenizer` (a GGUF file or a directory with tokenizer.json)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if os.path.exists(os.path.join(directory, "config.json")):
         return
-    tok = load_hf(tokenizer_gguf, AutoTokenizer, None)
+    tok = load_hf(tokenizer, AutoTokenizer, None)
     config = LlamaConfig(
         vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
         num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
@@ -299,7 +300,8 @@ def main():
     ap.add_argument("--model", required=True, help="a GGUF file or a Hugging Face directory")
     ap.add_argument("--make-llama-1b", metavar="DIR",
                     help="write a random-weight 1.1B Llama directory to DIR first and serve it")
-    ap.add_argument("--tokenizer-gguf", help="the GGUF whose tokenizer --make-llama-1b uses")
+    ap.add_argument("--tokenizer", help="the tokenizer --make-llama-1b uses: SmolLM2's GGUF, "
+                    "or a directory with its tokenizer.json")
     ap.add_argument("--prefixes", type=int, default=0, help="shared prompt prefixes (0: none)")
     ap.add_argument("--prefix-tokens", type=int, default=1024)
     ap.add_argument("--label", default="", help="a name for the run's lines")
@@ -317,9 +319,9 @@ def main():
     os.makedirs(log_dir, exist_ok=True)
 
     if args.make_llama_1b:
-        if not args.tokenizer_gguf:
-            raise SystemExit("--make-llama-1b needs --tokenizer-gguf")
-        make_llama_1b(args.make_llama_1b, args.tokenizer_gguf)
+        if not args.tokenizer:
+            raise SystemExit("--make-llama-1b needs --tokenizer")
+        make_llama_1b(args.make_llama_1b, args.tokenizer)
         args.model = args.make_llama_1b
     label = args.label or os.path.basename(args.model.rstrip("/"))
     kv_rate, (gaps, computes), sched = run_kvlease(args, log_dir)
