@@ -146,7 +146,7 @@ fn step(core: &mut Core, len: u32) -> (Duration, Duration) {
     let mut scripting = Duration::ZERO;
     let start = Instant::now();
     core.begin_step();
-    let extends = core.plan_extends();
+    let extends = core.plan_extends(false);
     let t = Instant::now();
     let outcomes: Vec<Outcome> = extends
         .iter()

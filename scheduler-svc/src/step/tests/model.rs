@@ -81,7 +81,7 @@ impl ModelCache {
         self.rng ^= self.rng << 13;
         self.rng ^= self.rng >> 7;
         self.rng ^= self.rng << 17;
-        if grows && self.rng % self.contested_one_in == 0 {
+        if grows && self.rng.is_multiple_of(self.contested_one_in) {
             self.contested += 1;
             return exhausted(spec.seq_id);
         }
