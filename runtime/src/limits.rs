@@ -42,7 +42,7 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 pub const DEFAULT_MAX_PENDING_HANDSHAKES: usize = 128;
 /// Default cap on connections from one peer address that have not proven
 /// themselves yet.
-pub const DEFAULT_MAX_PENDING_PER_PEER: usize = 16;
+pub const DEFAULT_MAX_PENDING_PER_PEER: usize = 64;
 /// Default time a new connection has to send its first bytes, in milliseconds.
 pub const DEFAULT_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// Default time a connection may stay without reading or writing a byte, in
