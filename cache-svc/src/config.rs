@@ -108,10 +108,11 @@ pub struct Config {
     /// RegisterPool over it is refused. 0 for no limit.
     #[arg(long, env = "KVLEASE_CACHE_POOL_MEMORY_BUDGET_MIB", default_value_t = DEFAULT_POOL_MEMORY_BUDGET_MIB)]
     pub pool_memory_budget_mib: u64,
-    /// Most WatchEvents streams open at once.
+    /// Most WatchEvents streams open at once; 0 for no limit.
     #[arg(long, env = "KVLEASE_CACHE_MAX_WATCH_STREAMS", default_value_t = DEFAULT_MAX_WATCH_STREAMS)]
     pub max_watch_streams: usize,
-    /// Most WatchEvents streams one principal may have open at once.
+    /// Most WatchEvents streams one principal may have open at once; 0 for no
+    /// limit.
     #[arg(long, env = "KVLEASE_CACHE_MAX_WATCH_STREAMS_PER_PRINCIPAL", default_value_t = DEFAULT_MAX_WATCH_STREAMS_PER_PRINCIPAL)]
     pub max_watch_streams_per_principal: usize,
     /// Eviction policy of one pool group, as GROUP=POLICY; repeatable.

@@ -36,7 +36,7 @@ fn lock(open: &Mutex<Open>) -> MutexGuard<'_, Open> {
 
 impl WatchSlots {
     /// At most `max` streams open, at most `max_per_principal` of them one
-    /// principal's.
+    /// principal's; 0 for no limit, as in the cache's other limits.
     pub(crate) fn new(max: usize, max_per_principal: usize) -> Self {
         Self {
             open: Arc::default(),
@@ -49,14 +49,14 @@ impl WatchSlots {
     /// the figures of the limit it would pass.
     pub(crate) fn take(&self, principal: &str) -> Result<WatchSlot> {
         let mut open = lock(&self.open);
-        if open.all >= self.max {
+        if self.max > 0 && open.all >= self.max {
             return Err(Error::LimitExceeded(format!(
                 "{} WatchEvents streams are open, the limit is {}",
                 open.all, self.max
             )));
         }
         let mine = open.by_principal.get(principal).copied().unwrap_or(0);
-        if mine >= self.max_per_principal {
+        if self.max_per_principal > 0 && mine >= self.max_per_principal {
             return Err(Error::LimitExceeded(format!(
                 "principal {principal} has {mine} WatchEvents streams open, the limit per principal is {}",
                 self.max_per_principal
@@ -111,5 +111,20 @@ mod tests {
         // a stream that ends gives its slot back to its principal
         drop(a1);
         let _a3 = slots.take("a").unwrap();
+    }
+
+    #[test]
+    fn zero_is_no_limit() {
+        let unlimited = WatchSlots::new(0, 0);
+        let held: Vec<WatchSlot> = (0..100).map(|_| unlimited.take("a").unwrap()).collect();
+        assert_eq!(held.len(), 100);
+        // either limit alone still holds
+        let per_principal_only = WatchSlots::new(0, 1);
+        let _a = per_principal_only.take("a").unwrap();
+        assert!(per_principal_only.take("a").is_err());
+        let _b = per_principal_only.take("b").unwrap();
+        let global_only = WatchSlots::new(1, 0);
+        let _c = global_only.take("c").unwrap();
+        assert!(global_only.take("d").is_err());
     }
 }
