@@ -43,10 +43,11 @@ pub const DEFAULT_MAX_PENDING_HANDSHAKES: usize = 128;
 /// Default cap on connections from one peer address that have not proven
 /// themselves yet.
 pub const DEFAULT_MAX_PENDING_PER_PEER: usize = 64;
-/// Default time a new connection has to send its first bytes, in milliseconds.
+/// Default time a new connection has to prove itself with its first call, in
+/// milliseconds.
 pub const DEFAULT_HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
-/// Default time a connection may stay without reading or writing a byte, in
-/// milliseconds (HTTP/2 keepalive pings count, so a live peer never hits it).
+/// Default time a proven connection may stay without a call, in milliseconds
+/// (HTTP/2 keepalive pings do not count: only calls keep a connection).
 pub const DEFAULT_IDLE_TIMEOUT_MS: u64 = 300_000;
 /// Default interval of HTTP/2 keepalive pings, in milliseconds.
 pub const DEFAULT_KEEPALIVE_INTERVAL_MS: u64 = 30_000;
@@ -61,7 +62,7 @@ pub const DEFAULT_MAX_CONCURRENT_STREAMS: u32 = 256;
 pub struct ServeLimits {
     /// Most open connections; a connection over it evicts the oldest one that
     /// has not proven itself yet (gRPC: made an authenticated call; HTTP: sent
-    /// a byte), or is closed at once.
+    /// a request's headers whole), or is closed at once.
     #[arg(long, env = "KVLEASE_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
     /// Most connections that have not proven themselves yet; over it the
@@ -75,15 +76,17 @@ pub struct ServeLimits {
     #[arg(long, env = "KVLEASE_MAX_PENDING_PER_PEER", default_value_t = DEFAULT_MAX_PENDING_PER_PEER)]
     pub max_pending_per_peer: usize,
     /// Milliseconds a new connection has to prove itself (gRPC: its first
-    /// authenticated call; HTTP: its first bytes).
+    /// authenticated call; HTTP: its first request's headers, whole); bytes
+    /// and HTTP/2 PINGs before that do not count.
     #[arg(long, env = "KVLEASE_HANDSHAKE_TIMEOUT_MS", default_value_t = DEFAULT_HANDSHAKE_TIMEOUT_MS)]
     pub handshake_timeout_ms: u64,
-    /// Milliseconds a connection may stay idle: gRPC, without a call in
-    /// flight or begun (HTTP/2 PINGs do not count); HTTP, without reading or
-    /// writing a byte.
+    /// Milliseconds a proven connection may stay idle, counted from when its
+    /// last call (gRPC) or request (HTTP) began or ended; one in flight keeps
+    /// it open. Bytes, HTTP/2 PINGs included, do not count.
     #[arg(long, env = "KVLEASE_IDLE_TIMEOUT_MS", default_value_t = DEFAULT_IDLE_TIMEOUT_MS)]
     pub idle_timeout_ms: u64,
-    /// Milliseconds between HTTP/2 keepalive pings.
+    /// Milliseconds between HTTP/2 keepalive pings (gRPC servers): they find
+    /// peers that stopped answering, and keep no connection from going idle.
     #[arg(long, env = "KVLEASE_KEEPALIVE_INTERVAL_MS", default_value_t = DEFAULT_KEEPALIVE_INTERVAL_MS)]
     pub keepalive_interval_ms: u64,
     /// Milliseconds a keepalive ping waits for its answer before the
@@ -135,7 +138,7 @@ impl ServeLimits {
         }
         if self.idle_timeout_ms <= self.keepalive_interval_ms {
             return Err(format!(
-                "--idle-timeout-ms ({}) must exceed --keepalive-interval-ms ({}): keepalive pings keep live connections from going idle",
+                "--idle-timeout-ms ({}) must exceed --keepalive-interval-ms ({})",
                 self.idle_timeout_ms, self.keepalive_interval_ms
             ));
         }
