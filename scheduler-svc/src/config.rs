@@ -71,8 +71,10 @@ pub struct Config {
     /// repeatable. Every other tenant is a group of its own.
     #[arg(long, value_parser = crate::tenant::parse_tenant_group)]
     pub tenant_group: Vec<(String, String)>,
-    /// A principal that may name the tenant it acts for (`kvlease-tenant` metadata), e.g.
-    /// the HTTP gateway; repeatable.
+    /// A principal that may name the tenant it acts for (`kvlease-tenant` metadata): a
+    /// front end of your own that serves several tenants under one identity; repeatable.
+    /// kvlease's HTTP gateway sends no such metadata and needs none (it keeps its callers
+    /// apart by `cache_salt`).
     #[arg(long, env = "KVLEASE_SCHEDULER_TENANT_ASSERTER", value_delimiter = ',')]
     pub tenant_asserter: Vec<String>,
     /// File whose bytes key the tenants' cache salts (HMAC); a random key per start when
