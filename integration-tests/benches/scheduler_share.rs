@@ -234,7 +234,7 @@ fn scheduler_step(draft_k: u32) -> Duration {
         let mut scripting = Duration::ZERO;
         let start = Instant::now();
         core.begin_step();
-        let extends = core.plan_extends();
+        let extends = core.plan_extends(false);
         let t = Instant::now();
         let outcomes: Vec<Outcome> = extends.iter().map(|e| extend_grant(e.seq_id)).collect();
         scripting += t.elapsed();
