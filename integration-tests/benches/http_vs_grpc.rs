@@ -1,8 +1,12 @@
 //! The HTTP front's cost: the same streaming chat load over HTTP (through
 //! the gateway) and over gRPC (straight to the scheduler), one after the
 //! other on one in-process cluster, in one run. Prints TTFT p50 and output
-//! throughput of each and the ratios. Each phase has its own user / cache
-//! salt, so none reuses another's prefixes.
+//! throughput of each and the ratios. Each phase's prompts begin with a tag
+//! of their own (path, think time, round), so no phase reuses another's
+//! cached prefixes: the gateway ignores OpenAI's `user` field and, with no
+//! token file, sends every HTTP phase under the same cache salt, so only the
+//! prompts can keep them apart. Both paths' tags are as long, so their
+//! prompts are too.
 //!
 //! The load is CONCURRENCY users sharing REQUESTS requests, each sending its
 //! next request when its last answer has ended, twice: once with no pause
@@ -44,8 +48,16 @@ use rand::{Rng, SeedableRng};
 
 const MAX_TOKENS: u32 = 32;
 
-fn question(i: usize) -> String {
-    format!("Request {i}: say something about paged KV caches and their blocks.")
+/// Request `i` of the phase tagged `phase`; the tag comes first, so the
+/// first block of the prompt differs from every other phase's.
+fn question(phase: &str, i: usize) -> String {
+    format!("[{phase}] Request {i}: say something about paged KV caches and their blocks.")
+}
+
+/// The tag of one phase: the path (`grpc` or `http`, as long as each other),
+/// the think time and the round.
+fn phase(path: &str, think: Duration, round: usize) -> String {
+    format!("{path} {} {round}", think.as_millis())
 }
 
 /// (time to the first text, output tokens) of one request: both paths
@@ -53,17 +65,16 @@ fn question(i: usize) -> String {
 /// to the first message with text.
 type One = (Duration, u32);
 
-async fn grpc_one(addr: SocketAddr, i: usize, salt: String) -> One {
+async fn grpc_one(addr: SocketAddr, i: usize, phase: String) -> One {
     let mut c = scheduler_client(addr).await.expect("connects");
     let start = Instant::now();
     let mut stream = c
         .generate(pb::GenerateRequest {
             messages: vec![pb::ChatMessage {
                 role: "user".into(),
-                content: question(i),
+                content: question(&phase, i),
             }],
             max_tokens: MAX_TOKENS,
-            cache_salt: salt,
             ..Default::default()
         })
         .await
@@ -81,12 +92,12 @@ async fn grpc_one(addr: SocketAddr, i: usize, salt: String) -> One {
     (ttft.unwrap_or_else(|| start.elapsed()), tokens)
 }
 
-async fn http_one(addr: SocketAddr, i: usize, salt: String) -> One {
+async fn http_one(addr: SocketAddr, i: usize, phase: String) -> One {
     let body = serde_json::json!({
         // greedy, as the gRPC request (OpenAI's default would sample at 1)
-        "model": "kvlease", "max_tokens": MAX_TOKENS, "temperature": 0, "stream": true, "user": salt,
+        "model": "kvlease", "max_tokens": MAX_TOKENS, "temperature": 0, "stream": true,
         "stream_options": {"include_usage": true},
-        "messages": [{"role": "user", "content": question(i)}],
+        "messages": [{"role": "user", "content": question(&phase, i)}],
     })
     .to_string();
     let stream = tokio::net::TcpStream::connect(addr)
@@ -283,8 +294,9 @@ async fn main() {
             let seed = round as u64;
             let grpc_load = || async move {
                 let before = process_cpu();
+                let tag = phase("grpc", think, round);
                 let r = load(requests, concurrency, think, seed, move |i| {
-                    grpc_one(s, i, format!("grpc-{}-{round}", think.as_millis()))
+                    grpc_one(s, i, tag.clone())
                 })
                 .await;
                 (
@@ -294,8 +306,9 @@ async fn main() {
             };
             let http_load = || async move {
                 let before = process_cpu();
+                let tag = phase("http", think, round);
                 let r = load(requests, concurrency, think, seed, move |i| {
-                    http_one(http, i, format!("http-{}-{round}", think.as_millis()))
+                    http_one(http, i, tag.clone())
                 })
                 .await;
                 (
