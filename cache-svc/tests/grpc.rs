@@ -273,6 +273,86 @@ async fn malformed_requests_are_invalid_argument_and_limits_resource_exhausted()
     s.shutdown().await;
 }
 
+/// `LeaseRequest` as any client can send it: its 32-bit numbers 64 bits wide.
+#[derive(Clone, PartialEq, prost::Message)]
+struct WideLease {
+    #[prost(uint64, tag = "1")]
+    session_id: u64,
+    #[prost(uint64, tag = "2")]
+    epoch: u64,
+    #[prost(uint64, tag = "3")]
+    step: u64,
+    #[prost(message, repeated, tag = "5")]
+    sequences: Vec<WideSpec>,
+}
+
+/// `SequenceSpec`, likewise.
+#[derive(Clone, PartialEq, prost::Message)]
+struct WideSpec {
+    #[prost(uint64, tag = "1")]
+    seq_id: u64,
+    #[prost(string, tag = "2")]
+    pool_group: String,
+    #[prost(uint64, repeated, tag = "3")]
+    prompt_tokens: Vec<u64>,
+    #[prost(uint64, tag = "8")]
+    priority: u64,
+}
+
+/// prost reads a uint32 by truncating the number on the wire: a priority of
+/// 2^32 + 50 was leased at priority 50, a token id of 2^32 + 2 as token 2
+/// (issue 29, point 9). The codec refuses them, naming the field.
+#[tokio::test]
+async fn a_32_bit_field_sent_wider_is_invalid_argument_not_truncated() {
+    let (s, sess) = Server::with_session(config(), 16).await;
+    let channel = Channel::from_shared(format!("http://{}", s.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    let lease = |priority: u64, token: u64| WideLease {
+        session_id: sess.0,
+        epoch: sess.1,
+        step: 1,
+        sequences: vec![WideSpec {
+            seq_id: 1,
+            pool_group: GROUP.into(),
+            prompt_tokens: vec![1, token],
+            priority,
+        }],
+    };
+    let mut send = async |wide: WideLease| {
+        grpc.ready().await.unwrap();
+        grpc.unary::<_, pb::LeaseResponse, _>(
+            tonic::Request::new(wide),
+            tonic::codegen::http::uri::PathAndQuery::from_static("/kvlease.v1.CacheService/Lease"),
+            kvlease_proto::codec::Codec::default(),
+        )
+        .await
+    };
+    assert_status(
+        send(lease((1 << 32) + 50, 2)).await,
+        Code::InvalidArgument,
+        "LeaseRequest.sequences.priority is 4294967346, over its 32-bit limit of 4294967295",
+    );
+    assert_status(
+        send(lease(50, (1 << 32) + 2)).await,
+        Code::InvalidArgument,
+        "LeaseRequest.sequences.prompt_tokens is 4294967298, over its 32-bit limit",
+    );
+    // nothing was leased, and the same lease with numbers that fit is granted
+    let granted = send(lease(50, 2)).await.unwrap().into_inner();
+    assert!(
+        matches!(
+            granted.outcomes[0].outcome,
+            Some(pb::sequence_outcome::Outcome::Grant(_))
+        ),
+        "{granted:?}"
+    );
+    s.shutdown().await;
+}
+
 #[tokio::test]
 async fn oversized_message_is_resource_exhausted() {
     let (mut s, sess) = Server::with_session(

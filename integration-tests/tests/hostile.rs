@@ -32,6 +32,16 @@ struct WrongWireType {
     value: u64,
 }
 
+/// `GenerateRequest` with its 32-bit numbers sent 64 bits wide, as any
+/// client can.
+#[derive(Clone, PartialEq, prost::Message)]
+struct WideGenerate {
+    #[prost(uint64, repeated, tag = "2")]
+    tokens: Vec<u64>,
+    #[prost(uint64, tag = "3")]
+    max_tokens: u64,
+}
+
 /// An unknown field padding a message past the size limit.
 #[derive(Clone, PartialEq, prost::Message)]
 struct Padded {
@@ -472,6 +482,20 @@ async fn the_scheduler_and_the_worker_refuse_faults_and_a_starved_request_gets_a
         .await,
         Code::ResourceExhausted,
         &["the limit is: 65536 bytes"],
+    );
+    // prost alone truncates a uint32: 2^32 + 4 tokens were served as 4
+    assert_status(
+        raw_stream(
+            sched,
+            generate,
+            WideGenerate {
+                tokens: vec![1, 2, 3],
+                max_tokens: (1 << 32) + 4,
+            },
+        )
+        .await,
+        Code::InvalidArgument,
+        &["GenerateRequest.max_tokens is 4294967300, over its 32-bit limit of 4294967295"],
     );
     assert_status(
         raw_unary::<_, pb::ForwardResponse>(

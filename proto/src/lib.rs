@@ -1,8 +1,10 @@
 //! The `kvlease.v1` protocol: the cache, worker and scheduler services.
 //!
 //! The `.proto` files under `kvlease/v1/` are the source of truth; this crate
-//! holds the code generated from them and the descriptor set that gRPC
-//! reflection serves.
+//! holds the code generated from them, the descriptor set that gRPC
+//! reflection serves, and the codec every generated client and server uses
+//! ([`codec`]: prost's, refusing a 32-bit field sent with a larger number
+//! instead of truncating it).
 
 #![allow(unreachable_pub, missing_debug_implementations, clippy::all)]
 
@@ -13,6 +15,7 @@ pub mod v1 {
     tonic::include_proto!("kvlease.v1");
 }
 
+pub mod codec;
 pub mod delta;
 
 /// Encoded `FileDescriptorSet` of every kvlease proto, for gRPC reflection.
