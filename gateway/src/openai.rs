@@ -1,6 +1,8 @@
 //! OpenAI's request and response bodies, as serde types. Plain data: the
 //! checks of what kvlease can serve are in [`crate::request`], the gRPC
-//! messages in [`crate::convert`].
+//! messages in [`crate::convert`]. Integers a request sends are read 64 bits
+//! wide, so that one over the protocol's 32-bit field is refused by
+//! [`crate::request`] naming it, not by a parse error that does not.
 
 use serde::{Deserialize, Serialize};
 
@@ -18,7 +20,7 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     /// Refused unless 1.
     #[serde(default)]
-    pub best_of: Option<u32>,
+    pub best_of: Option<u64>,
     /// Refused when set: no insertion mode.
     #[serde(default)]
     pub suffix: Option<String>,
@@ -33,20 +35,20 @@ pub struct ChatRequest {
     pub common: Common,
     /// The newer name of `max_tokens` in chat.
     #[serde(default)]
-    pub max_completion_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u64>,
     /// Refused when not empty: no tool calls.
     #[serde(default)]
     pub tools: Option<Vec<serde_json::Value>>,
-    /// Refused when true.
+    /// Refused when more than 0.
     #[serde(default)]
-    pub top_logprobs: Option<u32>,
+    pub top_logprobs: Option<u64>,
 }
 
 /// The fields both endpoints share.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct Common {
     #[serde(default)]
-    pub max_tokens: Option<u32>,
+    pub max_tokens: Option<u64>,
     #[serde(default)]
     pub temperature: Option<f32>,
     #[serde(default)]
@@ -56,7 +58,7 @@ pub struct Common {
     #[serde(default)]
     pub stop: Option<Stop>,
     #[serde(default)]
-    pub n: Option<u32>,
+    pub n: Option<u64>,
     #[serde(default)]
     pub user: Option<String>,
     #[serde(default)]
@@ -77,9 +79,9 @@ pub struct Common {
 #[serde(untagged)]
 pub enum Prompt {
     Text(String),
-    Tokens(Vec<u32>),
+    Tokens(Vec<u64>),
     Texts(Vec<String>),
-    TokenLists(Vec<Vec<u32>>),
+    TokenLists(Vec<Vec<u64>>),
 }
 
 /// `stop`: one string or a list of them.

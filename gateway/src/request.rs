@@ -65,9 +65,9 @@ impl Served {
         let one = "one prompt per request: a list of prompts is not supported (n = 1)";
         let input = match r.prompt {
             Prompt::Text(t) => Input::Text(t),
-            Prompt::Tokens(t) => Input::Tokens(t),
+            Prompt::Tokens(t) => Input::Tokens(token_ids(&t)?),
             Prompt::Texts(mut t) if t.len() == 1 => Input::Text(t.remove(0)),
-            Prompt::TokenLists(mut t) if t.len() == 1 => Input::Tokens(t.remove(0)),
+            Prompt::TokenLists(t) if t.len() == 1 => Input::Tokens(token_ids(&t[0])?),
             Prompt::Texts(_) | Prompt::TokenLists(_) => {
                 return Err(ApiError::invalid_param("prompt", one));
             }
@@ -140,7 +140,7 @@ impl Served {
         &self,
         input: Input,
         c: Common,
-        max_completion_tokens: Option<u32>,
+        max_completion_tokens: Option<u64>,
         default_max_tokens: u32,
     ) -> Result<Generate> {
         if c.n.is_some_and(|n| n != 1) {
@@ -184,12 +184,15 @@ impl Served {
                 ),
             ));
         }
+        let max_tokens = match (max_completion_tokens, c.max_tokens) {
+            (Some(n), _) => narrow("max_completion_tokens", n)?,
+            (None, Some(n)) => narrow("max_tokens", n)?,
+            (None, None) => default_max_tokens,
+        };
         let stream = c.stream.unwrap_or(false);
         Ok(Generate {
             input,
-            max_tokens: max_completion_tokens
-                .or(c.max_tokens)
-                .unwrap_or(default_max_tokens),
+            max_tokens,
             // OpenAI samples at temperature 1 unless told otherwise
             temperature: c.temperature.unwrap_or(1.0),
             top_p: c.top_p.unwrap_or(1.0),
@@ -202,6 +205,36 @@ impl Served {
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
         })
     }
+}
+
+/// A number the scheduler holds in 32 bits, refused rather than truncated
+/// when it does not fit (issue 29, point 9).
+fn narrow(param: &'static str, value: u64) -> Result<u32> {
+    u32::try_from(value).map_err(|_| {
+        ApiError::invalid_param(
+            param,
+            format!("{param} is {value}, over its limit of {}", u32::MAX),
+        )
+    })
+}
+
+/// A token-id prompt: every id must fit the scheduler's 32-bit token ids
+/// (the scheduler checks them against the vocabulary).
+fn token_ids(ids: &[u64]) -> Result<Vec<u32>> {
+    ids.iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            u32::try_from(id).map_err(|_| {
+                ApiError::invalid_param(
+                    "prompt",
+                    format!(
+                        "prompt token {i} is {id}, over the limit of {} for a token id",
+                        u32::MAX
+                    ),
+                )
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -312,5 +345,51 @@ mod tests {
         let e = completion(serde_json::json!({"model": "other", "prompt": "x"})).unwrap_err();
         assert_eq!(e.status.as_u16(), 404);
         assert_eq!(e.code.as_deref(), Some("model_not_found"));
+    }
+
+    #[test]
+    fn numbers_over_32_bits_are_refused_naming_the_field_not_truncated() {
+        let over = u64::from(u32::MAX) + 6;
+        let cases = [
+            (
+                completion(serde_json::json!({"model": "m", "prompt": "x", "max_tokens": over})),
+                "max_tokens",
+                "max_tokens is 4294967301, over its limit of 4294967295",
+            ),
+            (
+                chat(
+                    serde_json::json!({"model": "m", "max_completion_tokens": over,
+                    "messages": [{"role": "user", "content": "x"}]}),
+                ),
+                "max_completion_tokens",
+                "max_completion_tokens is 4294967301, over its limit of 4294967295",
+            ),
+            (
+                completion(serde_json::json!({"model": "m", "prompt": [1, 2, over]})),
+                "prompt",
+                "prompt token 2 is 4294967301, over the limit of 4294967295 for a token id",
+            ),
+            (
+                completion(serde_json::json!({"model": "m", "prompt": [[over]]})),
+                "prompt",
+                "prompt token 0 is 4294967301",
+            ),
+            (
+                completion(serde_json::json!({"model": "m", "prompt": "x", "n": over})),
+                "n",
+                "n must be 1",
+            ),
+        ];
+        for (result, param, message) in cases {
+            let e = result.expect_err(param);
+            assert_eq!((e.status.as_u16(), e.param), (400, Some(param)), "{e:?}");
+            assert!(e.message.contains(message), "{e:?}");
+        }
+        let top = completion(
+            serde_json::json!({"model": "m", "prompt": [u32::MAX], "max_tokens": u32::MAX}),
+        )
+        .unwrap();
+        assert_eq!(top.input, Input::Tokens(vec![u32::MAX]));
+        assert_eq!(top.max_tokens, u32::MAX);
     }
 }
