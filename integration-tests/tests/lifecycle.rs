@@ -1,7 +1,8 @@
 //! Request lifecycle against real services: validation, text, cancellation
 //! and deadlines (blocks released), STATIC_BATCH, a cache that goes down
-//! (fail fast with UNAVAILABLE) and comes back with a new epoch (live
-//! requests recomputed, or rejected `CACHE_RESTARTED` in reject mode).
+//! (fail fast with UNAVAILABLE; a request already queued times out saying
+//! the session at the cache is missing) and comes back with a new epoch
+//! (live requests recomputed, or rejected `CACHE_RESTARTED` in reject mode).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use std::time::Duration;
@@ -301,21 +302,17 @@ async fn cache_down_fails_fast_and_a_restarted_cache_is_rejoined() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_cache_in_reject_mode_ends_live_requests_rejected_cache_restarted() {
-    let (cache_addr, cache) = start_restartable_cache().await;
-    let worker = start_worker(small_worker()).await.unwrap();
-    let (gated, gate) = tap::start_gate(worker.addr).await.unwrap();
-    let config = scheduler_svc::Config {
+    let GatedCluster {
+        cache_addr,
+        cache,
+        gate,
+        scheduler: s,
+        _worker,
+    } = GatedCluster::start(scheduler_svc::Config {
         on_cache_restart: scheduler_svc::OnCacheRestart::Reject,
         ..config()
-    };
-    let s = start_scheduler(
-        config,
-        &cache.url(),
-        &[gated.url()],
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap();
+    })
+    .await;
     let c = scheduler_client(s.addr).await.unwrap();
     // the request is leased and its forward pass held while the cache
     // restarts (new epoch, every lease gone)
@@ -341,6 +338,112 @@ async fn a_restarted_cache_in_reject_mode_ends_live_requests_rejected_cache_rest
     assert!(g.message.contains("restarted"), "{}", g.message);
     s.stop().await.unwrap();
     cache.stop().await.unwrap();
+}
+
+/// A request taken while the cache was up, then queued while it is away,
+/// times out saying that the scheduler has no usable session at the cache,
+/// not that running requests filled the step (issue 29, point 9).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_queued_while_the_cache_is_away_times_out_saying_so() {
+    let GatedCluster {
+        cache,
+        gate,
+        scheduler: s,
+        _worker,
+        ..
+    } = GatedCluster::start(scheduler_svc::Config {
+        max_queue_wait_ms: 1_000,
+        ..config()
+    })
+    .await;
+    let mut c = scheduler_client(s.addr).await.unwrap();
+    // a forward pass is held, so the loop (no overlap) takes nothing in;
+    // a second request is taken while the cache still answers
+    gate.close();
+    let _long = spawn_long_request(&c);
+    gate.holding().await;
+    let mut queued = c
+        .generate(pb::GenerateRequest {
+            tokens: tokens(20, 4),
+            max_tokens: 5,
+            ..Default::default()
+        })
+        .await
+        .expect("taken while the cache is up")
+        .into_inner();
+    cache.stop().await.unwrap();
+    gate.open();
+    let last = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut last = None;
+        while let Some(m) = queued.message().await.unwrap() {
+            if m.finish_reason != 0 {
+                last = Some(m);
+            }
+        }
+        last.expect("a last message")
+    })
+    .await
+    .expect("the queued request hung");
+    assert_eq!(
+        last.finish_reason(),
+        pb::FinishReason::Rejected,
+        "{}",
+        last.message
+    );
+    let reject = last.reject.expect("the reject's figures");
+    assert_eq!(
+        reject.reason(),
+        pb::RejectReason::QueueTimeout,
+        "{reject:?}"
+    );
+    assert!(
+        reject.message.contains(
+            "the scheduler has no usable session at the cache (the cache service cannot be reached)"
+        ),
+        "{}",
+        reject.message
+    );
+    assert!(
+        !reject.message.contains("running requests filled the step"),
+        "{}",
+        reject.message
+    );
+    s.stop().await.unwrap();
+}
+
+/// A cache on a port of its own (a test can stop it and start it again),
+/// one worker behind a gate that can hold its forward passes, and a
+/// scheduler of `config` over them.
+struct GatedCluster {
+    cache_addr: std::net::SocketAddr,
+    cache: Service,
+    gate: tap::Gate,
+    scheduler: Service,
+    /// The worker and the gate's service in front of it, kept running.
+    _worker: (Service, Service),
+}
+
+impl GatedCluster {
+    async fn start(config: scheduler_svc::Config) -> Self {
+        let (cache_addr, cache) = start_restartable_cache().await;
+        let worker = start_worker(small_worker()).await.unwrap();
+        let (gated, gate) = tap::start_gate(worker.addr).await.unwrap();
+        let scheduler = start_scheduler(
+            config,
+            &cache.url(),
+            &[gated.url()],
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+        Self {
+            cache_addr,
+            cache,
+            gate,
+            scheduler,
+            _worker: (worker, gated),
+        }
+    }
 }
 
 /// A 150-token request of its own, run to its end.

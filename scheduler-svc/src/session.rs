@@ -38,6 +38,9 @@ pub(crate) struct SessionState {
     session: Mutex<Session>,
     up: AtomicBool,
     lost: AtomicBool,
+    /// What the cache said when it lost the session (expired, stale epoch,
+    /// unknown), kept for the answers of the requests that meet the loss.
+    lost_why: Mutex<String>,
 }
 
 impl Default for SessionState {
@@ -46,6 +49,7 @@ impl Default for SessionState {
             session: Mutex::new(Session::default()),
             up: AtomicBool::new(true),
             lost: AtomicBool::new(false),
+            lost_why: Mutex::new(String::new()),
         }
     }
 }
@@ -67,6 +71,30 @@ impl SessionState {
         self.lost.load(Ordering::Relaxed)
     }
 
+    /// What the cache said when it last lost the session.
+    pub(crate) fn lost_why(&self) -> String {
+        self.lost_why
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Why the scheduler has no usable session at the cache now: the cache
+    /// lost it and it is not re-opened yet, or the cache cannot be reached;
+    /// `None` while it has one.
+    pub(crate) fn missing(&self) -> Option<String> {
+        if self.is_lost() {
+            Some(format!(
+                "the cache lost it: {}; not re-opened yet",
+                self.lost_why()
+            ))
+        } else if !self.is_up() {
+            Some("the cache service cannot be reached".to_owned())
+        } else {
+            None
+        }
+    }
+
     /// A new session was opened; it replaces the one held.
     pub(crate) fn opened(&self, session: Session) {
         *self.session.lock().unwrap_or_else(|e| e.into_inner()) = session;
@@ -82,7 +110,8 @@ impl SessionState {
     pub(crate) fn saw(&self, answer: Result<(), &Error>) {
         match answer {
             Err(Error::CacheUnavailable(_)) => self.up.store(false, Ordering::Relaxed),
-            Err(Error::SessionLost(_)) => {
+            Err(Error::SessionLost(why)) => {
+                why.clone_into(&mut self.lost_why.lock().unwrap_or_else(|e| e.into_inner()));
                 self.up.store(true, Ordering::Relaxed);
                 self.lost.store(true, Ordering::Relaxed);
             }
@@ -107,5 +136,29 @@ mod tests {
         assert!(s.is_lost(), "only a recovery clears a loss");
         s.recovered();
         assert!(!s.is_lost());
+    }
+
+    #[test]
+    fn a_missing_session_says_why() {
+        let s = SessionState::default();
+        assert_eq!(s.missing(), None);
+        s.saw(Err(&Error::CacheUnavailable(
+            "Lease: connection refused".into(),
+        )));
+        assert_eq!(
+            s.missing().as_deref(),
+            Some("the cache service cannot be reached")
+        );
+        s.saw(Err(&Error::SessionLost(
+            "session expired: session 3 missed its keep-alive and was reclaimed".into(),
+        )));
+        assert_eq!(
+            s.missing().as_deref(),
+            Some(
+                "the cache lost it: session expired: session 3 missed its keep-alive and was reclaimed; not re-opened yet"
+            )
+        );
+        s.recovered();
+        assert_eq!(s.missing(), None);
     }
 }

@@ -86,7 +86,9 @@ impl Core {
     /// Stamps the requests that entered the queue since the last call with
     /// `now`, and finishes those that waited longer than the maximum wait
     /// `REJECTED` with `QUEUE_TIMEOUT`: the figures of the cache's last
-    /// refusal, and a message with the wait, the limit and the position.
+    /// refusal, and a message with the wait, the limit, the position and
+    /// what kept it waiting (no session at the cache, the cache's last
+    /// refusal, or the running requests).
     /// Returns how many it finished. The step loop calls it every iteration,
     /// so a starved request gets its answer within one step of the limit.
     pub fn expire_queue(&mut self, now: Instant) -> usize {
@@ -103,12 +105,23 @@ impl Core {
                 .map_or(0, |t| now.saturating_duration_since(t).as_millis());
             let limit = max.map_or(0, |m| m.as_millis());
             let last = request.last_refusal.clone();
-            let cause = match &last {
-                Some(r) => format!(
+            let refusal = last.as_ref().map(|r| {
+                format!(
                     "the cache's last refusal: {} ({} blocks needed, {} free, {} pending free)",
                     r.reason, r.blocks_needed, r.blocks_free, r.blocks_pending_free
+                )
+            });
+            let cause = match (&self.session_missing, refusal) {
+                (Some(why), None) => format!(
+                    "the scheduler has no usable session at the cache ({why}), so nothing could be leased"
                 ),
-                None => "the cache never refused it: running requests filled the step".to_owned(),
+                (Some(why), Some(refusal)) => format!(
+                    "the scheduler has no usable session at the cache ({why}); before that, {refusal}"
+                ),
+                (None, Some(refusal)) => refusal,
+                (None, None) => {
+                    "the cache never refused it: running requests filled the step".to_owned()
+                }
             };
             let reject = Reject {
                 seq_id: SeqId(0),

@@ -102,11 +102,13 @@ impl Core {
         std::mem::take(&mut self.released)
     }
 
-    /// The cache lost every lease (restart, expired session): running
-    /// requests are requeued for recompute (their tokens so far are kept), or
-    /// finished `REJECTED` when `recompute` is false. Pending releases are
-    /// dropped and fences forgotten: the old session's blocks went with it.
-    pub fn leases_lost(&mut self, recompute: bool) {
+    /// The cache lost every lease (restart, expired session; `why`, as the
+    /// cache said it): running requests are requeued for recompute (their
+    /// tokens so far are kept), or finished `REJECTED` when `recompute` is
+    /// false, with `CACHE_RESTARTED` and `why` in the message (an expired
+    /// session is no restart). Pending releases are dropped and fences
+    /// forgotten: the old session's blocks went with it.
+    pub fn leases_lost(&mut self, recompute: bool, why: &str) {
         self.released.append(&mut self.releases);
         self.released.append(&mut self.failed_releases);
         self.forget_fences();
@@ -126,7 +128,9 @@ impl Core {
                     blocks_needed: 0,
                     blocks_free: 0,
                     blocks_pending_free: 0,
-                    message: "the cache service restarted and lost the lease".into(),
+                    message: format!(
+                        "the scheduler's cache session was lost ({why}), and the lease with it"
+                    ),
                 };
                 self.finish_request(&seq.request, Finish::Rejected(reject));
             }

@@ -283,6 +283,9 @@ pub struct Core {
     /// Most entries the cache takes in one batched list (`usize::MAX`: it
     /// advertised no limit). See [`Core::set_batch_limit`].
     batch_limit: usize,
+    /// Why the scheduler has no usable session at the cache now, if it has
+    /// none. See [`Core::set_session_missing`].
+    session_missing: Option<String>,
 }
 
 /// How long a group whose worker failed is left out of admission before it
@@ -316,7 +319,18 @@ impl Core {
             reuse: HashMap::new(),
             tiers: tiers::TierCopies::default(),
             batch_limit: usize::MAX,
+            session_missing: None,
         }
+    }
+
+    /// Why the scheduler has no usable session at the cache (the cache
+    /// cannot be reached, or it lost the session and it is not re-opened
+    /// yet), or `None` while it has one. The loop sets it before
+    /// [`Core::expire_queue`], so that a request that waited out its time
+    /// because nothing could be leased says so, rather than blaming a
+    /// refusal or the running requests.
+    pub fn set_session_missing(&mut self, why: Option<String>) {
+        self.session_missing = why;
     }
 
     /// The cache's batch limit (`OpenSession.max_batch`; `None`: it

@@ -160,7 +160,9 @@ impl StepLoop {
             }
             self.take_submissions();
             self.reap_cancelled();
-            // a request starved past the queue's maximum wait gets its answer
+            // a request starved past the queue's maximum wait gets its
+            // answer, which says so when the session at the cache is missing
+            self.core.set_session_missing(self.cache.state().missing());
             if self
                 .core
                 .expire_queue(tokio::time::Instant::now().into_std())
@@ -352,7 +354,8 @@ impl StepLoop {
         // a restarted cache may have another batch limit
         self.core.set_batch_limit(session.batch_limit());
         let recompute = self.config.on_cache_restart == OnCacheRestart::Recompute;
-        self.core.leases_lost(recompute);
+        self.core
+            .leases_lost(recompute, &self.cache.state().lost_why());
         self.cache.state().recovered();
         tracing::info!(
             session_id = session.id.get(),

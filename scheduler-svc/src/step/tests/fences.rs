@@ -232,7 +232,10 @@ fn released_names_every_sequence_once_it_holds_nothing() {
     );
     grant_all(&mut c, &leases);
     c.cancel(RequestId(3), "gone");
-    c.leases_lost(true);
+    c.leases_lost(
+        true,
+        "stale epoch 1: the cache service restarted, current epoch is 2",
+    );
     let mut released = c.take_released();
     released.sort_unstable();
     assert_eq!(released, vec![SeqId(7), SeqId(8)]);
@@ -313,7 +316,10 @@ fn releases_of_a_lost_session_are_forgotten_exactly_once() {
     let batch = c.take_releases();
     c.release_failed(batch, CallFailure::Unanswered);
     assert!(c.take_released().is_empty());
-    c.leases_lost(true);
+    c.leases_lost(
+        true,
+        "stale epoch 1: the cache service restarted, current epoch is 2",
+    );
     let mut released = c.take_released();
     released.sort_unstable();
     assert_eq!(released, vec![SeqId(2), SeqId(3)], "each once");

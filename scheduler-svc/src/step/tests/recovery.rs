@@ -40,7 +40,10 @@ fn lost_leases_are_recomputed_with_their_tokens() {
     c.submit(request(1, 4, 8));
     step_granting(&mut c, 5);
     step_granting(&mut c, 6);
-    c.leases_lost(true);
+    c.leases_lost(
+        true,
+        "stale epoch 1: the cache service restarted, current epoch is 2",
+    );
     assert_eq!(c.take_releases().seq_ids, Vec::<SeqId>::new());
     c.begin_step();
     let leases = c.plan_admission();
@@ -134,7 +137,10 @@ fn lost_leases_can_be_rejected_cleanly() {
     step_granting(&mut c, 5);
     c.cancel(RequestId(2), "gone");
     c.drain_outputs();
-    c.leases_lost(false);
+    c.leases_lost(
+        false,
+        "stale epoch 1: the cache service restarted, current epoch is 2",
+    );
     let out = c.drain_outputs();
     assert!(
         matches!(&finishes(&out)[..], [(1, Finish::Rejected(r))] if r.message.contains("restarted"))
@@ -147,6 +153,28 @@ fn lost_leases_can_be_rejected_cleanly() {
 }
 
 #[test]
+fn a_lease_lost_with_an_expired_session_says_the_session_expired() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 4, 8));
+    step_granting(&mut c, 5);
+    c.drain_outputs();
+    c.leases_lost(
+        false,
+        "session expired: session 3 missed its keep-alive and was reclaimed",
+    );
+    let out = c.drain_outputs();
+    let [(1, Finish::Rejected(r))] = &finishes(&out)[..] else {
+        panic!("{out:?}");
+    };
+    // the protocol's reason stays CACHE_RESTARTED; the message tells the truth
+    assert_eq!(r.reason, RejectReason::CacheRestarted);
+    assert_eq!(
+        r.message,
+        "the scheduler's cache session was lost (session expired: session 3 missed its keep-alive and was reclaimed), and the lease with it"
+    );
+}
+
+#[test]
 fn live_sequences_lost_to_a_cache_restart_in_reject_mode_end_rejected_cache_restarted() {
     let mut c = core(Policy::MaxUtilization, 100);
     c.submit(request(1, 4, 8));
@@ -154,7 +182,10 @@ fn live_sequences_lost_to_a_cache_restart_in_reject_mode_end_rejected_cache_rest
     step_granting(&mut c, 5);
     c.submit(request(3, 4, 8)); // queued: kept, leased again later
     c.drain_outputs();
-    c.leases_lost(false);
+    c.leases_lost(
+        false,
+        "stale epoch 1: the cache service restarted, current epoch is 2",
+    );
     let ended = finishes(&c.drain_outputs());
     assert_eq!(ended.len(), 2, "{ended:?}");
     for (_, finish) in &ended {

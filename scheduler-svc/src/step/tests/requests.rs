@@ -392,6 +392,55 @@ fn a_starved_request_ends_queue_timeout_with_the_last_refusals_figures() {
     assert_eq!(c.counters().rejected, 2);
 }
 
+/// The one `QUEUE_TIMEOUT` message of a core whose request waited out
+/// 500 ms, after `refused` Lease steps, with the session at the cache
+/// `missing` when it timed out.
+fn timed_out_message(refused: usize, missing: Option<&str>) -> String {
+    let config = CoreConfig {
+        max_queue_wait: Some(Duration::from_millis(500)),
+        ..CoreConfig::default()
+    };
+    let mut c = core_with(config);
+    let t0 = Instant::now();
+    c.submit(request(1, 8, 4));
+    assert_eq!(c.expire_queue(t0), 0); // stamps it
+    for _ in 0..refused {
+        step_with(&mut c, |e| grant(e.seq_id), |l| exhausted(l.seq_id), 7);
+    }
+    c.set_session_missing(missing.map(str::to_owned));
+    assert_eq!(c.expire_queue(t0 + Duration::from_millis(501)), 1);
+    match &finishes(&c.drain_outputs())[..] {
+        [(_, Finish::Rejected(r))] if r.reason == RejectReason::QueueTimeout => r.message.clone(),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_request_starved_by_a_missing_cache_session_says_so() {
+    let down = Some("the cache service cannot be reached");
+    // never leased: no refusal and no running request kept it waiting
+    let m = timed_out_message(0, down);
+    assert!(
+        m.contains("the scheduler has no usable session at the cache (the cache service cannot be reached), so nothing could be leased"),
+        "{m}"
+    );
+    assert!(!m.contains("running requests filled the step"), "{m}");
+    // refused while the session was there, then the cache went away
+    let m = timed_out_message(1, down);
+    assert!(
+        m.contains("no usable session at the cache (the cache service cannot be reached); before that, the cache's last refusal: pool exhausted"),
+        "{m}"
+    );
+    // with a session, the answers are as before
+    let m = timed_out_message(0, None);
+    assert!(m.contains("running requests filled the step"), "{m}");
+    let m = timed_out_message(1, None);
+    assert!(
+        m.contains("the cache's last refusal: pool exhausted"),
+        "{m}"
+    );
+}
+
 #[test]
 fn without_a_maximum_wait_nothing_times_out_and_a_preempted_request_waits_anew() {
     let mut c = core(Policy::MaxUtilization, 100);
