@@ -177,20 +177,27 @@ pub async fn traced_bench(
     prompt: u32,
     max_tokens: u32,
 ) -> Result<Vec<Sent>, crate::Error> {
-    let calls = (0..requests).map(|n| async move {
-        let trace = trace_id(n);
-        let mut client = crate::scheduler_client(scheduler).await?;
-        let mut request = tonic::Request::new(kvlease_proto::v1::GenerateRequest {
-            tokens: (0..prompt).map(|t| (t * 7 + n * 13) % 250 + 1).collect(),
-            max_tokens,
-            ..Default::default()
-        });
-        let parent = format!("00-{}-{}-01", hex(&trace), hex(&trace[..8]));
-        if let Ok(value) = parent.parse() {
-            request.metadata_mut().insert("traceparent", value);
+    // one connection for all, as a real client multiplexes its calls: a
+    // connection per call would be hundreds of connections from one address
+    // at once, which the servers' connection limits close before their
+    // first call (`--max-pending-per-peer`)
+    let shared = crate::scheduler_client(scheduler).await?;
+    let calls = (0..requests).map(|n| {
+        let mut client = shared.clone();
+        async move {
+            let trace = trace_id(n);
+            let mut request = tonic::Request::new(kvlease_proto::v1::GenerateRequest {
+                tokens: (0..prompt).map(|t| (t * 7 + n * 13) % 250 + 1).collect(),
+                max_tokens,
+                ..Default::default()
+            });
+            let parent = format!("00-{}-{}-01", hex(&trace), hex(&trace[..8]));
+            if let Ok(value) = parent.parse() {
+                request.metadata_mut().insert("traceparent", value);
+            }
+            let result = crate::collect(&mut client, request).await?;
+            Ok::<_, crate::Error>(Sent { trace, result })
         }
-        let result = crate::collect(&mut client, request).await?;
-        Ok::<_, crate::Error>(Sent { trace, result })
     });
     futures::future::join_all(calls).await.into_iter().collect()
 }
