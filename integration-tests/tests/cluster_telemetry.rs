@@ -335,7 +335,13 @@ async fn a_rejected_request_trace_holds_the_reject_span_with_its_figures() -> Te
 
     for (trace, reject) in &rejected {
         let mine = in_trace(&spans, trace);
-        let span = mine.iter().find(|s| s.name == REJECT_SPAN).ok_or_else(|| {
+        // the refusal that ended the request is its last; a lease refused
+        // earlier (the request stayed queued) has a Reject span of its own
+        let last_reject = mine
+            .iter()
+            .filter(|s| s.name == REJECT_SPAN)
+            .max_by_key(|s| s.end_time_unix_nano);
+        let span = last_reject.ok_or_else(|| {
             format!(
                 "the rejected request's trace has no {REJECT_SPAN} span: {}",
                 describe(&mine)

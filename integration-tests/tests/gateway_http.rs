@@ -452,7 +452,7 @@ async fn a_pool_exhausted_mid_stream_ends_the_stream_with_an_error_event() {
         json!({"model": "kvlease", "prompt": p.repeat(100), "max_tokens": 150,
                "temperature": 0, "stream": true})
     };
-    // A's first forward pass is held until B waits in the queue: both run
+    // A's first forward pass is held until B is the scheduler's: both run
     gate.close();
     let a = tokio::spawn(request(
         f.http,
@@ -467,15 +467,19 @@ async fn a_pool_exhausted_mid_stream_ends_the_stream_with_an_error_event() {
         "/v1/completions",
         Some(body("b").to_string()),
     ));
+    // B is the scheduler's: queued, or already leased (with overlap, the
+    // admission runs while A's pass is held)
     let mut status = scheduler_client(f.scheduler.addr).await.unwrap();
-    while status
-        .get_status(pb::GetStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .queued
-        == 0
-    {
+    while {
+        let s = status
+            .get_status(pb::GetStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        // (the status is the loop's last snapshot: with a pass held, a
+        // plain loop counts B as queued and has not published A as running)
+        s.queued == 0 && s.running < 2
+    } {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     gate.open();

@@ -95,6 +95,13 @@ impl Core {
         extends
     }
 
+    /// Whether `seq_id`'s work is in the forward pass in flight.
+    pub fn in_flight(&self, seq_id: SeqId) -> bool {
+        self.running
+            .get(&seq_id)
+            .is_some_and(|s| s.in_flight.is_some())
+    }
+
     /// An Extend call failed: the decode sequences it was to grow sit this
     /// step out and try again next step. The loop splits a step's extends
     /// into calls of at most the cache's batch limit and stops at the first

@@ -17,7 +17,7 @@ impl StepLoop {
         if specs.is_empty() {
             return;
         }
-        let traces = self.traces.traceparents(specs.iter().map(|s| s.seq_id));
+        let traces = self.extend_traceparents(&specs);
         let (outcomes, failed) = self.extend_calls(step, &specs, &traces).await;
         self.apply_extends(outcomes, failed);
     }
@@ -29,6 +29,21 @@ impl StepLoop {
         self.planned_extends
             .take()
             .unwrap_or_else(|| self.core.plan_extends(false))
+    }
+
+    /// The trace context of each extend's request, none for a sequence
+    /// whose pass is in flight: its extend, sent after the launch, grows the
+    /// lease a step ahead, and a refusal only holds the sequence back a
+    /// step, so it is not the request's `Reject` (a second refusal, at
+    /// rest, is).
+    fn extend_traceparents(&self, specs: &[ExtendSpec]) -> Vec<String> {
+        let mut traces = self.traces.traceparents(specs.iter().map(|s| s.seq_id));
+        for (trace, spec) in traces.iter_mut().zip(specs) {
+            if self.core.in_flight(spec.seq_id) {
+                trace.clear();
+            }
+        }
+        traces
     }
 
     /// Sends extends of `step` in `Extend` calls of at most the cache's
@@ -167,7 +182,7 @@ impl StepLoop {
         } else {
             self.traces.releasing(&batch.seq_ids, fence)
         };
-        let extend_traces = self.traces.traceparents(specs.iter().map(|s| s.seq_id));
+        let extend_traces = self.extend_traceparents(&specs);
         // the first extends ride the Step call, the rest follow it
         let (first, rest) = specs.split_at(specs.len().min(self.core.batch_limit()));
         let (first_traces, rest_traces) =
