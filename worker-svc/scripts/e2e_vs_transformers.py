@@ -1,44 +1,52 @@
-#!/usr/bin/env python3
-"""A real model end to end on one GPU: kvlease against Hugging Face transformers.
+"""kvlease against Hugging Face transformers, end to end on one GPU: the table of record.
 
-Runs, on the same machine and in one call:
+For each model (--model, repeatable: a GGUF file or a Hugging Face directory;
+--make-llama-1b DIR adds a 1.1B Llama-shaped directory written there: 22
+layers, hidden 2048, 32/4 heads, ffn 5632, SmolLM2's vocabulary and
+tokenizer from --tokenizer, random bf16 weights, seeded; nothing to
+download) and each workload (--workload, default all three):
 
-1. a kvlease cluster (cache, one CUDA worker serving the GGUF, scheduler)
-   driven by `kvlease bench` at concurrency N: prompts of P tokens (ids drawn
-   from the byte range, unique per request, so no prefix is reused), exactly
-   M output tokens each (end of sequence ignored), several waves of N;
-2. transformers `generate` with a static cache in bf16 at batch N on prompts
-   of the same length (ids from the same range), exactly M new tokens, after
-   one warm-up call;
+- 18/128: unique 18-token prompts, exactly 128 new tokens;
+- 512/128: unique 512-token prompts, 128 new;
+- shared: 8 shared 1,024-token prefixes plus 32 own tokens, 64 new;
 
-and prints both output-token rates, their ratio against the target (>= 2x),
-and kvlease's step overhead: from the worker's log, the time between the ends
-of two consecutive decode steps minus the compute of the second, over the
-compute (target <= 10%).
+it runs, in one call on the same machine:
 
-The model is a GGUF file or a Hugging Face directory (--model). With
---make-llama-1b DIR, the script first writes a 1.1B Llama-shaped directory
-there (22 layers, hidden 2048, 32/4 heads, ffn 5632, SmolLM2's vocabulary
-and tokenizer, taken from --tokenizer; random bf16 weights, seeded):
-nothing to download. With --prefixes N the prompts are N shared prefixes of
---prefix-tokens plus a unique tail of --prompt-tokens (transformers' static
-cache is then skipped: it has no prefix reuse to compare with).
+1. a kvlease cluster (cache, one CUDA worker, scheduler) driven by
+   `kvlease bench` at concurrency N (default 256), --waves x N requests after
+   a warm-up wave on other prompts (so nothing measured reuses a warm-up
+   prefix); token ids from the byte range, end of sequence ignored;
+2. transformers `generate` with a static cache in bf16 at batch N (not for
+   shared prefixes: it has no prefix reuse), after one warm-up call;
+3. transformers continuous batching (`generate_batch`, paged KV, at most N
+   requests a batch) on --cb-requests prompts of the same shape;
 
-It also prints the median decode step of the measured run against its byte
-limit: the bf16 weights plus the batch's KV at the median context, read once
-at the copy bandwidth measured here (a device-to-device copy).
+and prints one row per model and workload: the three output-token rates,
+kvlease's ratios to both, the median decode step against its byte limit
+(the bf16 weights plus the batch's KV at the median context, read once at
+the copy bandwidth measured in the run), the step overhead (from the
+worker's log: the time between the ends of two consecutive decode steps
+minus the compute of the second, over the compute), and TTFT p50. Under
+the table, where the gap goes: the scheduler's work between passes, the
+worker's wait from a Forward's arrival to its pass, and the rest of the
+round trip (both messages encoded, sent and decoded).
+
+With --results FILE each row is also appended to FILE (JSON lines) and the
+table shows every row in it, so a lease's runs split over several calls
+(a device call has a time limit) still print one table;
+--print-table only prints it.
 
 Needs: the release binaries kvlease, kvlease-cache, kvlease-scheduler and
 kvlease-worker (built with `--features cuda`) in --bin-dir; PyTorch,
 transformers and the `gguf` package importable (transformers reads the GGUF
 through it; `pip install --no-deps --target DIR gguf` and PYTHONPATH=DIR).
 
-    python3 worker-svc/scripts/e2e_vs_transformers.py --bin-dir DIR --model FILE_OR_DIR
+    python3 worker-svc/scripts/e2e_vs_transformers.py --bin-dir DIR \\
+        --model SMOLLM2.gguf --make-llama-1b /tmp/llama-1b --tokenizer SMOLLM2.gguf
 """
 
-import json
-
 import argparse
+import json
 import os
 import re
 import socket
@@ -68,10 +76,13 @@ def wait_healthy(kvlease, addr, proc, name, timeout_s=300):
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# 2026-12-01T10:16:21.003676Z ... forward done step=863 sequences=7 tokens=7 compute_us=3659
+# 2026-12-01T10:16:21.003676Z ... forward done step=863 sequences=7 tokens=7 compute_us=3659 wait_us=85
 FORWARD_DONE = re.compile(
     r"^(\S+Z) .*forward done step=(\d+) sequences=(\d+) tokens=(\d+) compute_us=(\d+)"
+    r"(?: wait_us=(\d+))?"
 )
+# ... forward answered step=863 group=0 round_trip_us=4100
+ANSWERED = re.compile(r"forward answered step=(\d+) group=\d+ round_trip_us=(\d+)")
 
 
 def parse_ts(ts):
@@ -89,15 +100,37 @@ def step_overhead(worker_log, min_sequences):
         for line in f:
             m = FORWARD_DONE.search(ANSI.sub("", line))
             if m:
-                ts, step, seqs, toks, us = m.groups()
-                steps.append((parse_ts(ts), int(step), int(seqs), int(toks), int(us) / 1e6))
-    gaps, computes = [], []
+                ts, step, seqs, toks, us, wait = m.groups()
+                steps.append((parse_ts(ts), int(step), int(seqs), int(toks), int(us) / 1e6,
+                              int(wait or 0) / 1e6))
+    gaps, computes, waits = [], [], {}
     for prev, cur in zip(steps, steps[1:]):
         decode = cur[2] == cur[3] and cur[2] >= min_sequences
         if decode and cur[1] == prev[1] + 1:
             gaps.append(max(0.0, cur[0] - prev[0] - cur[4]))
             computes.append(cur[4])
-    return gaps, computes
+            waits[cur[1]] = (cur[4], cur[5])
+    return gaps, computes, waits
+
+
+def transport(scheduler_log, waits):
+    """Medians (us), over the decode steps `step_overhead` kept, of the
+    worker's wait from the Forward's arrival at its handler to the pass's
+    start, and of the round trip the scheduler saw minus that wait and the
+    compute: both messages' encoding, transport and decoding."""
+    if not waits:
+        return None
+    worker_wait, rest = [], []
+    with open(scheduler_log, errors="replace") as f:
+        for line in f:
+            m = ANSWERED.search(ANSI.sub("", line))
+            if m and int(m.group(1)) in waits:
+                compute, wait = waits[int(m.group(1))]
+                worker_wait.append(wait * 1e6)
+                rest.append(int(m.group(2)) - (compute + wait) * 1e6)
+    if not rest:
+        return None
+    return statistics.median(worker_wait), statistics.median(rest), len(rest)
 
 
 # ... between forward passes step=12 apply_us=80 settle_us=310 launch_us=40 launched=true
@@ -140,7 +173,7 @@ def run_kvlease(args, log_dir):
         worker = start("worker", [
             os.path.join(args.bin_dir, "kvlease-worker"),
             "--listen", f"127.0.0.1:{ports['worker']}",
-            "--model", args.model, "--backend", "cuda",
+            "--model", args.model, "--backend", args.backend,
             "--max-batch-sequences", str(args.concurrency),
             "--max-batch-tokens", str(max(4096, args.concurrency * prompt_len(args))),
         ])
@@ -184,8 +217,11 @@ def run_kvlease(args, log_dir):
         measured = os.path.join(log_dir, "worker.measured.log")
         with open(measured, "w") as f:
             f.write(tail)
-        return (float(m.group(2)), step_overhead(measured, args.concurrency // 2),
-                scheduler_side(os.path.join(log_dir, "scheduler.log")))
+        gaps, computes, waits = step_overhead(measured, args.concurrency // 2)
+        scheduler_log = os.path.join(log_dir, "scheduler.log")
+        ttft = re.search(r"TTFT\s+p50 ([\d.]+) ?ms", r.stdout)
+        return (float(m.group(2)), (gaps, computes), scheduler_side(scheduler_log),
+                transport(scheduler_log, waits), ttft and float(ttft.group(1)))
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -294,75 +330,219 @@ def run_transformers(args):
     return statistics.median(rates), torch.__version__, __import__("transformers").__version__
 
 
+WORKLOADS = {
+    # name: (shared prefixes, prefix tokens, own prompt tokens, new tokens)
+    "18/128": (0, 0, 18, 128),
+    "512/128": (0, 0, 512, 128),
+    "shared": (8, 1024, 32, 64),
+}
+
+
+def run_continuous_batching(args):
+    """transformers' continuous batching (`generate_batch`, paged KV) on
+    `--cb-requests` prompts shaped like the workload's (shared prefixes
+    included), at most `--concurrency` per batch; output tok/s after a
+    warm-up call on other prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation import ContinuousBatchingConfig, GenerationConfig
+
+    model = None
+    for attn in ("sdpa_paged", "paged|sdpa", None):
+        try:
+            kw = {"attn_implementation": attn} if attn else {}
+            if os.path.isdir(args.model):
+                model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, **kw)
+            else:
+                d, n = os.path.split(os.path.abspath(args.model))
+                model = AutoModelForCausalLM.from_pretrained(d, gguf_file=n, dtype=torch.bfloat16, **kw)
+            break
+        except (ValueError, ImportError, KeyError) as e:
+            print(f"continuous batching: attention {attn!r} not available ({e})")
+    model = model.to("cuda").eval()
+    gen = torch.Generator().manual_seed(3)
+
+    def prompts(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        prefixes = [torch.randint(1, 256, (args.prefix_tokens,), generator=gen).tolist()
+                    for _ in range(args.prefixes)]
+        out = []
+        for i in range(n):
+            own = torch.randint(1, 256, (args.prompt_tokens,), generator=g).tolist()
+            out.append((prefixes[i % len(prefixes)] if prefixes else []) + own)
+        return out
+
+    config = GenerationConfig(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=args.concurrency)
+
+    def once(inputs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate_batch(inputs=inputs, generation_config=config,
+                                   continuous_batching_config=cb, progress_bar=False)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
+        return sum(len(o.generated_tokens) for o in out.values()) / elapsed
+
+    once(prompts(min(32, args.cb_requests), 11))
+    rate = once(prompts(args.cb_requests, 12))
+    del model
+    torch.cuda.empty_cache()
+    return rate
+
+
+def one_row(args, log_dir, workload):
+    """Runs one model on one workload: kvlease, then transformers (static
+    cache unless prompts share prefixes, continuous batching unless
+    skipped); returns the row of figures."""
+    label = args.label or os.path.basename(args.model.rstrip("/"))
+    kv_rate, (gaps, computes), sched, wire, ttft = run_kvlease(args, log_dir)
+    row = {"model": label, "workload": workload, "kvlease": kv_rate, "ttft_p50_ms": ttft,
+           "overlap": args.overlap}
+    if not args.skip_transformers and not args.prefixes:
+        row["static"] = run_transformers(args)[0]
+    if not args.skip_transformers and not args.skip_continuous_batching:
+        try:
+            row["continuous"] = run_continuous_batching(args)
+        except Exception as e:  # the row keeps kvlease's figures; the cell says why it is empty
+            print(f"continuous batching failed: {type(e).__name__}: {e}", flush=True)
+            row["continuous_error"] = f"{type(e).__name__}: {e}"
+    if computes:
+        step = statistics.median(g + c for g, c in zip(gaps, computes))
+        row.update(steps=len(computes), step_ms=1e3 * step,
+                   gap_ms=1e3 * statistics.median(gaps),
+                   compute_ms=1e3 * statistics.median(computes),
+                   overhead=sum(gaps) / sum(computes))
+        if args.backend == "cuda":
+            # a decode step in the middle of the outputs
+            context = prompt_len(args) + args.new_tokens // 2
+            limit, bw, weights, kv, _ = byte_limit(args.model, args.concurrency, context)
+            row.update(limit_ms=1e3 * limit, bandwidth_gbs=bw / 1e9,
+                       weights_gb=weights / 1e9, kv_gb=kv / 1e9)
+    if sched:
+        row.update(apply_us=sched[0], settle_us=sched[1], launch_us=sched[2])
+    if wire:
+        row.update(worker_wait_us=wire[0], wire_us=wire[1])
+    return row
+
+
+def fmt(v, spec):
+    return format(v, spec) if v is not None else "-"
+
+
+def print_table(rows):
+    """The table of record: one row per model and workload, ratios against
+    each transformers baseline measured in the same run."""
+    print("| model | workload | transformers static | transformers continuous batching | "
+          "kvlease | / static | / continuous | median step | byte limit / step | "
+          "gap / compute | TTFT p50 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        kv, st, cb = r["kvlease"], r.get("static"), r.get("continuous")
+        step, limit = r.get("step_ms"), r.get("limit_ms")
+        print(f"| {r['model']} | {r['workload']} | {fmt(st, ',.0f')} | {fmt(cb, ',.0f')} | "
+              f"{kv:,.0f} | {fmt(st and kv / st, '.2f')}x | {fmt(cb and kv / cb, '.1f')}x | "
+              f"{fmt(step, '.3f')} ms | {fmt(limit and step and limit / step, '.2f')} | "
+              f"{fmt(r.get('overhead'), '.3f')} | {fmt(r.get('ttft_p50_ms'), '.1f')} ms |")
+    print()
+    for r in rows:
+        parts = []
+        if r.get("limit_ms"):
+            parts.append(f"byte limit {r['limit_ms']:.3f} ms ({r['weights_gb']:.3f} GB weights + "
+                         f"{r['kv_gb']:.3f} GB KV at {r['bandwidth_gbs']:.0f} GB/s)")
+        if r.get("gap_ms") is not None:
+            parts.append(f"median gap {r['gap_ms']:.3f} ms, compute {r['compute_ms']:.3f} ms "
+                         f"over {r['steps']} decode steps")
+        if r.get("apply_us") is not None:
+            parts.append(f"scheduler: apply + stream {r['apply_us']:.0f} us, Step call "
+                         f"{r['settle_us']:.0f} us, plan + send {r['launch_us']:.0f} us")
+        if r.get("wire_us") is not None:
+            parts.append(f"worker: arrival to pass start {r['worker_wait_us']:.0f} us; "
+                         f"round trip minus that and compute {r['wire_us']:.0f} us")
+        print(f"- {r['model']} {r['workload']}: " + "; ".join(parts))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bin-dir", required=True)
-    ap.add_argument("--model", required=True, help="a GGUF file or a Hugging Face directory")
+    ap.add_argument("--bin-dir")
+    ap.add_argument("--model", action="append", default=[],
+                    help="a GGUF file or a Hugging Face directory (repeat for several)")
     ap.add_argument("--make-llama-1b", metavar="DIR",
-                    help="write a random-weight 1.1B Llama directory to DIR first and serve it")
+                    help="write a random-weight 1.1B Llama directory to DIR first and serve it too")
     ap.add_argument("--tokenizer", help="the tokenizer --make-llama-1b uses: SmolLM2's GGUF, "
                     "or a directory with its tokenizer.json")
-    ap.add_argument("--prefixes", type=int, default=0, help="shared prompt prefixes (0: none)")
-    ap.add_argument("--prefix-tokens", type=int, default=1024)
-    ap.add_argument("--label", default="", help="a name for the run's lines")
+    ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
+                    help="the workloads to run (repeat; default: all three): 18/128 and "
+                    "512/128 are unique prompts of that many tokens and new tokens; shared is "
+                    "8 shared 1,024-token prefixes plus 32 own tokens, 64 new")
+    ap.add_argument("--label", default="", help="a name for the run's lines (one model only)")
     ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--prompt-tokens", type=int, default=18)
-    ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--waves", type=int, default=4, help="kvlease requests = waves x concurrency")
     ap.add_argument("--repeats", type=int, default=3, help="timed transformers calls (median)")
+    ap.add_argument("--cb-requests", type=int, default=256,
+                    help="requests of the continuous-batching run (it is slow)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="scheduler overlap mode (next step planned while a forward runs)")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-continuous-batching", action="store_true")
+    ap.add_argument("--backend", default="cuda", help="the worker's backend (cpu: try the "
+                    "script's kvlease side on a machine without a GPU)")
+    ap.add_argument("--results", help="append each row to this JSON-lines file, and print the "
+                    "table of every row in it (rows of earlier calls in the same lease too)")
+    ap.add_argument("--print-table", action="store_true",
+                    help="only print the table of the rows in --results")
     ap.add_argument("--log-dir", default=None)
     args = ap.parse_args()
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvlease-e2e-")
-    os.makedirs(log_dir, exist_ok=True)
 
+    def saved_rows():
+        if not args.results or not os.path.exists(args.results):
+            return []
+        with open(args.results) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    if args.print_table:
+        print_table(saved_rows())
+        return 0
+    if not args.bin_dir:
+        raise SystemExit("--bin-dir is needed to run kvlease")
+    models = list(args.model)
     if args.make_llama_1b:
         if not args.tokenizer:
             raise SystemExit("--make-llama-1b needs --tokenizer")
         make_llama_1b(args.make_llama_1b, args.tokenizer)
-        args.model = args.make_llama_1b
-    label = args.label or os.path.basename(args.model.rstrip("/"))
-    kv_rate, (gaps, computes), sched = run_kvlease(args, log_dir)
-    if args.prefixes or args.skip_transformers:
-        hf_rate, torch_v, tf_v = None, None, None
-    else:
-        hf_rate, torch_v, tf_v = run_transformers(args)
+        models.append(args.make_llama_1b)
+    if not models:
+        raise SystemExit("no model: give --model or --make-llama-1b")
+    log_root = args.log_dir or tempfile.mkdtemp(prefix="kvlease-e2e-")
+    rows = []
+    for model in models:
+        for workload in args.workload or list(WORKLOADS):
+            run = argparse.Namespace(**vars(args))
+            run.model = model
+            run.prefixes, run.prefix_tokens, run.prompt_tokens, run.new_tokens = WORKLOADS[workload]
+            log_dir = os.path.join(log_root, f"{os.path.basename(model.rstrip('/'))}-"
+                                             f"{workload.replace('/', '-')}")
+            os.makedirs(log_dir, exist_ok=True)
+            row = one_row(run, log_dir, workload)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if args.results:
+                with open(args.results, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    if torch_versions := transformers_versions(args):
+        print(torch_versions)
+    print_table(saved_rows() if args.results else rows)
+    print(f"logs: {log_root}")
+    return 0
 
-    print(f"{label}: concurrency {args.concurrency}, "
-          f"{f'{args.prefixes} shared {args.prefix_tokens}-token prefixes + ' if args.prefixes else ''}"
-          f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, overlap {args.overlap}"
-          f"{f'; torch {torch_v}, transformers {tf_v}' if torch_v else ''}")
-    print(f"{'system':<44} {'output tok/s':>14}")
-    if hf_rate:
-        print(f"{'transformers generate (static cache, bf16)':<44} {hf_rate:>14.0f}")
-    print(f"{'kvlease bench (cluster, CUDA worker)':<44} {kv_rate:>14.0f}")
-    if hf_rate:
-        print(f"ratio kvlease / transformers static: {kv_rate / hf_rate:.2f}")
-    if computes:
-        overhead = sum(gaps) / sum(computes)
-        step = statistics.median(g + c for g, c in zip(gaps, computes))
-        print(f"step overhead over {len(computes)} decode steps (>= {args.concurrency // 2} "
-              f"sequences): median gap {1e3 * statistics.median(gaps):.3f} ms, median compute "
-              f"{1e3 * statistics.median(computes):.3f} ms, median step {1e3 * step:.3f} ms, "
-              f"total gap / compute {overhead:.3f} (target <= 0.10: "
-              f"{'met' if overhead <= 0.10 else 'MISSED'})")
-        # a decode step in the middle of the outputs
-        context = prompt_len(args) + args.new_tokens // 2
-        limit, bw, weights, kv, _ = byte_limit(args.model, args.concurrency, context)
-        print(f"byte limit of a decode step of {args.concurrency} sequences at {context} tokens: "
-              f"{weights / 1e9:.3f} GB weights + {kv / 1e9:.3f} GB KV at {bw / 1e9:.0f} GB/s "
-              f"(copy) = {1e3 * limit:.3f} ms; median step / limit: {step / limit:.2f}x "
-              f"(limit / step {limit / step:.2f}, target >= 0.5)")
-    else:
-        print("step overhead: no consecutive decode steps found in the worker's log")
-    if sched:
-        print(f"scheduler side between forward passes ({sched[3]} steps, all sizes), medians: "
-              f"apply + stream {sched[0]:.0f} us, Step call {sched[1]:.0f} us, "
-              f"plan + send {sched[2]:.0f} us; the rest of the gap is transport and the "
-              f"worker outside its compute")
-    print(f"logs: {log_dir}")
+
+def transformers_versions(args):
+    if args.skip_transformers:
+        return None
+    import torch
+    import transformers
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
 
 if __name__ == "__main__":

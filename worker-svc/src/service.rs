@@ -146,6 +146,9 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         &self,
         request: Request<pb::ForwardRequest>,
     ) -> Result<Response<pb::ForwardResponse>, Status> {
+        // From here to the pass's start is the worker's share of the gap
+        // between passes (conversion, the blocking thread, the lock).
+        let received = Instant::now();
         let caller = kvlease_auth::principal_of(&request)
             .map_or(kvlease_auth::principal::ANONYMOUS, |p| p.name())
             .to_string();
@@ -174,21 +177,22 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
                     .map_err(|_| Status::internal("worker state poisoned by an earlier panic"))?;
                 // Timed after the lock: queueing behind another pass is not compute.
                 let started = Instant::now();
+                let wait_us = (started - received).as_micros() as u64;
                 // The step's demotions and onboardings come first: the
                 // demoted device blocks may be written by this very pass.
                 worker.apply_tier_copies(&copies).map_err(Status::from)?;
                 // Only the tokens: logits stay where the backend computed them.
                 let outputs = worker.forward_tokens(inputs).map_err(Status::from)?;
-                Ok::<_, Status>((outputs, started.elapsed().as_micros() as u64))
+                Ok::<_, Status>((outputs, started.elapsed().as_micros() as u64, wait_us))
             })
             .await
             .map_err(|e| Status::internal(format!("forward task failed: {e}")))?;
             match outcome {
-                Ok((outputs, compute_us)) => {
+                Ok((outputs, compute_us, wait_us)) => {
                     tracing::Span::current().record("kvlease.compute_us", compute_us as i64);
                     metrics.forward_seconds.observe(compute_us as f64 / 1e6);
                     metrics.forward_tokens.inc_by(tokens as u64);
-                    tracing::info!(step, sequences, tokens, compute_us, "forward done");
+                    tracing::info!(step, sequences, tokens, compute_us, wait_us, "forward done");
                     Ok(Response::new(pb::ForwardResponse {
                         results: outputs.into_iter().map(forward_result).collect(),
                         compute_us,

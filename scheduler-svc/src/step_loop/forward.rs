@@ -55,7 +55,16 @@ impl StepLoop {
                 kvlease_telemetry::add_link(&span, link, LINK_BATCHED);
             }
             let call = async move {
+                let sent = Instant::now();
                 let result = worker.forward(step, &items, &copies).await;
+                // the worker logs its compute and its wait for the pass;
+                // the rest of this is both messages' way there and back
+                tracing::debug!(
+                    step = step.get(),
+                    group = g,
+                    round_trip_us = sent.elapsed().as_micros() as u64,
+                    "forward answered"
+                );
                 record_call(&tracing::Span::current(), &result);
                 result
             }
