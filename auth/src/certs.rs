@@ -185,6 +185,29 @@ pub fn write_dir(
     Ok(names)
 }
 
+/// The file holding the bearer token of `admin` that [`write_local`] makes (the token alone:
+/// `authorization: Bearer $(cat admin.token)`).
+pub const ADMIN_TOKEN: &str = "admin.token";
+/// The services' token file (`--token-file`) that [`write_local`] writes: one line, the
+/// admin's token.
+pub const TOKEN_FILE: &str = "tokens";
+
+/// The credentials of a local cluster (`kvlease up --tls`): [`write_dir`] with `extra_hosts`
+/// and no more principals, then a fresh bearer token of principal `admin` (role admin) in
+/// [`ADMIN_TOKEN`] and as the line of [`TOKEN_FILE`], both readable by their owner only.
+/// Returns the names issued.
+pub fn write_local(dir: &Path, extra_hosts: &[String]) -> Result<Vec<String>> {
+    let names = write_dir(dir, extra_hosts, &[])?;
+    let token = crate::tokens::generate()?;
+    write(&dir.join(ADMIN_TOKEN), &format!("{token}\n"), true)?;
+    write(
+        &dir.join(TOKEN_FILE),
+        &format!("# kvlease up --tls: the local admin\n{token} admin admin\n"),
+        true,
+    )?;
+    Ok(names)
+}
+
 fn write(path: &Path, text: &str, private: bool) -> Result<()> {
     let err = |source| Error::Write {
         path: path.to_path_buf(),
@@ -261,6 +284,33 @@ mod tests {
             .contents;
         assert!(crate::identity::services_of(&der).is_empty());
         assert!(write_dir(&dir, &[], &[("bad name".into(), Roles::NONE)]).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn write_local_adds_a_private_admin_token_the_token_file_names() {
+        let dir = std::env::temp_dir().join(format!("kvlease-local-{}", std::process::id()));
+        let names = write_local(&dir, &[]).unwrap();
+        assert!(names.iter().any(|n| n == "admin"), "{names:?}");
+        let token = std::fs::read_to_string(dir.join(ADMIN_TOKEN)).unwrap();
+        let token = token.trim();
+        assert_eq!(token.len(), 64, "{token}");
+        let tokens = crate::tokens::Tokens::read(&dir.join(TOKEN_FILE)).unwrap();
+        let admin = tokens.get(token).unwrap();
+        assert_eq!((admin.name(), admin.has(Role::Admin)), ("admin", true));
+        #[cfg(unix)]
+        for file in [ADMIN_TOKEN, TOKEN_FILE] {
+            use std::os::unix::fs::PermissionsExt as _;
+            let mode = std::fs::metadata(dir.join(file))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o077, 0, "{file}: {mode:o}");
+        }
+        // a second run makes another token
+        write_local(&dir, &[]).unwrap();
+        let again = std::fs::read_to_string(dir.join(ADMIN_TOKEN)).unwrap();
+        assert_ne!(again.trim(), token);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
