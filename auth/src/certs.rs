@@ -1,7 +1,8 @@
 //! Certificates made by the project (`kvlease certs`, tests, the compose test): one CA, and
 //! for each principal a key and a certificate that names it (`kvlease://principal/NAME` SAN
 //! URI and common name), grants its roles (`kvlease://role/ROLE` SAN URIs) and, for services,
-//! the host names and addresses clients reach it at. Every certificate is good for both ends of
+//! says which service it is (`kvlease://service/SERVICE`, checked by the clients that dial it:
+//! [`crate::identity`]) and the host names and addresses clients reach it at. Every certificate is good for both ends of
 //! a connection (server and client authentication): the scheduler serves with the same
 //! certificate it presents to the cache and the workers.
 //!
@@ -17,6 +18,7 @@ use rcgen::{
 };
 
 use crate::error::{Error, Result};
+use crate::identity::ServiceKind;
 use crate::principal::{PRINCIPAL_URI, ROLE_URI, valid_name};
 use crate::roles::{Role, Roles};
 
@@ -59,9 +61,16 @@ impl Authority {
         self.issuer.pem()
     }
 
-    /// A certificate for principal `name` with `roles`, valid for the host names and
-    /// addresses in `hosts` (none for a client that serves nothing).
-    pub fn issue(&self, name: &str, roles: Roles, hosts: &[String]) -> Result<Issued> {
+    /// A certificate for principal `name` with `roles`, of the service `service` (none for a
+    /// client), valid for the host names and addresses in `hosts` (none for a client that
+    /// serves nothing).
+    pub fn issue(
+        &self,
+        name: &str,
+        roles: Roles,
+        service: Option<ServiceKind>,
+        hosts: &[String],
+    ) -> Result<Issued> {
         if !valid_name(name) {
             return Err(Error::Config(format!(
                 "bad principal name {name:?}: 1 to 64 of [A-Za-z0-9._-]"
@@ -72,6 +81,9 @@ impl Authority {
         let mut sans = vec![uri(&format!("{PRINCIPAL_URI}{name}"))?];
         for role in roles.iter() {
             sans.push(uri(&format!("{ROLE_URI}{role}"))?);
+        }
+        if let Some(service) = service {
+            sans.push(uri(&service.uri())?);
         }
         for host in hosts {
             sans.push(match host.parse::<IpAddr>() {
@@ -99,15 +111,21 @@ impl Authority {
 
     /// A client certificate (no host names) for `name` with `roles`.
     pub fn client(&self, name: &str, roles: Roles) -> Result<Issued> {
-        self.issue(name, roles, &[])
+        self.issue(name, roles, None, &[])
     }
 
-    /// A service certificate for `name` with `roles`, valid for `name`, `localhost`,
-    /// `127.0.0.1` and `extra_hosts`.
-    pub fn service(&self, name: &str, roles: Roles, extra_hosts: &[String]) -> Result<Issued> {
+    /// A certificate of service `service` for principal `name` with `roles`, valid for
+    /// `name`, `localhost`, `127.0.0.1` and `extra_hosts`.
+    pub fn service(
+        &self,
+        name: &str,
+        service: ServiceKind,
+        roles: Roles,
+        extra_hosts: &[String],
+    ) -> Result<Issued> {
         let mut hosts = vec![name.to_string(), "localhost".into(), "127.0.0.1".into()];
         hosts.extend(extra_hosts.iter().cloned());
-        self.issue(name, roles, &hosts)
+        self.issue(name, roles, Some(service), &hosts)
     }
 }
 
@@ -115,13 +133,14 @@ fn uri(s: &str) -> Result<SanType> {
     Ok(SanType::URI(s.try_into()?))
 }
 
-/// The services `kvlease certs` issues certificates for, with their roles: the cache and the
-/// workers only serve; the scheduler calls both; the gateway calls the scheduler as a client.
-pub const SERVICES: &[(&str, &[Role])] = &[
-    ("cache", &[]),
-    ("worker", &[]),
-    ("scheduler", &[Role::Scheduler]),
-    ("gateway", &[Role::Client]),
+/// The services `kvlease certs` issues certificates for (each named after its service), with
+/// their roles: the cache and the workers only serve; the scheduler calls both; the gateway
+/// calls the scheduler as a client.
+pub const SERVICES: &[(ServiceKind, &[Role])] = &[
+    (ServiceKind::Cache, &[]),
+    (ServiceKind::Worker, &[]),
+    (ServiceKind::Scheduler, &[Role::Scheduler]),
+    (ServiceKind::Gateway, &[Role::Client]),
 ];
 
 /// The client principals `kvlease certs` issues by default: one per role.
@@ -152,9 +171,10 @@ pub fn write_dir(
         names.push(name.to_string());
         Ok(())
     };
-    for (name, roles) in SERVICES {
+    for (service, roles) in SERVICES {
         let roles = roles.iter().copied().collect();
-        put(name, ca.service(name, roles, extra_hosts)?)?;
+        let name = service.name();
+        put(name, ca.service(name, *service, roles, extra_hosts)?)?;
     }
     for (name, roles) in CLIENTS {
         put(name, ca.client(name, roles.iter().copied().collect())?)?;
@@ -162,6 +182,29 @@ pub fn write_dir(
     for (name, roles) in principals {
         put(name, ca.client(name, *roles)?)?;
     }
+    Ok(names)
+}
+
+/// The file holding the bearer token of `admin` that [`write_local`] makes (the token alone:
+/// `authorization: Bearer $(cat admin.token)`).
+pub const ADMIN_TOKEN: &str = "admin.token";
+/// The services' token file (`--token-file`) that [`write_local`] writes: one line, the
+/// admin's token.
+pub const TOKEN_FILE: &str = "tokens";
+
+/// The credentials of a local cluster (`kvlease up --tls`): [`write_dir`] with `extra_hosts`
+/// and no more principals, then a fresh bearer token of principal `admin` (role admin) in
+/// [`ADMIN_TOKEN`] and as the line of [`TOKEN_FILE`], both readable by their owner only.
+/// Returns the names issued.
+pub fn write_local(dir: &Path, extra_hosts: &[String]) -> Result<Vec<String>> {
+    let names = write_dir(dir, extra_hosts, &[])?;
+    let token = crate::tokens::generate()?;
+    write(&dir.join(ADMIN_TOKEN), &format!("{token}\n"), true)?;
+    write(
+        &dir.join(TOKEN_FILE),
+        &format!("# kvlease up --tls: the local admin\n{token} admin admin\n"),
+        true,
+    )?;
     Ok(names)
 }
 
@@ -225,7 +268,49 @@ mod tests {
             (p.name(), p.roles()),
             ("scheduler", Roles::NONE.with(Role::Scheduler))
         );
+        // each service certificate names its own service, the clients' none
+        for (service, _) in SERVICES {
+            let pem = std::fs::read_to_string(dir.join(format!("{service}.pem"))).unwrap();
+            let der = x509_parser::pem::parse_x509_pem(pem.as_bytes())
+                .unwrap()
+                .1
+                .contents;
+            assert_eq!(crate::identity::services_of(&der), [service.name()]);
+        }
+        let pem = std::fs::read_to_string(dir.join("admin.pem")).unwrap();
+        let der = x509_parser::pem::parse_x509_pem(pem.as_bytes())
+            .unwrap()
+            .1
+            .contents;
+        assert!(crate::identity::services_of(&der).is_empty());
         assert!(write_dir(&dir, &[], &[("bad name".into(), Roles::NONE)]).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn write_local_adds_a_private_admin_token_the_token_file_names() {
+        let dir = std::env::temp_dir().join(format!("kvlease-local-{}", std::process::id()));
+        let names = write_local(&dir, &[]).unwrap();
+        assert!(names.iter().any(|n| n == "admin"), "{names:?}");
+        let token = std::fs::read_to_string(dir.join(ADMIN_TOKEN)).unwrap();
+        let token = token.trim();
+        assert_eq!(token.len(), 64, "{token}");
+        let tokens = crate::tokens::Tokens::read(&dir.join(TOKEN_FILE)).unwrap();
+        let admin = tokens.get(token).unwrap();
+        assert_eq!((admin.name(), admin.has(Role::Admin)), ("admin", true));
+        #[cfg(unix)]
+        for file in [ADMIN_TOKEN, TOKEN_FILE] {
+            use std::os::unix::fs::PermissionsExt as _;
+            let mode = std::fs::metadata(dir.join(file))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o077, 0, "{file}: {mode:o}");
+        }
+        // a second run makes another token
+        write_local(&dir, &[]).unwrap();
+        let again = std::fs::read_to_string(dir.join(ADMIN_TOKEN)).unwrap();
+        assert_ne!(again.trim(), token);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

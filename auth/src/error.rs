@@ -26,6 +26,8 @@ pub enum Error {
     UnknownRole(String),
     #[error("{0}")]
     Config(String),
+    #[error("the system's secure random generator failed")]
+    Random,
     #[error("certificate generation failed: {0}")]
     Generate(#[from] rcgen::Error),
     #[error("tls set-up failed: {0}")]

@@ -6,6 +6,8 @@
 //! - [`principal`]: an authenticated caller, named by its client certificate
 //!   (`kvlease://principal/NAME` SAN URI or common name, `kvlease://role/ROLE` SAN URIs) or
 //!   by a bearer token ([`tokens`]: a token file of `TOKEN PRINCIPAL ROLES` lines).
+//! - [`identity`]: which service a certificate belongs to (`kvlease://service/SERVICE` SAN
+//!   URI), checked by every client against the service it dials.
 //! - [`matrix`]: the authorization matrix, one table for every RPC of every service.
 //! - [`layer`]: the tower layer that applies identification and the matrix to every call and
 //!   hands services the [`Principal`] for their ownership checks.
@@ -18,6 +20,7 @@
 
 pub mod certs;
 mod error;
+pub mod identity;
 pub mod layer;
 pub mod matrix;
 pub mod principal;
@@ -27,6 +30,7 @@ pub mod tokens;
 pub mod transport;
 
 pub use error::{Error, Result};
+pub use identity::ServiceKind;
 pub use layer::{AuthLayer, principal_of};
 pub use principal::Principal;
 pub use roles::{Role, Roles};

@@ -15,6 +15,16 @@ pub struct Tokens(HashMap<String, Principal>);
 /// Tokens shorter than this are refused: a token is a password.
 pub const MIN_TOKEN_LEN: usize = 16;
 
+/// A fresh token: 32 bytes of the system's secure random generator, in hex.
+pub fn generate() -> Result<String> {
+    use ring::rand::SecureRandom as _;
+    let mut bytes = [0u8; 32];
+    ring::rand::SystemRandom::new()
+        .fill(&mut bytes)
+        .map_err(|_| Error::Random)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 impl Tokens {
     /// Reads the token file at `path`.
     pub fn read(path: &Path) -> Result<Self> {

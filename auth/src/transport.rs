@@ -3,7 +3,8 @@
 //! fallbacks in every binary), the material they name, loaded once, and what it configures:
 //! tonic's rustls server (client certificates verified against the CA, optional so that
 //! bearer-token callers can connect) and client endpoints (`https://`, the service's own
-//! certificate as client identity).
+//! certificate as client identity, the server's checked against the CA, its host name and
+//! the service dialed: [`crate::identity`]).
 //!
 //! Without TLS material a server serves plaintext: on a loopback listener by default (what
 //! `kvlease demo`/`up` and tests do), anywhere only with `--insecure`. On loopback, which no
@@ -17,6 +18,7 @@ use std::time::Duration;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
 
 use crate::error::{Error, Result};
+use crate::identity::{self, ServiceKind};
 use crate::tokens::Tokens;
 
 /// The transport security flags, flattened into every service's configuration.
@@ -200,9 +202,13 @@ impl Security {
         )
     }
 
-    /// An endpoint for `addr` (`host:port` or a URL): `https://` with [`client_tls`](Self::client_tls)
-    /// under TLS, `http://` otherwise. The error says what is wrong with the address.
-    pub fn endpoint(&self, addr: &str) -> Result<Endpoint, String> {
+    /// An endpoint for `addr` (`host:port` or a URL) of the service `expected`: `https://`
+    /// under TLS, `http://` otherwise. Under TLS the server must present a certificate of the
+    /// CA, valid for the host, that names `expected` (`kvlease://service/NAME`); a handshake
+    /// with any other service fails, naming the service expected and the one presented.
+    /// `None` accepts any server the CA vouches for (a health check of whatever serves
+    /// there). The error says what is wrong with the address or the TLS material.
+    pub fn endpoint(&self, addr: &str, expected: Option<ServiceKind>) -> Result<Endpoint, String> {
         let hostport = addr
             .strip_prefix("http://")
             .or_else(|| addr.strip_prefix("https://"))
@@ -210,10 +216,21 @@ impl Security {
         let scheme = if self.tls.is_some() { "https" } else { "http" };
         let url = format!("{scheme}://{hostport}");
         let endpoint = Endpoint::from_shared(url).map_err(|e| e.to_string())?;
-        match self.client_tls() {
-            Some(tls) => endpoint.tls_config(tls).map_err(|e| e.to_string()),
-            None => Ok(endpoint),
+        let Some(m) = self.tls.as_ref() else {
+            return Ok(endpoint);
+        };
+        let tls = ClientTlsConfig::new()
+            .identity(Identity::from_pem(&m.cert_pem, &m.key_pem))
+            .timeout(TLS_HANDSHAKE_TIMEOUT);
+        match expected {
+            None => endpoint.tls_config(tls.ca_certificate(Certificate::from_pem(&m.ca_pem))),
+            Some(service) => {
+                // The verifier holds the CA: tonic refuses one given twice.
+                let verifier = identity::verifier(&m.ca_pem, service).map_err(|e| e.to_string())?;
+                endpoint.tls_config_with_verifier(tls, verifier)
+            }
         }
+        .map_err(|e| e.to_string())
     }
 }
 

@@ -159,7 +159,7 @@ async fn grpc(iterations: u32, tls: Option<&std::path::Path>) -> (Duration, Dura
         },
     ));
     let channel = client_security
-        .endpoint(&addr.to_string())
+        .endpoint(&addr.to_string(), Some(kvlease_auth::ServiceKind::Cache))
         .expect("uri")
         .connect()
         .await

@@ -14,6 +14,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use kvlease_auth::{Security, SecurityArgs};
 use kvlease_runtime::process::Shutdown;
 use kvlease_runtime::serve::{Listeners, Stop};
 use tokio::net::TcpListener;
@@ -75,11 +76,14 @@ impl Service {
 
     /// Spawns `run` on `listeners` (in the trace service `trace_name`) and
     /// waits until it serves (gRPC health), or returns what it stopped with.
+    /// `security` is the service's own: its health is checked over it (see
+    /// [`ready_as`]).
     pub async fn start<F>(
         name: &'static str,
         trace_name: &'static str,
         listeners: Listeners,
         within: Duration,
+        security: &SecurityArgs,
         run: impl FnOnce(Listeners, Shutdown) -> F,
     ) -> Result<Self>
     where
@@ -97,7 +101,7 @@ impl Service {
             stop,
             task: Some(task),
         };
-        if let Err(e) = service.wait_ready(within).await {
+        if let Err(e) = service.wait_ready(&ready_as(security), within).await {
             // Not ready in time: stop it and wait, so it releases its ports.
             let _ = service.stop().await;
             return Err(e);
@@ -105,7 +109,7 @@ impl Service {
         Ok(service)
     }
 
-    async fn wait_ready(&mut self, within: Duration) -> Result<()> {
+    async fn wait_ready(&mut self, security: &Security, within: Duration) -> Result<()> {
         let deadline = tokio::time::Instant::now() + within;
         let addr = self.addr.to_string();
         loop {
@@ -113,7 +117,7 @@ impl Service {
                 return Err(self.stopped().await);
             }
             if let Ok(ServingStatus::Serving) =
-                connect::health(&addr, "", Duration::from_millis(500)).await
+                connect::health_as(security, &addr, "", Duration::from_millis(500)).await
             {
                 return Ok(());
             }
@@ -125,6 +129,18 @@ impl Service {
             }
             tokio::time::sleep(READY_POLL).await;
         }
+    }
+}
+
+/// What a starting service's health is checked with: under TLS its own
+/// certificate (health takes any caller the CA vouches for, so starting a
+/// service needs no other principal's credentials), else this process's
+/// security ([`connect::security`]). Flags that do not load fall back too:
+/// the service itself stops with what is wrong with them.
+fn ready_as(own: &SecurityArgs) -> Security {
+    match own.load() {
+        Ok(security) if !security.is_plaintext() => security,
+        _ => connect::security(),
     }
 }
 
@@ -151,6 +167,7 @@ pub async fn start_cache(listeners: Listeners, config: cache_svc::Config) -> Res
         cache_svc::SERVICE,
         listeners,
         Duration::from_secs(30),
+        &config.security.clone(),
         |l, stop| async move {
             cache_svc::run(l, config, stop)
                 .await
@@ -184,6 +201,7 @@ pub async fn start_worker_for(
         worker_svc::SERVICE,
         listeners,
         within,
+        &config.security.clone(),
         move |l, stop| async move {
             let sizing = config.clone();
             worker_svc::run(l, config, stop)
@@ -206,6 +224,7 @@ pub async fn start_scheduler(
         scheduler_svc::SERVICE,
         listeners,
         within,
+        &config.security.clone(),
         |l, stop| async move {
             scheduler_svc::run(l, config, stop)
                 .await

@@ -13,6 +13,7 @@ use crate::bench::{self, Finish, Load};
 use crate::cluster::{Cluster, ClusterConfig};
 use crate::connect;
 use crate::error::{Error, Result};
+use crate::local_tls::LocalTls;
 use crate::mooncake::{self, Expand};
 use crate::report::{ClusterDelta, Summary};
 use crate::status;
@@ -22,10 +23,13 @@ use crate::workload::Synthetic;
 /// `shutdown` resolves or a service stops by itself (an error).
 ///
 /// With `http` set, the OpenAI-compatible HTTP front (`kvlease-gateway`)
-/// serves there too, in front of the scheduler.
+/// serves there too, in front of the scheduler. With `tls`, every service
+/// serves mTLS with its own certificate of `tls` (set `config` up with
+/// [`LocalTls::secure`]), and the gateway takes the admin's bearer token.
 pub async fn up(
     config: ClusterConfig,
     http: Option<std::net::SocketAddr>,
+    tls: Option<&LocalTls>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
     let workers = config.worker_listens.len();
@@ -49,6 +53,7 @@ pub async fn up(
         let config = kvlease_gateway::Config {
             listen: local,
             scheduler_addr: format!("http://{}", cluster.scheduler),
+            security: tls.map(|t| t.args("gateway")).unwrap_or_default(),
             ..kvlease_gateway::Config::default()
         };
         println!(
@@ -68,6 +73,9 @@ pub async fn up(
     }
     for (service, addr) in &cluster.metrics {
         println!("  metrics    http://{addr}/metrics   ({service})");
+    }
+    if let Some(tls) = tls {
+        println!("{}", tls.usage());
     }
     println!("serving; Ctrl-C stops the cluster");
     let _ = std::io::stdout().flush();

@@ -3,7 +3,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use kvlease_auth::Security;
+use kvlease_auth::{Security, ServiceKind};
 
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
@@ -34,12 +34,30 @@ pub fn set_security(security: Security) {
     let _ = SECURITY.set(security);
 }
 
-/// A channel to `addr` that connects within `connect_timeout`: over mTLS (`https://`) when
-/// [`set_security`] gave TLS material.
-pub async fn channel(addr: &str, connect_timeout: Duration) -> Result<Channel> {
-    let security = SECURITY.get().cloned().unwrap_or_default();
+/// The transport security [`set_security`] gave (plaintext without).
+pub fn security() -> Security {
+    SECURITY.get().cloned().unwrap_or_default()
+}
+
+/// A channel to the service `expected` (`None`: any) at `addr` that connects within
+/// `connect_timeout`: over mTLS (`https://`) when [`set_security`] gave TLS material.
+pub async fn channel(
+    addr: &str,
+    expected: Option<ServiceKind>,
+    connect_timeout: Duration,
+) -> Result<Channel> {
+    channel_as(&security(), addr, expected, connect_timeout).await
+}
+
+/// [`channel`] with the transport security `security`.
+pub async fn channel_as(
+    security: &Security,
+    addr: &str,
+    expected: Option<ServiceKind>,
+    connect_timeout: Duration,
+) -> Result<Channel> {
     let endpoint = security
-        .endpoint(addr.trim())
+        .endpoint(addr.trim(), expected)
         .map_err(|message| Error::Address {
             addr: addr.to_string(),
             message,
@@ -59,14 +77,14 @@ pub async fn channel(addr: &str, connect_timeout: Duration) -> Result<Channel> {
 /// A scheduler client.
 pub async fn scheduler(addr: &str) -> Result<SchedulerClient<Channel>> {
     Ok(SchedulerClient::new(
-        channel(addr, Duration::from_secs(5)).await?,
+        channel(addr, Some(ServiceKind::Scheduler), Duration::from_secs(5)).await?,
     ))
 }
 
 /// A cache client.
 pub async fn cache(addr: &str) -> Result<CacheServiceClient<Channel>> {
     Ok(CacheServiceClient::new(
-        channel(addr, Duration::from_secs(5)).await?,
+        channel(addr, Some(ServiceKind::Cache), Duration::from_secs(5)).await?,
     ))
 }
 
@@ -91,8 +109,18 @@ pub async fn stats(client: &mut CacheServiceClient<Channel>) -> Result<pb::GetSt
 /// `grpc.health.v1.Health/Check` of `service` ("" = the whole server) at
 /// `addr`, connection included, within `within`.
 pub async fn health(addr: &str, service: &str, within: Duration) -> Result<ServingStatus> {
+    health_as(&security(), addr, service, within).await
+}
+
+/// [`health`] with the transport security `security`.
+pub async fn health_as(
+    security: &Security,
+    addr: &str,
+    service: &str,
+    within: Duration,
+) -> Result<ServingStatus> {
     let check = async {
-        let mut client = HealthClient::new(channel(addr, within).await?);
+        let mut client = HealthClient::new(channel_as(security, addr, None, within).await?);
         let response = client
             .check(HealthCheckRequest {
                 service: service.to_string(),

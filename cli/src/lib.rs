@@ -4,6 +4,8 @@
 //! # Layout
 //! - [`cluster`]: cache, workers and scheduler started in-process from their
 //!   libraries' `run` on loopback listeners (`kvlease up`, `kvlease demo`).
+//! - [`local_tls`]: the credentials of `kvlease up --tls` and the mTLS set-up of
+//!   its services.
 //! - [`connect`]: endpoints, clients, `GetStatus` / `GetStats`, the gRPC
 //!   health check (`kvlease health`, usable as a container health check).
 //! - [`workload`]: requests to send; the synthetic workload with shared
@@ -35,6 +37,7 @@ pub mod commands;
 pub mod connect;
 pub mod demo;
 pub mod error;
+pub mod local_tls;
 pub mod models;
 pub mod mooncake;
 pub mod replay;

@@ -114,6 +114,20 @@ async fn main() -> ExitCode {
         Ok(guard) => guard,
         Err(e) => return cmd::failed(e),
     };
+    // `up` and `demo` serve; these flags name a client's credentials. Taken as the
+    // services' own, one certificate would serve as every service (which the services'
+    // identity checks refuse) and plaintext services were started under them (issue 29,
+    // finding 8: `kvlease up` served plaintext, then gave up waiting for TLS health).
+    if matches!(cli.command, Command::Up(_) | Command::Demo(_))
+        && cli.security != kvlease_auth::SecurityArgs::default()
+    {
+        eprintln!(
+            "kvlease: --tls-cert/--tls-key/--tls-ca/--insecure/--token-file (or their \
+             KVLEASE_* variables) are a client's credentials; `kvlease up --tls` serves mTLS \
+             with certificates of its own (and `kvlease up --insecure` plaintext off loopback)"
+        );
+        return ExitCode::from(EXIT_USAGE);
+    }
     match cli.security.load() {
         Ok(security) => kvlease::connect::set_security(security),
         Err(e) => {

@@ -1,7 +1,9 @@
 //! Flags of `kvlease up` that reach the services it starts, read from the
 //! binary's own help.
 
-use std::process::Command;
+use std::io::{BufRead as _, BufReader, Read as _};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 fn up_help() -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_kvlease"))
@@ -19,4 +21,144 @@ fn up_takes_the_step_trace_sampling() {
     let help = up_help();
     assert!(help.contains("--trace-steps-one-in"), "{help}");
     assert!(help.contains("KVLEASE_TRACE_STEPS_ONE_IN"), "{help}");
+}
+
+/// Runs `kvlease ARGS` to its end, or kills it after `within`: its exit code (`None`: killed)
+/// and stderr.
+fn run_within(args: &[&str], within: Duration) -> (Option<i32>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvlease"))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("run kvlease: {e}"));
+    let deadline = Instant::now() + within;
+    let code = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status.code(),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+        }
+    };
+    let mut stderr = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut stderr);
+    }
+    (code, stderr)
+}
+
+/// Issue 29, finding 8: given a client's TLS flags, `up` started its services in plaintext
+/// and then gave up waiting for them over TLS ("cache did not become ready" after 30 s). The
+/// flags name a client's credentials: `up` refuses them at once and points at `--tls`.
+#[test]
+fn up_refuses_a_clients_tls_flags_at_once() {
+    let dir = std::env::temp_dir().join(format!("kvlease-up-flags-{}", std::process::id()));
+    kvlease_auth::certs::write_dir(&dir, &[], &[]).unwrap_or_else(|e| panic!("{e}"));
+    let file = |name: &str| dir.join(name).display().to_string();
+    let (cert, key, ca) = (file("admin.pem"), file("admin.key"), file("ca.pem"));
+    let (code, stderr) = run_within(
+        &[
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+            "--tls-ca",
+            &ca,
+            "up",
+            "--base-port",
+            "0",
+            "--metrics-base-port",
+            "0",
+            "--workers",
+            "1",
+        ],
+        Duration::from_secs(20),
+    );
+    std::fs::remove_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(code, Some(64), "{stderr}");
+    assert!(stderr.contains("`kvlease up --tls`"), "{stderr}");
+}
+
+/// `kvlease up --tls` itself: the admin it writes reaches the scheduler over mTLS, a plaintext
+/// client does not.
+#[test]
+fn up_tls_serves_its_admin_and_no_plaintext_client() {
+    let dir = std::env::temp_dir().join(format!("kvlease-up-tls-{}", std::process::id()));
+    let tls_dir = dir.display().to_string();
+    let mut up = Command::new(env!("CARGO_BIN_EXE_kvlease"))
+        .args([
+            "up",
+            "--tls",
+            "--tls-dir",
+            &tls_dir,
+            "--base-port",
+            "0",
+            "--metrics-base-port",
+            "0",
+            "--workers",
+            "1",
+            "--memory-budget-mib",
+            "32",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("run kvlease up: {e}"));
+    // the scheduler's address from the lines `up` prints once it serves
+    let stdout = up.stdout.take().unwrap_or_else(|| panic!("no stdout"));
+    let (lines, printed) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if lines.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut scheduler = None;
+    let mut seen = Vec::new();
+    while let Ok(line) = printed.recv_timeout(Duration::from_secs(120)) {
+        if let Some(addr) = line.trim().strip_prefix("scheduler") {
+            scheduler = addr.split_whitespace().next().map(str::to_string);
+        }
+        let serving = line.starts_with("serving;");
+        seen.push(line);
+        if serving {
+            break;
+        }
+    }
+    let status = |tls: bool| {
+        let mut args: Vec<String> = Vec::new();
+        if tls {
+            for (flag, file) in [
+                ("--tls-cert", "admin.pem"),
+                ("--tls-key", "admin.key"),
+                ("--tls-ca", "ca.pem"),
+            ] {
+                args.push(flag.into());
+                args.push(dir.join(file).display().to_string());
+            }
+        }
+        args.push("status".into());
+        args.push("--scheduler".into());
+        args.push(scheduler.clone().unwrap_or_default());
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_within(&refs, Duration::from_secs(30))
+    };
+    let admin = status(true);
+    let plaintext = status(false);
+    let _ = up.kill();
+    let _ = up.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(scheduler.is_some(), "no scheduler address in {seen:?}");
+    assert!(
+        seen.iter().any(|l| l.contains("admin.token")),
+        "up does not say where the admin's token is: {seen:?}"
+    );
+    assert_eq!(admin.0, Some(0), "as admin: {}", admin.1);
+    assert_eq!(plaintext.0, Some(1), "plaintext: {}", plaintext.1);
 }

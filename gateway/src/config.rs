@@ -89,7 +89,10 @@ impl Config {
             return Err("--body-timeout-ms must be at least 1".into());
         }
         kvlease_auth::Security::loopback()
-            .endpoint(&self.scheduler_addr)
+            .endpoint(
+                &self.scheduler_addr,
+                Some(kvlease_auth::ServiceKind::Scheduler),
+            )
             .map(|_| ())
             .map_err(|e| format!("invalid --scheduler-addr {:?}: {e}", self.scheduler_addr))
     }

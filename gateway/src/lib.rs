@@ -89,7 +89,10 @@ pub async fn run(
         .load()
         .map_err(|e| Error::Config(e.to_string()))?;
     let channel = security
-        .endpoint(&config.scheduler_addr)
+        .endpoint(
+            &config.scheduler_addr,
+            Some(kvlease_auth::ServiceKind::Scheduler),
+        )
         .map_err(|e| Error::Config(format!("invalid scheduler address: {e}")))?
         .tcp_nodelay(true)
         .connect_lazy();

@@ -93,6 +93,7 @@ pub async fn start_worker_with_tokenizer(
         worker_svc::SERVICE,
         loopback().await?,
         READY_WITHIN,
+        &config.security.clone(),
         move |l, stop| async move {
             worker_svc::run_with_tokenizer(l, config, tokenizer, stop)
                 .await

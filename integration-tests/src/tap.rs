@@ -539,8 +539,13 @@ where
         name,
         descriptors: kvlease_proto::FILE_DESCRIPTOR_SET,
     };
-    Ok(
-        Service::start(name, name, listeners, READY_WITHIN, |l, stop| async move {
+    Ok(Service::start(
+        name,
+        name,
+        listeners,
+        READY_WITHIN,
+        &kvlease_auth::SecurityArgs::default(),
+        |l, stop| async move {
             serve(
                 info,
                 l,
@@ -555,7 +560,7 @@ where
                 service: name,
                 message: e.to_string(),
             })
-        })
-        .await?,
+        },
     )
+    .await?)
 }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvlease_auth::Security;
+use kvlease_auth::{Security, ServiceKind};
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 use kvlease_proto::v1::worker_service_client::WorkerServiceClient;
@@ -24,16 +24,16 @@ use crate::session::{Session, SessionState};
 use crate::step::MatchWanted;
 
 fn endpoint(
-    peer: &'static str,
+    peer: ServiceKind,
     addr: &str,
     security: &Security,
     timeout: Option<Duration>,
     keepalive: Option<Duration>,
 ) -> Result<Channel> {
     let mut ep = security
-        .endpoint(addr)
+        .endpoint(addr, Some(peer))
         .map_err(|message| Error::Address {
-            peer,
+            peer: peer.name(),
             addr: addr.to_string(),
             message,
         })?
@@ -86,7 +86,7 @@ impl CacheClient {
     /// A lazily connecting client of `addr` (over mTLS when `security` has TLS
     /// material); every call times out after `timeout`.
     pub(crate) fn new(addr: &str, security: &Security, timeout: Duration) -> Result<Self> {
-        let channel = endpoint("cache", addr, security, Some(timeout), None)?;
+        let channel = endpoint(ServiceKind::Cache, addr, security, Some(timeout), None)?;
         Ok(Self {
             inner: CacheServiceClient::new(traced(channel)),
             state: Arc::default(),
@@ -417,7 +417,7 @@ impl WorkerClient {
     /// prefill is legitimate), but the connection is pinged every
     /// `keepalive`: a call to a worker that stops answering fails after two.
     pub(crate) fn new(addr: &str, security: &Security, keepalive: Duration) -> Result<Self> {
-        let channel = endpoint("worker", addr, security, None, Some(keepalive))?;
+        let channel = endpoint(ServiceKind::Worker, addr, security, None, Some(keepalive))?;
         Ok(Self {
             addr: addr.to_string(),
             // GetTokenizer answers with a whole tokenizer.json

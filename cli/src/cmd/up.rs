@@ -1,10 +1,13 @@
 //! `kvlease up`: a whole cluster (cache, workers, scheduler, optionally the
-//! HTTP gateway) in this process on loopback ports, until SIGINT or SIGTERM.
+//! HTTP gateway) in this process on loopback ports, until SIGINT or SIGTERM:
+//! plaintext, or with `--tls` mTLS with credentials of its own
+//! ([`kvlease::local_tls`]).
 
 use std::net::IpAddr;
 use std::process::ExitCode;
 
 use kvlease::cluster::ClusterConfig;
+use kvlease::local_tls::LocalTls;
 use kvlease::{commands, models};
 use kvlease_runtime::process::{self, EXIT_USAGE};
 use scheduler_svc::policy::{OnExhausted, Policy};
@@ -16,13 +19,23 @@ pub(crate) struct UpArgs {
     /// Workers (model replicas) to start.
     #[arg(long, default_value_t = 2)]
     workers: usize,
-    /// Address the services listen on. They serve plaintext gRPC: an address other than
-    /// loopback also takes --insecure.
+    /// Address the services listen on. Without --tls they serve plaintext gRPC, where every
+    /// caller on loopback is an admin: an address other than loopback also takes --insecure.
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
     /// Serve plaintext gRPC on a non-loopback --host (logged as a warning).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "tls")]
     insecure: bool,
+    /// Serve mTLS only: a fresh development CA, one certificate per service, the clients
+    /// admin, client and observer, and a bearer token of admin (admin.token, also taken by
+    /// the HTTP gateway), written into --tls-dir; only who can read it is an admin.
+    #[arg(long)]
+    tls: bool,
+    /// Where --tls writes its credentials (created for its owner only; an existing
+    /// directory must be private). Default: a new directory in the temporary directory,
+    /// removed when the cluster stops.
+    #[arg(long, requires = "tls")]
+    tls_dir: Option<std::path::PathBuf>,
     /// Scheduler port; the cache takes the next one and the workers the ones after (0 = any free ports).
     #[arg(long, default_value_t = 50051)]
     base_port: u16,
@@ -92,6 +105,35 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
     config.cache.security.insecure = a.insecure;
     config.worker.security.insecure = a.insecure;
     config.scheduler.security.insecure = a.insecure;
+    // the credentials' directory, and whether it is ours to remove at the end
+    let tls = match (a.tls, &a.tls_dir) {
+        (false, _) => None,
+        (true, dir) => {
+            let (dir, ours) = match dir {
+                Some(dir) => (dir.clone(), false),
+                None => (
+                    std::env::temp_dir().join(format!("kvlease-up-{}", std::process::id())),
+                    true,
+                ),
+            };
+            // the services are reached at --host too when it is not loopback
+            let hosts: Vec<String> = if a.host.is_loopback() {
+                Vec::new()
+            } else {
+                vec![a.host.to_string()]
+            };
+            match LocalTls::create(&dir, &hosts) {
+                Ok(tls) => {
+                    tls.secure(&mut config);
+                    Some((tls, ours))
+                }
+                Err(e) => {
+                    eprintln!("kvlease: {e}");
+                    return ExitCode::from(EXIT_USAGE);
+                }
+            }
+        }
+    };
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     config.scheduler.max_context = a.max_context;
     config.worker.threads = if a.threads == 0 {
@@ -131,7 +173,14 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
     config.scheduler.routing_prefill_weight = a.routing_prefill_weight;
     config.scheduler.trace_steps_one_in = a.trace_steps_one_in;
     config.metrics_port = (a.metrics_base_port != 0).then_some(a.metrics_base_port);
-    match commands::up(config, a.http_listen, process::shutdown_signal()).await {
+    let local = tls.as_ref().map(|(tls, _)| tls);
+    let ended = commands::up(config, a.http_listen, local, process::shutdown_signal()).await;
+    if let Some((tls, true)) = &tls
+        && let Err(e) = std::fs::remove_dir_all(tls.dir())
+    {
+        eprintln!("kvlease: cannot remove {}: {e}", tls.dir().display());
+    }
+    match ended {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => failed(e),
     }
