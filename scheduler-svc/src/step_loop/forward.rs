@@ -48,6 +48,7 @@ impl StepLoop {
                 continue;
             };
             let seqs: Vec<SeqId> = items.iter().map(|i| i.seq_id).collect();
+            let chunks = self.traces.forward_items(&items);
             let span = kvlease_telemetry::client_span("kvlease.v1.WorkerService", "Forward");
             span.record("kvlease.step", step.get() as i64);
             // every request in the batch, one click away from the step
@@ -55,7 +56,7 @@ impl StepLoop {
                 kvlease_telemetry::add_link(&span, link, LINK_BATCHED);
             }
             let call = async move {
-                let result = worker.forward(step, &items, &copies).await;
+                let result = worker.forward(step, &items, &copies, &chunks).await;
                 record_call(&tracing::Span::current(), &result);
                 result
             }
