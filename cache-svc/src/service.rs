@@ -27,7 +27,9 @@ use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId, Step};
 use crate::lease::Outcome;
 use crate::metrics::CacheMetrics;
-use crate::trace::{FenceLinks, trace_call, trace_complete, trace_outcomes, trace_releases};
+use crate::trace::{
+    FenceLinks, ItemTraces, trace_call, trace_complete, trace_outcomes, trace_releases,
+};
 use crate::watchers::WatchSlots;
 
 /// Events sent per read of the log by one WatchEvents stream.
@@ -160,7 +162,7 @@ impl CacheServiceImpl {
         call: (&Principal, SessionId, Epoch),
         step: u64,
         op: &'static str,
-        traces: &[String],
+        traces: &ItemTraces,
         run: impl FnOnce(&mut Cache, SessionId, Epoch) -> Result<Vec<Outcome>>,
     ) -> Result<Vec<pb::SequenceOutcome>> {
         let (caller, session, epoch) = call;
@@ -177,7 +179,7 @@ impl CacheServiceImpl {
         &self,
         mut cache: MutexGuard<'_, Cache>,
         op: &'static str,
-        traces: &[String],
+        traces: &ItemTraces,
         outcomes: Vec<Outcome>,
     ) -> Vec<pb::SequenceOutcome> {
         let evicted = cache.take_evictions();
@@ -332,11 +334,14 @@ impl CacheService for CacheServiceImpl {
     ) -> Result<Response<pb::LeaseResponse>, Status> {
         let (caller, mut r) = self.accept(request)?;
         self.check_batch("sequences", r.sequences.len())?;
-        let traces: Vec<String> = r
-            .sequences
-            .iter_mut()
-            .map(|s| std::mem::take(&mut s.traceparent))
-            .collect();
+        let traces = ItemTraces {
+            traceparents: r
+                .sequences
+                .iter_mut()
+                .map(|s| std::mem::take(&mut s.traceparent))
+                .collect(),
+            retried: r.sequences.iter().map(|s| s.refusal_retried).collect(),
+        };
         let specs = r
             .sequences
             .into_iter()
@@ -360,11 +365,12 @@ impl CacheService for CacheServiceImpl {
     ) -> Result<Response<pb::ExtendResponse>, Status> {
         let (caller, r) = self.accept(request)?;
         self.check_batch("items", r.items.len())?;
-        let (traces, part) = extend_from_pb(pb::StepExtend {
+        let (traceparents, part) = extend_from_pb(pb::StepExtend {
             step: r.step,
             atomic: r.atomic,
             items: r.items,
         })?;
+        let traces = ItemTraces::of(traceparents);
         let call = (&caller, SessionId(r.session_id), Epoch(r.epoch));
         let outcomes = self.run_batch(call, r.step, names::OP_EXTEND, &traces, |cache, s, e| {
             cache.extend_items(s, e, part.batch, &part.items, now())
@@ -432,10 +438,10 @@ impl CacheService for CacheServiceImpl {
         }
         let (traces, extend) = match r.extend {
             Some(part) => {
-                let (traces, part) = extend_from_pb(part)?;
-                (traces, Some(part))
+                let (traceparents, part) = extend_from_pb(part)?;
+                (ItemTraces::of(traceparents), Some(part))
             }
-            None => (Vec::new(), None),
+            None => (ItemTraces::default(), None),
         };
         let parts = StepParts {
             release: r.release.as_ref().map(release_from_pb),

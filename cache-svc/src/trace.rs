@@ -1,5 +1,6 @@
 //! The traces of the cache's calls: each sequence's outcome in its own
-//! request's trace (grants, rejects with their figures, evictions), releases
+//! request's trace (grants, rejects with their figures), each call's
+//! evictions summarized, releases
 //! and the fenced-release links a `CompleteStep` carries to the releases
 //! whose blocks it freed. Read by the handlers after the core answered;
 //! nothing here changes the cache.
@@ -52,57 +53,71 @@ impl FenceLinks {
     }
 }
 
-/// Each sequence's outcome in its own request's trace (`traces[i]`, the
-/// items' `traceparent`s), linked to this batch call's span: a `Reject`
-/// error span with the figures for a refusal and, when `grants` is set (an
-/// admission `Lease`, not every decode step's `Extend`), a `Grant` span.
+/// The trace contexts of a `Lease`/`Extend` batch's items: `traceparents[i]`
+/// is item `i`'s request (empty: none), `retried[i]` whether the holder
+/// retries it after a transient refusal (`SequenceSpec.refusal_retried`;
+/// shorter than the items: not retried).
+#[derive(Debug, Default)]
+pub(crate) struct ItemTraces {
+    pub(crate) traceparents: Vec<String>,
+    pub(crate) retried: Vec<bool>,
+}
+
+impl ItemTraces {
+    /// Items no refusal of which is retried (an `Extend`'s).
+    pub(crate) fn of(traceparents: Vec<String>) -> Self {
+        Self {
+            traceparents,
+            retried: Vec::new(),
+        }
+    }
+
+    /// Whether a refusal of item `i` for `reason` leaves its request going:
+    /// the holder retries it, and the reason is one it can retry.
+    fn retried(&self, i: usize, reason: pb::RejectReason) -> bool {
+        self.retried.get(i).copied().unwrap_or(false)
+            && matches!(
+                reason,
+                pb::RejectReason::PoolExhausted | pb::RejectReason::RolledBack
+            )
+    }
+}
+
+/// Each sequence's outcome in its own request's trace (`traces`, the items'
+/// contexts), linked to this batch call's span: a `Reject` span with the
+/// figures for a refusal (an error span, unless the holder retries it, see
+/// [`ItemTraces`]) and, when `grants` is set (an admission `Lease`, not every
+/// decode step's `Extend`), a `Grant` span with the blocks, the reused tokens,
+/// the host-tier onboardings and the cached blocks its allocation evicted.
 /// Items without a trace context get their rejects under the call's span.
-/// The cached blocks a sequence's allocation evicted get an `Evict` span
-/// (pool, blocks) in its trace.
+/// The call's evictions are summarized in one `Evict` span under the call's
+/// span (sequences that evicted, blocks per pool): one per call, not one per
+/// allocation, so they stay a small share of the spans.
 pub(crate) fn trace_outcomes(
     outcomes: &[pb::SequenceOutcome],
-    traces: &[String],
+    traces: &ItemTraces,
     grants: bool,
     evicted: &[Evicted],
 ) {
     let batch = kvlease_telemetry::span_context(&Span::current());
-    let item_trace = |i: usize| item_context(traces, i);
-    let mut index = HashMap::new();
-    for (i, o) in outcomes.iter().enumerate().filter(|_| !evicted.is_empty()) {
-        let seq_id = match &o.outcome {
-            Some(pb::sequence_outcome::Outcome::Grant(g)) => g.seq_id,
-            Some(pb::sequence_outcome::Outcome::Reject(r)) => r.seq_id,
-            None => continue,
-        };
-        index.insert(seq_id, i);
-    }
-    // one span per sequence and call, whatever the number of pools
-    let mut by_seq: BTreeMap<u64, Vec<&Evicted>> = BTreeMap::new();
-    for e in evicted {
-        by_seq.entry(e.seq_id).or_default().push(e);
-    }
-    for (seq_id, pools) in by_seq {
-        let Some(cx) = index.get(&seq_id).map(|&i| item_trace(i)) else {
-            continue;
-        };
-        if cx.has_active_span() {
-            let span = kvlease_telemetry::sequence_span(&cx, EVICT_SPAN, batch.clone());
-            attributes::set_u64(&span, attributes::SEQ_ID, seq_id);
-            let ids: Vec<i64> = pools.iter().map(|e| i64::from(e.pool_id)).collect();
-            let blocks: Vec<i64> = pools.iter().map(|e| e.blocks as i64).collect();
-            span.set_attribute(attributes::POOL_IDS, Value::Array(ids.into()));
-            span.set_attribute(attributes::BLOCKS_EVICTED, Value::Array(blocks.into()));
-        }
-    }
+    let item_trace = |i: usize| item_context(&traces.traceparents, i);
+    let _evict = evict_summary(evicted);
     // parsed only for the items that get a span: an Extend of 256 running
     // sequences is all grants, and it comes every step
     for (i, o) in outcomes.iter().enumerate() {
         match &o.outcome {
             Some(pb::sequence_outcome::Outcome::Reject(r)) => {
                 let cx = item_trace(i);
-                let _span = kvlease_telemetry::sequence_reject_span(&cx, r, batch.clone());
+                if traces.retried(i, r.reason()) {
+                    let _span =
+                        kvlease_telemetry::sequence_retried_reject_span(&cx, r, batch.clone());
+                } else {
+                    let _span = kvlease_telemetry::sequence_reject_span(&cx, r, batch.clone());
+                }
             }
-            Some(pb::sequence_outcome::Outcome::Grant(g)) if grants && !traces.is_empty() => {
+            Some(pb::sequence_outcome::Outcome::Grant(g))
+                if grants && !traces.traceparents.is_empty() =>
+            {
                 let cx = item_trace(i);
                 if !cx.has_active_span() {
                     continue;
@@ -112,15 +127,67 @@ pub(crate) fn trace_outcomes(
                 let blocks: usize = g.tables.iter().map(|t| t.block_ids.len()).sum();
                 attributes::set_u64(&span, attributes::BLOCKS_GRANTED, blocks as u64);
                 attributes::set_u64(&span, attributes::REUSED_TOKENS, u64::from(g.reused_tokens));
+                record_tiers(&span, &g.tier_copies);
+                let evicted: u64 = evicted
+                    .iter()
+                    .filter(|e| e.seq_id == g.seq_id)
+                    .map(|e| e.blocks)
+                    .sum();
+                if evicted > 0 {
+                    attributes::set_u64(&span, attributes::BLOCKS_EVICTED, evicted);
+                }
             }
             _ => {}
         }
     }
 }
 
+/// The `Evict` span of a call whose allocations evicted cached blocks (none
+/// when nothing was evicted), a child of the call's span: how many
+/// sequences' allocations evicted, and the blocks evicted per pool.
+fn evict_summary(evicted: &[Evicted]) -> Option<Span> {
+    if evicted.is_empty() {
+        return None;
+    }
+    let mut by_pool: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut seqs = std::collections::BTreeSet::new();
+    for e in evicted {
+        *by_pool.entry(e.pool_id).or_default() += e.blocks;
+        seqs.insert(e.seq_id);
+    }
+    let span = tracing::info_span!("kvlease.evict", otel.name = EVICT_SPAN);
+    attributes::set_u64(&span, attributes::SEQUENCES, seqs.len() as u64);
+    let ids: Vec<i64> = by_pool.keys().map(|&p| i64::from(p)).collect();
+    let blocks: Vec<i64> = by_pool.values().map(|&b| b as i64).collect();
+    span.set_attribute(attributes::POOL_IDS, Value::Array(ids.into()));
+    span.set_attribute(attributes::BLOCKS_EVICTED, Value::Array(blocks.into()));
+    Some(span)
+}
+
+/// The host tier on a grant's span: the blocks onboarded from host memory
+/// and demoted to it, and the tier its reused KV came from.
+fn record_tiers(span: &Span, copies: &[pb::TierCopy]) {
+    let onboarded = copies
+        .iter()
+        .filter(|c| c.direction() == pb::tier_copy::Direction::Onboard)
+        .count() as u64;
+    let demoted = copies.len() as u64 - onboarded;
+    attributes::set_u64(span, attributes::ONBOARDED_BLOCKS, onboarded);
+    if demoted > 0 {
+        attributes::set_u64(span, attributes::DEMOTED_BLOCKS, demoted);
+    }
+    let tier = if onboarded > 0 {
+        attributes::TIER_HOST
+    } else {
+        attributes::TIER_DEVICE
+    };
+    span.set_attribute(attributes::TIER, tier);
+}
+
 /// Name of the span a granted sequence gets in its request's trace.
 const GRANT_SPAN: &str = "Grant";
-/// Name of the span for the cached blocks a sequence's allocation evicted.
+/// Name of the span that summarizes the cached blocks a call's allocations
+/// evicted.
 const EVICT_SPAN: &str = "Evict";
 /// Name of the span a released sequence gets in its request's trace.
 const RELEASE_SPAN: &str = "Release";

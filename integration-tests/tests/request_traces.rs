@@ -13,7 +13,12 @@
 //! - root spans are only `Generate` and sampled `step`s;
 //! - the median request trace has at most 30 spans;
 //! - the cache, the scheduler and both workers export under their own
-//!   `service.name` (and the workers under two `service.instance.id`s).
+//!   `service.name` (and the workers under two `service.instance.id`s);
+//! - every request that finished `LENGTH`/`STOP` holds its prefill work on the
+//!   worker: `prefill` spans of a worker (tokens, reused tokens, replica) that
+//!   cover its prompt, and no ERROR span (a preemption or a refused
+//!   admission that was retried is not an error);
+//! - no span links to a span that was not exported (an unsampled step).
 //!
 //! It prints the figures and one rejected request's trace as a tree.
 
@@ -33,9 +38,68 @@ const CACHE: &str = "kvlease-cache";
 const WORKER: &str = "kvlease-worker";
 const GENERATE: &str = "kvlease.v1.Scheduler/Generate";
 const ERROR: i32 = 2;
+/// The worker's span for one prefill chunk of a sequence, in its request's
+/// trace.
+const PREFILL: &str = "prefill";
+const PROMPT: u32 = 48;
 
 fn rejected(s: &Sent) -> bool {
     s.result.finish_reason() == pb::FinishReason::Rejected
+}
+
+fn finished(s: &Sent) -> bool {
+    matches!(
+        s.result.finish_reason(),
+        pb::FinishReason::Length | pb::FinishReason::Stop
+    )
+}
+
+fn is_error(s: &Received) -> bool {
+    s.span.status.as_ref().map(|st| st.code) == Some(ERROR)
+}
+
+/// The links among `spans` whose target span was not exported, as
+/// "name -> trace/span".
+fn dangling_links(spans: &[Received]) -> Vec<String> {
+    let ids: BTreeSet<(&[u8], &[u8])> = spans
+        .iter()
+        .map(|s| (s.span.trace_id.as_slice(), s.span.span_id.as_slice()))
+        .collect();
+    spans
+        .iter()
+        .flat_map(|s| s.span.links.iter().map(move |l| (s, l)))
+        .filter(|(_, l)| !ids.contains(&(l.trace_id.as_slice(), l.span_id.as_slice())))
+        .map(|(s, l)| {
+            format!(
+                "{} [{}] -> {}/{}",
+                s.span.name,
+                s.service,
+                hex(&l.trace_id),
+                hex(&l.span_id)
+            )
+        })
+        .collect()
+}
+
+/// Whether the worker's `prefill` spans of one sequence of the trace cover
+/// the prompt: its reused tokens plus the tokens of its chunks.
+fn prefilled_on_worker(trace: &[&Received]) -> bool {
+    let mut by_seq: HashMap<i64, (i64, i64)> = HashMap::new();
+    for p in named(trace, PREFILL, WORKER) {
+        let (Some(seq), Some(tokens), Some(reused)) = (
+            attr_int(&p.span, "kvlease.seq_id"),
+            attr_int(&p.span, "kvlease.tokens"),
+            attr_int(&p.span, "kvlease.reused_tokens"),
+        ) else {
+            continue;
+        };
+        let e = by_seq.entry(seq).or_default();
+        e.0 = reused;
+        e.1 += tokens;
+    }
+    by_seq
+        .values()
+        .any(|(reused, tokens)| reused + tokens >= i64::from(PROMPT))
 }
 
 /// The spans of each trace.
@@ -94,20 +158,22 @@ async fn an_oversubscribed_bench_gives_one_readable_trace_per_request() {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_nanos() as u64;
-    let sent = traced_bench(cluster.scheduler.addr, 200, 48, 120)
+    let sent = traced_bench(cluster.scheduler.addr, 200, PROMPT, 120)
         .await
         .unwrap();
     // every request's trace has arrived: its root, the release of every
     // lease it was granted, and for one that was not rejected its forward
     // work (the forward and release spans of the last steps end after the
-    // roots). A trace that never settles is judged below as it is.
+    // roots), and every span a link points at (a sampled step trace is
+    // exported when its root ends). A trace that never settles is judged
+    // below as it is.
     receiver
         .until(Duration::from_secs(60), |all| {
             let traces = by_trace(all);
             sent.iter().all(|s| {
                 let trace = traces.get(s.trace.as_slice()).cloned().unwrap_or_default();
                 settled(&trace, rejected(s))
-            })
+            }) && dangling_links(all).is_empty()
         })
         .await;
     let spans: Vec<Received> = receiver
@@ -128,9 +194,24 @@ async fn an_oversubscribed_bench_gives_one_readable_trace_per_request() {
     let mut missing = Vec::new();
     let mut per_request = Vec::new();
     let mut foreign_rejects = Vec::new();
+    let mut not_prefilled = Vec::new();
+    let mut finished_with_errors = Vec::new();
     for s in &sent {
         let trace = traces.get(s.trace.as_slice()).cloned().unwrap_or_default();
         per_request.push(trace.len());
+        if finished(s) {
+            if !prefilled_on_worker(&trace) {
+                not_prefilled.push(hex(&s.trace));
+            }
+            let errors: Vec<String> = trace
+                .iter()
+                .filter(|r| is_error(r))
+                .map(|r| format!("{} [{}]", r.span.name, r.service))
+                .collect();
+            if !errors.is_empty() {
+                finished_with_errors.push((hex(&s.trace), s.result.preemptions, errors));
+            }
+        }
         let root = named(&trace, GENERATE, SCHEDULER);
         let leased = !named(&trace, "Grant", CACHE).is_empty()
             || !named(&trace, REJECT_SPAN, CACHE).is_empty();
@@ -220,6 +301,9 @@ async fn an_oversubscribed_bench_gives_one_readable_trace_per_request() {
         .collect();
     per_request.sort_unstable();
     let median = per_request[per_request.len() / 2];
+    let dangling = dangling_links(&spans);
+    let links: usize = spans.iter().map(|s| s.span.links.len()).sum();
+    let finished_n = sent.iter().filter(|s| finished(s)).count();
 
     let n = sent.len();
     println!("requests {n}, rejected {rejects}, preemptions {preemptions}");
@@ -234,6 +318,19 @@ async fn an_oversubscribed_bench_gives_one_readable_trace_per_request() {
         spans.len()
     );
     println!("service.name: {services:?}; worker instances: {worker_instances:?}");
+    println!(
+        "finished LENGTH/STOP {finished_n}: without their prefill on a worker {}, with an ERROR span {}; links {links}, to spans never exported {}",
+        not_prefilled.len(),
+        finished_with_errors.len(),
+        dangling.len()
+    );
+    if let Some((trace, preemptions, errors)) = finished_with_errors.first() {
+        println!("e.g. {trace} (preemptions {preemptions}): {errors:?}");
+        if let Some(t) = sent.iter().find(|s| hex(&s.trace) == *trace) {
+            let spans = traces.get(t.trace.as_slice()).cloned().unwrap_or_default();
+            println!("{}", tree(&spans));
+        }
+    }
     println!(
         "one rejected request's trace:\n{}",
         shown.clone().unwrap_or_default()
@@ -256,6 +353,25 @@ async fn an_oversubscribed_bench_gives_one_readable_trace_per_request() {
         "root spans other than Generate and sampled steps: {bad_roots:?}"
     );
     assert!(median <= 30, "median spans per request {median}");
+    assert!(finished_n > 0, "no request finished LENGTH/STOP");
+    assert!(
+        not_prefilled.is_empty(),
+        "{} of {finished_n} finished requests lack their prefill on a worker, e.g. {:?}",
+        not_prefilled.len(),
+        not_prefilled.first()
+    );
+    assert!(
+        finished_with_errors.is_empty(),
+        "{} of {finished_n} finished requests hold ERROR spans, e.g. {:?}",
+        finished_with_errors.len(),
+        finished_with_errors.first()
+    );
+    assert!(
+        dangling.is_empty(),
+        "{} of {links} links point at spans never exported, e.g. {:?}",
+        dangling.len(),
+        dangling.first()
+    );
     for service in [SCHEDULER, CACHE, WORKER] {
         assert!(
             services.contains(service),

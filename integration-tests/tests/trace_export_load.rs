@@ -3,8 +3,9 @@
 //! 2,000 over-subscribing requests against an OTLP receiver that answers
 //! every export 300 ms late, at the default export settings: every
 //! request's trace arrives whole (its `Generate` root, its cache lease and
-//! its cache release), i.e. the exporter dropped none of them. (About 25 s
-//! on a loaded 2-core machine.)
+//! its cache release), i.e. the exporter dropped none of them; and the
+//! cache's evictions are summarized (`Evict` spans are at most a tenth of all
+//! spans; a `Grant` says how many blocks its allocation evicted). (About 25 s on a loaded 2-core machine.)
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -58,15 +59,32 @@ async fn two_thousand_requests_reach_a_slow_collector_without_drops() {
         .await;
     let arrived = whole(&spans);
     cluster.stop().await;
+    let evicts = spans.iter().filter(|s| s.span.name == "Evict").count();
+    // summarized, not gone: the grants whose allocation evicted say how much
+    let evicting_grants = spans
+        .iter()
+        .filter(|s| s.span.name == "Grant")
+        .filter(|s| it::otlp::attr_int(&s.span, "kvlease.blocks_evicted").is_some_and(|b| b > 0))
+        .count();
 
     println!(
-        "{REQUESTS} requests in {bench_time:.1?}; {arrived} whole traces; {} spans in {} exports (300 ms each); queue {queue}",
+        "{REQUESTS} requests in {bench_time:.1?}; {arrived} whole traces; {} spans in {} exports (300 ms each); queue {queue}; Evict spans {evicts} ({:.1}%), grants that evicted {evicting_grants}",
         spans.len(),
-        receiver.exports()
+        receiver.exports(),
+        100.0 * evicts as f64 / spans.len().max(1) as f64
     );
     assert_eq!(
         arrived,
         wanted.len(),
         "traces lost on the way to a slow collector"
+    );
+    assert!(
+        evicts * 10 <= spans.len(),
+        "{evicts} of {} spans are Evict spans",
+        spans.len()
+    );
+    assert!(
+        evicting_grants > 0,
+        "no Grant span shows the blocks its allocation evicted"
     );
 }

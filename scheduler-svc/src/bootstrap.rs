@@ -476,7 +476,7 @@ async fn forward_batched(
         if !batch.is_empty()
             && (batch.len() as u32 >= group.max_batch_sequences || tokens + n > step_tokens)
         {
-            worker.forward(step, &batch, copies).await?;
+            worker.forward(step, &batch, copies, &[]).await?;
             copies = &[];
             batch.clear();
             tokens = 0;
@@ -485,7 +485,7 @@ async fn forward_batched(
         batch.push(item.clone());
     }
     if !batch.is_empty() || !copies.is_empty() {
-        worker.forward(step, &batch, copies).await?;
+        worker.forward(step, &batch, copies, &[]).await?;
     }
     Ok(())
 }

@@ -22,6 +22,7 @@ use crate::domain::{
 use crate::error::{Error, Result};
 use crate::session::{Session, SessionState};
 use crate::step::MatchWanted;
+use crate::traces::ChunkTrace;
 
 fn endpoint(
     peer: ServiceKind,
@@ -498,14 +499,16 @@ impl WorkerClient {
         Ok(tokenizer)
     }
 
-    /// One forward pass of `step`; one result per item, in order.
+    /// One forward pass of `step`; one result per item, in order (`traces`
+    /// as for `convert::forward_request`).
     pub(crate) async fn forward(
         &self,
         step: Step,
         items: &[ForwardItem],
         tier_copies: &[TierCopy],
+        traces: &[Option<ChunkTrace>],
     ) -> Result<Vec<ForwardResult>> {
-        let req = convert::forward_request(step, items, tier_copies);
+        let req = convert::forward_request(step, items, tier_copies, traces);
         let r = self
             .inner
             .clone()

@@ -11,6 +11,7 @@ use crate::domain::{
 use crate::error::{Error, Result};
 use crate::queue::Request;
 use crate::session::Session;
+use crate::traces::ChunkTrace;
 use kvlease_tokenizer::{Message, Tokenizer};
 
 // === the Scheduler API ===
@@ -209,7 +210,13 @@ pub(crate) fn lease_request(
         sequences: specs
             .iter()
             .enumerate()
-            .map(|(i, spec)| sequence_spec(spec, item_trace(traces, i)))
+            .map(|(i, spec)| {
+                let mut s = sequence_spec(spec, item_trace(traces, i));
+                // the loop's admission waits after these refusals and leases
+                // again; warm-up fails instead
+                s.refusal_retried = !warmup;
+                s
+            })
             .collect(),
     }
 }
@@ -334,6 +341,7 @@ pub(crate) fn sequence_spec(s: &LeaseSpec, traceparent: String) -> pb::SequenceS
         reserve_full_life: s.reserve_full_life,
         traceparent,
         prefill_tokens: s.prefill_tokens,
+        refusal_retried: false,
     }
 }
 
@@ -476,20 +484,34 @@ pub(crate) fn reject_to_proto(r: &Reject) -> pb::Reject {
 
 // === the workers' messages ===
 
+/// A Forward of `items`; `traces[i]`, when there is one, is what the worker
+/// records of item `i` in its request's trace (shorter, or empty: the items
+/// past its end have none).
 pub(crate) fn forward_request(
     step: Step,
     items: &[ForwardItem],
     tier_copies: &[TierCopy],
+    traces: &[Option<ChunkTrace>],
 ) -> pb::ForwardRequest {
     pb::ForwardRequest {
         tier_copies: tier_copies.iter().map(tier_copy_to_pb).collect(),
         step: step.get(),
-        sequences: items.iter().map(forward_sequence).collect(),
+        sequences: items
+            .iter()
+            .enumerate()
+            .map(|(n, i)| forward_sequence(i, traces.get(n).and_then(Option::as_ref)))
+            .collect(),
     }
 }
 
-fn forward_sequence(i: &ForwardItem) -> pb::ForwardSequence {
+fn forward_sequence(i: &ForwardItem, trace: Option<&ChunkTrace>) -> pb::ForwardSequence {
     pb::ForwardSequence {
+        trace: trace.map(|t| pb::SequenceTrace {
+            traceparent: t.traceparent.clone(),
+            reused_tokens: t.reused_tokens,
+            onboarded_blocks: t.onboarded_blocks,
+            replica: t.replica.clone(),
+        }),
         seq_id: i.seq_id.get(),
         tokens: i.tokens.clone(),
         start_pos: i.start_pos,
@@ -688,7 +710,7 @@ mod tests {
             sampling: Sampling::default(),
             copies: Vec::new(),
         };
-        let req = forward_request(Step(6), std::slice::from_ref(&item), &[]);
+        let req = forward_request(Step(6), std::slice::from_ref(&item), &[], &[]);
         assert_eq!(req.step, 6);
         let sent = &req.sequences[0];
         assert_eq!(

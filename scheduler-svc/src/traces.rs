@@ -8,7 +8,10 @@
 //! the cache's span for the sequence is its child), `preempt` per
 //! preemption, one `forward` summary (steps taken part in, time on the
 //! worker) and one `release` span per release (the cache's release span is
-//! its child). Rejects are recorded by the cache in the same trace, and by
+//! its child). Each prefill chunk's Forward item carries the request's
+//! context ([`ChunkTrace`]), so the worker records the chunk in the trace;
+//! decode items carry none (a decode step of hundreds of sequences records
+//! no span per sequence: the `forward` summary stands for them). Rejects are recorded by the cache in the same trace, and by
 //! the `Generate` span itself (see `service.rs`).
 //!
 //! Steps are their own traces (`step` -> batched calls), exported when the
@@ -25,7 +28,7 @@ use kvlease_telemetry::opentelemetry::trace::SpanContext;
 use tracing::Span;
 use tracing::field::Empty;
 
-use crate::domain::{RequestId, SeqId, Step};
+use crate::domain::{ForwardItem, LeaseSpec, Outcome, RequestId, SeqId, Step};
 use crate::step::Preemption;
 
 /// The service name in traces (and the scheduler's logical service in
@@ -58,11 +61,34 @@ struct ForwardSummary {
     worker_time: Duration,
 }
 
+/// What the worker records of one traced prefill chunk, in its request's
+/// trace (`ForwardSequence.trace`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ChunkTrace {
+    /// The request's `Generate` span.
+    pub traceparent: String,
+    /// Prompt tokens the grant reused (partial copies included).
+    pub reused_tokens: u32,
+    /// Of those, blocks onboarded from the host tier.
+    pub onboarded_blocks: u32,
+    /// The pool group (replica) the sequence runs in.
+    pub replica: String,
+}
+
+/// A granted sequence whose prompt is not all computed yet.
+#[derive(Debug)]
+struct Prefilling {
+    /// Position after the lease's prompt: items before it are prefill.
+    prompt_end: u32,
+    chunk: ChunkTrace,
+}
+
 /// The traces of the live requests, by request and by sequence.
 #[derive(Debug, Default)]
 pub(crate) struct RequestTraces {
     requests: HashMap<RequestId, RequestTrace>,
     seqs: HashMap<SeqId, RequestId>,
+    prefilling: HashMap<SeqId, Prefilling>,
 }
 
 impl RequestTraces {
@@ -114,25 +140,24 @@ impl RequestTraces {
             .collect()
     }
 
-    /// Admission leases for `(seq, request)`: ends the queue wait and opens
-    /// a `lease` span per sequence. Returns the spans (kept open for the
-    /// call) and their `traceparent`s (the items' trace contexts).
-    pub(crate) fn leasing(
-        &mut self,
-        step: Step,
-        items: impl Iterator<Item = (SeqId, RequestId)>,
-    ) -> (Vec<Span>, Vec<String>) {
+    /// Admission leases for `specs`: ends the queue wait and opens a `lease`
+    /// span per sequence (with the replica it was routed to). Returns the
+    /// spans (kept open for the call) and their `traceparent`s (the items'
+    /// trace contexts).
+    pub(crate) fn leasing(&mut self, step: Step, specs: &[LeaseSpec]) -> (Vec<Span>, Vec<String>) {
         let mut spans = Vec::new();
         let mut parents = Vec::new();
-        for (seq, request) in items {
-            self.seqs.insert(seq, request);
-            let span = match self.requests.get_mut(&request) {
+        for spec in specs {
+            let seq = spec.seq_id;
+            self.seqs.insert(seq, spec.request);
+            let span = match self.requests.get_mut(&spec.request) {
                 Some(t) => {
                     t.queue = None;
                     t.held.insert(seq);
                     t.seq_ids.push(seq.get() as i64);
                     tracing::info_span!(parent: &t.root, "lease", kvlease.seq_id = seq.get() as i64,
-                        kvlease.step = step.get() as i64, kvlease.outcome = Empty)
+                        kvlease.step = step.get() as i64, kvlease.replica = spec.pool_group.as_str(),
+                        kvlease.outcome = Empty)
                 }
                 None => Span::none(),
             };
@@ -140,6 +165,61 @@ impl RequestTraces {
             spans.push(span);
         }
         (spans, parents)
+    }
+
+    /// The cache's answers to the admission leases of `specs` (`spans`, from
+    /// [`Self::leasing`]): each lease span's outcome and, for a granted
+    /// sequence of a traced request, what its prefill chunks will show.
+    pub(crate) fn leased(&mut self, spans: Vec<Span>, specs: &[LeaseSpec], outcomes: &[Outcome]) {
+        for ((lease, spec), outcome) in spans.iter().zip(specs).zip(outcomes) {
+            let Outcome::Grant(grant) = outcome else {
+                lease.record("kvlease.outcome", "reject");
+                continue;
+            };
+            lease.record("kvlease.outcome", "grant");
+            let Some(t) = self.requests.get(&spec.request) else {
+                continue;
+            };
+            let onboarded = grant.tier_copies.iter().filter(|c| !c.demote).count();
+            self.prefilling.insert(
+                spec.seq_id,
+                Prefilling {
+                    prompt_end: u32::try_from(spec.prompt_tokens.len()).unwrap_or(u32::MAX),
+                    chunk: ChunkTrace {
+                        traceparent: t.traceparent.clone(),
+                        reused_tokens: grant.reused_tokens,
+                        onboarded_blocks: u32::try_from(onboarded).unwrap_or(u32::MAX),
+                        replica: spec.pool_group.clone(),
+                    },
+                },
+            );
+        }
+    }
+
+    /// For each item of a forward batch, what the worker records of it in
+    /// its request's trace: a prefill chunk of a traced request gets its
+    /// [`ChunkTrace`], anything else (every decode item) none. Empty when no
+    /// sequence is prefilling (steady decode: no per-item work).
+    pub(crate) fn forward_items(&mut self, items: &[ForwardItem]) -> Vec<Option<ChunkTrace>> {
+        if self.prefilling.is_empty() {
+            return Vec::new();
+        }
+        items
+            .iter()
+            .map(|item| {
+                let p = self.prefilling.get(&item.seq_id)?;
+                if item.start_pos >= p.prompt_end {
+                    return None;
+                }
+                let chunk = p.chunk.clone();
+                let end = item.start_pos as usize + item.tokens.len();
+                if end >= p.prompt_end as usize {
+                    // its last chunk: the rest of the sequence is decode
+                    self.prefilling.remove(&item.seq_id);
+                }
+                Some(chunk)
+            })
+            .collect()
     }
 
     /// A preemption, as a span in the request's trace.
@@ -195,6 +275,7 @@ impl RequestTraces {
 
     /// The core forgot `seq` (released, or never leased).
     pub(crate) fn forget_seq(&mut self, seq: SeqId) {
+        self.prefilling.remove(&seq);
         let Some(id) = self.seqs.remove(&seq) else {
             return;
         };

@@ -70,6 +70,28 @@ pub const POOL_IDS: &str = "kvlease.pool_ids";
 pub const BLOCKS_FENCED: &str = "kvlease.blocks_fenced";
 /// Leading prompt tokens served from reused blocks.
 pub const REUSED_TOKENS: &str = "kvlease.reused_tokens";
+/// Tokens of one forward item (a prefill chunk).
+pub const TOKENS: &str = "kvlease.tokens";
+/// Position of a forward item's first token.
+pub const START_POS: &str = "kvlease.start_pos";
+/// Blocks onboarded from the host-memory tier (a grant's reused blocks that were demoted).
+pub const ONBOARDED_BLOCKS: &str = "kvlease.onboarded_blocks";
+/// Cached blocks a call demoted to the host-memory tier.
+pub const DEMOTED_BLOCKS: &str = "kvlease.demoted_blocks";
+/// Where a sequence's reused KV came from: [`TIER_DEVICE`] or [`TIER_HOST`].
+pub const TIER: &str = "kvlease.tier";
+/// [`TIER`]: the device's own cached blocks (or nothing reused).
+pub const TIER_DEVICE: &str = "device";
+/// [`TIER`]: at least one block onboarded from host memory.
+pub const TIER_HOST: &str = "host";
+/// Prompt tokens a partial-block copy supplied.
+pub const COPIED_TOKENS: &str = "kvlease.copied_tokens";
+/// The pool group (model replica) a sequence runs in.
+pub const REPLICA: &str = "kvlease.replica";
+/// Sequences of a call whose allocations evicted cached blocks (on its `Evict` span).
+pub const SEQUENCES: &str = "kvlease.sequences";
+/// On a refusal the holder retries (a `Reject` span without error status): `true`.
+pub const RETRIED: &str = "kvlease.retried";
 /// What a span link means (see [`LINK_FENCED_RELEASE`]).
 pub const LINK_KIND: &str = "kvlease.link";
 /// [`LINK_KIND`] value on the link from a `CompleteStep` span to a release it freed.
@@ -146,16 +168,21 @@ pub fn set_u64(span: &Span, key: &'static str, value: u64) {
 /// Marks `span` as a reject: `kvlease.*` attributes with the figures, error status with the
 /// message, and a `kvlease.reject` event carrying the same figures.
 pub fn record_reject(span: &Span, reject: &RejectFigures<'_>) {
-    let attributes = reject.key_values();
-    for kv in attributes.iter().cloned() {
-        span.set_attribute(kv.key, kv.value);
-    }
+    record_figures(span, reject);
     let description = if reject.message.is_empty() {
         reject.reason
     } else {
         reject.message
     };
     span.set_status(Status::error(description.to_owned()));
+}
+
+/// The figures of `reject` as `kvlease.*` attributes and a `kvlease.reject` event.
+fn record_figures(span: &Span, reject: &RejectFigures<'_>) {
+    let attributes = reject.key_values();
+    for kv in attributes.iter().cloned() {
+        span.set_attribute(kv.key, kv.value);
+    }
     span.add_event(REJECT_EVENT, attributes);
 }
 
@@ -184,6 +211,26 @@ pub fn sequence_reject_span(
     }
     let span = sequence_span(sequence_trace, REJECT_SPAN, batch);
     record_reject(&span, &figures);
+    span
+}
+
+/// Like [`sequence_reject_span`], for a refusal the holder retries (its request waits for
+/// another lease, or is preempted and recomputed): the figures and the `kvlease.reject` event
+/// with `kvlease.retried = true`, but no error status, since the request goes on. An ERROR span
+/// in a request's trace is then always something that ended it.
+pub fn sequence_retried_reject_span(
+    sequence_trace: &Context,
+    reject: &pb::Reject,
+    batch: SpanContext,
+) -> Span {
+    let figures = RejectFigures::from(reject);
+    let span = if sequence_trace.span().span_context().is_valid() {
+        sequence_span(sequence_trace, REJECT_SPAN, batch)
+    } else {
+        tracing::info_span!("kvlease.reject", otel.name = REJECT_SPAN)
+    };
+    record_figures(&span, &figures);
+    span.set_attribute(RETRIED, true);
     span
 }
 

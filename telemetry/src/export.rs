@@ -1,5 +1,6 @@
 //! What sits between the spans and the OTLP exporter: the step-trace sampler (a step's whole
-//! trace is kept or dropped once its root says so) and the router that exports each logical
+//! trace is kept or dropped once its root says so, and no exported span keeps a link into a
+//! dropped one) and the router that exports each logical
 //! service's spans under its own resource (`service.name`, `service.version`,
 //! `service.instance.id`), so that services sharing one process (`kvlease up`, tests) still
 //! show up as separate services.
@@ -26,7 +27,10 @@ const DECIDED_STEPS: usize = 4096;
 
 /// Holds the spans of each step trace (root span named [`STEP_SPAN`] without a parent) until
 /// its root ends, then passes them all on when the root's [`STEP_SAMPLED`] attribute says why
-/// (anything but `no`), or drops them all. Other spans pass straight through.
+/// (anything but `no`), or drops them all. Other spans pass through; one that links into a step
+/// trace still open (a request's `Grant`, `Release` or worker `prefill`, linked to the batched
+/// call that carried it) waits for that trace's decision, and loses its links into a dropped
+/// one, so that no exported link points at a span that never was.
 #[derive(Debug)]
 pub(crate) struct StepSampler<P> {
     inner: P,
@@ -40,6 +44,34 @@ struct SamplerState {
     kept: HashSet<TraceId>,
     decided: VecDeque<TraceId>,
     dropped: HashSet<TraceId>,
+    /// Spans of other traces that link into an open step trace, by that trace.
+    waiting: HashMap<TraceId, Vec<SpanData>>,
+}
+
+impl SamplerState {
+    /// `span`, of a trace that is not held, with its links into dropped step traces removed;
+    /// `None` when it waits for an open step trace it links into.
+    fn pass(&mut self, mut span: SpanData) -> Option<SpanData> {
+        if span.links.links.is_empty() {
+            return Some(span);
+        }
+        span.links
+            .links
+            .retain(|l| !self.dropped.contains(&l.span_context.trace_id()));
+        let open = span
+            .links
+            .links
+            .iter()
+            .map(|l| l.span_context.trace_id())
+            .find(|t| self.open.contains_key(t));
+        match open {
+            Some(trace) => {
+                self.waiting.entry(trace).or_default().push(span);
+                None
+            }
+            None => Some(span),
+        }
+    }
 }
 
 impl<P: SpanProcessor> StepSampler<P> {
@@ -73,7 +105,13 @@ impl<P: SpanProcessor> StepSampler<P> {
                 state.dropped.remove(&old);
             }
         }
-        if keep { spans } else { Vec::new() }
+        let mut out = if keep { spans } else { Vec::new() };
+        // the spans that waited for this decision: on their way, without their
+        // links here if it dropped the trace (or waiting for another)
+        for span in state.waiting.remove(&trace).unwrap_or_default() {
+            out.extend(state.pass(span));
+        }
+        out
     }
 }
 
@@ -125,7 +163,7 @@ impl<P: SpanProcessor> SpanProcessor for StepSampler<P> {
                 Vec::new()
             }
             None if state.dropped.contains(&trace) => Vec::new(),
-            None => vec![span],
+            None => state.pass(span).into_iter().collect(),
         };
         drop(state);
         for s in out {
@@ -302,6 +340,95 @@ mod tests {
             names(&exporter),
             ["Generate", "reject-early", "reject-late", "step"],
             "the unsampled step's spans, late ones too, are dropped"
+        );
+    }
+
+    /// The links of each exported span named `name`, as the names of the traces' roots they
+    /// point into (`step-no`, `step-reject`), by the trace ids in `roots`.
+    fn linked(
+        exporter: &InMemorySpanExporter,
+        name: &str,
+        roots: &[(opentelemetry::trace::TraceId, &str)],
+    ) -> Vec<Vec<String>> {
+        exporter
+            .get_finished_spans()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|s| s.name == name)
+            .map(|s| {
+                s.links
+                    .links
+                    .iter()
+                    .map(|l| {
+                        roots
+                            .iter()
+                            .find(|(t, _)| *t == l.span_context.trace_id())
+                            .map_or("?".to_owned(), |(_, n)| (*n).to_owned())
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_span_linked_into_a_step_trace_waits_for_it_and_keeps_the_link_only_if_it_is_kept() {
+        use opentelemetry::trace::{Link, Span as _, TraceContextExt as _};
+        let exporter = InMemorySpanExporter::default();
+        let provider = provider(StepSampler::new(SimpleSpanProcessor::new(exporter.clone())));
+        let tracer = provider.tracer("test");
+        let mut roots = Vec::new();
+        for why in ["no", "reject"] {
+            let mut step = tracer.start(STEP_SPAN);
+            let cx = Context::new().with_remote_span_context(step.span_context().clone());
+            let mut call = tracer.start_with_context("call", &cx);
+            roots.push((step.span_context().trace_id(), why));
+            // a request's span, linked to the step's call, ends before the step
+            let mut grant = tracer
+                .span_builder(format!("grant-{why}"))
+                .with_links(vec![Link::with_context(call.span_context().clone())])
+                .start(&tracer);
+            grant.end();
+            assert!(
+                !names(&exporter).contains(&format!("grant-{why}")),
+                "a span linked into an open step trace waits for its decision"
+            );
+            call.end();
+            step.set_attribute(KeyValue::new(STEP_SAMPLED, why));
+            step.end();
+        }
+        // a span that links into an already dropped step trace
+        let dropped = opentelemetry::trace::SpanContext::new(
+            roots[0].0,
+            opentelemetry::trace::SpanId::from(7),
+            opentelemetry::trace::TraceFlags::SAMPLED,
+            false,
+            Default::default(),
+        );
+        let mut late = tracer
+            .span_builder("grant-late")
+            .with_links(vec![Link::with_context(dropped)])
+            .start(&tracer);
+        late.end();
+        assert_eq!(
+            names(&exporter),
+            ["call", "grant-late", "grant-no", "grant-reject", "step"],
+            "requests' spans are all exported; the dropped step is not"
+        );
+        let none: Vec<Vec<String>> = vec![vec![]];
+        assert_eq!(
+            linked(&exporter, "grant-no", &roots),
+            none,
+            "link into a dropped step"
+        );
+        assert_eq!(
+            linked(&exporter, "grant-late", &roots),
+            none,
+            "link into a dropped step"
+        );
+        assert_eq!(
+            linked(&exporter, "grant-reject", &roots),
+            [["reject".to_owned()]],
+            "a link into a kept step stays"
         );
     }
 

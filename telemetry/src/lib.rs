@@ -38,7 +38,8 @@ mod server;
 mod setup;
 
 pub use attributes::{
-    RejectFigures, add_link, record_reject, reject_span, sequence_reject_span, sequence_span,
+    RejectFigures, add_link, record_reject, reject_span, sequence_reject_span,
+    sequence_retried_reject_span, sequence_span,
 };
 pub use client::{
     TraceContextInterceptor, TracedChannel, client_span, record_client_result, traced,

@@ -166,6 +166,13 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
             kvlease.tokens = tokens as i64,
             kvlease.compute_us = tracing::field::Empty,
         );
+        // the prefill chunks of traced requests, each in its request's trace
+        // (opened before the span is entered, so they start with the pass)
+        let prefill_spans = prefill_spans(
+            step,
+            &request.sequences,
+            kvlease_telemetry::span_context(&span),
+        );
         let copies: Vec<_> = request.tier_copies.iter().map(tier_copy_input).collect();
         let inputs: Vec<SeqInput> = request.sequences.into_iter().map(seq_input).collect();
         let worker = Arc::clone(&self.worker);
@@ -187,6 +194,8 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
             })
             .await
             .map_err(|e| Status::internal(format!("forward task failed: {e}")))?;
+            // the chunks end with the pass
+            drop(prefill_spans);
             match outcome {
                 Ok((outputs, compute_us, wait_us)) => {
                     tracing::Span::current().record("kvlease.compute_us", compute_us as i64);
@@ -209,6 +218,59 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         .await
     }
 }
+
+/// A `prefill` span per traced sequence of a Forward (those whose
+/// `ForwardSequence.trace` is set: prefill chunks, never decode items), in
+/// its request's trace and linked to `pass` (the pass's `compute` span): the chunk's tokens and start, the prompt tokens the sequence
+/// reused (and how many of its blocks were onboarded from the host tier),
+/// its partial-block copy and its replica.
+fn prefill_spans(
+    step: u64,
+    sequences: &[pb::ForwardSequence],
+    pass: kvlease_telemetry::opentelemetry::trace::SpanContext,
+) -> Vec<tracing::Span> {
+    use kvlease_telemetry::OpenTelemetrySpanExt as _;
+    use kvlease_telemetry::attributes::{self, set_u64};
+    let mut spans = Vec::new();
+    for seq in sequences {
+        let Some(trace) = &seq.trace else {
+            continue;
+        };
+        let cx = kvlease_telemetry::context_from_traceparent(&trace.traceparent);
+        if !kvlease_telemetry::opentelemetry::trace::TraceContextExt::has_active_span(&cx) {
+            continue;
+        }
+        let span = kvlease_telemetry::sequence_span(&cx, PREFILL_SPAN, pass.clone());
+        set_u64(&span, attributes::SEQ_ID, seq.seq_id);
+        set_u64(&span, attributes::STEP, step);
+        set_u64(&span, attributes::TOKENS, seq.tokens.len() as u64);
+        set_u64(&span, attributes::START_POS, u64::from(seq.start_pos));
+        set_u64(
+            &span,
+            attributes::REUSED_TOKENS,
+            u64::from(trace.reused_tokens),
+        );
+        set_u64(
+            &span,
+            attributes::ONBOARDED_BLOCKS,
+            u64::from(trace.onboarded_blocks),
+        );
+        let tier = if trace.onboarded_blocks > 0 {
+            attributes::TIER_HOST
+        } else {
+            attributes::TIER_DEVICE
+        };
+        span.set_attribute(attributes::TIER, tier);
+        let copied: u32 = seq.copies.iter().map(|c| c.tokens).sum();
+        set_u64(&span, attributes::COPIED_TOKENS, u64::from(copied));
+        span.set_attribute(attributes::REPLICA, trace.replica.clone());
+        spans.push(span);
+    }
+    spans
+}
+
+/// Name of the span of one prefill chunk in its request's trace.
+const PREFILL_SPAN: &str = "prefill";
 
 #[cfg(test)]
 mod tests {

@@ -103,6 +103,7 @@ fn seq(
         return_all_argmax: true,
         sampling: None,
         copies: Vec::new(),
+        trace: None,
     }
 }
 

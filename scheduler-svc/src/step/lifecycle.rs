@@ -27,6 +27,20 @@ impl Core {
         }
     }
 
+    /// Whether a transient refusal (`POOL_EXHAUSTED`) of `seq_id`'s extend,
+    /// at rest, would preempt it (requeue its request for recompute) rather
+    /// than end its request: the rule of `extend_refused` and [`Self::preempt`],
+    /// asked before the call so the request's trace does not hold a refusal
+    /// its request survives as an error.
+    pub fn refusal_preempts(&self, seq_id: SeqId) -> bool {
+        self.config.policy == crate::policy::Policy::MaxUtilization
+            && self.config.on_exhausted == crate::policy::OnExhausted::Preempt
+            && self
+                .running
+                .get(&seq_id)
+                .is_some_and(|s| s.request.preemptions < self.config.max_preemptions)
+    }
+
     /// Releases a running sequence and requeues its request for recompute
     /// (its tokens so far kept, a new lease taken when it is admitted
     /// again), counted as a preemption; a request already requeued

@@ -35,11 +35,14 @@ impl StepLoop {
     /// whose pass is in flight: its extend, sent after the launch, grows the
     /// lease a step ahead, and a refusal only holds the sequence back a
     /// step, so it is not the request's `Reject` (a second refusal, at
-    /// rest, is).
+    /// rest, is). None either for one that a refusal would preempt: the
+    /// request goes on, so the refusal is no error of its trace (the
+    /// request's `preempt` span says why; the cache's `Reject` is in the
+    /// step's trace, which a preemption samples).
     fn extend_traceparents(&self, specs: &[ExtendSpec]) -> Vec<String> {
         let mut traces = self.traces.traceparents(specs.iter().map(|s| s.seq_id));
         for (trace, spec) in traces.iter_mut().zip(specs) {
-            if self.core.in_flight(spec.seq_id) {
+            if self.core.in_flight(spec.seq_id) || self.core.refusal_preempts(spec.seq_id) {
                 trace.clear();
             }
         }
@@ -100,9 +103,7 @@ impl StepLoop {
         if specs.is_empty() {
             return;
         }
-        let (lease_spans, traces) = self
-            .traces
-            .leasing(step, specs.iter().map(|s| (s.seq_id, s.request)));
+        let (lease_spans, traces) = self.traces.leasing(step, &specs);
         let span = self.batch_span("Lease", step);
         let result = self
             .cache
@@ -110,11 +111,8 @@ impl StepLoop {
             .instrument(span.clone())
             .await;
         record_call(&span, &result);
-        for (lease, outcome) in lease_spans.iter().zip(result.iter().flatten()) {
-            let granted = matches!(outcome, Outcome::Grant(_));
-            lease.record("kvlease.outcome", if granted { "grant" } else { "reject" });
-        }
-        drop(lease_spans);
+        let answered = result.as_deref().unwrap_or_default();
+        self.traces.leased(lease_spans, &specs, answered);
         match result {
             Ok(outcomes) => {
                 self.metrics.admitted(&specs, &outcomes);

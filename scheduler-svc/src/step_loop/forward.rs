@@ -48,6 +48,7 @@ impl StepLoop {
                 continue;
             };
             let seqs: Vec<SeqId> = items.iter().map(|i| i.seq_id).collect();
+            let chunks = self.traces.forward_items(&items);
             let span = kvlease_telemetry::client_span("kvlease.v1.WorkerService", "Forward");
             span.record("kvlease.step", step.get() as i64);
             // every request in the batch, one click away from the step
@@ -56,7 +57,7 @@ impl StepLoop {
             }
             let call = async move {
                 let sent = Instant::now();
-                let result = worker.forward(step, &items, &copies).await;
+                let result = worker.forward(step, &items, &copies, &chunks).await;
                 // the worker logs its compute and its wait for the pass;
                 // the rest of this is both messages' way there and back
                 tracing::debug!(
