@@ -1,7 +1,7 @@
 //! Domain types of leases: what a holder asks for and what it is answered.
 //!
 //! These mirror the `kvlease.v1` messages without depending on them; only
-//! `service.rs` converts.
+//! `convert` converts.
 
 use crate::ids::{BlockId, SeqId, Step};
 
