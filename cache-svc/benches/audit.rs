@@ -28,14 +28,14 @@ fn leased_cache() -> (Cache, cache_svc::SessionId, cache_svc::Epoch) {
     let now = Instant::now();
     let s = cache.open_session("bench", None, now).unwrap();
     let specs: Vec<SeqSpec> = (0..SEQS)
-        .map(|i| SeqSpec::new(i, "g", Prompt::Count(64 * 16)))
+        .map(|i| SeqSpec::new(cache_svc::SeqId(i), "g", Prompt::Count(64 * 16)))
         .collect();
     cache
         .lease(
             s.session_id,
             s.epoch,
             Batch {
-                step: 1,
+                step: cache_svc::Step(1),
                 ..Batch::default()
             },
             &specs,

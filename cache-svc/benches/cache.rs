@@ -16,12 +16,16 @@ use std::time::{Duration, Instant};
 use cache_svc::cache::{Batch, Cache, CacheConfig};
 use cache_svc::lease::{ExtendItem, Growth, Prompt, SeqSpec};
 use cache_svc::pool::{BlockPool, Holder};
+use cache_svc::{SeqId, SessionId, Step};
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::cache_service_client::CacheServiceClient;
 
 fn pool_alloc_free(seconds: f64) -> f64 {
     let mut pool = BlockPool::new(4096);
-    let holder = Holder { session: 1, seq: 1 };
+    let holder = Holder {
+        session: SessionId(1),
+        seq: SeqId(1),
+    };
     let mut held = Vec::with_capacity(1024);
     let mut pairs = 0u64;
     let start = Instant::now();
@@ -49,9 +53,9 @@ fn lease_release_blocks(seconds: f64) -> f64 {
     let now = Instant::now();
     let s = cache.open_session("bench", None, now).expect("session");
     let specs: Vec<SeqSpec> = (0..256)
-        .map(|i| SeqSpec::new(i, "g", Prompt::Count(16 * 16)))
+        .map(|i| SeqSpec::new(SeqId(i), "g", Prompt::Count(16 * 16)))
         .collect();
-    let ids: Vec<u64> = (0..256).collect();
+    let ids: Vec<SeqId> = (0..256).map(SeqId).collect();
     let mut blocks = 0u64;
     let start = Instant::now();
     while start.elapsed().as_secs_f64() < seconds {
@@ -79,7 +83,7 @@ fn core_extend_256(iterations: u32) -> Duration {
     let specs: Vec<SeqSpec> = (0..256u64)
         .map(|i| {
             SeqSpec::new(
-                i,
+                SeqId(i),
                 "g",
                 Prompt::Tokens((0..128).map(|t| (i as u32) * 1000 + t).collect()),
             )
@@ -92,10 +96,10 @@ fn core_extend_256(iterations: u32) -> Duration {
     for step in 1..=u64::from(iterations) {
         // the items as the gRPC service hands them over
         let items: Vec<ExtendItem> = (0..256u64)
-            .map(|i| ExtendItem::grow(i, Growth::Tokens(vec![(step as u32) ^ (i as u32)])))
+            .map(|i| ExtendItem::grow(SeqId(i), Growth::Tokens(vec![(step as u32) ^ (i as u32)])))
             .collect();
         let batch = Batch {
-            step,
+            step: Step(step),
             ..Batch::default()
         };
         let t = Instant::now();
@@ -105,7 +109,7 @@ fn core_extend_256(iterations: u32) -> Duration {
         total += t.elapsed();
         black_box(out);
         cache
-            .complete_step(s.session_id, s.epoch, step, now)
+            .complete_step(s.session_id, s.epoch, Step(step), now)
             .expect("complete");
     }
     total / iterations

@@ -9,7 +9,7 @@ use crate::cache::{
 };
 use crate::error::{Error, Result};
 use crate::events::{EventKind, Tier};
-use crate::ids::SeqId;
+use crate::ids::{SeqId, Step};
 use crate::lease::{
     DEFAULT_PRIORITY, ExtendItem, Extra, Grant, Growth, Outcome, Prompt, Reject, ReleaseMode,
     ReleaseResult, ReleaseStatus, SeqSpec, TierCopy, TierDirection,
@@ -76,7 +76,7 @@ pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
     };
     let extra = s.extra.unwrap_or_default();
     Ok(SeqSpec {
-        seq_id: s.seq_id,
+        seq_id: SeqId(s.seq_id),
         group: s.pool_group,
         prompt,
         extra: Extra {
@@ -115,29 +115,32 @@ pub(crate) fn extend_from_pb(part: pb::StepExtend) -> Result<(Vec<String>, StepE
                 }
             };
             Ok(ExtendItem {
-                seq_id: i.seq_id,
+                seq_id: SeqId(i.seq_id),
                 growth,
                 written_tokens: i.written_tokens,
             })
         })
         .collect::<Result<Vec<_>>>()?;
     let batch = Batch {
-        step: part.step,
+        step: Step(part.step),
         atomic: part.atomic,
         warmup: false,
     };
     Ok((traces, StepExtend { batch, items }))
 }
 
-/// A release part: its sequences, and how they are given back.
-pub(crate) fn release_from_pb(part: &pb::StepRelease) -> StepRelease {
-    StepRelease {
-        seq_ids: part.seq_ids.iter().copied().map(SeqId).collect(),
+/// A release part: its sequences and how they are given back, with their
+/// trace contexts taken out (`traces[i]` is sequence `i`'s).
+pub(crate) fn release_from_pb(part: pb::StepRelease) -> (Vec<String>, StepRelease) {
+    let release = StepRelease {
+        // collected in place: the wire's vector becomes the ids' own
+        seq_ids: part.seq_ids.into_iter().map(SeqId).collect(),
         mode: ReleaseMode {
-            fence_step: part.fence_step,
+            fence_step: part.fence_step.map(Step),
             discard_unwritten: part.discard_unwritten,
         },
-    }
+    };
+    (part.traceparents, release)
 }
 
 pub(crate) fn release_to_pb(results: Vec<ReleaseResult>) -> pb::ReleaseResponse {
@@ -145,7 +148,7 @@ pub(crate) fn release_to_pb(results: Vec<ReleaseResult>) -> pb::ReleaseResponse 
         results: results
             .into_iter()
             .map(|x| pb::ReleaseResult {
-                seq_id: x.seq_id,
+                seq_id: x.seq_id.0,
                 status: match x.status {
                     ReleaseStatus::Released => pb::ReleaseStatus::Released,
                     ReleaseStatus::AlreadyReleased => pb::ReleaseStatus::AlreadyReleased,
@@ -176,7 +179,7 @@ pub(crate) fn audit_to_pb(report: AuditReport) -> pb::AuditResponse {
             .map(|l| pb::LeakedBlock {
                 pool_id: l.pool_id,
                 block_id: l.block,
-                last_holder: if l.last_holder.session == 0 {
+                last_holder: if l.last_holder.session.0 == 0 {
                     "unknown".to_owned()
                 } else {
                     format!(
@@ -192,7 +195,7 @@ pub(crate) fn audit_to_pb(report: AuditReport) -> pb::AuditResponse {
 
 pub(crate) fn grant_to_pb(g: Grant) -> pb::Grant {
     pb::Grant {
-        seq_id: g.seq_id,
+        seq_id: g.seq_id.0,
         tables: g
             .tables
             .into_iter()
@@ -237,7 +240,7 @@ fn tier_copy_to_pb(c: TierCopy) -> pb::TierCopy {
 
 pub(crate) fn reject_to_pb(r: Reject) -> pb::Reject {
     pb::Reject {
-        seq_id: r.seq_id,
+        seq_id: r.seq_id.0,
         reason: kvlease_proto::reject_reason(r.reason.as_str()) as i32,
         pool_id: r.pool_id,
         window: r.window,
@@ -254,7 +257,7 @@ pub(crate) fn outcomes_to_pb(outcomes: Vec<Outcome>) -> Vec<pb::SequenceOutcome>
         .map(|o| {
             if let Outcome::Reject(r) = &o {
                 tracing::info!(
-                    seq_id = r.seq_id,
+                    seq_id = r.seq_id.0,
                     reason = r.reason.as_str(),
                     pool_id = r.pool_id,
                     window = r.window,

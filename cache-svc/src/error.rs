@@ -1,7 +1,7 @@
 //! Errors of the cache service. Per-sequence outcomes (grants and rejects) are
 //! data, never errors: these are for the call itself.
 
-use crate::ids::{Epoch, SessionId};
+use crate::ids::{Epoch, SessionId, Step};
 
 /// A cache service error.
 #[derive(Debug, thiserror::Error)]
@@ -50,9 +50,9 @@ pub enum Error {
     )]
     StepAlreadyCompleted {
         /// The step of the Lease.
-        step: u64,
+        step: Step,
         /// The session's last completed step.
-        completed: u64,
+        completed: Step,
     },
     /// No pool group of that name is registered.
     #[error("unknown pool group {0:?}")]

@@ -38,3 +38,11 @@ id!(
     /// A holder's step: fences and hash publication key on it.
     Step
 );
+
+impl Step {
+    /// The step after this one; none after `u64::MAX`, which completes
+    /// everything (nothing lies after it).
+    pub fn next(self) -> Option<Self> {
+        self.0.checked_add(1).map(Self)
+    }
+}

@@ -1,9 +1,9 @@
 //! Domain types of leases: what a holder asks for and what it is answered.
 //!
 //! These mirror the `kvlease.v1` messages without depending on them; only
-//! `service.rs` converts.
+//! `convert` converts.
 
-use crate::ids::BlockId;
+use crate::ids::{BlockId, SeqId, Step};
 
 /// The tokens of a new sequence.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -56,7 +56,7 @@ pub const DEFAULT_PRIORITY: u8 = 35;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SeqSpec {
     /// The holder's id for it.
-    pub seq_id: u64,
+    pub seq_id: SeqId,
     /// The pool group to lease from.
     pub group: String,
     /// Its prompt.
@@ -82,7 +82,7 @@ pub struct SeqSpec {
 
 impl SeqSpec {
     /// A spec with defaults, for tests and tools.
-    pub fn new(seq_id: u64, group: &str, prompt: Prompt) -> Self {
+    pub fn new(seq_id: SeqId, group: &str, prompt: Prompt) -> Self {
         Self {
             seq_id,
             group: group.to_owned(),
@@ -126,7 +126,7 @@ impl Growth {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExtendItem {
     /// The sequence.
-    pub seq_id: u64,
+    pub seq_id: SeqId,
     /// New tokens (`None`: a progress report only, nothing grows).
     pub growth: Option<Growth>,
     /// The sequence's KV is written through this many tokens by the forward
@@ -136,7 +136,7 @@ pub struct ExtendItem {
 
 impl ExtendItem {
     /// Growth only, as before chunked-prefill progress existed.
-    pub fn grow(seq_id: u64, growth: Growth) -> Self {
+    pub fn grow(seq_id: SeqId, growth: Growth) -> Self {
         Self {
             seq_id,
             growth: Some(growth),
@@ -145,7 +145,7 @@ impl ExtendItem {
     }
 
     /// A progress report only.
-    pub fn written(seq_id: u64, written_tokens: u32) -> Self {
+    pub fn written(seq_id: SeqId, written_tokens: u32) -> Self {
         Self {
             seq_id,
             growth: None,
@@ -178,7 +178,7 @@ pub struct Table {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Grant {
     /// The sequence.
-    pub seq_id: u64,
+    pub seq_id: SeqId,
     /// One table per (pool, beam). From `Lease`: the whole table. From
     /// `Extend`: a delta: `first_block` after any slide, and only the block
     /// ids appended by this call (see [`kvlease_proto::delta`]); tables the
@@ -273,7 +273,7 @@ impl RejectReason {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reject {
     /// The sequence.
-    pub seq_id: u64,
+    pub seq_id: SeqId,
     /// Why.
     pub reason: RejectReason,
     /// The pool that could not supply (0: not pool-specific).
@@ -292,7 +292,7 @@ pub struct Reject {
 
 impl Reject {
     /// A reject that names no pool.
-    pub fn plain(seq_id: u64, reason: RejectReason, message: String) -> Self {
+    pub fn plain(seq_id: SeqId, reason: RejectReason, message: String) -> Self {
         Self {
             seq_id,
             reason,
@@ -338,15 +338,15 @@ impl Outcome {
 pub struct ReleaseMode {
     /// Keep the blocks out of circulation until this step completes (`None`:
     /// return them at once, discarding what an incomplete step wrote).
-    pub fence_step: Option<u64>,
+    pub fence_step: Option<Step>,
     /// The holder's forward pass of a step not yet completed failed: blocks
     /// written at such a step never publish, even behind the fence, and no
     /// partly filled block is kept.
     pub discard_unwritten: bool,
 }
 
-impl From<Option<u64>> for ReleaseMode {
-    fn from(fence_step: Option<u64>) -> Self {
+impl From<Option<Step>> for ReleaseMode {
+    fn from(fence_step: Option<Step>) -> Self {
         Self {
             fence_step,
             discard_unwritten: false,
@@ -369,7 +369,7 @@ pub enum ReleaseStatus {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReleaseResult {
     /// The sequence.
-    pub seq_id: u64,
+    pub seq_id: SeqId,
     /// What happened.
     pub status: ReleaseStatus,
     /// Blocks returned to circulation now.

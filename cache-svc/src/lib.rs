@@ -27,8 +27,8 @@
 //!   (Prometheus, read from the core at scrape time). No other module knows
 //!   protobuf.
 //!
-//! Data flows one way: `service` converts a request into domain types, calls
-//! `Cache` under a mutex, and converts the outcomes back.
+//! Data flows one way: `service` has `convert` turn a request into domain
+//! types, calls `Cache` under a mutex, and has the outcomes converted back.
 
 pub mod cache;
 mod config;

@@ -316,8 +316,8 @@ mod tests {
         let now = Instant::now();
         let s = cache.open_session("t", None, now).unwrap();
         let specs = [
-            SeqSpec::new(1, "g", Prompt::Count(9)),
-            SeqSpec::new(2, "g", Prompt::Count(99)),
+            SeqSpec::new(crate::SeqId(1), "g", Prompt::Count(9)),
+            SeqSpec::new(crate::SeqId(2), "g", Prompt::Count(99)),
         ];
         let out = cache
             .lease(s.session_id, s.epoch, Batch::default(), &specs, now)

@@ -30,14 +30,15 @@ use crate::partial::PartialIndex;
 use crate::tier::{Demotion, HostTier};
 
 pub use crate::ids::BlockId;
+use crate::ids::{SeqId, SessionId};
 
 /// Who last held a block, for the leak audit's log.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Holder {
     /// Session id (0: none).
-    pub session: u64,
+    pub session: SessionId,
     /// Sequence id within the session.
-    pub seq: u64,
+    pub seq: SeqId,
 }
 
 /// The state of one block.
@@ -615,7 +616,10 @@ impl BlockPool {
 mod tests {
     use super::*;
 
-    const H: Holder = Holder { session: 1, seq: 1 };
+    const H: Holder = Holder {
+        session: SessionId(1),
+        seq: SeqId(1),
+    };
 
     #[test]
     fn allocate_release_conserves() {

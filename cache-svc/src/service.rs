@@ -125,17 +125,17 @@ impl CacheServiceImpl {
     fn session(
         &self,
         caller: &Principal,
-        session_id: u64,
-        step: Option<u64>,
+        session_id: SessionId,
+        step: Option<Step>,
         may_override: bool,
     ) -> Result<MutexGuard<'_, Cache>> {
         let cache = self.lock();
         trace_call(session_id, step);
         cache
-            .check_owner(SessionId(session_id), caller.name(), may_override)
+            .check_owner(session_id, caller.name(), may_override)
             .inspect_err(|_| {
                 tracing::warn!(
-                    session_id,
+                    session_id = session_id.0,
                     principal = caller.name(),
                     "session used by a principal that did not open it; refused"
                 );
@@ -160,13 +160,13 @@ impl CacheServiceImpl {
     fn run_batch(
         &self,
         call: (&Principal, SessionId, Epoch),
-        step: u64,
+        step: Step,
         op: &'static str,
         traces: &ItemTraces,
         run: impl FnOnce(&mut Cache, SessionId, Epoch) -> Result<Vec<Outcome>>,
     ) -> Result<Vec<pb::SequenceOutcome>> {
         let (caller, session, epoch) = call;
-        let mut cache = self.session(caller, session.0, Some(step), false)?;
+        let mut cache = self.session(caller, session, Some(step), false)?;
         let outcomes = run(&mut cache, session, epoch);
         self.notify_events(&cache);
         Ok(self.answer_batch(cache, op, traces, outcomes?))
@@ -306,8 +306,9 @@ impl CacheService for CacheServiceImpl {
         request: Request<pb::KeepAliveRequest>,
     ) -> Result<Response<pb::KeepAliveResponse>, Status> {
         let (caller, r) = self.accept(request)?;
-        let mut cache = self.session(&caller, r.session_id, None, false)?;
-        let ttl = cache.keep_alive(SessionId(r.session_id), Epoch(r.epoch), now())?;
+        let session = SessionId(r.session_id);
+        let mut cache = self.session(&caller, session, None, false)?;
+        let ttl = cache.keep_alive(session, Epoch(r.epoch), now())?;
         Ok(Response::new(pb::KeepAliveResponse {
             ttl_ms: ttl.as_millis() as u64,
         }))
@@ -319,8 +320,9 @@ impl CacheService for CacheServiceImpl {
     ) -> Result<Response<pb::CloseSessionResponse>, Status> {
         let (caller, r) = self.accept(request)?;
         let admin = caller.has(Role::Admin);
-        let mut cache = self.session(&caller, r.session_id, None, admin)?;
-        let reclaimed = cache.close_session(SessionId(r.session_id), Epoch(r.epoch), now())?;
+        let session = SessionId(r.session_id);
+        let mut cache = self.session(&caller, session, None, admin)?;
+        let reclaimed = cache.close_session(session, Epoch(r.epoch), now())?;
         self.notify_events(&cache);
         Ok(Response::new(pb::CloseSessionResponse {
             sequences_released: reclaimed.sequences,
@@ -348,14 +350,15 @@ impl CacheService for CacheServiceImpl {
             .map(spec_from_pb)
             .collect::<Result<Vec<_>>>()?;
         let batch = Batch {
-            step: r.step,
+            step: Step(r.step),
             atomic: r.atomic,
             warmup: r.warmup,
         };
         let call = (&caller, SessionId(r.session_id), Epoch(r.epoch));
-        let outcomes = self.run_batch(call, r.step, names::OP_LEASE, &traces, |cache, s, e| {
-            cache.lease(s, e, batch, &specs, now())
-        })?;
+        let outcomes =
+            self.run_batch(call, batch.step, names::OP_LEASE, &traces, |cache, s, e| {
+                cache.lease(s, e, batch, &specs, now())
+            })?;
         Ok(Response::new(pb::LeaseResponse { outcomes }))
     }
 
@@ -372,7 +375,8 @@ impl CacheService for CacheServiceImpl {
         })?;
         let traces = ItemTraces::of(traceparents);
         let call = (&caller, SessionId(r.session_id), Epoch(r.epoch));
-        let outcomes = self.run_batch(call, r.step, names::OP_EXTEND, &traces, |cache, s, e| {
+        let step = part.batch.step;
+        let outcomes = self.run_batch(call, step, names::OP_EXTEND, &traces, |cache, s, e| {
             cache.extend_items(s, e, part.batch, &part.items, now())
         })?;
         Ok(Response::new(pb::ExtendResponse { outcomes }))
@@ -384,25 +388,23 @@ impl CacheService for CacheServiceImpl {
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
         let (caller, r) = self.accept(request)?;
         self.check_batch("seq_ids", r.seq_ids.len())?;
-        let mode = crate::lease::ReleaseMode {
+        let session = SessionId(r.session_id);
+        let (traces, part) = release_from_pb(pb::StepRelease {
+            seq_ids: r.seq_ids,
             fence_step: r.fence_step,
+            traceparents: r.traceparents,
             discard_unwritten: r.discard_unwritten,
-        };
-        let mut cache = self.session(&caller, r.session_id, None, false)?;
-        let results = cache.release_with(
-            SessionId(r.session_id),
-            Epoch(r.epoch),
-            &r.seq_ids,
-            mode,
-            now(),
-        )?;
+        });
+        let mut cache = self.session(&caller, session, None, false)?;
+        let results =
+            cache.release_with(session, Epoch(r.epoch), &part.seq_ids, part.mode, now())?;
         self.notify_events(&cache);
         drop(cache);
         trace_releases(
             &self.fence_links,
-            r.session_id,
-            r.fence_step,
-            &r.traceparents,
+            session,
+            part.mode.fence_step,
+            &traces,
             &results,
         );
         Ok(Response::new(release_to_pb(results)))
@@ -413,12 +415,12 @@ impl CacheService for CacheServiceImpl {
         request: Request<pb::CompleteStepRequest>,
     ) -> Result<Response<pb::CompleteStepResponse>, Status> {
         let (caller, r) = self.accept(request)?;
-        let mut cache = self.session(&caller, r.session_id, Some(r.step), false)?;
-        let returned =
-            cache.complete_step(SessionId(r.session_id), Epoch(r.epoch), r.step, now())?;
+        let (session, step) = (SessionId(r.session_id), Step(r.step));
+        let mut cache = self.session(&caller, session, Some(step), false)?;
+        let returned = cache.complete_step(session, Epoch(r.epoch), step, now())?;
         self.notify_events(&cache);
         drop(cache);
-        trace_complete(&self.fence_links, r.session_id, r.step, returned);
+        trace_complete(&self.fence_links, session, step, returned);
         Ok(Response::new(pb::CompleteStepResponse {
             blocks_returned: returned,
         }))
@@ -436,6 +438,7 @@ impl CacheService for CacheServiceImpl {
         if let Some(extend) = &r.extend {
             self.check_batch("items", extend.items.len())?;
         }
+        let session = SessionId(r.session_id);
         let (traces, extend) = match r.extend {
             Some(part) => {
                 let (traceparents, part) = extend_from_pb(part)?;
@@ -443,17 +446,18 @@ impl CacheService for CacheServiceImpl {
             }
             None => (ItemTraces::default(), None),
         };
+        let (release_traces, release) = r.release.map(release_from_pb).unzip();
         let parts = StepParts {
-            release: r.release.as_ref().map(release_from_pb),
+            release,
             complete: r.complete_step.map(Step),
             extend,
         };
         // the span's step: the completion's, else the extends'
-        let span_step = r
-            .complete_step
+        let span_step = parts
+            .complete
             .or(parts.extend.as_ref().map(|part| part.batch.step));
-        let mut cache = self.session(&caller, r.session_id, span_step, false)?;
-        let outcome = cache.step(SessionId(r.session_id), Epoch(r.epoch), &parts, now());
+        let mut cache = self.session(&caller, session, span_step, false)?;
+        let outcome = cache.step(session, Epoch(r.epoch), &parts, now());
         // what the applied parts changed is announced even when a later one failed
         self.notify_events(&cache);
         let outcome = outcome?;
@@ -464,21 +468,21 @@ impl CacheService for CacheServiceImpl {
                 None
             }
         };
-        let release = r.release.zip(outcome.released).map(|(part, results)| {
+        let release = parts.release.zip(outcome.released).map(|(part, results)| {
             trace_releases(
                 &self.fence_links,
-                r.session_id,
-                part.fence_step,
-                &part.traceparents,
+                session,
+                part.mode.fence_step,
+                release_traces.as_deref().unwrap_or_default(),
                 &results,
             );
             release_to_pb(results)
         });
-        let complete = r
-            .complete_step
+        let complete = parts
+            .complete
             .zip(outcome.returned)
             .map(|(step, returned)| {
-                trace_complete(&self.fence_links, r.session_id, step, returned);
+                trace_complete(&self.fence_links, session, step, returned);
                 pb::CompleteStepResponse {
                     blocks_returned: returned,
                 }
@@ -598,14 +602,10 @@ impl CacheService for CacheServiceImpl {
         self.check_batch("pool_groups", r.pool_groups.len())?;
         self.check_batch("prompts", r.prompts.len())?;
         let prompts: Vec<_> = r.prompts.into_iter().map(match_prompt_from_pb).collect();
-        let mut cache = self.session(&caller, r.session_id, None, false)?;
-        let results = cache.match_prefixes(
-            SessionId(r.session_id),
-            Epoch(r.epoch),
-            &r.pool_groups,
-            &prompts,
-            now(),
-        )?;
+        let session = SessionId(r.session_id);
+        let mut cache = self.session(&caller, session, None, false)?;
+        let results =
+            cache.match_prefixes(session, Epoch(r.epoch), &r.pool_groups, &prompts, now())?;
         drop(cache);
         self.metrics.matched(prompts.len());
         Ok(Response::new(pb::MatchResponse {

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, VecDeque};
 use foldhash::{HashMap, HashMapExt};
 use std::time::{Duration, Instant};
 
-use crate::ids::{BlockId, SessionId};
+use crate::ids::{BlockId, SeqId, SessionId, Step};
 
 /// The blocks of one beam of a sequence in one pool: block indices
 /// `[first, first + blocks.len())` of the sequence.
@@ -59,7 +59,7 @@ pub(crate) struct SeqState {
     /// The step whose forward pass writes the latest tokens (the lease's, or
     /// the last `Extend` with token ids): once it completes, `partial`'s KV
     /// is in the last block.
-    pub write_step: u64,
+    pub write_step: Step,
     /// Whether token ids are known for every position (and caching is on).
     pub hashable: bool,
     /// Tables per pool of the group.
@@ -134,19 +134,19 @@ pub(crate) struct Session {
     /// When it expires.
     pub expires_at: Instant,
     /// Leased sequences.
-    pub seqs: HashMap<u64, SeqState>,
+    pub seqs: HashMap<SeqId, SeqState>,
     /// Blocks released under a fence, by fence step.
-    pub fences: BTreeMap<u64, Vec<BlockRef>>,
+    pub fences: BTreeMap<Step, Vec<BlockRef>>,
     /// Blocks whose hash publishes when the step completes, by step.
-    pub pending: BTreeMap<u64, Vec<BlockRef>>,
+    pub pending: BTreeMap<Step, Vec<BlockRef>>,
     /// Host blocks receiving demotions named at a step, by step: published
     /// when it completes, dropped by a `discard_unwritten` release.
-    pub demotions: BTreeMap<u64, Vec<HostRef>>,
+    pub demotions: BTreeMap<Step, Vec<HostRef>>,
     /// Host blocks read by onboarding copies at a step, by step: unpinned
     /// when it completes.
-    pub host_pins: BTreeMap<u64, Vec<HostRef>>,
+    pub host_pins: BTreeMap<Step, Vec<HostRef>>,
     /// Highest step reported complete.
-    pub completed_step: Option<u64>,
+    pub completed_step: Option<Step>,
     /// Block references held by its sequences (for the quota).
     pub references: u64,
     released: Released,
@@ -158,13 +158,13 @@ pub(crate) struct Session {
 /// lookup are O(log n) or better, whichever id it is.
 #[derive(Debug, Default)]
 struct Released {
-    ordinal_of: HashMap<u64, u64>,
-    by_ordinal: BTreeMap<u64, u64>,
+    ordinal_of: HashMap<SeqId, u64>,
+    by_ordinal: BTreeMap<u64, SeqId>,
     next: u64,
 }
 
 impl Released {
-    fn remember(&mut self, seq_id: u64, limit: usize) {
+    fn remember(&mut self, seq_id: SeqId, limit: usize) {
         if self.ordinal_of.contains_key(&seq_id) {
             return;
         }
@@ -178,13 +178,13 @@ impl Released {
         }
     }
 
-    fn forget(&mut self, seq_id: u64) {
+    fn forget(&mut self, seq_id: SeqId) {
         if let Some(ordinal) = self.ordinal_of.remove(&seq_id) {
             self.by_ordinal.remove(&ordinal);
         }
     }
 
-    fn contains(&self, seq_id: u64) -> bool {
+    fn contains(&self, seq_id: SeqId) -> bool {
         self.ordinal_of.contains_key(&seq_id)
     }
 }
@@ -216,22 +216,22 @@ impl Session {
     }
 
     /// Whether a fence at `step` is already satisfied.
-    pub(crate) fn step_completed(&self, step: u64) -> bool {
+    pub(crate) fn step_completed(&self, step: Step) -> bool {
         self.completed_step.is_some_and(|done| step <= done)
     }
 
     /// Remembers that `seq_id` was released.
-    pub(crate) fn remember_released(&mut self, seq_id: u64) {
+    pub(crate) fn remember_released(&mut self, seq_id: SeqId) {
         self.released.remember(seq_id, RELEASED_MEMORY);
     }
 
     /// Forgets a released id that is being leased again.
-    pub(crate) fn forget_released(&mut self, seq_id: u64) {
+    pub(crate) fn forget_released(&mut self, seq_id: SeqId) {
         self.released.forget(seq_id);
     }
 
     /// Whether `seq_id` was released before.
-    pub(crate) fn was_released(&self, seq_id: u64) -> bool {
+    pub(crate) fn was_released(&self, seq_id: SeqId) -> bool {
         self.released.contains(seq_id)
     }
 }
@@ -244,33 +244,33 @@ mod tests {
     fn released_ids_are_forgotten_oldest_first_and_on_demand() {
         let mut r = Released::default();
         for id in 1..=4 {
-            r.remember(id, 3);
+            r.remember(SeqId(id), 3);
         }
         // over the limit of 3: the oldest (1) went
-        assert!(!r.contains(1));
-        assert!((2..=4).all(|id| r.contains(id)));
+        assert!(!r.contains(SeqId(1)));
+        assert!((2..=4).all(|id| r.contains(SeqId(id))));
         // forgetting one in the middle leaves the order of the rest
-        r.forget(3);
-        assert!(!r.contains(3));
-        r.remember(5, 3);
-        r.remember(6, 3);
-        assert!(!r.contains(2), "2 is now the oldest and goes first");
-        assert!([4, 5, 6].iter().all(|&id| r.contains(id)));
+        r.forget(SeqId(3));
+        assert!(!r.contains(SeqId(3)));
+        r.remember(SeqId(5), 3);
+        r.remember(SeqId(6), 3);
+        assert!(!r.contains(SeqId(2)), "2 is now the oldest and goes first");
+        assert!([4, 5, 6].iter().all(|&id| r.contains(SeqId(id))));
         // an id remembered again after being forgotten counts as new
-        r.forget(4);
-        r.remember(4, 3);
-        r.remember(7, 3);
-        assert!(!r.contains(5));
-        assert!([6, 4, 7].iter().all(|&id| r.contains(id)));
+        r.forget(SeqId(4));
+        r.remember(SeqId(4), 3);
+        r.remember(SeqId(7), 3);
+        assert!(!r.contains(SeqId(5)));
+        assert!([6, 4, 7].iter().all(|&id| r.contains(SeqId(id))));
         assert_eq!((r.ordinal_of.len(), r.by_ordinal.len()), (3, 3));
     }
 
     #[test]
     fn forgetting_keeps_both_indexes_in_step() {
         let mut r = Released::default();
-        for id in 0..1000 {
+        for id in (0..1000).map(SeqId) {
             r.remember(id, 100);
-            if id % 3 == 0 {
+            if id.0 % 3 == 0 {
                 r.forget(id);
             }
         }

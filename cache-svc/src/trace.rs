@@ -16,6 +16,7 @@ use kvlease_telemetry::opentelemetry::trace::{SpanContext, TraceContextExt as _}
 use tracing::Span;
 
 use crate::cache::Evicted;
+use crate::ids::{SessionId, Step};
 use crate::lease::ReleaseResult;
 
 /// Fenced-release spans remembered per session, so the `CompleteStep` that
@@ -25,11 +26,11 @@ const FENCE_LINKS_PER_SESSION: usize = 4096;
 /// The span contexts of fenced releases, by session and fence step.
 #[derive(Debug, Default)]
 pub(crate) struct FenceLinks {
-    by_session: HashMap<u64, BTreeMap<u64, Vec<SpanContext>>>,
+    by_session: HashMap<SessionId, BTreeMap<Step, Vec<SpanContext>>>,
 }
 
 impl FenceLinks {
-    pub(crate) fn remember(&mut self, session: u64, step: u64, cx: SpanContext) {
+    pub(crate) fn remember(&mut self, session: SessionId, step: Step, cx: SpanContext) {
         if !cx.is_valid() {
             return;
         }
@@ -40,11 +41,11 @@ impl FenceLinks {
         }
     }
 
-    pub(crate) fn take_through(&mut self, session: u64, step: u64) -> Vec<SpanContext> {
+    pub(crate) fn take_through(&mut self, session: SessionId, step: Step) -> Vec<SpanContext> {
         let Some(steps) = self.by_session.get_mut(&session) else {
             return Vec::new();
         };
-        let later = steps.split_off(&(step.saturating_add(1)));
+        let later = steps.split_off(&Step(step.0.saturating_add(1)));
         let due = std::mem::replace(steps, later);
         if steps.is_empty() {
             self.by_session.remove(&session);
@@ -130,7 +131,7 @@ pub(crate) fn trace_outcomes(
                 record_tiers(&span, &g.tier_copies);
                 let evicted: u64 = evicted
                     .iter()
-                    .filter(|e| e.seq_id == g.seq_id)
+                    .filter(|e| e.seq_id.0 == g.seq_id)
                     .map(|e| e.blocks)
                     .sum();
                 if evicted > 0 {
@@ -193,11 +194,11 @@ const EVICT_SPAN: &str = "Evict";
 const RELEASE_SPAN: &str = "Release";
 
 /// Adds the session and step to the call's span.
-pub(crate) fn trace_call(session_id: u64, step: Option<u64>) {
+pub(crate) fn trace_call(session_id: SessionId, step: Option<Step>) {
     let span = Span::current();
-    attributes::set_u64(&span, attributes::SESSION_ID, session_id);
+    attributes::set_u64(&span, attributes::SESSION_ID, session_id.0);
     if let Some(step) = step {
-        attributes::set_u64(&span, attributes::STEP, step);
+        attributes::set_u64(&span, attributes::STEP, step.0);
     }
 }
 
@@ -215,14 +216,14 @@ fn item_context(traceparents: &[String], i: usize) -> kvlease_telemetry::opentel
 /// without a trace).
 pub(crate) fn trace_releases(
     links: &Mutex<FenceLinks>,
-    session_id: u64,
-    fence_step: Option<u64>,
+    session_id: SessionId,
+    fence_step: Option<Step>,
     traceparents: &[String],
     results: &[ReleaseResult],
 ) {
     let batch = Span::current();
     if let Some(step) = fence_step {
-        attributes::set_u64(&batch, attributes::FENCE_STEP, step);
+        attributes::set_u64(&batch, attributes::FENCE_STEP, step.0);
     }
     let mut fenced = Vec::new();
     let batch_cx = kvlease_telemetry::span_context(&batch);
@@ -232,7 +233,7 @@ pub(crate) fn trace_releases(
             continue;
         }
         let span = kvlease_telemetry::sequence_span(&cx, RELEASE_SPAN, batch_cx.clone());
-        attributes::set_u64(&span, attributes::SEQ_ID, x.seq_id);
+        attributes::set_u64(&span, attributes::SEQ_ID, x.seq_id.0);
         attributes::set_u64(
             &span,
             attributes::BLOCKS_RETURNED,
@@ -240,7 +241,7 @@ pub(crate) fn trace_releases(
         );
         attributes::set_u64(&span, attributes::BLOCKS_FENCED, u64::from(x.blocks_fenced));
         if let Some(step) = fence_step {
-            attributes::set_u64(&span, attributes::FENCE_STEP, step);
+            attributes::set_u64(&span, attributes::FENCE_STEP, step.0);
             fenced.push(kvlease_telemetry::span_context(&span));
         }
     }
@@ -257,7 +258,12 @@ pub(crate) fn trace_releases(
 
 /// A completion on the call's span: the blocks it returned, and links to
 /// the fenced releases (remembered in `links`) that it freed.
-pub(crate) fn trace_complete(links: &Mutex<FenceLinks>, session_id: u64, step: u64, returned: u64) {
+pub(crate) fn trace_complete(
+    links: &Mutex<FenceLinks>,
+    session_id: SessionId,
+    step: Step,
+    returned: u64,
+) {
     let span = Span::current();
     attributes::set_u64(&span, attributes::BLOCKS_RETURNED, returned);
     let released = links

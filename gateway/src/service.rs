@@ -176,27 +176,11 @@ async fn not_found() -> Response {
 }
 
 async fn completions(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -> Response {
-    let tenant = match g.tenant(&headers) {
-        Ok(t) => t,
-        Err(e) => return e.into_response(),
-    };
-    let request = parse(&body).and_then(|r| g.served.completion(r));
-    match request {
-        Ok(r) => g.generate(Kind::Completion, r, &tenant).await,
-        Err(e) => e.into_response(),
-    }
+    g.answer(Kind::Completion, &headers, &body).await
 }
 
 async fn chat_completions(State(g): State<Gateway>, headers: HeaderMap, body: Bytes) -> Response {
-    let tenant = match g.tenant(&headers) {
-        Ok(t) => t,
-        Err(e) => return e.into_response(),
-    };
-    let request = parse(&body).and_then(|r| g.served.chat(r));
-    match request {
-        Ok(r) => g.generate(Kind::Chat, r, &tenant).await,
-        Err(e) => e.into_response(),
-    }
+    g.answer(Kind::Chat, &headers, &body).await
 }
 
 fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
@@ -247,6 +231,23 @@ struct Answer {
 }
 
 impl Gateway {
+    /// A generation endpoint's call: the caller's tenant, then the body
+    /// parsed and checked as `kind`'s request, then the generation.
+    async fn answer(&self, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Response {
+        let tenant = match self.tenant(headers) {
+            Ok(t) => t,
+            Err(e) => return e.into_response(),
+        };
+        let request = match kind {
+            Kind::Completion => parse(body).and_then(|r| self.served.completion(r)),
+            Kind::Chat => parse(body).and_then(|r| self.served.chat(r)),
+        };
+        match request {
+            Ok(r) => self.generate(kind, r, &tenant).await,
+            Err(e) => e.into_response(),
+        }
+    }
+
     async fn generate(&self, kind: Kind, g: Generate, tenant: &str) -> Response {
         let answer = Answer {
             kind,

@@ -29,6 +29,31 @@ fn tokens(n: u32, seed: u32) -> Vec<u32> {
     (0..n).map(|t| (t * 7 + seed) % 250 + 1).collect()
 }
 
+/// `count` requests at once, request `i` with a prompt of `prompt` tokens
+/// seeded with `i`, each for `max_tokens`: every one must end at its length.
+async fn all_end_at_length(
+    client: &kvlease_proto::v1::scheduler_client::SchedulerClient<tonic::transport::Channel>,
+    count: u32,
+    prompt: u32,
+    max_tokens: u32,
+) {
+    let tasks: Vec<_> = (0..count)
+        .map(|i| {
+            let mut c = client.clone();
+            let request = pb::GenerateRequest {
+                tokens: tokens(prompt, i),
+                max_tokens,
+                ..Default::default()
+            };
+            tokio::spawn(async move { collect(&mut c, request).await })
+        })
+        .collect();
+    for t in tasks {
+        let g = t.await.unwrap().unwrap();
+        assert_eq!(g.finish_reason(), pb::FinishReason::Length, "{}", g.message);
+    }
+}
+
 async fn status(addr: std::net::SocketAddr) -> pb::GetStatusResponse {
     let mut c = scheduler_client(addr).await.unwrap();
     c.get_status(pb::GetStatusRequest {})
@@ -187,25 +212,7 @@ async fn static_batch_serves_every_request() {
     .unwrap();
     let s = &cluster.scheduler;
     let client = cluster.client().await.unwrap();
-    let mut tasks = Vec::new();
-    for i in 0..10 {
-        let mut c = client.clone();
-        tasks.push(tokio::spawn(async move {
-            collect(
-                &mut c,
-                pb::GenerateRequest {
-                    tokens: tokens(30, i),
-                    max_tokens: 20,
-                    ..Default::default()
-                },
-            )
-            .await
-        }));
-    }
-    for t in tasks {
-        let g = t.await.unwrap().unwrap();
-        assert_eq!(g.finish_reason(), pb::FinishReason::Length, "{}", g.message);
-    }
+    all_end_at_length(&client, 10, 30, 20).await;
     let st = status(s.addr).await;
     assert_eq!(st.policy, pb::CapacityPolicy::StaticBatch as i32);
     assert_eq!(
@@ -510,25 +517,7 @@ async fn two_workers_are_two_pool_groups_and_both_serve() {
     .await
     .unwrap();
     let client = scheduler_client(s.addr).await.unwrap();
-    let mut tasks = Vec::new();
-    for i in 0..12 {
-        let mut c = client.clone();
-        tasks.push(tokio::spawn(async move {
-            collect(
-                &mut c,
-                pb::GenerateRequest {
-                    tokens: tokens(40, i),
-                    max_tokens: 30,
-                    ..Default::default()
-                },
-            )
-            .await
-        }));
-    }
-    for t in tasks {
-        let g = t.await.unwrap().unwrap();
-        assert_eq!(g.finish_reason(), pb::FinishReason::Length, "{}", g.message);
-    }
+    all_end_at_length(&client, 12, 40, 30).await;
     let st = status(s.addr).await;
     let groups: std::collections::BTreeSet<&str> =
         st.pools.iter().map(|p| p.pool_group.as_str()).collect();

@@ -32,7 +32,7 @@
 //!   `metrics` (the worker's Prometheus series) and `server` ([`run`]: health,
 //!   reflection and the metrics endpoint).
 //!
-//! Data flow of one Forward: `service` converts the request to
+//! Data flow of one Forward: `service` has `convert` turn the request into
 //! [`SeqInput`](batch::SeqInput)s → `Worker::forward` validates them against the
 //! model, the arena layout and the slot ledger → the backend writes every new
 //! K/V row, attends and returns logits → `sampling` picks the next tokens.

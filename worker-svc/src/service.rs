@@ -335,21 +335,17 @@ mod tests {
             tables: vec![table(0), table(block_window)],
             ..Default::default()
         };
-        let ok = svc
-            .forward(Request::new(pb::ForwardRequest {
+        // sequence `step` alone at step `step`, its second table naming window `block_window`
+        let forward = |step: u64, block_window| {
+            Request::new(pb::ForwardRequest {
                 tier_copies: Vec::new(),
-                step: 1,
-                sequences: vec![seq(1, 8)],
-            }))
-            .await;
+                step,
+                sequences: vec![seq(step, block_window)],
+            })
+        };
+        let ok = svc.forward(forward(1, 8)).await;
         assert!(ok.is_ok(), "{ok:?}");
-        let bad = svc
-            .forward(Request::new(pb::ForwardRequest {
-                tier_copies: Vec::new(),
-                step: 2,
-                sequences: vec![seq(2, 9)],
-            }))
-            .await;
+        let bad = svc.forward(forward(2, 9)).await;
         assert_eq!(
             bad.err().map(|s| s.code()),
             Some(tonic::Code::InvalidArgument)

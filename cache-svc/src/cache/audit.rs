@@ -1,7 +1,7 @@
 //! The leak audit, `check_invariants`, and views of the state for tests.
 
 use super::Cache;
-use crate::ids::{BlockId, SessionId};
+use crate::ids::{BlockId, SeqId, SessionId};
 use crate::pool::Holder;
 use crate::session::SeqState;
 
@@ -119,8 +119,8 @@ impl Cache {
                 tracing::warn!(
                     pool_id = leak.pool_id,
                     block,
-                    last_session = leak.last_holder.session,
-                    last_seq = leak.last_holder.seq,
+                    last_session = leak.last_holder.session.0,
+                    last_seq = leak.last_holder.seq.0,
                     found_refs = found.0,
                     found_fences = found.1,
                     expected_refs = want.0,
@@ -248,8 +248,8 @@ impl Cache {
     #[cfg(test)]
     pub(crate) fn leak_for_test(&mut self, pool_id: u32) -> Option<BlockId> {
         let holder = Holder {
-            session: 99,
-            seq: 42,
+            session: SessionId(99),
+            seq: SeqId(42),
         };
         self.pools
             .get_mut(pool_id as usize - 1)?
@@ -261,7 +261,7 @@ impl Cache {
     pub fn sequence_tables(
         &self,
         session_id: SessionId,
-        seq_id: u64,
+        seq_id: SeqId,
     ) -> Option<Vec<(u32, u32, Vec<BlockId>)>> {
         let seq = self.sessions.get(&session_id)?.seqs.get(&seq_id)?;
         Some(

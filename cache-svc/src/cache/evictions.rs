@@ -3,12 +3,13 @@
 //! caused them.
 
 use super::Cache;
+use crate::ids::SeqId;
 
 /// Cached blocks one sequence's allocation evicted from one pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Evicted {
     /// The sequence whose lease or extend took the blocks.
-    pub seq_id: u64,
+    pub seq_id: SeqId,
     /// The pool they were evicted from.
     pub pool_id: u32,
     /// How many.
@@ -20,7 +21,7 @@ impl Cache {
     /// cached blocks it evicted.
     pub(super) fn noting_evictions<T>(
         &mut self,
-        seq_id: u64,
+        seq_id: SeqId,
         allocate: impl FnOnce(&mut Self) -> T,
     ) -> T {
         let before: Vec<u64> = self
@@ -56,13 +57,13 @@ impl Cache {
 mod tests {
     use super::*;
     use crate::cache::{Batch, CacheConfig};
-    use crate::ids::Epoch;
+    use crate::ids::{Epoch, Step};
     use crate::lease::{Extra, Outcome, Prompt, SeqSpec};
     use std::time::Instant;
 
     fn spec(seq_id: u64, tokens: Vec<u32>) -> SeqSpec {
         SeqSpec {
-            seq_id,
+            seq_id: SeqId(seq_id),
             group: "g".into(),
             prompt: Prompt::Tokens(tokens),
             extra: Extra::default(),
@@ -84,7 +85,7 @@ mod tests {
         let session = cache.open_session("s", None, now).unwrap();
         let (sid, epoch) = (session.session_id, session.epoch);
         let batch = |step| Batch {
-            step,
+            step: Step(step),
             atomic: false,
             warmup: false,
         };
@@ -93,8 +94,8 @@ mod tests {
             .lease(sid, epoch, batch(1), &[spec(1, (1..=16).collect())], now)
             .unwrap();
         assert!(matches!(first[0], Outcome::Grant(_)));
-        cache.complete_step(sid, epoch, 1, now).unwrap();
-        cache.release(sid, epoch, &[1], None, now).unwrap();
+        cache.complete_step(sid, epoch, Step(1), now).unwrap();
+        cache.release(sid, epoch, &[SeqId(1)], None, now).unwrap();
         assert!(cache.take_evictions().is_empty());
         // other tokens need the blocks back: all four cached ones are evicted
         let second = cache
@@ -107,7 +108,7 @@ mod tests {
         assert!(
             evicted
                 .iter()
-                .all(|e| e.seq_id == 2 && e.pool_id == pool_id)
+                .all(|e| e.seq_id == SeqId(2) && e.pool_id == pool_id)
         );
         assert!(cache.take_evictions().is_empty());
     }

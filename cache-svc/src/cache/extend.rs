@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::{Batch, Cache, Tally, ceil_div};
 use crate::error::{Error, Result};
-use crate::ids::{Epoch, SessionId};
+use crate::ids::{Epoch, SeqId, SessionId, Step};
 use crate::lease::{ExtendItem, Grant, Growth, Outcome, Reject, RejectReason, Table};
 use crate::pool::Holder;
 use crate::prefix;
@@ -32,7 +32,7 @@ impl Cache {
         session_id: SessionId,
         epoch: Epoch,
         batch: Batch,
-        items: &[(u64, Growth)],
+        items: &[(SeqId, Growth)],
         now: Instant,
     ) -> Result<Vec<Outcome>> {
         let items: Vec<ExtendItem> = items
@@ -93,7 +93,7 @@ impl Cache {
         self.touch(session_id, epoch, now)?;
         self.check_extend_items(session_id, items)?;
         let mut seen = HashSet::with_capacity(items.len());
-        let duplicate = |seq_id: u64| {
+        let duplicate = |seq_id: SeqId| {
             Outcome::Reject(Reject::plain(
                 seq_id,
                 RejectReason::DuplicateSequence,
@@ -230,7 +230,7 @@ impl Cache {
         session_id: SessionId,
         item: &ExtendItem,
         plan: &[PoolExtend],
-        step: u64,
+        step: Step,
     ) -> Grant {
         let grant = match &item.growth {
             Some(growth) => self.execute_extend(session_id, item.seq_id, growth, plan, step),
@@ -260,7 +260,7 @@ impl Cache {
     /// tokens: the held-back prompt blocks that now lie within it publish
     /// when that step completes. A report for a step already completed
     /// publishes nothing, as a lease or extend at such a step does not.
-    fn record_progress(&mut self, session_id: SessionId, seq_id: u64, written: u32, step: u64) {
+    fn record_progress(&mut self, session_id: SessionId, seq_id: SeqId, written: u32, step: Step) {
         let Some(session) = self.sessions.get_mut(&session_id) else {
             return;
         };
@@ -294,7 +294,7 @@ impl Cache {
     fn plan_extend(
         &self,
         session_id: SessionId,
-        seq_id: u64,
+        seq_id: SeqId,
         n: u32,
         plan: &mut Vec<PoolExtend>,
     ) -> Result<(), Reject> {
@@ -335,7 +335,7 @@ impl Cache {
 
     fn check_extend(
         &self,
-        seq_id: u64,
+        seq_id: SeqId,
         plan: &[PoolExtend],
         mut tally: Option<&mut Tally>,
     ) -> Result<(), Reject> {
@@ -386,10 +386,10 @@ impl Cache {
     fn execute_extend(
         &mut self,
         session_id: SessionId,
-        seq_id: u64,
+        seq_id: SeqId,
         growth: &Growth,
         plan: &[PoolExtend],
-        step: u64,
+        step: Step,
     ) -> Grant {
         // The plan found the sequence; should it be gone, grant nothing.
         let nothing = || Grant {
@@ -408,7 +408,7 @@ impl Cache {
             return nothing();
         };
         let holder = Holder {
-            session: session_id.0,
+            session: session_id,
             seq: seq_id,
         };
         let mut fenced = Vec::new();

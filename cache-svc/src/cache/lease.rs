@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use super::{Batch, Cache, PoolEntry, Tally, ceil_div};
 use crate::error::{Error, Result};
-use crate::ids::{BlockId, Epoch, SessionId};
+use crate::ids::{BlockId, Epoch, SeqId, SessionId, Step};
 use crate::lease::{
     BlockCopy, Grant, Outcome, Prompt, Reject, RejectReason, SeqSpec, Table, TierCopy,
     TierDirection,
@@ -73,7 +73,7 @@ impl PoolLease {
 
 #[derive(Clone, Debug)]
 struct LeasePlan {
-    seq_id: u64,
+    seq_id: SeqId,
     pools: Vec<PoolLease>,
     /// Full-block hashes of the prompt, when hashable.
     hashes: Vec<u64>,
@@ -130,7 +130,7 @@ impl Cache {
             self.owned_group(&spec.group, &principal, "lease")?;
         }
         let holder = |seq| Holder {
-            session: session_id.0,
+            session: session_id,
             seq,
         };
         let mut outcomes: Vec<Option<Outcome>> = vec![None; specs.len()];
@@ -525,7 +525,7 @@ impl Cache {
         &mut self,
         session_id: SessionId,
         plan: LeasePlan,
-        step: u64,
+        step: Step,
         holder: Holder,
     ) -> Grant {
         self.pin_reused(&plan, holder);
@@ -539,7 +539,7 @@ impl Cache {
         &mut self,
         session_id: SessionId,
         plan: LeasePlan,
-        step: u64,
+        step: Step,
         holder: Holder,
     ) -> Grant {
         let mut tables = Vec::with_capacity(plan.pools.len());
@@ -700,13 +700,13 @@ impl Cache {
         grant
     }
 
-    fn grant_of(&self, seq_id: u64, seq: &SeqState, reused_tokens: u32) -> Grant {
+    fn grant_of(&self, seq_id: SeqId, seq: &SeqState, reused_tokens: u32) -> Grant {
         grant_of(&self.pools, seq_id, seq, reused_tokens)
     }
 }
 
 /// The grant describing `seq`'s current tables.
-fn grant_of(pools: &[PoolEntry], seq_id: u64, seq: &SeqState, reused_tokens: u32) -> Grant {
+fn grant_of(pools: &[PoolEntry], seq_id: SeqId, seq: &SeqState, reused_tokens: u32) -> Grant {
     let mut tables = Vec::with_capacity(seq.tables.len() * seq.beams as usize);
     for t in &seq.tables {
         let entry = &pools[t.pool];

@@ -181,7 +181,7 @@ mod tests {
     /// `seq`, completes the step (publishing its blocks) and releases it;
     /// returns the reused tokens of its grant.
     fn serve(f: &mut Fixture, group: &str, seq: u64, tokens: &[u32], salt: &str) -> u32 {
-        let mut spec = SeqSpec::new(seq, group, Prompt::Tokens(tokens.to_vec()));
+        let mut spec = SeqSpec::new(crate::SeqId(seq), group, Prompt::Tokens(tokens.to_vec()));
         spec.cache_salt = salt.into();
         let out = f.lease(seq, false, &[spec]);
         let Outcome::Grant(grant) = &out[0] else {

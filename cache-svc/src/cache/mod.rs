@@ -49,7 +49,7 @@ use std::time::Duration;
 
 use crate::events::{EventKind, EventLog, EventsSince};
 use crate::events::{IndexEvent, Tier};
-use crate::ids::{BlockId, Epoch, SessionId};
+use crate::ids::{BlockId, Epoch, SeqId, SessionId, Step};
 use crate::lease::{Reject, RejectReason};
 use crate::pool::BlockPool;
 use crate::session::Session;
@@ -66,7 +66,7 @@ pub use step::{StepExtend, StepOutcome, StepParts, StepRelease};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Batch {
     /// The holder's step (fences and hash publication key on it).
-    pub step: u64,
+    pub step: Step,
     /// All-or-nothing.
     pub atomic: bool,
     /// Warm-up traffic: not cached, not counted in hit rates (`Lease` only).
@@ -293,7 +293,7 @@ impl Cache {
     /// A reject naming one pool, with its current free and fenced counts.
     fn pool_reject(
         &self,
-        seq_id: u64,
+        seq_id: SeqId,
         pool: usize,
         reason: RejectReason,
         needed: u64,

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use super::{Cache, PoolEntry};
 use crate::error::{Error, Result};
-use crate::ids::{Epoch, SessionId};
+use crate::ids::{Epoch, SeqId, SessionId, Step};
 use crate::lease::{ReleaseMode, ReleaseResult, ReleaseStatus};
 use crate::prefix;
 use crate::session::{BlockRef, SeqState, Session};
@@ -21,8 +21,8 @@ impl Cache {
         &mut self,
         session_id: SessionId,
         epoch: Epoch,
-        seq_ids: &[u64],
-        fence_step: Option<u64>,
+        seq_ids: &[SeqId],
+        fence_step: Option<Step>,
         now: Instant,
     ) -> Result<Vec<ReleaseResult>> {
         self.release_with(session_id, epoch, seq_ids, fence_step.into(), now)
@@ -38,7 +38,7 @@ impl Cache {
         &mut self,
         session_id: SessionId,
         epoch: Epoch,
-        seq_ids: &[u64],
+        seq_ids: &[SeqId],
         mode: ReleaseMode,
         now: Instant,
     ) -> Result<Vec<ReleaseResult>> {
@@ -129,7 +129,7 @@ impl Cache {
         &mut self,
         session_id: SessionId,
         epoch: Epoch,
-        step: u64,
+        step: Step,
         now: Instant,
     ) -> Result<u64> {
         self.touch(session_id, epoch, now)?;
@@ -138,7 +138,7 @@ impl Cache {
         };
         session.completed_step = Some(session.completed_step.map_or(step, |s| s.max(step)));
         // step u64::MAX completes everything: nothing lies after it
-        let (later_pending, later_fences) = match step.checked_add(1) {
+        let (later_pending, later_fences) = match step.next() {
             Some(after) => (
                 session.pending.split_off(&after),
                 session.fences.split_off(&after),
@@ -174,7 +174,7 @@ fn keep_partial(
     pools: &mut [PoolEntry],
     session: &mut Session,
     seq: &SeqState,
-    fence: Option<u64>,
+    fence: Option<Step>,
 ) {
     // A chunked prefill not reported written through the end: the last
     // block's KV may never be written.

@@ -74,13 +74,12 @@ impl Cache {
         }
         let released = match &parts.release {
             Some(part) => {
-                let seq_ids: Vec<u64> = part.seq_ids.iter().map(|s| s.0).collect();
-                Some(self.release_with(session_id, epoch, &seq_ids, part.mode, now)?)
+                Some(self.release_with(session_id, epoch, &part.seq_ids, part.mode, now)?)
             }
             None => None,
         };
         let returned = match parts.complete {
-            Some(step) => Some(self.complete_step(session_id, epoch, step.0, now)?),
+            Some(step) => Some(self.complete_step(session_id, epoch, step, now)?),
             None => None,
         };
         let extended = match &parts.extend {

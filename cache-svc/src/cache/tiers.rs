@@ -14,7 +14,7 @@
 //! - a session's end drops its pending demotions and lifts its pins.
 
 use super::Cache;
-use crate::ids::SessionId;
+use crate::ids::{SessionId, Step};
 use crate::lease::{TierCopy, TierDirection};
 use crate::session::{HostRef, Session};
 
@@ -27,7 +27,7 @@ impl Cache {
         &mut self,
         session_id: SessionId,
         pools: &[usize],
-        step: u64,
+        step: Step,
     ) -> Vec<TierCopy> {
         let completed = self
             .sessions
@@ -67,7 +67,7 @@ impl Cache {
 
     /// Keeps onboarding sources (already pinned) pinned until `step`
     /// completes.
-    pub(super) fn pin_host_until(&mut self, session_id: SessionId, step: u64, pins: Vec<HostRef>) {
+    pub(super) fn pin_host_until(&mut self, session_id: SessionId, step: Step, pins: Vec<HostRef>) {
         if pins.is_empty() {
             return;
         }
@@ -83,11 +83,11 @@ impl Cache {
 
     /// Publishes the demotions and lifts the pins of `session`'s steps
     /// through `step` (all of them for `u64::MAX`).
-    pub(super) fn complete_tier_steps(&mut self, session_id: SessionId, step: u64) {
+    pub(super) fn complete_tier_steps(&mut self, session_id: SessionId, step: Step) {
         let Some(session) = self.sessions.get_mut(&session_id) else {
             return;
         };
-        let (demotions, pins) = match step.checked_add(1) {
+        let (demotions, pins) = match step.next() {
             Some(after) => {
                 let later_d = session.demotions.split_off(&after);
                 let later_p = session.host_pins.split_off(&after);

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use super::{Fixture, spec, tokens, whole};
 use crate::cache::Batch;
+use crate::ids::{SeqId, Step};
 use crate::lease::{Outcome, Prompt, RejectReason, SeqSpec};
 fn chunked(seq_id: u64, prompt: Vec<u32>, prefill_tokens: u32) -> SeqSpec {
     SeqSpec {
@@ -21,10 +22,10 @@ impl Fixture {
                 self.session,
                 self.epoch,
                 Batch {
-                    step,
+                    step: Step(step),
                     ..Batch::default()
                 },
-                &[crate::lease::ExtendItem::written(seq_id, written)],
+                &[crate::lease::ExtendItem::written(SeqId(seq_id), written)],
                 self.now,
             )
             .unwrap();
@@ -99,7 +100,7 @@ fn chunked_prefill_figures_are_checked() {
             f.session,
             f.epoch,
             Batch {
-                step: 1,
+                step: Step(1),
                 ..Batch::default()
             },
             &[chunked(1, tokens(1, 20), 21)],
@@ -118,10 +119,10 @@ fn chunked_prefill_figures_are_checked() {
             f.session,
             f.epoch,
             Batch {
-                step: 1,
+                step: Step(1),
                 ..Batch::default()
             },
-            &[crate::lease::ExtendItem::written(1, 21)],
+            &[crate::lease::ExtendItem::written(SeqId(1), 21)],
             f.now,
         )
         .unwrap_err();

@@ -7,6 +7,7 @@ use std::time::Instant;
 use super::{Fixture, GROUP, spec, tokens, whole};
 use crate::cache::{AuditCursor, AuditReport, Batch, Cache, CacheConfig, Registration, check_name};
 use crate::error::Error;
+use crate::ids::Step;
 use crate::lease::{Prompt, RejectReason};
 
 #[test]
@@ -151,7 +152,7 @@ fn a_sliced_audit_finds_what_the_whole_audit_finds_and_no_more() {
                 f.session,
                 f.epoch,
                 Batch {
-                    step: 1,
+                    step: Step(1),
                     ..Batch::default()
                 },
                 &[spec(seq, Prompt::Count(3))],

@@ -2,6 +2,9 @@
 //! plain core, with the fixture the other files share. Property tests live
 //! in `proptests.rs`; partial-block reuse, chunked prefill, `Step`, limits and
 //! tiers have a file each.
+//!
+//! The fixture takes sequence ids and steps as bare numbers and wraps them:
+//! the tests read as the scenarios they are.
 
 mod chunked;
 mod limits;
@@ -13,6 +16,7 @@ mod tiers;
 use std::time::{Duration, Instant};
 
 use crate::cache::{Batch, Cache, CacheConfig};
+use crate::ids::{SeqId, Step};
 use crate::lease::{Extra, Growth, Outcome, Prompt, RejectReason, ReleaseStatus, SeqSpec};
 use crate::pool::PoolCounts;
 
@@ -70,7 +74,7 @@ impl Fixture {
                 self.session,
                 self.epoch,
                 Batch {
-                    step,
+                    step: Step(step),
                     atomic,
                     warmup: false,
                 },
@@ -83,16 +87,20 @@ impl Fixture {
     }
 
     pub(super) fn extend(&mut self, step: u64, items: &[(u64, Growth)]) -> Vec<Outcome> {
+        let items: Vec<(SeqId, Growth)> = items
+            .iter()
+            .map(|(seq_id, growth)| (SeqId(*seq_id), growth.clone()))
+            .collect();
         let out = self
             .cache
             .extend(
                 self.session,
                 self.epoch,
                 Batch {
-                    step,
+                    step: Step(step),
                     ..Batch::default()
                 },
-                items,
+                &items,
                 self.now,
             )
             .unwrap();
@@ -105,9 +113,10 @@ impl Fixture {
         seqs: &[u64],
         fence: Option<u64>,
     ) -> Vec<crate::lease::ReleaseResult> {
+        let seqs = seq_ids(seqs);
         let out = self
             .cache
-            .release(self.session, self.epoch, seqs, fence, self.now)
+            .release(self.session, self.epoch, &seqs, fence.map(Step), self.now)
             .unwrap();
         self.check();
         out
@@ -121,12 +130,13 @@ impl Fixture {
         fence: Option<u64>,
     ) -> Vec<crate::lease::ReleaseResult> {
         let mode = crate::lease::ReleaseMode {
-            fence_step: fence,
+            fence_step: fence.map(Step),
             discard_unwritten: true,
         };
+        let seqs = seq_ids(seqs);
         let out = self
             .cache
-            .release_with(self.session, self.epoch, seqs, mode, self.now)
+            .release_with(self.session, self.epoch, &seqs, mode, self.now)
             .unwrap();
         self.check();
         out
@@ -135,7 +145,7 @@ impl Fixture {
     pub(super) fn complete(&mut self, step: u64) -> u64 {
         let n = self
             .cache
-            .complete_step(self.session, self.epoch, step, self.now)
+            .complete_step(self.session, self.epoch, Step(step), self.now)
             .unwrap();
         self.check();
         n
@@ -153,7 +163,11 @@ impl Fixture {
 }
 
 pub(super) fn spec(seq_id: u64, prompt: Prompt) -> SeqSpec {
-    SeqSpec::new(seq_id, GROUP, prompt)
+    SeqSpec::new(SeqId(seq_id), GROUP, prompt)
+}
+
+pub(super) fn seq_ids(ids: &[u64]) -> Vec<SeqId> {
+    ids.iter().copied().map(SeqId).collect()
 }
 
 pub(super) fn tokens(start: u32, n: u32) -> Vec<u32> {
@@ -333,7 +347,7 @@ fn invariant_10_windowed_pool_holds_at_most_window_over_block_plus_one() {
     for step in 2..40 {
         let out = f.extend(step, &[(1, Growth::Tokens(vec![step as u32]))]);
         assert!(out[0].grant().is_some());
-        let tables = f.cache.sequence_tables(f.session, 1).unwrap();
+        let tables = f.cache.sequence_tables(f.session, SeqId(1)).unwrap();
         let (_, first, blocks) = tables.iter().find(|t| t.0 == w).unwrap();
         assert!(blocks.len() <= bound, "step {step}: {first} {blocks:?}");
         let len = 30 + step as u32 - 1;
@@ -363,20 +377,20 @@ fn theirs(f: &mut Fixture, prompt: &[u32]) -> (crate::SessionId, crate::Epoch) {
         .open_session_for("principal-b", "b", None, f.now)
         .unwrap();
     let batch = |step| Batch {
-        step,
+        step: Step(step),
         ..Batch::default()
     };
-    let own = SeqSpec::new(1, "m/theirs", Prompt::Tokens(prompt.to_vec()));
+    let own = SeqSpec::new(SeqId(1), "m/theirs", Prompt::Tokens(prompt.to_vec()));
     let out = f
         .cache
         .lease(b.session_id, b.epoch, batch(1), &[own], f.now)
         .unwrap();
     assert!(out[0].grant().is_some(), "{out:?}");
     f.cache
-        .complete_step(b.session_id, b.epoch, 1, f.now)
+        .complete_step(b.session_id, b.epoch, Step(1), f.now)
         .unwrap();
     f.cache
-        .release(b.session_id, b.epoch, &[1], None, f.now)
+        .release(b.session_id, b.epoch, &[SeqId(1)], None, f.now)
         .unwrap();
     f.check();
     (b.session_id, b.epoch)
@@ -393,7 +407,7 @@ fn invariant_11_a_session_leases_only_in_its_principals_groups() {
         before.0[1].cached, 3,
         "the other principal's prefix is cached"
     );
-    let probe = |seq| SeqSpec::new(seq, "m/theirs", Prompt::Tokens(prompt.clone()));
+    let probe = |seq| SeqSpec::new(SeqId(seq), "m/theirs", Prompt::Tokens(prompt.clone()));
     // alone, after a sequence of its own group (taken one at a time in a
     // batch that is not atomic), and in an atomic batch: the whole call is
     // refused before anything is taken, naming the group
@@ -403,7 +417,7 @@ fn invariant_11_a_session_leases_only_in_its_principals_groups() {
         (true, vec![spec(6, Prompt::Count(5)), probe(7)]),
     ] {
         let batch = Batch {
-            step: 1,
+            step: Step(1),
             atomic,
             warmup: false,
         };
@@ -439,7 +453,7 @@ fn invariant_11_a_session_leases_only_in_its_principals_groups() {
             b,
             b_epoch,
             Batch {
-                step: 2,
+                step: Step(2),
                 ..Batch::default()
             },
             &[probe(8)],
@@ -501,7 +515,7 @@ fn seed_exhaustion_saturated_pool_under_reuse_and_oversubscription() {
             match o {
                 Outcome::Grant(g) => {
                     grants += 1;
-                    live.push(g.seq_id);
+                    live.push(g.seq_id.0);
                 }
                 Outcome::Reject(r) => {
                     rejects += 1;
@@ -527,7 +541,7 @@ fn seed_exhaustion_saturated_pool_under_reuse_and_oversubscription() {
             let out = f.extend(step, &items);
             let dropped: Vec<u64> = out
                 .iter()
-                .filter_map(|o| o.reject().map(|r| r.seq_id))
+                .filter_map(|o| o.reject().map(|r| r.seq_id.0))
                 .collect();
             rejects += dropped.len();
             f.release(&dropped, Some(step));
@@ -574,7 +588,7 @@ fn seed_warmup_atomic_batch_whose_third_member_fails_leaves_the_pool_exactly_as_
             f.session,
             f.epoch,
             Batch {
-                step: 2,
+                step: Step(2),
                 atomic: true,
                 warmup: true,
             },
@@ -717,7 +731,7 @@ fn salts_and_warmup_do_not_share() {
             f.session,
             f.epoch,
             Batch {
-                step: 3,
+                step: Step(3),
                 atomic: true,
                 warmup: true,
             },
@@ -776,7 +790,7 @@ fn audit_reclaims_a_leaked_block_and_names_its_last_holder() {
     let report = f.cache.audit();
     assert_eq!(report.reclaimed.len(), 1);
     assert_eq!(report.reclaimed[0].block, block);
-    assert_eq!(report.reclaimed[0].last_holder.seq, 42);
+    assert_eq!(report.reclaimed[0].last_holder.seq, SeqId(42));
     f.check();
     assert_eq!(f.counts()[0].free, 8);
 }
@@ -890,7 +904,7 @@ fn a_lease_at_a_completed_step_is_refused_naming_the_step() {
                 f.session,
                 f.epoch,
                 Batch {
-                    step,
+                    step: Step(step),
                     ..Batch::default()
                 },
                 &[spec(2, Prompt::Tokens(tokens(0, 9)))],
@@ -898,7 +912,13 @@ fn a_lease_at_a_completed_step_is_refused_naming_the_step() {
             )
             .unwrap_err();
         assert!(
-            matches!(err, crate::Error::StepAlreadyCompleted { completed: 3, .. }),
+            matches!(
+                err,
+                crate::Error::StepAlreadyCompleted {
+                    completed: Step(3),
+                    ..
+                }
+            ),
             "{err}"
         );
         assert!(err.to_string().contains("completed step 3"), "{err}");

@@ -10,6 +10,7 @@ use super::{Fixture, spec};
 use crate::cache::{Batch, CacheConfig};
 use crate::estimate::{Shape, pool_need};
 use crate::eviction::{EvictionConfig, PolicyKind};
+use crate::ids::{SeqId, Step};
 use crate::lease::{Extra, Growth, Outcome, Prompt, RejectReason};
 
 #[derive(Clone, Debug)]
@@ -190,7 +191,7 @@ proptest! {
                     }).collect();
                     let before = f.counts();
                     let out = f.cache
-                        .lease(f.session, f.epoch, Batch { step, atomic, warmup }, &specs, f.now)
+                        .lease(f.session, f.epoch, Batch { step: Step(step), atomic, warmup }, &specs, f.now)
                         .unwrap();
                     f.check();
                     prop_assert_eq!(out.len(), specs.len());
@@ -217,11 +218,11 @@ proptest! {
                             // purpose; invariant 10 is about the sliding
                             // table of an ordinary lease.
                             if s.reserve_full_life {
-                                extra_of.remove(&g.seq_id);
+                                extra_of.remove(&g.seq_id.0);
                             } else {
-                                extra_of.insert(g.seq_id, s.extra.total());
+                                extra_of.insert(g.seq_id.0, s.extra.total());
                             }
-                            mirror.insert(g.seq_id, g.tables.iter().filter(|t| t.beam == 0).cloned().collect());
+                            mirror.insert(g.seq_id.0, g.tables.iter().filter(|t| t.beam == 0).cloned().collect());
                             prop_assert!(g.reused_tokens < s.prompt.len());
                             let Prompt::Tokens(ids) = &s.prompt else { continue };
                             let full = g.reused_tokens / b * b;
@@ -248,7 +249,7 @@ proptest! {
                             // Every reused block holds what the holders wrote
                             // into it: this prompt's tokens (never KV a later
                             // prefill chunk had still to write).
-                            for t in &mirror[&g.seq_id] {
+                            for t in &mirror[&g.seq_id.0] {
                                 for i in t.first_block..full / b {
                                     let block = t.block_ids[(i - t.first_block) as usize];
                                     let want = &ids[(i * b) as usize..((i + 1) * b) as usize];
@@ -265,10 +266,10 @@ proptest! {
                                 0 => ids.len(),
                                 p => ((g.reused_tokens + p) as usize).min(ids.len()),
                             };
-                            write_content(&mut content, &mirror[&g.seq_id], &ids[..written], b);
-                            prefill_of.insert(g.seq_id, (ids.clone(), written));
+                            write_content(&mut content, &mirror[&g.seq_id.0], &ids[..written], b);
+                            prefill_of.insert(g.seq_id.0, (ids.clone(), written));
                             if s.beam_width == 1 {
-                                toks.insert(g.seq_id, ids.clone());
+                                toks.insert(g.seq_id.0, ids.clone());
                             }
                         }
                     }
@@ -305,7 +306,7 @@ proptest! {
                                     t.extend(ids_of(*s as u8));
                                     write_content(&mut content, &mirror[s], t, b);
                                 }
-                                let tables = f.cache.sequence_tables(f.session, *s).unwrap_or_default();
+                                let tables = f.cache.sequence_tables(f.session, SeqId(*s)).unwrap_or_default();
                                 // The holder's merged view equals the cache's.
                                 for (window, first, blocks) in &tables {
                                     let known = mirror.get(s).and_then(|m| m.iter().find(|t| t.window == *window));
@@ -341,13 +342,13 @@ proptest! {
                 Op::Progress { seqs, written } => {
                     let items: Vec<_> = seqs
                         .iter()
-                        .map(|&s| crate::lease::ExtendItem::written(u64::from(s), u32::from(written)))
+                        .map(|&s| crate::lease::ExtendItem::written(SeqId(u64::from(s)), u32::from(written)))
                         .collect();
                     let before = f.counts();
                     let out = f.cache.extend_items(
                         f.session,
                         f.epoch,
-                        Batch { step, ..Batch::default() },
+                        Batch { step: Step(step), ..Batch::default() },
                         &items,
                         f.now,
                     );
@@ -362,7 +363,7 @@ proptest! {
                                         prop_assert!(g.tables.is_empty());
                                         // the holder writes the chunk
                                         if let (Some((ids, done)), Some(tables)) =
-                                            (prefill_of.get_mut(&g.seq_id), mirror.get(&g.seq_id))
+                                            (prefill_of.get_mut(&g.seq_id.0), mirror.get(&g.seq_id.0))
                                         {
                                             let upto = (written as usize).min(ids.len());
                                             // only the blocks of the new chunk

@@ -19,14 +19,14 @@ impl Fixture {
 fn release(seq_ids: &[u64], fence_step: Option<u64>) -> StepRelease {
     StepRelease {
         seq_ids: seq_ids.iter().copied().map(SeqId).collect(),
-        mode: ReleaseMode::from(fence_step),
+        mode: ReleaseMode::from(fence_step.map(Step)),
     }
 }
 
 fn extend(step: u64, items: Vec<ExtendItem>) -> StepExtend {
     StepExtend {
         batch: Batch {
-            step,
+            step: Step(step),
             ..Batch::default()
         },
         items,
@@ -82,7 +82,10 @@ fn a_steps_extend_is_granted_from_the_blocks_its_completion_returned() {
         .step(&StepParts {
             release: None,
             complete: Some(Step(1)),
-            extend: Some(extend(2, vec![ExtendItem::grow(2, Growth::Count(4))])),
+            extend: Some(extend(
+                2,
+                vec![ExtendItem::grow(SeqId(2), Growth::Count(4))],
+            )),
         })
         .unwrap();
     assert_eq!(out.returned, Some(2));
@@ -99,7 +102,10 @@ fn a_steps_extend_is_granted_from_the_blocks_its_release_freed() {
         .step(&StepParts {
             release: Some(release(&[1], None)),
             complete: None,
-            extend: Some(extend(2, vec![ExtendItem::grow(2, Growth::Count(4))])),
+            extend: Some(extend(
+                2,
+                vec![ExtendItem::grow(SeqId(2), Growth::Count(4))],
+            )),
         })
         .unwrap();
     assert_eq!(out.released.expect("a release answer")[0].blocks_freed, 2);
@@ -112,7 +118,10 @@ fn a_steps_extend_is_granted_from_the_blocks_its_release_freed() {
     assert!(out[0].grant().is_some(), "{out:?}");
     let out = f
         .step(&StepParts {
-            extend: Some(extend(3, vec![ExtendItem::grow(2, Growth::Count(4))])),
+            extend: Some(extend(
+                3,
+                vec![ExtendItem::grow(SeqId(2), Growth::Count(4))],
+            )),
             ..StepParts::default()
         })
         .unwrap();
@@ -138,7 +147,7 @@ fn a_step_with_a_malformed_part_applies_nothing() {
             extend: Some(extend(
                 2,
                 vec![ExtendItem {
-                    seq_id: 2,
+                    seq_id: SeqId(2),
                     growth: None,
                     written_tokens: 99,
                 }],
