@@ -9,6 +9,7 @@
 use worker_svc::backend::CudaOptions;
 use worker_svc::backend::cuda::AttentionTuning;
 use worker_svc::backend::cuda::bench::{self, AttentionShape};
+use worker_svc::gpu_bench;
 use worker_svc::model::{ModelConfig, RopeScaling};
 
 fn main() {
@@ -240,7 +241,7 @@ fn model_tables(model: &ModelConfig, copy_gbps: f64, gemm_tflops: f64) {
     let prefills = [(64, 1024), (8, 4096)];
     let batches = [64, 256];
     let default_streams = CudaOptions::default().gemm_streams;
-    let graphed = bench::model_bench(
+    let graphed = gpu_bench::model_bench(
         model,
         &prefills,
         &batches,
@@ -248,7 +249,7 @@ fn model_tables(model: &ModelConfig, copy_gbps: f64, gemm_tflops: f64) {
         (true, default_streams),
     )
     .unwrap_or_else(|e| fail(e));
-    let eager = bench::model_bench(
+    let eager = gpu_bench::model_bench(
         model,
         &[],
         &batches,
@@ -263,13 +264,13 @@ fn model_tables(model: &ModelConfig, copy_gbps: f64, gemm_tflops: f64) {
         .split(',')
         .filter_map(|n| n.trim().parse().ok())
         .collect();
-    let mut prefill_rows: Vec<(usize, bench::PrefillFigures)> = graphed
+    let mut prefill_rows: Vec<(usize, gpu_bench::PrefillFigures)> = graphed
         .prefills
         .iter()
         .map(|p| (default_streams, p.clone()))
         .collect();
     for n in streams {
-        let r = bench::model_bench(model, &prefills, &[], (context, steps), (true, n))
+        let r = gpu_bench::model_bench(model, &prefills, &[], (context, steps), (true, n))
             .unwrap_or_else(|e| fail(e));
         prefill_rows.extend(r.prefills.into_iter().map(|p| (n, p)));
     }
@@ -309,7 +310,7 @@ fn model_tables(model: &ModelConfig, copy_gbps: f64, gemm_tflops: f64) {
     }
     println!(
         "prefill (Worker::forward_tokens, {} tokens per forward)",
-        bench::PREFILL_BATCH_TOKENS
+        gpu_bench::PREFILL_BATCH_TOKENS
     );
     println!("| model | prefill | product streams | time | TFLOP | TFLOP/s | / cuBLAS bf16 rate |");
     println!("|---|---|---:|---:|---:|---:|---:|");
@@ -336,8 +337,8 @@ fn model_tables(model: &ModelConfig, copy_gbps: f64, gemm_tflops: f64) {
         .iter()
         .map(|d| (format!("decode step, batch {}", d.batch), d.phases))
         .chain(graphed.prefills.iter().map(|p| {
-            let len = p.tokens.min(bench::PREFILL_BATCH_TOKENS);
-            let per_forward = (bench::PREFILL_BATCH_TOKENS / len).clamp(1, p.seqs);
+            let len = p.tokens.min(gpu_bench::PREFILL_BATCH_TOKENS);
+            let per_forward = (gpu_bench::PREFILL_BATCH_TOKENS / len).clamp(1, p.seqs);
             (format!("prefill, {per_forward} x {len}"), p.phases)
         }));
     for (what, p) in rows {

@@ -7,6 +7,7 @@
 //! and exits 0, unless `KVLEASE_REQUIRE_GPU=1` (then it fails).
 
 use worker_svc::backend::cuda::bench;
+use worker_svc::gpu_bench;
 use worker_svc::model::{ModelConfig, RopeScaling};
 
 fn main() {
@@ -48,7 +49,7 @@ fn main() {
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     for model in &models {
         let figures =
-            bench::host_tier_bench(model, &[1024, 4096, 8192], 5).unwrap_or_else(|e| fail(e));
+            gpu_bench::host_tier_bench(model, &[1024, 4096, 8192], 5).unwrap_or_else(|e| fail(e));
         for f in figures {
             let gbps = |ms: f64| f.bytes as f64 / (ms * 1e-3) / 1e9;
             println!(

@@ -43,6 +43,8 @@ pub mod batch;
 mod config;
 mod convert;
 mod error;
+#[cfg(all(feature = "cuda", feature = "bench"))]
+pub mod gpu_bench;
 mod metrics;
 pub mod model;
 pub mod ops;
