@@ -27,6 +27,8 @@
 //! - [`worker`]: sizes the arena from the memory budget, then validate → backend → sample.
 //! - `sampling`: greedy, or seeded temperature/top-p keyed by (seed, position).
 //! - [`reference`](mod@reference): a dense, contiguous-KV reference of the same model for tests.
+//! - `gpu_bench` (features `cuda` and `bench`): a CUDA [`worker::Worker`] timed end to end,
+//!   for the GPU benches; it sits above the worker, which never reaches back to it.
 //! - The gRPC edge: `convert` (protobuf <-> domain; with `service` the only
 //!   place that touches protobuf types), `service` (`kvlease.v1.WorkerService`),
 //!   `metrics` (the worker's Prometheus series) and `server` ([`run`]: health,
