@@ -540,3 +540,28 @@ async fn a_pool_exhausted_mid_stream_ends_the_stream_with_an_error_event() {
     f.stop().await;
     gated.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_and_health_are_503_while_the_scheduler_is_unreachable() {
+    let f = Front::start(None).await;
+    for path in ["/health", "/v1/models", "/v1/models/kvlease"] {
+        assert_eq!(f.get(path).await.status, 200, "{path}");
+    }
+    let Front {
+        http,
+        scheduler,
+        worker,
+        cache,
+        gateway,
+    } = f;
+    scheduler.stop().await.unwrap();
+    // a model is listed only while it can be served (issue 25, point 5)
+    for path in ["/health", "/v1/models", "/v1/models/kvlease"] {
+        let r = request(http, "GET", path, None).await;
+        assert_eq!(r.status, 503, "{path}: {r:?}");
+        assert_eq!(r.json()["error"]["code"], "service_unavailable", "{r:?}");
+    }
+    gateway.stop().await.unwrap();
+    worker.stop().await.unwrap();
+    cache.stop().await.unwrap();
+}
