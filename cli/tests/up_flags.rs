@@ -23,6 +23,35 @@ fn up_takes_the_step_trace_sampling() {
     assert!(help.contains("KVLEASE_TRACE_STEPS_ONE_IN"), "{help}");
 }
 
+/// Issue 25, point 5: the capacity flags say what they do, and max_tokens
+/// is limited by the context, which the help says.
+#[test]
+fn up_help_explains_policy_on_exhausted_and_the_max_tokens_limit() {
+    let help = up_help();
+    let flag = |name: &str| {
+        let at = help
+            .find(&format!("--{name} "))
+            .unwrap_or_else(|| panic!("--{name} not in {help}"));
+        let rest = &help[at..];
+        let end = rest[2..].find("\n      --").map_or(rest.len(), |e| e + 2);
+        rest[..end].to_string()
+    };
+    let policy = flag("policy");
+    for needle in ["guaranteed-no-evict", "max-utilization", "static-batch"] {
+        assert!(policy.contains(needle), "{policy}");
+    }
+    let on_exhausted = flag("on-exhausted");
+    for needle in ["preempt", "reject"] {
+        assert!(on_exhausted.contains(needle), "{on_exhausted}");
+    }
+    let max_tokens = flag("max-tokens");
+    assert!(
+        max_tokens.contains("prompt + max_tokens must fit in --max-context"),
+        "{max_tokens}"
+    );
+    assert!(max_tokens.contains("[default: 0]"), "{max_tokens}");
+}
+
 /// Runs `kvlease ARGS` to its end, or kills it after `within`: its exit code (`None`: killed)
 /// and stderr.
 fn run_within(args: &[&str], within: Duration) -> (Option<i32>, String) {

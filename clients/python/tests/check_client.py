@@ -64,8 +64,8 @@ def main(addr):
         check(e is not None and e.code == "INVALID_ARGUMENT" and "max_tokens" in e.details,
               f"max_tokens=0 is INVALID_ARGUMENT with the reason: {e}")
         e = raises(lambda: client.complete(PROMPT, max_tokens=10_000_000), KvleaseError)
-        check(e is not None and e.code == "INVALID_ARGUMENT" and "over the limit" in e.details,
-              f"a max_tokens over the limit is INVALID_ARGUMENT: {e}")
+        check(e is not None and e.code == "INVALID_ARGUMENT" and "context limit" in e.details,
+              f"a max_tokens past the context is INVALID_ARGUMENT: {e}")
         e = raises(lambda: client.generate(PROMPT, tokens=[1]), ValueError)
         check(e is not None, f"text and tokens together are refused before sending: {e}")
 
