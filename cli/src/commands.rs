@@ -32,6 +32,13 @@ pub async fn up(
     tls: Option<&LocalTls>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
+    // The HTTP listener is bound before anything starts, as the services'
+    // are (`Cluster::start`): a port in use fails at once, not after the
+    // whole cluster started and warmed up.
+    let http = match http {
+        Some(addr) => Some((addr, crate::cluster::bind(addr).await?)),
+        None => None,
+    };
     let workers = config.worker_listens.len();
     println!("kvlease up: starting cache, {workers} worker(s) and scheduler ...");
     let mut cluster = Cluster::start(config).await?;
@@ -41,14 +48,7 @@ pub async fn up(
     );
     let (stop_gateway, gateway_stopped) = tokio::sync::oneshot::channel::<()>();
     let mut gateway = None;
-    if let Some(addr) = http {
-        let listener = match tokio::net::TcpListener::bind(addr).await {
-            Ok(l) => l,
-            Err(source) => {
-                cluster.shutdown().await;
-                return Err(Error::Bind { addr, source });
-            }
-        };
+    if let Some((addr, listener)) = http {
         let local = listener.local_addr().unwrap_or(addr);
         let config = kvlease_gateway::Config {
             listen: local,

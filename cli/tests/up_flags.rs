@@ -52,6 +52,42 @@ fn up_help_explains_policy_on_exhausted_and_the_max_tokens_limit() {
     assert!(max_tokens.contains("[default: 0]"), "{max_tokens}");
 }
 
+/// Issue 25, point 5: a taken `--http-listen` port was reported only after
+/// the whole cluster had started and warmed up. It fails before any service
+/// starts now: `up` never says it is starting them.
+#[test]
+fn up_refuses_a_taken_http_port_before_starting_services() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("{e}"));
+    let addr = taken
+        .local_addr()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlease"))
+        .args([
+            "up",
+            "--http-listen",
+            &addr,
+            "--base-port",
+            "0",
+            "--metrics-base-port",
+            "0",
+            "--workers",
+            "1",
+        ])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap_or_else(|e| panic!("run kvlease up: {e}"));
+    drop(taken);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot listen on {addr}")),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("starting cache"), "{stdout}");
+}
+
 /// Runs `kvlease ARGS` to its end, or kills it after `within`: its exit code (`None`: killed)
 /// and stderr.
 fn run_within(args: &[&str], within: Duration) -> (Option<i32>, String) {
