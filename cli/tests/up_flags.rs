@@ -5,6 +5,16 @@ use std::io::{BufRead as _, BufReader, Read as _};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// `kvlease up`'s flags for one worker with every port free (no metrics).
+const ONE_WORKER_ON_FREE_PORTS: [&str; 6] = [
+    "--base-port",
+    "0",
+    "--metrics-base-port",
+    "0",
+    "--workers",
+    "1",
+];
+
 fn up_help() -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_kvlease"))
         .args(["up", "--help"])
@@ -63,17 +73,8 @@ fn up_refuses_a_taken_http_port_before_starting_services() {
         .unwrap_or_else(|e| panic!("{e}"))
         .to_string();
     let out = Command::new(env!("CARGO_BIN_EXE_kvlease"))
-        .args([
-            "up",
-            "--http-listen",
-            &addr,
-            "--base-port",
-            "0",
-            "--metrics-base-port",
-            "0",
-            "--workers",
-            "1",
-        ])
+        .args(["up", "--http-listen", &addr])
+        .args(ONE_WORKER_ON_FREE_PORTS)
         .env("RUST_LOG", "warn")
         .output()
         .unwrap_or_else(|e| panic!("run kvlease up: {e}"));
@@ -125,24 +126,17 @@ fn up_refuses_a_clients_tls_flags_at_once() {
     kvlease_auth::certs::write_dir(&dir, &[], &[]).unwrap_or_else(|e| panic!("{e}"));
     let file = |name: &str| dir.join(name).display().to_string();
     let (cert, key, ca) = (file("admin.pem"), file("admin.key"), file("ca.pem"));
-    let (code, stderr) = run_within(
-        &[
-            "--tls-cert",
-            &cert,
-            "--tls-key",
-            &key,
-            "--tls-ca",
-            &ca,
-            "up",
-            "--base-port",
-            "0",
-            "--metrics-base-port",
-            "0",
-            "--workers",
-            "1",
-        ],
-        Duration::from_secs(20),
-    );
+    let mut args = vec![
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "--tls-ca",
+        &ca,
+        "up",
+    ];
+    args.extend(ONE_WORKER_ON_FREE_PORTS);
+    let (code, stderr) = run_within(&args, Duration::from_secs(20));
     std::fs::remove_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(code, Some(64), "{stderr}");
     assert!(stderr.contains("`kvlease up --tls`"), "{stderr}");
@@ -155,20 +149,9 @@ fn up_tls_serves_its_admin_and_no_plaintext_client() {
     let dir = std::env::temp_dir().join(format!("kvlease-up-tls-{}", std::process::id()));
     let tls_dir = dir.display().to_string();
     let mut up = Command::new(env!("CARGO_BIN_EXE_kvlease"))
-        .args([
-            "up",
-            "--tls",
-            "--tls-dir",
-            &tls_dir,
-            "--base-port",
-            "0",
-            "--metrics-base-port",
-            "0",
-            "--workers",
-            "1",
-            "--memory-budget-mib",
-            "32",
-        ])
+        .args(["up", "--tls", "--tls-dir", &tls_dir])
+        .args(ONE_WORKER_ON_FREE_PORTS)
+        .args(["--memory-budget-mib", "32"])
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
