@@ -19,6 +19,14 @@ use crate::report::{ClusterDelta, Summary};
 use crate::status;
 use crate::workload::Synthetic;
 
+/// The HTTP front of `kvlease up`: where it listens and the names of the
+/// model it serves (the first is the one answers carry).
+#[derive(Debug, Clone)]
+pub struct HttpFront {
+    pub listen: std::net::SocketAddr,
+    pub names: Vec<String>,
+}
+
 /// `kvlease up`: starts the cluster, prints its addresses and runs until
 /// `shutdown` resolves or a service stops by itself (an error).
 ///
@@ -28,7 +36,7 @@ use crate::workload::Synthetic;
 /// [`LocalTls::secure`]), and the gateway takes the admin's bearer token.
 pub async fn up(
     config: ClusterConfig,
-    http: Option<std::net::SocketAddr>,
+    http: Option<HttpFront>,
     tls: Option<&LocalTls>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
@@ -36,7 +44,10 @@ pub async fn up(
     // are (`Cluster::start`): a port in use fails at once, not after the
     // whole cluster started and warmed up.
     let http = match http {
-        Some(addr) => Some((addr, crate::cluster::bind(addr).await?)),
+        Some(front) => {
+            let listener = crate::cluster::bind(front.listen).await?;
+            Some((front, listener))
+        }
         None => None,
     };
     let workers = config.worker_listens.len();
@@ -48,17 +59,27 @@ pub async fn up(
     );
     let (stop_gateway, gateway_stopped) = tokio::sync::oneshot::channel::<()>();
     let mut gateway = None;
-    if let Some((addr, listener)) = http {
-        let local = listener.local_addr().unwrap_or(addr);
+    if let Some((front, listener)) = http {
+        let local = listener.local_addr().unwrap_or(front.listen);
+        let mut names = front.names.into_iter();
         let config = kvlease_gateway::Config {
             listen: local,
             scheduler_addr: format!("http://{}", cluster.scheduler),
             security: tls.map(|t| t.args("gateway")).unwrap_or_default(),
+            model: names
+                .next()
+                .unwrap_or_else(|| kvlease_gateway::config::DEFAULT_MODEL.to_string()),
+            model_aliases: names.collect(),
             ..kvlease_gateway::Config::default()
         };
         println!(
-            "  http       http://{local}/v1   (OpenAI-compatible; model {:?})",
-            config.model
+            "  http       http://{local}/v1   (OpenAI-compatible; model {:?}{})",
+            config.model,
+            if config.model_aliases.is_empty() {
+                String::new()
+            } else {
+                format!(", also {:?}", config.model_aliases)
+            }
         );
         gateway = Some(tokio::spawn(kvlease_telemetry::in_service(
             "kvlease-gateway",

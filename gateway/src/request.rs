@@ -38,10 +38,13 @@ pub struct Generate {
     pub include_usage: bool,
 }
 
-/// What the gateway serves: the model name and the default `max_tokens`.
+/// What the gateway serves: the model name, other names requests may use
+/// for it, and the default `max_tokens`.
 #[derive(Debug, Clone)]
 pub struct Served {
+    /// The name answers carry.
     pub model: String,
+    pub aliases: Vec<String>,
     pub default_max_tokens: u32,
 }
 
@@ -130,8 +133,18 @@ impl Served {
         )
     }
 
+    /// Whether a request naming `asked` is served here.
+    pub fn serves(&self, asked: &str) -> bool {
+        asked == self.model || self.aliases.iter().any(|a| a == asked)
+    }
+
+    /// Every name of the model: its own, then the aliases.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.model.as_str()).chain(self.aliases.iter().map(String::as_str))
+    }
+
     fn check_model(&self, asked: &str) -> Result<()> {
-        if asked == self.model {
+        if self.serves(asked) {
             Ok(())
         } else {
             Err(ApiError::model_not_found(asked, &self.model))
@@ -344,6 +357,7 @@ mod tests {
     fn served() -> Served {
         Served {
             model: "m".into(),
+            aliases: vec!["m-alias".into()],
             default_max_tokens: 100,
         }
     }
@@ -442,6 +456,9 @@ mod tests {
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}))
         .unwrap_err();
         assert!(e.message.contains("image_url"), "{e:?}");
+        completion(serde_json::json!({"model": "m-alias", "prompt": "x"}))
+            .expect("an alias is served");
+        assert_eq!(served().names().collect::<Vec<_>>(), ["m", "m-alias"]);
         let e = completion(serde_json::json!({"model": "other", "prompt": "x"})).unwrap_err();
         assert_eq!(e.status.as_u16(), 404);
         assert_eq!(e.code.as_deref(), Some("model_not_found"));

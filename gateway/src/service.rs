@@ -144,9 +144,9 @@ async fn health(State(g): State<Gateway>) -> Response {
     }
 }
 
-fn model_entry(served: &Served) -> Model {
+fn model_entry(id: &str) -> Model {
     Model {
-        id: served.model.clone(),
+        id: id.to_string(),
         object: "model",
         created: 0,
         owned_by: "kvlease",
@@ -162,7 +162,7 @@ async fn models(State(g): State<Gateway>, headers: HeaderMap) -> Response {
     }
     let list = ModelList {
         object: "list",
-        data: vec![model_entry(&g.served)],
+        data: g.served.names().map(model_entry).collect(),
     };
     json(StatusCode::OK, &list)
 }
@@ -171,11 +171,11 @@ async fn model(State(g): State<Gateway>, headers: HeaderMap, Path(id): Path<Stri
     if let Err(e) = g.tenant(&headers) {
         return e.into_response();
     }
-    if id != g.served.model {
+    if !g.served.serves(&id) {
         return ApiError::model_not_found(&id, &g.served.model).into_response();
     }
     match g.scheduler_serving().await {
-        Ok(()) => json(StatusCode::OK, &model_entry(&g.served)),
+        Ok(()) => json(StatusCode::OK, &model_entry(&id)),
         Err(e) => e.into_response(),
     }
 }

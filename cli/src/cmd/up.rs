@@ -101,6 +101,13 @@ pub(crate) struct UpArgs {
     /// off when absent.
     #[arg(long)]
     http_listen: Option<std::net::SocketAddr>,
+    /// The names HTTP requests may give as `model` (comma-separated; answers
+    /// carry the first, /v1/models lists all; any other is a 404). Default:
+    /// `kvlease` for the seeded model; with --model, the model's own name
+    /// (GGUF general.name, else its file or directory name) and the --model
+    /// value when it names a known model (e.g. smollm2).
+    #[arg(long, value_delimiter = ',')]
+    served_model_name: Vec<String>,
     /// Step traces the scheduler exports besides the steps that rejected or
     /// preempted (always exported): one in this many; 0 exports only those.
     #[arg(
@@ -158,6 +165,7 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
     } else {
         a.threads
     };
+    let mut served = vec![kvlease_gateway::config::DEFAULT_MODEL.to_string()];
     match &a.model {
         Some(model) => {
             let path = match models::home(|k| std::env::var_os(k))
@@ -176,6 +184,12 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
                 ),
                 Err(e) => return failed(e),
             }
+            let own = config
+                .worker
+                .model_shape()
+                .map(|m| m.name)
+                .unwrap_or_default();
+            served = models::served_names(model, &path, &own);
         }
         None => {
             if let Some(budget) = a.memory_budget_mib {
@@ -191,7 +205,18 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
     config.scheduler.trace_steps_one_in = a.trace_steps_one_in;
     config.metrics_port = (a.metrics_base_port != 0).then_some(a.metrics_base_port);
     let local = tls.as_ref().map(|(tls, _)| tls);
-    let ended = commands::up(config, a.http_listen, local, process::shutdown_signal()).await;
+    if !a.served_model_name.is_empty() {
+        if a.served_model_name.iter().any(|n| n.trim().is_empty()) {
+            eprintln!("kvlease: --served-model-name must not hold an empty name");
+            return ExitCode::from(EXIT_USAGE);
+        }
+        served = a.served_model_name.clone();
+    }
+    let http = a.http_listen.map(|listen| commands::HttpFront {
+        listen,
+        names: served,
+    });
+    let ended = commands::up(config, http, local, process::shutdown_signal()).await;
     if let Some((tls, true)) = &tls
         && let Err(e) = std::fs::remove_dir_all(tls.dir())
     {
