@@ -30,6 +30,8 @@ echo "-- kvlease/v1 stubs against the protos"
 "$py" clients/python/generate_stubs.py --check
 # this checkout's package (the venv may hold an older one)
 "$venv/bin/pip" install -q --no-deps --no-build-isolation --force-reinstall ./clients/python
+echo "-- kvlease Python package: unit tests (no server)"
+"$py" -m unittest discover -s clients/python/tests -p 'test_*.py'
 
 cargo build -q -p kvlease
 pids=()

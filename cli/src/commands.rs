@@ -19,6 +19,14 @@ use crate::report::{ClusterDelta, Summary};
 use crate::status;
 use crate::workload::Synthetic;
 
+/// The HTTP front of `kvlease up`: where it listens and the names of the
+/// model it serves (the first is the one answers carry).
+#[derive(Debug, Clone)]
+pub struct HttpFront {
+    pub listen: std::net::SocketAddr,
+    pub names: Vec<String>,
+}
+
 /// `kvlease up`: starts the cluster, prints its addresses and runs until
 /// `shutdown` resolves or a service stops by itself (an error).
 ///
@@ -28,10 +36,20 @@ use crate::workload::Synthetic;
 /// [`LocalTls::secure`]), and the gateway takes the admin's bearer token.
 pub async fn up(
     config: ClusterConfig,
-    http: Option<std::net::SocketAddr>,
+    http: Option<HttpFront>,
     tls: Option<&LocalTls>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
+    // The HTTP listener is bound before anything starts, as the services'
+    // are (`Cluster::start`): a port in use fails at once, not after the
+    // whole cluster started and warmed up.
+    let http = match http {
+        Some(front) => {
+            let listener = crate::cluster::bind(front.listen).await?;
+            Some((front, listener))
+        }
+        None => None,
+    };
     let workers = config.worker_listens.len();
     println!("kvlease up: starting cache, {workers} worker(s) and scheduler ...");
     let mut cluster = Cluster::start(config).await?;
@@ -41,24 +59,27 @@ pub async fn up(
     );
     let (stop_gateway, gateway_stopped) = tokio::sync::oneshot::channel::<()>();
     let mut gateway = None;
-    if let Some(addr) = http {
-        let listener = match tokio::net::TcpListener::bind(addr).await {
-            Ok(l) => l,
-            Err(source) => {
-                cluster.shutdown().await;
-                return Err(Error::Bind { addr, source });
-            }
-        };
-        let local = listener.local_addr().unwrap_or(addr);
+    if let Some((front, listener)) = http {
+        let local = listener.local_addr().unwrap_or(front.listen);
+        let mut names = front.names.into_iter();
         let config = kvlease_gateway::Config {
             listen: local,
             scheduler_addr: format!("http://{}", cluster.scheduler),
             security: tls.map(|t| t.args("gateway")).unwrap_or_default(),
+            model: names
+                .next()
+                .unwrap_or_else(|| kvlease_gateway::config::DEFAULT_MODEL.to_string()),
+            model_aliases: names.collect(),
             ..kvlease_gateway::Config::default()
         };
         println!(
-            "  http       http://{local}/v1   (OpenAI-compatible; model {:?})",
-            config.model
+            "  http       http://{local}/v1   (OpenAI-compatible; model {:?}{})",
+            config.model,
+            if config.model_aliases.is_empty() {
+                String::new()
+            } else {
+                format!(", also {:?}", config.model_aliases)
+            }
         );
         gateway = Some(tokio::spawn(kvlease_telemetry::in_service(
             "kvlease-gateway",

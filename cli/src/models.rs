@@ -91,6 +91,30 @@ pub fn resolve(model: &str, home: &Path) -> Result<PathBuf> {
     }
 }
 
+/// The names the HTTP front serves a `--model` under (`kvlease up
+/// --served-model-name` when not given): the model's own name (`own`, e.g.
+/// GGUF `general.name`), or without one its file's stem or directory's name,
+/// then `asked`, the `--model` value as the user gave it (`smollm2`), when
+/// that is another name and not a path.
+pub fn served_names(asked: &str, path: &Path, own: &str) -> Vec<String> {
+    let own = own.trim();
+    let first = if own.is_empty() {
+        let stem = if path.is_dir() {
+            path.file_name()
+        } else {
+            path.file_stem()
+        };
+        stem.map_or_else(|| asked.to_string(), |s| s.to_string_lossy().into_owned())
+    } else {
+        own.to_string()
+    };
+    let mut names = vec![first];
+    if known(asked).is_some() && !names.iter().any(|n| n == asked) {
+        names.push(asked.to_string());
+    }
+    names
+}
+
 /// What [`fetch`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Fetched {
@@ -242,6 +266,27 @@ mod tests {
     }
 
     const CONTENT: &[u8] = b"GGUF pretend model bytes";
+
+    #[test]
+    fn a_model_is_served_under_its_own_name_and_the_name_it_was_asked_by() {
+        let gguf = Path::new("/models/SmolLM2-135M-Instruct-Q8_0.gguf");
+        assert_eq!(
+            served_names("smollm2", gguf, "SmolLM2 135M Instruct"),
+            ["SmolLM2 135M Instruct", "smollm2"]
+        );
+        assert_eq!(
+            served_names("smollm2", gguf, " "),
+            ["SmolLM2-135M-Instruct-Q8_0", "smollm2"],
+            "no general.name: the file's stem"
+        );
+        let dir = scratch("served-names");
+        assert_eq!(
+            served_names(&dir.display().to_string(), &dir, ""),
+            [dir.file_name().unwrap().to_string_lossy().into_owned()],
+            "a directory by its name; a path is no alias"
+        );
+        assert_eq!(served_names("smollm2", gguf, "smollm2"), ["smollm2"]);
+    }
 
     fn model() -> KnownModel {
         KnownModel {

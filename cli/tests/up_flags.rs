@@ -5,6 +5,16 @@ use std::io::{BufRead as _, BufReader, Read as _};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// `kvlease up`'s flags for one worker with every port free (no metrics).
+const ONE_WORKER_ON_FREE_PORTS: [&str; 6] = [
+    "--base-port",
+    "0",
+    "--metrics-base-port",
+    "0",
+    "--workers",
+    "1",
+];
+
 fn up_help() -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_kvlease"))
         .args(["up", "--help"])
@@ -21,6 +31,62 @@ fn up_takes_the_step_trace_sampling() {
     let help = up_help();
     assert!(help.contains("--trace-steps-one-in"), "{help}");
     assert!(help.contains("KVLEASE_TRACE_STEPS_ONE_IN"), "{help}");
+}
+
+/// Issue 25, point 5: the capacity flags say what they do, and max_tokens
+/// is limited by the context, which the help says.
+#[test]
+fn up_help_explains_policy_on_exhausted_and_the_max_tokens_limit() {
+    let help = up_help();
+    let flag = |name: &str| {
+        let at = help
+            .find(&format!("--{name} "))
+            .unwrap_or_else(|| panic!("--{name} not in {help}"));
+        let rest = &help[at..];
+        let end = rest[2..].find("\n      --").map_or(rest.len(), |e| e + 2);
+        rest[..end].to_string()
+    };
+    let policy = flag("policy");
+    for needle in ["guaranteed-no-evict", "max-utilization", "static-batch"] {
+        assert!(policy.contains(needle), "{policy}");
+    }
+    let on_exhausted = flag("on-exhausted");
+    for needle in ["preempt", "reject"] {
+        assert!(on_exhausted.contains(needle), "{on_exhausted}");
+    }
+    let max_tokens = flag("max-tokens");
+    assert!(
+        max_tokens.contains("prompt + max_tokens must fit in --max-context"),
+        "{max_tokens}"
+    );
+    assert!(max_tokens.contains("[default: 0]"), "{max_tokens}");
+}
+
+/// Issue 25, point 5: a taken `--http-listen` port was reported only after
+/// the whole cluster had started and warmed up. It fails before any service
+/// starts now: `up` never says it is starting them.
+#[test]
+fn up_refuses_a_taken_http_port_before_starting_services() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("{e}"));
+    let addr = taken
+        .local_addr()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvlease"))
+        .args(["up", "--http-listen", &addr])
+        .args(ONE_WORKER_ON_FREE_PORTS)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap_or_else(|e| panic!("run kvlease up: {e}"));
+    drop(taken);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot listen on {addr}")),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("starting cache"), "{stdout}");
 }
 
 /// Runs `kvlease ARGS` to its end, or kills it after `within`: its exit code (`None`: killed)
@@ -60,24 +126,17 @@ fn up_refuses_a_clients_tls_flags_at_once() {
     kvlease_auth::certs::write_dir(&dir, &[], &[]).unwrap_or_else(|e| panic!("{e}"));
     let file = |name: &str| dir.join(name).display().to_string();
     let (cert, key, ca) = (file("admin.pem"), file("admin.key"), file("ca.pem"));
-    let (code, stderr) = run_within(
-        &[
-            "--tls-cert",
-            &cert,
-            "--tls-key",
-            &key,
-            "--tls-ca",
-            &ca,
-            "up",
-            "--base-port",
-            "0",
-            "--metrics-base-port",
-            "0",
-            "--workers",
-            "1",
-        ],
-        Duration::from_secs(20),
-    );
+    let mut args = vec![
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "--tls-ca",
+        &ca,
+        "up",
+    ];
+    args.extend(ONE_WORKER_ON_FREE_PORTS);
+    let (code, stderr) = run_within(&args, Duration::from_secs(20));
     std::fs::remove_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(code, Some(64), "{stderr}");
     assert!(stderr.contains("`kvlease up --tls`"), "{stderr}");
@@ -90,20 +149,9 @@ fn up_tls_serves_its_admin_and_no_plaintext_client() {
     let dir = std::env::temp_dir().join(format!("kvlease-up-tls-{}", std::process::id()));
     let tls_dir = dir.display().to_string();
     let mut up = Command::new(env!("CARGO_BIN_EXE_kvlease"))
-        .args([
-            "up",
-            "--tls",
-            "--tls-dir",
-            &tls_dir,
-            "--base-port",
-            "0",
-            "--metrics-base-port",
-            "0",
-            "--workers",
-            "1",
-            "--memory-budget-mib",
-            "32",
-        ])
+        .args(["up", "--tls", "--tls-dir", &tls_dir])
+        .args(ONE_WORKER_ON_FREE_PORTS)
+        .args(["--memory-budget-mib", "32"])
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -28,6 +28,10 @@ pub struct Config {
     /// The model id `/v1/models` lists and requests must name.
     #[arg(long, env = "KVLEASE_GATEWAY_MODEL", default_value = DEFAULT_MODEL)]
     pub model: String,
+    /// Other ids requests may name for the same model (comma-separated);
+    /// `/v1/models` lists them after --model, answers name --model.
+    #[arg(long, env = "KVLEASE_GATEWAY_MODEL_ALIASES", value_delimiter = ',')]
+    pub model_aliases: Vec<String>,
     /// `max_tokens` of a request that gives none (OpenAI's completions
     /// default is 16; chat has no default there, so one is needed here).
     #[arg(
@@ -59,6 +63,7 @@ impl Default for Config {
             security: kvlease_auth::SecurityArgs::default(),
             scheduler_addr: "http://127.0.0.1:50051".into(),
             model: DEFAULT_MODEL.into(),
+            model_aliases: Vec::new(),
             default_max_tokens: 256,
             limits: Default::default(),
             body_timeout_ms: DEFAULT_BODY_TIMEOUT_MS,
@@ -80,6 +85,9 @@ impl Config {
     pub fn validate(&self) -> Result<(), String> {
         if self.model.trim().is_empty() {
             return Err("--model must not be empty".into());
+        }
+        if self.model_aliases.iter().any(|a| a.trim().is_empty()) {
+            return Err("--model-aliases must not hold an empty name".into());
         }
         if self.default_max_tokens == 0 {
             return Err("--default-max-tokens must be at least 1".into());

@@ -190,9 +190,18 @@ impl From<tonic::Status> for ApiError {
         use tonic::Code;
         let message = s.message().to_string();
         match s.code() {
-            Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange => {
-                Self::invalid(message)
+            Code::InvalidArgument => {
+                let param = s
+                    .metadata()
+                    .get(kvlease_proto::INVALID_FIELD_METADATA)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(openai_param);
+                Self {
+                    param,
+                    ..Self::invalid(message)
+                }
             }
+            Code::FailedPrecondition | Code::OutOfRange => Self::invalid(message),
             Code::ResourceExhausted => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
                     .code("resource_exhausted")
@@ -209,6 +218,21 @@ impl From<tonic::Status> for ApiError {
             code => Self::upstream(format!("the scheduler failed ({code:?}): {message}")),
         }
     }
+}
+
+/// The OpenAI request field that a scheduler `GenerateRequest` field came
+/// from (see [`crate::convert::generate_request`]); `None` for a field the
+/// gateway sets itself.
+fn openai_param(field: &str) -> Option<&'static str> {
+    Some(match field {
+        "text" | "tokens" => "prompt",
+        "messages" => "messages",
+        "max_tokens" => "max_tokens",
+        "temperature" => "temperature",
+        "top_p" => "top_p",
+        "stop" => "stop",
+        _ => return None,
+    })
 }
 
 impl IntoResponse for ApiError {
@@ -243,6 +267,37 @@ mod tests {
             assert_eq!(e.status.as_u16(), http, "{code:?}");
             assert!(e.message.contains("why"), "{e:?}");
         }
+    }
+
+    #[test]
+    fn a_scheduler_refusal_naming_its_field_names_the_openai_param() {
+        let refused = |field: &'static str| {
+            let mut s = tonic::Status::invalid_argument("bad");
+            s.metadata_mut().insert(
+                kvlease_proto::INVALID_FIELD_METADATA,
+                tonic::metadata::MetadataValue::from_static(field),
+            );
+            ApiError::from(s)
+        };
+        for (field, param) in [
+            ("tokens", "prompt"),
+            ("text", "prompt"),
+            ("messages", "messages"),
+            ("max_tokens", "max_tokens"),
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("stop", "stop"),
+        ] {
+            let e = refused(field);
+            assert_eq!((e.status.as_u16(), e.param), (400, Some(param)), "{e:?}");
+            let v: serde_json::Value = serde_json::from_str(&e.to_json()).unwrap();
+            assert_eq!(v["error"]["param"], param);
+        }
+        assert_eq!(refused("request_id").param, None, "the gateway's own field");
+        assert_eq!(
+            ApiError::from(tonic::Status::invalid_argument("bad")).param,
+            None
+        );
     }
 
     #[test]

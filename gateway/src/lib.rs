@@ -98,6 +98,7 @@ pub async fn run(
         .connect_lazy();
     let served = request::Served {
         model: config.model.clone(),
+        aliases: config.model_aliases.clone(),
         default_max_tokens: config.default_max_tokens,
     };
     // Only a request whose headers arrived whole proves a connection, and

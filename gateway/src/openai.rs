@@ -72,6 +72,59 @@ pub struct Common {
     /// Refused when set to anything but `false` / `null`: no log-probs.
     #[serde(default)]
     pub logprobs: Option<serde_json::Value>,
+    #[serde(flatten)]
+    pub unserved: Unserved,
+}
+
+/// Fields the OpenAI API (or vLLM's extensions, which load generators send)
+/// documents and kvlease does not implement. Each is refused with a 400
+/// naming it unless absent, `null` or set to its no-op value
+/// ([`crate::request`]), never silently ignored. Read as JSON values, so
+/// that a value of the wrong type is refused naming the field too.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Unserved {
+    #[serde(default)]
+    pub frequency_penalty: Option<serde_json::Value>,
+    #[serde(default)]
+    pub presence_penalty: Option<serde_json::Value>,
+    #[serde(default)]
+    pub repetition_penalty: Option<serde_json::Value>,
+    #[serde(default)]
+    pub logit_bias: Option<serde_json::Value>,
+    #[serde(default)]
+    pub response_format: Option<serde_json::Value>,
+    #[serde(default)]
+    pub min_tokens: Option<serde_json::Value>,
+    #[serde(default)]
+    pub top_k: Option<serde_json::Value>,
+    #[serde(default)]
+    pub min_p: Option<serde_json::Value>,
+    #[serde(default)]
+    pub use_beam_search: Option<serde_json::Value>,
+    #[serde(default)]
+    pub tool_choice: Option<serde_json::Value>,
+    #[serde(default)]
+    pub functions: Option<serde_json::Value>,
+    #[serde(default)]
+    pub function_call: Option<serde_json::Value>,
+    #[serde(default)]
+    pub modalities: Option<serde_json::Value>,
+    #[serde(default)]
+    pub audio: Option<serde_json::Value>,
+    #[serde(default)]
+    pub prediction: Option<serde_json::Value>,
+    #[serde(default)]
+    pub reasoning_effort: Option<serde_json::Value>,
+    #[serde(default)]
+    pub verbosity: Option<serde_json::Value>,
+    #[serde(default)]
+    pub web_search_options: Option<serde_json::Value>,
+    #[serde(default)]
+    pub store: Option<serde_json::Value>,
+    #[serde(default)]
+    pub metadata: Option<serde_json::Value>,
+    #[serde(default)]
+    pub service_tier: Option<serde_json::Value>,
 }
 
 /// A completion prompt: a string, a list of one string, or token ids.

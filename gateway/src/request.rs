@@ -4,8 +4,10 @@
 //! for the gRPC path and this one alike; its `INVALID_ARGUMENT` becomes a
 //! 400 with its message.
 
+use serde_json::{Value, json};
+
 use crate::error::{ApiError, Result};
-use crate::openai::{ChatRequest, Common, CompletionRequest, Content, Prompt, Stop};
+use crate::openai::{ChatRequest, Common, CompletionRequest, Content, Prompt, Stop, Unserved};
 
 /// The prompt of a request.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,10 +38,13 @@ pub struct Generate {
     pub include_usage: bool,
 }
 
-/// What the gateway serves: the model name and the default `max_tokens`.
+/// What the gateway serves: the model name, other names requests may use
+/// for it, and the default `max_tokens`.
 #[derive(Debug, Clone)]
 pub struct Served {
+    /// The name answers carry.
     pub model: String,
+    pub aliases: Vec<String>,
     pub default_max_tokens: u32,
 }
 
@@ -128,8 +133,18 @@ impl Served {
         )
     }
 
+    /// Whether a request naming `asked` is served here.
+    pub fn serves(&self, asked: &str) -> bool {
+        asked == self.model || self.aliases.iter().any(|a| a == asked)
+    }
+
+    /// Every name of the model: its own, then the aliases.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.model.as_str()).chain(self.aliases.iter().map(String::as_str))
+    }
+
     fn check_model(&self, asked: &str) -> Result<()> {
-        if asked == self.model {
+        if self.serves(asked) {
             Ok(())
         } else {
             Err(ApiError::model_not_found(asked, &self.model))
@@ -143,6 +158,7 @@ impl Served {
         max_completion_tokens: Option<u64>,
         default_max_tokens: u32,
     ) -> Result<Generate> {
+        refuse_unserved(&c.unserved)?;
         if c.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid_param("n", "n must be 1"));
         }
@@ -207,6 +223,103 @@ impl Served {
     }
 }
 
+/// One [`Unserved`] field: its name, its value, whether a value is a no-op,
+/// and the no-op values as a refusal names them.
+type NoOp<'a> = (
+    &'static str,
+    &'a Option<Value>,
+    &'a dyn Fn(&Value) -> bool,
+    &'static str,
+);
+
+/// Refuses each [`Unserved`] field set to anything but its no-op value,
+/// naming it and the values that are accepted.
+fn refuse_unserved(u: &Unserved) -> Result<()> {
+    let zero = |v: &Value| v.as_f64() == Some(0.0);
+    let empty = |v: &Value| {
+        v.as_object().is_some_and(|o| o.is_empty()) || v.as_array().is_some_and(|a| a.is_empty())
+    };
+    let no = |v: &Value| *v == Value::Bool(false);
+    let fields: [NoOp<'_>; 21] = [
+        ("frequency_penalty", &u.frequency_penalty, &zero, "0"),
+        ("presence_penalty", &u.presence_penalty, &zero, "0"),
+        (
+            "repetition_penalty",
+            &u.repetition_penalty,
+            &|v| v.as_f64() == Some(1.0),
+            "1",
+        ),
+        ("logit_bias", &u.logit_bias, &empty, "{}"),
+        (
+            "response_format",
+            &u.response_format,
+            &|v| *v == json!({"type": "text"}),
+            r#"{"type": "text"}"#,
+        ),
+        ("min_tokens", &u.min_tokens, &zero, "0"),
+        (
+            "top_k",
+            &u.top_k,
+            &|v| matches!(v.as_i64(), Some(0 | -1)),
+            "0 or -1",
+        ),
+        ("min_p", &u.min_p, &zero, "0"),
+        ("use_beam_search", &u.use_beam_search, &no, "false"),
+        (
+            "tool_choice",
+            &u.tool_choice,
+            &|v| v.as_str() == Some("none"),
+            r#""none""#,
+        ),
+        ("functions", &u.functions, &empty, "[]"),
+        (
+            "function_call",
+            &u.function_call,
+            &|v| v.as_str() == Some("none"),
+            r#""none""#,
+        ),
+        (
+            "modalities",
+            &u.modalities,
+            &|v| *v == json!(["text"]),
+            r#"["text"]"#,
+        ),
+        ("audio", &u.audio, &|_| false, "null"),
+        ("prediction", &u.prediction, &|_| false, "null"),
+        ("reasoning_effort", &u.reasoning_effort, &|_| false, "null"),
+        ("verbosity", &u.verbosity, &|_| false, "null"),
+        (
+            "web_search_options",
+            &u.web_search_options,
+            &|_| false,
+            "null",
+        ),
+        ("store", &u.store, &no, "false"),
+        ("metadata", &u.metadata, &empty, "{}"),
+        (
+            "service_tier",
+            &u.service_tier,
+            &|v| matches!(v.as_str(), Some("auto" | "default")),
+            r#""auto" or "default""#,
+        ),
+    ];
+    for (name, value, no_op, accepted) in fields {
+        if let Some(v) = value
+            && !v.is_null()
+            && !no_op(v)
+        {
+            return Err(ApiError::invalid_param(
+                name,
+                format!(
+                    "{name} is not supported: kvlease accepts it only as {accepted} (got {})",
+                    crate::error::clip(&v.to_string())
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A number the scheduler holds in 32 bits, refused rather than truncated
 /// when it does not fit (issue 29, point 9).
 fn narrow(param: &'static str, value: u64) -> Result<u32> {
@@ -244,6 +357,7 @@ mod tests {
     fn served() -> Served {
         Served {
             model: "m".into(),
+            aliases: vec!["m-alias".into()],
             default_max_tokens: 100,
         }
     }
@@ -342,9 +456,68 @@ mod tests {
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}))
         .unwrap_err();
         assert!(e.message.contains("image_url"), "{e:?}");
+        completion(serde_json::json!({"model": "m-alias", "prompt": "x"}))
+            .expect("an alias is served");
+        assert_eq!(served().names().collect::<Vec<_>>(), ["m", "m-alias"]);
         let e = completion(serde_json::json!({"model": "other", "prompt": "x"})).unwrap_err();
         assert_eq!(e.status.as_u16(), 404);
         assert_eq!(e.code.as_deref(), Some("model_not_found"));
+    }
+
+    #[test]
+    fn documented_fields_kvlease_does_not_serve_are_refused_naming_them() {
+        let refused = [
+            ("frequency_penalty", json!(0.5)),
+            ("presence_penalty", json!(-1)),
+            ("repetition_penalty", json!(1.2)),
+            ("logit_bias", json!({"42": -100})),
+            ("response_format", json!({"type": "json_object"})),
+            ("min_tokens", json!(4)),
+            ("top_k", json!(5)),
+            ("min_p", json!(0.1)),
+            ("use_beam_search", json!(true)),
+            ("tool_choice", json!("auto")),
+            ("functions", json!([{"name": "f"}])),
+            ("function_call", json!("auto")),
+            ("modalities", json!(["text", "audio"])),
+            ("audio", json!({"voice": "alloy", "format": "wav"})),
+            ("prediction", json!({"type": "content", "content": "x"})),
+            ("reasoning_effort", json!("low")),
+            ("verbosity", json!("low")),
+            ("web_search_options", json!({})),
+            ("store", json!(true)),
+            ("metadata", json!({"k": "v"})),
+            ("service_tier", json!("flex")),
+            // a value of the wrong type is refused naming the field too
+            ("frequency_penalty", json!("high")),
+        ];
+        for (field, value) in refused {
+            for endpoint in ["completions", "chat"] {
+                let mut body = json!({"model": "m", "prompt": "x",
+                    "messages": [{"role": "user", "content": "x"}]});
+                body[field] = value.clone();
+                let r = if endpoint == "chat" {
+                    chat(body)
+                } else {
+                    completion(body)
+                };
+                let e = r.expect_err(field);
+                assert_eq!(
+                    (e.status.as_u16(), e.param),
+                    (400, Some(field)),
+                    "{endpoint}: {e:?}"
+                );
+                assert!(e.message.contains(field), "{e:?}");
+            }
+        }
+        // absent, null or the no-op value: served
+        let no_ops = json!({"model": "m", "prompt": "x", "frequency_penalty": 0,
+            "presence_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {},
+            "response_format": {"type": "text"}, "min_tokens": 0, "top_k": -1, "min_p": 0,
+            "use_beam_search": false, "tool_choice": "none", "functions": [],
+            "function_call": "none", "modalities": ["text"], "audio": null, "store": false,
+            "metadata": {}, "service_tier": "auto", "n": 1});
+        completion(no_ops).expect("no-op values are served");
     }
 
     #[test]

@@ -113,29 +113,40 @@ impl Gateway {
 
 // === routes ===
 
-async fn health(State(g): State<Gateway>) -> Response {
-    let mut client = HealthClient::new(g.channel);
-    let check = client.check(HealthCheckRequest {
-        service: String::new(),
-    });
-    match check.await.map(|r| r.into_inner().status()) {
-        Ok(ServingStatus::Serving) => json_response(StatusCode::OK, r#"{"status":"ok"}"#.into()),
-        Ok(other) => ApiError::unavailable(format!(
-            "the scheduler is not serving: {}",
-            other.as_str_name()
-        ))
-        .into_response(),
-        Err(status) => ApiError::unavailable(format!(
-            "the scheduler's health check failed: {}",
-            status.message()
-        ))
-        .into_response(),
+impl Gateway {
+    /// The 503 to answer with while the scheduler is unreachable or not
+    /// serving: a model is listed only while it can be served, so that a
+    /// client (or a load balancer) probing `/v1/models` does not send
+    /// requests that would all fail.
+    async fn scheduler_serving(&self) -> Result<()> {
+        let mut client = HealthClient::new(self.channel.clone());
+        let check = client.check(HealthCheckRequest {
+            service: String::new(),
+        });
+        match check.await.map(|r| r.into_inner().status()) {
+            Ok(ServingStatus::Serving) => Ok(()),
+            Ok(other) => Err(ApiError::unavailable(format!(
+                "the scheduler is not serving: {}",
+                other.as_str_name()
+            ))),
+            Err(status) => Err(ApiError::unavailable(format!(
+                "the scheduler's health check failed: {}",
+                status.message()
+            ))),
+        }
     }
 }
 
-fn model_entry(served: &Served) -> Model {
+async fn health(State(g): State<Gateway>) -> Response {
+    match g.scheduler_serving().await {
+        Ok(()) => json_response(StatusCode::OK, r#"{"status":"ok"}"#.into()),
+        Err(e) => e.into_response(),
+    }
+}
+
+fn model_entry(id: &str) -> Model {
     Model {
-        id: served.model.clone(),
+        id: id.to_string(),
         object: "model",
         created: 0,
         owned_by: "kvlease",
@@ -146,9 +157,12 @@ async fn models(State(g): State<Gateway>, headers: HeaderMap) -> Response {
     if let Err(e) = g.tenant(&headers) {
         return e.into_response();
     }
+    if let Err(e) = g.scheduler_serving().await {
+        return e.into_response();
+    }
     let list = ModelList {
         object: "list",
-        data: vec![model_entry(&g.served)],
+        data: g.served.names().map(model_entry).collect(),
     };
     json(StatusCode::OK, &list)
 }
@@ -157,10 +171,12 @@ async fn model(State(g): State<Gateway>, headers: HeaderMap, Path(id): Path<Stri
     if let Err(e) = g.tenant(&headers) {
         return e.into_response();
     }
-    if id == g.served.model {
-        json(StatusCode::OK, &model_entry(&g.served))
-    } else {
-        ApiError::model_not_found(&id, &g.served.model).into_response()
+    if !g.served.serves(&id) {
+        return ApiError::model_not_found(&id, &g.served.model).into_response();
+    }
+    match g.scheduler_serving().await {
+        Ok(()) => json(StatusCode::OK, &model_entry(&id)),
+        Err(e) => e.into_response(),
     }
 }
 

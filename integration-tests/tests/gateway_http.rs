@@ -174,13 +174,12 @@ async fn completions_whole_and_streamed_match_grpc() {
     assert_eq!(models.json()["data"][0]["id"], "kvlease");
     assert_eq!(f.get("/v1/models/kvlease").await.status, 200);
 
-    let grpc = f
-        .grpc(pb::GenerateRequest {
-            text: PROMPT.into(),
-            max_tokens: 6,
-            ..Default::default()
-        })
-        .await;
+    let by_text = pb::GenerateRequest {
+        text: PROMPT.into(),
+        max_tokens: 6,
+        ..Default::default()
+    };
+    let grpc = f.grpc(by_text.clone()).await;
     assert_eq!(
         grpc.prompt_tokens,
         PROMPT.len() as u32,
@@ -239,21 +238,44 @@ async fn completions_whole_and_streamed_match_grpc() {
         .await;
     assert_eq!(t.status, 200, "{t:?}");
     assert_eq!(t.json()["usage"]["prompt_tokens"], PROMPT.len());
+    // a token-id prompt gets its output's text too (issue 25, point 5),
+    // over HTTP and gRPC
+    assert!(!grpc.text.is_empty(), "{grpc:?}");
+    assert_eq!(
+        t.json()["choices"][0]["text"].as_str(),
+        Some(grpc.text.as_str()),
+        "{t:?}"
+    );
+    let by_ids = f
+        .grpc(pb::GenerateRequest {
+            text: String::new(),
+            tokens: tokens.clone(),
+            ..by_text
+        })
+        .await;
+    assert_eq!(
+        (by_ids.tokens, by_ids.text),
+        (grpc.tokens, grpc.text.clone())
+    );
     let first_char: String = grpc.text.chars().take(1).collect();
     if !first_char.is_empty() {
-        let s = f
-            .post(
-                "/v1/completions",
-                json!({"model": "kvlease", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stop": [first_char]}),
-            )
-            .await;
-        assert_eq!(s.status, 200, "{s:?}");
-        assert_eq!(s.json()["choices"][0]["finish_reason"], "stop", "{s:?}");
-        assert_eq!(
-            s.json()["choices"][0]["text"],
-            "",
-            "the text ends before the stop string"
-        );
+        // a stop string ends the text before it, for a token-id prompt as
+        // for a text one
+        for prompt in [json!(PROMPT), json!(tokens)] {
+            let s = f
+                .post(
+                    "/v1/completions",
+                    json!({"model": "kvlease", "prompt": prompt, "max_tokens": 6, "temperature": 0, "stop": [first_char]}),
+                )
+                .await;
+            assert_eq!(s.status, 200, "{s:?}");
+            assert_eq!(s.json()["choices"][0]["finish_reason"], "stop", "{s:?}");
+            assert_eq!(
+                s.json()["choices"][0]["text"],
+                "",
+                "the text ends before the stop string: {s:?}"
+            );
+        }
     }
     f.stop().await;
 }
@@ -269,7 +291,9 @@ async fn invalid_requests_are_400_in_openai_shape_with_the_schedulers_message() 
         assert!(message.contains(needle), "{needle:?} not in {message:?}");
         assert!(e["type"].is_string(), "{r:?}");
     };
-    // the scheduler's validation, passed through
+    // the scheduler's validation, passed through with the field it names
+    // as OpenAI's `param`
+    let param = |r: &Reply| r.json()["error"]["param"].clone();
     let r = f
         .post(
             "/v1/completions",
@@ -277,6 +301,7 @@ async fn invalid_requests_are_400_in_openai_shape_with_the_schedulers_message() 
         )
         .await;
     expect(&r, 400, "max_tokens must be at least 1");
+    assert_eq!(param(&r), "max_tokens", "{r:?}");
     let r = f
         .post(
             "/v1/completions",
@@ -284,6 +309,7 @@ async fn invalid_requests_are_400_in_openai_shape_with_the_schedulers_message() 
         )
         .await;
     expect(&r, 400, "temperature");
+    assert_eq!(param(&r), "temperature", "{r:?}");
     let r = f
         .post(
             "/v1/completions",
@@ -291,6 +317,15 @@ async fn invalid_requests_are_400_in_openai_shape_with_the_schedulers_message() 
         )
         .await;
     expect(&r, 400, "max_tokens 600 is over the limit of 200");
+    assert_eq!(param(&r), "max_tokens", "{r:?}");
+    let r = f
+        .post(
+            "/v1/completions",
+            json!({"model": "kvlease", "prompt": [300], "max_tokens": 1}),
+        )
+        .await;
+    expect(&r, 400, "outside the vocabulary");
+    assert_eq!(param(&r), "prompt", "{r:?}");
     // the gateway's own checks
     expect(
         &request(f.http, "POST", "/v1/completions", Some("{not json".into())).await,
@@ -504,4 +539,29 @@ async fn a_pool_exhausted_mid_stream_ends_the_stream_with_an_error_event() {
     assert_eq!(rejected, 1, "{replies:?}");
     f.stop().await;
     gated.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_and_health_are_503_while_the_scheduler_is_unreachable() {
+    let f = Front::start(None).await;
+    for path in ["/health", "/v1/models", "/v1/models/kvlease"] {
+        assert_eq!(f.get(path).await.status, 200, "{path}");
+    }
+    let Front {
+        http,
+        scheduler,
+        worker,
+        cache,
+        gateway,
+    } = f;
+    scheduler.stop().await.unwrap();
+    // a model is listed only while it can be served (issue 25, point 5)
+    for path in ["/health", "/v1/models", "/v1/models/kvlease"] {
+        let r = request(http, "GET", path, None).await;
+        assert_eq!(r.status, 503, "{path}: {r:?}");
+        assert_eq!(r.json()["error"]["code"], "service_unavailable", "{r:?}");
+    }
+    gateway.stop().await.unwrap();
+    worker.stop().await.unwrap();
+    cache.stop().await.unwrap();
 }

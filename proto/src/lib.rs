@@ -18,6 +18,11 @@ pub mod v1 {
 pub mod codec;
 pub mod delta;
 
+/// Metadata of an `INVALID_ARGUMENT` status naming the `GenerateRequest` field at fault
+/// (`max_tokens`, `tokens`, `stop`, ...), so that a front such as the HTTP gateway can name it
+/// in its own terms (OpenAI's `param`) without parsing the message.
+pub const INVALID_FIELD_METADATA: &str = "kvlease-invalid-field";
+
 /// Encoded `FileDescriptorSet` of every kvlease proto, for gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/kvlease_descriptor.bin"));

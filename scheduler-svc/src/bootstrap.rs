@@ -211,7 +211,14 @@ async fn one_tokenizer(
 pub(crate) fn limits(config: &Config, group: &GroupGeometry) -> WarmupLimits {
     WarmupLimits {
         max_context: group.max_context,
-        max_tokens: config.max_tokens,
+        // Without a max_tokens limit of its own (0), any split of the context
+        // between prompt and output is servable and holds the same blocks
+        // over its life: warm up with half the context as output, so the
+        // warm-up's prefill stays as long as half the context, not all of it.
+        max_tokens: match config.max_tokens {
+            0 => (group.max_context / 2).max(1),
+            n => n,
+        },
         max_seqs: config.max_seqs,
         max_tokens_per_step: config.max_tokens_per_step,
         draft_k: config.spec_draft_k,

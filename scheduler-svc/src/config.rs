@@ -129,7 +129,8 @@ pub struct Config {
     /// Prompt tokens one sequence prefills per step (chunked prefill).
     #[arg(long, env = "KVLEASE_SCHEDULER_PREFILL_CHUNK", default_value_t = DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: u32,
-    /// Largest max_tokens a request may ask for.
+    /// Largest max_tokens a request may ask for; 0 = no limit but the context
+    /// (prompt + max_tokens <= --max-context).
     #[arg(long, env = "KVLEASE_SCHEDULER_MAX_TOKENS", default_value_t = DEFAULT_MAX_TOKENS)]
     pub max_tokens: u32,
     /// Largest prompt + output in tokens; 0 uses the model's limit.
@@ -276,6 +277,15 @@ impl ServiceConfig for Config {
 }
 
 impl Config {
+    /// The largest `max_tokens` a request may ask for: `--max-tokens`, or
+    /// with 0 no limit of its own (the context still limits the request).
+    pub fn max_tokens_limit(&self) -> u32 {
+        match self.max_tokens {
+            0 => u32::MAX,
+            n => n,
+        }
+    }
+
     /// Checks the values that have no meaning when zero or out of range.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(Error::Config(m.to_string()));
@@ -290,9 +300,6 @@ impl Config {
         }
         if self.prefill_chunk == 0 {
             return bad("prefill_chunk must be at least 1");
-        }
-        if self.max_tokens == 0 {
-            return bad("max_tokens must be at least 1");
         }
         if self.spec_draft_k > 32 {
             return bad("spec_draft_k must be at most 32");
@@ -430,11 +437,16 @@ mod tests {
             ["kvlease-scheduler"],
         );
         assert_eq!(parsed.map_err(|e| e.to_string()), Ok(Config::default()));
-        let zero = Config {
+        let context_only = Config {
             max_tokens: 0,
             ..Config::default()
         };
-        assert!(matches!(zero.validate(), Err(Error::Config(_))));
+        assert!(
+            context_only.validate().is_ok(),
+            "0: only the context limits"
+        );
+        assert_eq!(context_only.max_tokens_limit(), u32::MAX);
+        assert_eq!(Config::default().max_tokens_limit(), DEFAULT_MAX_TOKENS);
     }
 
     #[test]

@@ -32,11 +32,29 @@ const MAX_LABEL: usize = 256;
 const MAX_STOPS: usize = 16;
 const MAX_STOP_BYTES: usize = 256;
 
-/// How a request's output text is made: `None` for token-id prompts.
+/// How a request's output text is made. Every request gets its text, a
+/// token-id prompt too: clients that tokenize themselves (load generators)
+/// still read the output as text, and stop strings apply to it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct TextOutput {
     /// Stop strings.
     pub(crate) stop: Vec<String>,
+}
+
+/// The field a request gives its prompt in: `messages`, `text` or `tokens`.
+fn prompt_field(req: &pb::GenerateRequest) -> &'static str {
+    if !req.messages.is_empty() {
+        "messages"
+    } else if !req.text.is_empty() {
+        "text"
+    } else {
+        "tokens"
+    }
+}
+
+/// An [`Error::InvalidField`] of `field`.
+fn invalid(field: &'static str, message: String) -> Error {
+    Error::InvalidField { field, message }
 }
 
 /// The prompt of a request: its text, its chat or its token ids.
@@ -47,7 +65,8 @@ fn prompt_ids(req: &pb::GenerateRequest, tokenizer: &Tokenizer) -> Result<Vec<u3
         !req.messages.is_empty(),
     ];
     if given.iter().filter(|g| **g).count() > 1 {
-        return Err(Error::InvalidArgument(
+        return Err(invalid(
+            prompt_field(req),
             "give exactly one of text, tokens and messages".into(),
         ));
     }
@@ -55,7 +74,7 @@ fn prompt_ids(req: &pb::GenerateRequest, tokenizer: &Tokenizer) -> Result<Vec<u3
         kvlease_tokenizer::Error::NoChatTemplate => Error::FailedPrecondition(
             "the model has no chat template: send text or tokens instead of messages".into(),
         ),
-        other => Error::InvalidArgument(other.to_string()),
+        other => invalid(prompt_field(req), other.to_string()),
     };
     if !req.messages.is_empty() {
         if let Some((i, _)) = req
@@ -64,7 +83,7 @@ fn prompt_ids(req: &pb::GenerateRequest, tokenizer: &Tokenizer) -> Result<Vec<u3
             .enumerate()
             .find(|(_, m)| m.role.is_empty())
         {
-            return Err(Error::InvalidArgument(format!("message {i} has no role")));
+            return Err(invalid("messages", format!("message {i} has no role")));
         }
         let messages: Vec<Message> = req
             .messages
@@ -80,67 +99,87 @@ fn prompt_ids(req: &pb::GenerateRequest, tokenizer: &Tokenizer) -> Result<Vec<u3
 }
 
 /// Checks a Generate request and turns it into a queue request, with how
-/// its output text is made (`None` for a token-id prompt).
+/// its output text is made. A refusal names the field at fault
+/// ([`Error::InvalidField`]).
 pub(crate) fn validate(
     id: u64,
     req: &pb::GenerateRequest,
     limits: &Limits,
     tokenizer: &Tokenizer,
-) -> Result<(Request, Option<TextOutput>), Error> {
-    let bad = |m: String| Err(Error::InvalidArgument(m));
-    let is_text = !req.text.is_empty() || !req.messages.is_empty();
+) -> Result<(Request, TextOutput), Error> {
+    let bad = |field: &'static str, m: String| Err(invalid(field, m));
     let prompt = prompt_ids(req, tokenizer)?;
+    let prompt_field = prompt_field(req);
     if prompt.is_empty() {
-        return bad("empty prompt: give text or tokens".into());
+        return bad(prompt_field, "empty prompt: give text or tokens".into());
     }
     if let Some((i, t)) = prompt
         .iter()
         .enumerate()
         .find(|(_, t)| **t >= limits.vocab_size)
     {
-        return bad(format!(
-            "prompt token {t} at index {i} is outside the vocabulary of {}",
-            limits.vocab_size
-        ));
+        return bad(
+            prompt_field,
+            format!(
+                "prompt token {t} at index {i} is outside the vocabulary of {}",
+                limits.vocab_size
+            ),
+        );
     }
     if req.max_tokens == 0 {
-        return bad("max_tokens must be at least 1".into());
+        return bad("max_tokens", "max_tokens must be at least 1".into());
     }
     if req.max_tokens > limits.max_tokens {
-        return bad(format!(
-            "max_tokens {} is over the limit of {}",
-            req.max_tokens, limits.max_tokens
-        ));
+        return bad(
+            "max_tokens",
+            format!(
+                "max_tokens {} is over the limit of {}",
+                req.max_tokens, limits.max_tokens
+            ),
+        );
     }
     let total = prompt.len() as u64 + u64::from(req.max_tokens);
     if total > u64::from(limits.max_context) {
-        return bad(format!(
-            "prompt of {} tokens plus max_tokens {} exceeds the context limit of {} tokens",
-            prompt.len(),
-            req.max_tokens,
-            limits.max_context
-        ));
+        // max_tokens is the field a client can shrink without changing the prompt
+        return bad(
+            "max_tokens",
+            format!(
+                "prompt of {} tokens plus max_tokens {} exceeds the context limit of {} tokens",
+                prompt.len(),
+                req.max_tokens,
+                limits.max_context
+            ),
+        );
     }
     if !req.temperature.is_finite() || req.temperature < 0.0 {
-        return bad(format!(
-            "temperature must be a finite number >= 0, got {}",
-            req.temperature
-        ));
+        return bad(
+            "temperature",
+            format!(
+                "temperature must be a finite number >= 0, got {}",
+                req.temperature
+            ),
+        );
     }
     if !req.top_p.is_finite() || !(0.0..=1.0).contains(&req.top_p) {
-        return bad(format!("top_p must be in [0, 1], got {}", req.top_p));
+        return bad(
+            "top_p",
+            format!("top_p must be in [0, 1], got {}", req.top_p),
+        );
     }
     if let Some(t) = req.stop_tokens.iter().find(|t| **t >= limits.vocab_size) {
-        return bad(format!(
-            "stop token {t} is outside the vocabulary of {}",
-            limits.vocab_size
-        ));
+        return bad(
+            "stop_tokens",
+            format!(
+                "stop token {t} is outside the vocabulary of {}",
+                limits.vocab_size
+            ),
+        );
     }
     if req.stop.len() > MAX_STOPS {
-        return bad(format!(
-            "{} stop strings; at most {MAX_STOPS}",
-            req.stop.len()
-        ));
+        return bad(
+            "stop",
+            format!("{} stop strings; at most {MAX_STOPS}", req.stop.len()),
+        );
     }
     if let Some(s) = req
         .stop
@@ -149,21 +188,27 @@ pub(crate) fn validate(
     {
         // never the whole string: a 1 MB one echoed pushed the reply over the message cap
         let start: String = s.chars().take(64).collect();
-        return bad(format!(
-            "stop string of {} bytes ({start:?}...) must be 1 to {MAX_STOP_BYTES} bytes",
-            s.len()
-        ));
-    }
-    if !req.stop.is_empty() && !is_text {
-        return bad("stop strings need a text or messages prompt".into());
+        return bad(
+            "stop",
+            format!(
+                "stop string of {} bytes ({start:?}...) must be 1 to {MAX_STOP_BYTES} bytes",
+                s.len()
+            ),
+        );
     }
     if req.priority > 100 {
-        return bad(format!("priority must be 0 to 100, got {}", req.priority));
+        return bad(
+            "priority",
+            format!("priority must be 0 to 100, got {}", req.priority),
+        );
     }
-    if req.cache_salt.len() > MAX_LABEL || req.request_id.len() > MAX_LABEL {
-        return bad(format!(
-            "cache_salt and request_id are limited to {MAX_LABEL} bytes"
-        ));
+    for (field, label) in [
+        ("cache_salt", &req.cache_salt),
+        ("request_id", &req.request_id),
+    ] {
+        if label.len() > MAX_LABEL {
+            return bad(field, format!("{field} is limited to {MAX_LABEL} bytes"));
+        }
     }
     let mut r = Request::new(RequestId(id), prompt, req.max_tokens);
     r.sampling = Sampling {
@@ -177,9 +222,9 @@ pub(crate) fn validate(
     }
     r.priority = req.priority;
     r.cache_salt = req.cache_salt.clone();
-    let text = is_text.then(|| TextOutput {
+    let text = TextOutput {
         stop: req.stop.clone(),
-    });
+    };
     Ok((r, text))
 }
 
@@ -606,7 +651,7 @@ mod tests {
         id: u64,
         req: &pb::GenerateRequest,
         limits: &Limits,
-    ) -> Result<(Request, Option<TextOutput>), Error> {
+    ) -> Result<(Request, TextOutput), Error> {
         validate(id, req, limits, &Tokenizer::byte_level())
     }
 
@@ -618,7 +663,7 @@ mod tests {
         }
     }
 
-    fn message(r: Result<(Request, Option<TextOutput>), Error>) -> String {
+    fn message(r: Result<(Request, TextOutput), Error>) -> String {
         match r {
             Ok(_) => "ok".into(),
             Err(e) => e.to_string(),
@@ -775,7 +820,100 @@ mod tests {
             &l,
         );
         assert!(
-            matches!(ok, Ok((r, Some(_))) if r.prompt == vec![104, 0xC3, 0xA9] && r.id == RequestId(7))
+            matches!(ok, Ok((r, _)) if r.prompt == vec![104, 0xC3, 0xA9] && r.id == RequestId(7))
         );
+    }
+
+    #[test]
+    fn a_token_id_prompt_takes_stop_strings_and_gets_its_text() {
+        let r = pb::GenerateRequest {
+            stop: vec!["\n".into()],
+            ..req(vec![104, 105], 4)
+        };
+        let (q, text) = validate_bytes(1, &r, &limits()).expect("token ids with a stop string");
+        assert_eq!(q.prompt, vec![104, 105]);
+        assert_eq!(text.stop, vec!["\n".to_string()]);
+    }
+
+    #[test]
+    fn every_refusal_names_its_field_in_the_status() {
+        let l = limits();
+        let field = |r: pb::GenerateRequest| {
+            let e = validate_bytes(1, &r, &l).map(|_| ()).expect_err("refused");
+            let s = tonic::Status::from(e);
+            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
+            s.metadata()
+                .get(kvlease_proto::INVALID_FIELD_METADATA)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let base = || req(vec![1], 4);
+        let cases = [
+            (req(vec![], 4), "tokens"),
+            (req(vec![300], 4), "tokens"),
+            (
+                pb::GenerateRequest {
+                    text: "a".into(),
+                    tokens: vec![1],
+                    ..base()
+                },
+                "text",
+            ),
+            (
+                pb::GenerateRequest {
+                    messages: vec![pb::ChatMessage::default()],
+                    ..base()
+                },
+                "messages",
+            ),
+            (req(vec![1], 0), "max_tokens"),
+            (req(vec![1], 65), "max_tokens"),
+            (req(vec![1; 100], 64), "max_tokens"),
+            (
+                pb::GenerateRequest {
+                    temperature: f32::NAN,
+                    ..base()
+                },
+                "temperature",
+            ),
+            (
+                pb::GenerateRequest {
+                    top_p: 2.0,
+                    ..base()
+                },
+                "top_p",
+            ),
+            (
+                pb::GenerateRequest {
+                    stop_tokens: vec![999],
+                    ..base()
+                },
+                "stop_tokens",
+            ),
+            (
+                pb::GenerateRequest {
+                    stop: vec![String::new()],
+                    ..base()
+                },
+                "stop",
+            ),
+            (
+                pb::GenerateRequest {
+                    priority: 101,
+                    ..base()
+                },
+                "priority",
+            ),
+            (
+                pb::GenerateRequest {
+                    request_id: "r".repeat(300),
+                    ..base()
+                },
+                "request_id",
+            ),
+        ];
+        for (r, want) in cases {
+            assert_eq!(field(r).as_deref(), Some(want));
+        }
     }
 }

@@ -14,6 +14,14 @@ pub enum Error {
     /// A client request is malformed.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A field of a client request is out of range or malformed: the status
+    /// names it in [`kvlease_proto::INVALID_FIELD_METADATA`].
+    #[error("invalid argument: {message}")]
+    InvalidField {
+        /// The `GenerateRequest` field.
+        field: &'static str,
+        message: String,
+    },
     /// The caller may not do what it asked (name a tenant, see the cache session).
     #[error("permission denied: {0}")]
     PermissionDenied(String),
@@ -134,6 +142,14 @@ impl From<Error> for Status {
         let message = e.to_string();
         match e {
             Error::Config(_) | Error::InvalidArgument(_) => Status::invalid_argument(message),
+            Error::InvalidField { field, .. } => {
+                let mut s = Status::invalid_argument(message);
+                s.metadata_mut().insert(
+                    kvlease_proto::INVALID_FIELD_METADATA,
+                    tonic::metadata::MetadataValue::from_static(field),
+                );
+                s
+            }
             Error::PermissionDenied(_) => Status::permission_denied(message),
             Error::CacheUnavailable(_) | Error::ShuttingDown => Status::unavailable(message),
             Error::QueueFull { .. } => Status::resource_exhausted(message),

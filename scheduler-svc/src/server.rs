@@ -80,7 +80,7 @@ pub async fn run(
         }
     };
     let limits = Limits {
-        max_tokens: config.max_tokens,
+        max_tokens: config.max_tokens_limit(),
         max_context: started
             .groups
             .iter()

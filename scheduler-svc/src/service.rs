@@ -74,7 +74,7 @@ type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Sta
 
 struct StreamState {
     rx: mpsc::UnboundedReceiver<Output>,
-    text: Option<TextStream>,
+    text: TextStream,
     deadline: Option<Instant>,
     done: bool,
     /// The prompt's length, sent on the first message and then cleared.
@@ -85,7 +85,7 @@ struct StreamState {
     root: tracing::Span,
 }
 
-/// The output text of a text or chat request.
+/// The output text of a request.
 struct TextStream {
     decoder: StreamDecoder,
     stops: StopStrings,
@@ -126,17 +126,18 @@ pub(crate) fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Du
 /// the request's blocks).
 fn response_stream(
     rx: mpsc::UnboundedReceiver<Output>,
-    text: Option<(TextOutput, &Tokenizer)>,
+    text: TextOutput,
+    tokenizer: &Tokenizer,
     deadline: Option<Instant>,
     prompt_tokens: u32,
     root: tracing::Span,
 ) -> GenerateStream {
     let state = StreamState {
         rx,
-        text: text.map(|(out, tokenizer)| TextStream {
+        text: TextStream {
             decoder: tokenizer.stream(),
-            stops: StopStrings::new(out.stop),
-        }),
+            stops: StopStrings::new(text.stop),
+        },
         deadline,
         done: false,
         prompt_tokens: Some(prompt_tokens),
@@ -168,16 +169,12 @@ fn response_stream(
                 ..
             }) => {
                 let mut m = pb::GenerateResponse {
-                    text: st
-                        .text
-                        .as_mut()
-                        .map(|t| t.push(&tokens))
-                        .unwrap_or_default(),
+                    text: st.text.push(&tokens),
                     tokens,
                     reused_tokens: reused_tokens.unwrap_or(0),
                     ..Default::default()
                 };
-                if st.text.as_ref().is_some_and(|t| t.stops.stopped()) {
+                if st.text.stops.stopped() {
                     // a stop string ends the request here; the step loop
                     // sees the stream gone and releases its blocks
                     st.done = true;
@@ -193,11 +190,11 @@ fn response_stream(
             }) => {
                 st.done = true;
                 let mut m = pb::GenerateResponse {
-                    text: st.text.as_mut().map(|t| t.finish()).unwrap_or_default(),
+                    text: st.text.finish(),
                     preemptions,
                     ..Default::default()
                 };
-                let stopped = st.text.as_ref().is_some_and(|t| t.stops.stopped());
+                let stopped = st.text.stops.stopped();
                 let reason = match finish {
                     Finish::Length | Finish::Stop if stopped => pb::FinishReason::Stop,
                     Finish::Length => pb::FinishReason::Length,
@@ -295,10 +292,10 @@ impl Scheduler for SchedulerService {
         }
         root.set_attribute(attributes::PROMPT_TOKENS, i64::from(prompt_tokens));
         let rx = self.step_loop.submit(r, root.clone())?;
-        let text = text.map(|t| (t, &self.tokenizer));
         Ok(Response::new(response_stream(
             rx,
             text,
+            &self.tokenizer,
             deadline,
             prompt_tokens,
             root,

@@ -160,8 +160,12 @@ def run_kvlease(args, log_dir):
 
     def start(name, argv):
         log = open(os.path.join(log_dir, f"{name}.log"), "w")
-        # the scheduler's debug line per step splits its side of the gap
-        own = dict(env, RUST_LOG="info,scheduler_svc::step_loop=debug") if name == "scheduler" else env
+        # the scheduler's and the worker's debug lines per step split the gap
+        filters = {
+            "scheduler": "info,scheduler_svc::step_loop=debug",
+            "worker": "info,worker_svc::service=debug",
+        }
+        own = dict(env, RUST_LOG=filters[name]) if name in filters else env
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=own)
         procs.append(p)
         return p

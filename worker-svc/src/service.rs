@@ -201,7 +201,8 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
                     tracing::Span::current().record("kvlease.compute_us", compute_us as i64);
                     metrics.forward_seconds.observe(compute_us as f64 / 1e6);
                     metrics.forward_tokens.inc_by(tokens as u64);
-                    tracing::info!(step, sequences, tokens, compute_us, wait_us, "forward done");
+                    // one line per step: DEBUG, or a busy worker logs nothing else
+                    tracing::debug!(step, sequences, tokens, compute_us, wait_us, "forward done");
                     Ok(Response::new(pb::ForwardResponse {
                         results: outputs.into_iter().map(forward_result).collect(),
                         compute_us,

@@ -39,10 +39,25 @@ pub(crate) struct UpArgs {
     /// Scheduler port; the cache takes the next one and the workers the ones after (0 = any free ports).
     #[arg(long, default_value_t = 50051)]
     base_port: u16,
+    /// Capacity policy. guaranteed-no-evict: reserve each request's whole life
+    /// (prompt + max_tokens) at admission, so an admitted request is never
+    /// preempted or rejected for blocks; max-utilization: admit on the next
+    /// step's need and over-subscribe the pools, see --on-exhausted;
+    /// static-batch: run one batch at a time, its whole life reserved.
     #[arg(long, default_value = "max-utilization")]
     policy: Policy,
+    /// Under --policy max-utilization, what befalls a running request that
+    /// cannot grow because the pool is exhausted. preempt: release its blocks,
+    /// requeue it and recompute it later (rejected past the scheduler's
+    /// preemption bound); reject: end it REJECTED with the cache's reason
+    /// (HTTP 429).
     #[arg(long, default_value = "preempt")]
     on_exhausted: OnExhausted,
+    /// Largest max_tokens a request may ask for; 0 = no limit but the
+    /// context: prompt + max_tokens must fit in --max-context (or the model's
+    /// context when that is 0), or the request is refused naming max_tokens.
+    #[arg(long, default_value_t = 0)]
+    max_tokens: u32,
     /// Which worker admits a request: kv-aware (prefill after the prefix
     /// cached there, plus load) or least-committed.
     #[arg(long, env = "KVLEASE_SCHEDULER_ROUTING", default_value = "kv-aware")]
@@ -69,7 +84,8 @@ pub(crate) struct UpArgs {
     /// back on a prefix hit; 0 = none.
     #[arg(long, default_value_t = 0)]
     host_blocks: u32,
-    /// The longest request (prompt + output) in tokens; the scheduler's
+    /// The longest request (prompt + output) in tokens, which limits
+    /// max_tokens (see --max-tokens); 0 = the model's context. The scheduler's
     /// warm-up runs it, and a --model worker's default budget holds 4.
     #[arg(long, default_value_t = scheduler_svc::Config::default().max_context)]
     max_context: u32,
@@ -85,6 +101,13 @@ pub(crate) struct UpArgs {
     /// off when absent.
     #[arg(long)]
     http_listen: Option<std::net::SocketAddr>,
+    /// The names HTTP requests may give as `model` (comma-separated; answers
+    /// carry the first, /v1/models lists all; any other is a 404). Default:
+    /// `kvlease` for the seeded model; with --model, the model's own name
+    /// (GGUF general.name, else its file or directory name) and the --model
+    /// value when it names a known model (e.g. smollm2).
+    #[arg(long, value_delimiter = ',')]
+    served_model_name: Vec<String>,
     /// Step traces the scheduler exports besides the steps that rejected or
     /// preempted (always exported): one in this many; 0 exports only those.
     #[arg(
@@ -136,11 +159,13 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
     };
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     config.scheduler.max_context = a.max_context;
+    config.scheduler.max_tokens = a.max_tokens;
     config.worker.threads = if a.threads == 0 {
         (cores / a.workers).max(1)
     } else {
         a.threads
     };
+    let mut served = vec![kvlease_gateway::config::DEFAULT_MODEL.to_string()];
     match &a.model {
         Some(model) => {
             let path = match models::home(|k| std::env::var_os(k))
@@ -159,6 +184,12 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
                 ),
                 Err(e) => return failed(e),
             }
+            let own = config
+                .worker
+                .model_shape()
+                .map(|m| m.name)
+                .unwrap_or_default();
+            served = models::served_names(model, &path, &own);
         }
         None => {
             if let Some(budget) = a.memory_budget_mib {
@@ -174,7 +205,18 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
     config.scheduler.trace_steps_one_in = a.trace_steps_one_in;
     config.metrics_port = (a.metrics_base_port != 0).then_some(a.metrics_base_port);
     let local = tls.as_ref().map(|(tls, _)| tls);
-    let ended = commands::up(config, a.http_listen, local, process::shutdown_signal()).await;
+    if !a.served_model_name.is_empty() {
+        if a.served_model_name.iter().any(|n| n.trim().is_empty()) {
+            eprintln!("kvlease: --served-model-name must not hold an empty name");
+            return ExitCode::from(EXIT_USAGE);
+        }
+        served = a.served_model_name.clone();
+    }
+    let http = a.http_listen.map(|listen| commands::HttpFront {
+        listen,
+        names: served,
+    });
+    let ended = commands::up(config, http, local, process::shutdown_signal()).await;
     if let Some((tls, true)) = &tls
         && let Err(e) = std::fs::remove_dir_all(tls.dir())
     {

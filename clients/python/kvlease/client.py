@@ -105,11 +105,14 @@ class Completion:
 
 class Generation(Iterator[Chunk]):
     """The stream of one `Generate` call: iterate for `Chunk`s; once the
-    iteration ends, `finish` says how. `cancel()` stops it early (the
-    scheduler finishes the request as CANCELLED and frees its blocks)."""
+    iteration ends, `finish` says how. `cancel()` stops it early: the
+    scheduler frees the request's blocks and the stream ends with
+    `finish.reason == "CANCELLED"`, an answer like the others, not an
+    exception."""
 
     def __init__(self, call):
         self._call = call
+        self._cancelled = False
         self._first = True
         self._prompt_tokens = 0
         self._reused_tokens = 0
@@ -125,6 +128,16 @@ class Generation(Iterator[Chunk]):
             except StopIteration:
                 raise KvleaseError("UNKNOWN", "the stream ended without a finish reason") from None
             except grpc.RpcError as e:
+                if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                    self.finish = Finish(
+                        reason="CANCELLED",
+                        reject=None,
+                        message="cancelled by the client",
+                        prompt_tokens=self._prompt_tokens,
+                        reused_tokens=self._reused_tokens,
+                        preemptions=0,
+                    )
+                    break
                 raise KvleaseError.from_rpc(e) from None
             if self._first:
                 self._first = False
@@ -144,6 +157,9 @@ class Generation(Iterator[Chunk]):
         raise StopIteration
 
     def cancel(self) -> None:
+        """Stops the request; the iteration then ends with `finish.reason ==
+        "CANCELLED"` (unless the stream had already finished)."""
+        self._cancelled = True
         self._call.cancel()
 
     def result(self) -> Completion:

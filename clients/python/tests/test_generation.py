@@ -1,0 +1,72 @@
+"""`Generation` without a server: a fake call stands in for the gRPC stream.
+
+Usage: python -m unittest discover -s clients/python/tests -p 'test_*.py'
+(with the package's dependencies installed; `.ci/clients-test.sh` runs it).
+"""
+
+import unittest
+
+import grpc
+
+from kvlease.client import Generation, KvleaseError
+from kvlease.v1 import scheduler_pb2
+
+
+class _Rpc(grpc.RpcError):
+    def __init__(self, code):
+        super().__init__()
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return "stopped"
+
+
+class _Call:
+    """A stream of `messages` that, once cancelled (or run out), raises the
+    RpcError grpc raises: CANCELLED after cancel(), `then` otherwise."""
+
+    def __init__(self, messages, then=grpc.StatusCode.UNAVAILABLE):
+        self._messages = list(messages)
+        self._then = then
+        self._cancelled = False
+
+    def __next__(self):
+        if self._cancelled:
+            raise _Rpc(grpc.StatusCode.CANCELLED)
+        if not self._messages:
+            raise _Rpc(self._then)
+        return self._messages.pop(0)
+
+    def cancel(self):
+        self._cancelled = True
+
+
+def _tokens(*ids):
+    return scheduler_pb2.GenerateResponse(tokens=list(ids), text="x", prompt_tokens=5)
+
+
+class GenerationTest(unittest.TestCase):
+    def test_cancel_ends_the_stream_cancelled_without_raising(self):
+        g = Generation(_Call([_tokens(1), _tokens(2)]))
+        first = next(g)
+        g.cancel()
+        rest = list(g)
+        self.assertEqual(first.tokens, (1,))
+        self.assertEqual(rest, [])
+        self.assertIsNotNone(g.finish)
+        self.assertEqual(g.finish.reason, "CANCELLED")
+        self.assertEqual(g.finish.prompt_tokens, 5)
+
+    def test_a_cancel_the_client_did_not_ask_for_still_raises(self):
+        g = Generation(_Call([_tokens(1)], then=grpc.StatusCode.CANCELLED))
+        next(g)
+        with self.assertRaises(KvleaseError) as e:
+            list(g)
+        self.assertEqual(e.exception.code, "CANCELLED")
+
+
+if __name__ == "__main__":
+    unittest.main()
