@@ -163,7 +163,7 @@ class ExtraTokens(_message.Message):
     def __init__(self, draft: _Optional[int] = ..., extra_kv: _Optional[int] = ..., extra_decoding_steps: _Optional[int] = ...) -> None: ...
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life", "traceparent", "prefill_tokens")
+    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life", "traceparent", "prefill_tokens", "refusal_retried")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class SequenceSpec(_message.Message):
     RESERVE_FULL_LIFE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_RETRIED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     pool_group: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -188,7 +189,8 @@ class SequenceSpec(_message.Message):
     reserve_full_life: bool
     traceparent: str
     prefill_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ..., traceparent: _Optional[str] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
+    refusal_retried: bool
+    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ..., traceparent: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., refusal_retried: _Optional[bool] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "step", "atomic", "sequences", "warmup")

@@ -90,7 +90,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ForwardSequence(_message.Message):
-    __slots__ = ("seq_id", "tokens", "start_pos", "tables", "return_all_argmax", "sampling", "copies")
+    __slots__ = ("seq_id", "tokens", "start_pos", "tables", "return_all_argmax", "sampling", "copies", "trace")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class ForwardSequence(_message.Message):
     RETURN_ALL_ARGMAX_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
@@ -105,7 +106,20 @@ class ForwardSequence(_message.Message):
     return_all_argmax: bool
     sampling: SamplingParams
     copies: _containers.RepeatedCompositeFieldContainer[_cache_pb2.BlockCopy]
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[_cache_pb2.BlockTable, _Mapping]]] = ..., return_all_argmax: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[_cache_pb2.BlockCopy, _Mapping]]] = ...) -> None: ...
+    trace: SequenceTrace
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[_cache_pb2.BlockTable, _Mapping]]] = ..., return_all_argmax: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[_cache_pb2.BlockCopy, _Mapping]]] = ..., trace: _Optional[_Union[SequenceTrace, _Mapping]] = ...) -> None: ...
+
+class SequenceTrace(_message.Message):
+    __slots__ = ("traceparent", "reused_tokens", "onboarded_blocks", "replica")
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ONBOARDED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    traceparent: str
+    reused_tokens: int
+    onboarded_blocks: int
+    replica: str
+    def __init__(self, traceparent: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., onboarded_blocks: _Optional[int] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("step", "sequences", "tier_copies")
