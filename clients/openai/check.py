@@ -79,8 +79,10 @@ def main(base_url):
     try:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100_000)
     except openai.BadRequestError as e:
-        check(e.status_code == 400 and "max_tokens 100000 is over the limit" in e.message,
-              f"a request that cannot fit is an openai.BadRequestError: {e.message}")
+        check(e.status_code == 400 and "max_tokens 100000 exceeds the context limit" in e.message
+              and getattr(e, "param", None) == "max_tokens",
+              f"a request that cannot fit is an openai.BadRequestError naming max_tokens: "
+              f"{e.message} (param {getattr(e, 'param', None)!r})")
     else:
         check(False, "a request that cannot fit was served")
 
@@ -121,13 +123,16 @@ def rejects(base_url, requests=48, max_tokens=256):
 
 def factual(base_url):
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+    # a real model is served under its own name: ask for it, as a client would
+    model = client.models.list().data[0].id
+    print(f"served model: {model!r}")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
     answer = chat.choices[0].message.content
     print(f"Q: {messages[0]['content']}\nA: {answer}")
     check("Paris" in answer, f"the chat answer names Paris ({chat.choices[0].finish_reason}, "
                              f"{chat.usage.prompt_tokens} prompt + {chat.usage.completion_tokens} completion tokens)")
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0,
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0,
                                             stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     check(streamed == answer, "the streamed chat gives the same answer")
