@@ -77,7 +77,7 @@ impl Service {
     /// Spawns `run` on `listeners` (in the trace service `trace_name`) and
     /// waits until it serves (gRPC health), or returns what it stopped with.
     /// `security` is the service's own: its health is checked over it (see
-    /// [`ready_as`]).
+    /// `ready_as`).
     pub async fn start<F>(
         name: &'static str,
         trace_name: &'static str,

@@ -29,7 +29,7 @@ impl Core {
 
     /// Whether a transient refusal (`POOL_EXHAUSTED`) of `seq_id`'s extend,
     /// at rest, would preempt it (requeue its request for recompute) rather
-    /// than end its request: the rule of `extend_refused` and [`Self::preempt`],
+    /// than end its request: the rule of `extend_refused` and `preempt`,
     /// asked before the call so the request's trace does not hold a refusal
     /// its request survives as an error.
     pub fn refusal_preempts(&self, seq_id: SeqId) -> bool {
