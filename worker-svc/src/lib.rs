@@ -18,6 +18,8 @@
 //! - [`ops`]: the numeric building blocks (RMSNorm, RoPE, softmax, row-exact
 //!   `gemm` products) of the CPU backend and the reference; [`threads`]: whether a
 //!   product may spread over the rayon pool, a leaf both `ops` and `packed` use.
+//! - [`dequant`]: the GGUF tensor types and their dequantization, a leaf that
+//!   [`model`] (loading) and [`packed`] (products over quantized blocks) both use.
 //! - [`packed`]: Q4_0/Q4_1/Q8_0 matrices kept in their GGUF blocks, and row-exact
 //!   products (AVX2+FMA or portable) that dequantize tiles of them on the fly.
 //! - [`backend`]: the compute trait; [`backend::cpu`] owns the host arena and runs
@@ -44,6 +46,7 @@ pub mod backend;
 pub mod batch;
 mod config;
 mod convert;
+pub mod dequant;
 mod error;
 #[cfg(all(feature = "cuda", feature = "bench"))]
 pub mod gpu_bench;

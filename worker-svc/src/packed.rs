@@ -2,7 +2,7 @@
 //! matrix products computed straight from the blocks.
 //!
 //! A product dequantizes a few weight rows at a time into an f32 scratch
-//! tile, with the arithmetic of `model::dequant` (`q·d + m` as one rounded
+//! tile, with the arithmetic of `dequant` (`q·d + m` as one rounded
 //! multiply and one rounded add), so the weights it multiplies by are
 //! bit-identical to the dequantized f32 matrix; then it multiplies every
 //! activation row of a block of rows against the tile. A quantized model
@@ -23,7 +23,7 @@
 
 use rayon::prelude::*;
 
-use crate::model::dequant::GgmlType;
+use crate::dequant::GgmlType;
 use crate::threads::Threads;
 
 #[cfg(target_arch = "x86_64")]
@@ -148,7 +148,7 @@ impl PackedMatrix {
         &self.data[r * rb..(r + 1) * rb]
     }
 
-    /// Every element as f32, row-major (what `model::dequant` gives).
+    /// Every element as f32, row-major (what `dequant` gives).
     pub fn to_f32(&self) -> Vec<f32> {
         self.ty.dequantize(&self.data)
     }
@@ -433,7 +433,7 @@ fn reduce(acc: &[f32; LANES]) -> f32 {
 }
 
 /// Dequantizes one row of `ty` blocks into `out` (`32 ×` blocks long), with
-/// `model::dequant`'s arithmetic.
+/// `dequant`'s arithmetic.
 fn dequantize_into(isa: Isa, ty: GgmlType, row: &[u8], out: &mut [f32]) {
     let bb = ty.block_bytes();
     debug_assert_eq!(row.len() / bb * QK, out.len());
@@ -452,7 +452,7 @@ fn dequantize_into(isa: Isa, ty: GgmlType, row: &[u8], out: &mut [f32]) {
     }
 }
 
-/// One block, element by element (the formulas of `model::dequant`).
+/// One block, element by element (the formulas of `dequant`).
 fn dequantize_block(ty: GgmlType, block: &[u8], dst: &mut [f32]) {
     let d = half_at(block, 0);
     match ty {

@@ -1,7 +1,7 @@
 //! A reader for GGUF files (llama.cpp's model format, versions 2 and 3):
 //! the header, the metadata key/values and the tensor table, with the
 //! tensors' bytes left in place until [`GgufFile::tensor_f32`] dequantizes
-//! one (see [`super::dequant`]).
+//! one (see [`crate::dequant`]).
 //!
 //! Our own reader rather than a crate: the GGUF crates on crates.io (`gguf`,
 //! `ggus`, `gguf-rs-lib`) parse the container but do not dequantize, or do
@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use super::dequant::GgmlType;
+use crate::dequant::GgmlType;
 
 /// One metadata value.
 #[derive(Debug, Clone, PartialEq)]

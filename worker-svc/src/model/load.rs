@@ -301,7 +301,7 @@ mod tests {
 
     #[test]
     fn q8_0_matrices_load_packed_with_unpermuted_rows() {
-        use crate::model::dequant::GgmlType;
+        use crate::dequant::GgmlType;
         use crate::model::weights::Matrix;
         use crate::packed::PackedMatrix;
         // Rows of whole 32-element blocks.

@@ -2,11 +2,10 @@
 //!
 //! The seeded model (`weights::Weights::seeded`, byte-level `tokenizer`) is
 //! the default; [`load::open`] reads a real one from a GGUF file (`gguf`
-//! parses the container, `dequant` the tensor types, `gguf_llama` maps
+//! parses the container, [`crate::dequant`] the tensor types, `gguf_llama` maps
 //! llama.cpp's names and layout onto ours) or a Hugging Face directory
 //! (`hf_dir`).
 
-pub mod dequant;
 pub mod gguf;
 mod gguf_llama;
 mod hf_dir;

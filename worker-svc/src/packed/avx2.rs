@@ -9,10 +9,10 @@
 use std::arch::x86_64::*;
 
 use super::{QK, half_at};
-use crate::model::dequant::GgmlType;
+use crate::dequant::GgmlType;
 
 /// Dequantizes the blocks of `row` into `out` (32 elements per block) with
-/// `model::dequant`'s arithmetic: a rounded multiply and a rounded add,
+/// `dequant`'s arithmetic: a rounded multiply and a rounded add,
 /// never fused.
 ///
 /// # Safety

@@ -16,7 +16,7 @@
 use std::arch::x86_64::*;
 
 use super::QK;
-use crate::model::dequant::GgmlType;
+use crate::dequant::GgmlType;
 
 /// The packed types as const parameters (so a kernel's block decoding is
 /// chosen at compile time, outside its loops).
@@ -55,7 +55,7 @@ unsafe fn half_splat(p: *const u8) -> __m512 {
 }
 
 /// One block's 32 weights as two 16-lane registers (elements 0-15 and
-/// 16-31), with `model::dequant`'s arithmetic: a rounded multiply and a
+/// 16-31), with `dequant`'s arithmetic: a rounded multiply and a
 /// rounded add, never fused.
 ///
 /// # Safety
@@ -110,7 +110,7 @@ unsafe fn block_values(ty: GgmlType, block: *const u8) -> (__m512, __m512) {
 }
 
 /// Dequantizes the blocks of `row` into `out` (32 elements per block), bit
-/// for bit as `model::dequant` does.
+/// for bit as `dequant` does.
 ///
 /// # Safety
 /// The CPU has AVX-512F/BW, F16C and FMA; `ty` is Q4_0, Q4_1 or Q8_0.

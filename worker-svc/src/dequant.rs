@@ -198,7 +198,7 @@ mod tests {
     /// Golden values from the Python `gguf` package
     /// (`scripts/dequant_golden.py`): per type, raw block bytes and
     /// `gguf.quants.dequantize` of them.
-    const GOLDEN: &str = include_str!("../../tests/data/dequant_golden.json");
+    const GOLDEN: &str = include_str!("../tests/data/dequant_golden.json");
 
     fn hex(s: &str) -> Vec<u8> {
         (0..s.len())
