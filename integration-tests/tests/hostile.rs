@@ -617,3 +617,67 @@ async fn a_worker_alone_refuses_undecodable_forwards() {
         .unwrap();
     worker.stop().await.unwrap();
 }
+
+/// Issue 29, point 3, as the attacker tried it: while one principal
+/// registers a pool group of 2^21 blocks, another session's keep-alives are
+/// answered all along, each in a small part of the registration's time (when
+/// the pools were built under the cache's lock, a keep-alive waited for
+/// nearly all of it and a real scheduler's session expired), and a group
+/// past the principal's block cap is RESOURCE_EXHAUSTED with the figures,
+/// leaving nothing registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_registration_neither_stalls_other_sessions_nor_passes_the_principals_cap() {
+    let cache = start_cache(cache_svc::Config {
+        max_blocks_per_principal: (1 << 21) + 64,
+        ..cache_svc::Config::default()
+    })
+    .await
+    .unwrap();
+    let mut c = cache_client(cache.addr).await.unwrap();
+    register(&mut c, "g", 64).await.unwrap();
+    let (session_id, epoch) = open(&mut c, "scheduler").await.unwrap();
+    let mut attacker = c.clone();
+    let registering = tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        register(&mut attacker, "huge", 1 << 21)
+            .await
+            .map(|()| started.elapsed())
+    });
+    let (mut calls, mut slowest) = (0, Duration::ZERO);
+    while !registering.is_finished() {
+        let started = std::time::Instant::now();
+        let r = c
+            .keep_alive(pb::KeepAliveRequest { session_id, epoch })
+            .await;
+        assert!(
+            r.is_ok(),
+            "a keep-alive failed while a pool was registered: {r:?}"
+        );
+        slowest = slowest.max(started.elapsed());
+        calls += 1;
+    }
+    let took = registering.await.unwrap().unwrap();
+    assert!(
+        calls > 1,
+        "{calls} keep-alive(s) while the group registered in {took:?}"
+    );
+    assert!(
+        slowest < took / 4,
+        "a keep-alive waited {slowest:?} of the registration's {took:?}"
+    );
+    assert_status(
+        register(&mut c, "over", 1).await,
+        Code::ResourceExhausted,
+        &["over the limit", "blocks per principal"],
+    );
+    let pools = c
+        .get_stats(pb::GetStatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .pools;
+    assert!(
+        pools.iter().all(|p| p.pool_group != "over"),
+        "a refused registration left pools"
+    );
+}
