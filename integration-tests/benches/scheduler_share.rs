@@ -95,6 +95,7 @@ async fn forward_step() -> (Duration, Duration) {
             })
             .collect();
         w.forward(pb::ForwardRequest {
+            after_step: 0,
             tier_copies: Vec::new(),
             step: 1,
             sequences,
@@ -117,6 +118,7 @@ async fn forward_step() -> (Duration, Duration) {
         let start = Instant::now();
         let r = w
             .forward(pb::ForwardRequest {
+                after_step: 0,
                 tier_copies: Vec::new(),
                 step: 2 + u64::from(i),
                 sequences,

@@ -205,6 +205,7 @@ async fn a_hostile_principal_cannot_write_over_another_tenants_blocks()
         .collect();
     assert!(!tables.is_empty());
     let poison = pb::ForwardRequest {
+        after_step: 0,
         tier_copies: Vec::new(),
         step: 1 << 40,
         sequences: vec![pb::ForwardSequence {

@@ -50,6 +50,7 @@ fn forward_request(seqs: u64, context: u32) -> pb::ForwardRequest {
         })
         .collect();
     pb::ForwardRequest {
+        after_step: 0,
         step: 123_456,
         sequences,
         tier_copies: Vec::new(),

@@ -390,6 +390,7 @@ async fn run_shape(
             .map(|(s, t)| ForwardItem {
                 seq_id: s.seq_id,
                 tokens: s.prompt_tokens[pos as usize..(pos + len) as usize].to_vec(),
+                feed_previous: false,
                 start_pos: pos,
                 tables: t.clone(),
                 return_all_argmax: false,
@@ -435,6 +436,7 @@ async fn run_shape(
         items.push(ForwardItem {
             seq_id: s.seq_id,
             tokens: vec![1; 1 + drafts as usize],
+            feed_previous: false,
             start_pos: shape.prompt_len,
             tables,
             return_all_argmax: drafts > 0,
@@ -483,7 +485,7 @@ async fn forward_batched(
         if !batch.is_empty()
             && (batch.len() as u32 >= group.max_batch_sequences || tokens + n > step_tokens)
         {
-            worker.forward(step, &batch, copies, &[]).await?;
+            worker.forward(step, None, &batch, copies, &[]).await?;
             copies = &[];
             batch.clear();
             tokens = 0;
@@ -492,7 +494,7 @@ async fn forward_batched(
         batch.push(item.clone());
     }
     if !batch.is_empty() || !copies.is_empty() {
-        worker.forward(step, &batch, copies, &[]).await?;
+        worker.forward(step, None, &batch, copies, &[]).await?;
     }
     Ok(())
 }

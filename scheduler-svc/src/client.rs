@@ -499,16 +499,18 @@ impl WorkerClient {
         Ok(tokenizer)
     }
 
-    /// One forward pass of `step`; one result per item, in order (`traces`
-    /// as for `convert::forward_request`).
+    /// One forward pass of `step`, run by the worker after its pass of
+    /// `after` (if any: the pipelined order); one result per item, in order
+    /// (`traces` as for `convert::forward_request`).
     pub(crate) async fn forward(
         &self,
         step: Step,
+        after: Option<Step>,
         items: &[ForwardItem],
         tier_copies: &[TierCopy],
         traces: &[Option<ChunkTrace>],
     ) -> Result<Vec<ForwardResult>> {
-        let req = convert::forward_request(step, items, tier_copies, traces);
+        let req = convert::forward_request(step, after, items, tier_copies, traces);
         let r = self
             .inner
             .clone()

@@ -11,7 +11,7 @@ use kvlease_runtime::process::{ListenAddrs, ServiceConfig};
 use crate::error::{Error, Result};
 use crate::policy::{OnExhausted, Policy};
 use crate::routing::{PrefillWeight, Routing, RoutingConfig};
-use crate::step::CoreConfig;
+use crate::step::{CoreConfig, Order};
 
 /// What to do with live sequences when the cache service lost them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -139,7 +139,9 @@ pub struct Config {
     /// Prompt-lookup draft tokens per decode step; 0 turns speculation off.
     #[arg(long, env = "KVLEASE_SCHEDULER_SPEC_DRAFT_K", default_value_t = DEFAULT_SPEC_DRAFT_K)]
     pub spec_draft_k: u32,
-    /// Schedule step N+1 while step N's forward pass runs.
+    /// Schedule step N+1 while step N's forward pass runs, and (without
+    /// --spec-draft-k) send its pass to the worker before N's answer is back,
+    /// its decodes fed the tokens N samples (two passes in flight).
     #[arg(long, env = "KVLEASE_SCHEDULER_OVERLAP", default_value_t = DEFAULT_OVERLAP, action = clap::ArgAction::Set)]
     pub overlap: bool,
     /// Step traces exported besides the steps that rejected or preempted
@@ -346,6 +348,12 @@ impl Config {
         Ok(())
     }
 
+    /// The order of a step's calls: `--overlap` pipelines (two passes in
+    /// flight) unless speculation needs each token back first.
+    pub fn order(&self) -> Order {
+        Order::from_overlap(self.overlap, self.spec_draft_k)
+    }
+
     /// The core's knobs.
     pub fn core(&self) -> CoreConfig {
         CoreConfig {
@@ -362,9 +370,10 @@ impl Config {
                 policy: self.routing,
                 prefill_weight: self.routing_prefill_weight,
             },
-            // with overlap, a decode launches on the slot granted a step
-            // ahead and its extend follows the launch
-            lookahead: u32::from(self.overlap),
+            // with overlap, a decode launches on slots granted ahead and its
+            // extend follows the launch (two passes ahead when pipelined)
+            lookahead: self.order().lookahead(),
+            order: self.order(),
         }
     }
 

@@ -534,6 +534,7 @@ pub(crate) fn reject_to_proto(r: &Reject) -> pb::Reject {
 /// past its end have none).
 pub(crate) fn forward_request(
     step: Step,
+    after: Option<Step>,
     items: &[ForwardItem],
     tier_copies: &[TierCopy],
     traces: &[Option<ChunkTrace>],
@@ -541,6 +542,7 @@ pub(crate) fn forward_request(
     pb::ForwardRequest {
         tier_copies: tier_copies.iter().map(tier_copy_to_pb).collect(),
         step: step.get(),
+        after_step: after.map_or(0, Step::get),
         sequences: items
             .iter()
             .enumerate()
@@ -559,6 +561,7 @@ fn forward_sequence(i: &ForwardItem, trace: Option<&ChunkTrace>) -> pb::ForwardS
         }),
         seq_id: i.seq_id.get(),
         tokens: i.tokens.clone(),
+        feed_previous: i.feed_previous,
         start_pos: i.start_pos,
         tables: i
             .tables
@@ -744,6 +747,7 @@ mod tests {
         let item = ForwardItem {
             seq_id: SeqId(2),
             tokens: vec![5, 6],
+            feed_previous: false,
             start_pos: 8,
             tables: vec![Table {
                 pool_id: 1,
@@ -755,8 +759,17 @@ mod tests {
             sampling: Sampling::default(),
             copies: Vec::new(),
         };
-        let req = forward_request(Step(6), std::slice::from_ref(&item), &[], &[]);
-        assert_eq!(req.step, 6);
+        let req = forward_request(Step(6), None, std::slice::from_ref(&item), &[], &[]);
+        assert_eq!((req.step, req.after_step), (6, 0));
+        assert!(!req.sequences[0].feed_previous);
+        let fed = ForwardItem {
+            tokens: Vec::new(),
+            feed_previous: true,
+            ..item.clone()
+        };
+        let piped = forward_request(Step(7), Some(Step(6)), &[fed], &[], &[]);
+        assert_eq!((piped.step, piped.after_step), (7, 6));
+        assert!(piped.sequences[0].feed_previous && piped.sequences[0].tokens.is_empty());
         let sent = &req.sequences[0];
         assert_eq!(
             (sent.seq_id, sent.start_pos, &sent.tokens),

@@ -382,7 +382,12 @@ impl Sampling {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ForwardItem {
     pub seq_id: SeqId,
+    /// Empty when `feed_previous`.
     pub tokens: Vec<u32>,
+    /// A pipelined decode: the one token to run is the one the worker
+    /// sampled for the sequence in the pass this one follows
+    /// (`ForwardSequence.feed_previous`).
+    pub feed_previous: bool,
     pub start_pos: u32,
     pub tables: Vec<Table>,
     pub return_all_argmax: bool,

@@ -101,7 +101,6 @@ pub async fn run(
     let (step_loop, handle) = StepLoop::new(
         StepLoopConfig {
             core: config.core(),
-            overlap: config.overlap,
             holder: config.holder.clone(),
             session_ttl_ms: config.session_ttl_ms,
             on_cache_restart: config.on_cache_restart,

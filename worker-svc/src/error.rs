@@ -60,6 +60,16 @@ pub enum Error {
         /// What is wrong with it.
         message: String,
     },
+    /// A pipelined pass cannot run: the pass it follows (`after_step`)
+    /// failed, never arrived, or did not run one of its feeding sequences.
+    /// Nothing was run.
+    #[error("the pass of step {step} this pass follows {problem}")]
+    PreviousPass {
+        /// The step named by `after_step`.
+        step: u64,
+        /// What went wrong with it.
+        problem: String,
+    },
     /// The compute backend failed.
     #[error("backend failure: {0}")]
     Backend(String),
@@ -78,6 +88,13 @@ pub enum SeqProblem {
     DuplicateId,
     /// No tokens to run.
     NoTokens,
+    /// `feed_previous` set together with tokens of its own.
+    FeedWithTokens {
+        /// How many tokens it gave.
+        tokens: usize,
+    },
+    /// `feed_previous` set on a request without `after_step`.
+    FeedWithoutAfterStep,
     /// A token id outside the vocabulary.
     TokenOutOfVocab {
         /// Index in the sequence's tokens.
@@ -183,6 +200,16 @@ impl fmt::Display for SeqProblem {
         match self {
             SeqProblem::DuplicateId => write!(f, "duplicate sequence id in the batch"),
             SeqProblem::NoTokens => write!(f, "no tokens to run"),
+            SeqProblem::FeedWithTokens { tokens } => write!(
+                f,
+                "feed_previous is set but tokens holds {tokens}: a pipelined decode item runs \
+                 exactly the token its previous pass sampled, so tokens must be empty"
+            ),
+            SeqProblem::FeedWithoutAfterStep => write!(
+                f,
+                "feed_previous is set but the request's after_step is 0: it must name the pass \
+                 whose sampled token this item feeds"
+            ),
             SeqProblem::TokenOutOfVocab {
                 index,
                 token,
@@ -276,9 +303,10 @@ impl From<Error> for tonic::Status {
             Error::BatchOverLimit { .. }
             | Error::InvalidSequence { .. }
             | Error::InvalidTierCopy { .. } => tonic::Status::invalid_argument(message),
-            Error::Config(_) | Error::Weights { .. } | Error::MemoryBudget { .. } => {
-                tonic::Status::failed_precondition(message)
-            }
+            Error::Config(_)
+            | Error::Weights { .. }
+            | Error::MemoryBudget { .. }
+            | Error::PreviousPass { .. } => tonic::Status::failed_precondition(message),
             Error::Backend(_) => tonic::Status::internal(message),
             Error::Serve(_) => tonic::Status::unavailable(message),
         }

@@ -54,6 +54,7 @@ mod metrics;
 pub mod model;
 pub mod ops;
 pub mod packed;
+mod pipeline;
 pub mod reference;
 mod sampling;
 mod server;

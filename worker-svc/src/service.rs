@@ -1,8 +1,8 @@
 //! The gRPC edge: `kvlease.v1.WorkerService` over a [`Worker`]; `convert`
 //! turns its messages into domain types and back.
 
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use kvlease_proto::v1 as pb;
 use kvlease_tokenizer::Tokenizer;
@@ -14,13 +14,15 @@ use crate::convert::{
     describe_response, forward_result, seq_input, tier_copy_input, tokenizer_response,
 };
 use crate::metrics::WorkerMetrics;
+use crate::pipeline::PassLog;
 use crate::worker::Worker;
 
 /// The gRPC service. Forward passes run one at a time on a blocking thread
-/// (the worker owns one arena); Describe answers from a snapshot.
+/// (the worker owns one arena), a pipelined one only after the pass it
+/// follows ([`crate::pipeline`]); Describe answers from a snapshot.
 #[derive(Debug, Clone)]
 pub(crate) struct WorkerGrpc {
-    worker: Arc<Mutex<Worker>>,
+    passes: Arc<Passes>,
     describe: pb::DescribeResponse,
     metrics: WorkerMetrics,
     tokenizer: Tokenizer,
@@ -35,7 +37,13 @@ impl WorkerGrpc {
         let tokenizer = Tokenizer::byte_level();
         let describe = describe_response(worker.info(), &tokenizer);
         WorkerGrpc {
-            worker: Arc::new(Mutex::new(worker)),
+            passes: Arc::new(Passes {
+                state: Mutex::new(Serving {
+                    worker,
+                    log: PassLog::default(),
+                }),
+                finished: Condvar::new(),
+            }),
             describe,
             metrics,
             tokenizer,
@@ -69,6 +77,79 @@ impl WorkerGrpc {
             owner: Owner::named(owner),
             ..self
         }
+    }
+}
+
+/// The worker and the log of its finished passes, one lock for both, and
+/// the condition a pipelined pass waits on for the pass it follows.
+#[derive(Debug)]
+struct Passes {
+    state: Mutex<Serving>,
+    finished: Condvar,
+}
+
+#[derive(Debug)]
+struct Serving {
+    worker: Worker,
+    log: PassLog,
+}
+
+/// Longest a pipelined pass waits for the pass it follows to finish (that
+/// pass's own compute included) before it fails.
+const FOLLOW_WAIT: Duration = Duration::from_secs(10);
+
+impl Passes {
+    /// Runs one pass of `step` once the pass of `after_step` finished (0:
+    /// at once), feeding the items `feed` marks from it, and records its
+    /// outcome for the pass that follows it. Returns the outputs, the
+    /// compute time and the time waited since `received` (in microseconds).
+    fn run(
+        &self,
+        received: Instant,
+        step: u64,
+        after_step: u64,
+        copies: &[crate::batch::TierCopyInput],
+        mut inputs: Vec<SeqInput>,
+        feed: &[bool],
+    ) -> Result<(Vec<crate::worker::SeqOutput>, u64, u64), Status> {
+        let mut state = self
+            .state
+            .lock()
+            .map_err(|_| Status::internal("worker state poisoned by an earlier panic"))?;
+        if after_step != 0 {
+            while !state.log.finished(after_step) {
+                let left = (received + FOLLOW_WAIT).saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    state.log.record(step, None);
+                    self.finished.notify_all();
+                    return Err(crate::Error::PreviousPass {
+                        step: after_step,
+                        problem: format!("did not finish within {} s", FOLLOW_WAIT.as_secs()),
+                    }
+                    .into());
+                }
+                state = self
+                    .finished
+                    .wait_timeout(state, left)
+                    .map_err(|_| Status::internal("worker state poisoned by an earlier panic"))?
+                    .0;
+            }
+        }
+        // Timed after the lock: queueing behind another pass is not compute.
+        let started = Instant::now();
+        let wait_us = (started - received).as_micros() as u64;
+        let Serving { worker, log } = &mut *state;
+        let outcome = log.feed(after_step, &mut inputs, feed).and_then(|()| {
+            // The step's demotions and onboardings come first: the
+            // demoted device blocks may be written by this very pass.
+            worker.apply_tier_copies(copies)?;
+            // Only the tokens: logits stay where the backend computed them.
+            worker.forward_tokens(inputs)
+        });
+        log.record(step, outcome.as_deref().ok());
+        self.finished.notify_all();
+        let outputs = outcome.map_err(Status::from)?;
+        Ok((outputs, started.elapsed().as_micros() as u64, wait_us))
     }
 }
 
@@ -156,7 +237,12 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         let request = request.into_inner();
         let step = request.step;
         let sequences = request.sequences.len();
-        let tokens: usize = request.sequences.iter().map(|s| s.tokens.len()).sum();
+        // a fed item runs one token, the one its previous pass sampled
+        let tokens: usize = request
+            .sequences
+            .iter()
+            .map(|s| s.tokens.len().max(usize::from(s.feed_previous)))
+            .sum();
         // A child of the server span that `GrpcTraceLayer` opens per request.
         // Integers as i64: a u64/usize field would be exported as a string.
         let span = tracing::info_span!(
@@ -174,23 +260,14 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
             kvlease_telemetry::span_context(&span),
         );
         let copies: Vec<_> = request.tier_copies.iter().map(tier_copy_input).collect();
+        let after_step = request.after_step;
+        let feed: Vec<bool> = request.sequences.iter().map(|s| s.feed_previous).collect();
         let inputs: Vec<SeqInput> = request.sequences.into_iter().map(seq_input).collect();
-        let worker = Arc::clone(&self.worker);
+        let passes = Arc::clone(&self.passes);
         let metrics = self.metrics.clone();
         async move {
             let outcome = tokio::task::spawn_blocking(move || {
-                let mut worker = worker
-                    .lock()
-                    .map_err(|_| Status::internal("worker state poisoned by an earlier panic"))?;
-                // Timed after the lock: queueing behind another pass is not compute.
-                let started = Instant::now();
-                let wait_us = (started - received).as_micros() as u64;
-                // The step's demotions and onboardings come first: the
-                // demoted device blocks may be written by this very pass.
-                worker.apply_tier_copies(&copies).map_err(Status::from)?;
-                // Only the tokens: logits stay where the backend computed them.
-                let outputs = worker.forward_tokens(inputs).map_err(Status::from)?;
-                Ok::<_, Status>((outputs, started.elapsed().as_micros() as u64, wait_us))
+                passes.run(received, step, after_step, &copies, inputs, &feed)
             })
             .await
             .map_err(|e| Status::internal(format!("forward task failed: {e}")))?;
@@ -299,8 +376,8 @@ mod tests {
         assert!(learned.check("second").is_err());
     }
 
-    #[tokio::test]
-    async fn forward_calls_are_counted_and_timed() {
+    /// A CPU worker of a tiny seeded model (two pools: full and window 8).
+    fn service(registry: &mut Registry) -> WorkerGrpc {
         let config = ModelConfig {
             hidden_size: 32,
             num_heads: 2,
@@ -321,10 +398,115 @@ mod tests {
             threads: 1,
         };
         let worker = Worker::new_cpu(weights, options).unwrap_or_else(|e| panic!("{e}"));
-        let mut registry = Registry::new();
-        let metrics = WorkerMetrics::register(&mut registry).unwrap_or_else(|e| panic!("{e}"));
+        let metrics = WorkerMetrics::register(registry).unwrap_or_else(|e| panic!("{e}"));
         metrics.set_pools(worker.info());
-        let svc = WorkerGrpc::new(worker, metrics);
+        WorkerGrpc::new(worker, metrics)
+    }
+
+    fn table(window: u32) -> pb::BlockTable {
+        pb::BlockTable {
+            window,
+            block_ids: vec![1],
+            ..Default::default()
+        }
+    }
+
+    /// Step `step` of sequence 1: `tokens` from `start_pos`, fed from the
+    /// pass of `after_step` when `tokens` is empty.
+    fn pass(
+        step: u64,
+        after_step: u64,
+        tokens: Vec<u32>,
+        start_pos: u32,
+    ) -> Request<pb::ForwardRequest> {
+        Request::new(pb::ForwardRequest {
+            step,
+            after_step,
+            sequences: vec![pb::ForwardSequence {
+                seq_id: 1,
+                feed_previous: tokens.is_empty(),
+                tokens,
+                start_pos,
+                tables: vec![table(0), table(8)],
+                ..Default::default()
+            }],
+            tier_copies: Vec::new(),
+        })
+    }
+
+    async fn next_token(
+        svc: &WorkerGrpc,
+        request: Request<pb::ForwardRequest>,
+    ) -> Result<u32, Status> {
+        let r = svc.forward(request).await?.into_inner();
+        Ok(r.results[0].next_token)
+    }
+
+    #[tokio::test]
+    async fn a_pipelined_pass_sent_first_waits_for_the_pass_it_follows_and_runs_its_token() {
+        // the reference: one pass after the other, the token sent back
+        let plain = service(&mut Registry::new());
+        let first = next_token(&plain, pass(1, 0, vec![1, 2, 3], 0))
+            .await
+            .unwrap();
+        let second = next_token(&plain, pass(2, 0, vec![first], 3))
+            .await
+            .unwrap();
+        let third = next_token(&plain, pass(3, 0, vec![second], 4))
+            .await
+            .unwrap();
+
+        // pipelined: pass 2 (and 3) reach the worker before the pass they follow
+        let piped = service(&mut Registry::new());
+        let (a, b, c) = (piped.clone(), piped.clone(), piped.clone());
+        let p3 = tokio::spawn(async move { next_token(&c, pass(3, 2, vec![], 4)).await });
+        let p2 = tokio::spawn(async move { next_token(&b, pass(2, 1, vec![], 3)).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !p2.is_finished() && !p3.is_finished(),
+            "they wait for pass 1"
+        );
+        assert_eq!(
+            next_token(&a, pass(1, 0, vec![1, 2, 3], 0)).await.unwrap(),
+            first
+        );
+        assert_eq!(p2.await.unwrap().unwrap(), second);
+        assert_eq!(p3.await.unwrap().unwrap(), third);
+    }
+
+    #[tokio::test]
+    async fn a_pass_that_follows_a_failed_pass_fails_before_writing_anything() {
+        let svc = service(&mut Registry::new());
+        next_token(&svc, pass(1, 0, vec![1, 2, 3], 0))
+            .await
+            .unwrap();
+        let mut bad = pass(2, 1, vec![4], 3);
+        bad.get_mut().sequences[0].tables[1].window = 9;
+        let e = svc.forward(bad).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        let e = next_token(&svc, pass(3, 2, vec![], 3)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        assert_eq!(e.message(), "the pass of step 2 this pass follows failed");
+        // a fed item with tokens of its own is malformed
+        let mut both = pass(4, 1, vec![5], 3);
+        both.get_mut().sequences[0].feed_previous = true;
+        let e = svc.forward(both).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(
+            e.message()
+                .contains("feed_previous is set but tokens holds 1"),
+            "{e:?}"
+        );
+        // none of those passes wrote position 3
+        let e = next_token(&svc, pass(5, 0, vec![6], 4)).await.unwrap_err();
+        assert!(e.message().contains("position 3"), "{e:?}");
+        assert!(e.message().contains("never written"), "{e:?}");
+    }
+
+    #[tokio::test]
+    async fn forward_calls_are_counted_and_timed() {
+        let mut registry = Registry::new();
+        let svc = service(&mut registry);
         let table = |window| pb::BlockTable {
             window,
             block_ids: vec![1],
@@ -342,6 +524,7 @@ mod tests {
                 tier_copies: Vec::new(),
                 step,
                 sequences: vec![seq(step, block_window)],
+                after_step: 0,
             })
         };
         let ok = svc.forward(forward(1, 8)).await;

@@ -47,6 +47,7 @@ impl Server {
     ) -> Result<pb::ForwardResponse, tonic::Status> {
         self.client
             .forward(pb::ForwardRequest {
+                after_step: 0,
                 tier_copies: Vec::new(),
                 step: 1,
                 sequences,
@@ -104,6 +105,7 @@ fn seq(
         sampling: None,
         copies: Vec::new(),
         trace: None,
+        feed_previous: false,
     }
 }
 

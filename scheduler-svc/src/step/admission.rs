@@ -1,7 +1,7 @@
 //! Admission: which queued requests to lease this step, and what the Lease
 //! outcomes mean for them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
 use super::{Core, Leasing, Sequence, Work};
@@ -394,11 +394,12 @@ impl Core {
                             lease_len: l.lease_len,
                             kv_len: reused,
                             cache_len: l.lease_len,
+                            reporting: l.lease_len,
                             capacity: grant.capacity_tokens,
                             reused_tokens: reused,
                             copies,
                             planned: (len > 0).then_some(Work::Prefill { len }),
-                            in_flight: None,
+                            in_flight: VecDeque::new(),
                             request: l.request,
                         },
                     );

@@ -8,7 +8,8 @@
 //!   launched and not yet handed to [`Core::complete_through`] (the cache
 //!   parks the blocks until `CompleteStep` of that step); with no such pass,
 //!   nothing can read the blocks and the release is not fenced;
-//! - [`Core::complete_through`] names a step only once its forward pass
+//! - [`Core::complete_through`] names a step only once its forward pass,
+//!   and every earlier one (the pipelined order has two in flight),
 //!   returned from every group, never a step whose forward is in flight;
 //! - a `CompleteStep` the cache did not acknowledge stays pending and is
 //!   folded into the next one (completing N completes every step <= N);
@@ -26,6 +27,8 @@
 //! batch holds more than the cache's batch limit, so a backlog (releases
 //! kept while the cache was unreachable, several groups' ends at once) is
 //! never refused for its size.
+
+use std::collections::VecDeque;
 
 use super::Core;
 use crate::domain::{SeqId, Step};
@@ -79,9 +82,12 @@ struct Forward {
 pub(super) struct Steps {
     /// The step being planned (the last one begun).
     current: Step,
-    /// The last forward pass launched and not yet handed to
-    /// `complete_through`.
-    forward: Option<Forward>,
+    /// The forward passes launched and not yet handed to
+    /// `complete_through`, oldest first (two at most: the pipelined order's).
+    forwards: VecDeque<Forward>,
+    /// The step of the last forward pass launched (since the session
+    /// opened).
+    last_launched: Option<Step>,
     /// A step handed to `complete_through` whose `CompleteStep` the cache
     /// has not acknowledged yet.
     pending_complete: Option<Step>,
@@ -90,6 +96,25 @@ pub(super) struct Steps {
 impl Steps {
     fn fold_pending(&mut self, step: Step) {
         self.pending_complete = Some(self.pending_complete.map_or(step, |p| p.max(step)));
+    }
+
+    /// Hands the passes at the front that returned from every group to
+    /// completion: each completes once every earlier one did.
+    fn fold_returned(&mut self) {
+        while self.forwards.front().is_some_and(|f| f.out.is_empty()) {
+            if let Some(f) = self.forwards.pop_front() {
+                self.fold_pending(f.step);
+            }
+        }
+    }
+
+    /// The oldest pass whose results `group` still owes: the one its next
+    /// answer belongs to.
+    pub(super) fn owed_by(&self, group: usize) -> Option<Step> {
+        self.forwards
+            .iter()
+            .find(|f| f.out.contains(&group))
+            .map(|f| f.step)
     }
 }
 
@@ -126,44 +151,65 @@ impl Core {
 
     /// The current step's forward pass was launched on `groups` (from
     /// `plan_forward`).
-    pub(super) fn forward_launched(&mut self, mut groups: Vec<usize>) {
+    pub(super) fn forward_launched(&mut self, groups: Vec<usize>) {
         if groups.is_empty() {
             return;
         }
-        if let Some(previous) = self.steps.forward.take() {
-            if previous.out.is_empty() {
-                // returned before this launch (the overlap order launches
-                // before it settles the previous pass): its step is complete
-                self.steps.fold_pending(previous.step);
-            } else {
-                // The loop waits for a pass before it launches the next;
-                // should one still be out, the new fence covers it and
-                // completion waits for both.
-                groups.extend(previous.out);
-            }
-        }
-        self.steps.forward = Some(Forward {
+        // those that returned before this launch (the overlap orders launch
+        // before they settle the previous pass) are complete
+        self.steps.fold_returned();
+        self.steps.last_launched = Some(self.steps.current);
+        self.steps.forwards.push_back(Forward {
             step: self.steps.current,
             out: groups,
         });
     }
 
-    /// One group's forward results came back (applied, or failed).
+    /// One group's forward results came back (applied, or failed): those of
+    /// the oldest pass it still owes (a worker runs its passes in order).
     pub(super) fn forward_returned(&mut self, group: usize) {
-        if let Some(f) = &mut self.steps.forward
+        if let Some(f) = self
+            .steps
+            .forwards
+            .iter_mut()
+            .find(|f| f.out.contains(&group))
             && let Some(i) = f.out.iter().position(|&g| g == group)
         {
             f.out.swap_remove(i);
         }
     }
 
-    /// The step of the forward pass in flight (launched, not returned from
-    /// every group), if any.
+    /// The step of the newest forward pass in flight (launched, not
+    /// returned from every group), if any.
     pub fn forward_in_flight(&self) -> Option<Step> {
         self.steps
-            .forward
-            .as_ref()
-            .filter(|f| !f.out.is_empty())
+            .forwards
+            .iter()
+            .rev()
+            .find(|f| !f.out.is_empty())
+            .map(|f| f.step)
+    }
+
+    /// The step a settle's extends go at (`current`: the step being run):
+    /// the last pass launched, whose completion covers every write their
+    /// reports name (and after which no pass reads a block they slide out
+    /// of a window), though a pipelined step that settles may launch
+    /// nothing itself; `current` before any pass.
+    pub fn settle_step(&self, current: Step) -> Step {
+        self.steps.last_launched.unwrap_or(current)
+    }
+
+    /// The step of the pass `group`'s worker must finish before it runs the
+    /// pass just launched (from `plan_forward`): the group's pass of an
+    /// earlier step still in flight, whose samples the new pass's fed
+    /// decodes take. `None`: nothing of the group is in flight before it.
+    pub fn follows(&self, group: usize) -> Option<Step> {
+        self.steps
+            .forwards
+            .iter()
+            .rev()
+            .filter(|f| f.step < self.steps.current)
+            .find(|f| f.out.contains(&group))
             .map(|f| f.step)
     }
 
@@ -188,7 +234,7 @@ impl Core {
         let seq_ids = waiting.drain(..n).collect();
         ReleaseBatch {
             seq_ids,
-            fence_step: self.steps.forward.as_ref().map(|f| f.step),
+            fence_step: self.steps.forwards.back().map(|f| f.step),
             discard_unwritten,
         }
     }
@@ -243,15 +289,7 @@ impl Core {
         if !self.failed_releases.is_empty() || self.tiers.discard {
             return None;
         }
-        if self
-            .steps
-            .forward
-            .as_ref()
-            .is_some_and(|f| f.out.is_empty())
-            && let Some(f) = self.steps.forward.take()
-        {
-            self.steps.fold_pending(f.step);
-        }
+        self.steps.fold_returned();
         self.steps.pending_complete
     }
 
@@ -266,7 +304,7 @@ impl Core {
     /// or `CompleteStep` outstanding.
     pub fn is_quiet(&self) -> bool {
         self.is_idle()
-            && self.steps.forward.is_none()
+            && self.steps.forwards.is_empty()
             && self.steps.pending_complete.is_none()
             && !self.has_releases()
     }
@@ -274,7 +312,8 @@ impl Core {
     /// Forgets the old session's steps (its leases are lost): nothing fenced
     /// there matters any more.
     pub(super) fn forget_fences(&mut self) {
-        self.steps.forward = None;
+        self.steps.forwards.clear();
+        self.steps.last_launched = None;
         self.steps.pending_complete = None;
     }
 }

@@ -55,10 +55,10 @@ mod plan;
 mod routing;
 mod tiers;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use crate::domain::{Extra, GroupGeometry, Output, RequestId, SeqId, Table};
+use crate::domain::{Extra, GroupGeometry, Output, RequestId, SeqId, Step, Table};
 use crate::policy::{Demand, OnExhausted, Policy};
 use crate::queue::{Queue, Request};
 
@@ -92,8 +92,14 @@ pub struct CoreConfig {
     /// (`extra_decoding_steps`), so that a decode step has room in the
     /// blocks already granted: with [`Order::Overlap`], a decode launches
     /// before its extend is answered and the extend, sent after the launch,
-    /// grows the lease a step ahead of need.
+    /// grows the lease a step ahead of need ([`Order::lookahead`]: 1; 2
+    /// for [`Order::Pipelined`], whose decodes run two passes ahead of the
+    /// cache's answer).
     pub lookahead: u32,
+    /// The order of a step's calls ([`StepPlan`]); with `Pipelined`, a
+    /// sequence may have two passes in flight and plans from what they
+    /// will have written ([`Sequence::ahead`]).
+    pub order: Order,
 }
 
 impl Default for CoreConfig {
@@ -109,6 +115,7 @@ impl Default for CoreConfig {
             max_queue_wait: None,
             routing: crate::routing::RoutingConfig::default(),
             lookahead: 0,
+            order: Order::Plain,
         }
     }
 }
@@ -186,6 +193,9 @@ struct Sequence {
     kv_len: u32,
     /// Tokens the cache knows the sequence holds (sent in extends).
     cache_len: u32,
+    /// The length the sequence's last extend report asked for (the cache's
+    /// length once it is granted).
+    reporting: u32,
     /// Token slots the lease covers, as its last grant said (the cache's
     /// `capacity_tokens`: tokens plus extra slots).
     capacity: u32,
@@ -195,13 +205,46 @@ struct Sequence {
     copies: Vec<crate::domain::BlockCopy>,
     /// Planned this step, not yet sent to the worker.
     planned: Option<Work>,
-    /// Sent to the worker, result not yet applied.
-    in_flight: Option<Work>,
+    /// Sent to the worker, results not yet applied, oldest first, with the
+    /// step of the pass: one at most, two with [`Order::Pipelined`].
+    in_flight: VecDeque<(Step, Work)>,
+}
+
+/// What the passes in flight will have done to a sequence once they return.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Ahead {
+    /// Positions that will hold KV (`kv_len` plus the passes' tokens).
+    kv_len: u32,
+    /// Tokens the passes will emit (a decode's, a last prefill chunk's).
+    emits: u32,
 }
 
 impl Sequence {
     fn decoding(&self) -> bool {
         self.kv_len >= self.lease_len
+    }
+
+    /// Where the sequence will be once its passes in flight returned (a
+    /// pipelined plan starts there). Drafts never run pipelined, so a
+    /// decode in flight advances one position.
+    fn ahead(&self) -> Ahead {
+        let mut ahead = Ahead {
+            kv_len: self.kv_len,
+            emits: 0,
+        };
+        for (_, work) in &self.in_flight {
+            match work {
+                Work::Prefill { len } => {
+                    ahead.kv_len += len;
+                    ahead.emits += u32::from(ahead.kv_len >= self.lease_len);
+                }
+                Work::Decode { drafts } => {
+                    ahead.kv_len += 1 + drafts.len() as u32;
+                    ahead.emits += 1;
+                }
+            }
+        }
+        ahead
     }
 
     fn demand(&self) -> Demand {

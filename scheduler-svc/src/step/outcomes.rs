@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use super::{Core, PreemptCause, WORKER_RETRY_AFTER, Work};
+use super::{Core, Order, PreemptCause, WORKER_RETRY_AFTER, Work};
 use crate::domain::{
     ExtendSpec, Finish, ForwardItem, ForwardResult, Outcome, Output, Reject, RejectReason, SeqId,
 };
@@ -24,10 +24,13 @@ impl Core {
     /// the launch; a decode without room sits this step out, and its extend
     /// grows the lease for the next.
     pub fn plan_extends(&mut self, ahead: bool) -> Vec<ExtendSpec> {
+        if ahead && self.config.order == Order::Pipelined {
+            return self.plan_pipelined();
+        }
         let mut extends = Vec::new();
         let draft_k = self.config.draft_k;
         for seq in self.running.values_mut() {
-            if !seq.decoding() || seq.in_flight.is_some() || seq.planned.is_some() {
+            if !seq.decoding() || !seq.in_flight.is_empty() || seq.planned.is_some() {
                 continue;
             }
             let budget = &mut self.budget[seq.group];
@@ -41,6 +44,7 @@ impl Core {
                 new_tokens: seq.context[from.min(to)..to].to_vec(),
                 written_tokens: 0,
             };
+            seq.reporting = to as u32;
             // slots past this decode's own that the lease covers (the
             // cache's length is a floor: it always covers its tokens)
             let spare = if ahead {
@@ -74,7 +78,7 @@ impl Core {
         }
         let chunk_limit = self.config.prefill_chunk.max(1);
         for seq in self.running.values_mut() {
-            if seq.decoding() || seq.in_flight.is_some() || seq.planned.is_some() {
+            if seq.decoding() || !seq.in_flight.is_empty() || seq.planned.is_some() {
                 continue;
             }
             let budget = &mut self.budget[seq.group];
@@ -95,11 +99,95 @@ impl Core {
         extends
     }
 
-    /// Whether `seq_id`'s work is in the forward pass in flight.
+    /// The pipelined order's plan ([`Order::Pipelined`], `plan_extends(true)`):
+    /// each sequence's next pass starts where its passes in flight (at most
+    /// one: the depth is two) will leave it. A decode runs if the slots its
+    /// lease covers hold its position and it has tokens left to make after
+    /// what is in flight; with a pass in flight it feeds the token that pass
+    /// samples. A prefill chunk continues from the last one in flight.
+    /// Returns the chunks' progress reports; the decodes' extends are
+    /// planned at the settle ([`Core::settle_extends`]), once the collected
+    /// pass told their tokens.
+    fn plan_pipelined(&mut self) -> Vec<ExtendSpec> {
+        let depth = Order::Pipelined.depth();
+        let mut extends = Vec::new();
+        for seq in self.running.values_mut() {
+            if seq.in_flight.len() >= depth || seq.planned.is_some() {
+                continue;
+            }
+            let ahead = seq.ahead();
+            if ahead.kv_len < seq.lease_len {
+                continue;
+            }
+            let budget = &mut self.budget[seq.group];
+            let covered = seq.capacity.max(seq.cache_len);
+            if *budget == 0 || seq.request.remaining() <= ahead.emits || covered <= ahead.kv_len {
+                // no budget, nothing left to make, or no room: the settle's
+                // extend grows the lease for a later step
+                continue;
+            }
+            *budget -= 1;
+            seq.planned = Some(Work::Decode { drafts: Vec::new() });
+        }
+        let chunk_limit = self.config.prefill_chunk.max(1);
+        for seq in self.running.values_mut() {
+            if seq.in_flight.len() >= depth || seq.planned.is_some() {
+                continue;
+            }
+            let ahead = seq.ahead();
+            if ahead.kv_len >= seq.lease_len {
+                continue;
+            }
+            let budget = &mut self.budget[seq.group];
+            let len = chunk_limit.min(seq.lease_len - ahead.kv_len).min(*budget);
+            if len > 0 {
+                *budget -= len;
+                seq.planned = Some(Work::Prefill { len });
+                extends.push(ExtendSpec {
+                    seq_id: seq.seq_id,
+                    new_tokens: Vec::new(),
+                    written_tokens: ahead.kv_len + len,
+                });
+            }
+        }
+        extends
+    }
+
+    /// The extends a settle sends (at [`Core::settle_step`]): `planned`
+    /// (what `Call::Plan` kept) and, in the pipelined order, every decoding
+    /// sequence's report of the tokens the collected pass told, which grows
+    /// its lease [`Order::lookahead`] slots past them. A report names only
+    /// tokens whose KV a pass launched has written or writes (the cache
+    /// publishes the blocks they fill once that step completes): with a pass
+    /// in flight, through the token it feeds; with none, through the last
+    /// position written.
+    pub fn settle_extends(&mut self, mut planned: Vec<ExtendSpec>) -> Vec<ExtendSpec> {
+        if self.config.order != Order::Pipelined {
+            return planned;
+        }
+        for seq in self.running.values_mut() {
+            if !seq.decoding() {
+                continue;
+            }
+            let written = seq.kv_len + u32::from(!seq.in_flight.is_empty());
+            let (from, to) = (seq.cache_len as usize, written as usize);
+            if from < to && to <= seq.context.len() {
+                planned.push(ExtendSpec {
+                    seq_id: seq.seq_id,
+                    new_tokens: seq.context[from..to].to_vec(),
+                    written_tokens: 0,
+                });
+                seq.reporting = written;
+            }
+        }
+        planned
+    }
+
+    /// Whether `seq_id`'s work is in a forward pass in flight.
     pub fn in_flight(&self, seq_id: SeqId) -> bool {
         self.running
             .get(&seq_id)
-            .is_some_and(|s| s.in_flight.is_some())
+            .is_some_and(|s| !s.in_flight.is_empty())
     }
 
     /// An Extend call failed: the decode sequences it was to grow sit this
@@ -127,13 +215,13 @@ impl Core {
                     if let Some(seq) = self.running.get_mut(&grant.seq_id) {
                         // a prefill chunk's progress report grows nothing
                         // (its chunk planned, or launched when the extends
-                        // follow the launch)
-                        let work = seq.planned.as_ref().or(seq.in_flight.as_ref());
-                        if matches!(work, Some(Work::Prefill { .. })) {
+                        // follow the launch: a sequence reports progress
+                        // only while its prompt is not all in its KV)
+                        if !seq.decoding() {
                             continue;
                         }
                         crate::domain::apply_extend(&mut seq.tables, &grant.tables);
-                        seq.cache_len = seq.kv_len + 1;
+                        seq.cache_len = seq.reporting;
                         if grant.capacity_tokens > 0 {
                             seq.capacity = grant.capacity_tokens;
                         }
@@ -160,7 +248,7 @@ impl Core {
             RejectReason::PoolExhausted | RejectReason::QuotaExceeded
         );
         self.exhausted_this_step |= transient;
-        if seq.in_flight.is_some() {
+        if !seq.in_flight.is_empty() {
             // An extend sent after its decode launched, growing the lease a
             // step ahead: the pass in flight had room and runs to its end.
             // The cache added nothing; the sequence sits the next step out
@@ -190,19 +278,24 @@ impl Core {
     /// group's results are applied (or failed), releases are fenced at this
     /// step and it cannot be reported complete.
     pub fn plan_forward(&mut self) -> Vec<(usize, Vec<ForwardItem>)> {
+        let step = self.step();
         let mut batches: Vec<Vec<ForwardItem>> = vec![Vec::new(); self.groups.len()];
         for seq in self.running.values_mut() {
             let Some(work) = seq.planned.take() else {
                 continue;
             };
-            let start = seq.kv_len as usize;
+            // after what its passes in flight write (the pipelined order)
+            let start = seq.ahead().kv_len;
+            let at = start as usize;
+            // a decode behind a pass in flight feeds the token that pass
+            // samples: the worker fills it in
+            let feed_previous = matches!(work, Work::Decode { .. }) && !seq.in_flight.is_empty();
             let (tokens, all_argmax) = match &work {
-                Work::Prefill { len } => {
-                    (seq.context[start..start + *len as usize].to_vec(), false)
-                }
+                Work::Prefill { len } => (seq.context[at..at + *len as usize].to_vec(), false),
+                Work::Decode { .. } if feed_previous => (Vec::new(), false),
                 Work::Decode { drafts } => {
                     let mut t = Vec::with_capacity(1 + drafts.len());
-                    t.push(seq.context[start]);
+                    t.push(seq.context[at]);
                     t.extend_from_slice(drafts);
                     (t, !drafts.is_empty())
                 }
@@ -210,13 +303,14 @@ impl Core {
             batches[seq.group].push(ForwardItem {
                 seq_id: seq.seq_id,
                 tokens,
-                start_pos: seq.kv_len,
+                feed_previous,
+                start_pos: start,
                 tables: seq.tables.clone(),
                 return_all_argmax: all_argmax,
                 sampling: seq.request.sampling,
                 copies: std::mem::take(&mut seq.copies),
             });
-            seq.in_flight = Some(work);
+            seq.in_flight.push_back((step, work));
         }
         // A group whose grants named host-tier copies runs them even with
         // no sequence this step (see `tiers`).
@@ -233,11 +327,18 @@ impl Core {
     /// Applies one group's forward results: prefill progress, new tokens,
     /// finished requests. An in-flight sequence without a result fails.
     pub fn apply_forward(&mut self, group: usize, results: Vec<ForwardResult>) {
+        // the oldest pass the group owes: its worker runs passes in order
+        let Some(step) = self.steps.owed_by(group) else {
+            return;
+        };
         for result in results {
             let Some(seq) = self.running.get_mut(&result.seq_id) else {
                 continue;
             };
-            let Some(work) = seq.in_flight.take() else {
+            if seq.in_flight.front().is_none_or(|(s, _)| *s != step) {
+                continue;
+            }
+            let Some((_, work)) = seq.in_flight.pop_front() else {
                 continue;
             };
             let emit = match work {
@@ -276,7 +377,7 @@ impl Core {
         let missing: Vec<SeqId> = self
             .running
             .values()
-            .filter(|s| s.group == group && s.in_flight.is_some())
+            .filter(|s| s.group == group && s.in_flight.front().is_some_and(|(s, _)| *s == step))
             .map(|s| s.seq_id)
             .collect();
         for seq_id in missing {
@@ -302,10 +403,15 @@ impl Core {
             None => message.to_owned(),
         };
         let message = message.as_str();
+        // the sequences of the failed pass (the oldest the group owes); a
+        // later pass in flight that feeds on it fails at the worker too
+        let step = self.steps.owed_by(group);
         let failed: Vec<SeqId> = self
             .running
             .values()
-            .filter(|s| s.group == group && s.in_flight.is_some())
+            .filter(|s| {
+                s.group == group && s.in_flight.front().is_some_and(|(s, _)| Some(*s) == step)
+            })
             .map(|s| s.seq_id)
             .collect();
         if !failed.is_empty() {

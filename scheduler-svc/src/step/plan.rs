@@ -8,9 +8,20 @@
 //! overlap, a pass in flight:  flush releases, admit, collect, plan, launch,
 //!                             settle+extend
 //! overlap, nothing in flight: flush releases, admit, extend, launch
+//! pipelined, two in flight:   flush releases, admit, collect (the older),
+//!                             plan, launch, settle+extend
+//! pipelined, one in flight:   flush releases, admit, plan, launch; if it
+//!                             launched nothing: collect, settle+extend
+//! pipelined, none in flight:  as overlap
 //! plain:                      flush releases, extend, admit, launch, then
 //!                             (if it launched) collect, settle
 //! ```
+//!
+//! Pipelined keeps a second pass queued at the worker while one runs: pass
+//! N+1 is sent before pass N's answer is back, its decode items feeding the
+//! token pass N samples (`ForwardItem::feed_previous`, the worker fills it
+//! in), so the device goes from one pass to the next without waiting for
+//! the answer's round trip and the scheduler's work between passes.
 //!
 //! With a pass in flight, overlap takes the cache off the token's critical
 //! path: the collected pass's successor launches at once, on slots its
@@ -36,12 +47,42 @@ pub enum Order {
     /// pass is collected in the next step, step N+1's pass launched at once
     /// and its extends sent while it runs.
     Overlap,
+    /// Overlap with a second pass in flight: step N+2's pass is launched
+    /// right after pass N is collected, while N+1 runs, its decodes fed by
+    /// the worker from N+1's samples. Needs no drafts (a draft needs the
+    /// token it follows).
+    Pipelined,
 }
 
 impl Order {
-    /// The order for the loop's `overlap` setting.
-    pub fn from_overlap(overlap: bool) -> Self {
-        if overlap { Self::Overlap } else { Self::Plain }
+    /// The order for the loop's `overlap` setting: pipelined, unless
+    /// speculation (`draft_k` > 0) needs each token back before the next
+    /// pass is planned.
+    pub fn from_overlap(overlap: bool, draft_k: u32) -> Self {
+        match (overlap, draft_k) {
+            (false, _) => Self::Plain,
+            (true, 0) => Self::Pipelined,
+            (true, _) => Self::Overlap,
+        }
+    }
+
+    /// Forward passes a sequence may have in flight at once.
+    pub fn depth(self) -> usize {
+        match self {
+            Self::Plain | Self::Overlap => 1,
+            Self::Pipelined => 2,
+        }
+    }
+
+    /// Token slots a lease keeps past the sequence's length so that its
+    /// decodes launch on slots already granted: one per pass that may run
+    /// before the extend reporting its token is answered.
+    pub fn lookahead(self) -> u32 {
+        match self {
+            Self::Plain => 0,
+            Self::Overlap => 1,
+            Self::Pipelined => 2,
+        }
     }
 }
 
@@ -81,6 +122,8 @@ pub enum Call {
 #[derive(Debug, Clone)]
 pub struct StepPlan {
     order: Order,
+    /// Passes in flight at the step's start.
+    in_flight: usize,
     calls: VecDeque<Call>,
     /// `Launch` was handed out and its answer not reported yet.
     launching: bool,
@@ -89,12 +132,19 @@ pub struct StepPlan {
 }
 
 impl StepPlan {
-    /// The plan of a step in `order`; `in_flight`: a forward pass of the
-    /// previous step is still running (only with overlap).
-    pub fn new(order: Order, in_flight: bool) -> Self {
+    /// The plan of a step in `order`; `in_flight`: forward passes of
+    /// earlier steps still running (none with plain, at most one with
+    /// overlap, two with pipelined).
+    pub fn new(order: Order, in_flight: usize) -> Self {
         use Call::*;
         let calls: &[Call] = match (order, in_flight) {
-            (Order::Overlap, true) => &[
+            // a plain step awaits its own pass: none is in flight at its start
+            (Order::Plain, _) => &[FlushReleases, Extend, Admit, Launch],
+            (Order::Overlap | Order::Pipelined, 0) => &[FlushReleases, Admit, Extend, Launch],
+            // the second pass goes in at once; nothing launched, the one in
+            // flight is collected (`launched`)
+            (Order::Pipelined, 1) => &[FlushReleases, Admit, Plan, Launch],
+            (Order::Overlap | Order::Pipelined, _) => &[
                 FlushReleases,
                 Admit,
                 Collect,
@@ -102,12 +152,10 @@ impl StepPlan {
                 Launch,
                 Settle { extend: true },
             ],
-            (Order::Overlap, false) => &[FlushReleases, Admit, Extend, Launch],
-            // a plain step awaits its own pass: none is in flight at its start
-            (Order::Plain, _) => &[FlushReleases, Extend, Admit, Launch],
         };
         Self {
             order,
+            in_flight,
             calls: calls.iter().copied().collect(),
             launching: false,
             progressed: false,
@@ -119,6 +167,7 @@ impl StepPlan {
     pub fn finish_in_flight() -> Self {
         Self {
             order: Order::Plain,
+            in_flight: 1,
             calls: VecDeque::from([Call::Collect, Call::Settle { extend: false }]),
             launching: false,
             progressed: false,
@@ -149,6 +198,12 @@ impl StepPlan {
                 self.calls.push_back(Call::Collect);
                 self.calls.push_back(Call::Settle { extend: false });
             }
+        } else if self.order == Order::Pipelined && self.in_flight == 1 {
+            // one pass in flight and no second one: collect it, so the
+            // step progresses (and its extends are sent)
+            self.progressed = true;
+            self.calls.push_back(Call::Collect);
+            self.calls.push_back(Call::Settle { extend: true });
         }
         if !self.progressed {
             self.calls.push_back(Call::RetryComplete);
@@ -167,7 +222,7 @@ mod tests {
     use Call::*;
 
     /// Every call of a plan, `launches` answering `Launch`.
-    fn calls(order: Order, in_flight: bool, launches: bool) -> (Vec<Call>, bool) {
+    fn calls(order: Order, in_flight: usize, launches: bool) -> (Vec<Call>, bool) {
         run(StepPlan::new(order, in_flight), launches)
     }
 
@@ -185,7 +240,7 @@ mod tests {
     #[test]
     fn overlap_with_a_pass_in_flight_leases_before_collecting_it_and_extends_after_the_launch() {
         for launches in [true, false] {
-            let (calls, progressed) = calls(Order::Overlap, true, launches);
+            let (calls, progressed) = calls(Order::Overlap, 1, launches);
             assert_eq!(
                 calls,
                 [
@@ -204,11 +259,11 @@ mod tests {
     #[test]
     fn overlap_with_nothing_in_flight_extends_then_launches() {
         assert_eq!(
-            calls(Order::Overlap, false, true),
+            calls(Order::Overlap, 0, true),
             (vec![FlushReleases, Admit, Extend, Launch], true)
         );
         assert_eq!(
-            calls(Order::Overlap, false, false),
+            calls(Order::Overlap, 0, false),
             (
                 vec![FlushReleases, Admit, Extend, Launch, RetryComplete],
                 false
@@ -219,7 +274,7 @@ mod tests {
     #[test]
     fn plain_awaits_its_own_pass_then_settles_without_extends() {
         assert_eq!(
-            calls(Order::Plain, false, true),
+            calls(Order::Plain, 0, true),
             (
                 vec![
                     FlushReleases,
@@ -233,7 +288,7 @@ mod tests {
             )
         );
         assert_eq!(
-            calls(Order::Plain, false, false),
+            calls(Order::Plain, 0, false),
             (
                 vec![FlushReleases, Extend, Admit, Launch, RetryComplete],
                 false
@@ -249,14 +304,78 @@ mod tests {
         );
     }
 
+    #[test]
+    fn pipelined_launches_a_second_pass_before_collecting_the_first() {
+        // two in flight: the older is collected before the next launch
+        for launches in [true, false] {
+            let (calls, progressed) = calls(Order::Pipelined, 2, launches);
+            assert_eq!(
+                calls,
+                [
+                    FlushReleases,
+                    Admit,
+                    Collect,
+                    Plan,
+                    Launch,
+                    Settle { extend: true }
+                ]
+            );
+            assert!(progressed);
+        }
+        // one in flight: the second pass goes in, nothing is collected
+        assert_eq!(
+            calls(Order::Pipelined, 1, true),
+            (vec![FlushReleases, Admit, Plan, Launch], true)
+        );
+        // ... unless there is no second pass: then the first is collected
+        assert_eq!(
+            calls(Order::Pipelined, 1, false),
+            (
+                vec![
+                    FlushReleases,
+                    Admit,
+                    Plan,
+                    Launch,
+                    Collect,
+                    Settle { extend: true }
+                ],
+                true
+            )
+        );
+        assert_eq!(
+            calls(Order::Pipelined, 0, true),
+            calls(Order::Overlap, 0, true)
+        );
+        assert_eq!(
+            calls(Order::Pipelined, 0, false),
+            calls(Order::Overlap, 0, false)
+        );
+    }
+
+    #[test]
+    fn only_speculation_keeps_overlap_from_pipelining() {
+        assert_eq!(Order::from_overlap(true, 0), Order::Pipelined);
+        assert_eq!(Order::from_overlap(true, 3), Order::Overlap);
+        assert_eq!(Order::from_overlap(false, 0), Order::Plain);
+        for order in [Order::Plain, Order::Overlap, Order::Pipelined] {
+            assert_eq!(
+                order.lookahead() as usize,
+                order.depth() - usize::from(order == Order::Plain)
+            );
+        }
+    }
+
     /// The rules the orders share, over every path: a pass is collected
     /// before it is settled, each call at most once, a step ends with its
     /// launch or after the settle of the pass it awaited, and a retry of
     /// `CompleteStep` only when nothing progressed.
     #[test]
     fn every_path_collects_before_settling_and_retries_completion_only_when_idle() {
-        for order in [Order::Plain, Order::Overlap] {
-            for in_flight in [false, true] {
+        for order in [Order::Plain, Order::Overlap, Order::Pipelined] {
+            for in_flight in 0..=order.depth() {
+                if order == Order::Plain && in_flight > 0 {
+                    continue;
+                }
                 for launches in [false, true] {
                     let (calls, progressed) = calls(order, in_flight, launches);
                     let at = |c: Call| calls.iter().position(|x| *x == c);
@@ -280,12 +399,18 @@ mod tests {
                         !progressed,
                         "{order:?}: {calls:?}"
                     );
-                    // extends are sent exactly once, alone or riding the settle
+                    // extends are sent exactly once, alone or riding the
+                    // settle (a pipelined step that only adds the second
+                    // pass sends its planned ones with the next settle)
                     let extends = calls
                         .iter()
                         .filter(|c| matches!(c, Extend | Settle { extend: true }))
                         .count();
-                    assert_eq!(extends, 1, "{order:?}: {calls:?}");
+                    let deferred = order == Order::Pipelined && in_flight == 1 && launches;
+                    assert_eq!(extends, usize::from(!deferred), "{order:?}: {calls:?}");
+                    if deferred {
+                        continue;
+                    }
                     // the work is planned before the step's launch; its
                     // extends reach the cache before it unless the work was
                     // planned ahead (only what the leases already cover)

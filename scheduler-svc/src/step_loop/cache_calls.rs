@@ -26,9 +26,10 @@ impl StepLoop {
     /// planned before the launch, else the work planned now (every decode
     /// waiting for its extend).
     fn take_extends(&mut self) -> Vec<ExtendSpec> {
-        self.planned_extends
-            .take()
-            .unwrap_or_else(|| self.core.plan_extends(false))
+        match self.planned_extends.take() {
+            Some(planned) => self.core.settle_extends(planned),
+            None => self.core.plan_extends(false),
+        }
     }
 
     /// The trace context of each extend's request, none for a sequence

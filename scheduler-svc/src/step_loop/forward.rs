@@ -48,6 +48,8 @@ impl StepLoop {
                 continue;
             };
             let seqs: Vec<SeqId> = items.iter().map(|i| i.seq_id).collect();
+            // the group's pass still in flight, which the worker runs first
+            let after = self.core.follows(g);
             let chunks = self.traces.forward_items(&items);
             let span = kvlease_telemetry::client_span("kvlease.v1.WorkerService", "Forward");
             span.record("kvlease.step", step.get() as i64);
@@ -57,7 +59,7 @@ impl StepLoop {
             }
             let call = async move {
                 let sent = Instant::now();
-                let result = worker.forward(step, &items, &copies, &chunks).await;
+                let result = worker.forward(step, after, &items, &copies, &chunks).await;
                 // the worker logs its compute and its wait for the pass;
                 // the rest of this is both messages' way there and back
                 tracing::debug!(
@@ -75,7 +77,7 @@ impl StepLoop {
             tasks.push((g, seqs, tokio::spawn(call)));
         }
         self.steps_run += 1;
-        self.in_flight = Some(InFlight {
+        self.in_flight.push_back(InFlight {
             step,
             launched: Instant::now(),
             tasks,

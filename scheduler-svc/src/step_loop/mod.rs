@@ -9,8 +9,10 @@
 //! executes it call by call, as the core's model-checked test driver does.
 //!
 //! With overlap on, step N+1's releases and admission leases run while step
-//! N's forward pass is in flight (so the core fences those releases at N);
-//! without it, every call of a step runs before its forward pass.
+//! N's forward pass is in flight (so the core fences those releases at N),
+//! and in the pipelined order (overlap without speculation) step N+1's pass
+//! is sent while N's runs, so two are in flight; without it, every call of
+//! a step runs before its forward pass.
 //!
 //! Failed cache calls: a release the cache did not answer is kept by the core
 //! and sent again at the next step (`Core::release_failed`), whatever the
@@ -37,7 +39,7 @@ mod forward;
 mod handle;
 mod report;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -51,7 +53,7 @@ use crate::config::OnCacheRestart;
 use crate::domain::{GroupGeometry, Output, RequestId, Step};
 use crate::keepalive;
 use crate::metrics::SchedulerMetrics;
-use crate::step::{Call, Core, CoreConfig, Counters, Order, StepPlan};
+use crate::step::{Call, Core, CoreConfig, Counters, StepPlan};
 use crate::traces::{RequestTraces, StepSampling};
 
 use forward::{BetweenPasses, InFlight};
@@ -61,7 +63,6 @@ pub(crate) use handle::{StatusSnapshot, StepLoopHandle, Submission};
 #[derive(Debug, Clone)]
 pub(crate) struct StepLoopConfig {
     pub core: CoreConfig,
-    pub overlap: bool,
     pub holder: String,
     pub session_ttl_ms: u64,
     pub on_cache_restart: OnCacheRestart,
@@ -93,7 +94,8 @@ pub(crate) struct StepLoop {
     /// The handle's count of submissions not taken in yet.
     backlog: Arc<AtomicUsize>,
     status: watch::Sender<StatusSnapshot>,
-    in_flight: Option<InFlight>,
+    /// Forward passes launched and not collected, oldest first.
+    in_flight: VecDeque<InFlight>,
     backoff: Duration,
     metrics: SchedulerMetrics,
     /// Counters as last reported to the metrics.
@@ -139,7 +141,7 @@ impl StepLoop {
             intake,
             backlog,
             status,
-            in_flight: None,
+            in_flight: VecDeque::new(),
             backoff: MIN_BACKOFF,
             metrics,
             reported: std::cell::Cell::new(Counters::default()),
@@ -285,16 +287,15 @@ impl StepLoop {
     /// finished.
     async fn step_once(&mut self, step: Step) -> bool {
         self.refused_before = std::mem::take(&mut self.refused);
-        let order = Order::from_overlap(self.config.overlap);
-        let plan = StepPlan::new(order, self.in_flight.is_some());
+        let plan = StepPlan::new(self.core.config().order, self.in_flight.len());
         self.execute(step, plan).await
     }
 
-    /// Waits for the forward pass in flight, if any, applies it, streams its
-    /// tokens, releases what ended (fenced at its step) and completes the
-    /// step: the core's [`StepPlan::finish_in_flight`].
+    /// Waits for the forward passes in flight, if any, applies them, streams
+    /// their tokens, releases what ended (fenced at their step) and completes
+    /// the steps: the core's [`StepPlan::finish_in_flight`], once a pass.
     async fn finish_in_flight(&mut self) {
-        if self.in_flight.is_some() {
+        while !self.in_flight.is_empty() {
             self.execute(self.core.step(), StepPlan::finish_in_flight())
                 .await;
         }
@@ -309,20 +310,28 @@ impl StepLoop {
                 Call::FlushReleases => self.flush_releases().await,
                 Call::Admit => self.admit(step).await,
                 Call::Extend => self.extend(step).await,
-                Call::Plan => self.planned_extends = Some(self.core.plan_extends(true)),
+                // a pipelined step that only added a second pass leaves its
+                // planned extends to the next settle: they add up
+                Call::Plan => {
+                    let planned = self.core.plan_extends(true);
+                    self.planned_extends
+                        .get_or_insert_with(Vec::new)
+                        .extend(planned);
+                }
                 Call::Launch => {
                     let launched = self.launch(step);
                     plan.launched(launched);
                     between.log(step, launched);
                 }
                 Call::Collect => {
-                    if let Some(f) = self.in_flight.take() {
+                    if let Some(f) = self.in_flight.pop_front() {
                         between.arrived = Some(self.collect_forward(f).await);
                         between.applied = Some(Instant::now());
                     }
                 }
                 Call::Settle { extend } => {
-                    self.settle(extend.then_some(step)).await;
+                    let at = self.core.settle_step(step);
+                    self.settle(extend.then_some(at)).await;
                     between.settled = Some(Instant::now());
                 }
                 // a CompleteStep the cache did not acknowledge is tried again

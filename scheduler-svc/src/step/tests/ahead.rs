@@ -2,9 +2,12 @@
 //! step fits in the slots its lease covers launches before its extend is
 //! answered; the extend, sent after the launch, grows the lease a step
 //! ahead; a refused or missing extension holds back only its sequence.
+//! The pipelined order likewise, with a second pass fed the first one's
+//! samples.
 
 use super::*;
 use crate::policy::OnExhausted;
+use crate::step::Order;
 
 /// A grant of `blocks` covering `capacity` token slots.
 fn grant_covering(seq_id: SeqId, blocks: Vec<u32>, capacity: u32) -> Outcome {
@@ -200,4 +203,180 @@ fn a_granted_late_extension_lets_the_held_back_sequence_run_at_the_next_step() {
         .map(|i| (i.seq_id.get(), i.start_pos))
         .collect();
     assert_eq!(launched, vec![(1, 6), (2, 5)]);
+}
+
+/// [`two_decoding`] in the pipelined order: two lookahead slots, leases
+/// covering 6 slots (the 4-token prompt and both), sequences 1 and 2
+/// decoding from position 4.
+fn two_pipelined(on_exhausted: OnExhausted) -> Core {
+    let mut c = Core::new(
+        CoreConfig {
+            lookahead: Order::Pipelined.lookahead(),
+            order: Order::Pipelined,
+            on_exhausted,
+            ..CoreConfig::default()
+        },
+        vec![group(100)],
+    );
+    for id in [1, 2] {
+        let mut r = request(id, 4, 8);
+        r.stop_tokens = vec![99];
+        c.submit(r);
+    }
+    c.begin_step();
+    let leases = c.plan_admission();
+    assert!(
+        leases.iter().all(|l| l.extra.extra_decoding_steps == 2),
+        "{leases:?}"
+    );
+    c.apply_leases(
+        leases
+            .iter()
+            .map(|l| grant_covering(l.seq_id, vec![l.seq_id.get() as u32], 6))
+            .collect(),
+    );
+    for (g, items) in c.plan_forward() {
+        let results = items
+            .iter()
+            .map(|i| ForwardResult {
+                seq_id: i.seq_id,
+                next_token: 10 * i.seq_id.get() as u32,
+                argmax: Vec::new(),
+            })
+            .collect();
+        c.apply_forward(g, results);
+    }
+    c.drain_outputs();
+    c
+}
+
+/// Plans and launches the next pipelined pass: `(seq, start, fed)` of each item.
+fn launch(c: &mut Core) -> (Vec<(u64, u32, bool)>, Vec<ForwardItem>) {
+    c.begin_step();
+    c.plan_extends(true);
+    let mut batches = c.plan_forward();
+    let items = batches.pop().map(|(_, items)| items).unwrap_or_default();
+    let seen = items
+        .iter()
+        .map(|i| (i.seq_id.get(), i.start_pos, i.feed_previous))
+        .collect();
+    (seen, items)
+}
+
+fn report(seq_id: u64, new_tokens: Vec<u32>) -> ExtendSpec {
+    ExtendSpec {
+        seq_id: SeqId(seq_id),
+        new_tokens,
+        written_tokens: 0,
+    }
+}
+
+#[test]
+fn pipelined_a_second_pass_feeds_the_first_ones_samples_and_a_refused_extension_holds_back_its_sequence_alone()
+ {
+    let mut c = two_pipelined(OnExhausted::Reject);
+    let (a, a_items) = launch(&mut c);
+    assert_eq!(
+        a,
+        vec![(1, 4, false), (2, 4, false)],
+        "the tokens are known"
+    );
+    let step_a = c.step();
+    // the second pass goes in before the first is back: fed, one position on
+    let (b, b_items) = launch(&mut c);
+    assert_eq!(b, vec![(1, 5, true), (2, 5, true)]);
+    assert!(b_items.iter().all(|i| i.tokens.is_empty()));
+    assert_eq!(
+        c.follows(0),
+        Some(step_a),
+        "the worker runs it after pass A"
+    );
+    let step_b = c.step();
+    // nothing more fits: two passes in flight
+    let (none, _) = launch(&mut c);
+    assert!(none.is_empty());
+
+    // pass A is back: the settle reports the tokens it told; sequence 2's
+    // growth is refused while its pass B runs, and only holds it back
+    c.apply_forward(0, results(&a_items, 7, false));
+    assert_eq!(tokens_of(&c.drain_outputs(), 1), vec![7]);
+    let extends = c.settle_extends(Vec::new());
+    assert_eq!(
+        extends,
+        vec![report(1, vec![10, 7]), report(2, vec![20, 7])]
+    );
+    c.apply_extends(vec![
+        grant_covering(SeqId(1), vec![11], 8),
+        exhausted(SeqId(2)),
+    ]);
+    assert!(
+        finishes(&c.drain_outputs()).is_empty(),
+        "nothing ends while B runs"
+    );
+    let (cc, c_items) = launch(&mut c);
+    assert_eq!(
+        cc,
+        vec![(1, 6, true)],
+        "sequence 2 has no room for position 6"
+    );
+    let step_c = c.step();
+
+    // pass B is back; sequence 2, at rest now, is refused again: its answer
+    c.apply_forward(0, results(&b_items, 8, false));
+    let extends = c.settle_extends(Vec::new());
+    // sequence 2 has no pass in flight: it reports only the tokens whose KV
+    // is written (8 is sampled, its KV not written by any pass)
+    assert_eq!(extends, vec![report(1, vec![8]), report(2, vec![20, 7])]);
+    c.apply_extends(vec![
+        grant_covering(SeqId(1), vec![], 9),
+        exhausted(SeqId(2)),
+    ]);
+    let out = c.drain_outputs();
+    assert_eq!(tokens_of(&out, 2), vec![8]);
+    let ends = finishes(&out);
+    assert!(
+        matches!(&ends[..], [(2, Finish::Rejected(r))] if r.reason == RejectReason::PoolExhausted),
+        "{ends:?}"
+    );
+    // released behind pass C, the newest in flight
+    let batch = c.take_releases();
+    assert_eq!(
+        (batch.seq_ids, batch.fence_step),
+        (vec![SeqId(2)], Some(step_c))
+    );
+    assert!(c.complete_through().is_some_and(|s| s == step_b));
+    c.apply_forward(0, results(&c_items, 9, false));
+    assert_eq!(tokens_of(&c.drain_outputs(), 1), vec![9]);
+}
+
+#[test]
+fn pipelined_a_sequence_that_stops_with_a_pass_in_flight_is_released_behind_it_and_its_result_dropped()
+ {
+    let mut c = two_pipelined(OnExhausted::Preempt);
+    let (_, a_items) = launch(&mut c);
+    let step_a = c.step();
+    let (_, b_items) = launch(&mut c);
+    let step_b = c.step();
+    // sequence 1 samples its stop token in pass A; pass B ran it anyway
+    let mut answer = results(&a_items, 7, false);
+    answer[0].next_token = 99;
+    c.apply_forward(0, answer);
+    let out = c.drain_outputs();
+    assert_eq!(finishes(&out), vec![(1, Finish::Stop)]);
+    let batch = c.take_releases();
+    assert_eq!(
+        (batch.seq_ids, batch.fence_step),
+        (vec![SeqId(1)], Some(step_b)),
+        "pass B may still read its blocks"
+    );
+    assert_eq!(c.complete_through(), Some(step_a), "pass B is in flight");
+    c.apply_forward(0, results(&b_items, 8, false));
+    let out = c.drain_outputs();
+    assert_eq!(
+        tokens_of(&out, 1),
+        Vec::<u32>::new(),
+        "its B result is dropped"
+    );
+    assert_eq!(tokens_of(&out, 2), vec![8]);
+    assert_eq!(c.complete_through(), Some(step_b));
 }

@@ -3,6 +3,8 @@
 //! bookkeeping, panicking the moment a block reaches a sequence while a
 //! forward pass in flight reads it for another.
 
+use std::collections::{HashSet, VecDeque};
+
 use super::*;
 
 /// The cache's block bookkeeping as the protocol specifies it, for one pool
@@ -17,6 +19,7 @@ struct ModelCache {
     held: HashMap<SeqId, (u32, Vec<u32>)>,
     /// Tokens each sequence reported (its prompt, then its extends).
     known: HashMap<SeqId, u32>,
+
     fenced: Vec<(Step, Vec<u32>)>,
     /// Another holder of the pool takes the free blocks now and then: an
     /// extend that needs a block is refused one time in this many.
@@ -113,8 +116,13 @@ impl ModelCache {
     }
 }
 
-/// The forward pass in flight in [`drive`]: its step and its batches.
-type InFlight = Option<(Step, Vec<(usize, Vec<ForwardItem>)>)>;
+/// The forward passes in flight in [`drive`], oldest first: each one's
+/// step and batches.
+type InFlight = VecDeque<(Step, Vec<(usize, Vec<ForwardItem>)>)>;
+
+/// The token the model worker answers now and then: every request stops on
+/// it, so sequences end while a later pass of theirs is in flight.
+const STOP: u32 = 99;
 
 /// What a run of [`drive`] exercised, so a test can tell it was not vacuous.
 #[derive(Debug, Default)]
@@ -130,11 +138,57 @@ struct Exercised {
     launched_ahead: usize,
     /// Extends refused while a forward pass was in flight.
     refused_in_flight: usize,
+    /// Decodes launched behind a pass of theirs in flight, fed its sample.
+    fed: usize,
+    /// Requests that stopped (a stop token) with a later pass in flight.
+    stopped_in_flight: usize,
 }
 
 /// Every item of a launch writes only blocks the cache holds for its
-/// sequence, at positions inside the slots its lease covers.
-fn check_launch(batches: &[(usize, Vec<ForwardItem>)], cache: &ModelCache, seen: &mut Exercised) {
+/// sequence, at positions inside the slots its lease covers, and starts
+/// where its item in the passes still in flight ends; a fed decode follows
+/// an item of its sequence in the group's pass it names (`follows`), which
+/// the worker runs first, and every pass follows that group's last one in
+/// flight.
+fn check_launch(
+    batches: &[(usize, Vec<ForwardItem>)],
+    follows: &[Option<Step>],
+    in_flight: &InFlight,
+    cache: &ModelCache,
+    seen: &mut Exercised,
+) {
+    for ((g, items), after) in batches.iter().zip(follows) {
+        let last = in_flight
+            .iter()
+            .rev()
+            .find(|(_, b)| b.iter().any(|(bg, _)| bg == g))
+            .map(|(s, _)| *s);
+        assert_eq!(
+            *after, last,
+            "group {g}'s pass must follow its last one in flight"
+        );
+        for item in items {
+            // the end of this sequence's item in the latest pass in flight
+            let before = in_flight.iter().rev().find_map(|(step, b)| {
+                b.iter()
+                    .filter(|(bg, _)| bg == g)
+                    .flat_map(|(_, i)| i)
+                    .find(|i| i.seq_id == item.seq_id)
+                    .map(|i| (*step, i.start_pos + i.tokens.len().max(1) as u32))
+            });
+            if item.feed_previous {
+                seen.fed += 1;
+                assert!(item.tokens.is_empty(), "a fed decode carries no token");
+                let (step, end) = before.unwrap_or_else(|| {
+                    panic!("sequence {} fed with no pass of it in flight", item.seq_id)
+                });
+                assert_eq!(Some(step), *after, "fed from the pass it follows");
+                assert_eq!(end, item.start_pos, "sequence {}", item.seq_id);
+            } else if let Some((_, end)) = before {
+                assert_eq!(end, item.start_pos, "sequence {}", item.seq_id);
+            }
+        }
+    }
     for item in batches.iter().flat_map(|(_, items)| items) {
         let Some((capacity, blocks)) = cache.held.get(&item.seq_id) else {
             panic!("sequence {} launched without a lease", item.seq_id);
@@ -146,14 +200,14 @@ fn check_launch(batches: &[(usize, Vec<ForwardItem>)], cache: &ModelCache, seen:
                 item.seq_id
             );
         }
-        let end = item.start_pos + item.tokens.len() as u32;
+        let end = item.start_pos + item.tokens.len().max(1) as u32;
         assert!(
             end <= *capacity,
             "sequence {} writes through position {end} but its lease covers {capacity} slots",
             item.seq_id
         );
         let known = cache.known.get(&item.seq_id).copied().unwrap_or(0);
-        if item.tokens.len() == 1 && known <= item.start_pos {
+        if item.tokens.len() <= 1 && known <= item.start_pos {
             seen.launched_ahead += 1;
         }
     }
@@ -173,16 +227,17 @@ fn drive(order: Order, seed: u64) -> Exercised {
         rng ^= rng << 17;
         rng % n
     };
-    // the loop's lookahead: overlap plans ahead on it
+    // the loop's lookahead: the overlap orders plan ahead on it
     let mut c = Core::new(
         CoreConfig {
-            lookahead: u32::from(order == Order::Overlap),
+            lookahead: order.lookahead(),
+            order,
             ..CoreConfig::default()
         },
         vec![group(24)],
     );
     let mut cache = ModelCache::new(24, 4);
-    let mut in_flight: InFlight = None;
+    let mut in_flight: InFlight = VecDeque::new();
     let mut seen = Exercised::default();
     let mut next_id = 1;
 
@@ -192,18 +247,17 @@ fn drive(order: Order, seed: u64) -> Exercised {
                 continue;
             };
             seen.grants += 1;
-            let Some((step, batches)) = in_flight else {
-                continue;
-            };
-            for block in g.tables.iter().flat_map(|t| &t.block_ids) {
-                for item in batches.iter().flat_map(|(_, items)| items) {
-                    let reads = item.tables.iter().any(|t| t.block_ids.contains(block));
-                    assert!(
-                        item.seq_id == g.seq_id || !reads,
-                        "block {block} granted to sequence {} while forward {step} still reads it for sequence {}",
-                        g.seq_id,
-                        item.seq_id
-                    );
+            for (step, batches) in in_flight {
+                for block in g.tables.iter().flat_map(|t| &t.block_ids) {
+                    for item in batches.iter().flat_map(|(_, items)| items) {
+                        let reads = item.tables.iter().any(|t| t.block_ids.contains(block));
+                        assert!(
+                            item.seq_id == g.seq_id || !reads,
+                            "block {block} granted to sequence {} while forward {step} still reads it for sequence {}",
+                            g.seq_id,
+                            item.seq_id
+                        );
+                    }
                 }
             }
         }
@@ -211,7 +265,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
     let complete =
         |c: &mut Core, cache: &mut ModelCache, in_flight: &InFlight, seen: &mut Exercised| {
             if let Some(step) = c.complete_through() {
-                if let Some((running, _)) = in_flight {
+                if let Some((running, _)) = in_flight.front() {
                     assert!(
                         step < *running,
                         "CompleteStep({step}) sent while forward {running} is in flight"
@@ -228,7 +282,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
             if batch.is_empty() {
                 return;
             }
-            if in_flight.is_some() {
+            if !in_flight.is_empty() {
                 seen.released_in_flight += 1;
             }
             cache.release(&batch);
@@ -240,7 +294,9 @@ fn drive(order: Order, seed: u64) -> Exercised {
         // possibly in flight; a retry of CompleteStep may come at any time
         if next_id <= 80 && rand(2) == 0 {
             let prompt = 3 + rand(10) as usize;
-            c.submit(request(next_id, prompt, 2 + rand(8) as u32));
+            let mut r = request(next_id, prompt, 2 + rand(8) as u32);
+            r.stop_tokens = vec![STOP];
+            c.submit(r);
             next_id += 1;
         }
         let live = c.live_requests();
@@ -250,7 +306,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
         if rand(3) == 0 {
             complete(&mut c, &mut cache, &in_flight, &mut seen);
         }
-        if c.is_quiet() && in_flight.is_none() {
+        if c.is_quiet() && in_flight.is_empty() {
             if next_id > 80 {
                 break;
             }
@@ -271,7 +327,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
                       seen: &mut Exercised| {
             let contested = cache.contested;
             let outcomes: Vec<Outcome> = specs.iter().map(|s| cache.extend(s)).collect();
-            if in_flight.is_some() {
+            if !in_flight.is_empty() {
                 seen.extended_in_flight += specs.len();
                 seen.refused_in_flight += cache.contested - contested;
             }
@@ -281,7 +337,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
         // the extends `Plan` kept for the settle after the launch
         let mut planned: Option<Vec<ExtendSpec>> = None;
         // the loop's order, from the core: this driver only executes it
-        let mut plan = StepPlan::new(order, in_flight.is_some());
+        let mut plan = StepPlan::new(order, in_flight.len());
         while let Some(call) = plan.next_call() {
             match call {
                 Call::FlushReleases => flush(&mut c, &mut cache, &in_flight, &mut seen),
@@ -290,19 +346,38 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     let specs = c.plan_extends(false);
                     extend(&mut c, &mut cache, specs, &in_flight, &mut seen)
                 }
-                Call::Plan => planned = Some(c.plan_extends(true)),
+                // a pipelined step that only adds a second pass leaves its
+                // planned extends to the next settle
+                Call::Plan => planned
+                    .get_or_insert_with(Vec::new)
+                    .extend(c.plan_extends(true)),
                 Call::Launch => {
                     let batches = c.plan_forward();
-                    check_launch(&batches, &cache, &mut seen);
+                    let follows: Vec<Option<Step>> =
+                        batches.iter().map(|(g, _)| c.follows(*g)).collect();
+                    check_launch(&batches, &follows, &in_flight, &cache, &mut seen);
                     plan.launched(!batches.is_empty());
                     if !batches.is_empty() {
-                        in_flight = Some((step, batches));
+                        in_flight.push_back((step, batches));
                     }
                 }
                 Call::Collect => {
-                    if let Some((_, batches)) = in_flight.take() {
+                    if let Some((_, batches)) = in_flight.pop_front() {
+                        let later: HashSet<SeqId> = in_flight
+                            .iter()
+                            .flat_map(|(_, b)| b.iter().flat_map(|(_, i)| i))
+                            .map(|i| i.seq_id)
+                            .collect();
                         for (g, items) in batches {
-                            c.apply_forward(g, results(&items, 7, false));
+                            let mut answer = results(&items, 7, false);
+                            for r in &mut answer {
+                                if rand(8) == 0 {
+                                    r.next_token = STOP;
+                                    seen.stopped_in_flight +=
+                                        usize::from(later.contains(&r.seq_id));
+                                }
+                            }
+                            c.apply_forward(g, answer);
                         }
                         seen.finished += finishes(&c.drain_outputs()).len();
                     }
@@ -314,7 +389,10 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     flush(&mut c, &mut cache, &in_flight, &mut seen);
                     complete(&mut c, &mut cache, &in_flight, &mut seen);
                     if with_extends {
-                        let specs = planned.take().unwrap_or_else(|| c.plan_extends(false));
+                        let specs = match planned.take() {
+                            Some(planned) => c.settle_extends(planned),
+                            None => c.plan_extends(false),
+                        };
                         extend(&mut c, &mut cache, specs, &in_flight, &mut seen);
                     }
                 }
@@ -322,7 +400,10 @@ fn drive(order: Order, seed: u64) -> Exercised {
             }
         }
     }
-    assert!(c.is_quiet() && in_flight.is_none(), "the run did not drain");
+    assert!(
+        c.is_quiet() && in_flight.is_empty(),
+        "the run did not drain"
+    );
     assert_eq!(
         cache.free.len(),
         cache.total,
@@ -345,6 +426,8 @@ fn drive_seeds(order: Order) -> Exercised {
         total.extended_in_flight += seen.extended_in_flight;
         total.launched_ahead += seen.launched_ahead;
         total.refused_in_flight += seen.refused_in_flight;
+        total.fed += seen.fed;
+        total.stopped_in_flight += seen.stopped_in_flight;
     }
     total
 }
@@ -364,6 +447,22 @@ fn overlap_no_block_reaches_another_sequence_before_the_forward_that_could_read_
 }
 
 #[test]
+fn pipelined_no_block_reaches_another_sequence_before_every_forward_that_could_read_it_returned() {
+    let total = drive_seeds(Order::Pipelined);
+    assert!(
+        total.released_in_flight > 100
+            && total.grants > 1_000
+            && total.completes > 1_000
+            && total.extended_in_flight > 1_000
+            && total.launched_ahead > 1_000
+            && total.fed > 1_000
+            && total.stopped_in_flight > 100
+            && total.refused_in_flight > 100,
+        "the runs exercised too little: {total:?}"
+    );
+}
+
+#[test]
 fn plain_no_block_reaches_another_sequence_early_and_every_fenced_block_comes_back() {
     let total = drive_seeds(Order::Plain);
     assert_eq!(
@@ -372,6 +471,7 @@ fn plain_no_block_reaches_another_sequence_early_and_every_fenced_block_comes_ba
         "nothing is in flight at a release or an extend"
     );
     assert_eq!(total.launched_ahead, 0, "every decode waits for its extend");
+    assert_eq!(total.fed, 0, "nothing is fed without a pass in flight");
     assert!(
         total.grants > 1_000 && total.completes > 1_000 && total.finished > 1_000,
         "the runs exercised too little: {total:?}"
