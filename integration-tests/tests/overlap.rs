@@ -169,3 +169,74 @@ async fn a_block_released_at_step_n_waits_for_step_n_forward() {
     cache_tap.stop().await.unwrap();
     worker_tap.stop().await.unwrap();
 }
+
+/// Runs `requests` at once through a fresh cluster with `overlap` and
+/// returns each one's outcome, in order.
+async fn serve_all(overlap: bool, requests: &[pb::GenerateRequest]) -> Vec<Generated> {
+    let config = scheduler_svc::Config {
+        overlap,
+        max_context: 256,
+        max_tokens: 64,
+        max_seqs: 16,
+        max_tokens_per_step: 192,
+        prefill_chunk: 32,
+        ..scheduler_svc::Config::default()
+    };
+    let cluster = SmallCluster::start(config).await.unwrap();
+    let client = cluster.client().await.unwrap();
+    let tasks: Vec<_> = requests
+        .iter()
+        .cloned()
+        .map(|req| {
+            let mut c = client.clone();
+            tokio::spawn(async move { collect(&mut c, req).await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap().unwrap());
+    }
+    assert_cache_sound(cluster.cache.addr, GROUP, Duration::from_secs(10))
+        .await
+        .unwrap();
+    cluster.stop().await.unwrap();
+    out
+}
+
+/// Pipelined decode (overlap without speculation: pass N+1 sent before pass
+/// N's answer, its decodes fed the tokens N samples on the worker) gives
+/// every request the tokens the plain order gives, whether it runs to its
+/// length or stops on a token mid-pipeline (its next pass already sent),
+/// with prompts over several prefill chunks, and leaves every pool whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_decode_gives_the_plain_orders_tokens_and_leaves_the_pools_whole() {
+    let mut requests: Vec<pb::GenerateRequest> = (0..20u32)
+        .map(|i| pb::GenerateRequest {
+            tokens: (0..(5 + i * 7))
+                .map(|t| (t * 11 + i * 29) % 250 + 1)
+                .collect(),
+            max_tokens: 8 + i % 5 * 6,
+            cache_salt: format!("tenant-{}", i % 3),
+            ignore_eos: true,
+            ..Default::default()
+        })
+        .collect();
+    let plain = serve_all(false, &requests).await;
+    // half the requests stop on their fourth token instead
+    for (req, g) in requests.iter_mut().zip(&plain).step_by(2) {
+        assert!(g.tokens.len() >= 4, "{g:?}");
+        req.stop_tokens = vec![g.tokens[3]];
+    }
+    let stopping = serve_all(false, &requests).await;
+    let piped = serve_all(true, &requests).await;
+    for (i, (s, p)) in stopping.iter().zip(&piped).enumerate() {
+        assert_eq!(p.tokens, s.tokens, "request {i}");
+        assert_eq!(p.finish_reason(), s.finish_reason(), "request {i}");
+        let want = if i % 2 == 0 {
+            pb::FinishReason::Stop
+        } else {
+            pb::FinishReason::Length
+        };
+        assert_eq!(s.finish_reason(), want, "request {i}: {}", s.message);
+    }
+}

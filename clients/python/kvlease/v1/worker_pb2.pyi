@@ -90,7 +90,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ForwardSequence(_message.Message):
-    __slots__ = ("seq_id", "tokens", "start_pos", "tables", "return_all_argmax", "sampling", "copies", "trace")
+    __slots__ = ("seq_id", "tokens", "start_pos", "tables", "return_all_argmax", "sampling", "copies", "trace", "feed_previous")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class ForwardSequence(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    FEED_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
@@ -107,7 +108,8 @@ class ForwardSequence(_message.Message):
     sampling: SamplingParams
     copies: _containers.RepeatedCompositeFieldContainer[_cache_pb2.BlockCopy]
     trace: SequenceTrace
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[_cache_pb2.BlockTable, _Mapping]]] = ..., return_all_argmax: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[_cache_pb2.BlockCopy, _Mapping]]] = ..., trace: _Optional[_Union[SequenceTrace, _Mapping]] = ...) -> None: ...
+    feed_previous: bool
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[_cache_pb2.BlockTable, _Mapping]]] = ..., return_all_argmax: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[_cache_pb2.BlockCopy, _Mapping]]] = ..., trace: _Optional[_Union[SequenceTrace, _Mapping]] = ..., feed_previous: _Optional[bool] = ...) -> None: ...
 
 class SequenceTrace(_message.Message):
     __slots__ = ("traceparent", "reused_tokens", "onboarded_blocks", "replica")
@@ -122,14 +124,16 @@ class SequenceTrace(_message.Message):
     def __init__(self, traceparent: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., onboarded_blocks: _Optional[int] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("step", "sequences", "tier_copies")
+    __slots__ = ("step", "sequences", "tier_copies", "after_step")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TIER_COPIES_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     sequences: _containers.RepeatedCompositeFieldContainer[ForwardSequence]
     tier_copies: _containers.RepeatedCompositeFieldContainer[_cache_pb2.TierCopy]
-    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ForwardSequence, _Mapping]]] = ..., tier_copies: _Optional[_Iterable[_Union[_cache_pb2.TierCopy, _Mapping]]] = ...) -> None: ...
+    after_step: int
+    def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ForwardSequence, _Mapping]]] = ..., tier_copies: _Optional[_Iterable[_Union[_cache_pb2.TierCopy, _Mapping]]] = ..., after_step: _Optional[int] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
     __slots__ = ("seq_id", "next_token", "argmax")
