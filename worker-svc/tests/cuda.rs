@@ -348,6 +348,7 @@ fn prefill_rows_are_bit_identical_to_decoding_them_one_by_one() {
             max_context: 512,
             tokens_per_block: 16,
             tied_embeddings: false,
+            arch: Default::default(),
         };
         let weights = match Weights::seeded(config, 21) {
             Ok(w) => w,
@@ -415,6 +416,7 @@ fn decode_from_graphs_is_bit_identical_to_eager_decode() {
         max_context: 512,
         tokens_per_block: 16,
         tied_embeddings: false,
+        arch: Default::default(),
     };
     let weights = match Weights::seeded(config, 23) {
         Ok(w) => w,
