@@ -301,6 +301,14 @@ pub fn geglu_tanh(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `cap * tanh(v / cap)` over `values` (Gemma 2's soft-capping of
+/// attention scores and logits).
+pub fn soft_cap(values: &mut [f32], cap: f32) {
+    for v in values {
+        *v = (*v / cap).tanh() * cap;
+    }
+}
+
 /// Softmax in place; entries equal to `-inf` get probability 0.
 pub fn softmax(row: &mut [f32]) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);

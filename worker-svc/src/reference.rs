@@ -5,9 +5,8 @@
 //! [`relative_error`] are the yardsticks they measure with (a NaN
 //! anywhere gives NaN, which fails every tolerance).
 
-use crate::model::soft_cap;
 use crate::model::weights::Weights;
-use crate::ops::{Rope, rms_norm, softmax, window_start};
+use crate::ops::{Rope, rms_norm, soft_cap, softmax, window_start};
 
 /// The K/V of one sequence, every layer, every position so far.
 #[derive(Debug, Clone, Default)]

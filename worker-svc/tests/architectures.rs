@@ -86,16 +86,12 @@ fn check_fixture(name: &str) {
         "{name}: teacher-forced top-1"
     );
 
-    let err = arch::paged_vs_dense(&mut worker, &loaded.weights, &reference.prompts[0]);
-    println!("  paged vs dense {err:.2e}");
-    assert!(err <= CPU_TOLERANCE, "{name}: paged vs dense {err}");
-    let (recomputed, reused) = arch::reused_prefix(&mut worker, &reference.prompts[2]);
-    assert!(
-        recomputed
-            .iter()
-            .zip(&reused)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "{name}: a reused prefix gives other logits than recomputing it"
+    arch::check_paged_and_reuse(
+        &mut worker,
+        &loaded.weights,
+        &reference,
+        name,
+        CPU_TOLERANCE,
     );
 }
 

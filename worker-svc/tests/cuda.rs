@@ -18,10 +18,15 @@
 //! greedy tokens of every prompt identical.
 //! The host tier in pinned memory: a demoted prefix onboarded back gives
 //! logits bit-identical to recomputing it (the scenarios of `host_tier.rs`).
+//! Every architecture fixture of `tests/data/arch/` (`arch/mod.rs`) against
+//! transformers: teacher-forced top-1 agreement >= 99% of positions, logits
+//! within the tiny-model tolerance, paged == dense, a reused prefix
+//! bit-identical to recomputing it.
 //! Without a usable GPU every test prints why and returns;
 //! `KVLEASE_REQUIRE_GPU=1` turns that into a failure.
 #![cfg(feature = "cuda")]
 
+mod arch;
 mod common;
 mod model_files;
 mod tiers;
@@ -771,4 +776,76 @@ fn smollm2_on_the_gpu_agrees_with_transformers() {
             "{name}: only {matched} leading greedy tokens match"
         );
     }
+}
+
+// === the architecture fixtures ===
+
+/// One fixture on the GPU: see the file's doc.
+fn architecture_on_the_gpu(name: &str) {
+    if !gpu_available(name) {
+        return;
+    }
+    let loaded = arch::load(name);
+    let reference = arch::reference(name);
+    let mut worker = gpu_worker(&loaded.weights);
+    println!(
+        "{name} on {} (bf16 weights and products, {DTYPE:?} arena) vs transformers {}:",
+        worker.info().device,
+        reference.transformers
+    );
+    let report = arch::compare(&mut worker, &reference);
+    assert!(
+        report.top1_rate() >= 0.99,
+        "{name}: teacher-forced top-1 agreement {:.2}% < 99%",
+        100.0 * report.top1_rate()
+    );
+    assert!(
+        report.max_rel_err <= TINY_MODEL_TOLERANCE,
+        "{name}: logits {:.2e} from transformers'",
+        report.max_rel_err
+    );
+    arch::check_paged_and_reuse(
+        &mut worker,
+        &loaded.weights,
+        &reference,
+        name,
+        TINY_MODEL_TOLERANCE,
+    );
+}
+
+#[test]
+fn llama3_fixture_on_the_gpu_agrees_with_transformers() {
+    architecture_on_the_gpu("llama3");
+}
+
+#[test]
+fn qwen2_fixture_on_the_gpu_agrees_with_transformers() {
+    architecture_on_the_gpu("qwen2");
+}
+
+#[test]
+fn qwen3_fixture_on_the_gpu_agrees_with_transformers() {
+    architecture_on_the_gpu("qwen3");
+}
+
+#[test]
+fn mistral_fixture_on_the_gpu_agrees_with_transformers() {
+    architecture_on_the_gpu("mistral");
+}
+
+#[test]
+fn gemma3_fixture_on_the_gpu_agrees_with_transformers() {
+    architecture_on_the_gpu("gemma3");
+}
+
+#[test]
+fn phi3_fixture_on_the_gpu_agrees_with_transformers() {
+    architecture_on_the_gpu("phi3");
+}
+
+#[test]
+fn gemma2_fixture_on_the_gpu_agrees_with_transformers() {
+    // Soft-capped scores: the general attention kernel, never the
+    // tensor-core one.
+    architecture_on_the_gpu("gemma2");
 }

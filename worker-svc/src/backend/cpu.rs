@@ -305,7 +305,7 @@ impl CpuState {
         if let Some(cap) = arch.final_softcap {
             logits
                 .par_chunks_mut(vocab)
-                .for_each(|row| crate::model::soft_cap(row, cap));
+                .for_each(|row| ops::soft_cap(row, cap));
         }
         BatchLogits {
             vocab,
@@ -554,7 +554,7 @@ impl AttnCtx<'_> {
                     continue;
                 }
                 if let Some(cap) = softcap {
-                    crate::model::soft_cap(&mut row[first - tile0..=last - tile0], cap);
+                    ops::soft_cap(&mut row[first - tile0..=last - tile0], cap);
                 }
                 row[..first - tile0].fill(f32::NEG_INFINITY);
                 row[last + 1 - tile0..].fill(f32::NEG_INFINITY);

@@ -155,13 +155,6 @@ impl Default for Arch {
     }
 }
 
-/// `cap * tanh(v / cap)` over `values` (Gemma 2's soft-capping).
-pub fn soft_cap(values: &mut [f32], cap: f32) {
-    for v in values {
-        *v = (*v / cap).tanh() * cap;
-    }
-}
-
 /// How RoPE frequencies are rescaled to stretch the context a model was
 /// trained on.
 #[derive(Debug, Clone, PartialEq)]

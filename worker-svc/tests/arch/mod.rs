@@ -181,3 +181,26 @@ pub fn reused_prefix(worker: &mut Worker, prompt: &Prompt) -> (Vec<f32>, Vec<f32
         .unwrap_or_else(|e| panic!("reuse: {e}"));
     (recomputed, out.logits(1).to_vec())
 }
+
+/// Paged == dense within `tolerance` on the first prompt, and a reused
+/// prefix bit-identical to recomputing it on the third; panics naming
+/// `name` otherwise.
+pub fn check_paged_and_reuse(
+    worker: &mut Worker,
+    weights: &Weights,
+    reference: &Reference,
+    name: &str,
+    tolerance: f32,
+) {
+    let err = paged_vs_dense(worker, weights, &reference.prompts[0]);
+    println!("  paged vs dense {err:.2e}");
+    assert!(err <= tolerance, "{name}: paged vs dense {err}");
+    let (recomputed, reused) = reused_prefix(worker, &reference.prompts[2]);
+    assert!(
+        recomputed
+            .iter()
+            .zip(&reused)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{name}: a reused prefix gives other logits than recomputing it"
+    );
+}

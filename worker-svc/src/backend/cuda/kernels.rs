@@ -80,6 +80,9 @@ pub(super) struct Kernels {
     pub(super) rms_norm: CudaFunction,
     pub(super) rope_write_kv: CudaFunction,
     pub(super) swiglu: CudaFunction,
+    pub(super) qkv_prep: CudaFunction,
+    pub(super) rms_norm_add: CudaFunction,
+    pub(super) soft_cap: CudaFunction,
     pub(super) copy_kv_slots: CudaFunction,
     pub(super) paged_attention: CudaFunction,
     pub(super) paged_attention_mma: Option<MmaAttention>,
@@ -103,6 +106,10 @@ pub(super) struct KernelShape {
     pub(super) kv_heads: usize,
     pub(super) tokens_per_block: usize,
     pub(super) kv_dtype: KvDtype,
+    /// Gemma 2's `cap * tanh(score / cap)` on the attention scores: only
+    /// the general kernel applies it, so a capped model never takes the
+    /// tensor-core one.
+    pub(super) attn_softcap: Option<f32>,
 }
 
 impl Kernels {
@@ -146,6 +153,7 @@ impl Kernels {
         let merge_bytes = warps * 8 * frags * (shape.head_dim + 4) * 4;
         let mma_smem = pipeline_bytes.max(merge_bytes);
         let use_mma = tuning.tensor_cores
+            && shape.attn_softcap.is_none()
             && major >= 8
             && matches!(shape.head_dim, 64 | 128)
             && shape.group <= 8
@@ -158,8 +166,13 @@ impl Kernels {
         } else {
             String::new()
         };
+        let softcap = match shape.attn_softcap {
+            // `{:?}` always writes a decimal point, so `f` makes a float literal.
+            Some(cap) => format!("#define ATTN_SOFTCAP {cap:?}f\n"),
+            None => String::new(),
+        };
         let src = format!(
-            "#define HEAD_DIM {}\n#define GROUP {}\n#define KV_HEADS {}\n#define TOKENS_PER_BLOCK {}\n#define {dtype} 1\n{mma_defines}{KERNELS}",
+            "#define HEAD_DIM {}\n#define GROUP {}\n#define KV_HEADS {}\n#define TOKENS_PER_BLOCK {}\n#define {dtype} 1\n{mma_defines}{softcap}{KERNELS}",
             shape.head_dim, shape.group, shape.kv_heads, shape.tokens_per_block
         );
         let arch = match (major, minor) {
@@ -212,6 +225,9 @@ impl Kernels {
             rms_norm: f("rms_norm")?,
             rope_write_kv: f("rope_write_kv")?,
             swiglu: f("swiglu")?,
+            qkv_prep: f("qkv_prep")?,
+            rms_norm_add: f("rms_norm_add")?,
+            soft_cap: f("soft_cap")?,
             copy_kv_slots: f("copy_kv_slots")?,
             paged_attention: f("paged_attention")?,
             paged_attention_mma,
