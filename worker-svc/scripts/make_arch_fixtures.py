@@ -19,16 +19,25 @@ real pre-tokenizer and chat template, whose 1024-row embedding keeps each
 checkpoint near 300 KB (the full vocabulary would make each one 150k x
 hidden).
 
-Usage (torch, transformers, safetensors, gguf from PyPI):
-    pip download llama-cpp-python --no-deps --no-binary :all:   # or any copy of the file
+The Qwen2 and Qwen3 checkpoints are also converted to GGUF (bf16, as
+`gguf/<name>-bf16.gguf`) with llama.cpp's own `convert_hf_to_gguf.py` from
+the same source distribution; its check of the tokenizer's hash does not
+know the cut vocabulary, so the pre-tokenizer is named for it: "qwen2", the
+one this tokenizer uses.
+
+Usage (torch, transformers, safetensors, gguf, sentencepiece from PyPI):
+    pip download llama-cpp-python --no-deps --no-binary :all:   # unpack it
     python3 worker-svc/scripts/make_arch_fixtures.py \
-        --vocab-gguf .../vendor/llama.cpp/models/ggml-vocab-qwen2.gguf
+        --vocab-gguf .../vendor/llama.cpp/models/ggml-vocab-qwen2.gguf \
+        --llama-cpp .../vendor/llama.cpp
 """
 
 import argparse
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import gguf
 import torch
@@ -43,6 +52,17 @@ VOCAB = REGULAR + len(SPECIALS)
 EOS = REGULAR + 2
 PAD = REGULAR
 NEW_TOKENS = 32
+# Converted to GGUF too: the GGUF architectures kvlease reads besides llama.
+GGUF_ARCHS = ["qwen2", "qwen3"]
+CONVERT = """
+import os, runpy, sys
+llama_cpp = sys.argv[1]
+sys.path[:0] = [llama_cpp, os.path.join(llama_cpp, "gguf-py")]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[2:]
+runpy.run_path(os.path.join(llama_cpp, "convert_hf_to_gguf.py"), run_name="__main__")
+"""
 TOP_K = 8
 
 PROMPTS = [
@@ -229,6 +249,15 @@ def fmt(values):
     return [float(f"{v:.7g}") for v in values]
 
 
+def convert(name, llama_cpp):
+    out = os.path.join(OUT, "gguf")
+    os.makedirs(out, exist_ok=True)
+    target = os.path.join(out, f"{name}-bf16.gguf")
+    subprocess.run([sys.executable, "-c", CONVERT, llama_cpp, os.path.join(OUT, name),
+                    "--outfile", target, "--outtype", "bf16"], check=True)
+    print(f"{name}: {target}, {os.path.getsize(target)} bytes")
+
+
 def build(name, config_class, extra, vocab_gguf):
     out = os.path.join(OUT, name)
     shutil.rmtree(out, ignore_errors=True)
@@ -299,6 +328,7 @@ def build(name, config_class, extra, vocab_gguf):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab-gguf", required=True, help="llama.cpp's ggml-vocab-qwen2.gguf")
+    parser.add_argument("--llama-cpp", help="llama.cpp's source tree, for convert_hf_to_gguf.py")
     parser.add_argument("--only", nargs="*", help="architectures to build (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -306,6 +336,8 @@ def main():
         if args.only and name not in args.only:
             continue
         build(name, config_class, extra, args.vocab_gguf)
+        if args.llama_cpp and name in GGUF_ARCHS:
+            convert(name, args.llama_cpp)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ mod model_files;
 
 use kvlease_tokenizer::Message;
 use worker_svc::batch::Limits;
-use worker_svc::model::load::{self, ServingShape};
+use worker_svc::model::load::{self, LoadedModel, ServingShape};
 use worker_svc::model::{Activation, Family};
 use worker_svc::worker::{Worker, WorkerOptions};
 
@@ -36,8 +36,11 @@ fn cpu_worker(weights: &worker_svc::model::weights::Weights) -> Worker {
 }
 
 fn check_fixture(name: &str) {
+    check_loaded(name, &arch::load(name));
+}
+
+fn check_loaded(name: &str, loaded: &LoadedModel) {
     let reference = arch::reference(name);
-    let loaded = arch::load(name);
     let config = &loaded.weights.config;
     println!(
         "{name}: {} ({:?}, windows {:?}) vs transformers {}",
@@ -160,6 +163,22 @@ fn phi3_matches_transformers() {
     let factor = (1.0 + 4f64.ln() / 256f64.ln()).sqrt();
     assert_eq!(c.attn_scale(), (factor * factor / 4.0) as f32);
     check_fixture("phi3");
+}
+
+/// llama.cpp's converter's GGUF of the qwen2 and qwen3 fixtures (bf16,
+/// the same weights): the same tokens and logits as transformers.
+#[test]
+fn qwen2_and_qwen3_gguf_files_from_llama_cpps_converter_match_transformers() {
+    for name in ["qwen2", "qwen3"] {
+        let gguf = arch::load_gguf(name);
+        let hf = arch::load(name);
+        assert_eq!(gguf.weights.layers, hf.weights.layers, "{name}: layers");
+        assert_eq!(
+            gguf.weights.config.arch, hf.weights.config.arch,
+            "{name}: arch"
+        );
+        check_loaded(name, &gguf);
+    }
 }
 
 // === what is refused ===

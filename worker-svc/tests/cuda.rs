@@ -785,7 +785,11 @@ fn architecture_on_the_gpu(name: &str) {
     if !gpu_available(name) {
         return;
     }
-    let loaded = arch::load(name);
+    gpu_agrees_with_transformers(name, &arch::load(name));
+}
+
+/// `loaded` (fixture `name`, from its directory or a GGUF file) on the GPU.
+fn gpu_agrees_with_transformers(name: &str, loaded: &worker_svc::model::load::LoadedModel) {
     let reference = arch::reference(name);
     let mut worker = gpu_worker(&loaded.weights);
     println!(
@@ -841,6 +845,16 @@ fn gemma3_fixture_on_the_gpu_agrees_with_transformers() {
 #[test]
 fn phi3_fixture_on_the_gpu_agrees_with_transformers() {
     architecture_on_the_gpu("phi3");
+}
+
+#[test]
+fn qwen2_and_qwen3_gguf_fixtures_on_the_gpu_agree_with_transformers() {
+    if !gpu_available("qwen gguf") {
+        return;
+    }
+    for name in ["qwen2", "qwen3"] {
+        gpu_agrees_with_transformers(name, &arch::load_gguf(name));
+    }
 }
 
 #[test]

@@ -54,11 +54,21 @@ pub fn reference(name: &str) -> Reference {
 }
 
 pub fn load(name: &str) -> LoadedModel {
+    open(&dir(name))
+}
+
+/// The GGUF file llama.cpp's `convert_hf_to_gguf.py` made of fixture
+/// `name` (bf16, so the same weights): `tests/data/arch/gguf/`.
+pub fn load_gguf(name: &str) -> LoadedModel {
+    open(&dir("gguf").join(format!("{name}-bf16.gguf")))
+}
+
+fn open(path: &Path) -> LoadedModel {
     let serving = ServingShape {
         max_context: 256,
         tokens_per_block: TOKENS_PER_BLOCK,
     };
-    load::open(&dir(name), serving).unwrap_or_else(|e| panic!("{name}: {e}"))
+    load::open(path, serving).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// Runs every prompt of `reference` on `worker`.
