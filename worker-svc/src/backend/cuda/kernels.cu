@@ -72,6 +72,24 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// 1 / rms(row) over h values, for every thread of the block (at most 1024
+// threads, a whole number of warps).
+__device__ __forceinline__ float rms_scale(const float* row, int h, float eps) {
+    __shared__ float partial[32];
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) s += row[i] * row[i];
+    s = warp_sum(s);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.0f;
+        v = warp_sum(v);
+        if (threadIdx.x == 0) partial[0] = v;
+    }
+    __syncthreads();
+    return rsqrtf(partial[0] / (float)h + eps);
+}
+
 // x[r] = table[tokens[r]] * scale (Gemma scales by sqrt(hidden), others
 // by 1); one block per row.
 extern "C" __global__ void embed(const float* __restrict__ table,
@@ -126,24 +144,6 @@ extern "C" __global__ void rms_norm_add(float* __restrict__ x, const float* __re
 extern "C" __global__ void soft_cap(float* __restrict__ v, long long n, float cap) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) v[i] = tanhf(v[i] / cap) * cap;
-}
-
-// 1 / rms(row) over h values, for every thread of the block (at most 1024
-// threads, a whole number of warps).
-__device__ __forceinline__ float rms_scale(const float* row, int h, float eps) {
-    __shared__ float partial[32];
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) s += row[i] * row[i];
-    s = warp_sum(s);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.0f;
-        v = warp_sum(v);
-        if (threadIdx.x == 0) partial[0] = v;
-    }
-    __syncthreads();
-    return rsqrtf(partial[0] / (float)h + eps);
 }
 
 // out[r] = x[src] / rms(x[src]) * w, src = rows[r] when use_rows else r,

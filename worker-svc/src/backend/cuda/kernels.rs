@@ -122,10 +122,6 @@ impl Kernels {
         shape: KernelShape,
         tuning: AttentionTuning,
     ) -> Result<Self> {
-        let dtype = match shape.kv_dtype {
-            KvDtype::F16 => "KV_F16",
-            KvDtype::Bf16 => "KV_BF16",
-        };
         let (major, minor) = ctx
             .compute_capability()
             .map_err(cuda_err("compute capability"))?;
@@ -166,15 +162,7 @@ impl Kernels {
         } else {
             String::new()
         };
-        let softcap = match shape.attn_softcap {
-            // `{:?}` always writes a decimal point, so `f` makes a float literal.
-            Some(cap) => format!("#define ATTN_SOFTCAP {cap:?}f\n"),
-            None => String::new(),
-        };
-        let src = format!(
-            "#define HEAD_DIM {}\n#define GROUP {}\n#define KV_HEADS {}\n#define TOKENS_PER_BLOCK {}\n#define {dtype} 1\n{mma_defines}{softcap}{KERNELS}",
-            shape.head_dim, shape.group, shape.kv_heads, shape.tokens_per_block
-        );
+        let src = source(&shape, &mma_defines);
         let arch = match (major, minor) {
             (9, 0) => Some("compute_90"),
             (8, 0) => Some("compute_80"),
@@ -240,6 +228,24 @@ impl Kernels {
             fill_random: f("fill_random")?,
         })
     }
+}
+
+/// `kernels.cu` for `shape`, after the `#define`s it is compiled with
+/// (`mma_defines`: the tensor-core kernel's, or empty).
+fn source(shape: &KernelShape, mma_defines: &str) -> String {
+    let dtype = match shape.kv_dtype {
+        KvDtype::F16 => "KV_F16",
+        KvDtype::Bf16 => "KV_BF16",
+    };
+    let softcap = match shape.attn_softcap {
+        // `{:?}` always writes a decimal point, so `f` makes a float literal.
+        Some(cap) => format!("#define ATTN_SOFTCAP {cap:?}f\n"),
+        None => String::new(),
+    };
+    format!(
+        "#define HEAD_DIM {}\n#define GROUP {}\n#define KV_HEADS {}\n#define TOKENS_PER_BLOCK {}\n#define {dtype} 1\n{mma_defines}{softcap}{KERNELS}",
+        shape.head_dim, shape.group, shape.kv_heads, shape.tokens_per_block
+    )
 }
 
 /// How one attention launch splits its keys: each row's keys, from its own
@@ -324,4 +330,52 @@ pub(super) fn group_launches(group_first: &[i32], rows_per_launch: usize) -> Vec
         g0 = g1;
     }
     launches
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC alone, no device: the source compiles for the variants the
+    /// models take (head widths 16 to 256, a soft-capped general kernel,
+    /// the tensor-core kernel, both arena types). Without libnvrtc the test
+    /// says so and returns; under `KVLEASE_REQUIRE_GPU=1` that is a failure.
+    #[test]
+    fn the_kernel_source_compiles_for_every_variant() {
+        // SAFETY: only tries to dlopen the library; no symbol is used.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            assert!(
+                std::env::var("KVLEASE_REQUIRE_GPU").map_or(true, |v| v != "1"),
+                "libnvrtc is not present but KVLEASE_REQUIRE_GPU=1"
+            );
+            eprintln!("skipped: libnvrtc is not present");
+            return;
+        }
+        let shape = |head_dim, group, kv_dtype, attn_softcap| KernelShape {
+            head_dim,
+            group,
+            kv_heads: 2,
+            tokens_per_block: 16,
+            kv_dtype,
+            attn_softcap,
+        };
+        let mma =
+            "#define ATTN_MMA 1\n#define MMA_WARPS 4\n#define MMA_STAGES 3\n#define MMA_FRAGS 2\n";
+        let variants = [
+            (shape(16, 2, KvDtype::Bf16, Some(4.0)), ""),
+            (shape(32, 2, KvDtype::F16, None), ""),
+            (shape(256, 8, KvDtype::Bf16, Some(50.0)), ""),
+            (shape(64, 4, KvDtype::Bf16, None), mma),
+            (shape(128, 2, KvDtype::F16, None), mma),
+        ];
+        for (shape, defines) in variants {
+            let options = CompileOptions {
+                arch: Some("compute_90"),
+                ..Default::default()
+            };
+            if let Err(e) = cudarc::nvrtc::compile_ptx_with_opts(source(&shape, defines), options) {
+                panic!("{shape:?} {defines:?}: {e}");
+            }
+        }
+    }
 }
