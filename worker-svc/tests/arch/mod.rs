@@ -32,10 +32,24 @@ pub const NAMES: [&str; 7] = [
 /// windows of the Mistral and Gemma fixtures slide blocks out.
 pub const TOKENS_PER_BLOCK: u32 = 4;
 
+/// Fixture `name`'s directory: `$KVLEASE_ARCH_FIXTURES/<name>` when set,
+/// else under this crate's source (where the test was built), else under
+/// `worker-svc/tests/data/arch` of the working directory: a test binary
+/// carried to a GPU machine runs from the repository root there
+/// (`scripts/gpu_bench.sh run`).
 pub fn dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/arch")
-        .join(name)
+    let root = match std::env::var_os("KVLEASE_ARCH_FIXTURES") {
+        Some(root) => PathBuf::from(root),
+        None => {
+            let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/arch");
+            if built.is_dir() {
+                built
+            } else {
+                PathBuf::from("worker-svc/tests/data/arch")
+            }
+        }
+    };
+    root.join(name)
 }
 
 #[derive(Debug, Deserialize)]
