@@ -417,6 +417,14 @@ mod tests {
             "{err}"
         );
 
+        let mut moe = metadata();
+        moe.push(("llama.expert_count", Value::U64(8)));
+        let err = open_error("moe", &file_of(&moe, &tensors(&weights)));
+        assert!(
+            err.contains("mixture-of-experts models are not supported (llama.expert_count is 8)"),
+            "{err}"
+        );
+
         let mut shape = tensors(&weights);
         if let Some(k) = shape.iter_mut().find(|t| t.0 == "blk.1.attn_k.weight") {
             // Same bytes, rows and columns swapped.
