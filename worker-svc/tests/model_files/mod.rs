@@ -330,6 +330,9 @@ pub struct Report {
     pub max_rel_err: f32,
     /// Teacher-forced positions where our argmax is the reference's.
     pub top1_agree: usize,
+    /// Teacher-forced positions where our argmax is the reference's or a
+    /// near-tie of it (the architecture fixtures, `arch::NEAR_TIE`).
+    pub top1_near: usize,
     /// Teacher-forced positions compared.
     pub positions: usize,
     /// Per prompt: how many leading greedy tokens match the reference.
