@@ -251,3 +251,69 @@ async fn up_with_smollm2_names_the_least_budget_sizes_its_own_and_says_paris() -
     cluster.shutdown().await;
     Ok(())
 }
+
+/// `kvlease up --model DIR` on two of the worker's architecture fixtures
+/// (`worker-svc/tests/data/arch/`): the scheduler renders the chat with the
+/// model's own template and the tokens it streams are the greedy tokens
+/// transformers computed for that chat (`reference.json`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_serves_the_qwen2_and_gemma3_fixtures_with_their_chat_template() -> TestResult {
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../worker-svc/tests/data/arch");
+    for name in ["qwen2", "gemma3"] {
+        let dir = fixtures.join(name);
+        let reference: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+        let chat = reference["prompts"]
+            .as_array()
+            .and_then(|p| p.iter().find(|p| p["name"] == "chat"))
+            .ok_or("no chat prompt in the fixture")?;
+        let messages = chat["messages"]
+            .as_array()
+            .ok_or("no messages")?
+            .iter()
+            .map(|m| kvlease_proto::v1::ChatMessage {
+                role: m["role"].as_str().unwrap_or_default().into(),
+                content: m["content"].as_str().unwrap_or_default().into(),
+            })
+            .collect();
+        let want: Vec<u32> = chat["greedy"]
+            .as_array()
+            .ok_or("no greedy tokens")?
+            .iter()
+            .take(8)
+            .map(|t| t.as_u64().unwrap_or(u64::MAX) as u32)
+            .collect();
+
+        let mut config = ClusterConfig::on_ports(IpAddr::V4(Ipv4Addr::LOCALHOST), 0, 1);
+        config.worker.threads = 2;
+        config.scheduler.max_context = 256;
+        config.scheduler.max_tokens = 64;
+        config.ready_within = Duration::from_secs(120);
+        config.serve_model(dir, None)?;
+        let cluster = Cluster::start(config).await?;
+        let mut client = connect::scheduler(&cluster.scheduler.to_string()).await?;
+        let mut stream = client
+            .generate(kvlease_proto::v1::GenerateRequest {
+                messages,
+                max_tokens: 8,
+                ignore_eos: true,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        let (mut tokens, mut prompt_tokens) = (Vec::new(), 0);
+        while let Some(message) = stream.message().await? {
+            tokens.extend(message.tokens);
+            prompt_tokens = prompt_tokens.max(message.prompt_tokens);
+        }
+        println!("{name}: {prompt_tokens} prompt tokens, streamed {tokens:?}");
+        let prompt_ids = chat["ids"].as_array().map_or(0, Vec::len);
+        assert_eq!(
+            prompt_tokens as usize, prompt_ids,
+            "{name}: the rendered chat's length"
+        );
+        assert_eq!(tokens, want, "{name}: greedy tokens through the scheduler");
+        cluster.shutdown().await;
+    }
+    Ok(())
+}

@@ -209,6 +209,7 @@ fn bench_model(name: &str) -> Option<ModelConfig> {
         max_context: 4096,
         tokens_per_block: 16,
         tied_embeddings: false,
+        arch: Default::default(),
     };
     match name {
         "bench-1b" => Some(base),

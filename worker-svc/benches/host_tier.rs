@@ -38,6 +38,7 @@ fn main() {
         max_context: 8192,
         tokens_per_block: 16,
         tied_embeddings: false,
+        arch: Default::default(),
     };
     let models = [
         shape("smollm2-135m", 30, 576, 9, 3, 1536, 49152),

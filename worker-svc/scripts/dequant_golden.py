@@ -46,6 +46,12 @@ CASES = {
     "q8_0": (T.Q8_0, blocks(2, lambda: f16([scale()]) + raw(32))),
     "q4_k": (T.Q4_K, blocks(2, lambda: f16([scale(), scale()]) + raw(12) + raw(128))),
     "q6_k": (T.Q6_K, blocks(2, lambda: raw(128) + raw(64) + raw(16) + f16([scale()]))),
+    # Added with issue 24, after the others so that their draws stay the same.
+    "q5_0": (T.Q5_0, blocks(2, lambda: f16([scale()]) + raw(4) + raw(16))),
+    "q5_1": (T.Q5_1, blocks(2, lambda: f16([scale(), scale()]) + raw(4) + raw(16))),
+    "q2_k": (T.Q2_K, blocks(2, lambda: raw(16) + raw(64) + f16([scale(), scale()]))),
+    "q3_k": (T.Q3_K, blocks(2, lambda: raw(32) + raw(64) + raw(12) + f16([scale()]))),
+    "q5_k": (T.Q5_K, blocks(2, lambda: f16([scale(), scale()]) + raw(12) + raw(32) + raw(128))),
 }
 
 out = {}

@@ -313,6 +313,7 @@ impl Config {
             max_context: self.max_context,
             tokens_per_block: self.tokens_per_block,
             tied_embeddings: !self.untied_lm_head,
+            arch: Default::default(),
         };
         config.validate()?;
         Ok(config)

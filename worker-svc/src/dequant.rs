@@ -19,10 +19,22 @@ pub enum GgmlType {
     Q4_0,
     /// 3: 32 4-bit values, f16 scale and f16 minimum.
     Q4_1,
+    /// 6: 32 5-bit values (4 low bits packed, the fifth in a 32-bit mask),
+    /// one f16 scale, offset −16.
+    Q5_0,
+    /// 7: 32 5-bit values, f16 scale and f16 minimum.
+    Q5_1,
     /// 8: 32 signed bytes, one f16 scale.
     Q8_0,
+    /// 10: 256 2-bit values in 16 sub-blocks with 4-bit scales and minimums.
+    Q2K,
+    /// 11: 256 3-bit values (2 low bits, the third in a mask) in 16
+    /// sub-blocks with 6-bit signed scales.
+    Q3K,
     /// 12: 256 4-bit values in 8 sub-blocks with 6-bit scales and minimums.
     Q4K,
+    /// 13: 256 5-bit values in 8 sub-blocks with 6-bit scales and minimums.
+    Q5K,
     /// 14: 256 6-bit values in 16 sub-blocks with 8-bit scales.
     Q6K,
     /// 30: bfloat16.
@@ -40,8 +52,13 @@ impl GgmlType {
             1 => GgmlType::F16,
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
+            7 => GgmlType::Q5_1,
             8 => GgmlType::Q8_0,
+            10 => GgmlType::Q2K,
+            11 => GgmlType::Q3K,
             12 => GgmlType::Q4K,
+            13 => GgmlType::Q5K,
             14 => GgmlType::Q6K,
             30 => GgmlType::Bf16,
             _ => return None,
@@ -52,8 +69,10 @@ impl GgmlType {
     pub fn block_elems(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => QK,
-            GgmlType::Q4K | GgmlType::Q6K => QK_K,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
+                QK
+            }
+            GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
         }
     }
 
@@ -64,8 +83,13 @@ impl GgmlType {
             GgmlType::F16 | GgmlType::Bf16 => 2,
             GgmlType::Q4_0 => 2 + QK / 2,
             GgmlType::Q4_1 => 4 + QK / 2,
+            GgmlType::Q5_0 => 2 + 4 + QK / 2,
+            GgmlType::Q5_1 => 4 + 4 + QK / 2,
             GgmlType::Q8_0 => 2 + QK,
+            GgmlType::Q2K => QK_K / 16 + QK_K / 4 + 4,
+            GgmlType::Q3K => QK_K / 8 + QK_K / 4 + 12 + 2,
             GgmlType::Q4K => 4 + 12 + QK_K / 2,
+            GgmlType::Q5K => 4 + 12 + QK_K / 8 + QK_K / 2,
             GgmlType::Q6K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
         }
     }
@@ -96,8 +120,13 @@ impl GgmlType {
                 GgmlType::Bf16 => out.push(bf16::from_le_bytes([block[0], block[1]]).to_f32()),
                 GgmlType::Q4_0 => q4_0(block, &mut out),
                 GgmlType::Q4_1 => q4_1(block, &mut out),
+                GgmlType::Q5_0 => q5_0(block, &mut out),
+                GgmlType::Q5_1 => q5_1(block, &mut out),
                 GgmlType::Q8_0 => q8_0(block, &mut out),
+                GgmlType::Q2K => q2_k(block, &mut out),
+                GgmlType::Q3K => q3_k(block, &mut out),
                 GgmlType::Q4K => q4_k(block, &mut out),
+                GgmlType::Q5K => q5_k(block, &mut out),
                 GgmlType::Q6K => q6_k(block, &mut out),
             }
         }
@@ -124,6 +153,29 @@ fn q4_1(block: &[u8], out: &mut Vec<f32>) {
     let qs = &block[4..];
     out.extend(qs.iter().map(|q| f32::from(q & 0xF) * d + m));
     out.extend(qs.iter().map(|q| f32::from(q >> 4) * d + m));
+}
+
+/// The 32 5-bit values of a Q5_0 / Q5_1 block: `qh` (4 bytes, little
+/// endian) holds bit 4 of element j at bit j; `qs` the low nibbles,
+/// elements j and j + 16 in byte j.
+fn five_bit(qh: &[u8], qs: &[u8]) -> impl Iterator<Item = u8> {
+    let high = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    (0..QK).map(move |j| {
+        let low = if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 };
+        low | ((((high >> j) & 1) as u8) << 4)
+    })
+}
+
+/// `d: f16, qh: u32, qs: [u8; 16]`; element is `(q − 16)·d`.
+fn q5_0(block: &[u8], out: &mut Vec<f32>) {
+    let d = half_at(block, 0);
+    out.extend(five_bit(&block[2..6], &block[6..]).map(|q| (i32::from(q) - 16) as f32 * d));
+}
+
+/// `d: f16, m: f16, qh: u32, qs: [u8; 16]`; element is `q·d + m`.
+fn q5_1(block: &[u8], out: &mut Vec<f32>) {
+    let (d, m) = (half_at(block, 0), half_at(block, 2));
+    out.extend(five_bit(&block[4..8], &block[8..]).map(|q| f32::from(q) * d + m));
 }
 
 /// `d: f16, qs: [i8; 32]`; element is `q·d`.
@@ -158,6 +210,65 @@ fn q4_k(block: &[u8], out: &mut Vec<f32>) {
         let (d2, m2) = (d * f32::from(sc2), dmin * f32::from(m2));
         out.extend(q.iter().map(|v| d1 * f32::from(v & 0xF) - m1));
         out.extend(q.iter().map(|v| d2 * f32::from(v >> 4) - m2));
+    }
+}
+
+/// `scales: [u8; 16], qs: [u8; 64], d: f16, dmin: f16`: 16 sub-blocks of
+/// 16; sub-block i has scale `d · (scales[i] & 15)` and minimum
+/// `dmin · (scales[i] >> 4)`; element `128c + 32s + l` is bits `2s..2s+2`
+/// of `qs[32c + l]`.
+fn q2_k(block: &[u8], out: &mut Vec<f32>) {
+    let (scales, rest) = block.split_at(QK_K / 16);
+    let (qs, rest) = rest.split_at(QK_K / 4);
+    let (d, dmin) = (half_at(rest, 0), half_at(rest, 2));
+    for pos in 0..QK_K {
+        let (c, s, l) = (pos / 128, pos / 32 % 4, pos % 32);
+        let q = (qs[32 * c + l] >> (2 * s)) & 3;
+        let sc = scales[pos / 16];
+        let (dl, ml) = (d * f32::from(sc & 0xF), dmin * f32::from(sc >> 4));
+        out.push(dl * f32::from(q) - ml);
+    }
+}
+
+/// `hmask: [u8; 32], qs: [u8; 64], scales: [u8; 12], d: f16`: 16
+/// sub-blocks of 16 with 6-bit scales (low 4 bits in `scales[0..8]`, two
+/// per byte, the high 2 in `scales[8..12]`, four per byte) offset by −32;
+/// element `128c + 32s + l` takes bits `2s..2s+2` of `qs[32c + l]`, less 4
+/// unless bit `pos / 32` of `hmask[l]` is set.
+fn q3_k(block: &[u8], out: &mut Vec<f32>) {
+    let (hmask, rest) = block.split_at(QK_K / 8);
+    let (qs, rest) = rest.split_at(QK_K / 4);
+    let (packed, d) = rest.split_at(12);
+    let d = half_at(d, 0);
+    let scale = |i: usize| {
+        let low = (packed[i % 8] >> (4 * (i / 8))) & 0xF;
+        let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
+        f32::from(((low | (high << 4)) as i8) - 32)
+    };
+    for pos in 0..QK_K {
+        let (c, s, l) = (pos / 128, pos / 32 % 4, pos % 32);
+        let low = ((qs[32 * c + l] >> (2 * s)) & 3) as i8;
+        let high_clear = (hmask[l] >> (pos / 32)) & 1 == 0;
+        let q = low - if high_clear { 4 } else { 0 };
+        out.push(d * scale(pos / 16) * f32::from(q));
+    }
+}
+
+/// `d: f16, dmin: f16, scales: [u8; 12], qh: [u8; 32], qs: [u8; 128]`: 8
+/// sub-blocks of 32 with the scales and minimums of Q4_K; element
+/// `64c + 32s + l` is nibble s of `qs[32c + l]` plus bit `pos / 32` of
+/// `qh[l]` as its fifth bit.
+fn q5_k(block: &[u8], out: &mut Vec<f32>) {
+    let (d, dmin) = (half_at(block, 0), half_at(block, 2));
+    let scales = &block[4..16];
+    let (qh, qs) = block[16..].split_at(QK_K / 8);
+    for pos in 0..QK_K {
+        let (c, s, l) = (pos / 64, pos / 32 % 2, pos % 32);
+        let low = (qs[32 * c + l] >> (4 * s)) & 0xF;
+        let q = low | (((qh[l] >> (pos / 32)) & 1) << 4);
+        let (sc, m) = scale_min_k4(pos / 32, scales);
+        let (dl, ml) = (d * f32::from(sc), dmin * f32::from(m));
+        out.push(dl * f32::from(q) - ml);
     }
 }
 
@@ -229,8 +340,10 @@ mod tests {
             let got = ty.dequantize(&data);
             assert_eq!(got.len(), expected.len(), "{name}");
             for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-                assert!(
-                    (g - e).abs() <= 1e-6 * e.abs().max(1.0),
+                // Bit-exact: the same f32 operations in the same order.
+                assert_eq!(
+                    g.to_bits(),
+                    e.to_bits(),
                     "{name}[{i}]: got {g}, gguf gives {e}"
                 );
             }
@@ -242,8 +355,13 @@ mod tests {
             GgmlType::Bf16,
             GgmlType::Q4_0,
             GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
             GgmlType::Q8_0,
+            GgmlType::Q2K,
+            GgmlType::Q3K,
             GgmlType::Q4K,
+            GgmlType::Q5K,
             GgmlType::Q6K,
         ] {
             assert!(seen.contains(&ty), "no golden case for {ty:?}");

@@ -243,6 +243,14 @@ impl Rope {
         }
     }
 
+    /// RoPE of one layer (`ModelConfig::layer_inv_freq`: Gemma 3's local
+    /// layers have a base of their own).
+    pub fn for_layer(config: &crate::model::ModelConfig, layer: usize) -> Self {
+        Rope {
+            inv_freq: config.layer_inv_freq(layer),
+        }
+    }
+
     /// Cosine and sine of every frequency at `pos`.
     pub fn table(&self, pos: usize) -> Vec<(f32, f32)> {
         self.inv_freq
@@ -277,6 +285,27 @@ impl Rope {
 pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     for (g, u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// `gelu_tanh(gate) * up`, into `gate`: GELU with the tanh approximation
+/// (PyTorch's `gelu(approximate="tanh")`, Gemma's `gelu_pytorch_tanh`).
+pub fn geglu_tanh(gate: &mut [f32], up: &[f32]) {
+    // sqrt(2 / pi), as PyTorch's kernel computes it.
+    const BETA: f32 = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
+    const KAPPA: f32 = 0.044715;
+    for (g, u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        let inner = BETA * (x + KAPPA * x * x * x);
+        *g = 0.5 * x * (1.0 + inner.tanh()) * u;
+    }
+}
+
+/// `cap * tanh(v / cap)` over `values` (Gemma 2's soft-capping of
+/// attention scores and logits).
+pub fn soft_cap(values: &mut [f32], cap: f32) {
+    for v in values {
+        *v = (*v / cap).tanh() * cap;
     }
 }
 

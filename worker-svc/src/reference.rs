@@ -6,7 +6,7 @@
 //! anywhere gives NaN, which fails every tolerance).
 
 use crate::model::weights::Weights;
-use crate::ops::{Rope, rms_norm, softmax, swiglu, window_start};
+use crate::ops::{Rope, rms_norm, soft_cap, softmax, window_start};
 
 /// The K/V of one sequence, every layer, every position so far.
 #[derive(Debug, Clone, Default)]
@@ -33,7 +33,8 @@ impl DenseSequence {
 #[derive(Debug)]
 pub struct DenseModel<'w> {
     weights: &'w Weights,
-    rope: Rope,
+    /// One per layer.
+    ropes: Vec<Rope>,
 }
 
 impl<'w> DenseModel<'w> {
@@ -42,7 +43,7 @@ impl<'w> DenseModel<'w> {
         let c = &weights.config;
         DenseModel {
             weights,
-            rope: Rope::for_model(c),
+            ropes: (0..c.num_layers()).map(|l| Rope::for_layer(c, l)).collect(),
         }
     }
 
@@ -69,16 +70,33 @@ impl<'w> DenseModel<'w> {
         let group = c.num_heads / c.num_kv_heads;
         let pos = seq.len;
         let tok = token as usize;
+        let eps = c.rms_norm_eps;
         let mut x = vec![0.0; h];
         w.embed.row_into(tok, &mut x);
+        for v in &mut x {
+            *v *= c.arch.embed_scale;
+        }
         let mut normed = vec![0.0; h];
         for (layer, lw) in w.layers.iter().enumerate() {
-            rms_norm(&x, &lw.attn_norm, c.rms_norm_eps, &mut normed);
+            rms_norm(&x, &lw.attn_norm, eps, &mut normed);
             let mut q = matvec(&lw.wq.f32(), &normed, qd);
             let mut k = matvec(&lw.wk.f32(), &normed, kvd);
-            let v = matvec(&lw.wv.f32(), &normed, kvd);
-            self.rope.apply(&mut q, pos);
-            self.rope.apply(&mut k, pos);
+            let mut v = matvec(&lw.wv.f32(), &normed, kvd);
+            if let Some(bias) = &lw.qkv_bias {
+                add(&mut q, &bias[..qd]);
+                add(&mut k, &bias[qd..qd + kvd]);
+                add(&mut v, &bias[qd + kvd..]);
+            }
+            if let Some((q_norm, k_norm)) = &lw.qk_norm {
+                for (heads, weight) in [(&mut q, q_norm), (&mut k, k_norm)] {
+                    for head in heads.chunks_exact_mut(d) {
+                        let plain = head.to_vec();
+                        rms_norm(&plain, weight, eps, head);
+                    }
+                }
+            }
+            self.ropes[layer].apply(&mut q, pos);
+            self.ropes[layer].apply(&mut k, pos);
             seq.keys[layer].extend_from_slice(&k);
             seq.values[layer].extend_from_slice(&v);
 
@@ -90,9 +108,12 @@ impl<'w> DenseModel<'w> {
                 let mut scores: Vec<f32> = (first..=pos)
                     .map(|p| {
                         let kh = &seq.keys[layer][p * kvd + kv_head * d..][..d];
-                        qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() / (d as f32).sqrt()
+                        qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * c.attn_scale()
                     })
                     .collect();
+                if let Some(cap) = c.arch.attn_softcap {
+                    soft_cap(&mut scores, cap);
+                }
                 softmax(&mut scores);
                 let out = &mut attn[head * d..(head + 1) * d];
                 for (p, s) in (first..=pos).zip(&scores) {
@@ -102,17 +123,24 @@ impl<'w> DenseModel<'w> {
                     }
                 }
             }
-            add(&mut x, &matvec(&lw.wo.f32(), &attn, h));
+            let post = lw.post_norms.as_ref();
+            let out = matvec(&lw.wo.f32(), &attn, h);
+            add(&mut x, &post_norm(out, post.map(|p| &p.0), eps));
 
-            rms_norm(&x, &lw.mlp_norm, c.rms_norm_eps, &mut normed);
+            rms_norm(&x, &lw.mlp_norm, eps, &mut normed);
             let mut gate = matvec(&lw.w_gate.f32(), &normed, c.ffn_size);
             let up = matvec(&lw.w_up.f32(), &normed, c.ffn_size);
-            swiglu(&mut gate, &up);
-            add(&mut x, &matvec(&lw.w_down.f32(), &gate, h));
+            c.arch.activation.glu(&mut gate, &up);
+            let out = matvec(&lw.w_down.f32(), &gate, h);
+            add(&mut x, &post_norm(out, post.map(|p| &p.1), eps));
         }
         seq.len += 1;
-        rms_norm(&x, &w.final_norm, c.rms_norm_eps, &mut normed);
-        matvec(&w.lm_head().f32(), &normed, c.vocab_size)
+        rms_norm(&x, &w.final_norm, eps, &mut normed);
+        let mut logits = matvec(&w.lm_head().f32(), &normed, c.vocab_size);
+        if let Some(cap) = c.arch.final_softcap {
+            soft_cap(&mut logits, cap);
+        }
+        logits
     }
 }
 
@@ -128,6 +156,18 @@ fn matvec(w: &[f32], x: &[f32], rows: usize) -> Vec<f32> {
                 .sum()
         })
         .collect()
+}
+
+/// `out` through `norm` when there is one (Gemma's post-norms).
+fn post_norm(out: Vec<f32>, norm: Option<&Vec<f32>>, eps: f32) -> Vec<f32> {
+    match norm {
+        Some(w) => {
+            let mut normed = vec![0.0; out.len()];
+            rms_norm(&out, w, eps, &mut normed);
+            normed
+        }
+        None => out,
+    }
 }
 
 fn add(x: &mut [f32], y: &[f32]) {

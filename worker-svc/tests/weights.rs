@@ -23,6 +23,7 @@ fn small_config(tied: bool) -> ModelConfig {
         max_context: 64,
         tokens_per_block: 4,
         tied_embeddings: tied,
+        arch: Default::default(),
     }
 }
 

@@ -43,7 +43,10 @@ struct CpuState {
     layout: ArenaLayout,
     /// One array per pool, `ArenaLayout` order.
     kv: Vec<Vec<f32>>,
-    rope: Rope,
+    /// The distinct RoPEs of the layers (one, or Gemma 3's global and
+    /// local) and which one each layer uses.
+    ropes: Vec<Rope>,
+    layer_rope: Vec<usize>,
 }
 
 /// The weights in the layout the CPU pass wants: Q, K and V stacked into one
@@ -64,10 +67,13 @@ struct CpuWeights {
 struct CpuLayer {
     attn_norm: Vec<f32>,
     wqkv: Matrix,
+    qkv_bias: Option<Vec<f32>>,
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     wo: Matrix,
     mlp_norm: Vec<f32>,
     w_gate_up: Matrix,
     w_down: Matrix,
+    post_norms: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 impl CpuWeights {
@@ -78,10 +84,13 @@ impl CpuWeights {
             .map(|l| CpuLayer {
                 attn_norm: l.attn_norm,
                 wqkv: Matrix::stack(&[&l.wq, &l.wk, &l.wv]),
+                qkv_bias: l.qkv_bias,
+                qk_norm: l.qk_norm,
                 wo: l.wo,
                 mlp_norm: l.mlp_norm,
                 w_gate_up: Matrix::stack(&[&l.w_gate, &l.w_up]),
                 w_down: l.w_down,
+                post_norms: l.post_norms,
             })
             .collect();
         CpuWeights {
@@ -108,14 +117,15 @@ impl CpuBackend {
             .build()
             .map_err(|e| Error::Config(format!("cannot start the compute threads: {e}")))?;
         let kv = layout.pools.iter().map(|p| vec![0.0; p.elems()]).collect();
-        let rope = Rope::for_model(&weights.config);
+        let (ropes, layer_rope) = layer_ropes(&weights.config);
         Ok(CpuBackend {
             pool,
             state: CpuState {
                 weights: CpuWeights::new(weights),
                 layout,
                 kv,
-                rope,
+                ropes,
+                layer_rope,
             },
             host_kv: Vec::new(),
         })
@@ -135,7 +145,8 @@ impl CpuState {
             weights,
             layout,
             kv,
-            rope,
+            ropes,
+            layer_rope,
         } = self;
         for seq in &batch.seqs {
             for c in &seq.copies {
@@ -157,19 +168,32 @@ impl CpuState {
             positions.extend(seq.start_pos..seq.start_pos + seq.tokens.len());
             tokens.extend(seq.tokens.iter().map(|&tok| tok as usize));
         }
-        let rope_tables: Vec<Vec<(f32, f32)>> =
-            positions.par_iter().map(|&p| rope.table(p)).collect();
+        let rope_tables: Vec<Vec<Vec<(f32, f32)>>> = ropes
+            .iter()
+            .map(|rope| positions.par_iter().map(|&p| rope.table(p)).collect())
+            .collect();
 
+        let arch = &cfg.arch;
         let mut x = vec![0.0f32; t * h];
         x.par_chunks_mut(h).zip(&tokens).for_each(|(row, &tok)| {
             weights.embed.row_into(tok, row);
+            if arch.embed_scale != 1.0 {
+                row.iter_mut().for_each(|v| *v *= arch.embed_scale);
+            }
         });
         let mut normed = vec![0.0f32; t * h];
         // Row r: [q | k | v] of token r.
         let mut qkv = vec![0.0f32; t * qkv_dim];
         let mut attn = vec![0.0f32; t * qd];
-        // Row r: [gate | up] of token r; SwiGLU leaves its result in `gate`.
+        // Row r: [gate | up] of token r; the gated activation leaves its
+        // result in `gate`.
         let mut gate_up = vec![0.0f32; t * 2 * f];
+        // The attention or MLP output before its post-norm (Gemma).
+        let mut branch = if arch.post_norms {
+            vec![0.0f32; t * h]
+        } else {
+            Vec::new()
+        };
 
         for (layer, lw) in weights.layers.iter().enumerate() {
             norm_rows(&x, &lw.attn_norm, cfg.rms_norm_eps, &mut normed, h);
@@ -182,18 +206,41 @@ impl CpuState {
                 false,
                 Threads::Pool,
             );
-            // Q and K heads are consecutive head_dim chunks: rotate them all.
+            // Bias, per-head norms, then RoPE; Q and K heads are
+            // consecutive head_dim chunks: rotate them all.
+            let d = cfg.head_dim;
             qkv.par_chunks_mut(qkv_dim)
-                .zip(&rope_tables)
-                .for_each(|(row, cs)| Rope::apply_table(&mut row[..qd + kvd], cs));
+                .zip(&rope_tables[layer_rope[layer]])
+                .for_each(|(row, cs)| {
+                    if let Some(bias) = &lw.qkv_bias {
+                        row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+                    }
+                    if let Some((q_norm, k_norm)) = &lw.qk_norm {
+                        let (q, k) = row[..qd + kvd].split_at_mut(qd);
+                        head_norms(q, q_norm, cfg.rms_norm_eps, d);
+                        head_norms(k, k_norm, cfg.rms_norm_eps, d);
+                    }
+                    Rope::apply_table(&mut row[..qd + kvd], cs);
+                });
 
             write_kv(layout, kv, batch, layer, &qkv, qkv_dim, qd);
             attend(
                 cfg, layout, kv, batch, layer, &first_row, &qkv, qkv_dim, &mut attn,
             );
 
-            // Residual adds ride on the products' accumulate flag.
-            ops::matmul_matrix(&attn, qd, &lw.wo, &mut x, (t, qd, h), true, Threads::Pool);
+            // Residual adds ride on the products' accumulate flag, or
+            // follow the post-norm.
+            let post = lw.post_norms.as_ref();
+            residual_product(
+                &attn,
+                qd,
+                &lw.wo,
+                (t, qd, h),
+                post.map(|(attn_post, _)| attn_post),
+                cfg.rms_norm_eps,
+                &mut branch,
+                &mut x,
+            );
             norm_rows(&x, &lw.mlp_norm, cfg.rms_norm_eps, &mut normed, h);
             ops::matmul_matrix(
                 &normed,
@@ -206,16 +253,17 @@ impl CpuState {
             );
             gate_up.par_chunks_mut(2 * f).for_each(|row| {
                 let (gate, up) = row.split_at_mut(f);
-                ops::swiglu(gate, up);
+                arch.activation.glu(gate, up);
             });
-            ops::matmul_matrix(
+            residual_product(
                 &gate_up,
                 2 * f,
                 &lw.w_down,
-                &mut x,
                 (t, f, h),
-                true,
-                Threads::Pool,
+                post.map(|(_, mlp_post)| mlp_post),
+                cfg.rms_norm_eps,
+                &mut branch,
+                &mut x,
             );
         }
 
@@ -254,11 +302,73 @@ impl CpuState {
             false,
             Threads::Pool,
         );
+        if let Some(cap) = arch.final_softcap {
+            logits
+                .par_chunks_mut(vocab)
+                .for_each(|row| ops::soft_cap(row, cap));
+        }
         BatchLogits {
             vocab,
             values: logits,
         }
     }
+}
+
+/// The distinct RoPEs of `cfg`'s layers and the index of each layer's.
+fn layer_ropes(cfg: &ModelConfig) -> (Vec<Rope>, Vec<usize>) {
+    let mut freqs: Vec<Vec<f64>> = Vec::new();
+    let mut layer_rope = Vec::with_capacity(cfg.num_layers());
+    for layer in 0..cfg.num_layers() {
+        let f = cfg.layer_inv_freq(layer);
+        let index = freqs.iter().position(|g| *g == f).unwrap_or_else(|| {
+            freqs.push(f);
+            freqs.len() - 1
+        });
+        layer_rope.push(index);
+    }
+    let ropes = (0..freqs.len())
+        .map(|i| {
+            let layer = layer_rope.iter().position(|&r| r == i).unwrap_or(0);
+            Rope::for_layer(cfg, layer)
+        })
+        .collect();
+    (ropes, layer_rope)
+}
+
+/// RMSNorm of every `d`-wide head of `x` with the one weight `w`, in place.
+fn head_norms(x: &mut [f32], w: &[f32], eps: f32, d: usize) {
+    let mut head = vec![0.0f32; d];
+    for chunk in x.chunks_exact_mut(d) {
+        head.copy_from_slice(chunk);
+        ops::rms_norm(&head, w, eps, chunk);
+    }
+}
+
+/// `x += input · wᵀ` (input rows `stride` apart), through `post_norm`
+/// first when the layer has one (`branch` holds the product then).
+#[allow(clippy::too_many_arguments)] // the product's operands and the norm's
+fn residual_product(
+    input: &[f32],
+    stride: usize,
+    w: &Matrix,
+    (t, k, h): (usize, usize, usize),
+    post_norm: Option<&Vec<f32>>,
+    eps: f32,
+    branch: &mut [f32],
+    x: &mut [f32],
+) {
+    let Some(norm) = post_norm else {
+        ops::matmul_matrix(input, stride, w, x, (t, k, h), true, Threads::Pool);
+        return;
+    };
+    ops::matmul_matrix(input, stride, w, branch, (t, k, h), false, Threads::Pool);
+    x.par_chunks_mut(h)
+        .zip(branch.par_chunks(h))
+        .for_each(|(x_row, b_row)| {
+            let mut normed = vec![0.0f32; h];
+            ops::rms_norm(b_row, norm, eps, &mut normed);
+            x_row.iter_mut().zip(&normed).for_each(|(x, n)| *x += n);
+        });
 }
 
 /// Copies the new K and V rows of `layer` (columns `k_col..` of `qkv`) into
@@ -383,14 +493,15 @@ impl AttnCtx<'_> {
         let last_pos = start + task.queries.end - 1;
         let lo = ops::window_start(first_pos, window);
 
-        // Queries of the group's heads, pre-scaled by 1/sqrt(d). The
+        // Queries of the group's heads, pre-scaled by the softmax scale. The
         // products run over `padded` rows (zero queries past `rows`), enough
         // for `gemm`'s main kernel, so no call makes a padded copy per tile.
         let rows = task.queries.len() * group;
         let padded = rows
             .max(ops::exact_rows(KEY_TILE, d))
             .max(ops::exact_rows(d, KEY_TILE));
-        let scale = 1.0 / (d as f32).sqrt();
+        let scale = cfg.attn_scale();
+        let softcap = cfg.arch.attn_softcap;
         let mut queries = vec![0.0f32; padded * d];
         for (r, dst) in queries.chunks_exact_mut(d).take(rows).enumerate() {
             let i = task.queries.start + r / group;
@@ -441,6 +552,9 @@ impl AttnCtx<'_> {
                     row.fill(0.0);
                     corr[r] = None;
                     continue;
+                }
+                if let Some(cap) = softcap {
+                    ops::soft_cap(&mut row[first - tile0..=last - tile0], cap);
                 }
                 row[..first - tile0].fill(f32::NEG_INFINITY);
                 row[last + 1 - tile0..].fill(f32::NEG_INFINITY);
@@ -519,10 +633,13 @@ pub fn activation_bytes(cfg: &ModelConfig, max_tokens: usize, threads: usize) ->
     );
     let t = max_tokens;
     let half = d / 2;
-    // x, normed, qkv, attn, the attention tasks' outputs, gate_up.
-    let per_token = 2 * h + 3 * qd + 2 * kvd + 2 * f;
-    // Per-token bookkeeping: position, token, RoPE table.
-    let per_token_bytes = per_token * 4 + 2 * 8 + half * 8;
+    // x, normed, qkv, attn, the attention tasks' outputs, gate_up, and
+    // the branch before a post-norm.
+    let branch = if cfg.arch.post_norms { h } else { 0 };
+    let per_token = 2 * h + 3 * qd + 2 * kvd + 2 * f + branch;
+    // Per-token bookkeeping: position, token, a RoPE table per distinct RoPE.
+    let ropes = layer_ropes(cfg).0.len();
+    let per_token_bytes = per_token * 4 + 2 * 8 + ropes * half * 8;
     // Rows through the final norm and the LM head, their row index, and the
     // per-sequence copy of the logits the worker hands back.
     let logit_rows = t * ((h + 2 * cfg.vocab_size) * 4 + 8);

@@ -1,21 +1,27 @@
-//! A Llama-family model from a GGUF file: the shape from `llama.*`
-//! metadata, the weights dequantized to f32 under their HF names, and the
-//! `tokenizer.*` metadata as a [`GgufVocab`].
+//! A decoder from a GGUF file (`general.architecture` `llama`, `qwen2` or
+//! `qwen3`): the shape from the `<arch>.*` metadata, the weights under
+//! their HF names, and the `tokenizer.*` metadata as a [`GgufVocab`].
 //!
-//! Trap: `convert_hf_to_gguf.py` permutes the rows of `attn_q` and `attn_k`
-//! so that llama.cpp's RoPE can rotate adjacent pairs `(2i, 2i + 1)`; our
-//! model rotates halves `(i, i + d/2)` as HF does, so [`unpermute_rows`]
-//! puts the rows back at load (transformers' `reverse_permute_weights`).
+//! Trap: for `llama` only, `convert_hf_to_gguf.py` permutes the rows of
+//! `attn_q` and `attn_k` so that llama.cpp's RoPE can rotate adjacent pairs
+//! `(2i, 2i + 1)`; our model rotates halves `(i, i + d/2)` as HF does, so
+//! [`unpermute_rows`] puts the rows back at load (transformers'
+//! `reverse_permute_weights`). Qwen's files keep HF's order (llama.cpp
+//! rotates them "NEOX" style, as HF does).
 
 use kvlease_tokenizer::GgufVocab;
 
 use super::gguf::{GgufFile, TensorInfo, Value};
 use super::weights::{Matrix, TensorSource};
-use super::{ModelConfig, RopeScaling};
+use super::{Arch, Family, ModelConfig, RopeScaling};
 use crate::packed::PackedMatrix;
 
 /// The architectures this loader reads (`general.architecture`).
-const ARCHITECTURES: &[&str] = &["llama"];
+const ARCHITECTURES: &[(&str, Family)] = &[
+    ("llama", Family::Llama),
+    ("qwen2", Family::Qwen2),
+    ("qwen3", Family::Qwen3),
+];
 
 /// The model shape a GGUF file's metadata describes; `max_context` and
 /// `tokens_per_block` are the caller's. The error says what is missing.
@@ -27,10 +33,18 @@ pub(crate) fn model_config(
     let arch = file
         .get_str("general.architecture")
         .ok_or("no general.architecture in the metadata")?;
-    if !ARCHITECTURES.contains(&arch) {
+    let Some(&(_, family)) = ARCHITECTURES.iter().find(|(a, _)| *a == arch) else {
+        let names: Vec<&str> = ARCHITECTURES.iter().map(|(a, _)| *a).collect();
         return Err(format!(
             "unsupported architecture {arch:?} (supported: {})",
-            ARCHITECTURES.join(", ")
+            names.join(", ")
+        ));
+    };
+    if let Some(experts) = file.get_u64(&format!("{arch}.expert_count"))
+        && experts > 0
+    {
+        return Err(format!(
+            "mixture-of-experts models are not supported ({arch}.expert_count is {experts})"
         ));
     }
     let int = |key: &str| -> Result<usize, String> {
@@ -105,6 +119,12 @@ pub(crate) fn model_config(
         max_context: max_context.min(u32::try_from(context).unwrap_or(u32::MAX)),
         tokens_per_block,
         tied_embeddings: file.tensor("output.weight").is_none(),
+        arch: Arch {
+            family,
+            qkv_bias: family == Family::Qwen2,
+            qk_norm: family == Family::Qwen3,
+            ..Arch::default()
+        },
     })
 }
 
@@ -181,11 +201,13 @@ pub(crate) fn vocab(file: &GgufFile, vocab_size: usize) -> Result<GgufVocab, Str
     })
 }
 
-/// The GGUF tensors under their HF Llama names.
+/// The GGUF tensors under their HF names.
 pub(crate) struct GgufSource<'a> {
     pub(crate) file: &'a GgufFile,
     pub(crate) num_heads: usize,
     pub(crate) num_kv_heads: usize,
+    /// Whether the converter permuted Q and K (`llama` files).
+    pub(crate) permuted: bool,
 }
 
 impl GgufSource<'_> {
@@ -201,19 +223,25 @@ impl GgufSource<'_> {
         }
         let rest = hf.strip_prefix("model.layers.")?;
         let (layer, suffix) = rest.split_once('.')?;
+        let permuted = |heads| self.permuted.then_some(heads);
         let (short, heads) = match suffix {
-            "input_layernorm.weight" => ("attn_norm", None),
-            "self_attn.q_proj.weight" => ("attn_q", Some(self.num_heads)),
-            "self_attn.k_proj.weight" => ("attn_k", Some(self.num_kv_heads)),
-            "self_attn.v_proj.weight" => ("attn_v", None),
-            "self_attn.o_proj.weight" => ("attn_output", None),
-            "post_attention_layernorm.weight" => ("ffn_norm", None),
-            "mlp.gate_proj.weight" => ("ffn_gate", None),
-            "mlp.up_proj.weight" => ("ffn_up", None),
-            "mlp.down_proj.weight" => ("ffn_down", None),
+            "input_layernorm.weight" => ("attn_norm.weight", None),
+            "self_attn.q_proj.weight" => ("attn_q.weight", permuted(self.num_heads)),
+            "self_attn.k_proj.weight" => ("attn_k.weight", permuted(self.num_kv_heads)),
+            "self_attn.v_proj.weight" => ("attn_v.weight", None),
+            "self_attn.q_proj.bias" => ("attn_q.bias", None),
+            "self_attn.k_proj.bias" => ("attn_k.bias", None),
+            "self_attn.v_proj.bias" => ("attn_v.bias", None),
+            "self_attn.q_norm.weight" => ("attn_q_norm.weight", None),
+            "self_attn.k_norm.weight" => ("attn_k_norm.weight", None),
+            "self_attn.o_proj.weight" => ("attn_output.weight", None),
+            "post_attention_layernorm.weight" => ("ffn_norm.weight", None),
+            "mlp.gate_proj.weight" => ("ffn_gate.weight", None),
+            "mlp.up_proj.weight" => ("ffn_up.weight", None),
+            "mlp.down_proj.weight" => ("ffn_down.weight", None),
             _ => return None,
         };
-        Some((format!("blk.{layer}.{short}.weight"), heads))
+        Some((format!("blk.{layer}.{short}"), heads))
     }
 }
 

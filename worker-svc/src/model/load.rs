@@ -79,6 +79,7 @@ fn open_gguf(path: &Path, serving: ServingShape) -> Result<LoadedModel, String> 
         file: &file,
         num_heads: config.num_heads,
         num_kv_heads: config.num_kv_heads,
+        permuted: config.arch.family == super::Family::Llama,
     };
     let weights = Weights::from_source(config, &source, path).map_err(reason)?;
     Ok(LoadedModel { weights, tokenizer })
@@ -162,6 +163,7 @@ mod tests {
             max_context: 64,
             tokens_per_block: 16,
             tied_embeddings: true,
+            arch: Default::default(),
         }
     }
 
@@ -206,8 +208,14 @@ mod tests {
     }
 
     /// The tensors of `weights` as a GGUF file stores them (F32, GGUF names,
-    /// dims innermost first, Q/K permuted).
+    /// dims innermost first, Q/K permuted for a `llama` file).
     fn tensors(weights: &Weights) -> Vec<(String, Vec<u64>, u32, Vec<u8>)> {
+        tensors_of(weights, true)
+    }
+
+    /// As [`tensors`], Q/K permuted or not, with the output matrix, biases
+    /// and Q/K norms where the weights have them.
+    fn tensors_of(weights: &Weights, permuted: bool) -> Vec<(String, Vec<u64>, u32, Vec<u8>)> {
         let c = &weights.config;
         let (h, q, kv, f) = (
             c.hidden_size as u64,
@@ -229,24 +237,50 @@ mod tests {
                 f32_bytes(&weights.final_norm),
             ),
         ];
+        if let Some(head) = &weights.lm_head {
+            let dims = vec![h, c.vocab_size as u64];
+            out.push(("output.weight".into(), dims, 0, f32_bytes(&head.f32())));
+        }
+        let hd = c.hidden_size;
+        let maybe_permute = |w: &[f32], heads: usize| {
+            if permuted {
+                permute(w, heads, hd)
+            } else {
+                w.to_vec()
+            }
+        };
         for (i, l) in weights.layers.iter().enumerate() {
-            let hd = c.hidden_size;
             let mut put = |name: &str, dims: Vec<u64>, t: &[f32]| {
-                out.push((format!("blk.{i}.{name}.weight"), dims, 0, f32_bytes(t)));
+                out.push((format!("blk.{i}.{name}"), dims, 0, f32_bytes(t)));
             };
-            put("attn_norm", vec![h], &l.attn_norm);
-            put("attn_q", vec![h, q], &permute(&l.wq.f32(), c.num_heads, hd));
+            put("attn_norm.weight", vec![h], &l.attn_norm);
             put(
-                "attn_k",
-                vec![h, kv],
-                &permute(&l.wk.f32(), c.num_kv_heads, hd),
+                "attn_q.weight",
+                vec![h, q],
+                &maybe_permute(&l.wq.f32(), c.num_heads),
             );
-            put("attn_v", vec![h, kv], &l.wv.f32());
-            put("attn_output", vec![q, h], &l.wo.f32());
-            put("ffn_norm", vec![h], &l.mlp_norm);
-            put("ffn_gate", vec![h, f], &l.w_gate.f32());
-            put("ffn_up", vec![h, f], &l.w_up.f32());
-            put("ffn_down", vec![f, h], &l.w_down.f32());
+            put(
+                "attn_k.weight",
+                vec![h, kv],
+                &maybe_permute(&l.wk.f32(), c.num_kv_heads),
+            );
+            put("attn_v.weight", vec![h, kv], &l.wv.f32());
+            if let Some(bias) = &l.qkv_bias {
+                let (bq, bkv) = bias.split_at(q as usize);
+                let (bk, bv) = bkv.split_at(kv as usize);
+                put("attn_q.bias", vec![q], bq);
+                put("attn_k.bias", vec![kv], bk);
+                put("attn_v.bias", vec![kv], bv);
+            }
+            if let Some((qn, kn)) = &l.qk_norm {
+                put("attn_q_norm.weight", vec![qn.len() as u64], qn);
+                put("attn_k_norm.weight", vec![kn.len() as u64], kn);
+            }
+            put("attn_output.weight", vec![q, h], &l.wo.f32());
+            put("ffn_norm.weight", vec![h], &l.mlp_norm);
+            put("ffn_gate.weight", vec![h, f], &l.w_gate.f32());
+            put("ffn_up.weight", vec![h, f], &l.w_up.f32());
+            put("ffn_down.weight", vec![f, h], &l.w_down.f32());
         }
         out
     }
@@ -376,9 +410,20 @@ mod tests {
         );
 
         let mut arch = metadata();
-        arch[0].1 = Value::Str("qwen3".into());
+        arch[0].1 = Value::Str("gemma2".into());
         let err = open_error("arch", &file_of(&arch, &tensors(&weights)));
-        assert!(err.contains("unsupported architecture \"qwen3\""), "{err}");
+        assert!(
+            err.contains("unsupported architecture \"gemma2\" (supported: llama, qwen2, qwen3)"),
+            "{err}"
+        );
+
+        let mut moe = metadata();
+        moe.push(("llama.expert_count", Value::U64(8)));
+        let err = open_error("moe", &file_of(&moe, &tensors(&weights)));
+        assert!(
+            err.contains("mixture-of-experts models are not supported (llama.expert_count is 8)"),
+            "{err}"
+        );
 
         let mut shape = tensors(&weights);
         if let Some(k) = shape.iter_mut().find(|t| t.0 == "blk.1.attn_k.weight") {
@@ -413,6 +458,94 @@ mod tests {
 
         let err = open_error("not-gguf", b"{\"not\": \"a model\"}");
         assert!(err.contains("not a GGUF file"), "{err}");
+    }
+
+    /// The HF fixture `name` (`tests/data/arch/`) written as an F32 GGUF
+    /// file the way `convert_hf_to_gguf.py` writes a Qwen model (no Q/K
+    /// permutation), with its tokenizer's vocabulary and merges.
+    fn qwen_gguf(name: &str, hf: &LoadedModel) -> Vec<u8> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data/arch")
+            .join(name);
+        let text =
+            std::fs::read_to_string(dir.join("tokenizer.json")).unwrap_or_else(|e| panic!("{e}"));
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}"));
+        let model = &json["model"];
+        let vocab = model["vocab"]
+            .as_object()
+            .unwrap_or_else(|| panic!("vocab"));
+        let mut tokens = vec![String::new(); vocab.len()];
+        for (token, id) in vocab {
+            tokens[id.as_u64().unwrap_or(u64::MAX) as usize] = token.clone();
+        }
+        let merges: Vec<Value> = model["merges"]
+            .as_array()
+            .unwrap_or_else(|| panic!("merges"))
+            .iter()
+            .map(|m| {
+                Value::Str(format!(
+                    "{} {}",
+                    m[0].as_str().unwrap_or(""),
+                    m[1].as_str().unwrap_or("")
+                ))
+            })
+            .collect();
+        let c = &hf.weights.config;
+        let key = |k: &str| -> &'static str { Box::leak(format!("{name}.{k}").into_boxed_str()) };
+        let meta = vec![
+            ("general.architecture", Value::Str(name.into())),
+            ("general.name", Value::Str(name.into())),
+            (key("block_count"), Value::U64(c.num_layers() as u64)),
+            (key("context_length"), Value::U64(512)),
+            (key("embedding_length"), Value::U64(c.hidden_size as u64)),
+            (key("feed_forward_length"), Value::U64(c.ffn_size as u64)),
+            (key("attention.head_count"), Value::U64(c.num_heads as u64)),
+            (
+                key("attention.head_count_kv"),
+                Value::U64(c.num_kv_heads as u64),
+            ),
+            (key("attention.key_length"), Value::U64(c.head_dim as u64)),
+            (key("rope.freq_base"), Value::F64(f64::from(c.rope_theta))),
+            (
+                key("attention.layer_norm_rms_epsilon"),
+                Value::F64(f64::from(c.rms_norm_eps)),
+            ),
+            ("tokenizer.ggml.model", Value::Str("gpt2".into())),
+            ("tokenizer.ggml.pre", Value::Str("qwen2".into())),
+            (
+                "tokenizer.ggml.tokens",
+                Value::Array(tokens.into_iter().map(Value::Str).collect()),
+            ),
+            ("tokenizer.ggml.merges", Value::Array(merges)),
+            ("tokenizer.ggml.eos_token_id", Value::U64(1023)),
+        ];
+        file_of(&meta, &tensors_of(&hf.weights, false))
+    }
+
+    #[test]
+    fn qwen2_and_qwen3_gguf_files_load_the_weights_and_tokenizer_of_their_hf_checkpoints() {
+        for name in ["qwen2", "qwen3"] {
+            let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/data/arch")
+                .join(name);
+            let hf = open(&dir, SERVING).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let file = TempFile::with(name, &qwen_gguf(name, &hf));
+            let gguf = open(&file.0, SERVING).unwrap_or_else(|e| panic!("{name} gguf: {e}"));
+            let (mut got, want) = (gguf.weights, &hf.weights);
+            got.config.name = want.config.name.clone();
+            // The same weights and shape: the forward pass (held to
+            // transformers on the HF directory by tests/architectures.rs)
+            // is the same computation.
+            assert_eq!(got.config, want.config, "{name}");
+            assert_eq!(&got, want, "{name}");
+            for text in ["The capital of France is", "def fibonacci(n):\n    return"] {
+                assert_eq!(
+                    gguf.tokenizer.encode(text).unwrap_or_default(),
+                    hf.tokenizer.encode(text).unwrap_or_default(),
+                    "{name}: {text:?}"
+                );
+            }
+        }
     }
 
     #[test]

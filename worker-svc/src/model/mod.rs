@@ -47,6 +47,112 @@ pub struct ModelConfig {
     pub tokens_per_block: u32,
     /// The LM head is the embedding matrix (no separate `lm_head.weight`).
     pub tied_embeddings: bool,
+    /// What this architecture does differently from Llama.
+    pub arch: Arch,
+}
+
+/// The architecture's departures from the Llama decoder, as parameters of
+/// the one forward pass (every backend and the dense reference read them;
+/// there is no copy of the pass per model). The default is Llama.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Arch {
+    /// Which family the checkpoint declared (reported, and named in errors).
+    pub family: Family,
+    /// Q, K and V projections carry biases (Qwen2).
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm of Q and K before RoPE (Qwen3, Gemma 3).
+    pub qk_norm: bool,
+    /// RMSNorm of the attention and MLP outputs before they join the
+    /// residual stream (Gemma 2 and 3).
+    pub post_norms: bool,
+    /// The MLP's gate activation.
+    pub activation: Activation,
+    /// Multiplier of the embedding rows (Gemma: `sqrt(hidden)`); 1 elsewhere.
+    pub embed_scale: f32,
+    /// Softmax scale of the attention scores when it is not
+    /// `1/sqrt(head_dim)`: `1/sqrt(query_pre_attn_scalar)` for Gemma, or
+    /// times the square of LongRoPE's attention factor (which transformers
+    /// puts on cos and sin). See [`ModelConfig::attn_scale`].
+    pub attn_scale: Option<f32>,
+    /// `cap * tanh(score / cap)` on the attention scores (Gemma 2).
+    pub attn_softcap: Option<f32>,
+    /// `cap * tanh(logit / cap)` on the final logits (Gemma 2).
+    pub final_softcap: Option<f32>,
+    /// RoPE base of the sliding-window layers when it differs from
+    /// `rope_theta` (Gemma 3's `rope_local_base_freq`); those layers use
+    /// plain RoPE, unscaled.
+    pub local_rope_theta: Option<f32>,
+}
+
+/// The architectures kvlease runs, by the family their config declares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `LlamaForCausalLM` / GGUF `llama` (Llama 2 and 3.x, SmolLM2).
+    Llama,
+    /// `MistralForCausalLM`.
+    Mistral,
+    /// `Qwen2ForCausalLM` (Qwen2 and Qwen2.5).
+    Qwen2,
+    /// `Qwen3ForCausalLM` (dense).
+    Qwen3,
+    /// `Gemma2ForCausalLM`.
+    Gemma2,
+    /// `Gemma3ForCausalLM` (the text model).
+    Gemma3,
+    /// `Phi3ForCausalLM` (Phi-3, Phi-3.5-mini).
+    Phi3,
+}
+
+impl Family {
+    /// The name of the family, as `Describe` and errors say it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Gemma2 => "gemma2",
+            Family::Gemma3 => "gemma3",
+            Family::Phi3 => "phi3",
+        }
+    }
+}
+
+/// The activation of the gated MLP: `act(gate) * up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (SwiGLU): Llama, Mistral, Qwen, Phi-3.
+    Silu,
+    /// GELU with the tanh approximation (GeGLU): Gemma.
+    GeluTanh,
+}
+
+impl Activation {
+    /// `act(gate) * up`, into `gate`.
+    pub fn glu(self, gate: &mut [f32], up: &[f32]) {
+        match self {
+            Activation::Silu => crate::ops::swiglu(gate, up),
+            Activation::GeluTanh => crate::ops::geglu_tanh(gate, up),
+        }
+    }
+}
+
+impl Default for Arch {
+    /// Llama's decoder.
+    fn default() -> Self {
+        Arch {
+            family: Family::Llama,
+            qkv_bias: false,
+            qk_norm: false,
+            post_norms: false,
+            activation: Activation::Silu,
+            embed_scale: 1.0,
+            attn_scale: None,
+            attn_softcap: None,
+            final_softcap: None,
+            local_rope_theta: None,
+        }
+    }
 }
 
 /// How RoPE frequencies are rescaled to stretch the context a model was
@@ -101,7 +207,15 @@ impl ModelConfig {
             max_context: 2048,
             tokens_per_block: 16,
             tied_embeddings: true,
+            arch: Arch::default(),
         }
+    }
+
+    /// The softmax scale of the attention scores.
+    pub fn attn_scale(&self) -> f32 {
+        self.arch
+            .attn_scale
+            .unwrap_or_else(|| (self.head_dim as f64).powf(-0.5) as f32)
     }
 
     /// Number of decoder layers.
@@ -123,10 +237,26 @@ impl ModelConfig {
     /// with [`ModelConfig::rope_scaling`] applied; computed in f64 like
     /// transformers' `_compute_llama3_parameters`.
     pub fn rope_inv_freq(&self) -> Vec<f64> {
+        self.inv_freq_with(self.rope_theta, &self.rope_scaling)
+    }
+
+    /// The RoPE inverse frequencies of `layer`: the model's, or for a
+    /// sliding-window layer of a model with [`Arch::local_rope_theta`],
+    /// plain RoPE of that base.
+    pub fn layer_inv_freq(&self, layer: usize) -> Vec<f64> {
+        match self.arch.local_rope_theta {
+            Some(theta) if self.layer_windows.get(layer).is_some_and(|&w| w > 0) => {
+                self.inv_freq_with(theta, &RopeScaling::None)
+            }
+            _ => self.rope_inv_freq(),
+        }
+    }
+
+    fn inv_freq_with(&self, theta: f32, scaling: &RopeScaling) -> Vec<f64> {
         let d = self.head_dim;
-        let base = f64::from(self.rope_theta);
+        let base = f64::from(theta);
         let plain = (0..d / 2).map(|i| 1.0 / base.powf(2.0 * i as f64 / d as f64));
-        match &self.rope_scaling {
+        match scaling {
             RopeScaling::None => plain.collect(),
             RopeScaling::Factors(factors) => plain
                 .zip(factors)
@@ -232,6 +362,26 @@ impl ModelConfig {
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return Err(Error::Config("rms_norm_eps must be positive".into()));
         }
+        let a = &self.arch;
+        let positive = |v: f32| v.is_finite() && v > 0.0;
+        if !positive(a.embed_scale) || !positive(self.attn_scale()) {
+            return Err(Error::Config(format!(
+                "embedding scale {} and attention scale {} must be positive",
+                a.embed_scale,
+                self.attn_scale()
+            )));
+        }
+        for (name, cap) in [
+            ("attn_logit_softcapping", a.attn_softcap),
+            ("final_logit_softcapping", a.final_softcap),
+        ] {
+            if cap.is_some_and(|c| !positive(c)) {
+                return Err(Error::Config(format!("{name} must be positive")));
+            }
+        }
+        if a.local_rope_theta.is_some_and(|t| !positive(t)) {
+            return Err(Error::Config("the local rope base must be positive".into()));
+        }
         Ok(())
     }
 
@@ -254,7 +404,12 @@ impl ModelConfig {
     /// Parameters of the model (weights count, not bytes).
     pub fn num_params(&self) -> usize {
         let h = self.hidden_size;
+        let a = &self.arch;
+        let extras = usize::from(a.qkv_bias) * (self.q_dim() + 2 * self.kv_dim())
+            + usize::from(a.qk_norm) * 2 * self.head_dim
+            + usize::from(a.post_norms) * 2 * h;
         let per_layer = 2 * h
+            + extras
             + h * self.q_dim()
             + 2 * h * self.kv_dim()
             + self.q_dim() * h

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
-use super::ModelConfig;
+use super::{Family, ModelConfig};
 use crate::error::{Error, Result};
 use crate::packed::PackedMatrix;
 
@@ -119,6 +119,14 @@ pub struct LayerWeights {
     pub w_up: Matrix,
     /// `[hidden, ffn]`.
     pub w_down: Matrix,
+    /// Biases of Q, K and V back to back, `[q_dim + 2 kv_dim]` (Qwen2).
+    pub qkv_bias: Option<Vec<f32>>,
+    /// Per-head RMSNorm of the queries and of the keys, `[head_dim]` each
+    /// (Qwen3, Gemma 3).
+    pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    /// RMSNorm of the attention output and of the MLP output before each
+    /// joins the residual, `[hidden]` each (Gemma 2 and 3).
+    pub post_norms: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 impl std::fmt::Debug for LayerWeights {
@@ -159,8 +167,15 @@ impl LayerWeights {
             &self.w_up,
             &self.w_down,
         ];
-        (self.attn_norm.len() + self.mlp_norm.len()) * 4
-            + matrices.iter().map(|m| m.bytes()).sum::<usize>()
+        let vectors = self.attn_norm.len()
+            + self.mlp_norm.len()
+            + self.qkv_bias.as_ref().map_or(0, Vec::len)
+            + self.qk_norm.as_ref().map_or(0, |(q, k)| q.len() + k.len())
+            + self
+                .post_norms
+                .as_ref()
+                .map_or(0, |(a, m)| a.len() + m.len());
+        vectors * 4 + matrices.iter().map(|m| m.bytes()).sum::<usize>()
     }
 }
 
@@ -244,6 +259,9 @@ impl Weights {
                 .map(|_| rng.uniform(0.1))
                 .collect(),
         );
+        let arch = config.arch.clone();
+        let qkv = config.q_dim() + 2 * config.kv_dim();
+        let d = config.head_dim;
         let layers = (0..config.num_layers())
             .map(|_| LayerWeights {
                 attn_norm: rng.norm(h),
@@ -255,6 +273,13 @@ impl Weights {
                 w_gate: rng.matrix(config.ffn_size, h).into(),
                 w_up: rng.matrix(config.ffn_size, h).into(),
                 w_down: rng.matrix(h, config.ffn_size).into(),
+                // Drawn after the Llama tensors, so a Llama model's weights
+                // stay what they were for its seed.
+                qkv_bias: arch
+                    .qkv_bias
+                    .then(|| (0..qkv).map(|_| rng.uniform(0.5)).collect()),
+                qk_norm: arch.qk_norm.then(|| (rng.norm(d), rng.norm(d))),
+                post_norms: arch.post_norms.then(|| (rng.norm(h), rng.norm(h))),
             })
             .collect();
         let final_norm = rng.norm(h);
@@ -310,22 +335,100 @@ impl Weights {
             source.read_matrix(name, rows, cols).map_err(fail)
         };
         let embed = matrix("model.embed_tokens.weight", config.vocab_size, h)?;
+        let arch = config.arch.clone();
+        let (qd, kvd, f, d) = (
+            config.q_dim(),
+            config.kv_dim(),
+            config.ffn_size,
+            config.head_dim,
+        );
+        // Gemma's RMSNorm scales by `1 + w`: the offset is added once here,
+        // so every backend runs the one `x / rms(x) * w` norm.
+        let offset = if matches!(arch.family, Family::Gemma2 | Family::Gemma3) {
+            1.0
+        } else {
+            0.0
+        };
+        let norm = |name: &str, len: usize| -> Result<Vec<f32>> {
+            let mut w = read(name, 1, len)?;
+            w.iter_mut().for_each(|v| *v += offset);
+            Ok(w)
+        };
         let mut layers = Vec::with_capacity(config.num_layers());
         for i in 0..config.num_layers() {
             let p = format!("model.layers.{i}.");
+            // Phi-3 stores Q, K and V as one matrix, and gate and up.
+            let (wq, wk, wv) = if arch.family == Family::Phi3 {
+                let qkv = read(&format!("{p}self_attn.qkv_proj.weight"), qd + 2 * kvd, h)?;
+                let (q, kv) = qkv.split_at(qd * h);
+                let (k, v) = kv.split_at(kvd * h);
+                (q.to_vec().into(), k.to_vec().into(), v.to_vec().into())
+            } else {
+                (
+                    matrix(&format!("{p}self_attn.q_proj.weight"), qd, h)?,
+                    matrix(&format!("{p}self_attn.k_proj.weight"), kvd, h)?,
+                    matrix(&format!("{p}self_attn.v_proj.weight"), kvd, h)?,
+                )
+            };
+            let (w_gate, w_up) = if arch.family == Family::Phi3 {
+                let gate_up = read(&format!("{p}mlp.gate_up_proj.weight"), 2 * f, h)?;
+                let (gate, up) = gate_up.split_at(f * h);
+                (gate.to_vec().into(), up.to_vec().into())
+            } else {
+                (
+                    matrix(&format!("{p}mlp.gate_proj.weight"), f, h)?,
+                    matrix(&format!("{p}mlp.up_proj.weight"), f, h)?,
+                )
+            };
+            let qkv_bias = if arch.qkv_bias {
+                let mut bias = read(&format!("{p}self_attn.q_proj.bias"), 1, qd)?;
+                bias.extend(read(&format!("{p}self_attn.k_proj.bias"), 1, kvd)?);
+                bias.extend(read(&format!("{p}self_attn.v_proj.bias"), 1, kvd)?);
+                Some(bias)
+            } else {
+                None
+            };
+            let qk_norm = if arch.qk_norm {
+                Some((
+                    norm(&format!("{p}self_attn.q_norm.weight"), d)?,
+                    norm(&format!("{p}self_attn.k_norm.weight"), d)?,
+                ))
+            } else {
+                None
+            };
+            // Gemma's `post_attention_layernorm` is the norm of the
+            // attention output; the MLP's input norm is
+            // `pre_feedforward_layernorm`.
+            let (mlp_norm, post_norms) = if arch.post_norms {
+                (
+                    norm(&format!("{p}pre_feedforward_layernorm.weight"), h)?,
+                    Some((
+                        norm(&format!("{p}post_attention_layernorm.weight"), h)?,
+                        norm(&format!("{p}post_feedforward_layernorm.weight"), h)?,
+                    )),
+                )
+            } else {
+                (
+                    norm(&format!("{p}post_attention_layernorm.weight"), h)?,
+                    None,
+                )
+            };
             layers.push(LayerWeights {
-                attn_norm: read(&format!("{p}input_layernorm.weight"), 1, h)?,
-                wq: matrix(&format!("{p}self_attn.q_proj.weight"), config.q_dim(), h)?,
-                wk: matrix(&format!("{p}self_attn.k_proj.weight"), config.kv_dim(), h)?,
-                wv: matrix(&format!("{p}self_attn.v_proj.weight"), config.kv_dim(), h)?,
-                wo: matrix(&format!("{p}self_attn.o_proj.weight"), h, config.q_dim())?,
-                mlp_norm: read(&format!("{p}post_attention_layernorm.weight"), 1, h)?,
-                w_gate: matrix(&format!("{p}mlp.gate_proj.weight"), config.ffn_size, h)?,
-                w_up: matrix(&format!("{p}mlp.up_proj.weight"), config.ffn_size, h)?,
-                w_down: matrix(&format!("{p}mlp.down_proj.weight"), h, config.ffn_size)?,
+                attn_norm: norm(&format!("{p}input_layernorm.weight"), h)?,
+                wq,
+                wk,
+                wv,
+                wo: matrix(&format!("{p}self_attn.o_proj.weight"), h, qd)?,
+                mlp_norm,
+                w_gate,
+                w_up,
+                w_down: matrix(&format!("{p}mlp.down_proj.weight"), h, f)?,
+                qkv_bias,
+                qk_norm,
+                post_norms,
             });
         }
-        let final_norm = read("model.norm.weight", 1, h)?;
+        let final_norm = norm("model.norm.weight", h)?;
         let lm_head = if source.contains("lm_head.weight") {
             Some(matrix("lm_head.weight", config.vocab_size, h)?)
         } else {
@@ -347,6 +450,12 @@ impl Weights {
             path: path.display().to_string(),
             reason,
         };
+        if self.config.arch.family != Family::Llama {
+            return Err(fail(format!(
+                "only Llama weights are written (these are {})",
+                self.config.arch.family.name()
+            )));
+        }
         let h = self.config.hidden_size;
         let mut named: Vec<(String, Vec<usize>, Cow<'_, [f32]>)> = vec![
             (

@@ -58,6 +58,7 @@ fn tiny_config(rng: &mut Rng) -> ModelConfig {
         max_context: 128,
         tokens_per_block: rng.pick(&[1, 2, 3, 4, 8]) as u32,
         tied_embeddings: rng.below(2) == 0,
+        arch: Default::default(),
     }
 }
 
@@ -198,6 +199,7 @@ fn wide_head_config(rng: &mut Rng) -> ModelConfig {
         max_context: 128,
         tokens_per_block: rng.pick(&[4, 8, 16, 32]) as u32,
         tied_embeddings: rng.below(2) == 0,
+        arch: Default::default(),
     }
 }
 
@@ -311,6 +313,7 @@ pub(crate) fn fixed_model(windows: Vec<u32>, tokens_per_block: u32) -> Weights {
         max_context: 512,
         tokens_per_block,
         tied_embeddings: false,
+        arch: Default::default(),
     };
     match Weights::seeded(config, 7) {
         Ok(w) => w,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView};
 use half::bf16;
 
 use super::gemm::{Products, padded_rows};
@@ -19,8 +19,8 @@ use crate::arena::{ArenaLayout, split_kv_bytes};
 use crate::backend::{Backend, BatchLogits, GraphCounts, HostTimes, PhaseTimes};
 use crate::batch::{Batch, TierMove};
 use crate::error::{Error, Result};
-use crate::model::ModelConfig;
 use crate::model::weights::Weights;
+use crate::model::{Activation, ModelConfig};
 
 /// The CUDA backend.
 #[derive(Debug)]
@@ -101,6 +101,7 @@ impl CudaBackend {
                 kv_heads: cfg.num_kv_heads,
                 tokens_per_block: cfg.tokens_per_block as usize,
                 kv_dtype: options.kv_dtype,
+                attn_softcap: cfg.arch.attn_softcap,
             },
         )?;
         let device_name = ctx.name().map_err(cuda_err("device name"))?;
@@ -339,6 +340,7 @@ impl CudaBackend {
             &mut self.acts.x,
             dev.rows,
             h,
+            self.config.arch.embed_scale,
         )?;
         prof.mark(Phase::Other)?;
         for layer in 0..self.weights.layers.len() {
@@ -393,8 +395,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// RMSNorm, the QKV product, RoPE, the K/V scatter into the arena, paged
-    /// attention and the output product added to the residual.
+    /// RMSNorm, the QKV product, its biases and per-head norms where the
+    /// model has them, RoPE, the K/V scatter into the arena, paged attention
+    /// and the output product added to the residual (through a post-norm
+    /// where the model has one).
     fn attention_block(
         &mut self,
         layer: usize,
@@ -431,11 +435,28 @@ impl CudaBackend {
             (t, h, qkv_dim),
             prof,
         )?;
+        let shape = (qkv_dim, cfg.num_heads, cfg.num_kv_heads, d);
+        if lw.qkv_bias.is_some() || lw.qk_norm.is_some() {
+            let norms = lw.qk_norm.as_ref().map(|(q, k)| (q, k));
+            launch.qkv_prep(
+                &mut acts.qkv,
+                shape,
+                lw.qkv_bias.as_ref(),
+                norms,
+                cfg.rms_norm_eps,
+                t,
+            )?;
+        }
+        // Gemma 3's sliding layers rotate with a base of their own.
+        let inv_freq = match &acts.inv_freq_local {
+            Some(local) if geometry.window > 0 => local,
+            _ => &acts.inv_freq,
+        };
         launch.rope_write_kv(
             &mut acts.qkv,
-            (qkv_dim, cfg.num_heads, cfg.num_kv_heads, d),
+            shape,
             &dev.positions,
-            &acts.inv_freq,
+            inv_freq,
             &pool.dst_base,
             layer_off,
             &mut self.kv[pi],
@@ -462,6 +483,7 @@ impl CudaBackend {
                 num_heads: cfg.num_heads,
                 num_kv_heads: cfg.num_kv_heads,
                 head_dim: d,
+                scale: cfg.attn_scale(),
                 plan,
             },
             &mut acts.part_o,
@@ -470,19 +492,26 @@ impl CudaBackend {
             qd,
         )?;
         prof.mark(Phase::Attention)?;
-        self.products.linear(
+        let post = lw.post_norms.as_ref().map(|(attn_post, _)| attn_post);
+        let residual = Residual {
+            launch: &launch,
+            products: &self.products,
+            eps: cfg.rms_norm_eps,
+        };
+        residual.add_product(
             &acts.attn.slice(..tp * qd),
-            qd,
             &lw.wo,
-            &mut acts.x.slice_mut(..tp * h),
             (t, qd, h),
-            true,
-        )?;
-        prof.mark(Phase::Matmul)
+            post,
+            &mut acts.branch,
+            &mut acts.x,
+            prof,
+        )
     }
 
-    /// RMSNorm, the gate/up product, SwiGLU and the down product added to
-    /// the residual.
+    /// RMSNorm, the gate/up product, the gated activation and the down
+    /// product added to the residual (through a post-norm where the model
+    /// has one).
     fn mlp_block(&mut self, layer: usize, dev: &DeviceBatch, prof: &mut Profiler) -> Result<()> {
         let cfg = &self.config;
         let (h, f) = (cfg.hidden_size, cfg.ffn_size);
@@ -507,17 +536,24 @@ impl CudaBackend {
             (t, h, 2 * f),
             prof,
         )?;
-        launch.swiglu(&acts.gate_up, f, t, &mut acts.act)?;
+        let gelu = cfg.arch.activation == Activation::GeluTanh;
+        launch.swiglu(&acts.gate_up, f, t, &mut acts.act, gelu)?;
         prof.mark(Phase::Other)?;
-        self.products.linear(
+        let post = lw.post_norms.as_ref().map(|(_, mlp_post)| mlp_post);
+        let residual = Residual {
+            launch: &launch,
+            products: &self.products,
+            eps: cfg.rms_norm_eps,
+        };
+        residual.add_product(
             &acts.act.slice(..tp * f),
-            f,
             &lw.w_down,
-            &mut acts.x.slice_mut(..tp * h),
             (t, f, h),
-            true,
-        )?;
-        prof.mark(Phase::Matmul)
+            post,
+            &mut acts.branch,
+            &mut acts.x,
+            prof,
+        )
     }
 
     /// The final norm of the logit rows and the LM head over them, into the
@@ -549,7 +585,53 @@ impl CudaBackend {
             (r, h, vocab),
             false,
         )?;
-        prof.mark(Phase::Matmul)
+        prof.mark(Phase::Matmul)?;
+        if let Some(cap) = cfg.arch.final_softcap {
+            launch.soft_cap(&mut acts.logits, r * vocab, cap)?;
+            prof.mark(Phase::Other)?;
+        }
+        Ok(())
+    }
+}
+
+/// A product whose output joins the residual stream: added by the
+/// product itself, or normed first (Gemma's post-norms) from `branch`.
+struct Residual<'a> {
+    launch: &'a Launcher<'a>,
+    products: &'a Products,
+    eps: f32,
+}
+
+impl Residual<'_> {
+    /// `x += input · wᵀ`, or `x += rms_norm(input · wᵀ) * post`.
+    #[allow(clippy::too_many_arguments)] // both buffers of each stage
+    fn add_product(
+        &self,
+        input: &CudaView<'_, bf16>,
+        w: &CudaSlice<bf16>,
+        (t, k, h): (usize, usize, usize),
+        post: Option<&CudaSlice<f32>>,
+        branch: &mut CudaSlice<f32>,
+        x: &mut CudaSlice<f32>,
+        prof: &mut Profiler,
+    ) -> Result<()> {
+        let tp = padded_rows(t);
+        let Some(norm) = post else {
+            self.products
+                .linear(input, k, w, &mut x.slice_mut(..tp * h), (t, k, h), true)?;
+            return prof.mark(Phase::Matmul);
+        };
+        self.products.linear(
+            input,
+            k,
+            w,
+            &mut branch.slice_mut(..tp * h),
+            (t, k, h),
+            false,
+        )?;
+        prof.mark(Phase::Matmul)?;
+        self.launch.rms_norm_add(x, branch, norm, t, h, self.eps)?;
+        prof.mark(Phase::Other)
     }
 }
 

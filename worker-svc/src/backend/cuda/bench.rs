@@ -183,6 +183,7 @@ pub fn attention_with_partials(
             kv_heads: num_kv_heads,
             tokens_per_block: b,
             kv_dtype,
+            attn_softcap: None,
         },
         tuning,
     )?;
@@ -322,6 +323,7 @@ pub fn attention_with_partials(
                 num_heads,
                 num_kv_heads,
                 head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
                 plan,
             },
             &mut part_o,

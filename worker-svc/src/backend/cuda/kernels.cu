@@ -72,25 +72,10 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// x[r] = table[tokens[r]]; one block per row.
-extern "C" __global__ void embed(const float* __restrict__ table,
-                                 const unsigned int* __restrict__ tokens,
-                                 float* __restrict__ x, int h) {
-    const int r = blockIdx.x;
-    const float* src = table + (unsigned long long)tokens[r] * h;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) x[(unsigned long long)r * h + i] = src[i];
-}
-
-// out[r] = x[src] / rms(x[src]) * w, src = rows[r] when use_rows else r,
-// rounded to bf16 (the input of a product). One block of 256 threads per row.
-extern "C" __global__ void rms_norm(const float* __restrict__ x,
-                                    const unsigned int* __restrict__ rows, int use_rows,
-                                    const float* __restrict__ w, act_t* __restrict__ out,
-                                    int h, float eps) {
+// 1 / rms(row) over h values, for every thread of the block (at most 1024
+// threads, a whole number of warps).
+__device__ __forceinline__ float rms_scale(const float* row, int h, float eps) {
     __shared__ float partial[32];
-    const int r = blockIdx.x;
-    const unsigned long long src = use_rows ? rows[r] : (unsigned int)r;
-    const float* row = x + src * h;
     float s = 0.0f;
     for (int i = threadIdx.x; i < h; i += blockDim.x) s += row[i] * row[i];
     s = warp_sum(s);
@@ -102,7 +87,75 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x,
         if (threadIdx.x == 0) partial[0] = v;
     }
     __syncthreads();
-    const float scale = rsqrtf(partial[0] / (float)h + eps);
+    return rsqrtf(partial[0] / (float)h + eps);
+}
+
+// x[r] = table[tokens[r]] * scale (Gemma scales by sqrt(hidden), others
+// by 1); one block per row.
+extern "C" __global__ void embed(const float* __restrict__ table,
+                                 const unsigned int* __restrict__ tokens,
+                                 float* __restrict__ x, int h, float scale) {
+    const int r = blockIdx.x;
+    const float* src = table + (unsigned long long)tokens[r] * h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        x[(unsigned long long)r * h + i] = src[i] * scale;
+    }
+}
+
+// Before RoPE, in place over each row of qkv (Q | K | V heads of D): the
+// Q/K/V biases when has_bias (Qwen2; `bias` holds the (q_heads + 2 KV_HEADS)
+// * D of them), then when has_norm the per-head RMSNorm of every query head
+// by q_norm and every key head by k_norm (Qwen3, Gemma 3). One block per
+// row; warp w takes heads w, w + warps, ...
+extern "C" __global__ void qkv_prep(float* __restrict__ qkv, int stride, int q_heads,
+                                    int has_bias, const float* __restrict__ bias,
+                                    int has_norm, const float* __restrict__ q_norm,
+                                    const float* __restrict__ k_norm, float eps) {
+    float* row = qkv + (unsigned long long)blockIdx.x * stride;
+    const int heads = q_heads + 2 * KV_HEADS;
+    if (has_bias) {
+        for (int i = threadIdx.x; i < heads * D; i += blockDim.x) row[i] += bias[i];
+        __syncthreads();
+    }
+    if (!has_norm) return;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (int head = threadIdx.x >> 5; head < q_heads + KV_HEADS; head += warps) {
+        float* x = row + head * D;
+        const float* w = head < q_heads ? q_norm : k_norm;
+        float s = 0.0f;
+        for (int i = lane; i < D; i += 32) s += x[i] * x[i];
+        s = warp_sum(s);
+        const float scale = rsqrtf(s / (float)D + eps);
+        for (int i = lane; i < D; i += 32) x[i] = x[i] * scale * w[i];
+    }
+}
+
+// x[r] += y[r] / rms(y[r]) * w: a post-norm before the residual add
+// (Gemma). One block of 256 threads per row.
+extern "C" __global__ void rms_norm_add(float* __restrict__ x, const float* __restrict__ y,
+                                        const float* __restrict__ w, int h, float eps) {
+    const unsigned long long r = blockIdx.x;
+    const float* row = y + r * h;
+    const float scale = rms_scale(row, h, eps);
+    for (int i = threadIdx.x; i < h; i += blockDim.x) x[r * h + i] += row[i] * scale * w[i];
+}
+
+// v = cap * tanh(v / cap) over n values (Gemma 2's final logit soft-cap).
+extern "C" __global__ void soft_cap(float* __restrict__ v, long long n, float cap) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) v[i] = tanhf(v[i] / cap) * cap;
+}
+
+// out[r] = x[src] / rms(x[src]) * w, src = rows[r] when use_rows else r,
+// rounded to bf16 (the input of a product). One block of 256 threads per row.
+extern "C" __global__ void rms_norm(const float* __restrict__ x,
+                                    const unsigned int* __restrict__ rows, int use_rows,
+                                    const float* __restrict__ w, act_t* __restrict__ out,
+                                    int h, float eps) {
+    const int r = blockIdx.x;
+    const unsigned long long src = use_rows ? rows[r] : (unsigned int)r;
+    const float* row = x + src * h;
+    const float scale = rms_scale(row, h, eps);
     for (int i = threadIdx.x; i < h; i += blockDim.x) {
         out[(unsigned long long)r * h + i] = f32_to_bf16(row[i] * scale * w[i]);
     }
@@ -146,16 +199,20 @@ extern "C" __global__ void rope_write_kv(float* __restrict__ qkv, int stride, in
     }
 }
 
-// out[r][c] = silu(gate) * up over rows [gate | up] of width 2f, in bf16
-// (the input of the down product); out rows are f wide.
+// out[r][c] = act(gate) * up over rows [gate | up] of width 2f, in bf16
+// (the input of the down product); out rows are f wide. act is silu, or
+// GELU with the tanh approximation when gelu is 1 (Gemma's GeGLU).
 extern "C" __global__ void swiglu(const float* __restrict__ gate_up, int f, int n,
-                                  act_t* __restrict__ out) {
+                                  act_t* __restrict__ out, int gelu) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const int r = i / f, c = i % f;
     const float* row = gate_up + (unsigned long long)r * 2 * f;
     const float g = row[c];
-    out[i] = f32_to_bf16(g / (1.0f + __expf(-g)) * row[f + c]);
+    // sqrt(2 / pi) and 0.044715, as PyTorch's gelu(approximate="tanh").
+    const float a = gelu ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))
+                         : g / (1.0f + __expf(-g));
+    out[i] = f32_to_bf16(a * row[f + c]);
 }
 
 // Partial-block reuse: copies slots [0, n) of one block into another block
@@ -274,6 +331,13 @@ paged_attention(const float* __restrict__ q, int q_stride, float scale,
 #endif
                 }
             }
+#ifdef ATTN_SOFTCAP
+            // Scores are in base 2 (score * log2 e): cap the natural score,
+            // cap * tanh(score / cap), in the same units.
+            const float cap2 = ATTN_SOFTCAP * 1.4426950408889634f;
+#pragma unroll
+            for (int g = 0; g < G; ++g) sc[g] = cap2 * tanhf(sc[g] / cap2);
+#endif
         } else {
 #pragma unroll
             for (int g = 0; g < G; ++g) sc[g] = NEG_INF;

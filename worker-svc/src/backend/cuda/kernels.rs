@@ -80,6 +80,9 @@ pub(super) struct Kernels {
     pub(super) rms_norm: CudaFunction,
     pub(super) rope_write_kv: CudaFunction,
     pub(super) swiglu: CudaFunction,
+    pub(super) qkv_prep: CudaFunction,
+    pub(super) rms_norm_add: CudaFunction,
+    pub(super) soft_cap: CudaFunction,
     pub(super) copy_kv_slots: CudaFunction,
     pub(super) paged_attention: CudaFunction,
     pub(super) paged_attention_mma: Option<MmaAttention>,
@@ -103,6 +106,10 @@ pub(super) struct KernelShape {
     pub(super) kv_heads: usize,
     pub(super) tokens_per_block: usize,
     pub(super) kv_dtype: KvDtype,
+    /// Gemma 2's `cap * tanh(score / cap)` on the attention scores: only
+    /// the general kernel applies it, so a capped model never takes the
+    /// tensor-core one.
+    pub(super) attn_softcap: Option<f32>,
 }
 
 impl Kernels {
@@ -115,10 +122,6 @@ impl Kernels {
         shape: KernelShape,
         tuning: AttentionTuning,
     ) -> Result<Self> {
-        let dtype = match shape.kv_dtype {
-            KvDtype::F16 => "KV_F16",
-            KvDtype::Bf16 => "KV_BF16",
-        };
         let (major, minor) = ctx
             .compute_capability()
             .map_err(cuda_err("compute capability"))?;
@@ -146,6 +149,7 @@ impl Kernels {
         let merge_bytes = warps * 8 * frags * (shape.head_dim + 4) * 4;
         let mma_smem = pipeline_bytes.max(merge_bytes);
         let use_mma = tuning.tensor_cores
+            && shape.attn_softcap.is_none()
             && major >= 8
             && matches!(shape.head_dim, 64 | 128)
             && shape.group <= 8
@@ -158,10 +162,7 @@ impl Kernels {
         } else {
             String::new()
         };
-        let src = format!(
-            "#define HEAD_DIM {}\n#define GROUP {}\n#define KV_HEADS {}\n#define TOKENS_PER_BLOCK {}\n#define {dtype} 1\n{mma_defines}{KERNELS}",
-            shape.head_dim, shape.group, shape.kv_heads, shape.tokens_per_block
-        );
+        let src = source(&shape, &mma_defines);
         let arch = match (major, minor) {
             (9, 0) => Some("compute_90"),
             (8, 0) => Some("compute_80"),
@@ -212,6 +213,9 @@ impl Kernels {
             rms_norm: f("rms_norm")?,
             rope_write_kv: f("rope_write_kv")?,
             swiglu: f("swiglu")?,
+            qkv_prep: f("qkv_prep")?,
+            rms_norm_add: f("rms_norm_add")?,
+            soft_cap: f("soft_cap")?,
             copy_kv_slots: f("copy_kv_slots")?,
             paged_attention: f("paged_attention")?,
             paged_attention_mma,
@@ -224,6 +228,24 @@ impl Kernels {
             fill_random: f("fill_random")?,
         })
     }
+}
+
+/// `kernels.cu` for `shape`, after the `#define`s it is compiled with
+/// (`mma_defines`: the tensor-core kernel's, or empty).
+fn source(shape: &KernelShape, mma_defines: &str) -> String {
+    let dtype = match shape.kv_dtype {
+        KvDtype::F16 => "KV_F16",
+        KvDtype::Bf16 => "KV_BF16",
+    };
+    let softcap = match shape.attn_softcap {
+        // `{:?}` always writes a decimal point, so `f` makes a float literal.
+        Some(cap) => format!("#define ATTN_SOFTCAP {cap:?}f\n"),
+        None => String::new(),
+    };
+    format!(
+        "#define HEAD_DIM {}\n#define GROUP {}\n#define KV_HEADS {}\n#define TOKENS_PER_BLOCK {}\n#define {dtype} 1\n{mma_defines}{softcap}{KERNELS}",
+        shape.head_dim, shape.group, shape.kv_heads, shape.tokens_per_block
+    )
 }
 
 /// How one attention launch splits its keys: each row's keys, from its own
@@ -308,4 +330,52 @@ pub(super) fn group_launches(group_first: &[i32], rows_per_launch: usize) -> Vec
         g0 = g1;
     }
     launches
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC alone, no device: the source compiles for the variants the
+    /// models take (head widths 16 to 256, a soft-capped general kernel,
+    /// the tensor-core kernel, both arena types). Without libnvrtc the test
+    /// says so and returns; under `KVLEASE_REQUIRE_GPU=1` that is a failure.
+    #[test]
+    fn the_kernel_source_compiles_for_every_variant() {
+        // SAFETY: only tries to dlopen the library; no symbol is used.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            assert!(
+                std::env::var("KVLEASE_REQUIRE_GPU").map_or(true, |v| v != "1"),
+                "libnvrtc is not present but KVLEASE_REQUIRE_GPU=1"
+            );
+            eprintln!("skipped: libnvrtc is not present");
+            return;
+        }
+        let shape = |head_dim, group, kv_dtype, attn_softcap| KernelShape {
+            head_dim,
+            group,
+            kv_heads: 2,
+            tokens_per_block: 16,
+            kv_dtype,
+            attn_softcap,
+        };
+        let mma =
+            "#define ATTN_MMA 1\n#define MMA_WARPS 4\n#define MMA_STAGES 3\n#define MMA_FRAGS 2\n";
+        let variants = [
+            (shape(16, 2, KvDtype::Bf16, Some(4.0)), ""),
+            (shape(32, 2, KvDtype::F16, None), ""),
+            (shape(256, 8, KvDtype::Bf16, Some(50.0)), ""),
+            (shape(64, 4, KvDtype::Bf16, None), mma),
+            (shape(128, 2, KvDtype::F16, None), mma),
+        ];
+        for (shape, defines) in variants {
+            let options = CompileOptions {
+                arch: Some("compute_90"),
+                ..Default::default()
+            };
+            if let Err(e) = cudarc::nvrtc::compile_ptx_with_opts(source(&shape, defines), options) {
+                panic!("{shape:?} {defines:?}: {e}");
+            }
+        }
+    }
 }

@@ -68,11 +68,14 @@ pub(super) struct AttentionArgs<'a> {
     pub(super) num_heads: usize,
     pub(super) num_kv_heads: usize,
     pub(super) head_dim: usize,
+    /// The softmax scale of the scores (`ModelConfig::attn_scale`).
+    pub(super) scale: f32,
     pub(super) plan: SplitPlan,
 }
 
 impl Launcher<'_> {
-    /// `x[r] = table[tokens[r]]` for `rows` rows of width `h`.
+    /// `x[r] = table[tokens[r]] * scale` for `rows` rows of width `h`.
+    #[allow(clippy::too_many_arguments)] // the kernel's own parameters
     pub(super) fn embed(
         &self,
         table: &CudaSlice<f32>,
@@ -80,12 +83,13 @@ impl Launcher<'_> {
         x: &mut CudaSlice<f32>,
         rows: usize,
         h: usize,
+        scale: f32,
     ) -> Result<()> {
         check_len("embed", "tokens", tokens.len(), rows)?;
         check_len("embed", "x", x.len(), rows * h)?;
         let h_i = h as i32;
         // SAFETY: matches `embed(const float*, const unsigned int*, float*,
-        // int h)`; the grid covers `rows` rows of `tokens` and `x` (checked
+        // int h, float scale)`; the grid covers `rows` rows of `tokens` and `x` (checked
         // above); every token id is below the vocabulary (`batch::validate`),
         // so `table` (vocab × h) holds the row read.
         unsafe {
@@ -95,6 +99,7 @@ impl Launcher<'_> {
                 .arg(tokens)
                 .arg(x)
                 .arg(&h_i)
+                .arg(&scale)
                 .launch(per_row(rows, 256))
         }
         .map_err(cuda_err("embed"))?;
@@ -202,20 +207,22 @@ impl Launcher<'_> {
         Ok(())
     }
 
-    /// `out = silu(gate) * up` in bf16 over `rows` rows `[gate | up]` of
-    /// width `2f` (`out` rows are `f` wide).
+    /// `out = act(gate) * up` in bf16 over `rows` rows `[gate | up]` of
+    /// width `2f` (`out` rows are `f` wide); `act` is silu, or GELU (tanh)
+    /// when `gelu`.
     pub(super) fn swiglu(
         &self,
         gate_up: &CudaSlice<f32>,
         f: usize,
         rows: usize,
         out: &mut CudaSlice<bf16>,
+        gelu: bool,
     ) -> Result<()> {
         check_len("swiglu", "gate_up", gate_up.len(), rows * 2 * f)?;
         check_len("swiglu", "out", out.len(), rows * f)?;
-        let (f_i, n) = (f as i32, (rows * f) as i32);
+        let (f_i, n, gelu_i) = (f as i32, (rows * f) as i32, i32::from(gelu));
         // SAFETY: matches `swiglu(const float* gate_up, int f, int n, act_t*
-        // out)`; threads past n return; n = rows × f elements of `out` and
+        // out, int gelu)`; threads past n return; n = rows × f elements of `out` and
         // their rows of width 2f in `gate_up` exist (checked above).
         unsafe {
             self.stream
@@ -224,9 +231,118 @@ impl Launcher<'_> {
                 .arg(&f_i)
                 .arg(&n)
                 .arg(out)
+                .arg(&gelu_i)
                 .launch(LaunchConfig::for_num_elems(n as u32))
         }
         .map_err(cuda_err("swiglu"))?;
+        Ok(())
+    }
+
+    /// Before RoPE, over `rows` rows of `qkv` (rows of `stride`, Q | K | V
+    /// heads of `head_dim`): adds `bias` (all Q, K and V columns) when
+    /// given, then RMSNorms every query head by `norms.0` and every key
+    /// head by `norms.1` when given.
+    #[allow(clippy::too_many_arguments)] // the kernel's own parameters
+    pub(super) fn qkv_prep(
+        &self,
+        qkv: &mut CudaSlice<f32>,
+        (stride, q_heads, kv_heads, head_dim): (usize, usize, usize, usize),
+        bias: Option<&CudaSlice<f32>>,
+        norms: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
+        eps: f32,
+        rows: usize,
+    ) -> Result<()> {
+        let width = (q_heads + 2 * kv_heads) * head_dim;
+        check_len("qkv_prep", "qkv", qkv.len(), rows * stride)?;
+        check_len("qkv_prep", "a qkv row", stride, width)?;
+        if let Some(b) = bias {
+            check_len("qkv_prep", "bias", b.len(), width)?;
+        }
+        if let Some((q, k)) = norms {
+            check_len("qkv_prep", "q_norm", q.len(), head_dim)?;
+            check_len("qkv_prep", "k_norm", k.len(), head_dim)?;
+        }
+        let (stride_i, q_heads_i) = (stride as i32, q_heads as i32);
+        let (has_bias, has_norm) = (i32::from(bias.is_some()), i32::from(norms.is_some()));
+        // SAFETY: matches `qkv_prep(float* qkv, int stride, int q_heads, int
+        // has_bias, const float* bias, int has_norm, const float* q_norm,
+        // const float* k_norm, float eps)`, compiled for this model's
+        // HEAD_DIM and KV_HEADS; the grid covers `rows` rows of `qkv`, each
+        // holding the Q, K and V heads (checked above); `bias` holds every
+        // column of a row and the norms `head_dim` entries (checked above);
+        // the kernel reads a pointer only when its flag is 1, so a null
+        // stands in for an absent one. 128 threads: whole warps, as the
+        // per-head reductions need.
+        unsafe {
+            let null = 0u64;
+            let mut b = self.stream.launch_builder(&self.kernels.qkv_prep);
+            b.arg(qkv).arg(&stride_i).arg(&q_heads_i).arg(&has_bias);
+            match bias {
+                Some(v) => b.arg(v),
+                None => b.arg(&null),
+            };
+            b.arg(&has_norm);
+            match norms {
+                Some((q, k)) => b.arg(q).arg(k),
+                None => b.arg(&null).arg(&null),
+            };
+            b.arg(&eps).launch(per_row(rows, 128))
+        }
+        .map_err(cuda_err("qkv_prep"))?;
+        Ok(())
+    }
+
+    /// `x[r] += y[r] / rms(y[r]) * w` for `rows` rows of width `h`.
+    pub(super) fn rms_norm_add(
+        &self,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        h: usize,
+        eps: f32,
+    ) -> Result<()> {
+        check_len("rms_norm_add", "w", w.len(), h)?;
+        check_len("rms_norm_add", "x", x.len(), rows * h)?;
+        check_len("rms_norm_add", "y", y.len(), rows * h)?;
+        let h_i = h as i32;
+        // SAFETY: matches `rms_norm_add(float* x, const float* y, const
+        // float* w, int h, float eps)`; the grid covers `rows` rows of `x`
+        // and `y`, and `w` holds `h` entries (checked above).
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.rms_norm_add)
+                .arg(x)
+                .arg(y)
+                .arg(w)
+                .arg(&h_i)
+                .arg(&eps)
+                .launch(per_row(rows, 256))
+        }
+        .map_err(cuda_err("rms_norm_add"))?;
+        Ok(())
+    }
+
+    /// `v = cap * tanh(v / cap)` over the first `n` values of `v`.
+    pub(super) fn soft_cap(&self, v: &mut CudaSlice<f32>, n: usize, cap: f32) -> Result<()> {
+        check_len("soft_cap", "v", v.len(), n)?;
+        let n_i = n as i64;
+        let blocks = n.div_ceil(256) as u32;
+        // SAFETY: matches `soft_cap(float* v, long long n, float cap)`;
+        // threads past n return and `v` holds n values (checked above).
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.soft_cap)
+                .arg(v)
+                .arg(&n_i)
+                .arg(&cap)
+                .launch(LaunchConfig {
+                    grid_dim: (blocks.max(1), 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+        }
+        .map_err(cuda_err("soft_cap"))?;
         Ok(())
     }
 
@@ -345,7 +461,8 @@ impl Launcher<'_> {
             partials * a.head_dim,
         )?;
         check_len("paged_attention", "part_ml", part_ml.len(), partials * 2)?;
-        let scale = std::f32::consts::LOG2_E / (a.head_dim as f32).sqrt();
+        // The kernels' softmax is in base 2.
+        let scale = std::f32::consts::LOG2_E * a.scale;
         let q_stride = a.q_stride as i32;
         let window = a.window as i32;
         let split_len = a.plan.split_len as i32;

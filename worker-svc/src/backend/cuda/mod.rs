@@ -1,7 +1,8 @@
 //! The CUDA backend (feature `cuda`): weights, activations and a 16-bit KV
 //! arena (f16 or bf16) in device memory; kernels compiled at start-up with
-//! NVRTC (`kernels.cu`: embedding, RMSNorm, RoPE with the K/V scatter into
-//! the leased slots, SwiGLU, split-key paged attention for decode and prefill rows
+//! NVRTC (`kernels.cu`: embedding, RMSNorm, Q/K/V biases and per-head Q/K
+//! norms, RoPE with the K/V scatter into the leased slots, SwiGLU or GeGLU,
+//! post-norms added to the residual, split-key paged attention for decode and prefill rows
 //! with per-layer windows — on the tensor cores for head widths 64 and 128,
 //! see [`AttentionTuning`] — and the merge of the splits); matrix products
 //! as f32 cuBLAS GEMMs over every token of the batch.

@@ -43,6 +43,32 @@ pub(super) struct DeviceLayer {
     pub(super) mlp_norm: CudaSlice<f32>,
     pub(super) w_gate_up: CudaSlice<bf16>,
     pub(super) w_down: CudaSlice<bf16>,
+    /// Q/K/V biases (Qwen2), f32.
+    pub(super) qkv_bias: Option<CudaSlice<f32>>,
+    /// Per-head norms of Q and K (Qwen3, Gemma 3).
+    pub(super) qk_norm: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    /// Norms of the attention and MLP outputs (Gemma).
+    pub(super) post_norms: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+}
+
+impl DeviceLayer {
+    /// Bytes of the layer on the device.
+    fn bytes(&self) -> u64 {
+        let f32_bytes = |v: &CudaSlice<f32>| v.len() as u64 * 4;
+        let bf16_bytes = |v: &CudaSlice<bf16>| v.len() as u64 * 2;
+        let pair = |p: &Option<(CudaSlice<f32>, CudaSlice<f32>)>| {
+            p.as_ref().map_or(0, |(a, b)| f32_bytes(a) + f32_bytes(b))
+        };
+        f32_bytes(&self.attn_norm)
+            + f32_bytes(&self.mlp_norm)
+            + self.qkv_bias.as_ref().map_or(0, f32_bytes)
+            + pair(&self.qk_norm)
+            + pair(&self.post_norms)
+            + bf16_bytes(&self.wqkv)
+            + bf16_bytes(&self.wo)
+            + bf16_bytes(&self.w_gate_up)
+            + bf16_bytes(&self.w_down)
+    }
 }
 
 /// The model's weights in device memory. Host weights stay f32 whatever
@@ -64,6 +90,9 @@ impl DeviceWeights {
     pub(super) fn upload(stream: &Arc<CudaStream>, weights: &Weights) -> Result<Self> {
         let up = |v: &[f32]| upload(stream, v, "upload");
         let up_bf16 = |parts: &[&[f32]]| upload(stream, &bf16_concat(parts), "upload");
+        let up_pair = |p: &Option<(Vec<f32>, Vec<f32>)>| -> Result<_> {
+            p.as_ref().map(|(a, b)| Ok((up(a)?, up(b)?))).transpose()
+        };
         let layers = weights
             .layers
             .iter()
@@ -75,6 +104,9 @@ impl DeviceWeights {
                     mlp_norm: up(&l.mlp_norm)?,
                     w_gate_up: up_bf16(&[&l.w_gate.f32(), &l.w_up.f32()])?,
                     w_down: up_bf16(&[&l.w_down.f32()])?,
+                    qkv_bias: l.qkv_bias.as_deref().map(up).transpose()?,
+                    qk_norm: up_pair(&l.qk_norm)?,
+                    post_norms: up_pair(&l.post_norms)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -86,17 +118,7 @@ impl DeviceWeights {
         let bytes = f32_bytes(&embed)
             + f32_bytes(&final_norm)
             + bf16_bytes(&head)
-            + layers
-                .iter()
-                .map(|l| {
-                    f32_bytes(&l.attn_norm)
-                        + f32_bytes(&l.mlp_norm)
-                        + bf16_bytes(&l.wqkv)
-                        + bf16_bytes(&l.wo)
-                        + bf16_bytes(&l.w_gate_up)
-                        + bf16_bytes(&l.w_down)
-                })
-                .sum::<u64>();
+            + layers.iter().map(DeviceLayer::bytes).sum::<u64>();
         Ok(DeviceWeights {
             embed,
             layers,
@@ -136,7 +158,13 @@ pub(super) struct Activations {
     pub(super) argmax: CudaSlice<u32>,
     pub(super) part_o: CudaSlice<f32>,
     pub(super) part_ml: CudaSlice<f32>,
+    /// The attention or MLP output before its post-norm (Gemma; empty
+    /// otherwise).
+    pub(super) branch: CudaSlice<f32>,
+    /// RoPE frequencies: the model's, and those of its sliding-window
+    /// layers when they differ (Gemma 3).
     pub(super) inv_freq: CudaSlice<f32>,
+    pub(super) inv_freq_local: Option<CudaSlice<f32>>,
     /// (row × split) pairs `part_o` and `part_ml` hold.
     pub(super) part_cap: usize,
     /// Bytes of all of the above.
@@ -164,10 +192,19 @@ impl Activations {
         let zeros_bf16 = |n: usize| stream.alloc_zeros::<bf16>(n).map_err(cuda_err("alloc"));
         // The same frequencies as the CPU pass, RoPE scaling (llama3, GGUF
         // frequency factors) included.
-        let inv_freq: Vec<f32> = cfg.rope_inv_freq().iter().map(|&f| f as f32).collect();
+        let to_f32 = |freqs: Vec<f64>| -> Vec<f32> { freqs.iter().map(|&f| f as f32).collect() };
+        let inv_freq = to_f32(cfg.rope_inv_freq());
+        let local = cfg
+            .layer_windows
+            .iter()
+            .position(|&w| w > 0)
+            .map(|layer| to_f32(cfg.layer_inv_freq(layer)))
+            .filter(|local| *local != inv_freq);
+        let branch = if cfg.arch.post_norms { t * h } else { 0 };
         let f32_elems = t * (h + qd + 2 * kvd + 2 * f + cfg.vocab_size)
+            + branch
             + part_cap * cfg.num_heads * (d + 2)
-            + d / 2;
+            + d / 2 * (1 + usize::from(local.is_some()));
         let bf16_elems = t * (2 * h + qd + f);
         Ok(Activations {
             x: zeros(t * h)?,
@@ -181,7 +218,10 @@ impl Activations {
             argmax: stream.alloc_zeros::<u32>(t).map_err(cuda_err("alloc"))?,
             part_o: zeros(part_cap * cfg.num_heads * d)?,
             part_ml: zeros(part_cap * cfg.num_heads * 2)?,
+            // At least one element, so the buffer exists without post-norms.
+            branch: zeros(branch.max(1))?,
             inv_freq: upload(stream, &inv_freq, "upload")?,
+            inv_freq_local: local.map(|l| upload(stream, &l, "upload")).transpose()?,
             part_cap,
             bytes: f32_elems as u64 * 4 + bf16_elems as u64 * 2 + t as u64 * 4,
         })
