@@ -184,6 +184,12 @@ impl<R> Ranked<R> {
             ranker,
         }
     }
+
+    /// The policy's own state, for its tests.
+    #[cfg(test)]
+    pub(super) fn ranker(&self) -> &R {
+        &self.ranker
+    }
 }
 
 // === impl PriorityLru ===

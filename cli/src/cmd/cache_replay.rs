@@ -32,6 +32,10 @@ pub(crate) struct CacheReplayArgs {
     /// Replay only the first N requests (0 = all).
     #[arg(long, default_value_t = 0)]
     requests: usize,
+    /// Blocks prepended to every request: a system prompt that every
+    /// session shares (0 = the trace as it is).
+    #[arg(long, default_value_t = 0)]
+    shared_root: u32,
 }
 
 /// Runs `kvlease cache-replay` with `a`.
@@ -42,6 +46,7 @@ pub(crate) async fn run(a: CacheReplayArgs) -> ExitCode {
         policies: a.policy,
         concurrency: a.concurrency,
         limit: a.requests,
+        shared_root: a.shared_root,
     };
     match replay::run(options).await {
         Ok(_) => ExitCode::SUCCESS,

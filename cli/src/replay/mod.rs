@@ -36,6 +36,22 @@ pub struct ReplayOptions {
     pub concurrency: usize,
     /// Replay only the first N requests (0 = all).
     pub limit: usize,
+    /// Blocks prepended to every request (a system prompt every session
+    /// shares; 0 = the trace as it is).
+    pub shared_root: u32,
+}
+
+/// `hash_ids` with the same `blocks` ids (ones no trace uses: counted down
+/// from `u64::MAX`) opening every request.
+pub fn with_shared_root(hash_ids: Vec<Vec<u64>>, blocks: u32) -> Vec<Vec<u64>> {
+    if blocks == 0 {
+        return hash_ids;
+    }
+    let root: Vec<u64> = (0..u64::from(blocks)).map(|j| u64::MAX - j).collect();
+    hash_ids
+        .into_iter()
+        .map(|ids| root.iter().copied().chain(ids).collect())
+        .collect()
 }
 
 /// One policy at one capacity.
@@ -125,7 +141,10 @@ pub async fn run(options: ReplayOptions) -> Result<Report> {
     if options.limit > 0 {
         records.truncate(options.limit);
     }
-    let hash_ids: Vec<Vec<u64>> = records.into_iter().map(|r| r.hash_ids).collect();
+    let hash_ids = with_shared_root(
+        records.into_iter().map(|r| r.hash_ids).collect(),
+        options.shared_root,
+    );
     let report = replay_all(
         &hash_ids,
         &options.capacities,
