@@ -289,7 +289,7 @@ impl BlockPool {
         }
         let m = &self.meta[block as usize];
         let after = Self::state_of(m);
-        let (priority, leaf) = (m.priority, m.children == 0);
+        let (priority, leaf, partial) = (m.priority, m.children == 0, m.partial);
         if before == after {
             return;
         }
@@ -299,6 +299,7 @@ impl BlockPool {
             self.eviction.remove(block);
         }
         match after {
+            BlockState::Cached if partial => self.eviction.insert_partial(block, priority),
             BlockState::Cached => self.eviction.insert(block, priority, leaf),
             BlockState::Free => self.free_list.push(block),
             BlockState::InUse | BlockState::Fenced => {}

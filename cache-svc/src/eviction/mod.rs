@@ -42,6 +42,15 @@ pub const MAX_PRIORITY: u8 = 100;
 pub trait EvictionPolicy: Send + fmt::Debug {
     /// `block` became evictable (most recently used now).
     fn insert(&mut self, block: BlockId, priority: u8, leaf: bool);
+    /// `block`, a kept partly filled block (always a leaf, never a hit:
+    /// its slots are copied), became evictable. It ranks as released just
+    /// before the most recently released block, so it goes before every
+    /// full block of its own release (its parent among them, which it is
+    /// useless without) and of any later one, and its credit is the lowest
+    /// a released block can have.
+    fn insert_partial(&mut self, block: BlockId, priority: u8) {
+        self.insert(block, priority, true);
+    }
     /// `block` is no longer evictable (reused, or evicted by the pool).
     fn remove(&mut self, block: BlockId);
     /// `block`'s leaf status changed while it is evictable.

@@ -36,6 +36,16 @@ pub(crate) struct CacheReplayArgs {
     /// session shares (0 = the trace as it is).
     #[arg(long, default_value_t = 0)]
     shared_root: u32,
+    /// Replay with partial-block reuse on, keeping partly filled blocks of
+    /// at least this many tokens (off when not given: the replayed prompts
+    /// end with one token of their own, so 1 keeps one such block per
+    /// request, and the simulations assume none).
+    #[arg(long)]
+    partial_min_tokens: Option<u32>,
+    /// Drive the cache service's core in this process, not a service over
+    /// gRPC: the same calls, the same figures, many times faster.
+    #[arg(long)]
+    in_process: bool,
 }
 
 /// Runs `kvlease cache-replay` with `a`.
@@ -47,6 +57,8 @@ pub(crate) async fn run(a: CacheReplayArgs) -> ExitCode {
         concurrency: a.concurrency,
         limit: a.requests,
         shared_root: a.shared_root,
+        partial_min_tokens: a.partial_min_tokens,
+        in_process: a.in_process,
     };
     match replay::run(options).await {
         Ok(_) => ExitCode::SUCCESS,
