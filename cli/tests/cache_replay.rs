@@ -55,7 +55,12 @@ async fn the_in_process_replay_equals_the_service_for_every_policy() {
     // `cache-replay --in-process` drives the core with the calls the gRPC
     // replay makes: the same figures, partial reuse on or off.
     let trace = conversation_trace(80, 11);
-    let cases = [(64, 1, None), (160, 3, Some(1)), (48, 2, Some(1))];
+    let cases = [
+        (64, 1, None),
+        (160, 3, Some(1)),
+        (48, 2, Some(1)),
+        (96, 2, None),
+    ];
     for (policy, (capacity, concurrency, partial)) in PolicyKind::ALL.into_iter().zip(cases) {
         let mut config = drive::service_config(policy);
         if let Some(min) = partial {

@@ -118,6 +118,10 @@ impl LeafFirst {
         self.tier_of(block).is_some()
     }
 
+    fn rank_of(&self, block: BlockId) -> Option<Rank> {
+        self.tier_of(block).map(|_| self.rank[block as usize])
+    }
+
     fn len(&self) -> usize {
         self.sets[0].len() + self.sets[1].len()
     }
@@ -181,6 +185,13 @@ impl<R: Ranker> EvictionPolicy for Ranked<R> {
         let (block, rank) = self.blocks.pop()?;
         self.ranker.evicted(block, rank.credit);
         Some(block)
+    }
+
+    fn evicted(&mut self, block: BlockId) {
+        if let Some(rank) = self.blocks.rank_of(block) {
+            self.blocks.remove(block);
+            self.ranker.evicted(block, rank.credit);
+        }
     }
 
     fn contains(&self, block: BlockId) -> bool {

@@ -24,7 +24,7 @@ pub(crate) struct CacheReplayArgs {
     )]
     capacity: Vec<u32>,
     /// Eviction policies, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "lru,lfu,chain")]
+    #[arg(long, value_delimiter = ',', default_value = "lru,lfu,chain,adaptive")]
     policy: Vec<PolicyKind>,
     /// Requests held at once (interleaved replay).
     #[arg(long, default_value_t = 1)]
