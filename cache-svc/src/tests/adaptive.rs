@@ -6,8 +6,31 @@ use crate::cache::CacheConfig;
 use crate::eviction::{EvictionConfig, PolicyKind};
 use crate::lease::Prompt;
 
+/// Writes what the fmt subscriber prints into a shared buffer.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Ok(mut b) = self.0.lock() {
+            b.extend_from_slice(buf);
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 #[test]
 fn invariant_an_adaptive_pool_switches_policy_and_stays_whole() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
     // 64 blocks of 4 tokens. 32 hot one-block prompts, each followed by a
     // one-off 4-block scan: an LRU of 64 blocks never keeps a hot block
     // (160 blocks pass between two uses), frequency and reuse do.
@@ -47,4 +70,20 @@ fn invariant_an_adaptive_pool_switches_policy_and_stays_whole() {
     assert!(policy.switches >= 1, "{policy:?}");
     // most hot prompts of the last 1,000 cycles hit
     assert!(hits_late > 800, "{hits_late} hits in 1,000 hot prompts");
+    // each switch is an event of the call that decided it
+    let text = captured
+        .0
+        .lock()
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+    let events: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("eviction policy switched"))
+        .collect();
+    assert_eq!(events.len() as u64, policy.switches, "{text}");
+    assert!(
+        events[0].contains("from=\"lru\"") || events[0].contains("from=lru"),
+        "{}",
+        events[0]
+    );
 }
