@@ -22,6 +22,9 @@ const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
 const DEFAULT_EVENT_BUFFER: usize = 8_192;
 const DEFAULT_EXPIRY_INTERVAL_MS: u64 = 500;
 const DEFAULT_AUDIT_INTERVAL_MS: u64 = 60_000;
+/// A kept partial block saves at most the tokens it holds; below this it
+/// costs a pool block for less than it can save (issue 28 point 4).
+pub(crate) const DEFAULT_PARTIAL_MIN_TOKENS: u32 = 4;
 const DEFAULT_EVICTION_POLICY: PolicyKind = PolicyKind::Lru;
 const DEFAULT_MAX_SESSIONS: usize = 4096;
 const DEFAULT_MAX_SESSIONS_PER_HOLDER: usize = 64;
@@ -122,6 +125,11 @@ pub struct Config {
     /// blocks and grant copies of their matching slots (true or false).
     #[arg(long, env = "KVLEASE_CACHE_PARTIAL_REUSE", default_value_t = true, action = clap::ArgAction::Set)]
     pub partial_reuse: bool,
+    /// Partial-block reuse keeps a released sequence's partly filled last
+    /// block only when it holds at least this many written tokens (what a
+    /// copy of it can save at most); a block holding fewer is freed.
+    #[arg(long, env = "KVLEASE_CACHE_PARTIAL_MIN_TOKENS", default_value_t = DEFAULT_PARTIAL_MIN_TOKENS)]
+    pub partial_min_tokens: u32,
     /// Transport limits (connections, keepalive, streams).
     #[command(flatten)]
     pub limits: kvlease_runtime::limits::ServeLimits,
@@ -145,6 +153,7 @@ impl Default for Config {
             eviction_policy: DEFAULT_EVICTION_POLICY,
             group_eviction_policy: Vec::new(),
             partial_reuse: true,
+            partial_min_tokens: DEFAULT_PARTIAL_MIN_TOKENS,
             max_sessions: DEFAULT_MAX_SESSIONS,
             max_sessions_per_holder: DEFAULT_MAX_SESSIONS_PER_HOLDER,
             max_pool_groups: DEFAULT_MAX_POOL_GROUPS,
@@ -184,6 +193,7 @@ impl Config {
                 groups: self.group_eviction_policy.clone(),
             },
             partial_reuse: self.partial_reuse,
+            partial_min_tokens: self.partial_min_tokens,
             ..CacheConfig::default()
         }
     }

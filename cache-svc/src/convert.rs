@@ -312,6 +312,18 @@ pub(crate) fn stats_to_pb(p: PoolStats) -> pb::PoolStats {
         demotions: p.counters.demotions,
         onboards: p.counters.onboards,
         demotions_dropped: p.counters.demotions_dropped,
+        eviction_policy: p.policy.configured.name().to_owned(),
+        current_policy: p.policy.current.name().to_owned(),
+        policy_estimates: p
+            .policy
+            .estimates
+            .iter()
+            .map(|&(policy, hit_rate)| pb::PolicyEstimate {
+                policy: policy.name().to_owned(),
+                hit_rate,
+            })
+            .collect(),
+        policy_switches: p.policy.switches,
     }
 }
 

@@ -7,6 +7,7 @@ use kvlease_telemetry::metrics::{Counter, CounterVec, Described, GaugeVec, Regis
 
 use crate::cache::Cache;
 use crate::error::{Error, Result};
+use crate::eviction::CANDIDATES;
 use crate::lease::Outcome;
 
 /// Handles to the series.
@@ -24,6 +25,9 @@ pub(crate) struct CacheMetrics {
     reuse_lookups: CounterVec<2>,
     hit_rate: GaugeVec<2>,
     estimated_hit_rate: GaugeVec<3>,
+    eviction_policy: GaugeVec<3>,
+    policy_estimated_hit_rate: GaugeVec<3>,
+    policy_switches: CounterVec<2>,
     leaks: CounterVec<2>,
     matched: Counter,
     host_blocks: GaugeVec<3>,
@@ -116,6 +120,28 @@ impl CacheMetrics {
                 [names::POOL_GROUP, names::POOL_ID, names::SCALE],
             )
             .map_err(fail)?;
+        let policy = [names::POOL_GROUP, names::POOL_ID, names::POLICY];
+        let eviction_policy = r
+            .gauge_vec(
+                names::EVICTION_POLICY,
+                "1 for the eviction policy picking a pool's victims now, 0 for the other candidates.",
+                policy,
+            )
+            .map_err(fail)?;
+        let policy_estimated_hit_rate = r
+            .gauge_vec(
+                names::POLICY_ESTIMATED_HIT_RATE,
+                "An adaptive pool's candidate policies' recent hit rates in their shadow pools.",
+                policy,
+            )
+            .map_err(fail)?;
+        let policy_switches = r
+            .counter_vec(
+                names::POLICY_SWITCHES_TOTAL,
+                "Times an adaptive pool changed the policy it follows.",
+                pool,
+            )
+            .map_err(fail)?;
         let leaks = r
             .counter_vec(
                 names::LEAKED_BLOCKS_RECLAIMED_TOTAL,
@@ -158,6 +184,9 @@ impl CacheMetrics {
             reuse_lookups,
             hit_rate,
             estimated_hit_rate,
+            eviction_policy,
+            policy_estimated_hit_rate,
+            policy_switches,
             leaks,
             matched,
         })
@@ -245,6 +274,19 @@ impl CacheMetrics {
                     .with([group, &id, &e.scale.to_string()])
                     .set(e.hit_rate);
             }
+            let policy = cache.policy_stats(p);
+            for kind in CANDIDATES {
+                let current = if kind == policy.current { 1.0 } else { 0.0 };
+                self.eviction_policy
+                    .with([group, &id, kind.name()])
+                    .set(current);
+            }
+            for (kind, rate) in &policy.estimates {
+                self.policy_estimated_hit_rate
+                    .with([group, &id, kind.name()])
+                    .set(*rate);
+            }
+            catch_up(&self.policy_switches, pool, policy.switches);
         }
         self.registry.render()
     }
@@ -269,8 +311,14 @@ impl CacheMetrics {
             &self.reuse_hits,
             &self.reuse_lookups,
             &self.leaks,
+            &self.policy_switches,
         ] {
             counter.remove(pool);
+        }
+        for kind in CANDIDATES {
+            self.eviction_policy.remove([group, id, kind.name()]);
+            self.policy_estimated_hit_rate
+                .remove([group, id, kind.name()]);
         }
         self.hit_rate.remove(pool);
         for scale in crate::mrc::SCALES {
@@ -359,6 +407,41 @@ mod tests {
             text.contains(
                 r#"kvlease_cache_estimated_hit_rate{pool_group="g",pool_id="1",scale="0.5"} 0.0"#
             ),
+            "{text}"
+        );
+        for (policy, current) in [("lru", "1.0"), ("lfu", "0.0"), ("chain", "0.0")] {
+            let line = format!(
+                r#"kvlease_cache_eviction_policy{{pool_group="g",pool_id="1",policy="{policy}"}} {current}"#
+            );
+            assert!(text.contains(&line), "{line} in {text}");
+        }
+        assert!(
+            !text.contains("kvlease_cache_policy_estimated_hit_rate{"),
+            "a fixed policy has no candidates: {text}"
+        );
+    }
+
+    #[test]
+    fn an_adaptive_pool_exports_its_choice_candidates_and_switches() {
+        let mut config = CacheConfig::default();
+        config.eviction.default = crate::eviction::PolicyKind::Adaptive;
+        let mut cache = Cache::with_epoch(config, crate::Epoch(1));
+        cache.register_pool("g", 4, &[(0, 8)]).unwrap();
+        let stats = cache.stats(Some("g")).unwrap();
+        let policy = &stats.pools[0].policy;
+        assert_eq!(policy.configured, crate::eviction::PolicyKind::Adaptive);
+        assert_eq!(policy.current, crate::eviction::PolicyKind::Lru);
+        let names: Vec<&str> = policy.estimates.iter().map(|e| e.0.name()).collect();
+        assert_eq!(names, ["lru", "lfu", "chain"]);
+        let text = CacheMetrics::new().unwrap().render(&cache);
+        for policy in ["lru", "lfu", "chain"] {
+            let line = format!(
+                r#"kvlease_cache_policy_estimated_hit_rate{{pool_group="g",pool_id="1",policy="{policy}"}} 0.0"#
+            );
+            assert!(text.contains(&line), "{line} in {text}");
+        }
+        assert!(
+            text.contains(r#"kvlease_cache_policy_switches_total{pool_group="g",pool_id="1"} 0"#),
             "{text}"
         );
     }

@@ -36,6 +36,29 @@ pub const MAX_SHADOW_KEYS: usize = 16_384;
 /// Sampling thresholds are in units of 2^-24 of the hash space.
 const RATE_UNITS: u64 = 1 << 24;
 
+/// The threshold that samples about `rate` of the hash space (at least one
+/// unit of it, at most all).
+pub(crate) fn threshold_for(rate: f64) -> u64 {
+    ((rate * RATE_UNITS as f64) as u64).clamp(1, RATE_UNITS)
+}
+
+/// The fraction of the hash space below `threshold`.
+pub(crate) fn rate_of(threshold: u64) -> f64 {
+    threshold as f64 / RATE_UNITS as f64
+}
+
+/// Replaces `out` with the hashes of `chain` sampled at `threshold`, in
+/// order (the low bits of a SipHash output are uniform).
+pub(crate) fn sample_into(chain: &[u64], threshold: u64, out: &mut Vec<u64>) {
+    out.clear();
+    out.extend(
+        chain
+            .iter()
+            .copied()
+            .filter(|&h| h % RATE_UNITS < threshold),
+    );
+}
+
 /// One estimated point of the curve.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct HitRateEstimate {
@@ -107,11 +130,11 @@ impl MissRatioCurve {
         let largest = SCALES.iter().copied().fold(1.0, f64::max);
         let want = (largest * f64::from(blocks)).max(1.0);
         let rate = (MAX_SHADOW_KEYS as f64 / want).min(1.0);
-        let threshold = ((rate * RATE_UNITS as f64) as u64).clamp(1, RATE_UNITS);
+        let threshold = threshold_for(rate);
         let shadows = SCALES
             .iter()
             .map(|&s| {
-                let keys = s * f64::from(blocks) * threshold as f64 / RATE_UNITS as f64;
+                let keys = s * f64::from(blocks) * rate_of(threshold);
                 Shadow::new(keys.round().max(1.0) as usize)
             })
             .collect();
@@ -128,7 +151,7 @@ impl MissRatioCurve {
 
     /// The fraction of hashes sampled.
     pub fn rate(&self) -> f64 {
-        self.threshold as f64 / RATE_UNITS as f64
+        rate_of(self.threshold)
     }
 
     /// Whether lookups of `hash` are sampled.
@@ -140,14 +163,7 @@ impl MissRatioCurve {
     /// One request looked up `chain` (its full-block hashes, parent first).
     pub fn observe(&mut self, chain: &[u64]) {
         self.seen += chain.len() as u64;
-        self.sampled.clear();
-        let threshold = self.threshold;
-        self.sampled.extend(
-            chain
-                .iter()
-                .copied()
-                .filter(|&h| h % RATE_UNITS < threshold),
-        );
+        sample_into(chain, self.threshold, &mut self.sampled);
         if self.sampled.is_empty() {
             return;
         }

@@ -232,6 +232,17 @@ impl BlockPool {
     /// Feeds the miss-ratio curve one request's looked-up chain.
     pub fn observe_lookups(&mut self, chain: &[u64]) {
         self.mrc.observe(chain);
+        self.eviction.observe(chain);
+    }
+
+    /// The choice of an adaptive eviction policy (None for a fixed one).
+    pub fn adaptive(&self) -> Option<crate::eviction::AdaptiveState> {
+        self.eviction.adaptive()
+    }
+
+    /// Eviction policy switches since the last call.
+    pub fn take_policy_switches(&mut self) -> Vec<crate::eviction::Switch> {
+        self.eviction.take_switches()
     }
 
     /// Estimated hit rates at other sizes of this pool.
@@ -289,7 +300,7 @@ impl BlockPool {
         }
         let m = &self.meta[block as usize];
         let after = Self::state_of(m);
-        let (priority, leaf) = (m.priority, m.children == 0);
+        let (priority, leaf, partial) = (m.priority, m.children == 0, m.partial);
         if before == after {
             return;
         }
@@ -299,6 +310,7 @@ impl BlockPool {
             self.eviction.remove(block);
         }
         match after {
+            BlockState::Cached if partial => self.eviction.insert_partial(block, priority),
             BlockState::Cached => self.eviction.insert(block, priority, leaf),
             BlockState::Free => self.free_list.push(block),
             BlockState::InUse | BlockState::Fenced => {}
@@ -596,6 +608,7 @@ impl BlockPool {
                 c.cached
             ));
         }
+        self.eviction.check()?;
         self.partials.check(
             |b| self.meta.get(b as usize).is_some_and(|m| m.partial),
             |b| self.meta.get(b as usize).is_some_and(|m| m.partial_pending),

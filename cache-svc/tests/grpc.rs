@@ -619,6 +619,13 @@ async fn a_lease_at_a_completed_step_is_failed_precondition_and_stats_carry_the_
         assert!((e.hit_rate - 0.5).abs() < 1e-9, "{e:?}");
     }
     assert_eq!(full.hit_rate_estimates[3].blocks, 64);
+    // a fixed policy: the one configured picks, no candidates
+    assert_eq!(
+        (full.eviction_policy.as_str(), full.current_policy.as_str()),
+        ("lru", "lru")
+    );
+    assert!(full.policy_estimates.is_empty());
+    assert_eq!(full.policy_switches, 0);
     server.shutdown().await;
 }
 

@@ -51,6 +51,36 @@ async fn service_lru_equals_the_reference_lru_block_for_block() {
 }
 
 #[tokio::test]
+async fn the_in_process_replay_equals_the_service_for_every_policy() {
+    // `cache-replay --in-process` drives the core with the calls the gRPC
+    // replay makes: the same figures, partial reuse on or off.
+    let trace = conversation_trace(80, 11);
+    let cases = [
+        (64, 1, None),
+        (160, 3, Some(1)),
+        (48, 2, Some(1)),
+        (96, 2, None),
+    ];
+    for (policy, (capacity, concurrency, partial)) in PolicyKind::ALL.into_iter().zip(cases) {
+        let mut config = drive::service_config(policy);
+        if let Some(min) = partial {
+            config.partial_reuse = true;
+            config.partial_min_tokens = min;
+        }
+        let core =
+            drive::replay_core(&trace, capacity, &config, concurrency).map_err(|e| e.to_string());
+        let served = drive::replay_fresh_with(&trace, capacity, config, concurrency)
+            .await
+            .map_err(|e| e.to_string());
+        assert!(served.as_ref().is_ok_and(|s| s.evictions > 0), "{served:?}");
+        assert_eq!(
+            core, served,
+            "{policy} at {capacity}, concurrency {concurrency}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn a_parent_left_as_a_leaf_is_evicted_by_its_own_recency() {
     // Releases stamp 1, 2, 3; [4,5] evicts leaf 2 and leaves 1 a leaf from
     // before 3; [6] then evicts 1, not 3, so the last [3] hits. The old

@@ -561,6 +561,18 @@ impl Cache {
                 entry
                     .pool
                     .observe_lookups(&plan.hashes[..eligible as usize]);
+                for s in entry.pool.take_policy_switches() {
+                    // an event of the call's span: in the trace of the
+                    // Lease whose lookups ended the deciding window
+                    tracing::info!(
+                        pool_group = %entry.group,
+                        pool_id = entry.id,
+                        from = s.from.name(),
+                        to = s.to.name(),
+                        estimates = ?s.estimates,
+                        "eviction policy switched"
+                    );
+                }
             }
             let (pool_id, window) = (entry.id, entry.window);
             let pool = &mut entry.pool;

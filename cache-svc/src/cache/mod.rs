@@ -112,6 +112,9 @@ pub struct CacheConfig {
     /// Keep released sequences' partly filled last blocks and grant copies
     /// of their matching slots (partial-block reuse).
     pub partial_reuse: bool,
+    /// Keep a partly filled block only when it holds at least this many
+    /// tokens (what reusing it can save at most).
+    pub partial_min_tokens: u32,
 }
 
 impl Default for CacheConfig {
@@ -132,6 +135,9 @@ impl Default for CacheConfig {
             pool_memory_budget: 0,
             eviction: crate::eviction::EvictionConfig::default(),
             partial_reuse: true,
+            // like the limits above, off in the core: any partial is kept
+            // (the service's flag defaults to DEFAULT_PARTIAL_MIN_TOKENS)
+            partial_min_tokens: 1,
         }
     }
 }

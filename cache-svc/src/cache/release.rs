@@ -48,6 +48,7 @@ impl Cache {
         };
         let fence = mode.fence_step.filter(|&s| !session.step_completed(s));
         let partial_reuse = self.config.partial_reuse;
+        let partial_min = self.config.partial_min_tokens;
         let mut results = Vec::with_capacity(seq_ids.len());
         for &seq_id in seq_ids {
             let Some(seq) = session.seqs.remove(&seq_id) else {
@@ -72,7 +73,7 @@ impl Cache {
             };
             let mut fenced = Vec::new();
             if partial_reuse && !mode.discard_unwritten {
-                keep_partial(&mut self.pools, session, &seq, fence);
+                keep_partial(&mut self.pools, session, &seq, fence, partial_min);
             }
             for t in &seq.tables {
                 let pool = &mut self.pools[t.pool].pool;
@@ -167,7 +168,9 @@ impl Cache {
 /// is complete, or when that step completes if the release is fenced at or
 /// after it. An unfenced release before then keeps nothing: its KV may never
 /// have been written; nor does a release before a chunked prefill reported
-/// the whole sequence written. Held-back prompt blocks (`SeqState::held_back`)
+/// the whole sequence written, nor one holding fewer than `min_tokens`
+/// tokens: a copy saves at most what it holds, and it takes a whole block
+/// that a full, reusable one could have. Held-back prompt blocks (`SeqState::held_back`)
 /// go with the sequence: their pending hashes are never published and clear
 /// when the blocks leave use (or their fence).
 fn keep_partial(
@@ -175,7 +178,11 @@ fn keep_partial(
     session: &mut Session,
     seq: &SeqState,
     fence: Option<Step>,
+    min_tokens: u32,
 ) {
+    if (seq.partial.len() as u64) < u64::from(min_tokens) {
+        return;
+    }
     // A chunked prefill not reported written through the end: the last
     // block's KV may never be written.
     if !seq.hashable || seq.beams != 1 || seq.partial.is_empty() || seq.written < seq.len {

@@ -1,6 +1,6 @@
 //! Read-only figures: per-shape block estimates and pool stats.
 
-use super::{Cache, PoolInfo};
+use super::{Cache, PoolEntry, PoolInfo};
 use crate::error::{Error, Result};
 use crate::estimate::{self, Shape};
 use crate::ids::Epoch;
@@ -23,6 +23,21 @@ pub struct PoolStats {
     pub host: HostCounts,
     /// Estimated hit rates at other pool sizes (the miss-ratio curve).
     pub hit_rate_estimates: Vec<crate::mrc::HitRateEstimate>,
+    /// Its eviction policy and, for an adaptive one, its choice.
+    pub policy: PolicyStats,
+}
+
+/// A pool's eviction policy for `GetStats`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PolicyStats {
+    /// As configured for its group.
+    pub configured: crate::eviction::PolicyKind,
+    /// Picking victims now (`configured`, unless that is adaptive).
+    pub current: crate::eviction::PolicyKind,
+    /// An adaptive pool's candidates and their recent estimated hit rates.
+    pub estimates: Vec<(crate::eviction::PolicyKind, f64)>,
+    /// An adaptive pool's switches so far.
+    pub switches: u64,
 }
 
 /// Figures of the whole cache.
@@ -104,6 +119,25 @@ impl Cache {
             .collect()
     }
 
+    /// The eviction policy of pool `p`, as `GetStats` reports it.
+    pub(crate) fn policy_stats(&self, p: &PoolEntry) -> PolicyStats {
+        let configured = self.config.eviction.for_group(&p.group);
+        match p.pool.adaptive() {
+            Some(a) => PolicyStats {
+                configured,
+                current: a.current,
+                estimates: a.estimates,
+                switches: a.switches,
+            },
+            None => PolicyStats {
+                configured,
+                current: configured,
+                estimates: Vec::new(),
+                switches: 0,
+            },
+        }
+    }
+
     /// Pool figures, optionally for one group.
     pub fn stats(&self, group: Option<&str>) -> Result<Stats> {
         if let Some(g) = group
@@ -123,6 +157,7 @@ impl Cache {
                 counters: p.pool.counters,
                 host: p.pool.host().counts(),
                 hit_rate_estimates: p.pool.hit_rate_estimates(),
+                policy: self.policy_stats(p),
             })
             .collect();
         Ok(Stats {

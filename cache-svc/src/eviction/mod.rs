@@ -20,15 +20,21 @@
 //!   bounded aging filter of hashes that outlives evictions; reused; or
 //!   written below a reused block, i.e. a chain extended by a later turn).
 //!
+//! - [`Adaptive`] (`adaptive`): all three live on the pool, each also
+//!   simulated on sampled lookups in a small shadow pool; the one with the
+//!   best recent shadow hit rate picks victims (with hysteresis).
+//!
 //! All of them keep blocks in ordered sets keyed by (priority, class or
 //! credit, recency): O(log n) per operation.
 
+mod adaptive;
 mod probation;
 mod ranked;
 
 use std::fmt;
 use std::str::FromStr;
 
+pub use adaptive::{Adaptive, AdaptiveState, CANDIDATES, Switch};
 pub use probation::{Classes, Doorkeeper, Probation};
 pub use ranked::{Frequency, GreedyDual, PriorityLru, Ranked, Recency};
 
@@ -42,6 +48,15 @@ pub const MAX_PRIORITY: u8 = 100;
 pub trait EvictionPolicy: Send + fmt::Debug {
     /// `block` became evictable (most recently used now).
     fn insert(&mut self, block: BlockId, priority: u8, leaf: bool);
+    /// `block`, a kept partly filled block (always a leaf, never a hit:
+    /// its slots are copied), became evictable. It ranks as released just
+    /// before the most recently released block, so it goes before every
+    /// full block of its own release (its parent among them, which it is
+    /// useless without) and of any later one, and its credit is the lowest
+    /// a released block can have.
+    fn insert_partial(&mut self, block: BlockId, priority: u8) {
+        self.insert(block, priority, true);
+    }
     /// `block` is no longer evictable (reused, or evicted by the pool).
     fn remove(&mut self, block: BlockId);
     /// `block`'s leaf status changed while it is evictable.
@@ -66,6 +81,28 @@ pub trait EvictionPolicy: Send + fmt::Debug {
     fn reused(&mut self, block: BlockId) {
         let _ = block;
     }
+    /// The pool evicted `block`, chosen by another policy that shares the
+    /// pool ([`Adaptive`]): forget it as [`pop_victim`](Self::pop_victim)
+    /// would have.
+    fn evicted(&mut self, block: BlockId) {
+        self.remove(block);
+    }
+    /// A lease looked up `chain` (its full blocks' hashes, parent first).
+    fn observe(&mut self, chain: &[u64]) {
+        let _ = chain;
+    }
+    /// The choice of an adaptive policy (None for a fixed one).
+    fn adaptive(&self) -> Option<AdaptiveState> {
+        None
+    }
+    /// The policy switches since the last call.
+    fn take_switches(&mut self) -> Vec<Switch> {
+        Vec::new()
+    }
+    /// Checks the policy's own bookkeeping.
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// The policies a pool can be given, by name.
@@ -78,11 +115,18 @@ pub enum PolicyKind {
     Lfu,
     /// Leaf-first LRU with a probation class for one-off chains.
     Chain,
+    /// Whichever of the others has hit best lately (shadow-simulated).
+    Adaptive,
 }
 
 impl PolicyKind {
     /// Every policy, in the order tables print them.
-    pub const ALL: [PolicyKind; 3] = [PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::Chain];
+    pub const ALL: [PolicyKind; 4] = [
+        PolicyKind::Lru,
+        PolicyKind::Lfu,
+        PolicyKind::Chain,
+        PolicyKind::Adaptive,
+    ];
 
     /// The flag value naming the policy.
     pub fn name(self) -> &'static str {
@@ -90,6 +134,7 @@ impl PolicyKind {
             PolicyKind::Lru => "lru",
             PolicyKind::Lfu => "lfu",
             PolicyKind::Chain => "chain",
+            PolicyKind::Adaptive => "adaptive",
         }
     }
 
@@ -99,6 +144,7 @@ impl PolicyKind {
             PolicyKind::Lru => Box::new(PriorityLru::new(num_blocks)),
             PolicyKind::Lfu => Box::new(GreedyDual::new(num_blocks)),
             PolicyKind::Chain => Box::new(Probation::new(num_blocks)),
+            PolicyKind::Adaptive => Box::new(Adaptive::new(num_blocks)),
         }
     }
 }
@@ -166,7 +212,7 @@ mod tests {
             assert_eq!(kind.name().parse::<PolicyKind>(), Ok(kind));
         }
         let err = "mru".parse::<PolicyKind>().unwrap_err();
-        assert!(err.contains("lru, lfu, chain"), "{err}");
+        assert!(err.contains("lru, lfu, chain, adaptive"), "{err}");
         assert_eq!(
             parse_group_policy("model/r0=chain"),
             Ok(("model/r0".to_owned(), PolicyKind::Chain))

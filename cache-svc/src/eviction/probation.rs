@@ -9,6 +9,15 @@
 //!   chain), and every block written below that one in the same chain, is
 //!   protected: conversations that came back once come back again.
 //!
+//! A parent that two different children were written below is a *shared*
+//! prefix (a system prompt that several sessions open with, or the one that
+//! every request opens with): its reuse says the prefix is popular, not that
+//! a conversation came back, so it protects no block written below it (the
+//! parent itself stays protected by its own reuse). Without that rule a
+//! block shared by every request protected every chain, and `chain` was
+//! LRU (issue 28). A chain's own continuation is its parent's only child:
+//! the same child written again after an eviction is not a branch.
+//!
 //! One-off prompts thus leave the cache first, whatever their recency.
 
 use super::ranked::{Ranked, Ranker};
@@ -86,6 +95,12 @@ pub struct Classes {
     reused: Vec<bool>,
     /// Per block: the hash of its current life.
     hash: Vec<u64>,
+    /// Per block: a fingerprint of the first child written below it in its
+    /// current life (0: none yet).
+    first_child: Vec<u32>,
+    /// Per block: a second, different child was written below it in its
+    /// current life (a shared prefix).
+    branched: Vec<bool>,
 }
 
 /// Leaf-first LRU with a probation class that goes first (see the module).
@@ -106,6 +121,8 @@ impl Probation {
                 protected: vec![false; num_blocks],
                 reused: vec![false; num_blocks],
                 hash: vec![0; num_blocks],
+                first_child: vec![0; num_blocks],
+                branched: vec![false; num_blocks],
             },
         )
     }
@@ -113,6 +130,28 @@ impl Probation {
 
 fn flag(flags: &[bool], block: BlockId) -> bool {
     flags.get(block as usize).copied().unwrap_or(false)
+}
+
+/// A non-zero 32-bit fingerprint of a block hash.
+fn fingerprint(hash: u64) -> u32 {
+    ((hash ^ (hash >> 32)) as u32) | 1
+}
+
+impl Classes {
+    /// `child` was written below `parent`: its first child, or a branch.
+    fn add_child(&mut self, parent: BlockId, child: u64) {
+        let p = parent as usize;
+        let (Some(first), Some(branched)) = (self.first_child.get_mut(p), self.branched.get_mut(p))
+        else {
+            return;
+        };
+        let f = fingerprint(child);
+        if *first == 0 {
+            *first = f;
+        } else if *first != f {
+            *branched = true;
+        }
+    }
 }
 
 impl Ranker for Classes {
@@ -125,18 +164,27 @@ impl Ranker for Classes {
     }
 
     fn published(&mut self, block: BlockId, hash: u64, parent: Option<BlockId>) {
-        let continues = parent.is_some_and(|p| flag(&self.reused, p) || flag(&self.protected, p));
+        if let Some(p) = parent {
+            self.add_child(p, hash);
+        }
+        let continues = parent.is_some_and(|p| {
+            !flag(&self.branched, p) && (flag(&self.reused, p) || flag(&self.protected, p))
+        });
         let protect = continues || self.seen.contains(hash);
         self.seen.insert(hash);
         let b = block as usize;
-        if let (Some(p), Some(r), Some(h)) = (
+        if let (Some(p), Some(r), Some(h), Some(c), Some(br)) = (
             self.protected.get_mut(b),
             self.reused.get_mut(b),
             self.hash.get_mut(b),
+            self.first_child.get_mut(b),
+            self.branched.get_mut(b),
         ) {
             *p = protect;
             *r = false;
             *h = hash;
+            *c = 0;
+            *br = false;
         }
     }
 
@@ -207,5 +255,49 @@ mod tests {
         assert_eq!(p.pop_victim(), Some(0));
         assert_eq!(p.pop_victim(), Some(2));
         assert_eq!(p.pop_victim(), Some(3));
+    }
+
+    #[test]
+    fn a_root_that_every_session_shares_protects_no_chain_below_it() {
+        let mut p = Probation::new(16);
+        // Session A writes the shared root (block 0) and its turn (1, 2).
+        p.published(0, 500, None);
+        p.published(1, 501, Some(0));
+        p.published(2, 502, Some(1));
+        // Session B reuses the root and writes its own turn (3, 4) below
+        // it: the root is reused, but a second child makes it shared.
+        p.reused(0);
+        p.published(3, 601, Some(0));
+        p.published(4, 602, Some(3));
+        // Session A comes back: reuses 1 and 2 and extends its chain (5).
+        p.reused(0);
+        p.reused(1);
+        p.reused(2);
+        p.published(5, 503, Some(2));
+        for b in [5, 4, 3, 2, 1, 0] {
+            p.insert(b, 5, true);
+        }
+        // B's one-off turn is on probation although its parent was reused;
+        // A's continuation is protected like A's reused blocks.
+        assert_eq!(p.pop_victim(), Some(4));
+        assert_eq!(p.pop_victim(), Some(3));
+        assert_eq!(p.pop_victim(), Some(5));
+        assert_eq!(p.pop_victim(), Some(2));
+    }
+
+    #[test]
+    fn the_same_child_written_again_is_no_branch() {
+        let mut p = Probation::new(8);
+        p.published(0, 700, None);
+        p.published(1, 701, Some(0));
+        // Block 1's content is evicted and written again in another slot:
+        // still the parent's one continuation.
+        p.published(2, 701, Some(0));
+        assert!(!flag(&p.ranker().branched, 0));
+        p.published(3, 702, Some(0));
+        assert!(flag(&p.ranker().branched, 0));
+        // a new life of block 0 starts unbranched
+        p.published(0, 800, None);
+        assert!(!flag(&p.ranker().branched, 0));
     }
 }

@@ -51,8 +51,22 @@ impl LeafFirst {
         }
     }
 
-    /// Holds `block` (again) as the most recent of its `priority` and `credit`.
+    /// Holds `block` (again) as the most recent of its `priority` and
+    /// `credit`. Stamps go in steps of 2, so that a kept partial block can
+    /// rank between the two most recent releases ([`Self::insert_partial`]).
     fn insert(&mut self, block: BlockId, priority: u8, credit: u64, leaf: bool) {
+        self.clock += 2;
+        self.hold(block, priority, credit, leaf, self.clock);
+    }
+
+    /// Holds `block`, a kept partial block, as released just before the
+    /// most recent release.
+    fn insert_partial(&mut self, block: BlockId, priority: u8, credit: u64) {
+        let stamp = self.clock.saturating_sub(1);
+        self.hold(block, priority, credit, true, stamp);
+    }
+
+    fn hold(&mut self, block: BlockId, priority: u8, credit: u64, leaf: bool, stamp: u64) {
         let Some(slot) = self.tier.get(block as usize) else {
             debug_assert!(false, "block {block} is outside the pool");
             return;
@@ -60,11 +74,10 @@ impl LeafFirst {
         if *slot != NOT_HELD {
             self.remove(block);
         }
-        self.clock += 1;
         let rank = Rank {
             priority: priority.min(MAX_PRIORITY),
             credit,
-            stamp: self.clock,
+            stamp,
         };
         let tier = if leaf { LEAF } else { PARENT };
         self.rank[block as usize] = rank;
@@ -105,6 +118,10 @@ impl LeafFirst {
         self.tier_of(block).is_some()
     }
 
+    fn rank_of(&self, block: BlockId) -> Option<Rank> {
+        self.tier_of(block).map(|_| self.rank[block as usize])
+    }
+
     fn len(&self) -> usize {
         self.sets[0].len() + self.sets[1].len()
     }
@@ -129,6 +146,11 @@ pub(super) trait Ranker: Send + fmt::Debug {
     fn reused(&mut self, block: BlockId) {
         let _ = block;
     }
+    /// The credit of a kept partial block released now: that of a block
+    /// never reused.
+    fn partial_credit(&self) -> u64 {
+        0
+    }
 }
 
 /// A leaf-first policy whose order within a priority is its ranker's credit,
@@ -145,6 +167,11 @@ impl<R: Ranker> EvictionPolicy for Ranked<R> {
         self.blocks.insert(block, priority, credit, leaf);
     }
 
+    fn insert_partial(&mut self, block: BlockId, priority: u8) {
+        let credit = self.ranker.partial_credit();
+        self.blocks.insert_partial(block, priority, credit);
+    }
+
     fn remove(&mut self, block: BlockId) {
         self.blocks.remove(block);
     }
@@ -158,6 +185,13 @@ impl<R: Ranker> EvictionPolicy for Ranked<R> {
         let (block, rank) = self.blocks.pop()?;
         self.ranker.evicted(block, rank.credit);
         Some(block)
+    }
+
+    fn evicted(&mut self, block: BlockId) {
+        if let Some(rank) = self.blocks.rank_of(block) {
+            self.blocks.remove(block);
+            self.ranker.evicted(block, rank.credit);
+        }
     }
 
     fn contains(&self, block: BlockId) -> bool {
@@ -183,6 +217,12 @@ impl<R> Ranked<R> {
             blocks: LeafFirst::new(num_blocks),
             ranker,
         }
+    }
+
+    /// The policy's own state, for its tests.
+    #[cfg(test)]
+    pub(super) fn ranker(&self) -> &R {
+        &self.ranker
     }
 }
 
@@ -265,6 +305,10 @@ impl Ranker for Frequency {
         self.forget(block);
     }
 
+    fn partial_credit(&self) -> u64 {
+        self.age + SCALE
+    }
+
     fn reused(&mut self, block: BlockId) {
         if let Some(u) = self.uses.get_mut(block as usize) {
             *u = u.saturating_add(1);
@@ -310,6 +354,21 @@ mod tests {
         assert!(!p.contains(1));
         assert_eq!(p.pop_victim(), Some(0));
         assert!(p.is_empty());
+    }
+
+    #[test]
+    fn a_kept_partial_block_ranks_just_before_the_latest_release() {
+        for kind in crate::eviction::PolicyKind::ALL {
+            let mut p = kind.build(8);
+            p.published(0, 10, None);
+            p.published(1, 11, Some(0));
+            p.insert(0, 5, false);
+            p.insert(1, 5, true); // the latest release
+            p.insert_partial(2, 5); // released with it
+            p.published(3, 13, None);
+            p.insert(3, 5, true); // a later release
+            assert_eq!(p.pop_victim(), Some(2), "{kind}");
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! The fixture takes sequence ids and steps as bare numbers and wraps them:
 //! the tests read as the scenarios they are.
 
+mod adaptive;
 mod chunked;
 mod limits;
 mod partial;

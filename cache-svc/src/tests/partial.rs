@@ -186,3 +186,41 @@ fn session_expiry_drops_pending_partial_blocks_and_lifts_copy_pins() {
     assert_eq!(f.cache.pools()[0].pool.partial_blocks(), 1);
     assert!(f.cache.audit().reclaimed.is_empty());
 }
+
+#[test]
+fn a_partial_block_holding_fewer_tokens_than_it_must_save_is_freed() {
+    // Turn 1's partial block holds 2 tokens: kept at a minimum of 2, freed
+    // (and never copied) at 3.
+    for (min, kept) in [(2, true), (3, false)] {
+        let config = CacheConfig {
+            partial_min_tokens: min,
+            ..CacheConfig::default()
+        };
+        let mut f = ended_turn(config, 16);
+        let c = f.counts()[0];
+        assert_eq!(c.cached, if kept { 3 } else { 2 }, "minimum {min}");
+        assert_eq!(f.cache.pools()[0].pool.partial_blocks(), usize::from(kept));
+        let out = f.lease(3, false, &[spec(2, Prompt::Tokens(tokens(0, 14)))]);
+        let g = out[0].grant().unwrap();
+        assert_eq!(g.copies.len(), usize::from(kept), "minimum {min}");
+        assert_eq!(g.reused_tokens, if kept { 10 } else { 8 });
+        f.check();
+    }
+}
+
+#[test]
+fn a_kept_partial_block_is_evicted_before_the_full_blocks_of_its_release() {
+    // 4 blocks: turn 1 leaves full blocks 0 and 1 (1 the leaf) and the
+    // partial block 2 cached, released together, and 1 free. A 5-token
+    // prompt of other tokens needs 2 blocks: the one free and one victim,
+    // which must be the partial block (useless without block 1), not the
+    // full leaf 1 released just before it.
+    let mut f = ended_turn(CacheConfig::default(), 4);
+    assert_eq!(f.counts()[0].cached, 3);
+    let out = f.lease(3, false, &[spec(2, Prompt::Tokens(tokens(500, 5)))]);
+    assert!(out[0].grant().is_some());
+    let pool = &f.cache.pools()[0].pool;
+    assert_eq!(pool.partial_blocks(), 0, "the partial block went");
+    assert_eq!(pool.state(1), BlockState::Cached, "the full leaf stays");
+    f.check();
+}

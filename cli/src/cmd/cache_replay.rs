@@ -24,7 +24,7 @@ pub(crate) struct CacheReplayArgs {
     )]
     capacity: Vec<u32>,
     /// Eviction policies, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "lru,lfu,chain")]
+    #[arg(long, value_delimiter = ',', default_value = "lru,lfu,chain,adaptive")]
     policy: Vec<PolicyKind>,
     /// Requests held at once (interleaved replay).
     #[arg(long, default_value_t = 1)]
@@ -32,6 +32,20 @@ pub(crate) struct CacheReplayArgs {
     /// Replay only the first N requests (0 = all).
     #[arg(long, default_value_t = 0)]
     requests: usize,
+    /// Blocks prepended to every request: a system prompt that every
+    /// session shares (0 = the trace as it is).
+    #[arg(long, default_value_t = 0)]
+    shared_root: u32,
+    /// Replay with partial-block reuse on, keeping partly filled blocks of
+    /// at least this many tokens (off when not given: the replayed prompts
+    /// end with one token of their own, so 1 keeps one such block per
+    /// request, and the simulations assume none).
+    #[arg(long)]
+    partial_min_tokens: Option<u32>,
+    /// Drive the cache service's core in this process, not a service over
+    /// gRPC: the same calls, the same figures, many times faster.
+    #[arg(long)]
+    in_process: bool,
 }
 
 /// Runs `kvlease cache-replay` with `a`.
@@ -42,6 +56,9 @@ pub(crate) async fn run(a: CacheReplayArgs) -> ExitCode {
         policies: a.policy,
         concurrency: a.concurrency,
         limit: a.requests,
+        shared_root: a.shared_root,
+        partial_min_tokens: a.partial_min_tokens,
+        in_process: a.in_process,
     };
     match replay::run(options).await {
         Ok(_) => ExitCode::SUCCESS,

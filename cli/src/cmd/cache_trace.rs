@@ -16,6 +16,10 @@ pub(crate) struct CacheTraceArgs {
     out: PathBuf,
     #[arg(long, default_value_t = Conversations::default().sessions)]
     sessions: usize,
+    /// Blocks every request opens with, before its system prompt (a prompt
+    /// every session shares; 0 = none).
+    #[arg(long, default_value_t = Conversations::default().shared_root_blocks)]
+    shared_root_blocks: u32,
     #[arg(long, default_value_t = Conversations::default().system_prompts)]
     system_prompts: u32,
     /// Zipf exponent of system prompt popularity.
@@ -44,6 +48,7 @@ pub(crate) fn run(a: CacheTraceArgs) -> ExitCode {
     }
     let shape = Conversations {
         sessions: a.sessions,
+        shared_root_blocks: a.shared_root_blocks,
         system_prompts: a.system_prompts,
         zipf: a.zipf,
         return_probability: a.return_probability,

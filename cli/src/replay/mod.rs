@@ -36,6 +36,30 @@ pub struct ReplayOptions {
     pub concurrency: usize,
     /// Replay only the first N requests (0 = all).
     pub limit: usize,
+    /// Blocks prepended to every request (a system prompt every session
+    /// shares; 0 = the trace as it is).
+    pub shared_root: u32,
+    /// Partial-block reuse in the replayed services, keeping partly filled
+    /// blocks of at least this many tokens (None: off, as the reference
+    /// simulations assume; each replayed prompt ends with one token of its
+    /// own, in a block of its own).
+    pub partial_min_tokens: Option<u32>,
+    /// Drive the service's core in this process instead of a service over
+    /// gRPC (the same calls, so the same figures, much faster).
+    pub in_process: bool,
+}
+
+/// `hash_ids` with the same `blocks` ids (ones no trace uses: counted down
+/// from `u64::MAX`) opening every request.
+pub fn with_shared_root(hash_ids: Vec<Vec<u64>>, blocks: u32) -> Vec<Vec<u64>> {
+    if blocks == 0 {
+        return hash_ids;
+    }
+    let root: Vec<u64> = (0..u64::from(blocks)).map(|j| u64::MAX - j).collect();
+    hash_ids
+        .into_iter()
+        .map(|ids| root.iter().copied().chain(ids).collect())
+        .collect()
 }
 
 /// One policy at one capacity.
@@ -82,6 +106,8 @@ pub async fn replay_all(
     capacities: &[u32],
     policies: &[PolicyKind],
     concurrency: usize,
+    partial_min_tokens: Option<u32>,
+    in_process: bool,
 ) -> Result<Report> {
     let chains = sim::chain_keys(hash_ids);
     let distinct: std::collections::HashSet<u64> = chains.iter().flatten().copied().collect();
@@ -98,7 +124,16 @@ pub async fn replay_all(
             policies: Vec::new(),
         };
         for &policy in policies {
-            let replayed = drive::replay_fresh(hash_ids, capacity, policy, concurrency).await?;
+            let mut config = drive::service_config(policy);
+            if let Some(min) = partial_min_tokens {
+                config.partial_reuse = true;
+                config.partial_min_tokens = min;
+            }
+            let replayed = if in_process {
+                drive::replay_core(hash_ids, capacity, &config, concurrency)?
+            } else {
+                drive::replay_fresh_with(hash_ids, capacity, config, concurrency).await?
+            };
             row.policies.push(PolicyRow { policy, replayed });
         }
         rows.push(row);
@@ -125,12 +160,17 @@ pub async fn run(options: ReplayOptions) -> Result<Report> {
     if options.limit > 0 {
         records.truncate(options.limit);
     }
-    let hash_ids: Vec<Vec<u64>> = records.into_iter().map(|r| r.hash_ids).collect();
+    let hash_ids = with_shared_root(
+        records.into_iter().map(|r| r.hash_ids).collect(),
+        options.shared_root,
+    );
     let report = replay_all(
         &hash_ids,
         &options.capacities,
         &options.policies,
         options.concurrency.max(1),
+        options.partial_min_tokens,
+        options.in_process,
     )
     .await?;
     print!("{}", render(&report, &options.trace.display().to_string()));

@@ -34,6 +34,15 @@ pub const REUSE_HIT_RATE: &str = "kvlease_reuse_hit_rate";
 /// Gauge, labels [`POOL_GROUP`], [`POOL_ID`], [`SCALE`]: the prefix hit rate a pool would have
 /// at `scale` times its size (the cache's online miss-ratio curve).
 pub const ESTIMATED_HIT_RATE: &str = "kvlease_cache_estimated_hit_rate";
+/// Gauge, labels [`POOL_GROUP`], [`POOL_ID`], [`POLICY`]: 1 for the eviction policy picking a
+/// pool's victims now (an adaptive pool's current choice), 0 for the other candidates.
+pub const EVICTION_POLICY: &str = "kvlease_cache_eviction_policy";
+/// Gauge, labels [`POOL_GROUP`], [`POOL_ID`], [`POLICY`]: an adaptive pool's candidates' recent
+/// hit rates in their shadow pools.
+pub const POLICY_ESTIMATED_HIT_RATE: &str = "kvlease_cache_policy_estimated_hit_rate";
+/// Counter, labels [`POOL_GROUP`], [`POOL_ID`]: times an adaptive pool changed the policy it
+/// follows.
+pub const POLICY_SWITCHES_TOTAL: &str = "kvlease_cache_policy_switches_total";
 /// Counter, labels [`POOL_GROUP`], [`POOL_ID`]: blocks the leak audit reclaimed.
 pub const LEAKED_BLOCKS_RECLAIMED_TOTAL: &str = "kvlease_leaked_blocks_reclaimed_total";
 /// Counter: prompts `Match` looked up for routing (read-only; one per prompt, whatever the
@@ -101,6 +110,8 @@ pub const POOL_GROUP: &str = "pool_group";
 pub const POOL_ID: &str = "pool_id";
 /// Label: a pool size as a multiple of the real one.
 pub const SCALE: &str = "scale";
+/// Label: an eviction policy (`lru`, `lfu`, `chain`).
+pub const POLICY: &str = "policy";
 /// Label: the pool's window in tokens (`0` = full attention).
 pub const WINDOW: &str = "window";
 /// Label: block state.

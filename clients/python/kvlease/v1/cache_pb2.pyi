@@ -477,7 +477,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, pool_group: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_group", "pool_id", "window", "tokens_per_block", "total", "free", "cached_evictable", "in_use", "fenced", "grants", "rejects", "evictions", "reuse_lookups", "reuse_hits", "leaks_reclaimed", "hit_rate_estimates", "host_total", "host_free", "host_pending", "host_cached", "host_pinned", "demotions", "onboards", "demotions_dropped")
+    __slots__ = ("pool_group", "pool_id", "window", "tokens_per_block", "total", "free", "cached_evictable", "in_use", "fenced", "grants", "rejects", "evictions", "reuse_lookups", "reuse_hits", "leaks_reclaimed", "hit_rate_estimates", "host_total", "host_free", "host_pending", "host_cached", "host_pinned", "demotions", "onboards", "demotions_dropped", "eviction_policy", "current_policy", "policy_estimates", "policy_switches")
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
@@ -502,6 +502,10 @@ class PoolStats(_message.Message):
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     ONBOARDS_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_POLICY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_ESTIMATES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_SWITCHES_FIELD_NUMBER: _ClassVar[int]
     pool_group: str
     pool_id: int
     window: int
@@ -526,7 +530,19 @@ class PoolStats(_message.Message):
     demotions: int
     onboards: int
     demotions_dropped: int
-    def __init__(self, pool_group: _Optional[str] = ..., pool_id: _Optional[int] = ..., window: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached_evictable: _Optional[int] = ..., in_use: _Optional[int] = ..., fenced: _Optional[int] = ..., grants: _Optional[int] = ..., rejects: _Optional[int] = ..., evictions: _Optional[int] = ..., reuse_lookups: _Optional[int] = ..., reuse_hits: _Optional[int] = ..., leaks_reclaimed: _Optional[int] = ..., hit_rate_estimates: _Optional[_Iterable[_Union[HitRateEstimate, _Mapping]]] = ..., host_total: _Optional[int] = ..., host_free: _Optional[int] = ..., host_pending: _Optional[int] = ..., host_cached: _Optional[int] = ..., host_pinned: _Optional[int] = ..., demotions: _Optional[int] = ..., onboards: _Optional[int] = ..., demotions_dropped: _Optional[int] = ...) -> None: ...
+    eviction_policy: str
+    current_policy: str
+    policy_estimates: _containers.RepeatedCompositeFieldContainer[PolicyEstimate]
+    policy_switches: int
+    def __init__(self, pool_group: _Optional[str] = ..., pool_id: _Optional[int] = ..., window: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached_evictable: _Optional[int] = ..., in_use: _Optional[int] = ..., fenced: _Optional[int] = ..., grants: _Optional[int] = ..., rejects: _Optional[int] = ..., evictions: _Optional[int] = ..., reuse_lookups: _Optional[int] = ..., reuse_hits: _Optional[int] = ..., leaks_reclaimed: _Optional[int] = ..., hit_rate_estimates: _Optional[_Iterable[_Union[HitRateEstimate, _Mapping]]] = ..., host_total: _Optional[int] = ..., host_free: _Optional[int] = ..., host_pending: _Optional[int] = ..., host_cached: _Optional[int] = ..., host_pinned: _Optional[int] = ..., demotions: _Optional[int] = ..., onboards: _Optional[int] = ..., demotions_dropped: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., current_policy: _Optional[str] = ..., policy_estimates: _Optional[_Iterable[_Union[PolicyEstimate, _Mapping]]] = ..., policy_switches: _Optional[int] = ...) -> None: ...
+
+class PolicyEstimate(_message.Message):
+    __slots__ = ("policy", "hit_rate")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    hit_rate: float
+    def __init__(self, policy: _Optional[str] = ..., hit_rate: _Optional[float] = ...) -> None: ...
 
 class HitRateEstimate(_message.Message):
     __slots__ = ("scale", "blocks", "hit_rate", "sampled_lookups")
