@@ -34,7 +34,7 @@ const DEFAULT_PREFILL_CHUNK: u32 = 512;
 const DEFAULT_MAX_TOKENS: u32 = 1024;
 const DEFAULT_MAX_CONTEXT: u32 = 0;
 const DEFAULT_SPEC_DRAFT_K: u32 = 0;
-const DEFAULT_OVERLAP: bool = false;
+const DEFAULT_OVERLAP: bool = true;
 /// One step trace in this many is exported besides the eventful ones.
 const DEFAULT_TRACE_STEPS_ONE_IN: u64 = 100;
 const DEFAULT_WARMUP_DEADLINE_MS: u64 = 60_000;
@@ -425,7 +425,7 @@ mod tests {
             "--worker-addrs",
             "http://a:1,http://b:2",
             "--overlap",
-            "true",
+            "false",
             "--routing",
             "least-committed",
             "--routing-prefill-weight",
@@ -436,11 +436,19 @@ mod tests {
         if let Ok(c) = c {
             assert_eq!(c.policy, Policy::GuaranteedNoEvict);
             assert_eq!(c.worker_addrs.len(), 2);
-            assert!(c.overlap);
+            assert!(!c.overlap);
+            assert_eq!(c.order(), Order::Plain);
             assert_eq!(c.core().routing.policy, Routing::LeastCommitted);
             assert_eq!(c.core().routing.prefill_weight.get(), 0.5);
         }
         assert!(Config::default().validate().is_ok());
+        // pipelined by default; speculation keeps it one pass deep
+        assert_eq!(Config::default().order(), Order::Pipelined);
+        let spec = Config {
+            spec_draft_k: 3,
+            ..Config::default()
+        };
+        assert_eq!((spec.order(), spec.core().lookahead), (Order::Overlap, 1));
         let parsed = kvlease_runtime::process::parse_without_env::<Config, _, _>(
             "kvlease-scheduler",
             ["kvlease-scheduler"],
