@@ -3,6 +3,8 @@
 //! before step N's forward pass returned. Recording taps in front of the
 //! real cache and worker show when each block changed hands.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
+
 use std::time::Duration;
 
 use futures::StreamExt;

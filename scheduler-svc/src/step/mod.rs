@@ -97,8 +97,8 @@ pub struct CoreConfig {
     /// cache's answer).
     pub lookahead: u32,
     /// The order of a step's calls ([`StepPlan`]); with `Pipelined`, a
-    /// sequence may have two passes in flight and plans from what they
-    /// will have written ([`Sequence::ahead`]).
+    /// sequence may have two passes in flight and is planned from where they
+    /// leave it.
     pub order: Order,
 }
 
