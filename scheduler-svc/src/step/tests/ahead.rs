@@ -17,30 +17,38 @@ fn grant_covering(seq_id: SeqId, blocks: Vec<u32>, capacity: u32) -> Outcome {
     })
 }
 
-/// A core with one lookahead slot per lease and `on_exhausted`, with
-/// requests 1 and 2 (4-token prompts: one block of 4) leased with one
-/// block each and prefilled; their first tokens are 10 and 20.
-fn two_decoding(on_exhausted: OnExhausted) -> Core {
+/// A core in `order` (its lookahead slots per lease) and `on_exhausted`,
+/// with requests 1 and 2 (4-token prompts: one block of 4, stopping on
+/// token 99) leased with one block each, covering the prompt and the
+/// lookahead, and prefilled; their first tokens are 10 and 20.
+fn decoding_pair(order: Order, on_exhausted: OnExhausted) -> Core {
+    let lookahead = order.lookahead();
     let mut c = Core::new(
         CoreConfig {
-            lookahead: 1,
+            lookahead,
+            order,
             on_exhausted,
             ..CoreConfig::default()
         },
         vec![group(100)],
     );
-    c.submit(request(1, 4, 8));
-    c.submit(request(2, 4, 8));
+    for id in [1, 2] {
+        let mut r = request(id, 4, 8);
+        r.stop_tokens = vec![99];
+        c.submit(r);
+    }
     c.begin_step();
     let leases = c.plan_admission();
     assert!(
-        leases.iter().all(|l| l.extra.extra_decoding_steps == 1),
-        "every lease keeps the lookahead slot: {leases:?}"
+        leases
+            .iter()
+            .all(|l| l.extra.extra_decoding_steps == lookahead),
+        "every lease keeps the lookahead slots: {leases:?}"
     );
     c.apply_leases(
         leases
             .iter()
-            .map(|l| grant_covering(l.seq_id, vec![l.seq_id.get() as u32], 5))
+            .map(|l| grant_covering(l.seq_id, vec![l.seq_id.get() as u32], 4 + lookahead))
             .collect(),
     );
     for (g, items) in c.plan_forward() {
@@ -56,6 +64,11 @@ fn two_decoding(on_exhausted: OnExhausted) -> Core {
     }
     c.drain_outputs();
     c
+}
+
+/// [`decoding_pair`] in the overlap order: leases covering 5 slots.
+fn two_decoding(on_exhausted: OnExhausted) -> Core {
+    decoding_pair(Order::Overlap, on_exhausted)
 }
 
 #[test]
@@ -205,49 +218,10 @@ fn a_granted_late_extension_lets_the_held_back_sequence_run_at_the_next_step() {
     assert_eq!(launched, vec![(1, 6), (2, 5)]);
 }
 
-/// [`two_decoding`] in the pipelined order: two lookahead slots, leases
-/// covering 6 slots (the 4-token prompt and both), sequences 1 and 2
-/// decoding from position 4.
+/// [`decoding_pair`] in the pipelined order: two lookahead slots, leases
+/// covering 6 slots, sequences 1 and 2 decoding from position 4.
 fn two_pipelined(on_exhausted: OnExhausted) -> Core {
-    let mut c = Core::new(
-        CoreConfig {
-            lookahead: Order::Pipelined.lookahead(),
-            order: Order::Pipelined,
-            on_exhausted,
-            ..CoreConfig::default()
-        },
-        vec![group(100)],
-    );
-    for id in [1, 2] {
-        let mut r = request(id, 4, 8);
-        r.stop_tokens = vec![99];
-        c.submit(r);
-    }
-    c.begin_step();
-    let leases = c.plan_admission();
-    assert!(
-        leases.iter().all(|l| l.extra.extra_decoding_steps == 2),
-        "{leases:?}"
-    );
-    c.apply_leases(
-        leases
-            .iter()
-            .map(|l| grant_covering(l.seq_id, vec![l.seq_id.get() as u32], 6))
-            .collect(),
-    );
-    for (g, items) in c.plan_forward() {
-        let results = items
-            .iter()
-            .map(|i| ForwardResult {
-                seq_id: i.seq_id,
-                next_token: 10 * i.seq_id.get() as u32,
-                argmax: Vec::new(),
-            })
-            .collect();
-        c.apply_forward(g, results);
-    }
-    c.drain_outputs();
-    c
+    decoding_pair(Order::Pipelined, on_exhausted)
 }
 
 /// Plans and launches the next pipelined pass: `(seq, start, fed)` of each item.
