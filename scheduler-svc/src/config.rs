@@ -34,7 +34,7 @@ const DEFAULT_PREFILL_CHUNK: u32 = 512;
 const DEFAULT_MAX_TOKENS: u32 = 1024;
 const DEFAULT_MAX_CONTEXT: u32 = 0;
 const DEFAULT_SPEC_DRAFT_K: u32 = 0;
-const DEFAULT_OVERLAP: bool = false;
+const DEFAULT_OVERLAP: bool = true;
 /// One step trace in this many is exported besides the eventful ones.
 const DEFAULT_TRACE_STEPS_ONE_IN: u64 = 100;
 const DEFAULT_WARMUP_DEADLINE_MS: u64 = 60_000;
@@ -442,9 +442,8 @@ mod tests {
             assert_eq!(c.core().routing.prefill_weight.get(), 0.5);
         }
         assert!(Config::default().validate().is_ok());
-        // plain by default; --overlap pipelines, speculation keeps it one
-        // pass deep
-        assert_eq!(Config::default().order(), Order::Plain);
+        // pipelined by default; speculation keeps the overlap one pass deep
+        assert_eq!(Config::default().order(), Order::Pipelined);
         let spec = Config {
             overlap: true,
             spec_draft_k: 3,

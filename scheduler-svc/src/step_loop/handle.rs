@@ -76,8 +76,7 @@ impl StepLoopHandle {
         request: Request,
         trace: tracing::Span,
     ) -> Result<mpsc::UnboundedReceiver<Output>> {
-        let backlog = self.backlog.load(Ordering::Acquire);
-        let queued = backlog + self.status.borrow().queued as usize;
+        let queued = self.status().queued as usize;
         if self.max_queue > 0 && queued >= self.max_queue {
             return Err(Error::QueueFull {
                 queued,
@@ -99,7 +98,13 @@ impl StepLoopHandle {
         Ok(rx)
     }
 
+    /// The loop's last snapshot, its queue counting the submissions the
+    /// loop has not taken in yet (a loop waiting on a forward pass takes
+    /// none, and its snapshot is as old as the pass).
     pub(crate) fn status(&self) -> StatusSnapshot {
-        self.status.borrow().clone()
+        let mut s = self.status.borrow().clone();
+        let backlog = u32::try_from(self.backlog.load(Ordering::Acquire)).unwrap_or(u32::MAX);
+        s.queued = s.queued.saturating_add(backlog);
+        s
     }
 }
