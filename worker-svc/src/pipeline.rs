@@ -6,10 +6,14 @@
 //! next without waiting for a round trip.
 //!
 //! [`PassLog`] remembers what the last few passes sampled; the service runs
-//! a pass only once the pass it follows is in the log (finished, whether it
-//! succeeded or failed), and fills each fed item's token from it. A fed item
-//! whose sequence the followed pass did not run, or a followed pass that
-//! failed, fails the whole request before anything is written: the
+//! a pass only once the pass it follows is in the log, and fills each fed
+//! item's token from it. A pass begun on a device whose tokens are not back
+//! yet is in the log as running: the pass that follows it is begun at once,
+//! its fed tokens taken on the device from the running pass's argmax rows
+//! (the last pass begun there), so the host's work for pass N+1 (checks,
+//! metadata, launches) overlaps pass N on the device. A fed item whose
+//! sequence the followed pass did not run, or a followed pass that failed
+//! before it began, fails the whole request before anything is written: the
 //! scheduler's failed-forward path then recomputes or rejects.
 
 use std::collections::{HashMap, VecDeque};
@@ -19,50 +23,113 @@ use crate::error::{Error, Result, SeqProblem};
 use crate::worker::SeqOutput;
 
 /// Passes the log keeps: the scheduler has at most two in flight, so the
-/// one a pass follows is always among the last few finished.
+/// one a pass follows is always among the last few.
 const KEPT: usize = 8;
 
-/// What one finished pass sampled, per sequence; `None`: it failed.
+/// One pass the log knows.
 #[derive(Debug)]
 struct Pass {
     step: u64,
-    sampled: Option<HashMap<u64, u32>>,
+    state: State,
 }
 
-/// The last few finished passes, oldest first.
+#[derive(Debug)]
+enum State {
+    /// Begun on the device, tokens not back: each sequence's last logit
+    /// row, where its sampled token is.
+    Running(HashMap<u64, u32>),
+    /// Finished: what it sampled per sequence; `None`: it failed.
+    Finished(Option<HashMap<u64, u32>>),
+}
+
+/// Where a pass's fed tokens come from ([`PassLog::feed`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Fed {
+    /// (index into the inputs, logit row of the running pass followed)
+    /// of each item fed on the device; empty when the tokens were filled
+    /// in from a finished pass.
+    pub(crate) on_device: Vec<(usize, u32)>,
+}
+
+/// The last few passes, oldest first, and which one was begun last on the
+/// device (its argmax rows are there until the next pass begins).
 #[derive(Debug, Default)]
 pub(crate) struct PassLog {
     recent: VecDeque<Pass>,
+    last_begun: Option<u64>,
 }
 
 impl PassLog {
     /// Whether the pass of `step` finished (successfully or not) and is
     /// still remembered.
     pub(crate) fn finished(&self, step: u64) -> bool {
-        self.recent.iter().any(|p| p.step == step)
+        self.find(step)
+            .is_some_and(|p| matches!(p.state, State::Finished(_)))
+    }
+
+    /// Whether the pass of `step` succeeded, once it finished.
+    pub(crate) fn succeeded(&self, step: u64) -> Option<bool> {
+        match self.find(step).map(|p| &p.state) {
+            Some(State::Finished(sampled)) => Some(sampled.is_some()),
+            _ => None,
+        }
+    }
+
+    /// Whether a pass that follows the pass of `step` can be begun: that
+    /// pass finished, or it is the one running last begun on the device.
+    pub(crate) fn ready_to_follow(&self, step: u64) -> bool {
+        self.finished(step) || self.running_last(step)
+    }
+
+    fn running_last(&self, step: u64) -> bool {
+        self.last_begun == Some(step)
+            && self
+                .find(step)
+                .is_some_and(|p| matches!(p.state, State::Running(_)))
+    }
+
+    fn find(&self, step: u64) -> Option<&Pass> {
+        self.recent.iter().find(|p| p.step == step)
+    }
+
+    /// Records that a pass of `step` begins on the device with these
+    /// (sequence, last logit row) pairs, its tokens not back yet; `None`
+    /// for a pass begun that leaves no tokens on the device to feed from.
+    pub(crate) fn begun(&mut self, step: u64, rows: Option<HashMap<u64, u32>>) {
+        self.last_begun = None;
+        if let Some(rows) = rows {
+            self.push(step, State::Running(rows));
+            self.last_begun = Some(step);
+        }
     }
 
     /// Records that the pass of `step` finished: with its outputs, or
     /// `None` when it failed (a pass that follows it then fails too).
     pub(crate) fn record(&mut self, step: u64, outputs: Option<&[SeqOutput]>) {
         let sampled = outputs.map(|o| o.iter().map(|s| (s.seq_id, s.next_token)).collect());
+        self.push(step, State::Finished(sampled));
+    }
+
+    fn push(&mut self, step: u64, state: State) {
         self.recent.retain(|p| p.step != step);
         if self.recent.len() == KEPT {
             self.recent.pop_front();
         }
-        self.recent.push_back(Pass { step, sampled });
+        self.recent.push_back(Pass { step, state });
     }
 
     /// Fills the token of every input that `feed` marks (same order as
     /// `inputs`) with what the pass of `after_step` sampled for its
-    /// sequence. Checks first, writes after: on an error `inputs` is
+    /// sequence, or, when that pass is the one running last begun on the
+    /// device, names the row each is fed from there (its token a
+    /// placeholder). Checks first, writes after: on an error `inputs` is
     /// unchanged.
     pub(crate) fn feed(
         &self,
         after_step: u64,
         inputs: &mut [SeqInput],
         feed: &[bool],
-    ) -> Result<()> {
+    ) -> Result<Fed> {
         let fed = || inputs.iter().zip(feed).filter(|&(_, &f)| f).map(|(s, _)| s);
         if let Some(s) = fed().find(|s| !s.tokens.is_empty()) {
             return Err(Error::InvalidSequence {
@@ -73,7 +140,7 @@ impl PassLog {
             });
         }
         let Some(first) = fed().next() else {
-            return Ok(());
+            return Ok(Fed::default());
         };
         if after_step == 0 {
             return Err(Error::InvalidSequence {
@@ -81,42 +148,45 @@ impl PassLog {
                 problem: SeqProblem::FeedWithoutAfterStep,
             });
         }
-        let pass = self.recent.iter().find(|p| p.step == after_step);
-        let sampled = match pass {
-            None => {
-                return Err(Error::PreviousPass {
-                    step: after_step,
-                    problem: "is not known to this worker".into(),
-                });
-            }
-            Some(Pass { sampled: None, .. }) => {
-                return Err(Error::PreviousPass {
-                    step: after_step,
-                    problem: "failed".into(),
-                });
-            }
-            Some(Pass {
-                sampled: Some(sampled),
-                ..
-            }) => sampled,
+        let previous = |problem: String| Error::PreviousPass {
+            step: after_step,
+            problem,
         };
-        let mut tokens = Vec::new();
+        let (by_seq, on_device) = match self.find(after_step).map(|p| &p.state) {
+            None => return Err(previous("is not known to this worker".into())),
+            Some(State::Finished(None)) => return Err(previous("failed".into())),
+            Some(State::Finished(Some(sampled))) => (sampled, false),
+            Some(State::Running(rows)) if self.running_last(after_step) => (rows, true),
+            Some(State::Running(_)) => {
+                return Err(previous(
+                    "is still running and another pass was begun after it".into(),
+                ));
+            }
+        };
+        let mut values = Vec::new();
         for s in fed() {
-            match sampled.get(&s.seq_id) {
-                Some(&t) => tokens.push(t),
+            match by_seq.get(&s.seq_id) {
+                Some(&v) => values.push(v),
                 None => {
-                    return Err(Error::PreviousPass {
-                        step: after_step,
-                        problem: format!("did not run sequence {}, which feeds on it", s.seq_id),
-                    });
+                    return Err(previous(format!(
+                        "did not run sequence {}, which feeds on it",
+                        s.seq_id
+                    )));
                 }
             }
         }
-        let fed_mut = inputs.iter_mut().zip(feed).filter(|&(_, &f)| f);
-        for ((s, _), t) in fed_mut.zip(tokens) {
-            s.tokens = vec![t];
+        let fed_mut = inputs.iter_mut().enumerate().zip(feed).filter(|&(_, &f)| f);
+        let mut out = Fed::default();
+        for (((index, s), _), v) in fed_mut.zip(values) {
+            if on_device {
+                // a placeholder the device overwrites before the pass reads it
+                s.tokens = vec![0];
+                out.on_device.push((index, v));
+            } else {
+                s.tokens = vec![v];
+            }
         }
-        Ok(())
+        Ok(out)
     }
 }
 
@@ -153,9 +223,45 @@ mod tests {
         log.record(7, Some(&[output(1, 42), output(2, 43)]));
         assert!(log.finished(7));
         let mut inputs = vec![input(2, vec![]), input(3, vec![9]), input(1, vec![])];
-        log.feed(7, &mut inputs, &[true, false, true]).unwrap();
+        let fed = log.feed(7, &mut inputs, &[true, false, true]).unwrap();
+        assert_eq!(fed, Fed::default(), "all from the host");
         let tokens: Vec<_> = inputs.iter().map(|s| s.tokens.clone()).collect();
         assert_eq!(tokens, [vec![43], vec![9], vec![42]]);
+    }
+
+    #[test]
+    fn a_pass_following_the_running_pass_last_begun_is_fed_its_rows_on_the_device() {
+        let mut log = PassLog::default();
+        log.begun(7, Some(HashMap::from([(1, 0), (2, 5)])));
+        assert!(!log.finished(7) && log.ready_to_follow(7));
+        let mut inputs = vec![input(2, vec![]), input(3, vec![9]), input(1, vec![])];
+        let fed = log.feed(7, &mut inputs, &[true, false, true]).unwrap();
+        assert_eq!(fed.on_device, [(0, 5), (2, 0)]);
+        let tokens: Vec<_> = inputs.iter().map(|s| s.tokens.len()).collect();
+        assert_eq!(tokens, [1, 1, 1], "fed items hold one placeholder token");
+        // its tokens back, it feeds from the host like any finished pass
+        log.record(7, Some(&[output(1, 42), output(2, 43)]));
+        let mut inputs = vec![input(1, vec![])];
+        assert_eq!(log.feed(7, &mut inputs, &[true]).unwrap(), Fed::default());
+        assert_eq!(inputs[0].tokens, [42]);
+    }
+
+    #[test]
+    fn a_running_pass_no_longer_last_begun_cannot_be_followed_yet() {
+        let mut log = PassLog::default();
+        log.begun(7, Some(HashMap::from([(1, 0)])));
+        // a pass begun after it overwrote its rows on the device
+        log.begun(8, None);
+        assert!(!log.ready_to_follow(7) && !log.ready_to_follow(8));
+        let mut inputs = vec![input(1, vec![])];
+        let e = log.feed(7, &mut inputs, &[true]).unwrap_err();
+        assert!(
+            e.to_string().contains("another pass was begun after it"),
+            "{e}"
+        );
+        assert!(inputs[0].tokens.is_empty(), "nothing written");
+        log.record(7, Some(&[output(1, 42)]));
+        assert!(log.ready_to_follow(7));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::convert::{
 };
 use crate::metrics::WorkerMetrics;
 use crate::pipeline::PassLog;
-use crate::worker::Worker;
+use crate::worker::{Begun, Worker};
 
 /// The gRPC service. Forward passes run one at a time on a blocking thread
 /// (the worker owns one arena), a pipelined one only after the pass it
@@ -41,8 +41,9 @@ impl WorkerGrpc {
                 state: Mutex::new(Serving {
                     worker,
                     log: PassLog::default(),
+                    last_done: None,
                 }),
-                finished: Condvar::new(),
+                changed: Condvar::new(),
             }),
             describe,
             metrics,
@@ -80,29 +81,41 @@ impl WorkerGrpc {
     }
 }
 
-/// The worker and the log of its finished passes, one lock for both, and
-/// the condition a pipelined pass waits on for the pass it follows.
+/// The worker and the log of its passes, one lock for both, and the
+/// condition a pipelined pass waits on for the pass it follows.
 #[derive(Debug)]
 struct Passes {
     state: Mutex<Serving>,
-    finished: Condvar,
+    changed: Condvar,
 }
 
 #[derive(Debug)]
 struct Serving {
     worker: Worker,
     log: PassLog,
+    /// When the last pass's tokens came back: a pass begun while another
+    /// ran computes from then on.
+    last_done: Option<Instant>,
 }
 
-/// Longest a pipelined pass waits for the pass it follows to finish (that
-/// pass's own compute included) before it fails.
+/// A lock or wait on the worker's state after a panic elsewhere.
+fn poisoned<E>(_: E) -> Status {
+    Status::internal("worker state poisoned by an earlier panic")
+}
+
+/// Longest a pipelined pass waits for the pass it follows to begin (or
+/// finish, where it cannot be fed on the device) before it fails.
 const FOLLOW_WAIT: Duration = Duration::from_secs(10);
 
 impl Passes {
-    /// Runs one pass of `step` once the pass of `after_step` finished (0:
-    /// at once), feeding the items `feed` marks from it, and records its
-    /// outcome for the pass that follows it. Returns the outputs, the
-    /// compute time and the time waited since `received` (in microseconds).
+    /// Runs one pass of `step` once the pass of `after_step` (0: none) can
+    /// be followed, feeding the items `feed` marks from it, and records its
+    /// outcome for the pass that follows it. On a device the pass is begun
+    /// under the lock and its tokens awaited without it, so the pass that
+    /// follows is begun (and its host work done) while this one runs.
+    /// Returns the outputs, the compute time (from the later of the pass's
+    /// start and the previous pass's end) and the time waited since
+    /// `received` (in microseconds).
     fn run(
         &self,
         received: Instant,
@@ -112,44 +125,75 @@ impl Passes {
         mut inputs: Vec<SeqInput>,
         feed: &[bool],
     ) -> Result<(Vec<crate::worker::SeqOutput>, u64, u64), Status> {
-        let mut state = self
-            .state
-            .lock()
-            .map_err(|_| Status::internal("worker state poisoned by an earlier panic"))?;
+        let mut state = self.state.lock().map_err(poisoned)?;
         if after_step != 0 {
-            while !state.log.finished(after_step) {
+            while !state.log.ready_to_follow(after_step) {
                 let left = (received + FOLLOW_WAIT).saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     state.log.record(step, None);
-                    self.finished.notify_all();
+                    self.changed.notify_all();
                     return Err(crate::Error::PreviousPass {
                         step: after_step,
                         problem: format!("did not finish within {} s", FOLLOW_WAIT.as_secs()),
                     }
                     .into());
                 }
-                state = self
-                    .finished
-                    .wait_timeout(state, left)
-                    .map_err(|_| Status::internal("worker state poisoned by an earlier panic"))?
-                    .0;
+                state = self.changed.wait_timeout(state, left).map_err(poisoned)?.0;
             }
         }
         // Timed after the lock: queueing behind another pass is not compute.
         let started = Instant::now();
         let wait_us = (started - received).as_micros() as u64;
-        let Serving { worker, log } = &mut *state;
-        let outcome = log.feed(after_step, &mut inputs, feed).and_then(|()| {
+        let Serving { worker, log, .. } = &mut *state;
+        let begun = log.feed(after_step, &mut inputs, feed).and_then(|fed| {
             // The step's demotions and onboardings come first: the
             // demoted device blocks may be written by this very pass.
             worker.apply_tier_copies(copies)?;
             // Only the tokens: logits stay where the backend computed them.
-            worker.forward_tokens(inputs)
+            let begun = worker.begin_tokens(inputs, &fed.on_device)?;
+            Ok((begun, !fed.on_device.is_empty()))
         });
-        log.record(step, outcome.as_deref().ok());
-        self.finished.notify_all();
+        let outcome = match begun {
+            Ok((Begun::Done(outputs), _)) => {
+                log.begun(step, None);
+                Ok(outputs)
+            }
+            Ok((Begun::Running(pass), fed_on_device)) => {
+                log.begun(step, Some(pass.last_rows().collect()));
+                self.changed.notify_all();
+                drop(state);
+                let tokens = pass.tokens.wait();
+                state = self.state.lock().map_err(poisoned)?;
+                // Fed on the device: only as good as the pass it followed,
+                // whose tokens came back before these (its thread records
+                // it at once).
+                let mut followed = Some(true);
+                if fed_on_device {
+                    let deadline = Instant::now() + FOLLOW_WAIT;
+                    followed = state.log.succeeded(after_step);
+                    while followed.is_none() && Instant::now() < deadline {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        state = self.changed.wait_timeout(state, left).map_err(poisoned)?.0;
+                        followed = state.log.succeeded(after_step);
+                    }
+                }
+                tokens.and_then(|tokens| match followed {
+                    Some(true) => Ok(state.worker.finish_tokens(pass.rest, tokens)),
+                    _ => Err(crate::Error::PreviousPass {
+                        step: after_step,
+                        problem: "failed after this pass was fed from it".into(),
+                    }),
+                })
+            }
+            Err(e) => Err(e),
+        };
+        let done = Instant::now();
+        let from = state.last_done.map_or(started, |t| t.max(started));
+        state.last_done = Some(done);
+        state.log.record(step, outcome.as_deref().ok());
+        self.changed.notify_all();
         let outputs = outcome.map_err(Status::from)?;
-        Ok((outputs, started.elapsed().as_micros() as u64, wait_us))
+        Ok((outputs, (done - from).as_micros() as u64, wait_us))
     }
 }
 

@@ -6,7 +6,9 @@ use std::time::Instant;
 
 use crate::arena::{ArenaLayout, SlotLedger, plan_blocks};
 use crate::backend::cpu::{self, CpuBackend};
-use crate::backend::{Backend, BackendChoice, BatchLogits, CudaOptions, PhaseTimes};
+use crate::backend::{
+    Backend, BackendChoice, BatchLogits, CudaOptions, Feed, PendingTokens, PhaseTimes,
+};
 use crate::batch::{self, Batch, Limits, PlannedSeq, SeqInput, TierCopyInput, TierDirection};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
@@ -353,6 +355,7 @@ impl Worker {
         let batch = self.validate(inputs)?;
         let t_validated = Instant::now();
         let logits = self.backend.forward(&batch)?;
+        self.ledger.record(&batch.writes);
         let seqs = self.outputs(&batch, t_start, t_validated, |seq, rows| {
             sample_rows(&logits, seq, rows)
         });
@@ -367,21 +370,71 @@ impl Worker {
     /// either way ([`SeqOutput::rows`] still numbers the logits rows the
     /// sequence had).
     pub fn forward_tokens(&mut self, inputs: Vec<SeqInput>) -> Result<Vec<SeqOutput>> {
+        match self.begin_tokens(inputs, &[])? {
+            Begun::Done(outputs) => Ok(outputs),
+            Begun::Running(pass) => {
+                let tokens = pass.tokens.wait()?;
+                Ok(self.finish_tokens(pass.rest, tokens))
+            }
+        }
+    }
+
+    /// Starts one batch as [`Worker::forward_tokens`] runs it: validated
+    /// (an error writes nothing) and, when the backend keeps the tokens on
+    /// a device, begun there and returned before they are back
+    /// ([`Begun::Running`]: wait for its tokens without this worker, then
+    /// [`Worker::finish_tokens`]); the next batch can be begun meanwhile
+    /// and runs after it. `feed` lists (index into `inputs`, logit row of
+    /// the pass begun just before) of inputs whose one token is the argmax
+    /// of that row, taken on the device; their tokens are placeholders.
+    /// The pass's writes count as made from here on: the next batch may
+    /// read them.
+    pub fn begin_tokens(&mut self, inputs: Vec<SeqInput>, feed: &[(usize, u32)]) -> Result<Begun> {
         if inputs.is_empty() {
             // A request of host-tier copies only: nothing to compute.
-            return Ok(Vec::new());
+            return Ok(Begun::Done(Vec::new()));
         }
         let t_start = Instant::now();
         let batch = self.validate(inputs)?;
         let t_validated = Instant::now();
         if batch.seqs.iter().any(|s| s.sampling.temperature != 0.0) {
+            if !feed.is_empty() {
+                return Err(Error::Backend(
+                    "a batch that samples on the host cannot be fed on the device".into(),
+                ));
+            }
             let logits = self.backend.forward(&batch)?;
-            return Ok(self.outputs(&batch, t_start, t_validated, |seq, rows| {
-                sample_rows(&logits, seq, rows)
-            }));
+            self.ledger.record(&batch.writes);
+            return Ok(Begun::Done(self.outputs(
+                &batch,
+                t_start,
+                t_validated,
+                |seq, rows| sample_rows(&logits, seq, rows),
+            )));
         }
-        let tokens = self.backend.forward_argmax(&batch)?;
-        Ok(self.outputs(&batch, t_start, t_validated, |seq, rows| {
+        let feed = device_feed(&batch, feed)?;
+        let tokens = self.backend.begin_argmax(&batch, &feed)?;
+        self.ledger.record(&batch.writes);
+        let rest = BegunRest {
+            batch,
+            t_start,
+            t_validated,
+        };
+        if tokens.is_on_device() {
+            return Ok(Begun::Running(RunningPass { tokens, rest }));
+        }
+        let tokens = tokens.wait()?;
+        Ok(Begun::Done(self.finish_tokens(rest, tokens)))
+    }
+
+    /// The outputs of a begun pass from its tokens (one per logit row).
+    pub fn finish_tokens(&mut self, rest: BegunRest, tokens: Vec<u32>) -> Vec<SeqOutput> {
+        let BegunRest {
+            batch,
+            t_start,
+            t_validated,
+        } = rest;
+        self.outputs(&batch, t_start, t_validated, |seq, rows| {
             let seq_tokens = tokens.get(rows).unwrap_or(&[]);
             let next_token = seq_tokens.last().copied().unwrap_or(0);
             let argmax = if seq.all_positions {
@@ -390,7 +443,7 @@ impl Worker {
                 Vec::new()
             };
             (next_token, argmax)
-        }))
+        })
     }
 
     fn validate(&mut self, inputs: Vec<SeqInput>) -> Result<Batch> {
@@ -404,7 +457,7 @@ impl Worker {
         )
     }
 
-    /// After the backend ran `batch`: records its writes in the ledger and
+    /// After the backend ran `batch` (its writes recorded in the ledger):
     /// builds each sequence's output from `pick(seq, its logits rows)` →
     /// (next token, argmax per position).
     fn outputs(
@@ -415,7 +468,6 @@ impl Worker {
         mut pick: impl FnMut(&PlannedSeq, std::ops::Range<usize>) -> (u32, Vec<u32>),
     ) -> Vec<SeqOutput> {
         let t_forward = Instant::now();
-        self.ledger.record(&batch.writes);
         let mut outputs = Vec::with_capacity(batch.seqs.len());
         let mut row = 0;
         for seq in &batch.seqs {
@@ -433,6 +485,69 @@ impl Worker {
         self.host_times = (ms(t_start, t_validated), ms(t_forward, Instant::now()));
         outputs
     }
+}
+
+/// A batch begun by [`Worker::begin_tokens`].
+#[derive(Debug)]
+pub enum Begun {
+    /// Run to the end: its outputs.
+    Done(Vec<SeqOutput>),
+    /// Running on the device.
+    Running(RunningPass),
+}
+
+/// A pass running on the device: its tokens to wait for, and what
+/// [`Worker::finish_tokens`] makes the outputs from.
+#[derive(Debug)]
+pub struct RunningPass {
+    /// The pass's tokens, one per logit row.
+    pub tokens: PendingTokens,
+    /// What the outputs are made from.
+    pub rest: BegunRest,
+}
+
+impl RunningPass {
+    /// The last logit row of each sequence (by id): where the token it
+    /// sampled is, for a pass fed from this one.
+    pub fn last_rows(&self) -> impl Iterator<Item = (u64, u32)> + '_ {
+        self.rest.batch.seqs.iter().scan(0usize, |row, seq| {
+            *row += seq.logit_rows();
+            Some((seq.seq_id, (*row - 1) as u32))
+        })
+    }
+}
+
+/// The batch of a begun pass and when its host stages happened.
+#[derive(Debug)]
+pub struct BegunRest {
+    batch: Batch,
+    t_start: Instant,
+    t_validated: Instant,
+}
+
+/// [`Worker::begin_tokens`]'s feed (input index, row) as token indices of
+/// `batch` (its sequences in input order): each fed input has one token.
+fn device_feed(batch: &Batch, feed: &[(usize, u32)]) -> Result<Vec<Feed>> {
+    if feed.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut first_token = Vec::with_capacity(batch.seqs.len());
+    let mut next = 0usize;
+    for seq in &batch.seqs {
+        first_token.push((next, seq.tokens.len()));
+        next += seq.tokens.len();
+    }
+    feed.iter()
+        .map(|&(input, row)| match first_token.get(input) {
+            Some(&(token, 1)) => Ok(Feed {
+                token: token as u32,
+                row,
+            }),
+            _ => Err(Error::Backend(format!(
+                "input {input} cannot be fed: it is not a one-token item of the batch"
+            ))),
+        })
+        .collect()
 }
 
 /// The next token of `seq` sampled from its last logits row (of `rows`),

@@ -505,6 +505,125 @@ fn decode_from_graphs_is_bit_identical_to_eager_decode() {
 }
 
 #[test]
+fn passes_fed_on_the_device_while_the_pass_before_runs_equal_passes_fed_from_the_host() {
+    if !gpu_available("device_fed_passes") {
+        return;
+    }
+    // Six sequences prefill at step 0 and then decode, each pass begun
+    // while the one before still runs, its tokens taken on the device from
+    // that pass's argmax rows; a seventh joins with a prefill chunk at step
+    // 5 (a mixed batch: no graph) and is fed from step 6 on. The tokens
+    // must equal those of passes run one at a time with every token fed
+    // from the host.
+    let weights = fixed_model(vec![0], 4);
+    const SEQS: usize = 7;
+    const STEPS: usize = 24;
+    let prompt =
+        |s: usize| -> Vec<u32> { (0..3 + s).map(|p| ((s * 11 + p * 5) % 64) as u32).collect() };
+    let joins = |s: usize| if s == SEQS - 1 { 5 } else { 0 };
+    let input = |s: usize, tokens: Vec<u32>, start: usize| {
+        let ids: Vec<u32> = (s as u32 * 16..s as u32 * 16 + 16).collect();
+        SeqInput {
+            seq_id: s as u64 + 1,
+            tokens,
+            start_pos: start as u32,
+            tables: vec![table(0, 0, &ids)],
+            all_positions: false,
+            sampling: Sampling::GREEDY,
+            copies: Vec::new(),
+        }
+    };
+    // per step, the sequences it runs: (sequence, prefill?)
+    let schedule = |step: usize| -> Vec<(usize, bool)> {
+        (0..SEQS)
+            .filter(|&s| step >= joins(s))
+            .map(|s| (s, step == joins(s)))
+            .collect()
+    };
+    let mut host = gpu_worker(&weights);
+    let mut sampled = vec![Vec::new(); SEQS];
+    let mut pos = [0usize; SEQS];
+    for step in 0..STEPS {
+        let runs = schedule(step);
+        let inputs = runs
+            .iter()
+            .map(|&(s, prefill)| {
+                let tokens = if prefill {
+                    prompt(s)
+                } else {
+                    vec![*sampled[s].last().unwrap()]
+                };
+                input(s, tokens, pos[s])
+            })
+            .collect();
+        let outputs = host.forward_tokens(inputs).unwrap();
+        for (&(s, _), o) in runs.iter().zip(&outputs) {
+            pos[s] += if sampled[s].is_empty() {
+                prompt(s).len()
+            } else {
+                1
+            };
+            sampled[s].push(o.next_token);
+        }
+    }
+    let mut device = gpu_worker(&weights);
+    let mut fed = vec![Vec::new(); SEQS];
+    let mut pos = [0usize; SEQS];
+    let mut running: Option<(Vec<(usize, bool)>, worker_svc::worker::RunningPass)> = None;
+    let finish =
+        |device: &mut Worker,
+         fed: &mut Vec<Vec<u32>>,
+         (runs, pass): (Vec<(usize, bool)>, worker_svc::worker::RunningPass)| {
+            let tokens = pass.tokens.wait().unwrap();
+            for (&(s, _), o) in runs.iter().zip(device.finish_tokens(pass.rest, tokens)) {
+                fed[s].push(o.next_token);
+            }
+        };
+    for step in 0..STEPS {
+        let runs = schedule(step);
+        let rows: std::collections::HashMap<u64, u32> = running
+            .as_ref()
+            .map(|(_, p)| p.last_rows().collect())
+            .unwrap_or_default();
+        let mut feed = Vec::new();
+        let inputs = runs
+            .iter()
+            .enumerate()
+            .map(|(i, &(s, prefill))| {
+                let tokens = if prefill {
+                    prompt(s)
+                } else {
+                    feed.push((i, rows[&(s as u64 + 1)]));
+                    vec![0]
+                };
+                let start = pos[s];
+                pos[s] += tokens.len();
+                input(s, tokens, start)
+            })
+            .collect();
+        let begun = device.begin_tokens(inputs, &feed).unwrap();
+        let worker_svc::worker::Begun::Running(pass) = begun else {
+            panic!("step {step}: a greedy pass on the GPU keeps its tokens on the device");
+        };
+        // the pass before is finished only now, with this one begun behind it
+        if let Some(before) = running.replace((runs, pass)) {
+            finish(&mut device, &mut fed, before);
+        }
+    }
+    if let Some(last) = running.take() {
+        finish(&mut device, &mut fed, last);
+    }
+    assert_eq!(
+        fed, sampled,
+        "tokens fed on the device == tokens fed from the host"
+    );
+    assert!(
+        device.graph_counts().replays > 0,
+        "decode passes from graphs were fed too"
+    );
+}
+
+#[test]
 fn greedy_tokens_picked_on_the_device_equal_the_hosts_argmax() {
     if !gpu_available("greedy_tokens_on_the_device") {
         return;

@@ -117,6 +117,62 @@ pub struct BatchLogits {
     pub values: Vec<f32>,
 }
 
+/// A token of a pass taken on the device from the pass begun before it:
+/// the token at `token` (index into the batch's tokens, in batch order)
+/// is the argmax of that pass's logit row `row`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Feed {
+    /// Index of the token in the batch being begun.
+    pub token: u32,
+    /// Logit row of the previous pass whose argmax it is.
+    pub row: u32,
+}
+
+/// The tokens of a begun pass ([`Backend::begin_argmax`]): at hand, or on
+/// their way back from a device.
+pub struct PendingTokens(Pending);
+
+enum Pending {
+    Ready(Vec<u32>),
+    OnDevice(Box<dyn FnOnce() -> Result<Vec<u32>> + Send>),
+}
+
+impl PendingTokens {
+    /// Tokens already computed.
+    pub fn ready(tokens: Vec<u32>) -> Self {
+        PendingTokens(Pending::Ready(tokens))
+    }
+
+    /// Tokens that `wait` brings back from the device (blocking until the
+    /// pass and every pass begun before it finished).
+    pub fn on_device(wait: impl FnOnce() -> Result<Vec<u32>> + Send + 'static) -> Self {
+        PendingTokens(Pending::OnDevice(Box::new(wait)))
+    }
+
+    /// Whether the tokens are still on the device, where the pass begun
+    /// next can be fed from them.
+    pub fn is_on_device(&self) -> bool {
+        matches!(self.0, Pending::OnDevice(_))
+    }
+
+    /// The tokens, one per logit row, once the pass finished.
+    pub fn wait(self) -> Result<Vec<u32>> {
+        match self.0 {
+            Pending::Ready(tokens) => Ok(tokens),
+            Pending::OnDevice(wait) => wait(),
+        }
+    }
+}
+
+impl std::fmt::Debug for PendingTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Pending::Ready(t) => write!(f, "PendingTokens::Ready({} tokens)", t.len()),
+            Pending::OnDevice(_) => f.write_str("PendingTokens::OnDevice"),
+        }
+    }
+}
+
 /// A compute backend for the forward pass.
 pub trait Backend: Send + std::fmt::Debug {
     /// Short name: "cpu" or "cuda".
@@ -142,6 +198,23 @@ pub trait Backend: Send + std::fmt::Debug {
             .chunks_exact(vocab)
             .map(|row| crate::ops::argmax(row) as u32)
             .collect())
+    }
+    /// Starts `batch` as [`Backend::forward_argmax`] runs it and returns
+    /// before its tokens are back: they come from [`PendingTokens::wait`],
+    /// which needs no access to the backend, so the next pass can be
+    /// started (and its host work done) while this one runs. `feed` lists
+    /// tokens of `batch` to take on the device from the argmax of the pass
+    /// begun just before this one ([`Feed`]); their tokens in `batch` are
+    /// placeholders. The default runs the pass at once and has no device
+    /// tokens to feed from.
+    fn begin_argmax(&mut self, batch: &Batch, feed: &[Feed]) -> Result<PendingTokens> {
+        if !feed.is_empty() {
+            return Err(crate::error::Error::Backend(format!(
+                "the {} backend keeps no sampled tokens on a device to feed from",
+                self.name()
+            )));
+        }
+        Ok(PendingTokens::ready(self.forward_argmax(batch)?))
     }
     /// Gives the backend a host tier of `host_blocks[i]` blocks for pool
     /// `i` (a second arena in host memory). A backend that has none refuses

@@ -1,11 +1,11 @@
 //! [`CudaBackend`]: sizes and owns the device memory, and runs a validated
 //! batch as a sequence of launches (see `launches`) and products (`gemm`).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, PinnedHostSlice};
 use half::bf16;
 
 use super::gemm::{Products, padded_rows};
@@ -16,7 +16,9 @@ use super::tier::HostTier;
 use super::uploads::{Activations, BatchMeta, DeviceBatch, DeviceWeights};
 use super::{CudaOptions, GPU_KV_ELEM_BYTES, KvDtype, cuda_err, probe};
 use crate::arena::{ArenaLayout, split_kv_bytes};
-use crate::backend::{Backend, BatchLogits, GraphCounts, HostTimes, PhaseTimes};
+use crate::backend::{
+    Backend, BatchLogits, Feed, GraphCounts, HostTimes, PendingTokens, PhaseTimes,
+};
 use crate::batch::{Batch, TierMove};
 use crate::error::{Error, Result};
 use crate::model::weights::Weights;
@@ -45,6 +47,45 @@ pub struct CudaBackend {
     /// Decode passes from CUDA graphs (`CudaOptions::decode_graphs`).
     use_graphs: bool,
     graphs: DecodeGraphs,
+    /// Pinned buffers the tokens of begun passes come back in.
+    readback: Readback,
+}
+
+/// Pinned host buffers, each one pass's tokens long at most, that a begun
+/// pass's tokens are copied into without stopping the stream; a waited-on
+/// pass gives its buffer back.
+#[derive(Debug, Default, Clone)]
+struct Readback {
+    free: Arc<Mutex<Vec<PinnedHostSlice<u32>>>>,
+}
+
+impl Readback {
+    /// A free buffer of `len` tokens, or a new one.
+    fn take(&self, ctx: &Arc<CudaContext>, len: usize) -> Result<PinnedHostSlice<u32>> {
+        let reused = self
+            .free
+            .lock()
+            .map_err(|_| Error::Backend("token readback buffers poisoned".into()))?
+            .pop();
+        match reused {
+            Some(b) if b.len() >= len => Ok(b),
+            _ => {
+                // SAFETY: the buffer is only read after a copy of the
+                // device's tokens into it completed (`PinnedHostSlice::
+                // as_slice` waits for it), never before. Not write-combined:
+                // the host reads it.
+                unsafe { ctx.alloc_pinned_with_flags::<u32>(len, 0) }
+                    .map_err(cuda_err("alloc pinned tokens"))
+            }
+        }
+    }
+
+    /// Puts a buffer back once its tokens were read.
+    fn give_back(&self, buffer: PinnedHostSlice<u32>) {
+        if let Ok(mut free) = self.free.lock() {
+            free.push(buffer);
+        }
+    }
 }
 
 /// What sizing found: the device's memory and what the arena got.
@@ -163,6 +204,7 @@ impl CudaBackend {
                 last_profile: None,
                 use_graphs: options.decode_graphs,
                 graphs: DecodeGraphs::default(),
+                readback: Readback::default(),
             },
             sizing,
         ))
@@ -194,20 +236,23 @@ impl CudaBackend {
     /// `acts.logits`: the batch's metadata uploaded, then the launches, from
     /// a graph for a decode batch (see `graphs`) or one by one. Returns how
     /// many logit rows the batch has (the first rows of `acts.logits`).
-    /// Profiling marks go into `prof` (a profiled pass runs eagerly).
-    fn pass(&mut self, batch: &Batch, prof: &mut Profiler) -> Result<usize> {
+    /// Profiling marks go into `prof` (a profiled pass runs eagerly). The
+    /// tokens `feed` names are taken on the device from the argmax of the
+    /// pass before, after the metadata upload.
+    fn pass(&mut self, batch: &Batch, feed: &[Feed], prof: &mut Profiler) -> Result<usize> {
         let graph_rows = graphs::decode_rows(batch).filter(|_| self.use_graphs && !prof.is_on());
         if let Some(rows) = graph_rows {
             let meta = self.batch_meta(batch, graphs::bucket(rows));
             let mut state = std::mem::take(&mut self.graphs);
-            let replayed = self.replay(&mut state, batch, &meta, prof);
+            let replayed = self.replay(&mut state, batch, feed, &meta, prof);
             self.graphs = state;
             if replayed? {
                 return Ok(rows);
             }
         }
         let meta = self.batch_meta(batch, batch.total_tokens());
-        let dev = DeviceBatch::upload(&self.stream, meta)?;
+        let mut dev = DeviceBatch::upload(&self.stream, meta)?;
+        self.feed_tokens(&mut dev.tokens, batch.total_tokens(), feed)?;
         prof.uploaded();
         self.copy_partial_blocks(batch)?;
         self.launch_pass(&dev, prof)?;
@@ -228,6 +273,7 @@ impl CudaBackend {
         &mut self,
         state: &mut DecodeGraphs,
         batch: &Batch,
+        feed: &[Feed],
         meta: &BatchMeta,
         prof: &mut Profiler,
     ) -> Result<bool> {
@@ -260,6 +306,8 @@ impl CudaBackend {
         for (pool, &keys) in dev.pools.iter_mut().zip(&key.keys) {
             pool.max_keys = keys;
         }
+        // before the capture, which runs nothing: the replay reads them
+        self.feed_tokens(&mut dev.tokens, batch.total_tokens(), feed)?;
         prof.uploaded();
         if !state.graphs.contains_key(&key) {
             match self.capture(dev) {
@@ -300,6 +348,41 @@ impl CudaBackend {
             Some(graph) => Ok(Graph(graph)),
             None => Err(Error::Backend("cuda graph capture recorded nothing".into())),
         }
+    }
+
+    /// Writes the tokens `feed` names into `tokens` (the first `len` are
+    /// the batch's): each the argmax of a logit row of the pass before,
+    /// still in `acts.argmax` (a pass overwrites it only with its own
+    /// argmax, after its tokens were embedded).
+    fn feed_tokens(
+        &mut self,
+        tokens: &mut CudaSlice<u32>,
+        len: usize,
+        feed: &[Feed],
+    ) -> Result<()> {
+        if feed.is_empty() {
+            return Ok(());
+        }
+        let rows = self.acts.argmax.len();
+        if let Some(f) = feed
+            .iter()
+            .find(|f| f.token as usize >= len.min(tokens.len()) || f.row as usize >= rows)
+        {
+            return Err(Error::Backend(format!(
+                "fed token {} from row {} is outside the batch's {len} tokens or the {rows} rows of the pass before",
+                f.token, f.row
+            )));
+        }
+        let pairs: Vec<u32> = feed.iter().flat_map(|f| [f.token, f.row]).collect();
+        let pairs = self
+            .stream
+            .clone_htod(&pairs)
+            .map_err(cuda_err("upload fed tokens"))?;
+        Launcher {
+            stream: &self.stream,
+            kernels: &self.kernels,
+        }
+        .feed_tokens(&self.acts.argmax, &pairs, feed.len(), tokens)
     }
 
     /// The partial-block copies of `batch`'s sequences: before the pass,
@@ -353,7 +436,7 @@ impl CudaBackend {
     /// A pass, then the logits rows back to the host.
     fn run(&mut self, batch: &Batch) -> Result<BatchLogits> {
         let mut prof = Profiler::start(&self.stream, self.profiling)?;
-        let rows = self.pass(batch, &mut prof)?;
+        let rows = self.pass(batch, &[], &mut prof)?;
         prof.launched();
         let vocab = self.config.vocab_size;
         let values = self
@@ -366,16 +449,9 @@ impl CudaBackend {
 
     /// A pass, then the argmax of every logits row on the device: one token
     /// per row comes back instead of the row.
-    fn run_argmax(&mut self, batch: &Batch) -> Result<Vec<u32>> {
+    fn run_argmax(&mut self, batch: &Batch, feed: &[Feed]) -> Result<Vec<u32>> {
         let mut prof = Profiler::start(&self.stream, self.profiling)?;
-        let rows = self.pass(batch, &mut prof)?;
-        let launch = Launcher {
-            stream: &self.stream,
-            kernels: &self.kernels,
-        };
-        let vocab = self.config.vocab_size;
-        launch.argmax_rows(&self.acts.logits, vocab, rows, &mut self.acts.argmax)?;
-        prof.mark(Phase::Other)?;
+        let rows = self.pass_argmax(batch, feed, &mut prof)?;
         prof.launched();
         let tokens = self
             .stream
@@ -383,6 +459,20 @@ impl CudaBackend {
             .map_err(cuda_err("download tokens"))?;
         self.finish_profile(prof)?;
         Ok(tokens)
+    }
+
+    /// A pass and the argmax of its logit rows into `acts.argmax`; returns
+    /// the rows.
+    fn pass_argmax(&mut self, batch: &Batch, feed: &[Feed], prof: &mut Profiler) -> Result<usize> {
+        let rows = self.pass(batch, feed, prof)?;
+        let launch = Launcher {
+            stream: &self.stream,
+            kernels: &self.kernels,
+        };
+        let vocab = self.config.vocab_size;
+        launch.argmax_rows(&self.acts.logits, vocab, rows, &mut self.acts.argmax)?;
+        prof.mark(Phase::Other)?;
+        Ok(rows)
     }
 
     /// Keeps the phase times of a profiled pass whose results came back.
@@ -797,7 +887,34 @@ impl Backend for CudaBackend {
     }
 
     fn forward_argmax(&mut self, batch: &Batch) -> Result<Vec<u32>> {
-        self.run_argmax(batch)
+        self.run_argmax(batch, &[])
+    }
+
+    /// Enqueues the pass, its argmax and the copy of the tokens into a
+    /// pinned buffer, and returns: the stream runs this pass after the one
+    /// begun before it, and the next one after it, without the host waiting
+    /// in between. A profiled pass runs at once (its phases are timed).
+    fn begin_argmax(&mut self, batch: &Batch, feed: &[Feed]) -> Result<PendingTokens> {
+        if self.profiling {
+            return Ok(PendingTokens::ready(self.run_argmax(batch, feed)?));
+        }
+        let rows = self.pass_argmax(batch, feed, &mut Profiler::start(&self.stream, false)?)?;
+        let mut host = self.readback.take(&self.ctx, self.acts.argmax.len())?;
+        self.stream
+            .memcpy_dtoh(&self.acts.argmax.slice(..rows), &mut host)
+            .map_err(cuda_err("download tokens"))?;
+        let readback = self.readback.clone();
+        Ok(PendingTokens::on_device(move || {
+            // waits for the copy, hence for this pass and those before it
+            let tokens = host
+                .as_slice()
+                .map_err(cuda_err("download tokens"))?
+                .get(..rows)
+                .map(<[u32]>::to_vec)
+                .ok_or_else(|| Error::Backend("token readback buffer too short".into()));
+            readback.give_back(host);
+            tokens
+        }))
     }
 
     fn set_profiling(&mut self, on: bool) {

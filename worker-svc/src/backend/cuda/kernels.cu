@@ -839,6 +839,15 @@ argmax_rows(const float* __restrict__ logits, int vocab, unsigned int* __restric
     }
 }
 
+// tokens[pairs[2i]] = argmax[pairs[2i + 1]] for i < n: the tokens of a pass
+// fed from the argmax rows of the pass before it (pairs checked on the host).
+extern "C" __global__ void feed_tokens(unsigned int* __restrict__ tokens,
+                                       const unsigned int* __restrict__ argmax,
+                                       const unsigned int* __restrict__ pairs, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) tokens[pairs[2 * i]] = argmax[pairs[2 * i + 1]];
+}
+
 // a[i] = a value in [-0.5, 0.5) hashed from (i, seed); for benchmarks.
 extern "C" __global__ void fill_random(kv_t* __restrict__ a, long long n, unsigned int seed) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;

@@ -93,6 +93,7 @@ pub(super) struct Kernels {
     pub(super) attention_combine: CudaFunction,
     pub(super) attention_combine_bf16: CudaFunction,
     pub(super) argmax_rows: CudaFunction,
+    pub(super) feed_tokens: CudaFunction,
     /// The bench's K/V filler.
     #[cfg(feature = "bench")]
     pub(super) fill_random: CudaFunction,
@@ -224,6 +225,7 @@ impl Kernels {
             attention_combine: f("attention_combine")?,
             attention_combine_bf16: f("attention_combine_bf16")?,
             argmax_rows: f("argmax_rows")?,
+            feed_tokens: f("feed_tokens")?,
             #[cfg(feature = "bench")]
             fill_random: f("fill_random")?,
         })

@@ -376,6 +376,40 @@ impl Launcher<'_> {
         Ok(())
     }
 
+    /// `tokens[pairs[2i]] = argmax[pairs[2i + 1]]` for the `n` pairs: a
+    /// pass's tokens fed from the argmax of the pass before.
+    pub(super) fn feed_tokens(
+        &self,
+        argmax: &CudaSlice<u32>,
+        pairs: &CudaSlice<u32>,
+        n: usize,
+        tokens: &mut CudaSlice<u32>,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        check_len("feed_tokens", "pairs", pairs.len(), 2 * n)?;
+        let n_i = n as i32;
+        // SAFETY: matches `feed_tokens(unsigned int* tokens, const unsigned
+        // int* argmax, const unsigned int* pairs, int n)`; the caller checked
+        // every pair against both buffers' lengths.
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.feed_tokens)
+                .arg(tokens)
+                .arg(argmax)
+                .arg(pairs)
+                .arg(&n_i)
+                .launch(LaunchConfig {
+                    grid_dim: (n.div_ceil(256) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+        }
+        .map_err(cuda_err("feed_tokens"))?;
+        Ok(())
+    }
+
     /// Partial-block reuse: copies slots `[0, slots)` of the block at
     /// element offset `src_base` into the block at `dst_base`, in each of
     /// the block's `runs` runs of `b * d` elements (one per layer of the
