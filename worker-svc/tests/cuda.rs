@@ -917,9 +917,11 @@ fn gpu_agrees_with_transformers(name: &str, loaded: &worker_svc::model::load::Lo
         reference.transformers
     );
     let report = arch::compare(&mut worker, &reference);
-    // Random tiny models have near-ties at some positions (reference
-    // top-2 margins down to 3.5e-5 of the row's scale, 4 to 21 positions of
-    // 220 under 1e-2 per fixture): a near-tie may go either way in bf16.
+    // Strict, as the acceptance reads. The near-tie figure says whether a
+    // miss was a rounding of a near-tied pair (the random fixtures other
+    // than qwen3 have reference top-2 margins down to 3.5e-5 of the row's
+    // scale; qwen3's are at least 4x its emulated bf16 error, see the
+    // generator's docstring) or a wrong pass.
     let near = report.top1_near as f64 / report.positions.max(1) as f64;
     println!(
         "  top-1 agreement {:.2}%, {:.2}% counting near-ties",
@@ -927,8 +929,11 @@ fn gpu_agrees_with_transformers(name: &str, loaded: &worker_svc::model::load::Lo
         100.0 * near
     );
     assert!(
-        near >= 0.99,
-        "{name}: teacher-forced top-1 agreement {:.2}% (near-ties counted) < 99%",
+        report.top1_rate() >= 0.99,
+        "{name}: teacher-forced top-1 agreement {}/{} ({:.2}%; {:.2}% counting near-ties) < 99%",
+        report.top1_agree,
+        report.positions,
+        100.0 * report.top1_rate(),
         100.0 * near
     );
     assert!(
