@@ -903,9 +903,16 @@ impl Backend for CudaBackend {
         self.stream
             .memcpy_dtoh(&self.acts.argmax.slice(..rows), &mut host)
             .map_err(cuda_err("download tokens"))?;
+        // The buffer's own event is recorded only when cudarc tracks
+        // streams, which this context does not (see `Products::new`).
+        let copied = self
+            .stream
+            .record_event(None)
+            .map_err(cuda_err("record token copy"))?;
         let readback = self.readback.clone();
         Ok(PendingTokens::on_device(move || {
-            // waits for the copy, hence for this pass and those before it
+            // the copy, hence this pass and those before it, finished
+            copied.synchronize().map_err(cuda_err("wait for tokens"))?;
             let tokens = host
                 .as_slice()
                 .map_err(cuda_err("download tokens"))?
