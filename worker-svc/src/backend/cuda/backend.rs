@@ -252,7 +252,7 @@ impl CudaBackend {
         }
         let meta = self.batch_meta(batch, batch.total_tokens());
         let mut dev = DeviceBatch::upload(&self.stream, meta)?;
-        self.feed_tokens(&mut dev.tokens, batch.total_tokens(), feed)?;
+        self.feed_tokens(&mut dev.tokens, batch.total_tokens(), dev.rows, feed)?;
         prof.uploaded();
         self.copy_partial_blocks(batch)?;
         self.launch_pass(&dev, prof)?;
@@ -307,7 +307,7 @@ impl CudaBackend {
             pool.max_keys = keys;
         }
         // before the capture, which runs nothing: the replay reads them
-        self.feed_tokens(&mut dev.tokens, batch.total_tokens(), feed)?;
+        self.feed_tokens(&mut dev.tokens, batch.total_tokens(), meta.rows(), feed)?;
         prof.uploaded();
         if !state.graphs.contains_key(&key) {
             match self.capture(dev) {
@@ -351,18 +351,31 @@ impl CudaBackend {
     }
 
     /// Writes the tokens `feed` names into `tokens` (the first `len` are
-    /// the batch's): each the argmax of a logit row of the pass before,
-    /// still in `acts.argmax` (a pass overwrites it only with its own
-    /// argmax, after its tokens were embedded).
+    /// the batch's, then padding up to `padded`): each the argmax of a
+    /// logit row of the pass before, still in `acts.argmax` (a pass
+    /// overwrites it only with its own argmax, after its tokens were
+    /// embedded). Padding rows repeat the last token, position and slot
+    /// (`BatchMeta::build`): when that token is fed, so are they, or they
+    /// would write the placeholder's K/V into its slot.
     fn feed_tokens(
         &mut self,
         tokens: &mut CudaSlice<u32>,
         len: usize,
+        padded: usize,
         feed: &[Feed],
     ) -> Result<()> {
         if feed.is_empty() {
             return Ok(());
         }
+        let last = feed.iter().find(|f| f.token as usize + 1 == len).copied();
+        let padding = (len..padded).filter_map(|t| {
+            last.map(|f| Feed {
+                token: t as u32,
+                row: f.row,
+            })
+        });
+        let feed: Vec<Feed> = feed.iter().copied().chain(padding).collect();
+        let len = padded.max(len);
         let rows = self.acts.argmax.len();
         if let Some(f) = feed
             .iter()
