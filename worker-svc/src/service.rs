@@ -38,11 +38,8 @@ impl WorkerGrpc {
         let describe = describe_response(worker.info(), &tokenizer);
         WorkerGrpc {
             passes: Arc::new(Passes {
-                state: Mutex::new(Serving {
-                    worker,
-                    log: PassLog::default(),
-                    last_done: None,
-                }),
+                worker: Mutex::new(worker),
+                log: Mutex::new(Log::default()),
                 changed: Condvar::new(),
             }),
             describe,
@@ -81,18 +78,20 @@ impl WorkerGrpc {
     }
 }
 
-/// The worker and the log of its passes, one lock for both, and the
-/// condition a pipelined pass waits on for the pass it follows.
+/// The worker, and the log of its passes under a lock of its own, so that a
+/// pass's answer (which needs only the log) never waits for the next pass's
+/// host work (which holds the worker); `changed` tells of every change to
+/// the log. Lock order: the worker, then the log.
 #[derive(Debug)]
 struct Passes {
-    state: Mutex<Serving>,
+    worker: Mutex<Worker>,
+    log: Mutex<Log>,
     changed: Condvar,
 }
 
-#[derive(Debug)]
-struct Serving {
-    worker: Worker,
-    log: PassLog,
+#[derive(Debug, Default)]
+struct Log {
+    passes: PassLog,
     /// When the last pass's tokens came back: a pass begun while another
     /// ran computes from then on.
     last_done: Option<Instant>,
@@ -108,13 +107,31 @@ fn poisoned<E>(_: E) -> Status {
 const FOLLOW_WAIT: Duration = Duration::from_secs(10);
 
 impl Passes {
+    /// Waits on the log until `done` holds of it, or `deadline` passed
+    /// (then `None`).
+    fn wait_log<'a>(
+        &'a self,
+        mut log: std::sync::MutexGuard<'a, Log>,
+        deadline: Instant,
+        done: impl Fn(&Log) -> bool,
+    ) -> Result<Option<std::sync::MutexGuard<'a, Log>>, Status> {
+        while !done(&log) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            log = self.changed.wait_timeout(log, left).map_err(poisoned)?.0;
+        }
+        Ok(Some(log))
+    }
+
     /// Runs one pass of `step` once the pass of `after_step` (0: none) can
     /// be followed, feeding the items `feed` marks from it, and records its
     /// outcome for the pass that follows it. On a device the pass is begun
-    /// under the lock and its tokens awaited without it, so the pass that
-    /// follows is begun (and its host work done) while this one runs.
-    /// Returns the outputs, the compute time (from the later of the pass's
-    /// start and the previous pass's end) and the time waited since
+    /// under the worker's lock and its tokens awaited without it, so the
+    /// pass that follows is begun (and its host work done) while this one
+    /// runs. Returns the outputs, the compute time (from the later of the
+    /// pass's start and the previous pass's end) and the time waited since
     /// `received` (in microseconds).
     fn run(
         &self,
@@ -125,27 +142,34 @@ impl Passes {
         mut inputs: Vec<SeqInput>,
         feed: &[bool],
     ) -> Result<(Vec<crate::worker::SeqOutput>, u64, u64), Status> {
-        let mut state = self.state.lock().map_err(poisoned)?;
+        let deadline = received + FOLLOW_WAIT;
         if after_step != 0 {
-            while !state.log.ready_to_follow(after_step) {
-                let left = (received + FOLLOW_WAIT).saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    state.log.record(step, None);
-                    self.changed.notify_all();
-                    return Err(crate::Error::PreviousPass {
-                        step: after_step,
-                        problem: format!("did not finish within {} s", FOLLOW_WAIT.as_secs()),
-                    }
-                    .into());
-                }
-                state = self.changed.wait_timeout(state, left).map_err(poisoned)?.0;
+            let log = self.log.lock().map_err(poisoned)?;
+            if self
+                .wait_log(log, deadline, |l| l.passes.ready_to_follow(after_step))?
+                .is_none()
+            {
+                let late = || crate::Error::PreviousPass {
+                    step: after_step,
+                    problem: format!("did not finish within {} s", FOLLOW_WAIT.as_secs()),
+                };
+                self.record(step, received, &Err(late()))?;
+                return Err(late().into());
             }
         }
+        let mut worker = self.worker.lock().map_err(poisoned)?;
         // Timed after the lock: queueing behind another pass is not compute.
         let started = Instant::now();
         let wait_us = (started - received).as_micros() as u64;
-        let Serving { worker, log, .. } = &mut *state;
-        let begun = log.feed(after_step, &mut inputs, feed).and_then(|fed| {
+        // no other pass begins while the worker is held: what the log
+        // says of the pass followed holds until this one has begun
+        let fed = self
+            .log
+            .lock()
+            .map_err(poisoned)?
+            .passes
+            .feed(after_step, &mut inputs, feed);
+        let begun = fed.and_then(|fed| {
             // The step's demotions and onboardings come first: the
             // demoted device blocks may be written by this very pass.
             worker.apply_tier_copies(copies)?;
@@ -153,32 +177,33 @@ impl Passes {
             let begun = worker.begin_tokens(inputs, &fed.on_device)?;
             Ok((begun, !fed.on_device.is_empty()))
         });
+        if let Ok((begun, _)) = &begun {
+            let rows = match begun {
+                Begun::Running(pass) => Some(pass.last_rows().collect()),
+                Begun::Done(_) => None,
+            };
+            self.log.lock().map_err(poisoned)?.passes.begun(step, rows);
+            self.changed.notify_all();
+        }
+        drop(worker);
         let outcome = match begun {
-            Ok((Begun::Done(outputs), _)) => {
-                log.begun(step, None);
-                Ok(outputs)
-            }
+            Ok((Begun::Done(outputs), _)) => Ok(outputs),
             Ok((Begun::Running(pass), fed_on_device)) => {
-                log.begun(step, Some(pass.last_rows().collect()));
-                self.changed.notify_all();
-                drop(state);
-                let tokens = pass.tokens.wait();
-                state = self.state.lock().map_err(poisoned)?;
+                let outputs = pass.tokens.wait().map(|t| pass.rest.outputs(&t));
                 // Fed on the device: only as good as the pass it followed,
                 // whose tokens came back before these (its thread records
                 // it at once).
-                let mut followed = Some(true);
-                if fed_on_device {
-                    let deadline = Instant::now() + FOLLOW_WAIT;
-                    followed = state.log.succeeded(after_step);
-                    while followed.is_none() && Instant::now() < deadline {
-                        let left = deadline.saturating_duration_since(Instant::now());
-                        state = self.changed.wait_timeout(state, left).map_err(poisoned)?.0;
-                        followed = state.log.succeeded(after_step);
-                    }
-                }
-                tokens.and_then(|tokens| match followed {
-                    Some(true) => Ok(state.worker.finish_tokens(pass.rest, tokens)),
+                let followed = if fed_on_device {
+                    let log = self.log.lock().map_err(poisoned)?;
+                    self.wait_log(log, deadline.max(Instant::now() + FOLLOW_WAIT), |l| {
+                        l.passes.succeeded(after_step).is_some()
+                    })?
+                    .and_then(|l| l.passes.succeeded(after_step))
+                } else {
+                    Some(true)
+                };
+                outputs.and_then(|outputs| match followed {
+                    Some(true) => Ok(outputs),
                     _ => Err(crate::Error::PreviousPass {
                         step: after_step,
                         problem: "failed after this pass was fed from it".into(),
@@ -187,13 +212,29 @@ impl Passes {
             }
             Err(e) => Err(e),
         };
+        let compute_us = self.record(step, started, &outcome)?;
+        Ok((outcome.map_err(Status::from)?, compute_us, wait_us))
+    }
+
+    /// Records the outcome of the pass of `step` begun at `started`, for
+    /// the pass that follows it; returns its compute time in microseconds,
+    /// from the later of `started` and the previous pass's end.
+    fn record(
+        &self,
+        step: u64,
+        started: Instant,
+        outcome: &crate::Result<Vec<crate::worker::SeqOutput>>,
+    ) -> Result<u64, Status> {
         let done = Instant::now();
-        let from = state.last_done.map_or(started, |t| t.max(started));
-        state.last_done = Some(done);
-        state.log.record(step, outcome.as_deref().ok());
+        let mut log = self.log.lock().map_err(poisoned)?;
+        let from = log.last_done.map_or(started, |t| t.max(started));
+        if outcome.is_ok() {
+            log.last_done = Some(done);
+        }
+        log.passes.record(step, outcome.as_deref().ok());
+        drop(log);
         self.changed.notify_all();
-        let outputs = outcome.map_err(Status::from)?;
-        Ok((outputs, (done - from).as_micros() as u64, wait_us))
+        Ok(done.saturating_duration_since(from).as_micros() as u64)
     }
 }
 

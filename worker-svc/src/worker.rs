@@ -427,23 +427,16 @@ impl Worker {
         Ok(Begun::Done(self.finish_tokens(rest, tokens)))
     }
 
-    /// The outputs of a begun pass from its tokens (one per logit row).
+    /// The outputs of a begun pass from its tokens (one per logit row), as
+    /// [`BegunRest::outputs`] makes them, with this pass's host stages kept
+    /// for [`Worker::last_profile`].
     pub fn finish_tokens(&mut self, rest: BegunRest, tokens: Vec<u32>) -> Vec<SeqOutput> {
         let BegunRest {
             batch,
             t_start,
             t_validated,
         } = rest;
-        self.outputs(&batch, t_start, t_validated, |seq, rows| {
-            let seq_tokens = tokens.get(rows).unwrap_or(&[]);
-            let next_token = seq_tokens.last().copied().unwrap_or(0);
-            let argmax = if seq.all_positions {
-                seq_tokens.to_vec()
-            } else {
-                Vec::new()
-            };
-            (next_token, argmax)
-        })
+        self.outputs(&batch, t_start, t_validated, picked(&tokens))
     }
 
     fn validate(&mut self, inputs: Vec<SeqInput>) -> Result<Batch> {
@@ -468,22 +461,49 @@ impl Worker {
         mut pick: impl FnMut(&PlannedSeq, std::ops::Range<usize>) -> (u32, Vec<u32>),
     ) -> Vec<SeqOutput> {
         let t_forward = Instant::now();
-        let mut outputs = Vec::with_capacity(batch.seqs.len());
-        let mut row = 0;
-        for seq in &batch.seqs {
-            let rows = row..row + seq.logit_rows();
-            row = rows.end;
-            let (next_token, argmax) = pick(seq, rows.clone());
-            outputs.push(SeqOutput {
-                seq_id: seq.seq_id,
-                next_token,
-                argmax,
-                rows,
-            });
-        }
+        let outputs = seq_outputs(batch, &mut pick);
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
         self.host_times = (ms(t_start, t_validated), ms(t_forward, Instant::now()));
         outputs
+    }
+}
+
+/// Each sequence's output from `pick(seq, its logits rows)` → (next token,
+/// argmax per position).
+fn seq_outputs(
+    batch: &Batch,
+    mut pick: impl FnMut(&PlannedSeq, std::ops::Range<usize>) -> (u32, Vec<u32>),
+) -> Vec<SeqOutput> {
+    let mut outputs = Vec::with_capacity(batch.seqs.len());
+    let mut row = 0;
+    for seq in &batch.seqs {
+        let rows = row..row + seq.logit_rows();
+        row = rows.end;
+        let (next_token, argmax) = pick(seq, rows.clone());
+        outputs.push(SeqOutput {
+            seq_id: seq.seq_id,
+            next_token,
+            argmax,
+            rows,
+        });
+    }
+    outputs
+}
+
+/// Picks a sequence's output from the tokens picked on the device, one per
+/// logit row: the last is its next token.
+fn picked(
+    tokens: &[u32],
+) -> impl FnMut(&PlannedSeq, std::ops::Range<usize>) -> (u32, Vec<u32>) + '_ {
+    move |seq, rows| {
+        let seq_tokens = tokens.get(rows).unwrap_or(&[]);
+        let next_token = seq_tokens.last().copied().unwrap_or(0);
+        let argmax = if seq.all_positions {
+            seq_tokens.to_vec()
+        } else {
+            Vec::new()
+        };
+        (next_token, argmax)
     }
 }
 
@@ -523,6 +543,15 @@ pub struct BegunRest {
     batch: Batch,
     t_start: Instant,
     t_validated: Instant,
+}
+
+impl BegunRest {
+    /// The outputs of the pass from its tokens (one per logit row), made
+    /// without the worker, so a pass's answer need not wait for the next
+    /// pass's host work.
+    pub fn outputs(&self, tokens: &[u32]) -> Vec<SeqOutput> {
+        seq_outputs(&self.batch, picked(tokens))
+    }
 }
 
 /// [`Worker::begin_tokens`]'s feed (input index, row) as token indices of
