@@ -387,6 +387,7 @@ pub(crate) fn sequence_spec(s: &LeaseSpec, traceparent: String) -> pb::SequenceS
         traceparent,
         prefill_tokens: s.prefill_tokens,
         refusal_retried: false,
+        retain: None,
     }
 }
 
