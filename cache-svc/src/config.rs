@@ -25,6 +25,8 @@ const DEFAULT_AUDIT_INTERVAL_MS: u64 = 60_000;
 /// A kept partial block saves at most the tokens it holds; below this it
 /// costs a pool block for less than it can save (issue 28 point 4).
 pub(crate) const DEFAULT_PARTIAL_MIN_TOKENS: u32 = 4;
+/// Percent of each pool one tenant may hold under retention hints.
+pub(crate) const DEFAULT_RETENTION_PERCENT: u32 = 25;
 const DEFAULT_EVICTION_POLICY: PolicyKind = PolicyKind::Lru;
 const DEFAULT_MAX_SESSIONS: usize = 4096;
 const DEFAULT_MAX_SESSIONS_PER_HOLDER: usize = 64;
@@ -130,6 +132,11 @@ pub struct Config {
     /// copy of it can save at most); a block holding fewer is freed.
     #[arg(long, env = "KVLEASE_CACHE_PARTIAL_MIN_TOKENS", default_value_t = DEFAULT_PARTIAL_MIN_TOKENS)]
     pub partial_min_tokens: u32,
+    /// Percent (0 to 100) of each pool's blocks one tenant may hold under
+    /// retention hints; a hint past it covers only the leading blocks that
+    /// fit (the grant's retained_tokens says how many tokens).
+    #[arg(long, env = "KVLEASE_CACHE_RETENTION_PERCENT", default_value_t = DEFAULT_RETENTION_PERCENT)]
+    pub retention_percent: u32,
     /// Transport limits (connections, keepalive, streams).
     #[command(flatten)]
     pub limits: kvlease_runtime::limits::ServeLimits,
@@ -154,6 +161,7 @@ impl Default for Config {
             group_eviction_policy: Vec::new(),
             partial_reuse: true,
             partial_min_tokens: DEFAULT_PARTIAL_MIN_TOKENS,
+            retention_percent: DEFAULT_RETENTION_PERCENT,
             max_sessions: DEFAULT_MAX_SESSIONS,
             max_sessions_per_holder: DEFAULT_MAX_SESSIONS_PER_HOLDER,
             max_pool_groups: DEFAULT_MAX_POOL_GROUPS,
@@ -194,6 +202,7 @@ impl Config {
             },
             partial_reuse: self.partial_reuse,
             partial_min_tokens: self.partial_min_tokens,
+            retention_share: f64::from(self.retention_percent.min(100)) / 100.0,
             ..CacheConfig::default()
         }
     }
@@ -208,6 +217,9 @@ impl Config {
         }
         if self.expiry_interval_ms == 0 {
             return Err("--expiry-interval-ms must be at least 1".into());
+        }
+        if self.retention_percent > 100 {
+            return Err("--retention-percent must be 0 to 100".into());
         }
         if self.max_message_bytes < 1024 {
             return Err("--max-message-bytes must be at least 1024".into());

@@ -12,7 +12,7 @@ use crate::events::{EventKind, Tier};
 use crate::ids::{SeqId, Step};
 use crate::lease::{
     DEFAULT_PRIORITY, ExtendItem, Extra, Grant, Growth, Outcome, Prompt, Reject, ReleaseMode,
-    ReleaseResult, ReleaseStatus, SeqSpec, TierCopy, TierDirection,
+    ReleaseResult, ReleaseStatus, Retain, SeqSpec, TierCopy, TierDirection,
 };
 
 /// What a sequence's pair of token fields (`tokens`, or a count of them)
@@ -74,6 +74,30 @@ pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
             )));
         }
     };
+    let retain = match s.retain {
+        None => None,
+        Some(r) => {
+            let bad = |field: &str, why: String| {
+                Error::InvalidArgument(format!("sequence {}: retain.{field} {why}", s.seq_id))
+            };
+            let priority = u8::try_from(r.priority)
+                .ok()
+                .filter(|&p| p <= crate::eviction::MAX_PRIORITY)
+                .ok_or_else(|| bad("priority", format!("must be 0 to 100, got {}", r.priority)))?;
+            if r.tokens == 0 {
+                return Err(bad("tokens", "must be at least 1".into()));
+            }
+            if r.ttl_ms == 0 {
+                return Err(bad("ttl_ms", "must be at least 1".into()));
+            }
+            Some(Retain {
+                tokens: r.tokens,
+                priority,
+                ttl: std::time::Duration::from_millis(r.ttl_ms.into()),
+                tenant: r.tenant,
+            })
+        }
+    };
     let extra = s.extra.unwrap_or_default();
     Ok(SeqSpec {
         seq_id: SeqId(s.seq_id),
@@ -90,6 +114,7 @@ pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
         cache_salt: s.cache_salt,
         reserve_full_life: s.reserve_full_life,
         prefill_tokens: s.prefill_tokens,
+        retain,
     })
 }
 
@@ -221,6 +246,7 @@ pub(crate) fn grant_to_pb(g: Grant) -> pb::Grant {
             })
             .collect(),
         tier_copies: g.tier_copies.into_iter().map(tier_copy_to_pb).collect(),
+        retained_tokens: g.retained_tokens,
     }
 }
 

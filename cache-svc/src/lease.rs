@@ -78,6 +78,27 @@ pub struct SeqSpec {
     /// `reused_tokens + prefill_tokens` are held back until an
     /// [`ExtendItem::written_tokens`] covers them.
     pub prefill_tokens: u32,
+    /// A retention hint on a prefix of the prompt (see [`Retain`]).
+    pub retain: Option<Retain>,
+}
+
+/// The longest retention hint a request may give.
+pub const MAX_RETAIN_TTL: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// A retention hint: keep the full blocks of the first `tokens` prompt
+/// tokens after every unhinted block for `ttl` (see
+/// [`crate::retention`]), counted against `tenant`'s quota.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Retain {
+    /// Leading prompt tokens, 1 to the prompt's length.
+    pub tokens: u32,
+    /// 0 (evict first among hinted blocks) to 100.
+    pub priority: u8,
+    /// From the lease, 1 ms to [`MAX_RETAIN_TTL`].
+    pub ttl: std::time::Duration,
+    /// Whose quota the blocks count against (empty: the session's
+    /// principal).
+    pub tenant: String,
 }
 
 impl SeqSpec {
@@ -94,6 +115,7 @@ impl SeqSpec {
             cache_salt: String::new(),
             reserve_full_life: false,
             prefill_tokens: 0,
+            retain: None,
         }
     }
 }
@@ -197,6 +219,11 @@ pub struct Grant {
     /// device blocks this call's allocations evicted, then onboardings of
     /// this sequence's prefix blocks found on the host.
     pub tier_copies: Vec<TierCopy>,
+    /// Leading prompt tokens whose full blocks are under the sequence's
+    /// retention hint (`Lease` only): its `tokens` rounded down to whole
+    /// blocks, fewer when the tenant's quota had no room for the rest, 0
+    /// without a hint.
+    pub retained_tokens: u32,
 }
 
 /// Which way a [`TierCopy`] goes.

@@ -44,6 +44,7 @@ pub mod mrc;
 mod partial;
 pub mod pool;
 pub mod prefix;
+pub mod retention;
 mod server;
 mod service;
 mod session;

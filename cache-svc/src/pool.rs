@@ -21,12 +21,15 @@
 //! leaf), found by its parent's hash and its token ids rather than by a hash
 //! of its own, and only ever read by a copy, never shared.
 
+use std::time::Instant;
+
 use foldhash::{HashMap, HashMapExt};
 
 pub use crate::events::{IndexEvent, Tier};
 use crate::eviction::{EvictionPolicy, PriorityLru};
 use crate::mrc::{HitRateEstimate, MissRatioCurve};
 use crate::partial::PartialIndex;
+use crate::retention::Retention;
 use crate::tier::{Demotion, HostTier};
 
 pub use crate::ids::BlockId;
@@ -136,6 +139,8 @@ pub struct BlockPool {
     events: Vec<IndexEvent>,
     mrc: MissRatioCurve,
     partials: PartialIndex,
+    /// Blocks under retention hints: evicted only after the policy's.
+    retention: Retention,
     /// The host tier (no blocks: none).
     host: HostTier,
     /// Demotions decided by evictions since the caller last took them.
@@ -165,6 +170,7 @@ impl BlockPool {
             events: Vec::new(),
             mrc: MissRatioCurve::new(num_blocks),
             partials: PartialIndex::new(),
+            retention: Retention::new(num_blocks as usize, 0),
             host: HostTier::new(0),
             demotions: Vec::new(),
         }
@@ -174,6 +180,40 @@ impl BlockPool {
     pub fn with_host_tier(mut self, host_blocks: u32) -> Self {
         self.host = HostTier::new(host_blocks);
         self
+    }
+
+    /// Lets each tenant hold up to `quota` blocks of this pool under
+    /// retention hints (none by default).
+    pub fn with_retention_quota(mut self, quota: u32) -> Self {
+        self.retention = Retention::new(self.meta.len(), quota);
+        self
+    }
+
+    /// The pool's retention hints.
+    pub fn retention(&self) -> &Retention {
+        &self.retention
+    }
+
+    /// Puts `block` (held by the caller) under `tenant`'s retention hint
+    /// until `expires` (see [`crate::retention`]). Returns whether it counted
+    /// as a new block of the tenant's quota (the caller checks the room
+    /// first).
+    pub fn hint(&mut self, block: BlockId, tenant: &str, priority: u8, expires: Instant) -> bool {
+        debug_assert!(self.state(block) != BlockState::Cached);
+        self.retention.hint(block, tenant, priority, expires)
+    }
+
+    /// Drops the retention hints that expired by `now`: their evictable
+    /// blocks go to the eviction policy (as released now).
+    pub fn expire_hints(&mut self, now: Instant) {
+        for (block, leaf) in self.retention.expire(now) {
+            let m = &self.meta[block as usize];
+            if m.partial {
+                self.eviction.insert_partial(block, m.priority);
+            } else {
+                self.eviction.insert(block, m.priority, leaf);
+            }
+        }
     }
 
     /// The host tier (empty when the pool has none).
@@ -307,12 +347,22 @@ impl BlockPool {
         *self.count_mut(before) -= 1;
         *self.count_mut(after) += 1;
         if before == BlockState::Cached {
-            self.eviction.remove(block);
+            if self.retention.holds(block) {
+                self.retention.unhold(block);
+            } else {
+                self.eviction.remove(block);
+            }
         }
         match after {
+            BlockState::Cached if self.retention.is_hinted(block) => {
+                self.retention.hold(block, leaf)
+            }
             BlockState::Cached if partial => self.eviction.insert_partial(block, priority),
             BlockState::Cached => self.eviction.insert(block, priority, leaf),
-            BlockState::Free => self.free_list.push(block),
+            BlockState::Free => {
+                self.retention.forget(block);
+                self.free_list.push(block);
+            }
             BlockState::InUse | BlockState::Fenced => {}
         }
     }
@@ -324,7 +374,11 @@ impl BlockPool {
         let block = match self.free_list.pop() {
             Some(b) => b,
             None => {
-                let victim = self.eviction.pop_victim()?;
+                // hinted blocks only once the policy has none left
+                let victim = match self.eviction.pop_victim() {
+                    Some(v) => v,
+                    None => self.retention.pop_victim()?,
+                };
                 self.demote(victim);
                 // The policy no longer holds it; settle() must not remove it again.
                 self.unpublish(victim);
@@ -533,8 +587,12 @@ impl BlockPool {
             m.children = m.children.saturating_sub(1);
         }
         let is_leaf = m.children == 0;
-        if was_leaf != is_leaf && self.eviction.contains(parent) {
-            self.eviction.set_leaf(parent, is_leaf);
+        if was_leaf != is_leaf {
+            if self.retention.holds(parent) {
+                self.retention.set_leaf(parent, is_leaf);
+            } else if self.eviction.contains(parent) {
+                self.eviction.set_leaf(parent, is_leaf);
+            }
         }
     }
 
@@ -575,12 +633,21 @@ impl BlockPool {
                 BlockState::Free => c.free += 1,
                 BlockState::Cached => {
                     c.cached += 1;
-                    if !self.eviction.contains(id) {
-                        return Err(format!("cached block {id} is not evictable"));
+                    if self.eviction.contains(id) == self.retention.holds(id) {
+                        return Err(format!(
+                            "cached block {id} is evictable {} times",
+                            u8::from(self.eviction.contains(id)) * 2
+                        ));
+                    }
+                    if self.retention.holds(id) != self.retention.is_hinted(id) {
+                        return Err(format!("cached block {id} is hinted but not held so"));
                     }
                 }
                 BlockState::InUse => c.in_use += 1,
                 BlockState::Fenced => c.fenced += 1,
+            }
+            if Self::state_of(m) == BlockState::Free && self.retention.is_hinted(id) {
+                return Err(format!("free block {id} is under a retention hint"));
             }
             if let Some(h) = m.hash
                 && self.index.get(&h) != Some(&id)
@@ -601,14 +668,16 @@ impl BlockPool {
                 c.free
             ));
         }
-        if self.eviction.len() != c.cached as usize {
+        if self.eviction.len() + self.retention.len() != c.cached as usize {
             return Err(format!(
-                "eviction policy holds {} blocks, {} are cached",
+                "eviction policy holds {} blocks and retention {}, {} are cached",
                 self.eviction.len(),
+                self.retention.len(),
                 c.cached
             ));
         }
         self.eviction.check()?;
+        self.retention.check()?;
         self.partials.check(
             |b| self.meta.get(b as usize).is_some_and(|m| m.partial),
             |b| self.meta.get(b as usize).is_some_and(|m| m.partial_pending),

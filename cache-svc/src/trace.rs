@@ -128,6 +128,13 @@ pub(crate) fn trace_outcomes(
                 let blocks: usize = g.tables.iter().map(|t| t.block_ids.len()).sum();
                 attributes::set_u64(&span, attributes::BLOCKS_GRANTED, blocks as u64);
                 attributes::set_u64(&span, attributes::REUSED_TOKENS, u64::from(g.reused_tokens));
+                if g.retained_tokens > 0 {
+                    attributes::set_u64(
+                        &span,
+                        attributes::RETAINED_TOKENS,
+                        u64::from(g.retained_tokens),
+                    );
+                }
                 record_tiers(&span, &g.tier_copies);
                 let evicted: u64 = evicted
                     .iter()

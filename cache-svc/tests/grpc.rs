@@ -240,6 +240,23 @@ async fn malformed_requests_are_invalid_argument_and_limits_resource_exhausted()
         Code::InvalidArgument,
         "priority",
     );
+    for (tokens, priority, ttl_ms, field) in [
+        (0, 0, 1_000, "retain.tokens"),
+        (2, 0, 1_000, "retain.tokens"),
+        (1, 300, 1_000, "retain.priority"),
+        (1, 0, 0, "retain.ttl_ms"),
+        (1, 0, 86_400_001, "retain.ttl_ms"),
+    ] {
+        let mut hinted = seq(1, vec![1]);
+        hinted.retain = Some(pb::RetentionHint {
+            tokens,
+            priority,
+            ttl_ms,
+            tenant: String::new(),
+        });
+        let got = c.lease(lease_req(sess, 1, vec![hinted])).await;
+        assert_status(got, Code::InvalidArgument, field);
+    }
     let mut group = seq(1, vec![1]);
     group.pool_group = "other".into();
     assert_status(

@@ -25,6 +25,11 @@ pub fn generate_request(g: &Generate, id: &str, tenant: &str) -> pb::GenerateReq
         cache_salt: tenant.to_string(),
         request_id: id.to_string(),
         ignore_eos: g.ignore_eos,
+        retain: g.retain.map(|h| pb::RetainPrefix {
+            tokens: h.tokens,
+            priority: h.priority,
+            ttl_s: h.ttl_s,
+        }),
         ..Default::default()
     };
     match &g.input {
@@ -75,6 +80,9 @@ pub struct Piece {
     pub prompt_tokens: u32,
     /// Prompt tokens served from cached blocks (first message only).
     pub cached_tokens: u32,
+    /// Prompt tokens kept under the request's retention hint (first
+    /// message only).
+    pub retained_tokens: u32,
     /// Set on the last piece.
     pub end: Option<End>,
 }
@@ -93,6 +101,7 @@ impl Piece {
             tokens: 0,
             prompt_tokens: 0,
             cached_tokens: 0,
+            retained_tokens: 0,
             end: Some(End::Failed(e)),
         }
     }
@@ -149,6 +158,7 @@ pub fn piece(m: pb::GenerateResponse) -> Piece {
         text: m.text,
         prompt_tokens: m.prompt_tokens,
         cached_tokens: m.reused_tokens,
+        retained_tokens: m.retained_tokens,
         end,
     }
 }

@@ -231,6 +231,9 @@ fn openai_param(field: &str) -> Option<&'static str> {
         "temperature" => "temperature",
         "top_p" => "top_p",
         "stop" => "stop",
+        "retain.tokens" => "kvlease.retain.tokens",
+        "retain.priority" => "kvlease.retain.priority",
+        "retain.ttl_s" => "kvlease.retain.ttl_s",
         _ => return None,
     })
 }
@@ -287,6 +290,7 @@ mod tests {
             ("temperature", "temperature"),
             ("top_p", "top_p"),
             ("stop", "stop"),
+            ("retain.tokens", "kvlease.retain.tokens"),
         ] {
             let e = refused(field);
             assert_eq!((e.status.as_u16(), e.param), (400, Some(param)), "{e:?}");

@@ -72,6 +72,12 @@ pub struct Common {
     /// Refused when set to anything but `false` / `null`: no log-probs.
     #[serde(default)]
     pub logprobs: Option<serde_json::Value>,
+    /// kvlease's own extensions: `{"retain": {"tokens": N, "priority": P,
+    /// "ttl_s": T}}` (a retention hint, see [`crate::request::Retain`]).
+    /// Read as a JSON value, so that a malformed one is refused naming its
+    /// field.
+    #[serde(default)]
+    pub kvlease: Option<serde_json::Value>,
     #[serde(flatten)]
     pub unserved: Unserved,
 }
@@ -190,6 +196,11 @@ pub struct Usage {
 pub struct PromptTokensDetails {
     /// Prompt tokens served from cached prefix blocks.
     pub cached_tokens: u32,
+    /// With a `kvlease.retain` hint: the prompt tokens the cache keeps under
+    /// it (fewer than asked when the tenant's quota had no room; 0 when it
+    /// had none). Absent without a hint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kvlease_retained_tokens: Option<u32>,
 }
 
 impl Usage {
@@ -198,7 +209,10 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens.saturating_add(completion_tokens),
-            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens,
+                kvlease_retained_tokens: None,
+            },
         }
     }
 }

@@ -36,6 +36,95 @@ pub struct Generate {
     pub ignore_eos: bool,
     /// `stream_options.include_usage`: a last chunk with the usage.
     pub include_usage: bool,
+    /// `kvlease.retain`: keep a prefix of the prompt cached.
+    pub retain: Option<Retain>,
+}
+
+/// A retention hint (`"kvlease": {"retain": {...}}`): the cache keeps the
+/// full blocks of the prompt's first `tokens` tokens after every unhinted
+/// block for `ttl_s` seconds, within the tenant's quota (the scheduler's
+/// `Generate.retain`; it checks `tokens` against the prompt's length).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retain {
+    pub tokens: u32,
+    /// 0 to 100; 0 when not given.
+    pub priority: u32,
+    pub ttl_s: u32,
+}
+
+/// The longest `kvlease.retain.ttl_s` (a day, as the scheduler allows).
+const MAX_RETAIN_TTL_S: u64 = 86_400;
+
+/// Reads the `kvlease` extension object: only `retain` is known.
+fn kvlease_extension(v: Option<&Value>) -> Result<Option<Retain>> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let Some(ext) = v.as_object() else {
+        return Err(ApiError::invalid_param(
+            "kvlease",
+            "kvlease must be an object",
+        ));
+    };
+    if let Some(k) = ext.keys().find(|k| *k != "retain") {
+        return Err(ApiError::invalid_param(
+            "kvlease",
+            format!(
+                "kvlease.{} is not a kvlease extension (known: retain)",
+                crate::error::clip(k)
+            ),
+        ));
+    }
+    let Some(r) = ext.get("retain").filter(|r| !r.is_null()) else {
+        return Ok(None);
+    };
+    let Some(r) = r.as_object() else {
+        return Err(ApiError::invalid_param(
+            "kvlease.retain",
+            "kvlease.retain must be an object {tokens, priority, ttl_s}",
+        ));
+    };
+    if let Some(k) = r
+        .keys()
+        .find(|k| !["tokens", "priority", "ttl_s"].contains(&k.as_str()))
+    {
+        return Err(ApiError::invalid_param(
+            "kvlease.retain",
+            format!(
+                "kvlease.retain.{} is unknown (known: tokens, priority, ttl_s)",
+                crate::error::clip(k)
+            ),
+        ));
+    }
+    let field =
+        |name: &'static str, param: &'static str, lo: u64, hi: u64, default: Option<u64>| {
+            let v = match r.get(name).filter(|v| !v.is_null()) {
+                None => default.ok_or_else(|| {
+                    ApiError::invalid_param(param, format!("{param} is required"))
+                })?,
+                Some(v) => v.as_u64().ok_or_else(|| {
+                    ApiError::invalid_param(param, format!("{param} must be a whole number"))
+                })?,
+            };
+            if !(lo..=hi).contains(&v) {
+                return Err(ApiError::invalid_param(
+                    param,
+                    format!("{param} must be {lo} to {hi}, got {v}"),
+                ));
+            }
+            Ok(v as u32)
+        };
+    Ok(Some(Retain {
+        tokens: field(
+            "tokens",
+            "kvlease.retain.tokens",
+            1,
+            u64::from(u32::MAX),
+            None,
+        )?,
+        priority: field("priority", "kvlease.retain.priority", 0, 100, Some(0))?,
+        ttl_s: field("ttl_s", "kvlease.retain.ttl_s", 1, MAX_RETAIN_TTL_S, None)?,
+    }))
 }
 
 /// What the gateway serves: the model name, other names requests may use
@@ -206,6 +295,7 @@ impl Served {
             (None, None) => default_max_tokens,
         };
         let stream = c.stream.unwrap_or(false);
+        let retain = kvlease_extension(c.kvlease.as_ref())?;
         Ok(Generate {
             input,
             max_tokens,
@@ -219,6 +309,7 @@ impl Served {
             stream,
             ignore_eos: c.ignore_eos.unwrap_or(false),
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
+            retain,
         })
     }
 }
@@ -368,6 +459,57 @@ mod tests {
 
     fn chat(json: serde_json::Value) -> Result<Generate> {
         served().chat(serde_json::from_value(json).expect("parses"))
+    }
+
+    #[test]
+    fn the_kvlease_retain_extension_becomes_a_hint_and_bad_ones_name_their_param() {
+        let with = |ext: serde_json::Value| {
+            completion(serde_json::json!({"model": "m", "prompt": "hi", "kvlease": ext}))
+        };
+        let g = with(serde_json::json!({"retain": {"tokens": 64, "priority": 70, "ttl_s": 600}}));
+        let want = Retain {
+            tokens: 64,
+            priority: 70,
+            ttl_s: 600,
+        };
+        assert_eq!(g.map(|g| g.retain), Ok(Some(want)));
+        let g = with(serde_json::json!({"retain": {"tokens": 64, "ttl_s": 600}}));
+        assert_eq!(g.map(|g| g.retain.map(|r| r.priority)), Ok(Some(0)));
+        assert_eq!(with(serde_json::Value::Null).map(|g| g.retain), Ok(None));
+        for (ext, param) in [
+            ("3", "kvlease"),
+            (r#"{"keep": {}}"#, "kvlease"),
+            (r#"{"retain": 5}"#, "kvlease.retain"),
+            (
+                r#"{"retain": {"tokens": 1, "ttl_s": 1, "x": 1}}"#,
+                "kvlease.retain",
+            ),
+            (r#"{"retain": {"ttl_s": 60}}"#, "kvlease.retain.tokens"),
+            (
+                r#"{"retain": {"tokens": 0, "ttl_s": 60}}"#,
+                "kvlease.retain.tokens",
+            ),
+            (
+                r#"{"retain": {"tokens": "8", "ttl_s": 60}}"#,
+                "kvlease.retain.tokens",
+            ),
+            (
+                r#"{"retain": {"tokens": 8, "priority": 101, "ttl_s": 60}}"#,
+                "kvlease.retain.priority",
+            ),
+            (r#"{"retain": {"tokens": 8}}"#, "kvlease.retain.ttl_s"),
+            (
+                r#"{"retain": {"tokens": 8, "ttl_s": 0}}"#,
+                "kvlease.retain.ttl_s",
+            ),
+            (
+                r#"{"retain": {"tokens": 8, "ttl_s": 86401}}"#,
+                "kvlease.retain.ttl_s",
+            ),
+        ] {
+            let e = with(serde_json::from_str(ext).unwrap()).expect_err("refused");
+            assert_eq!((e.status.as_u16(), e.param), (400, Some(param)), "{ext}");
+        }
     }
 
     #[test]

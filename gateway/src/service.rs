@@ -219,21 +219,35 @@ struct Tally {
     prompt_tokens: u32,
     completion_tokens: u32,
     cached_tokens: u32,
+    /// Whether the request gave a retention hint, and what the cache kept.
+    hinted: bool,
+    retained_tokens: u32,
 }
 
 impl Tally {
     fn add(&mut self, p: &Piece) {
         self.prompt_tokens = self.prompt_tokens.max(p.prompt_tokens);
         self.cached_tokens = self.cached_tokens.max(p.cached_tokens);
+        self.retained_tokens = self.retained_tokens.max(p.retained_tokens);
         self.completion_tokens = self.completion_tokens.saturating_add(p.tokens);
     }
 
+    fn new(hinted: bool) -> Self {
+        Self {
+            hinted,
+            ..Self::default()
+        }
+    }
+
     fn usage(&self) -> Usage {
-        Usage::new(
+        let mut u = Usage::new(
             self.prompt_tokens,
             self.completion_tokens,
             self.cached_tokens,
-        )
+        );
+        u.prompt_tokens_details.kvlease_retained_tokens =
+            self.hinted.then_some(self.retained_tokens);
+        u
     }
 }
 
@@ -297,7 +311,8 @@ impl Gateway {
             return e.into_response();
         }
         if g.stream {
-            let events = sse(answer, g.include_usage, first, pieces);
+            let tally = Tally::new(g.retain.is_some());
+            let events = sse(answer, g.include_usage, tally, first, pieces);
             let mut r = Response::new(Body::from_stream(events));
             let h = r.headers_mut();
             h.insert(
@@ -307,7 +322,7 @@ impl Gateway {
             h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
             r
         } else {
-            match whole(first, pieces).await {
+            match whole(Tally::new(g.retain.is_some()), first, pieces).await {
                 Ok((text, end, tally)) => answer.whole(text, end, tally.usage()),
                 Err(e) => e.into_response(),
             }
@@ -317,11 +332,11 @@ impl Gateway {
 
 /// Reads every piece: the text, how it ended and the usage, or the error.
 async fn whole(
+    mut tally: Tally,
     first: Piece,
     mut rest: impl Stream<Item = Piece> + Unpin,
 ) -> Result<(String, &'static str, Tally)> {
     let mut text = String::new();
-    let mut tally = Tally::default();
     let mut p = first;
     loop {
         tally.add(&p);
@@ -448,13 +463,14 @@ struct SseState<S> {
 fn sse(
     answer: Answer,
     include_usage: bool,
+    tally: Tally,
     first: Piece,
     rest: impl Stream<Item = Piece> + Send + Unpin + 'static,
 ) -> impl Stream<Item = std::result::Result<Bytes, Infallible>> + Send + 'static {
     let state = SseState {
         answer,
         include_usage,
-        tally: Tally::default(),
+        tally,
         first: Some(first),
         rest,
         started: false,
@@ -549,17 +565,40 @@ mod tests {
             tokens: 1,
             prompt_tokens: 0,
             cached_tokens: 0,
+            retained_tokens: 0,
             end: None,
         }
+    }
+
+    #[test]
+    fn usage_names_the_retained_tokens_only_with_a_hint() {
+        let mut t = Tally::new(true);
+        t.add(&Piece {
+            retained_tokens: 32,
+            ..text("a")
+        });
+        let v = serde_json::to_value(t.usage()).unwrap();
+        assert_eq!(v["prompt_tokens_details"]["kvlease_retained_tokens"], 32);
+        let v = serde_json::to_value(Tally::new(false).usage()).unwrap();
+        assert_eq!(
+            v["prompt_tokens_details"].get("kvlease_retained_tokens"),
+            None
+        );
     }
 
     async fn body(kind: Kind, usage: bool, pieces: Vec<Piece>) -> Vec<String> {
         let mut it = pieces.into_iter();
         let first = it.next().unwrap();
-        let frames: Vec<Bytes> = sse(answer(kind), usage, first, futures::stream::iter(it))
-            .map(|f| f.unwrap())
-            .collect()
-            .await;
+        let frames: Vec<Bytes> = sse(
+            answer(kind),
+            usage,
+            Tally::new(false),
+            first,
+            futures::stream::iter(it),
+        )
+        .map(|f| f.unwrap())
+        .collect()
+        .await;
         assert!(frames.iter().all(|f| !f.is_empty()), "no empty chunks");
         let all: String = frames
             .iter()

@@ -176,6 +176,7 @@ fn extend_grant(seq_id: SeqId) -> Outcome {
     ];
     Outcome::Grant(Grant {
         tier_copies: Vec::new(),
+        retained_tokens: 0,
         seq_id,
         tables,
         reused_tokens: 0,
@@ -187,6 +188,7 @@ fn extend_grant(seq_id: SeqId) -> Outcome {
 fn grant(seq_id: SeqId) -> Outcome {
     Outcome::Grant(Grant {
         tier_copies: Vec::new(),
+        retained_tokens: 0,
         seq_id,
         tables: tables(seq_id.get() as u32),
         reused_tokens: 0,

@@ -106,6 +106,24 @@ pub async fn start_worker_with_tokenizer(
     .await?)
 }
 
+/// A cache of `cache`, a CPU worker of `worker` and a scheduler over them
+/// that takes contexts of up to 256 tokens and 64 new ones (what the small
+/// worker's 20-block pools hold).
+pub async fn start_small_cluster(
+    cache: cache_svc::Config,
+    worker: worker_svc::Config,
+) -> Result<(Service, Service, Service), Error> {
+    let cache = start_cache(cache).await?;
+    let worker = start_worker(worker).await?;
+    let config = scheduler_svc::Config {
+        max_context: 256,
+        max_tokens: 64,
+        ..scheduler_svc::Config::default()
+    };
+    let scheduler = start_scheduler(config, &cache.url(), &[worker.url()], READY_WITHIN).await?;
+    Ok((cache, worker, scheduler))
+}
+
 /// A small CPU model (two pools: windows 0 and 64, 16 tokens per block)
 /// whose KV budget holds 20 blocks per pool, so tests can exhaust it.
 pub fn small_worker() -> worker_svc::Config {
@@ -237,6 +255,9 @@ pub struct Generated {
     pub messages: usize,
     /// The prompt's length as the scheduler encoded it (first message).
     pub prompt_tokens: u32,
+    /// Prompt tokens kept under the request's retention hint (first
+    /// message).
+    pub retained_tokens: u32,
 }
 
 impl Generated {
@@ -257,6 +278,7 @@ pub async fn collect(
         if g.messages == 1 {
             g.reused_tokens = msg.reused_tokens;
             g.prompt_tokens = msg.prompt_tokens;
+            g.retained_tokens = msg.retained_tokens;
         }
         g.tokens.extend(&msg.tokens);
         g.text.push_str(&msg.text);

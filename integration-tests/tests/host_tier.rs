@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use kvlease_integration_tests::{
     GROUP, Generated, assert_cache_sound, collect, pool_stats, scheduler_client, small_worker,
-    start_cache, start_scheduler, start_worker, wait_whole,
+    start_small_cluster, wait_whole,
 };
 use kvlease_proto::v1 as pb;
 
@@ -33,19 +33,11 @@ struct Run {
 /// then the first again, one at a time, on a fresh cluster whose worker
 /// has `host_blocks` host blocks per pool.
 async fn fill_and_repeat(host_blocks: u32) -> Run {
-    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
-    let worker = start_worker(worker_svc::Config {
+    let worker = worker_svc::Config {
         host_blocks,
         ..small_worker()
-    })
-    .await
-    .unwrap();
-    let config = scheduler_svc::Config {
-        max_context: 256,
-        max_tokens: 64,
-        ..scheduler_svc::Config::default()
     };
-    let scheduler = start_scheduler(config, &cache.url(), &[worker.url()], WITHIN)
+    let (cache, worker, scheduler) = start_small_cluster(cache_svc::Config::default(), worker)
         .await
         .unwrap();
     let mut client = scheduler_client(scheduler.addr).await.unwrap();

@@ -10,8 +10,7 @@
 use std::time::Duration;
 
 use kvlease_integration_tests::{
-    GROUP, Generated, collect, scheduler_client, small_worker, start_cache, start_scheduler,
-    start_worker, wait_whole,
+    GROUP, Generated, collect, scheduler_client, small_worker, start_small_cluster, wait_whole,
 };
 use kvlease_proto::v1 as pb;
 
@@ -22,21 +21,11 @@ const BLOCK: u32 = 16;
 /// Runs turn 1 (21 prompt tokens, 6 generated) and turn 2 (turn 1's prompt
 /// and output, then 5 new tokens) on a fresh cluster.
 async fn two_turns(partial_reuse: bool) -> (Generated, Generated) {
-    let cache = start_cache(cache_svc::Config {
+    let config = cache_svc::Config {
         partial_reuse,
         ..cache_svc::Config::default()
-    })
-    .await
-    .unwrap();
-    let worker = start_worker(small_worker()).await.unwrap();
-    let config = scheduler_svc::Config {
-        max_context: 256,
-        max_tokens: 64,
-        ..scheduler_svc::Config::default()
     };
-    let scheduler = start_scheduler(config, &cache.url(), &[worker.url()], WITHIN)
-        .await
-        .unwrap();
+    let (cache, worker, scheduler) = start_small_cluster(config, small_worker()).await.unwrap();
     let mut client = scheduler_client(scheduler.addr).await.unwrap();
     let request = |tokens: Vec<u32>| pb::GenerateRequest {
         tokens,

@@ -88,6 +88,7 @@ fn extend_grant(seq_id: SeqId, len: u32) -> Outcome {
     ];
     Outcome::Grant(Grant {
         tier_copies: Vec::new(),
+        retained_tokens: 0,
         seq_id,
         tables,
         reused_tokens: 0,
@@ -99,6 +100,7 @@ fn extend_grant(seq_id: SeqId, len: u32) -> Outcome {
 fn grant(seq_id: SeqId, len: u32) -> Outcome {
     Outcome::Grant(Grant {
         tier_copies: Vec::new(),
+        retained_tokens: 0,
         seq_id,
         tables: tables(seq_id.get(), len),
         reused_tokens: 0,

@@ -266,6 +266,7 @@ async fn warm_up(
                     max_new_tokens: shape.max_new_tokens,
                     priority: 0,
                     cache_salt: "kvlease-warmup".into(),
+                    retain: None,
                     reserve_full_life: true,
                     // warm-up: nothing is published, whatever the chunks
                     prefill_tokens: 0,

@@ -6,7 +6,7 @@ use kvlease_proto::v1 as pb;
 
 use crate::domain::{
     ExtendSpec, Extra, ForwardItem, ForwardResult, Grant, LeaseMode, LeaseSpec, Outcome, Reject,
-    RejectReason, RequestId, Sampling, SeqId, Step, StepCall, Table, TierCopy,
+    RejectReason, RequestId, Retain, Sampling, SeqId, Step, StepCall, Table, TierCopy,
 };
 use crate::error::{Error, Result};
 use crate::queue::Request;
@@ -101,6 +101,10 @@ fn prompt_ids(req: &pb::GenerateRequest, tokenizer: &Tokenizer) -> Result<Vec<u3
 /// Checks a Generate request and turns it into a queue request, with how
 /// its output text is made. A refusal names the field at fault
 /// ([`Error::InvalidField`]).
+/// The longest retention hint a request may give, in seconds (a day, as
+/// the cache allows).
+const MAX_RETAIN_TTL_S: u32 = 86_400;
+
 pub(crate) fn validate(
     id: u64,
     req: &pb::GenerateRequest,
@@ -202,6 +206,33 @@ pub(crate) fn validate(
             format!("priority must be 0 to 100, got {}", req.priority),
         );
     }
+    if let Some(h) = &req.retain {
+        if h.tokens == 0 || h.tokens as usize > prompt.len() {
+            return bad(
+                "retain.tokens",
+                format!(
+                    "retain.tokens must be 1 to the prompt's {} tokens, got {}",
+                    prompt.len(),
+                    h.tokens
+                ),
+            );
+        }
+        if h.priority > 100 {
+            return bad(
+                "retain.priority",
+                format!("retain.priority must be 0 to 100, got {}", h.priority),
+            );
+        }
+        if h.ttl_s == 0 || h.ttl_s > MAX_RETAIN_TTL_S {
+            return bad(
+                "retain.ttl_s",
+                format!(
+                    "retain.ttl_s must be 1 to {MAX_RETAIN_TTL_S}, got {}",
+                    h.ttl_s
+                ),
+            );
+        }
+    }
     for (field, label) in [
         ("cache_salt", &req.cache_salt),
         ("request_id", &req.request_id),
@@ -222,6 +253,12 @@ pub(crate) fn validate(
     }
     r.priority = req.priority;
     r.cache_salt = req.cache_salt.clone();
+    r.retain = req.retain.map(|h| Retain {
+        tokens: h.tokens,
+        priority: h.priority,
+        ttl_ms: h.ttl_s * 1000,
+        tenant: String::new(),
+    });
     let text = TextOutput {
         stop: req.stop.clone(),
     };
@@ -387,6 +424,12 @@ pub(crate) fn sequence_spec(s: &LeaseSpec, traceparent: String) -> pb::SequenceS
         traceparent,
         prefill_tokens: s.prefill_tokens,
         refusal_retried: false,
+        retain: s.retain.as_ref().map(|h| pb::RetentionHint {
+            tokens: h.tokens,
+            priority: h.priority,
+            ttl_ms: h.ttl_ms,
+            tenant: h.tenant.clone(),
+        }),
     }
 }
 
@@ -457,6 +500,7 @@ pub(crate) fn grant(g: pb::Grant, seq_id: SeqId) -> Grant {
             })
             .collect(),
         tier_copies: g.tier_copies.iter().map(tier_copy_from_pb).collect(),
+        retained_tokens: g.retained_tokens,
     }
 }
 
@@ -693,6 +737,12 @@ mod tests {
             max_new_tokens: 4,
             priority: 0,
             cache_salt: String::new(),
+            retain: Some(Retain {
+                tokens: 3,
+                priority: 70,
+                ttl_ms: 5_000,
+                tenant: "tenant-a".into(),
+            }),
             reserve_full_life: false,
             prefill_tokens: 3,
         };
@@ -716,6 +766,15 @@ mod tests {
         );
         assert_eq!(admit.sequences[0].seq_id, 11);
         assert_eq!(admit.sequences[0].traceparent, "00-t-s-01");
+        assert_eq!(
+            admit.sequences[0].retain,
+            Some(pb::RetentionHint {
+                tokens: 3,
+                priority: 70,
+                ttl_ms: 5_000,
+                tenant: "tenant-a".into(),
+            })
+        );
         let warmup = lease_request(session(), Step(1), LeaseMode::Warmup, &[spec], &[]);
         assert!(warmup.atomic && warmup.warmup, "warm-up is all or nothing");
         assert_eq!(warmup.sequences[0].traceparent, "", "no trace: empty");
@@ -861,6 +920,14 @@ mod tests {
                 .map(str::to_string)
         };
         let base = || req(vec![1], 4);
+        let retain = |tokens, priority, ttl_s| pb::GenerateRequest {
+            retain: Some(pb::RetainPrefix {
+                tokens,
+                priority,
+                ttl_s,
+            }),
+            ..base()
+        };
         let cases = [
             (req(vec![], 4), "tokens"),
             (req(vec![300], 4), "tokens"),
@@ -917,6 +984,11 @@ mod tests {
                 },
                 "priority",
             ),
+            (retain(2, 0, 60), "retain.tokens"),
+            (retain(0, 0, 60), "retain.tokens"),
+            (retain(1, 101, 60), "retain.priority"),
+            (retain(1, 0, 0), "retain.ttl_s"),
+            (retain(1, 0, 86_401), "retain.ttl_s"),
             (
                 pb::GenerateRequest {
                     request_id: "r".repeat(300),
@@ -928,5 +1000,13 @@ mod tests {
         for (r, want) in cases {
             assert_eq!(field(r).as_deref(), Some(want));
         }
+        let (q, _) = validate_bytes(1, &retain(1, 50, 60), &l).expect("a valid hint");
+        let want = Retain {
+            tokens: 1,
+            priority: 50,
+            ttl_ms: 60_000,
+            tenant: String::new(), // the service names the caller's tenant
+        };
+        assert_eq!(q.retain, Some(want));
     }
 }

@@ -279,6 +279,16 @@ pub struct Reject {
     pub message: String,
 }
 
+/// A retention hint, as the cache takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Retain {
+    pub tokens: u32,
+    pub priority: u32,
+    pub ttl_ms: u32,
+    /// Whose quota its blocks count against (the caller's tenant).
+    pub tenant: String,
+}
+
 /// A per-sequence grant.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Grant {
@@ -295,6 +305,8 @@ pub struct Grant {
     /// Host-tier copies the forward pass of the call's step must apply
     /// before anything else (see [`TierCopy`]).
     pub tier_copies: Vec<TierCopy>,
+    /// Prompt tokens kept under the sequence's retention hint.
+    pub retained_tokens: u32,
 }
 
 /// Copy one whole block between a pool's device arena and its host tier in
@@ -342,6 +354,7 @@ pub struct LeaseSpec {
     pub max_new_tokens: u32,
     pub priority: u32,
     pub cache_salt: String,
+    pub retain: Option<Retain>,
     pub reserve_full_life: bool,
     /// Prompt tokens the lease's step computes beyond the reused ones (the
     /// first prefill chunk); the cache holds back the blocks of later chunks
@@ -427,8 +440,9 @@ pub enum Output {
     Tokens {
         request: RequestId,
         tokens: Vec<u32>,
-        /// Prompt tokens served from cached blocks, on the first output.
-        reused_tokens: Option<u32>,
+        /// Prompt tokens served from cached blocks and kept under the
+        /// request's retention hint, on the first output.
+        reused_tokens: Option<(u32, u32)>,
     },
     /// The last output of a request.
     Finished {

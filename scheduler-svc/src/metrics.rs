@@ -234,7 +234,7 @@ impl SchedulerMetrics {
             } => {
                 self.output_tokens.inc_by(tokens.len() as u64);
                 if let Some(n) = reused_tokens {
-                    self.reused_tokens.inc_by(u64::from(*n));
+                    self.reused_tokens.inc_by(u64::from(n.0));
                 }
                 if let Some(clock) = self.live.get_mut(request)
                     && !clock.first_token
@@ -327,7 +327,10 @@ mod tests {
             tokens,
             reused_tokens: reused,
         };
-        m.output_at(&tokens(vec![5], Some(8)), t0 + Duration::from_millis(300));
+        m.output_at(
+            &tokens(vec![5], Some((8, 0))),
+            t0 + Duration::from_millis(300),
+        );
         m.output_at(&tokens(vec![6, 7], None), t0 + Duration::from_millis(400));
         m.output_at(
             &Output::Finished {

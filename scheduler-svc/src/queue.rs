@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 
 use std::time::Instant;
 
-use crate::domain::{Extra, Reject, RequestId, Sampling};
+use crate::domain::{Extra, Reject, RequestId, Retain, Sampling};
 
 /// A client request and what it has produced so far.
 #[derive(Debug, Clone)]
@@ -27,6 +27,10 @@ pub struct Request {
     pub stop_tokens: Vec<u32>,
     pub priority: u32,
     pub cache_salt: String,
+    /// Its retention hint, with the tenant whose quota it counts against.
+    pub retain: Option<Retain>,
+    /// Prompt tokens the cache keeps under `retain` (its last grant).
+    pub retained_tokens: u32,
     /// Times the request was preempted and requeued for recompute.
     pub preemptions: u32,
     /// Whether `reused_tokens` was already reported on the stream.
@@ -51,6 +55,8 @@ impl Request {
             stop_tokens: Vec::new(),
             priority: 0,
             cache_salt: String::new(),
+            retain: None,
+            retained_tokens: 0,
             preemptions: 0,
             reported_reuse: false,
             queued_at: None,

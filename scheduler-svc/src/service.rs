@@ -171,7 +171,8 @@ fn response_stream(
                 let mut m = pb::GenerateResponse {
                     text: st.text.push(&tokens),
                     tokens,
-                    reused_tokens: reused_tokens.unwrap_or(0),
+                    reused_tokens: reused_tokens.map_or(0, |r| r.0),
+                    retained_tokens: reused_tokens.map_or(0, |r| r.1),
                     ..Default::default()
                 };
                 if st.text.stops.stopped() {
@@ -276,6 +277,9 @@ impl Scheduler for SchedulerService {
         let (mut r, text) =
             crate::convert::validate(id.get(), &req, &self.limits, &self.tokenizer)?;
         r.cache_salt = self.tenancy.salt(&tenant, &req.cache_salt);
+        if let Some(h) = &mut r.retain {
+            h.tenant = tenant.to_string();
+        }
         if !self.cache.is_up() {
             return Err(Error::CacheUnavailable(
                 "the cache service cannot be reached; try again later".into(),

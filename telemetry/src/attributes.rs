@@ -70,6 +70,9 @@ pub const POOL_IDS: &str = "kvlease.pool_ids";
 pub const BLOCKS_FENCED: &str = "kvlease.blocks_fenced";
 /// Leading prompt tokens served from reused blocks.
 pub const REUSED_TOKENS: &str = "kvlease.reused_tokens";
+/// Leading prompt tokens under the sequence's retention hint (its hint,
+/// clamped to whole blocks and the tenant's quota); set only with a hint.
+pub const RETAINED_TOKENS: &str = "kvlease.retained_tokens";
 /// Tokens of one forward item (a prefill chunk).
 pub const TOKENS: &str = "kvlease.tokens";
 /// Position of a forward item's first token.

@@ -73,6 +73,7 @@ mod tests {
             cache_salt: String::new(),
             reserve_full_life: false,
             prefill_tokens: 0,
+            retain: None,
         }
     }
 

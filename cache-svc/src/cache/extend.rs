@@ -245,6 +245,7 @@ impl Cache {
                     .map_or(0, |seq| seq.capacity()),
                 copies: Vec::new(),
                 tier_copies: Vec::new(),
+                retained_tokens: 0,
             },
         };
         let mut grant = grant;
@@ -399,6 +400,7 @@ impl Cache {
             capacity_tokens: 0,
             copies: Vec::new(),
             tier_copies: Vec::new(),
+            retained_tokens: 0,
         };
         let Some(session) = self.sessions.get_mut(&session_id) else {
             return nothing();
@@ -526,6 +528,7 @@ impl Cache {
             capacity_tokens: seq.capacity(),
             copies: Vec::new(),
             tier_copies: Vec::new(),
+            retained_tokens: 0,
         };
         session.references = (session.references as i64 + added).max(0) as u64;
         if !fenced.is_empty() {

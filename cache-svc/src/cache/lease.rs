@@ -16,8 +16,8 @@ use super::{Batch, Cache, PoolEntry, Tally, ceil_div};
 use crate::error::{Error, Result};
 use crate::ids::{BlockId, Epoch, SeqId, SessionId, Step};
 use crate::lease::{
-    BlockCopy, Grant, Outcome, Prompt, Reject, RejectReason, SeqSpec, Table, TierCopy,
-    TierDirection,
+    BlockCopy, Grant, MAX_RETAIN_TTL, Outcome, Prompt, Reject, RejectReason, Retain, SeqSpec,
+    Table, TierCopy, TierDirection,
 };
 use crate::pool::{BlockState, Holder};
 use crate::prefix;
@@ -208,8 +208,61 @@ impl Cache {
                 }
             }
         }
+        let mut outcomes: Vec<Outcome> = outcomes.into_iter().flatten().collect();
+        for (outcome, spec) in outcomes.iter_mut().zip(specs) {
+            if let (Outcome::Grant(grant), Some(retain)) = (outcome, &spec.retain) {
+                let tenant = if retain.tenant.is_empty() {
+                    &*principal
+                } else {
+                    &retain.tenant
+                };
+                grant.retained_tokens = self.retain(session_id, spec.seq_id, retain, tenant, now);
+            }
+        }
         self.flush_events();
-        Ok(outcomes.into_iter().flatten().collect())
+        Ok(outcomes)
+    }
+
+    /// Puts the full blocks of `retain.tokens` leading prompt tokens of the
+    /// just-granted `seq_id` under `tenant`'s hint, in order, as far as the
+    /// tenant's quota has room in each pool; returns the tokens covered.
+    fn retain(
+        &mut self,
+        session_id: SessionId,
+        seq_id: SeqId,
+        retain: &Retain,
+        tenant: &str,
+        now: Instant,
+    ) -> u32 {
+        let Some(seq) = self
+            .sessions
+            .get(&session_id)
+            .and_then(|s| s.seqs.get(&seq_id))
+        else {
+            return 0;
+        };
+        let expires = now + retain.ttl;
+        let mut covered = None::<u32>;
+        for t in &seq.tables {
+            let entry = &mut self.pools[t.pool];
+            let b = entry.tokens_per_block;
+            let want = retain.tokens.min(seq.len) / b;
+            let Some(beam) = t.beams.first() else {
+                continue;
+            };
+            // blocks before `first` slid out of this pool's window
+            let mut end = beam.first.min(want);
+            for (idx, &block) in (beam.first..want).zip(&beam.blocks) {
+                let pool = &mut entry.pool;
+                if !pool.retention().is_hinted(block) && pool.retention().room(tenant) == 0 {
+                    break;
+                }
+                pool.hint(block, tenant, retain.priority, expires);
+                end = idx + 1;
+            }
+            covered = Some(covered.map_or(end * b, |c| c.min(end * b)));
+        }
+        covered.unwrap_or(0)
     }
 
     pub(super) fn validate_spec(&self, spec: &SeqSpec) -> Result<()> {
@@ -233,6 +286,9 @@ impl Cache {
                 "sequence {}: priority must be 0 to 100, got {}",
                 spec.seq_id, spec.priority
             )));
+        }
+        if let Some(r) = &spec.retain {
+            validate_retain(spec.seq_id, r, spec.prompt.len())?;
         }
         if spec.prefill_tokens > spec.prompt.len() {
             return Err(Error::InvalidArgument(format!(
@@ -718,6 +774,31 @@ impl Cache {
 }
 
 /// The grant describing `seq`'s current tables.
+/// Checks a retention hint of sequence `seq_id`, whose prompt is
+/// `prompt_len` tokens.
+pub(crate) fn validate_retain(seq_id: SeqId, r: &Retain, prompt_len: u32) -> Result<()> {
+    if r.tokens == 0 || r.tokens > prompt_len {
+        return Err(Error::InvalidArgument(format!(
+            "sequence {seq_id}: retain.tokens must be 1 to its prompt of {prompt_len} tokens, got {}",
+            r.tokens
+        )));
+    }
+    if r.priority > crate::eviction::MAX_PRIORITY {
+        return Err(Error::InvalidArgument(format!(
+            "sequence {seq_id}: retain.priority must be 0 to 100, got {}",
+            r.priority
+        )));
+    }
+    if r.ttl.is_zero() || r.ttl > MAX_RETAIN_TTL {
+        return Err(Error::InvalidArgument(format!(
+            "sequence {seq_id}: retain.ttl_ms must be 1 to {}, got {}",
+            MAX_RETAIN_TTL.as_millis(),
+            r.ttl.as_millis()
+        )));
+    }
+    Ok(())
+}
+
 fn grant_of(pools: &[PoolEntry], seq_id: SeqId, seq: &SeqState, reused_tokens: u32) -> Grant {
     let mut tables = Vec::with_capacity(seq.tables.len() * seq.beams as usize);
     for t in &seq.tables {
@@ -739,5 +820,6 @@ fn grant_of(pools: &[PoolEntry], seq_id: SeqId, seq: &SeqState, reused_tokens: u
         capacity_tokens: seq.capacity(),
         copies: Vec::new(),
         tier_copies: Vec::new(),
+        retained_tokens: 0,
     }
 }

@@ -73,6 +73,10 @@ pub struct Batch {
     pub warmup: bool,
 }
 
+/// Share of each pool one tenant may hold under retention hints, unless
+/// configured.
+pub const DEFAULT_RETENTION_SHARE: f64 = 0.25;
+
 /// Limits and defaults of the cache.
 #[derive(Clone, Debug)]
 pub struct CacheConfig {
@@ -115,6 +119,9 @@ pub struct CacheConfig {
     /// Keep a partly filled block only when it holds at least this many
     /// tokens (what reusing it can save at most).
     pub partial_min_tokens: u32,
+    /// Share (0 to 1) of each pool's blocks one tenant may hold under
+    /// retention hints.
+    pub retention_share: f64,
 }
 
 impl Default for CacheConfig {
@@ -138,6 +145,7 @@ impl Default for CacheConfig {
             // like the limits above, off in the core: any partial is kept
             // (the service's flag defaults to DEFAULT_PARTIAL_MIN_TOKENS)
             partial_min_tokens: 1,
+            retention_share: DEFAULT_RETENTION_SHARE,
         }
     }
 }

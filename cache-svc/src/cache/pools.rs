@@ -34,6 +34,8 @@ pub struct NewGroup {
     /// `(window, num_blocks, host_blocks)` per pool.
     pools: Vec<(u32, u32, u32)>,
     policy: PolicyKind,
+    /// Share of each pool a tenant may hold under retention hints.
+    retention_share: f64,
 }
 
 /// A new group with its pools built, to commit.
@@ -51,8 +53,10 @@ impl NewGroup {
             .pools
             .iter()
             .map(|&(_, num_blocks, host_blocks)| {
+                let quota = (f64::from(num_blocks) * self.retention_share) as u32;
                 BlockPool::with_policy(num_blocks, self.policy.build(num_blocks as usize))
                     .with_host_tier(host_blocks)
+                    .with_retention_quota(quota)
             })
             .collect();
         BuiltGroup { new: self, pools }
@@ -217,6 +221,7 @@ impl Cache {
             tokens_per_block,
             pools: pools.to_vec(),
             policy: self.config.eviction.for_group(group),
+            retention_share: self.config.retention_share,
         }))
     }
 

@@ -121,6 +121,8 @@ impl Cache {
     }
 
     /// Checks a session's id and epoch; reclaims it if it has expired.
+    /// Every call of a session comes through here, so this is also where
+    /// expired retention hints are dropped (before the call allocates).
     pub(super) fn touch(
         &mut self,
         session_id: SessionId,
@@ -142,6 +144,9 @@ impl Cache {
             return Err(Error::SessionExpired(session_id));
         }
         session.expires_at = now + session.ttl;
+        for entry in &mut self.pools {
+            entry.pool.expire_hints(now);
+        }
         Ok(())
     }
 

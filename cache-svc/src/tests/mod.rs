@@ -11,6 +11,7 @@ mod chunked;
 mod limits;
 mod partial;
 mod proptests;
+mod retention;
 mod step;
 mod tiers;
 

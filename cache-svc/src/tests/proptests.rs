@@ -23,7 +23,12 @@ enum Op {
         /// The first chunk of a chunked prefill (0, or past the prompt:
         /// the whole prompt).
         prefill: u8,
+        /// A retention hint on every sequence: (tokens, priority, ttl in
+        /// seconds, tenant), tokens cut to the prompt.
+        retain: Option<(u8, u8, u8, u8)>,
     },
+    /// Time passes (retention hints expire), within the session's TTL.
+    Tick(u8),
     /// Chunked-prefill progress reports.
     Progress {
         seqs: Vec<u8>,
@@ -53,8 +58,10 @@ fn op() -> impl Strategy<Value = Op> {
             prop::bool::weighted(0.1),
             prop::bool::weighted(0.2),
             0u8..48,
+            prop::option::weighted(0.4, (1u8..40, 0u8..=100, 1u8..20, 0u8..2)),
         )
-            .prop_map(|(seqs, atomic, warmup, reserve, prefill)| Op::Lease { seqs, atomic, warmup, reserve, prefill }),
+            .prop_map(|(seqs, atomic, warmup, reserve, prefill, retain)| Op::Lease { seqs, atomic, warmup, reserve, prefill, retain }),
+        1 => (1u8..20).prop_map(Op::Tick),
         2 => (prop::collection::vec(0u8..12, 1..4), 1u8..48)
             .prop_map(|(seqs, written)| Op::Progress { seqs, written }),
         4 => (prop::collection::vec(0u8..12, 1..5), 1u8..6, prop::bool::weighted(0.8))
@@ -177,7 +184,7 @@ proptest! {
         let mut prefill_of: HashMap<u64, (Vec<u32>, usize)> = HashMap::new();
         for op in ops {
             match op {
-                Op::Lease { seqs, atomic, warmup, reserve, prefill } => {
+                Op::Lease { seqs, atomic, warmup, reserve, prefill, retain } => {
                     let specs: Vec<_> = seqs.iter().map(|&(id, fam, len, extra, beams)| {
                         let mut s = spec(u64::from(id), Prompt::Tokens(prompt(fam, len)));
                         s.extra = Extra { draft: u32::from(extra), ..Extra::default() };
@@ -187,6 +194,12 @@ proptest! {
                         if prefill <= len {
                             s.prefill_tokens = u32::from(prefill);
                         }
+                        s.retain = retain.map(|(tokens, priority, ttl, tenant)| crate::lease::Retain {
+                            tokens: u32::from(tokens.min(len)),
+                            priority,
+                            ttl: Duration::from_secs(ttl.into()),
+                            tenant: format!("t{tenant}"),
+                        });
                         s
                     }).collect();
                     let before = f.counts();
@@ -195,6 +208,19 @@ proptest! {
                         .unwrap();
                     f.check();
                     prop_assert_eq!(out.len(), specs.len());
+                    for p in f.cache.pools() {
+                        let quota = (f64::from(p.pool.len()) * crate::cache::DEFAULT_RETENTION_SHARE) as u32;
+                        for t in ["t0", "t1"] {
+                            prop_assert!(p.pool.retention().tenant_blocks(t) <= quota);
+                        }
+                    }
+                    for (o, s) in out.iter().zip(&specs) {
+                        if let (Outcome::Grant(g), Some(r)) = (o, &s.retain) {
+                            prop_assert!(g.retained_tokens <= r.tokens / b * b);
+                        } else if let Outcome::Grant(g) = o {
+                            prop_assert_eq!(g.retained_tokens, 0);
+                        }
+                    }
                     if atomic && out.iter().any(|o| o.reject().is_some()) {
                         prop_assert!(out.iter().all(|o| o.reject().is_some()));
                         prop_assert_eq!(f.counts(), before, "atomic reject changed the pools");
@@ -407,6 +433,11 @@ proptest! {
                     f.complete(step);
                     tiers.complete();
                     step += 1;
+                }
+                Op::Tick(secs) => {
+                    f.now += Duration::from_secs(secs.into());
+                    f.cache.keep_alive(f.session, f.epoch, f.now).unwrap();
+                    f.check();
                 }
                 Op::Expire => {
                     f.now += Duration::from_secs(3600);

@@ -277,6 +277,7 @@ impl Core {
                 max_new_tokens: request.remaining(),
                 priority: request.priority,
                 cache_salt: request.cache_salt.clone(),
+                retain: request.retain.clone(),
                 reserve_full_life: policy.reserves_full_life(),
                 // the cache publishes only the blocks this step's pass
                 // writes; later chunks report their progress (plan_extends)
@@ -383,6 +384,8 @@ impl Core {
                         *budget = budget.saturating_sub(dropped);
                     }
                     let context = l.request.context();
+                    let mut request = l.request;
+                    request.retained_tokens = grant.retained_tokens;
                     self.running.insert(
                         l.seq_id,
                         Sequence {
@@ -400,7 +403,7 @@ impl Core {
                             copies,
                             planned: (len > 0).then_some(Work::Prefill { len }),
                             in_flight: VecDeque::new(),
-                            request: l.request,
+                            request,
                         },
                     );
                 }

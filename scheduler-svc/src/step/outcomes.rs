@@ -455,7 +455,7 @@ impl Core {
             None
         } else {
             seq.request.reported_reuse = true;
-            Some(seq.reused_tokens)
+            Some((seq.reused_tokens, seq.request.retained_tokens))
         };
         self.outputs.push(Output::Tokens {
             request: seq.request.id,

@@ -163,7 +163,7 @@ class ExtraTokens(_message.Message):
     def __init__(self, draft: _Optional[int] = ..., extra_kv: _Optional[int] = ..., extra_decoding_steps: _Optional[int] = ...) -> None: ...
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life", "traceparent", "prefill_tokens", "refusal_retried")
+    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life", "traceparent", "prefill_tokens", "refusal_retried", "retain")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class SequenceSpec(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_RETRIED_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     pool_group: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -190,7 +191,20 @@ class SequenceSpec(_message.Message):
     traceparent: str
     prefill_tokens: int
     refusal_retried: bool
-    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ..., traceparent: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., refusal_retried: _Optional[bool] = ...) -> None: ...
+    retain: RetentionHint
+    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ..., traceparent: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., refusal_retried: _Optional[bool] = ..., retain: _Optional[_Union[RetentionHint, _Mapping]] = ...) -> None: ...
+
+class RetentionHint(_message.Message):
+    __slots__ = ("tokens", "priority", "ttl_ms", "tenant")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    priority: int
+    ttl_ms: int
+    tenant: str
+    def __init__(self, tokens: _Optional[int] = ..., priority: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "step", "atomic", "sequences", "warmup")
@@ -223,20 +237,22 @@ class BlockTable(_message.Message):
     def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., beam: _Optional[int] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("seq_id", "tables", "reused_tokens", "capacity_tokens", "copies", "tier_copies")
+    __slots__ = ("seq_id", "tables", "reused_tokens", "capacity_tokens", "copies", "tier_copies", "retained_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     TIER_COPIES_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
     reused_tokens: int
     capacity_tokens: int
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     tier_copies: _containers.RepeatedCompositeFieldContainer[TierCopy]
-    def __init__(self, seq_id: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., reused_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., tier_copies: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ...) -> None: ...
+    retained_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., reused_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., tier_copies: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ..., retained_tokens: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("pool_id", "window", "src_block", "dst_block", "tokens")

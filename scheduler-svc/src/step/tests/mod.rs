@@ -63,6 +63,7 @@ fn request(id: u64, prompt_len: usize, max_tokens: u32) -> Request {
 fn grant_of(seq_id: SeqId, block_ids: Vec<u32>) -> Grant {
     Grant {
         tier_copies: Vec::new(),
+        retained_tokens: 0,
         seq_id,
         tables: vec![Table {
             pool_id: 1,
