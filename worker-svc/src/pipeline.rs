@@ -134,6 +134,7 @@ mod tests {
             all_positions: false,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
+            history: None,
         }
     }
 

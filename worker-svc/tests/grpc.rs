@@ -104,6 +104,7 @@ fn seq(
         return_all_argmax: true,
         sampling: None,
         copies: Vec::new(),
+        history: None,
         trace: None,
         feed_previous: false,
     }
@@ -222,6 +223,7 @@ async fn forward_prefill_then_decode() {
             temperature: 0.8,
             top_p: 0.9,
             seed: 42,
+            ..Default::default()
         }),
         ..seq(
             id,
@@ -406,6 +408,7 @@ async fn a_rejected_forward_leaves_the_arena_untouched() {
             temperature: 1.0,
             top_p: 1.0,
             seed,
+            ..Default::default()
         }),
         ..seq(1, probe_tokens.clone(), n, tables(&full, &windowed))
     };

@@ -400,6 +400,7 @@ impl Core {
                             copies,
                             planned: (len > 0).then_some(Work::Prefill { len }),
                             in_flight: VecDeque::new(),
+                            history_sent: false,
                             request: l.request,
                         },
                     );
