@@ -21,6 +21,7 @@
 //!    the same token.
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 
 use crate::backend::BatchLogits;
 use crate::batch::Sampling;
@@ -92,12 +93,16 @@ pub(crate) fn row_pick(
     history: Option<&History>,
     position: usize,
 ) -> Option<RowPick> {
-    let mut adjusts: Vec<Adjust> = sampling
+    // by token: each token once, in the order the device expects
+    let mut adjusts: BTreeMap<u32, Adjust> = sampling
         .logit_bias
         .iter()
-        .map(|&(token, bias)| Adjust {
-            bias,
-            ..Adjust::new(token)
+        .map(|&(token, bias)| {
+            let a = Adjust {
+                bias,
+                ..Adjust::new(token)
+            };
+            (token, a)
         })
         .collect();
     if position < sampling.prompt_len as usize + sampling.min_tokens as usize {
@@ -118,7 +123,6 @@ pub(crate) fn row_pick(
             }
         }
     }
-    adjusts.sort_by_key(|a| a.token);
     if sampling.temperature == 0.0 && adjusts.is_empty() {
         return None;
     }
@@ -129,21 +133,13 @@ pub(crate) fn row_pick(
         top_p: sampling.top_p,
         min_p: sampling.min_p,
         draw: uniform(sampling.seed, position),
-        adjusts,
+        adjusts: adjusts.into_values().collect(),
     })
 }
 
-/// The adjustment of `token` in `adjusts`, a new one if it has none (a
-/// short list, built once per row: a linear search keeps it simple).
-fn at(adjusts: &mut Vec<Adjust>, token: u32) -> &mut Adjust {
-    let i = match adjusts.iter().position(|a| a.token == token) {
-        Some(i) => i,
-        None => {
-            adjusts.push(Adjust::new(token));
-            adjusts.len() - 1
-        }
-    };
-    &mut adjusts[i]
+/// The adjustment of token `t`, a new one if it has none.
+fn at(adjusts: &mut BTreeMap<u32, Adjust>, t: u32) -> &mut Adjust {
+    adjusts.entry(t).or_insert_with(|| Adjust::new(t))
 }
 
 /// The token of every row of `logits`: the pick's where `picks` has one,

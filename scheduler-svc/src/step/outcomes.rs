@@ -306,7 +306,8 @@ impl Core {
             let history =
                 (sampling.has_penalties() && !seq.history_sent).then(|| seq.context[..at].to_vec());
             seq.history_sent |= history.is_some();
-            let stop_ids = if sampling.min_tokens > 0 {
+            // until min_tokens outputs are known (later ones are past it)
+            let stop_ids = if seq.request.generated.len() < sampling.min_tokens as usize {
                 seq.request.stop_tokens.clone()
             } else {
                 Vec::new()
