@@ -230,6 +230,13 @@ fn openai_param(field: &str) -> Option<&'static str> {
         "max_tokens" => "max_tokens",
         "temperature" => "temperature",
         "top_p" => "top_p",
+        "top_k" => "top_k",
+        "min_p" => "min_p",
+        "frequency_penalty" => "frequency_penalty",
+        "presence_penalty" => "presence_penalty",
+        "repetition_penalty" => "repetition_penalty",
+        "logit_bias" => "logit_bias",
+        "min_tokens" => "min_tokens",
         "stop" => "stop",
         _ => return None,
     })
@@ -286,6 +293,12 @@ mod tests {
             ("max_tokens", "max_tokens"),
             ("temperature", "temperature"),
             ("top_p", "top_p"),
+            ("min_p", "min_p"),
+            ("frequency_penalty", "frequency_penalty"),
+            ("presence_penalty", "presence_penalty"),
+            ("repetition_penalty", "repetition_penalty"),
+            ("logit_bias", "logit_bias"),
+            ("min_tokens", "min_tokens"),
             ("stop", "stop"),
         ] {
             let e = refused(field);
