@@ -18,6 +18,13 @@ pub fn generate_request(g: &Generate, id: &str, tenant: &str) -> pb::GenerateReq
         temperature: g.temperature,
         top_p: g.top_p,
         seed: g.seed,
+        top_k: g.top_k,
+        min_p: g.min_p,
+        frequency_penalty: g.frequency_penalty,
+        presence_penalty: g.presence_penalty,
+        repetition_penalty: g.repetition_penalty,
+        logit_bias: g.logit_bias.iter().copied().collect(),
+        min_tokens: g.min_tokens,
         stop: g.stop.clone(),
         // The authenticated tenant's prefix reuse is kept apart from other
         // tenants'. Not `user`: anyone sets it, so salting by it let

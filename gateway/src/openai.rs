@@ -78,33 +78,46 @@ pub struct Common {
     /// field.
     #[serde(default)]
     pub kvlease: Option<serde_json::Value>,
+    /// OpenAI's penalties, `logit_bias`, and vLLM's sampling extensions
+    /// (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`).
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
     #[serde(flatten)]
     pub unserved: Unserved,
 }
 
-/// Fields the OpenAI API (or vLLM's extensions, which load generators send)
-/// documents and kvlease does not implement. Each is refused with a 400
-/// naming it unless absent, `null` or set to its no-op value
-/// ([`crate::request`]), never silently ignored. Read as JSON values, so
-/// that a value of the wrong type is refused naming the field too.
+/// Sampling fields read as JSON values, so that a value of the wrong type
+/// is refused naming the field ([`crate::request`] reads them); the
+/// scheduler checks their ranges.
 #[derive(Debug, Clone, Default, Deserialize)]
-pub struct Unserved {
+pub struct SamplingFields {
     #[serde(default)]
     pub frequency_penalty: Option<serde_json::Value>,
     #[serde(default)]
     pub presence_penalty: Option<serde_json::Value>,
     #[serde(default)]
     pub repetition_penalty: Option<serde_json::Value>,
+    /// Token id (a string key, as JSON objects have) to bias.
     #[serde(default)]
     pub logit_bias: Option<serde_json::Value>,
     #[serde(default)]
-    pub response_format: Option<serde_json::Value>,
-    #[serde(default)]
     pub min_tokens: Option<serde_json::Value>,
+    /// -1 or 0: off.
     #[serde(default)]
     pub top_k: Option<serde_json::Value>,
     #[serde(default)]
     pub min_p: Option<serde_json::Value>,
+}
+
+/// Fields the OpenAI API (or vLLM's extensions, which load generators send)
+/// documents and kvlease does not implement yet. Each is refused with a 400
+/// naming it unless absent, `null` or set to its no-op value
+/// ([`crate::request`]), never silently ignored. Read as JSON values, so
+/// that a value of the wrong type is refused naming the field too.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Unserved {
+    #[serde(default)]
+    pub response_format: Option<serde_json::Value>,
     #[serde(default)]
     pub use_beam_search: Option<serde_json::Value>,
     #[serde(default)]

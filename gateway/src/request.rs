@@ -26,6 +26,15 @@ pub struct Generate {
     pub temperature: f32,
     pub top_p: f32,
     pub seed: u64,
+    pub top_k: u32,
+    pub min_p: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// 0 when not given (the scheduler reads it as 1).
+    pub repetition_penalty: f32,
+    /// (token, bias), ascending by token.
+    pub logit_bias: Vec<(u32, f32)>,
+    pub min_tokens: u32,
     pub stop: Vec<String>,
     /// OpenAI's end-user id, checked for length only: it is no tenant and
     /// no cache salt, since anyone may set it (the tenant is the bearer
@@ -296,7 +305,22 @@ impl Served {
         };
         let stream = c.stream.unwrap_or(false);
         let retain = kvlease_extension(c.kvlease.as_ref())?;
+        let f = &c.sampling;
+        let number = |name, v: &Option<Value>| number(name, v.as_ref());
         Ok(Generate {
+            top_k: top_k(f.top_k.as_ref())?,
+            min_p: number("min_p", &f.min_p)?.unwrap_or(0.0),
+            frequency_penalty: number("frequency_penalty", &f.frequency_penalty)?.unwrap_or(0.0),
+            presence_penalty: number("presence_penalty", &f.presence_penalty)?.unwrap_or(0.0),
+            repetition_penalty: number("repetition_penalty", &f.repetition_penalty)?.unwrap_or(0.0),
+            logit_bias: logit_bias(f.logit_bias.as_ref())?,
+            min_tokens: match f.min_tokens.as_ref().filter(|v| !v.is_null()) {
+                None => 0,
+                Some(v) => match v.as_u64() {
+                    Some(n) => narrow("min_tokens", n)?,
+                    None => return Err(wrong_type("min_tokens", v, "a non-negative integer")),
+                },
+            },
             input,
             max_tokens,
             // OpenAI samples at temperature 1 unless told otherwise
@@ -326,35 +350,17 @@ type NoOp<'a> = (
 /// Refuses each [`Unserved`] field set to anything but its no-op value,
 /// naming it and the values that are accepted.
 fn refuse_unserved(u: &Unserved) -> Result<()> {
-    let zero = |v: &Value| v.as_f64() == Some(0.0);
     let empty = |v: &Value| {
         v.as_object().is_some_and(|o| o.is_empty()) || v.as_array().is_some_and(|a| a.is_empty())
     };
     let no = |v: &Value| *v == Value::Bool(false);
-    let fields: [NoOp<'_>; 21] = [
-        ("frequency_penalty", &u.frequency_penalty, &zero, "0"),
-        ("presence_penalty", &u.presence_penalty, &zero, "0"),
-        (
-            "repetition_penalty",
-            &u.repetition_penalty,
-            &|v| v.as_f64() == Some(1.0),
-            "1",
-        ),
-        ("logit_bias", &u.logit_bias, &empty, "{}"),
+    let fields: [NoOp<'_>; 14] = [
         (
             "response_format",
             &u.response_format,
             &|v| *v == json!({"type": "text"}),
             r#"{"type": "text"}"#,
         ),
-        ("min_tokens", &u.min_tokens, &zero, "0"),
-        (
-            "top_k",
-            &u.top_k,
-            &|v| matches!(v.as_i64(), Some(0 | -1)),
-            "0 or -1",
-        ),
-        ("min_p", &u.min_p, &zero, "0"),
         ("use_beam_search", &u.use_beam_search, &no, "false"),
         (
             "tool_choice",
@@ -409,6 +415,65 @@ fn refuse_unserved(u: &Unserved) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A 400 naming `param`, whose value `v` is not `expected`.
+fn wrong_type(param: &'static str, v: &Value, expected: &str) -> ApiError {
+    ApiError::invalid_param(
+        param,
+        format!(
+            "{param} must be {expected}, got {}",
+            crate::error::clip(&v.to_string())
+        ),
+    )
+}
+
+/// A sampling number: absent or `null` is `None`.
+fn number(param: &'static str, v: Option<&Value>) -> Result<Option<f32>> {
+    match v.filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(|n| Some(n as f32))
+            .ok_or_else(|| wrong_type(param, v, "a number")),
+    }
+}
+
+/// vLLM's `top_k`: -1 or 0 is off.
+fn top_k(v: Option<&Value>) -> Result<u32> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(0);
+    };
+    match v.as_i64() {
+        Some(-1 | 0) => Ok(0),
+        Some(k) if k > 0 => narrow("top_k", k as u64),
+        _ => Err(wrong_type(
+            "top_k",
+            v,
+            "a positive integer, or -1 or 0 for off",
+        )),
+    }
+}
+
+/// OpenAI's `logit_bias`: an object from token ids (as strings) to biases;
+/// the scheduler checks ids and values.
+fn logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(Vec::new());
+    };
+    let expected = "an object from token ids to numbers";
+    let Some(map) = v.as_object() else {
+        return Err(wrong_type("logit_bias", v, expected));
+    };
+    let mut out = Vec::with_capacity(map.len());
+    for (token, bias) in map {
+        let (Ok(token), Some(bias)) = (token.parse::<u32>(), bias.as_f64()) else {
+            return Err(wrong_type("logit_bias", v, expected));
+        };
+        out.push((token, bias as f32));
+    }
+    out.sort_by_key(|&(t, _)| t);
+    Ok(out)
 }
 
 /// A number the scheduler holds in 32 bits, refused rather than truncated
@@ -609,14 +674,7 @@ mod tests {
     #[test]
     fn documented_fields_kvlease_does_not_serve_are_refused_naming_them() {
         let refused = [
-            ("frequency_penalty", json!(0.5)),
-            ("presence_penalty", json!(-1)),
-            ("repetition_penalty", json!(1.2)),
-            ("logit_bias", json!({"42": -100})),
             ("response_format", json!({"type": "json_object"})),
-            ("min_tokens", json!(4)),
-            ("top_k", json!(5)),
-            ("min_p", json!(0.1)),
             ("use_beam_search", json!(true)),
             ("tool_choice", json!("auto")),
             ("functions", json!([{"name": "f"}])),
@@ -630,8 +688,17 @@ mod tests {
             ("store", json!(true)),
             ("metadata", json!({"k": "v"})),
             ("service_tier", json!("flex")),
-            // a value of the wrong type is refused naming the field too
+            // a sampling field of the wrong type is refused naming it
             ("frequency_penalty", json!("high")),
+            ("presence_penalty", json!([1])),
+            ("repetition_penalty", json!(true)),
+            ("min_p", json!("0.1")),
+            ("top_k", json!(-2)),
+            ("top_k", json!(1.5)),
+            ("min_tokens", json!(-1)),
+            ("logit_bias", json!([1, 2])),
+            ("logit_bias", json!({"token": 1})),
+            ("logit_bias", json!({"42": "ban"})),
         ];
         for (field, value) in refused {
             for endpoint in ["completions", "chat"] {
@@ -660,6 +727,41 @@ mod tests {
             "function_call": "none", "modalities": ["text"], "audio": null, "store": false,
             "metadata": {}, "service_tier": "auto", "n": 1});
         completion(no_ops).expect("no-op values are served");
+    }
+
+    #[test]
+    fn sampling_fields_and_vllm_extensions_reach_the_generation() {
+        for endpoint in ["completions", "chat"] {
+            let body = json!({"model": "m", "prompt": "x",
+                "messages": [{"role": "user", "content": "x"}],
+                "frequency_penalty": 0.5, "presence_penalty": -1, "repetition_penalty": 1.2,
+                "logit_bias": {"42": -100, "7": 2.5}, "min_tokens": 4, "top_k": 5,
+                "min_p": 0.1});
+            let g = if endpoint == "chat" {
+                chat(body)
+            } else {
+                completion(body)
+            }
+            .expect(endpoint);
+            assert_eq!(
+                (
+                    g.frequency_penalty,
+                    g.presence_penalty,
+                    g.repetition_penalty
+                ),
+                (0.5, -1.0, 1.2)
+            );
+            assert_eq!(g.logit_bias, [(7, 2.5), (42, -100.0)]);
+            assert_eq!((g.min_tokens, g.top_k, g.min_p), (4, 5, 0.1));
+        }
+        let off = completion(json!({"model": "m", "prompt": "x", "top_k": -1,
+            "logit_bias": null}))
+        .expect("off");
+        assert_eq!(
+            (off.top_k, off.min_tokens, off.repetition_penalty),
+            (0, 0, 0.0)
+        );
+        assert!(off.logit_bias.is_empty());
     }
 
     #[test]

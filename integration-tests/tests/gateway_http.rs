@@ -326,6 +326,23 @@ async fn invalid_requests_are_400_in_openai_shape_with_the_schedulers_message() 
         .await;
     expect(&r, 400, "outside the vocabulary");
     assert_eq!(param(&r), "prompt", "{r:?}");
+    // the sampling set out of range (the seeded model has no chat template:
+    // chat reads these fields with the same code, `request.rs`)
+    for (field, value) in [
+        ("frequency_penalty", json!(2.5)),
+        ("presence_penalty", json!(-9)),
+        ("repetition_penalty", json!(-1)),
+        ("min_p", json!(1.5)),
+        ("logit_bias", json!({"1": -101})),
+        ("logit_bias", json!({"100000": 1})),
+        ("min_tokens", json!(900)),
+    ] {
+        let mut body = json!({"model": "kvlease", "prompt": "x", "max_tokens": 4});
+        body[field] = value;
+        let r = f.post("/v1/completions", body).await;
+        expect(&r, 400, field);
+        assert_eq!(param(&r), field, "{r:?}");
+    }
     // the gateway's own checks
     expect(
         &request(f.http, "POST", "/v1/completions", Some("{not json".into())).await,

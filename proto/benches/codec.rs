@@ -44,6 +44,7 @@ fn forward_request(seqs: u64, context: u32) -> pb::ForwardRequest {
                     temperature: 0.7,
                     top_p: 0.9,
                     seed: s,
+                    ..Default::default()
                 }),
                 ..Default::default()
             }

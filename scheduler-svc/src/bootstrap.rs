@@ -396,6 +396,9 @@ async fn run_shape(
                 tables: t.clone(),
                 return_all_argmax: false,
                 sampling: Default::default(),
+                prompt_len: 0,
+                stop_ids: Vec::new(),
+                history: None,
                 copies: Vec::new(),
             })
             .collect();
@@ -442,6 +445,9 @@ async fn run_shape(
             tables,
             return_all_argmax: drafts > 0,
             sampling: Default::default(),
+            prompt_len: 0,
+            stop_ids: Vec::new(),
+            history: None,
             copies: Vec::new(),
         });
     }

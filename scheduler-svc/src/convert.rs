@@ -155,21 +155,6 @@ pub(crate) fn validate(
             ),
         );
     }
-    if !req.temperature.is_finite() || req.temperature < 0.0 {
-        return bad(
-            "temperature",
-            format!(
-                "temperature must be a finite number >= 0, got {}",
-                req.temperature
-            ),
-        );
-    }
-    if !req.top_p.is_finite() || !(0.0..=1.0).contains(&req.top_p) {
-        return bad(
-            "top_p",
-            format!("top_p must be in [0, 1], got {}", req.top_p),
-        );
-    }
     if let Some(t) = req.stop_tokens.iter().find(|t| **t >= limits.vocab_size) {
         return bad(
             "stop_tokens",
@@ -241,12 +226,9 @@ pub(crate) fn validate(
             return bad(field, format!("{field} is limited to {MAX_LABEL} bytes"));
         }
     }
+    let sampling = sampling(req, limits)?;
     let mut r = Request::new(RequestId(id), prompt, req.max_tokens);
-    r.sampling = Sampling {
-        temperature: req.temperature,
-        top_p: req.top_p,
-        seed: req.seed,
-    };
+    r.sampling = sampling;
     r.stop_tokens = req.stop_tokens.clone();
     if !req.ignore_eos {
         r.stop_tokens.extend_from_slice(tokenizer.end_ids());
@@ -263,6 +245,93 @@ pub(crate) fn validate(
         stop: req.stop.clone(),
     };
     Ok((r, text))
+}
+
+/// Entries of `logit_bias` a request may carry (OpenAI allows 300).
+const MAX_LOGIT_BIAS: usize = 1024;
+
+/// The sampling parameters of a Generate request, each checked against its
+/// range (`scheduler.proto`); a refusal names the field.
+fn sampling(req: &pb::GenerateRequest, limits: &Limits) -> Result<Sampling, Error> {
+    let bad = |field: &'static str, m: String| Err(invalid(field, m));
+    if !req.temperature.is_finite() || req.temperature < 0.0 {
+        return bad(
+            "temperature",
+            format!(
+                "temperature must be a finite number >= 0, got {}",
+                req.temperature
+            ),
+        );
+    }
+    for (field, v, range) in [
+        ("top_p", req.top_p, 0.0..=1.0),
+        ("min_p", req.min_p, 0.0..=1.0),
+        ("frequency_penalty", req.frequency_penalty, -2.0..=2.0),
+        ("presence_penalty", req.presence_penalty, -2.0..=2.0),
+    ] {
+        if !v.is_finite() || !range.contains(&v) {
+            return bad(
+                field,
+                format!(
+                    "{field} must be in [{}, {}], got {v}",
+                    range.start(),
+                    range.end()
+                ),
+            );
+        }
+    }
+    let rep = req.repetition_penalty;
+    if !rep.is_finite() || rep < 0.0 || rep > i32::MAX as f32 {
+        return bad(
+            "repetition_penalty",
+            format!("repetition_penalty must be > 0 (0 reads as 1), got {rep}"),
+        );
+    }
+    if req.logit_bias.len() > MAX_LOGIT_BIAS {
+        return bad(
+            "logit_bias",
+            format!(
+                "{} logit_bias entries; at most {MAX_LOGIT_BIAS}",
+                req.logit_bias.len()
+            ),
+        );
+    }
+    let mut logit_bias: Vec<(u32, f32)> = req.logit_bias.iter().map(|(&t, &b)| (t, b)).collect();
+    logit_bias.sort_by_key(|&(t, _)| t);
+    if let Some((t, b)) = logit_bias
+        .iter()
+        .find(|(t, b)| *t >= limits.vocab_size || !(b.is_finite() && (-100.0..=100.0).contains(b)))
+    {
+        return bad(
+            "logit_bias",
+            format!(
+                "logit_bias {b} for token {t}: tokens must be inside the vocabulary of {} and \
+                 biases in [-100, 100]",
+                limits.vocab_size
+            ),
+        );
+    }
+    if req.min_tokens > req.max_tokens {
+        return bad(
+            "min_tokens",
+            format!(
+                "min_tokens {} is over max_tokens {}",
+                req.min_tokens, req.max_tokens
+            ),
+        );
+    }
+    Ok(Sampling {
+        temperature: req.temperature,
+        top_p: req.top_p,
+        top_k: req.top_k,
+        min_p: req.min_p,
+        seed: req.seed,
+        frequency_penalty: req.frequency_penalty,
+        presence_penalty: req.presence_penalty,
+        repetition_penalty: rep,
+        logit_bias,
+        min_tokens: req.min_tokens,
+    })
 }
 
 // === the cache's messages ===
@@ -623,6 +692,18 @@ fn forward_sequence(i: &ForwardItem, trace: Option<&ChunkTrace>) -> pb::ForwardS
             temperature: i.sampling.temperature,
             top_p: i.sampling.top_p,
             seed: i.sampling.seed,
+            top_k: i.sampling.top_k,
+            min_p: i.sampling.min_p,
+            frequency_penalty: i.sampling.frequency_penalty,
+            presence_penalty: i.sampling.presence_penalty,
+            repetition_penalty: i.sampling.repetition_penalty,
+            logit_bias: i.sampling.logit_bias.iter().copied().collect(),
+            prompt_len: i.prompt_len,
+            min_tokens: i.sampling.min_tokens,
+            stop_ids: i.stop_ids.clone(),
+        }),
+        history: i.history.as_ref().map(|tokens| pb::TokenHistory {
+            tokens: tokens.clone(),
         }),
         copies: i
             .copies
@@ -816,6 +897,9 @@ mod tests {
             }],
             return_all_argmax: true,
             sampling: Sampling::default(),
+            prompt_len: 0,
+            stop_ids: Vec::new(),
+            history: None,
             copies: Vec::new(),
         };
         let req = forward_request(Step(6), None, std::slice::from_ref(&item), &[], &[]);
@@ -1008,5 +1092,120 @@ mod tests {
             tenant: String::new(), // the service names the caller's tenant
         };
         assert_eq!(q.retain, Some(want));
+        let sampling: [(pb::GenerateRequest, &str); 10] = [
+            (
+                pb::GenerateRequest {
+                    min_p: -0.1,
+                    ..base()
+                },
+                "min_p",
+            ),
+            (
+                pb::GenerateRequest {
+                    min_p: f32::NAN,
+                    ..base()
+                },
+                "min_p",
+            ),
+            (
+                pb::GenerateRequest {
+                    frequency_penalty: 2.5,
+                    ..base()
+                },
+                "frequency_penalty",
+            ),
+            (
+                pb::GenerateRequest {
+                    presence_penalty: -3.0,
+                    ..base()
+                },
+                "presence_penalty",
+            ),
+            (
+                pb::GenerateRequest {
+                    repetition_penalty: -1.0,
+                    ..base()
+                },
+                "repetition_penalty",
+            ),
+            (
+                pb::GenerateRequest {
+                    repetition_penalty: f32::INFINITY,
+                    ..base()
+                },
+                "repetition_penalty",
+            ),
+            (
+                pb::GenerateRequest {
+                    logit_bias: [(999, 1.0)].into(),
+                    ..base()
+                },
+                "logit_bias",
+            ),
+            (
+                pb::GenerateRequest {
+                    logit_bias: [(3, -101.0)].into(),
+                    ..base()
+                },
+                "logit_bias",
+            ),
+            (
+                pb::GenerateRequest {
+                    logit_bias: (0..1025).map(|t| (t, 1.0)).collect(),
+                    ..base()
+                },
+                "logit_bias",
+            ),
+            (
+                pb::GenerateRequest {
+                    min_tokens: 5,
+                    ..req(vec![1], 4)
+                },
+                "min_tokens",
+            ),
+        ];
+        for (r, want) in sampling {
+            assert_eq!(field(r).as_deref(), Some(want));
+        }
+    }
+
+    #[test]
+    fn every_sampling_parameter_reaches_the_request() {
+        let r = pb::GenerateRequest {
+            temperature: 0.7,
+            top_p: 0.9,
+            top_k: 20,
+            min_p: 0.05,
+            seed: 3,
+            frequency_penalty: 0.5,
+            presence_penalty: -0.5,
+            repetition_penalty: 1.2,
+            logit_bias: [(7, -100.0), (2, 3.5)].into(),
+            min_tokens: 2,
+            ..req(vec![1, 2], 4)
+        };
+        let (q, _) = validate_bytes(1, &r, &limits()).expect("valid");
+        let s = &q.sampling;
+        assert_eq!(
+            (s.temperature, s.top_p, s.top_k, s.min_p, s.seed),
+            (0.7, 0.9, 20, 0.05, 3)
+        );
+        assert_eq!(
+            (
+                s.frequency_penalty,
+                s.presence_penalty,
+                s.repetition_penalty
+            ),
+            (0.5, -0.5, 1.2)
+        );
+        assert_eq!(s.logit_bias, [(2, 3.5), (7, -100.0)]);
+        assert_eq!(s.min_tokens, 2);
+        assert!(s.has_penalties() && !s.is_greedy());
+        let biased = Sampling {
+            logit_bias: vec![(1, 1.0)],
+            ..Sampling::default()
+        };
+        assert!(!biased.is_greedy(), "a bias changes the argmax: no drafts");
+        assert!(Sampling::default().is_greedy());
     }
 }

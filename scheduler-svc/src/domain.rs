@@ -375,19 +375,44 @@ pub struct ExtendSpec {
     pub written_tokens: u32,
 }
 
-/// Sampling of one sequence.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+/// Sampling of one sequence (`SamplingParams` in `worker.proto` says how
+/// each parameter acts).
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Sampling {
     /// 0 is greedy.
     pub temperature: f32,
     pub top_p: f32,
+    /// 0: off.
+    pub top_k: u32,
+    /// 0: off.
+    pub min_p: f32,
     pub seed: u64,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// 0 or 1: off.
+    pub repetition_penalty: f32,
+    /// (token, bias), ascending by token.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// No stop or end token before this many output tokens.
+    pub min_tokens: u32,
 }
 
 impl Sampling {
-    /// Whether decoding is greedy (argmax), which speculation requires.
+    /// Whether the next token is the argmax of the model's logits, which
+    /// speculation requires (drafts are verified against that argmax).
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
+            && !self.has_penalties()
+            && self.logit_bias.is_empty()
+            && self.min_tokens == 0
+    }
+
+    /// Whether the worker keeps the sequence's token counts (it needs
+    /// their history on the sequence's first pass).
+    pub fn has_penalties(&self) -> bool {
+        self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+            || !(self.repetition_penalty == 0.0 || self.repetition_penalty == 1.0)
     }
 }
 
@@ -405,6 +430,14 @@ pub struct ForwardItem {
     pub tables: Vec<Table>,
     pub return_all_argmax: bool,
     pub sampling: Sampling,
+    /// The request's prompt length (penalties and `min_tokens` count
+    /// outputs from there).
+    pub prompt_len: u32,
+    /// The stop and end tokens `min_tokens` holds back; empty without it.
+    pub stop_ids: Vec<u32>,
+    /// The tokens before `start_pos`, on a penalised sequence's first pass
+    /// (`ForwardSequence.history`).
+    pub history: Option<Vec<u32>>,
     /// Partial-block copies to apply before the pass (the lease step's
     /// first chunk only).
     pub copies: Vec<BlockCopy>,

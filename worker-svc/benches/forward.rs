@@ -266,6 +266,7 @@ fn seq_input(tables: &[TableInput], s: usize, rep: usize, start: usize, end: usi
         all_positions: false,
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
+        history: None,
     }
 }
 

@@ -67,6 +67,7 @@ fn main() {
                 all_positions: false,
                 sampling: Sampling::GREEDY,
                 copies: Vec::new(),
+                history: None,
             });
         }
         ledger.record(&history);

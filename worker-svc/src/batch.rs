@@ -21,15 +21,30 @@ pub struct Limits {
     pub max_batch_tokens: usize,
 }
 
-/// Sampling of the next token.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Sampling of the next token (`sampling` says how each parameter acts).
+#[derive(Debug, Clone, PartialEq)]
 pub struct Sampling {
     /// 0 = greedy.
     pub temperature: f32,
     /// Nucleus mass in (0, 1]; 0 is read as 1.
     pub top_p: f32,
+    /// Keep the `top_k` most likely tokens; 0 = off.
+    pub top_k: u32,
+    /// Keep tokens at least `min_p` times as likely as the most likely; 0 = off.
+    pub min_p: f32,
     /// Seed of the sequence's sampler.
     pub seed: u64,
+    /// Frequency, presence and repetition penalties.
+    pub penalties: Penalties,
+    /// Added to these tokens' logits, ascending by token, each token once.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Positions before this are the prompt.
+    pub prompt_len: u32,
+    /// No token of `stop_ids` while fewer outputs than this precede the
+    /// sampled position.
+    pub min_tokens: u32,
+    /// The end and stop tokens `min_tokens` holds back.
+    pub stop_ids: Vec<u32>,
 }
 
 impl Sampling {
@@ -37,8 +52,41 @@ impl Sampling {
     pub const GREEDY: Sampling = Sampling {
         temperature: 0.0,
         top_p: 1.0,
+        top_k: 0,
+        min_p: 0.0,
         seed: 0,
+        penalties: Penalties::NONE,
+        logit_bias: Vec::new(),
+        prompt_len: 0,
+        min_tokens: 0,
+        stop_ids: Vec::new(),
     };
+}
+
+/// Penalties on tokens a sequence already holds (OpenAI's frequency and
+/// presence over its output, HF's repetition over prompt and output).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Penalties {
+    /// Subtracted once per occurrence in the output.
+    pub frequency: f32,
+    /// Subtracted once if the token occurs in the output.
+    pub presence: f32,
+    /// A positive logit divided by it, a negative one multiplied; 1 = off.
+    pub repetition: f32,
+}
+
+impl Penalties {
+    /// No penalty.
+    pub const NONE: Penalties = Penalties {
+        frequency: 0.0,
+        presence: 0.0,
+        repetition: 1.0,
+    };
+
+    /// Whether any penalty applies (the sequence's token counts are kept).
+    pub fn any(&self) -> bool {
+        *self != Self::NONE
+    }
 }
 
 /// One block table as the request gives it.
@@ -71,6 +119,9 @@ pub struct SeqInput {
     pub sampling: Sampling,
     /// Partial-block copies to apply before the pass.
     pub copies: Vec<CopyInput>,
+    /// The tokens at positions `[0, start_pos)`, for penalties
+    /// (`TokenHistory`); `None` when the worker keeps them.
+    pub history: Option<Vec<u32>>,
 }
 
 /// A partial-block copy as the request gives it: slots `[0, tokens)` of
@@ -223,6 +274,8 @@ pub struct PlannedSeq {
     pub sampling: Sampling,
     /// Partial-block copies, applied before anything is computed.
     pub copies: Vec<KvCopy>,
+    /// The tokens before `start_pos`, when the request sent them.
+    pub history: Option<Vec<u32>>,
 }
 
 impl PlannedSeq {
@@ -572,7 +625,27 @@ fn plan_sequence(
             max_context: model.max_context,
         });
     }
-    let sampling = check_sampling(input.sampling)?;
+    let sampling = check_sampling(input.sampling, model.vocab_size)?;
+    if let Some(history) = &input.history {
+        if history.len() != start {
+            return Err(SeqProblem::BadHistory(format!(
+                "holds {} tokens but start_pos is {start}",
+                history.len()
+            )));
+        }
+        if let Some(&token) = history.iter().find(|&&t| t as usize >= model.vocab_size) {
+            return Err(SeqProblem::BadHistory(format!(
+                "token {token} is outside the vocabulary of {}",
+                model.vocab_size
+            )));
+        }
+    }
+    if sampling.penalties.any() && input.all_positions {
+        // drafts a pass may reject would be counted as output
+        return Err(SeqProblem::BadSampling(
+            "penalties cannot be combined with return_all_argmax (draft verification)".into(),
+        ));
+    }
 
     let b = model.tokens_per_block as usize;
     let mut tables: Vec<Option<PoolTable>> = vec![None; layout.pools.len()];
@@ -644,6 +717,7 @@ fn plan_sequence(
         all_positions: input.all_positions,
         sampling,
         copies,
+        history: input.history,
     })
 }
 
@@ -726,21 +800,63 @@ fn plan_copies(
     Ok(planned)
 }
 
-fn check_sampling(s: Sampling) -> std::result::Result<Sampling, SeqProblem> {
+fn check_sampling(s: Sampling, vocab_size: usize) -> std::result::Result<Sampling, SeqProblem> {
+    let bad = |what: String| Err(SeqProblem::BadSampling(what));
     if !(s.temperature.is_finite() && s.temperature >= 0.0) {
-        return Err(SeqProblem::BadSampling(format!(
+        return bad(format!(
             "temperature {} must be finite and >= 0",
             s.temperature
-        )));
+        ));
     }
     if !(s.top_p.is_finite() && (0.0..=1.0).contains(&s.top_p)) {
-        return Err(SeqProblem::BadSampling(format!(
-            "top_p {} must be in (0, 1]",
-            s.top_p
-        )));
+        return bad(format!("top_p {} must be in (0, 1]", s.top_p));
+    }
+    if !(s.min_p.is_finite() && (0.0..=1.0).contains(&s.min_p)) {
+        return bad(format!("min_p {} must be in [0, 1]", s.min_p));
+    }
+    let p = s.penalties;
+    for (name, v) in [
+        ("frequency_penalty", p.frequency),
+        ("presence_penalty", p.presence),
+    ] {
+        if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
+            return bad(format!("{name} {v} must be in [-2, 2]"));
+        }
+    }
+    if !(p.repetition.is_finite() && p.repetition >= 0.0) {
+        return bad(format!(
+            "repetition_penalty {} must be finite and > 0",
+            p.repetition
+        ));
+    }
+    if let Some(&(token, bias)) = s.logit_bias.iter().find(|(t, b)| {
+        *t as usize >= vocab_size || !(b.is_finite() && (-100.0..=100.0).contains(b))
+    }) {
+        return bad(format!(
+            "logit_bias {bias} for token {token}: tokens must be inside the vocabulary of \
+             {vocab_size} and biases in [-100, 100]"
+        ));
+    }
+    if let Some(token) = s.stop_ids.iter().find(|&&t| t as usize >= vocab_size) {
+        return bad(format!(
+            "stop id {token} is outside the vocabulary of {vocab_size}"
+        ));
     }
     let top_p = if s.top_p == 0.0 { 1.0 } else { s.top_p };
-    Ok(Sampling { top_p, ..s })
+    let repetition = if p.repetition == 0.0 {
+        1.0
+    } else {
+        p.repetition
+    };
+    let mut logit_bias = s.logit_bias;
+    logit_bias.sort_by_key(|&(t, _)| t);
+    logit_bias.dedup_by_key(|&mut (t, _)| t);
+    Ok(Sampling {
+        top_p,
+        penalties: Penalties { repetition, ..p },
+        logit_bias,
+        ..s
+    })
 }
 
 #[cfg(test)]
@@ -769,6 +885,7 @@ mod tests {
             all_positions: false,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
+            history: None,
         }
     }
 
@@ -776,6 +893,71 @@ mod tests {
         max_batch_sequences: 8,
         max_batch_tokens: 64,
     };
+
+    #[test]
+    fn out_of_range_sampling_and_malformed_histories_name_the_parameter() {
+        let (m, layout) = (model(), ArenaLayout::new(&model(), &[16]));
+        let ledger = SlotLedger::new(&layout);
+        let vocab = m.vocab_size as u32;
+        let problem = |edit: &dyn Fn(&mut SeqInput)| {
+            let mut s = seq(1, 2, 0, &[3]);
+            edit(&mut s);
+            let r = validate(
+                vec![s],
+                &m,
+                &layout,
+                &ledger,
+                LIMITS,
+                &mut BlockMarks::default(),
+            );
+            match r {
+                Ok(_) => panic!("accepted"),
+                Err(e) => e.to_string(),
+            }
+        };
+        type Edit<'a> = &'a dyn Fn(&mut SeqInput);
+        let cases: [(&str, Edit<'_>); 9] = [
+            ("min_p 1.5", &|s| s.sampling.min_p = 1.5),
+            ("frequency_penalty 3", &|s| {
+                s.sampling.penalties.frequency = 3.0
+            }),
+            ("presence_penalty NaN", &|s| {
+                s.sampling.penalties.presence = f32::NAN
+            }),
+            ("repetition_penalty -1", &|s| {
+                s.sampling.penalties.repetition = -1.0
+            }),
+            ("logit_bias -101 for token 3", &|s| {
+                s.sampling.logit_bias = vec![(3, -101.0)]
+            }),
+            ("for token 9999", &|s| {
+                s.sampling.logit_bias = vec![(9999, 1.0)]
+            }),
+            ("stop id", &|s| s.sampling.stop_ids = vec![vocab]),
+            ("history holds 1 tokens but start_pos is 0", &|s| {
+                s.history = Some(vec![1])
+            }),
+            ("return_all_argmax", &|s| {
+                s.all_positions = true;
+                s.sampling.penalties.presence = 1.0;
+            }),
+        ];
+        for (want, edit) in cases {
+            let got = problem(edit);
+            assert!(got.contains(want), "{got:?} should name {want:?}");
+        }
+        let mut history = seq(1, 1, 2, &[3]);
+        history.history = Some(vec![0, vocab]);
+        let e = validate(
+            vec![history],
+            &m,
+            &layout,
+            &ledger,
+            LIMITS,
+            &mut BlockMarks::default(),
+        );
+        assert!(matches!(e, Err(Error::InvalidSequence { .. })), "{e:?}");
+    }
 
     #[test]
     fn a_prefix_written_in_the_same_batch_may_be_read() {

@@ -4,7 +4,9 @@
 
 use kvlease_proto::v1 as pb;
 
-use crate::batch::{CopyInput, Sampling, SeqInput, TableInput, TierCopyInput, TierDirection};
+use crate::batch::{
+    CopyInput, Penalties, Sampling, SeqInput, TableInput, TierCopyInput, TierDirection,
+};
 use crate::worker::{SeqOutput, WorkerInfo};
 use kvlease_tokenizer::Tokenizer;
 
@@ -12,7 +14,19 @@ pub(crate) fn seq_input(seq: pb::ForwardSequence) -> SeqInput {
     let sampling = seq.sampling.map_or(Sampling::GREEDY, |s| Sampling {
         temperature: s.temperature,
         top_p: s.top_p,
+        top_k: s.top_k,
+        min_p: s.min_p,
         seed: s.seed,
+        penalties: Penalties {
+            frequency: s.frequency_penalty,
+            presence: s.presence_penalty,
+            repetition: s.repetition_penalty,
+        },
+        // validation sorts it by token
+        logit_bias: s.logit_bias.into_iter().collect(),
+        prompt_len: s.prompt_len,
+        min_tokens: s.min_tokens,
+        stop_ids: s.stop_ids,
     });
     SeqInput {
         seq_id: seq.seq_id,
@@ -40,6 +54,7 @@ pub(crate) fn seq_input(seq: pb::ForwardSequence) -> SeqInput {
                 tokens: c.tokens,
             })
             .collect(),
+        history: seq.history.map(|h| h.tokens),
     }
 }
 

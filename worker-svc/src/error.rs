@@ -70,6 +70,15 @@ pub enum Error {
         /// What went wrong with it.
         problem: String,
     },
+    /// A penalised sequence's token counts are not on this worker, or end
+    /// elsewhere than its `start_pos` (see `TokenHistory`); nothing was run.
+    #[error("sequence {seq_id}: {problem}; send its history")]
+    NoHistory {
+        /// The sequence.
+        seq_id: u64,
+        /// What is missing.
+        problem: String,
+    },
     /// The compute backend failed.
     #[error("backend failure: {0}")]
     Backend(String),
@@ -113,6 +122,8 @@ pub enum SeqProblem {
     },
     /// Sampling parameters out of range.
     BadSampling(String),
+    /// A malformed `history`.
+    BadHistory(String),
     /// No block table for one of the model's pools.
     MissingTable {
         /// The pool's window.
@@ -224,6 +235,7 @@ impl fmt::Display for SeqProblem {
                 end.saturating_sub(1)
             ),
             SeqProblem::BadSampling(what) => write!(f, "bad sampling parameters: {what}"),
+            SeqProblem::BadHistory(what) => write!(f, "history {what}"),
             SeqProblem::MissingTable { window } => {
                 write!(f, "no block table for the pool of window {window}")
             }
@@ -306,7 +318,8 @@ impl From<Error> for tonic::Status {
             Error::Config(_)
             | Error::Weights { .. }
             | Error::MemoryBudget { .. }
-            | Error::PreviousPass { .. } => tonic::Status::failed_precondition(message),
+            | Error::PreviousPass { .. }
+            | Error::NoHistory { .. } => tonic::Status::failed_precondition(message),
             Error::Backend(_) => tonic::Status::internal(message),
             Error::Serve(_) => tonic::Status::unavailable(message),
         }

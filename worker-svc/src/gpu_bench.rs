@@ -131,6 +131,7 @@ pub fn model_bench(
         all_positions: false,
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
+        history: None,
     };
     // Prefills `seqs` in forwards of up to PREFILL_BATCH_TOKENS tokens, in
     // chunks of at most that many per sequence; returns each one's next token.
@@ -193,6 +194,7 @@ pub fn model_bench(
                     all_positions: false,
                     sampling: Sampling::GREEDY,
                     copies: Vec::new(),
+                    history: None,
                 })
                 .collect();
             for (n, out) in next.iter_mut().zip(worker.forward_tokens(inputs)?) {
@@ -313,6 +315,7 @@ pub fn host_tier_bench(
             all_positions: false,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
+            history: None,
         };
         let copies = |direction: TierDirection, device: &[u32]| -> Vec<TierCopyInput> {
             pools

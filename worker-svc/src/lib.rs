@@ -27,7 +27,9 @@
 //!   `backend::cuda` (feature `cuda`) keeps weights and a 16-bit arena on the GPU,
 //!   with NVRTC kernels and cuBLAS products.
 //! - [`worker`]: sizes the arena from the memory budget, then validate → backend → sample.
-//! - `sampling`: greedy, or seeded temperature/top-p keyed by (seed, position).
+//! - [`sampling`]: how a logits row becomes a token (logit bias, penalties, min_tokens,
+//!   temperature, top-k/top-p/min-p), seeded by (seed, position); `history`: the token
+//!   counts of penalised sequences, kept between passes.
 //! - [`reference`](mod@reference): a dense, contiguous-KV reference of the same model for tests.
 //! - `gpu_bench` (features `cuda` and `bench`): a CUDA [`worker::Worker`] timed end to end,
 //!   for the GPU benches; it sits above the worker, which never reaches back to it.
@@ -50,13 +52,14 @@ pub mod dequant;
 mod error;
 #[cfg(all(feature = "cuda", feature = "bench"))]
 pub mod gpu_bench;
+mod history;
 mod metrics;
 pub mod model;
 pub mod ops;
 pub mod packed;
 mod pipeline;
 pub mod reference;
-mod sampling;
+pub mod sampling;
 mod server;
 mod service;
 pub mod threads;

@@ -204,6 +204,7 @@ mod tests {
             all_positions: false,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
+            history: None,
         }
     }
 

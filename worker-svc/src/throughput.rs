@@ -85,6 +85,7 @@ impl Harness {
             all_positions: false,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
+            history: None,
         }
     }
 

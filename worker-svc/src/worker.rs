@@ -9,12 +9,12 @@ use crate::backend::cpu::{self, CpuBackend};
 use crate::backend::{
     Backend, BackendChoice, BatchLogits, CudaOptions, Feed, PendingTokens, PhaseTimes,
 };
-use crate::batch::{self, Batch, Limits, PlannedSeq, SeqInput, TierCopyInput, TierDirection};
+use crate::batch::{self, Batch, Limits, SeqInput, TierCopyInput, TierDirection};
 use crate::error::{Error, Result};
+use crate::history::Histories;
 use crate::model::ModelConfig;
 use crate::model::weights::Weights;
-use crate::ops::argmax;
-use crate::sampling::sample;
+use crate::sampling::{RowPick, pick_rows, row_pick};
 
 /// Threads used when none are configured, at most: each thread holds its own
 /// attention scratch (about 1 MiB for the default model), so the default
@@ -129,6 +129,8 @@ pub struct Worker {
     /// Host milliseconds of the last pass spent validating and building the
     /// outputs (for [`Worker::last_profile`]).
     host_times: (f64, f64),
+    /// Token counts of the penalised sequences.
+    histories: Histories,
 }
 
 impl Worker {
@@ -310,6 +312,7 @@ impl Worker {
             host_layout,
             backend,
             host_times: (0.0, 0.0),
+            histories: Histories::default(),
         })
     }
 
@@ -349,26 +352,24 @@ impl Worker {
     }
 
     /// Runs one batch: validates all of it (an error writes nothing), writes
-    /// K/V, attends, and picks each sequence's next token.
+    /// K/V, attends, and picks each sequence's next token on the host from
+    /// the logits it returns.
     pub fn forward(&mut self, inputs: Vec<SeqInput>) -> Result<ForwardOutput> {
         let t_start = Instant::now();
-        let batch = self.validate(inputs)?;
+        let (batch, picks) = self.prepare(inputs)?;
         let t_validated = Instant::now();
         let logits = self.backend.forward(&batch)?;
         self.ledger.record(&batch.writes);
-        let seqs = self.outputs(&batch, t_start, t_validated, |seq, rows| {
-            sample_rows(&logits, seq, rows)
-        });
+        let tokens = pick_rows(&logits, &picks);
+        let seqs = self.outputs(&batch, t_start, t_validated, &tokens);
         Ok(ForwardOutput { seqs, logits })
     }
 
-    /// Runs one batch as [`Worker::forward`] does, but keeps no logits: when
-    /// every sequence is greedy the backend picks the tokens where the
-    /// logits are (on a GPU only one token per logits row comes back); a
-    /// batch with a sampled sequence takes [`Worker::forward`]'s path, since
-    /// sampling needs the logits on the host. The outputs are the same
-    /// either way ([`SeqOutput::rows`] still numbers the logits rows the
-    /// sequence had).
+    /// Runs one batch as [`Worker::forward`] does, but keeps no logits: the
+    /// backend picks the tokens where the logits are (on a GPU only one
+    /// token per logits row comes back, sampled or greedy). The outputs are
+    /// the same either way ([`SeqOutput::rows`] still numbers the logits
+    /// rows the sequence had).
     pub fn forward_tokens(&mut self, inputs: Vec<SeqInput>) -> Result<Vec<SeqOutput>> {
         match self.begin_tokens(inputs, &[])? {
             Begun::Done(outputs) => Ok(outputs),
@@ -395,21 +396,22 @@ impl Worker {
             return Ok(Begun::Done(Vec::new()));
         }
         let t_start = Instant::now();
-        let batch = self.validate(inputs)?;
+        let (batch, picks) = self.prepare(inputs)?;
         let t_validated = Instant::now();
-        if batch.seqs.iter().any(|s| s.sampling.temperature != 0.0) {
+        if !picks.is_empty() {
+            // sampled or adjusted rows: picked where the logits are, in one go
             if !feed.is_empty() {
                 return Err(Error::Backend(
-                    "a batch that samples on the host cannot be fed on the device".into(),
+                    "a batch with sampled rows cannot be fed on the device".into(),
                 ));
             }
-            let logits = self.backend.forward(&batch)?;
+            let tokens = self.backend.forward_picks(&batch, &picks)?;
             self.ledger.record(&batch.writes);
             return Ok(Begun::Done(self.outputs(
                 &batch,
                 t_start,
                 t_validated,
-                |seq, rows| sample_rows(&logits, seq, rows),
+                &tokens,
             )));
         }
         let feed = device_feed(&batch, feed)?;
@@ -436,7 +438,24 @@ impl Worker {
             t_start,
             t_validated,
         } = rest;
-        self.outputs(&batch, t_start, t_validated, picked(&tokens))
+        self.outputs(&batch, t_start, t_validated, &tokens)
+    }
+
+    /// Validates `inputs`, counts their tokens into the penalised
+    /// sequences' histories, and says how each sequence's last logits row
+    /// becomes its next token where that is not the plain argmax.
+    fn prepare(&mut self, inputs: Vec<SeqInput>) -> Result<(Batch, Vec<RowPick>)> {
+        let batch = self.validate(inputs)?;
+        self.histories.advance(&batch.seqs)?;
+        let mut picks = Vec::new();
+        let mut row = 0;
+        for seq in &batch.seqs {
+            row += seq.logit_rows();
+            let next_pos = seq.start_pos + seq.tokens.len();
+            let history = self.histories.get(seq.seq_id);
+            picks.extend(row_pick(row - 1, &seq.sampling, history, next_pos));
+        }
+        Ok((batch, picks))
     }
 
     fn validate(&mut self, inputs: Vec<SeqInput>) -> Result<Batch> {
@@ -451,60 +470,44 @@ impl Worker {
     }
 
     /// After the backend ran `batch` (its writes recorded in the ledger):
-    /// builds each sequence's output from `pick(seq, its logits rows)` →
-    /// (next token, argmax per position).
+    /// builds each sequence's output from `tokens`, the token picked at
+    /// every logits row.
     fn outputs(
         &mut self,
         batch: &Batch,
         t_start: Instant,
         t_validated: Instant,
-        mut pick: impl FnMut(&PlannedSeq, std::ops::Range<usize>) -> (u32, Vec<u32>),
+        tokens: &[u32],
     ) -> Vec<SeqOutput> {
         let t_forward = Instant::now();
-        let outputs = seq_outputs(batch, &mut pick);
+        let outputs = seq_outputs(batch, tokens);
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
         self.host_times = (ms(t_start, t_validated), ms(t_forward, Instant::now()));
         outputs
     }
 }
 
-/// Each sequence's output from `pick(seq, its logits rows)` → (next token,
-/// argmax per position).
-fn seq_outputs(
-    batch: &Batch,
-    mut pick: impl FnMut(&PlannedSeq, std::ops::Range<usize>) -> (u32, Vec<u32>),
-) -> Vec<SeqOutput> {
+/// Each sequence's output from `tokens`, the token picked at every logits
+/// row: its last row's is its next token.
+fn seq_outputs(batch: &Batch, tokens: &[u32]) -> Vec<SeqOutput> {
     let mut outputs = Vec::with_capacity(batch.seqs.len());
     let mut row = 0;
     for seq in &batch.seqs {
         let rows = row..row + seq.logit_rows();
         row = rows.end;
-        let (next_token, argmax) = pick(seq, rows.clone());
+        let seq_tokens = tokens.get(rows.clone()).unwrap_or(&[]);
         outputs.push(SeqOutput {
             seq_id: seq.seq_id,
-            next_token,
-            argmax,
+            next_token: seq_tokens.last().copied().unwrap_or(0),
+            argmax: if seq.all_positions {
+                seq_tokens.to_vec()
+            } else {
+                Vec::new()
+            },
             rows,
         });
     }
     outputs
-}
-
-/// Picks a sequence's output from the tokens picked on the device, one per
-/// logit row: the last is its next token.
-fn picked(
-    tokens: &[u32],
-) -> impl FnMut(&PlannedSeq, std::ops::Range<usize>) -> (u32, Vec<u32>) + '_ {
-    move |seq, rows| {
-        let seq_tokens = tokens.get(rows).unwrap_or(&[]);
-        let next_token = seq_tokens.last().copied().unwrap_or(0);
-        let argmax = if seq.all_positions {
-            seq_tokens.to_vec()
-        } else {
-            Vec::new()
-        };
-        (next_token, argmax)
-    }
 }
 
 /// A batch begun by [`Worker::begin_tokens`].
@@ -550,7 +553,7 @@ impl BegunRest {
     /// without the worker, so a pass's answer need not wait for the next
     /// pass's host work.
     pub fn outputs(&self, tokens: &[u32]) -> Vec<SeqOutput> {
-        seq_outputs(&self.batch, picked(tokens))
+        seq_outputs(&self.batch, tokens)
     }
 }
 
@@ -577,26 +580,6 @@ fn device_feed(batch: &Batch, feed: &[(usize, u32)]) -> Result<Vec<Feed>> {
             ))),
         })
         .collect()
-}
-
-/// The next token of `seq` sampled from its last logits row (of `rows`),
-/// and the argmax of every row when it asked for all positions.
-fn sample_rows(
-    logits: &BatchLogits,
-    seq: &PlannedSeq,
-    rows: std::ops::Range<usize>,
-) -> (u32, Vec<u32>) {
-    let vocab = logits.vocab.max(1);
-    let seq_rows = logits.values[rows.start * vocab..rows.end * vocab].chunks_exact(vocab);
-    let last = seq_rows.clone().next_back().unwrap_or(&[]);
-    let last_pos = seq.start_pos + seq.tokens.len() - 1;
-    let next_token = sample(last, &seq.sampling, last_pos + 1);
-    let argmax = if seq.all_positions {
-        seq_rows.map(|r| argmax(r) as u32).collect()
-    } else {
-        Vec::new()
-    };
-    (next_token, argmax)
 }
 
 /// Why the CUDA backend cannot run here, or `None` when it can.

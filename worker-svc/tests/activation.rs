@@ -107,6 +107,7 @@ fn a_full_batch_stays_within_the_reported_activation_bytes() {
         all_positions: false,
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
+        history: None,
     };
     worker
         .forward(vec![fill(0, 256)])
@@ -125,6 +126,7 @@ fn a_full_batch_stays_within_the_reported_activation_bytes() {
                     all_positions: true,
                     sampling: Sampling::GREEDY,
                     copies: Vec::new(),
+                    history: None,
                 }
             }
         })

@@ -296,6 +296,7 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
                 all_positions: true,
                 sampling: Sampling::GREEDY,
                 copies: Vec::new(),
+                history: None,
             });
             done[s] = end;
         }
@@ -315,6 +316,7 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
                 all_positions: false,
                 sampling: Sampling::GREEDY,
                 copies: Vec::new(),
+                history: None,
             })
             .collect();
         next = compare(batch, &format!("decode step {step}"));
@@ -371,6 +373,7 @@ fn prefill_rows_are_bit_identical_to_decoding_them_one_by_one() {
                 all_positions: true,
                 sampling: Sampling::GREEDY,
                 copies: Vec::new(),
+                history: None,
             };
             match worker.forward(vec![input]) {
                 Ok(o) => o.logits(0).to_vec(),
@@ -458,6 +461,7 @@ fn decode_from_graphs_is_bit_identical_to_eager_decode() {
             all_positions: false,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
+            history: None,
         }
     };
     let mut both = |inputs: Vec<SeqInput>, what: &str| {
@@ -531,6 +535,7 @@ fn passes_fed_on_the_device_while_the_pass_before_runs_equal_passes_fed_from_the
             all_positions: false,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
+            history: None,
         }
     };
     // per step, the sequences it runs: (sequence, prefill?)
@@ -647,14 +652,16 @@ fn greedy_tokens_picked_on_the_device_equal_the_hosts_argmax() {
         all_positions,
         sampling,
         copies: Vec::new(),
+        history: None,
     };
     let sampled = Sampling {
         temperature: 0.8,
         top_p: 0.9,
         seed: 17,
+        ..Sampling::GREEDY
     };
     // Greedy prefill rows (every position, and the last only), then a batch
-    // with a sampled sequence, which takes the logits path.
+    // with a sampled sequence (drawn on the device too).
     let batches = [
         vec![
             seq(0, 40, 0, true, Sampling::GREEDY),
@@ -683,6 +690,185 @@ fn greedy_tokens_picked_on_the_device_equal_the_hosts_argmax() {
             tokens_only.iter().map(|o| o.next_token).collect::<Vec<_>>()
         );
     }
+}
+
+/// Every sampling parameter, alone and together, picked on the device
+/// (`forward_tokens`: `adjust_logits`, `argmax_rows`, `sample_rows`) equals
+/// the host's pick from the same logits (`forward` downloads them), over
+/// many seeds; a vocabulary over the kernel's 1024 threads so each thread
+/// walks a run of ids.
+#[test]
+fn device_sampling_equals_the_hosts_for_every_parameter() {
+    use worker_svc::batch::Penalties;
+    if !gpu_available("device_sampling_equals_the_hosts") {
+        return;
+    }
+    let config = ModelConfig {
+        vocab_size: 3001,
+        ..ModelConfig::small()
+    };
+    let weights = match Weights::seeded(config, 5) {
+        Ok(w) => w,
+        Err(e) => panic!("weights: {e}"),
+    };
+    let mut worker = gpu_worker(&weights);
+    let windows: Vec<u32> = worker.layout().pools.iter().map(|p| p.window).collect();
+    let vocab = weights.config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % vocab).collect();
+    let hot = |seed: u64| Sampling {
+        temperature: 1.3,
+        seed,
+        prompt_len: 20,
+        ..Sampling::GREEDY
+    };
+    let penalties = |frequency, presence, repetition| Penalties {
+        frequency,
+        presence,
+        repetition,
+    };
+    let cases = |seed: u64| -> Vec<(&'static str, Sampling)> {
+        vec![
+            ("temperature", hot(seed)),
+            (
+                "cold",
+                Sampling {
+                    temperature: 0.3,
+                    ..hot(seed)
+                },
+            ),
+            (
+                "top_k",
+                Sampling {
+                    top_k: 5,
+                    ..hot(seed)
+                },
+            ),
+            (
+                "top_k 1",
+                Sampling {
+                    top_k: 1,
+                    ..hot(seed)
+                },
+            ),
+            (
+                "top_p",
+                Sampling {
+                    top_p: 0.5,
+                    ..hot(seed)
+                },
+            ),
+            (
+                "min_p",
+                Sampling {
+                    min_p: 0.05,
+                    ..hot(seed)
+                },
+            ),
+            (
+                "frequency",
+                Sampling {
+                    penalties: penalties(1.5, 0.0, 1.0),
+                    ..hot(seed)
+                },
+            ),
+            (
+                "presence",
+                Sampling {
+                    penalties: penalties(0.0, -1.0, 1.0),
+                    ..hot(seed)
+                },
+            ),
+            (
+                "repetition",
+                Sampling {
+                    penalties: penalties(0.0, 0.0, 1.7),
+                    ..hot(seed)
+                },
+            ),
+            (
+                "logit_bias",
+                Sampling {
+                    logit_bias: vec![(3, -100.0), (7, 4.0), (2999, 2.5)],
+                    ..hot(seed)
+                },
+            ),
+            (
+                "min_tokens",
+                Sampling {
+                    min_tokens: 10,
+                    stop_ids: (0..40).collect(),
+                    ..hot(seed)
+                },
+            ),
+            (
+                "greedy with bias and penalties",
+                Sampling {
+                    logit_bias: vec![(5, 3.0)],
+                    penalties: penalties(0.5, 0.5, 1.2),
+                    ..Sampling::GREEDY
+                },
+            ),
+            (
+                "all of them",
+                Sampling {
+                    top_k: 40,
+                    top_p: 0.8,
+                    min_p: 0.01,
+                    penalties: penalties(0.7, 0.3, 1.1),
+                    logit_bias: vec![(1, -100.0), (9, 1.0)],
+                    min_tokens: 6,
+                    stop_ids: vec![0, 2],
+                    ..hot(seed)
+                },
+            ),
+        ]
+    };
+    let mut compared = 0;
+    for seed in 0..24u64 {
+        let batch: Vec<SeqInput> = cases(seed)
+            .into_iter()
+            .enumerate()
+            .map(|(s, (_, sampling))| {
+                let s = s as u32;
+                let ids: Vec<u32> = (s * 4..(s + 1) * 4).collect();
+                SeqInput {
+                    seq_id: u64::from(s),
+                    // a different last token per sequence and seed
+                    tokens: prompt
+                        .iter()
+                        .map(|t| (t + s * 13 + seed as u32 * 7) % vocab)
+                        .collect(),
+                    start_pos: 0,
+                    tables: windows.iter().map(|&w| table(w, 0, &ids)).collect(),
+                    all_positions: false,
+                    sampling,
+                    copies: Vec::new(),
+                    history: Some(Vec::new()),
+                }
+            })
+            .collect();
+        let on_host = match worker.forward(batch.clone()) {
+            Ok(o) => o,
+            Err(e) => panic!("forward: {e}"),
+        };
+        let on_device = match worker.forward_tokens(batch) {
+            Ok(o) => o,
+            Err(e) => panic!("forward_tokens: {e}"),
+        };
+        for (i, (name, _)) in cases(seed).iter().enumerate() {
+            assert_eq!(
+                on_device[i].next_token, on_host.seqs[i].next_token,
+                "{name}, seed {seed}"
+            );
+            compared += 1;
+        }
+        assert_ne!(on_device[9].next_token, 3, "a bias of -100 bans the token");
+        assert!(
+            on_device[10].next_token >= 40,
+            "min_tokens holds the stop ids back"
+        );
+    }
+    println!("{compared} picks equal on the device and the host");
 }
 
 #[test]

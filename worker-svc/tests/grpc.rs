@@ -104,6 +104,7 @@ fn seq(
         return_all_argmax: true,
         sampling: None,
         copies: Vec::new(),
+        history: None,
         trace: None,
         feed_previous: false,
     }
@@ -222,6 +223,7 @@ async fn forward_prefill_then_decode() {
             temperature: 0.8,
             top_p: 0.9,
             seed: 42,
+            ..Default::default()
         }),
         ..seq(
             id,
@@ -406,6 +408,7 @@ async fn a_rejected_forward_leaves_the_arena_untouched() {
             temperature: 1.0,
             top_p: 1.0,
             seed,
+            ..Default::default()
         }),
         ..seq(1, probe_tokens.clone(), n, tables(&full, &windowed))
     };
@@ -527,5 +530,48 @@ async fn partial_block_copies_are_validated_and_applied() {
     // and the destination's slots count as written for the pass.
     let ok = server.forward(vec![copying(good(), 20)]).await;
     assert!(ok.is_ok(), "{ok:?}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn malformed_sampling_and_a_missing_history_are_refused_before_anything_runs() {
+    let mut server = Server::start(Config::default()).await;
+    let penalised = |history: Option<Vec<u32>>, start_pos: u32| pb::ForwardSequence {
+        sampling: Some(pb::SamplingParams {
+            frequency_penalty: 0.5,
+            ..Default::default()
+        }),
+        history: history.map(|tokens| pb::TokenHistory { tokens }),
+        return_all_argmax: false,
+        ..seq(3, vec![1, 2], start_pos, tables(&[3], &[4]))
+    };
+    let biased = pb::ForwardSequence {
+        sampling: Some(pb::SamplingParams {
+            logit_bias: [(5, -250.0)].into(),
+            ..Default::default()
+        }),
+        ..seq(3, vec![1, 2], 0, tables(&[3], &[4]))
+    };
+    assert_invalid(
+        server.forward(vec![biased]).await,
+        &["sequence 3", "logit_bias"],
+    );
+    assert_invalid(
+        server.forward(vec![penalised(Some(vec![7]), 0)]).await,
+        &["sequence 3", "history holds 1 tokens but start_pos is 0"],
+    );
+    // penalties without the tokens before: FAILED_PRECONDITION
+    match server.forward(vec![penalised(None, 0)]).await {
+        Ok(r) => panic!("expected FAILED_PRECONDITION, got {r:?}"),
+        Err(status) => {
+            assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+            assert!(status.message().contains("sequence 3"), "{status:?}");
+        }
+    }
+    // with its history it runs, and the next pass needs none
+    let first = server.forward(vec![penalised(Some(Vec::new()), 0)]).await;
+    assert!(first.is_ok(), "{first:?}");
+    let next = server.forward(vec![penalised(None, 2)]).await;
+    assert!(next.is_ok(), "{next:?}");
     server.stop().await;
 }

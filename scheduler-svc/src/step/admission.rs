@@ -403,6 +403,7 @@ impl Core {
                             copies,
                             planned: (len > 0).then_some(Work::Prefill { len }),
                             in_flight: VecDeque::new(),
+                            history_sent: false,
                             request,
                         },
                     );

@@ -208,6 +208,9 @@ struct Sequence {
     /// Sent to the worker, results not yet applied, oldest first, with the
     /// step of the pass: one at most, two with [`Order::Pipelined`].
     in_flight: VecDeque<(Step, Work)>,
+    /// Whether a pass carried its history to the worker (penalised
+    /// sequences only; see `ForwardItem::history`).
+    history_sent: bool,
 }
 
 /// What the passes in flight will have done to a sequence once they return.

@@ -300,6 +300,18 @@ impl Core {
                     (t, !drafts.is_empty())
                 }
             };
+            // a penalised sequence's first pass tells the worker what it
+            // holds; the worker counts every later token itself
+            let sampling = &seq.request.sampling;
+            let history =
+                (sampling.has_penalties() && !seq.history_sent).then(|| seq.context[..at].to_vec());
+            seq.history_sent |= history.is_some();
+            // until min_tokens outputs are known (later ones are past it)
+            let stop_ids = if seq.request.generated.len() < sampling.min_tokens as usize {
+                seq.request.stop_tokens.clone()
+            } else {
+                Vec::new()
+            };
             batches[seq.group].push(ForwardItem {
                 seq_id: seq.seq_id,
                 tokens,
@@ -307,7 +319,10 @@ impl Core {
                 start_pos: start,
                 tables: seq.tables.clone(),
                 return_all_argmax: all_argmax,
-                sampling: seq.request.sampling,
+                sampling: sampling.clone(),
+                prompt_len: seq.request.prompt.len() as u32,
+                stop_ids,
+                history,
                 copies: std::mem::take(&mut seq.copies),
             });
             seq.in_flight.push_back((step, work));
@@ -442,7 +457,9 @@ impl Core {
             out.push(t);
             seq.context.push(t);
             seq.request.generated.push(t);
-            if seq.request.stop_tokens.contains(&t) {
+            // the worker holds stop tokens back until min_tokens
+            let held = seq.request.generated.len() <= seq.request.sampling.min_tokens as usize;
+            if !held && seq.request.stop_tokens.contains(&t) {
                 finish = Some(Finish::Stop);
                 break;
             }

@@ -8,6 +8,7 @@ pub mod cuda;
 
 use crate::batch::Batch;
 use crate::error::Result;
+use crate::sampling::RowPick;
 
 /// Which backend the worker runs on (`--backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -185,21 +186,19 @@ pub trait Backend: Send + std::fmt::Debug {
     /// and returns the logits rows. `batch` has been validated against the
     /// arena layout this backend was built with.
     fn forward(&mut self, batch: &Batch) -> Result<BatchLogits>;
-    /// Runs `batch` as [`Backend::forward`] does, but returns only the
-    /// argmax (first index of the largest value, as [`crate::ops::argmax`])
-    /// of each logits row `forward` would return, so a backend whose logits
-    /// live in device memory copies back one token per row instead of the
-    /// row. The default takes it on the host from `forward`'s rows.
-    fn forward_argmax(&mut self, batch: &Batch) -> Result<Vec<u32>> {
+    /// Runs `batch` as [`Backend::forward`] does, but returns only one token
+    /// per logits row `forward` would return: the row's pick where `picks`
+    /// has one ([`crate::sampling`]), else its argmax (first index of the
+    /// largest value, as [`crate::ops::argmax`]), so a backend whose logits
+    /// live in device memory samples there and copies back one token per
+    /// row instead of the row. The default picks on the host from
+    /// `forward`'s rows.
+    fn forward_picks(&mut self, batch: &Batch, picks: &[RowPick]) -> Result<Vec<u32>> {
         let logits = self.forward(batch)?;
-        let vocab = logits.vocab.max(1);
-        Ok(logits
-            .values
-            .chunks_exact(vocab)
-            .map(|row| crate::ops::argmax(row) as u32)
-            .collect())
+        Ok(crate::sampling::pick_rows(&logits, picks))
     }
-    /// Starts `batch` as [`Backend::forward_argmax`] runs it and returns
+    /// Starts a batch whose every row takes its argmax, as
+    /// [`Backend::forward_picks`] runs it with no picks, and returns
     /// before its tokens are back: they come from [`PendingTokens::wait`],
     /// which needs no access to the backend, so the next pass can be
     /// started (and its host work done) while this one runs. `feed` lists
@@ -214,7 +213,7 @@ pub trait Backend: Send + std::fmt::Debug {
                 self.name()
             )));
         }
-        Ok(PendingTokens::ready(self.forward_argmax(batch)?))
+        Ok(PendingTokens::ready(self.forward_picks(batch, &[])?))
     }
     /// Gives the backend a host tier of `host_blocks[i]` blocks for pool
     /// `i` (a second arena in host memory). A backend that has none refuses

@@ -173,6 +173,7 @@ fn input(worker: &Worker, seq: &Driven, start: usize, end: usize) -> SeqInput {
         all_positions: true,
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
+        history: None,
     }
 }
 
@@ -344,6 +345,7 @@ pub(crate) fn seq_input(
         all_positions: true,
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
+        history: None,
     }
 }
 

@@ -379,6 +379,7 @@ pub fn input(
         all_positions: all,
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
+        history: None,
     }
 }
 

@@ -209,6 +209,55 @@ fn stop_token_finishes_with_stop() {
 }
 
 #[test]
+fn a_stop_token_before_min_tokens_does_not_finish() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    let mut r = request(1, 4, 10);
+    r.stop_tokens = vec![5];
+    r.sampling.min_tokens = 2;
+    c.submit(r);
+    let first = step_granting(&mut c, 5);
+    assert_eq!(
+        first[0].stop_ids,
+        vec![5],
+        "the worker holds the stop ids back"
+    );
+    assert_eq!(first[0].prompt_len, 4);
+    step_granting(&mut c, 5);
+    step_granting(&mut c, 5);
+    let out = c.drain_outputs();
+    assert_eq!(tokens_of(&out, 1), vec![5, 5, 5]);
+    assert_eq!(finishes(&out), vec![(1, Finish::Stop)]);
+}
+
+#[test]
+fn a_penalised_sequence_sends_its_history_on_its_first_pass_only() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    let mut r = request(1, 4, 10);
+    r.sampling.presence_penalty = 0.5;
+    c.submit(r);
+    c.submit(request(2, 4, 10));
+    let first = step_granting(&mut c, 3);
+    let history = |items: &[ForwardItem], id| {
+        items
+            .iter()
+            .find(|i| i.seq_id == SeqId(id))
+            .map(|i| i.history.clone())
+    };
+    assert_eq!(
+        history(&first, 1),
+        Some(Some(Vec::new())),
+        "nothing before position 0"
+    );
+    assert_eq!(history(&first, 2), Some(None), "no penalty, no history");
+    let second = step_granting(&mut c, 3);
+    assert_eq!(
+        history(&second, 1),
+        Some(None),
+        "the worker counts from there"
+    );
+}
+
+#[test]
 fn speculative_decode_feeds_drafts_and_extends_by_accepted_plus_one() {
     let config = CoreConfig {
         draft_k: 3,

@@ -12,6 +12,7 @@ use super::gemm::{Products, padded_rows};
 use super::graphs::{self, DecodeGraphs, Graph, GraphKey};
 use super::kernels::{KernelShape, Kernels};
 use super::launches::{AttentionArgs, AttnOut, Launcher};
+use super::picks::DevicePicks;
 use super::tier::HostTier;
 use super::uploads::{Activations, BatchMeta, DeviceBatch, DeviceWeights};
 use super::{CudaOptions, GPU_KV_ELEM_BYTES, KvDtype, cuda_err, probe};
@@ -23,6 +24,7 @@ use crate::batch::{Batch, TierMove};
 use crate::error::{Error, Result};
 use crate::model::weights::Weights;
 use crate::model::{Activation, ModelConfig};
+use crate::sampling::RowPick;
 
 /// The CUDA backend.
 #[derive(Debug)]
@@ -474,6 +476,41 @@ impl CudaBackend {
         Ok(tokens)
     }
 
+    /// A pass, then one token per logits row picked on the device: the
+    /// picks' adjustments, the argmax of every row, then the sampled rows
+    /// drawn over theirs. One token per row comes back instead of the row.
+    fn run_picks(&mut self, batch: &Batch, picks: &[RowPick]) -> Result<Vec<u32>> {
+        let mut prof = Profiler::start(&self.stream, self.profiling)?;
+        let vocab = self.config.vocab_size;
+        let rows_needed: usize = batch.seqs.iter().map(|s| s.logit_rows()).sum();
+        let device_picks = DevicePicks::upload(&self.stream, picks, rows_needed, vocab)?;
+        let rows = self.pass(batch, &[], &mut prof)?;
+        if rows != rows_needed {
+            return Err(Error::Backend(format!(
+                "the pass returned {rows} logits rows, its sequences need {rows_needed}"
+            )));
+        }
+        let launch = Launcher {
+            stream: &self.stream,
+            kernels: &self.kernels,
+        };
+        if let Some(a) = &device_picks.adjusts {
+            launch.adjust_logits(&mut self.acts.logits, vocab, rows, a)?;
+        }
+        launch.argmax_rows(&self.acts.logits, vocab, rows, &mut self.acts.argmax)?;
+        if let Some(s) = &device_picks.samples {
+            launch.sample_rows(&self.acts.logits, vocab, rows, s, &mut self.acts.argmax)?;
+        }
+        prof.mark(Phase::Other)?;
+        prof.launched();
+        let tokens = self
+            .stream
+            .clone_dtoh(&self.acts.argmax.slice(..rows))
+            .map_err(cuda_err("download tokens"))?;
+        self.finish_profile(prof)?;
+        Ok(tokens)
+    }
+
     /// A pass and the argmax of its logit rows into `acts.argmax`; returns
     /// the rows.
     fn pass_argmax(&mut self, batch: &Batch, feed: &[Feed], prof: &mut Profiler) -> Result<usize> {
@@ -899,8 +936,8 @@ impl Backend for CudaBackend {
             .copy(&self.stream, &mut self.kv, &self.layout, moves)
     }
 
-    fn forward_argmax(&mut self, batch: &Batch) -> Result<Vec<u32>> {
-        self.run_argmax(batch, &[])
+    fn forward_picks(&mut self, batch: &Batch, picks: &[RowPick]) -> Result<Vec<u32>> {
+        self.run_picks(batch, picks)
     }
 
     /// Enqueues the pass, its argmax and the copy of the tokens into a

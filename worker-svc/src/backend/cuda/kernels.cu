@@ -848,6 +848,183 @@ extern "C" __global__ void feed_tokens(unsigned int* __restrict__ tokens,
     if (i < n) tokens[pairs[2 * i]] = argmax[pairs[2 * i + 1]];
 }
 
+// === sampling (the definition is `sampling.rs`'s; these follow it) ===
+
+// Entry i changes logit (rows[i], tokens[i]): + bias, the repetition
+// penalty, - penalty, each rounded as on the host (no contraction). The
+// host gives each (row, token) at most once, so no two threads share one.
+extern "C" __global__ void adjust_logits(float* __restrict__ logits, int vocab, int n,
+                                         const unsigned int* __restrict__ rows,
+                                         const unsigned int* __restrict__ tokens,
+                                         const float* __restrict__ bias,
+                                         const float* __restrict__ repetition,
+                                         const float* __restrict__ penalty) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float* l = logits + (unsigned long long)rows[i] * vocab + tokens[i];
+    float v = __fadd_rn(*l, bias[i]);
+    v = v > 0.0f ? __fdiv_rn(v, repetition[i]) : __fmul_rn(v, repetition[i]);
+    *l = __fsub_rn(v, penalty[i]);
+}
+
+// The total order of `sampling::key`: larger logit, larger key.
+__device__ __forceinline__ unsigned int logit_key(float l) {
+    const unsigned int b = __float_as_uint(l);
+    return (b >> 31) ? ~b : (b | 0x80000000u);
+}
+
+struct SumOp {
+    template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct MaxOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+    __device__ __forceinline__ int operator()(int a, int b) const { return max(a, b); }
+};
+
+// `op` of v over the block (SAMPLE_THREADS threads), for every thread; the
+// order is fixed by the block's shape, so a row always reduces alike.
+#define SAMPLE_THREADS 1024
+template <typename T, typename Op>
+__device__ T block_reduce(T v, T* scratch, Op op) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        T w = scratch[lane];
+        for (int o = 16; o > 0; o >>= 1) w = op(w, __shfl_xor_sync(0xffffffffu, w, o));
+        if (lane == 0) scratch[32] = w;
+    }
+    __syncthreads();
+    return scratch[32];
+}
+
+// exp((l - mx) / T) as the host computes it: l - mx in f32, the rest in f64.
+__device__ __forceinline__ double sample_prob(float l, float mx, double inv_t) {
+    return exp(__dmul_rn((double)__fsub_rn(l, mx), inv_t));
+}
+
+__device__ __forceinline__ bool sample_kept(float l, unsigned int cut, float mx, double inv_t,
+                                            double min_p) {
+    return !isnan(l) && logit_key(l) >= cut && sample_prob(l, mx, inv_t) >= min_p;
+}
+
+// Pick b draws a token from logits row rows[b] (already adjusted) as
+// `sampling::sample` does: top_k by radix select on the keys, min_p, the
+// top_p cut by a bitwise search on the keys for the largest one whose
+// tokens at or above it hold top_p of the kept mass, then the draw walked in
+// token-id order (each thread a contiguous run of ids). A row whose every
+// logit is -inf or NaN keeps the argmax `out` already holds. One block of
+// SAMPLE_THREADS threads per pick.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_rows(const float* __restrict__ logits, int vocab,
+            const unsigned int* __restrict__ rows, const float* __restrict__ temperature,
+            const unsigned int* __restrict__ top_k, const float* __restrict__ top_p,
+            const float* __restrict__ min_p_in, const double* __restrict__ draw_in,
+            unsigned int* __restrict__ out) {
+    __shared__ double scratch_d[33];
+    __shared__ unsigned int scratch_u[33];
+    __shared__ float scratch_f[33];
+    __shared__ int scratch_i[33];
+    __shared__ double run_mass[SAMPLE_THREADS];
+    __shared__ int chosen;
+    __shared__ double chosen_before;
+    const int b = blockIdx.x, t = threadIdx.x;
+    const unsigned int r = rows[b];
+    const float* row = logits + (unsigned long long)r * vocab;
+
+    float mx = NEG_INF;
+    for (int i = t; i < vocab; i += blockDim.x) mx = fmaxf(mx, row[i]);
+    mx = block_reduce(mx, scratch_f, MaxOp());
+    if (mx == NEG_INF || isnan(mx)) return;
+    const double inv_t = 1.0 / (double)temperature[b];
+    const double min_p = (double)min_p_in[b];
+
+    unsigned int cut = 0;
+    const unsigned int k = top_k[b];
+    if (k > 0 && k < (unsigned int)vocab) {
+        for (int bit = 31; bit >= 0; --bit) {
+            const unsigned int cand = cut | (1u << bit);
+            unsigned int n = 0;
+            for (int i = t; i < vocab; i += blockDim.x) {
+                const float l = row[i];
+                n += (!isnan(l) && logit_key(l) >= cand) ? 1u : 0u;
+            }
+            if (block_reduce(n, scratch_u, SumOp()) >= k) cut = cand;
+        }
+    }
+    if (top_p[b] < 1.0f) {
+        double m = 0.0;
+        for (int i = t; i < vocab; i += blockDim.x) {
+            const float l = row[i];
+            if (sample_kept(l, cut, mx, inv_t, min_p)) m += sample_prob(l, mx, inv_t);
+        }
+        const double target = (double)top_p[b] * block_reduce(m, scratch_d, SumOp());
+        unsigned int p_cut = 0;
+        for (int bit = 31; bit >= 0; --bit) {
+            const unsigned int cand = p_cut | (1u << bit);
+            double part = 0.0;
+            for (int i = t; i < vocab; i += blockDim.x) {
+                const float l = row[i];
+                if (sample_kept(l, cut, mx, inv_t, min_p) && logit_key(l) >= cand)
+                    part += sample_prob(l, mx, inv_t);
+            }
+            if (block_reduce(part, scratch_d, SumOp()) >= target) p_cut = cand;
+        }
+        cut = max(cut, p_cut);
+    }
+
+    // each thread's contiguous run of ids, summed in id order
+    const int per = (vocab + blockDim.x - 1) / blockDim.x;
+    const int lo = min(vocab, t * per), hi = min(vocab, lo + per);
+    double mine = 0.0;
+    int last_kept = -1;
+    for (int i = lo; i < hi; ++i) {
+        const float l = row[i];
+        if (sample_kept(l, cut, mx, inv_t, min_p)) {
+            mine += sample_prob(l, mx, inv_t);
+            last_kept = i;
+        }
+    }
+    run_mass[t] = mine;
+    const double mass = block_reduce(mine, scratch_d, SumOp());
+    const double draw = draw_in[b] * mass;
+    if (t == 0) {
+        chosen = -1;
+        double before = 0.0;
+        for (int j = 0; j < (int)blockDim.x; ++j) {
+            if (run_mass[j] > 0.0 && before + run_mass[j] > draw) {
+                chosen = j;
+                break;
+            }
+            before += run_mass[j];
+        }
+        chosen_before = before;
+    }
+    __syncthreads();
+    if (chosen == t) {
+        double acc = chosen_before;
+        int pick = last_kept;
+        for (int i = lo; i < hi; ++i) {
+            const float l = row[i];
+            if (sample_kept(l, cut, mx, inv_t, min_p)) {
+                acc += sample_prob(l, mx, inv_t);
+                if (acc > draw) {
+                    pick = i;
+                    break;
+                }
+            }
+        }
+        out[r] = (unsigned int)pick;
+    }
+    if (chosen == -1) {
+        // rounding left the draw unreached: the last kept token
+        const int last = block_reduce(last_kept, scratch_i, MaxOp());
+        if (t == 0 && last >= 0) out[r] = (unsigned int)last;
+    }
+}
+
 // a[i] = a value in [-0.5, 0.5) hashed from (i, seed); for benchmarks.
 extern "C" __global__ void fill_random(kv_t* __restrict__ a, long long n, unsigned int seed) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;

@@ -94,6 +94,8 @@ pub(super) struct Kernels {
     pub(super) attention_combine_bf16: CudaFunction,
     pub(super) argmax_rows: CudaFunction,
     pub(super) feed_tokens: CudaFunction,
+    pub(super) adjust_logits: CudaFunction,
+    pub(super) sample_rows: CudaFunction,
     /// The bench's K/V filler.
     #[cfg(feature = "bench")]
     pub(super) fill_random: CudaFunction,
@@ -226,6 +228,8 @@ impl Kernels {
             attention_combine_bf16: f("attention_combine_bf16")?,
             argmax_rows: f("argmax_rows")?,
             feed_tokens: f("feed_tokens")?,
+            adjust_logits: f("adjust_logits")?,
+            sample_rows: f("sample_rows")?,
             #[cfg(feature = "bench")]
             fill_random: f("fill_random")?,
         })

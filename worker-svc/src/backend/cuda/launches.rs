@@ -19,6 +19,7 @@ use half::bf16;
 
 use super::cuda_err;
 use super::kernels::{Kernels, SplitPlan, group_launches};
+use super::picks::{DeviceAdjusts, DeviceSamples};
 use crate::error::{Error, Result};
 
 /// Launches the kernels of one compiled module on one stream.
@@ -407,6 +408,103 @@ impl Launcher<'_> {
                 })
         }
         .map_err(cuda_err("feed_tokens"))?;
+        Ok(())
+    }
+
+    /// Adjusts the logits `a` names (`rows` rows of width `vocab`), as
+    /// [`crate::sampling::Adjust::apply`].
+    pub(super) fn adjust_logits(
+        &self,
+        logits: &mut CudaSlice<f32>,
+        vocab: usize,
+        rows: usize,
+        a: &DeviceAdjusts,
+    ) -> Result<()> {
+        check_len("adjust_logits", "logits", logits.len(), rows * vocab)?;
+        for (name, len) in [
+            ("rows", a.rows.len()),
+            ("tokens", a.tokens.len()),
+            ("bias", a.bias.len()),
+            ("repetition", a.repetition.len()),
+            ("penalty", a.penalty.len()),
+        ] {
+            check_len("adjust_logits", name, len, a.n)?;
+        }
+        let (vocab_i, n_i) = (vocab as i32, a.n as i32);
+        // SAFETY: matches `adjust_logits(float* logits, int vocab, int n,
+        // const unsigned* rows, const unsigned* tokens, const float* bias,
+        // const float* repetition, const float* penalty)`; threads past n
+        // return, each array holds n entries (checked above), and
+        // `DevicePicks::upload` checked every row below the pass's logits
+        // rows (`rows`, the pass's own count) and every token below the
+        // vocabulary, each (row, token) once.
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.adjust_logits)
+                .arg(logits)
+                .arg(&vocab_i)
+                .arg(&n_i)
+                .arg(&a.rows)
+                .arg(&a.tokens)
+                .arg(&a.bias)
+                .arg(&a.repetition)
+                .arg(&a.penalty)
+                .launch(LaunchConfig {
+                    grid_dim: (a.n.div_ceil(256) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+        }
+        .map_err(cuda_err("adjust_logits"))?;
+        Ok(())
+    }
+
+    /// `out[row]` = the token `sampling::pick` draws from the (adjusted)
+    /// logits row, for every row `s` names.
+    pub(super) fn sample_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        rows: usize,
+        s: &DeviceSamples,
+        out: &mut CudaSlice<u32>,
+    ) -> Result<()> {
+        check_len("sample_rows", "logits", logits.len(), rows * vocab)?;
+        check_len("sample_rows", "out", out.len(), rows)?;
+        for (name, len) in [
+            ("rows", s.rows.len()),
+            ("temperature", s.temperature.len()),
+            ("top_k", s.top_k.len()),
+            ("top_p", s.top_p.len()),
+            ("min_p", s.min_p.len()),
+            ("draw", s.draw.len()),
+        ] {
+            check_len("sample_rows", name, len, s.n)?;
+        }
+        let vocab_i = vocab as i32;
+        // SAFETY: matches `sample_rows(const float* logits, int vocab,
+        // const unsigned* rows, const float* temperature, const unsigned*
+        // top_k, const float* top_p, const float* min_p, const double* draw,
+        // unsigned* out)`; one block of 1024 threads (the kernel's
+        // SAMPLE_THREADS, which its reductions assume) per pick, every array
+        // holds n entries (checked above), and `DevicePicks::upload` checked
+        // each row below `rows`, named once, so blocks write distinct
+        // entries of `out`.
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.sample_rows)
+                .arg(logits)
+                .arg(&vocab_i)
+                .arg(&s.rows)
+                .arg(&s.temperature)
+                .arg(&s.top_k)
+                .arg(&s.top_p)
+                .arg(&s.min_p)
+                .arg(&s.draw)
+                .arg(out)
+                .launch(per_row(s.n, 1024))
+        }
+        .map_err(cuda_err("sample_rows"))?;
         Ok(())
     }
 

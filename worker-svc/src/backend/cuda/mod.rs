@@ -36,6 +36,7 @@ mod gemm;
 mod graphs;
 mod kernels;
 mod launches;
+mod picks;
 mod tier;
 mod uploads;
 
