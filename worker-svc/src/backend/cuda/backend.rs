@@ -467,13 +467,7 @@ impl CudaBackend {
     fn run_argmax(&mut self, batch: &Batch, feed: &[Feed]) -> Result<Vec<u32>> {
         let mut prof = Profiler::start(&self.stream, self.profiling)?;
         let rows = self.pass_argmax(batch, feed, &mut prof)?;
-        prof.launched();
-        let tokens = self
-            .stream
-            .clone_dtoh(&self.acts.argmax.slice(..rows))
-            .map_err(cuda_err("download tokens"))?;
-        self.finish_profile(prof)?;
-        Ok(tokens)
+        self.tokens_back(rows, prof)
     }
 
     /// A pass, then one token per logits row picked on the device: the
@@ -502,6 +496,12 @@ impl CudaBackend {
             launch.sample_rows(&self.acts.logits, vocab, rows, s, &mut self.acts.argmax)?;
         }
         prof.mark(Phase::Other)?;
+        self.tokens_back(rows, prof)
+    }
+
+    /// The first `rows` tokens of `acts.argmax` back on the host, once the
+    /// pass enqueued with `prof` finished.
+    fn tokens_back(&mut self, rows: usize, mut prof: Profiler) -> Result<Vec<u32>> {
         prof.launched();
         let tokens = self
             .stream
