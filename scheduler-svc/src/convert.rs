@@ -39,6 +39,8 @@ const MAX_STOP_BYTES: usize = 256;
 pub(crate) struct TextOutput {
     /// Stop strings.
     pub(crate) stop: Vec<String>,
+    /// Output tokens before which no stop string ends the request.
+    pub(crate) min_tokens: u32,
 }
 
 /// The field a request gives its prompt in: `messages`, `text` or `tokens`.
@@ -243,6 +245,7 @@ pub(crate) fn validate(
     });
     let text = TextOutput {
         stop: req.stop.clone(),
+        min_tokens: req.min_tokens,
     };
     Ok((r, text))
 }

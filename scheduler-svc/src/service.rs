@@ -89,11 +89,20 @@ struct StreamState {
 struct TextStream {
     decoder: StreamDecoder,
     stops: StopStrings,
+    /// Output tokens before which stop strings are not looked for (as
+    /// vLLM: from the text of the chunk that reaches `min_tokens` on).
+    min_tokens: u64,
 }
 
 impl TextStream {
-    fn push(&mut self, tokens: &[u32]) -> String {
-        self.stops.push(&self.decoder.push(tokens))
+    /// The text of `tokens`, output after `before` others.
+    fn push(&mut self, tokens: &[u32], before: u64) -> String {
+        let text = self.decoder.push(tokens);
+        if before + (tokens.len() as u64) < self.min_tokens {
+            self.stops.pass(&text)
+        } else {
+            self.stops.push(&text)
+        }
     }
 
     fn finish(&mut self) -> String {
@@ -137,6 +146,7 @@ fn response_stream(
         text: TextStream {
             decoder: tokenizer.stream(),
             stops: StopStrings::new(text.stop),
+            min_tokens: u64::from(text.min_tokens),
         },
         deadline,
         done: false,
@@ -169,7 +179,7 @@ fn response_stream(
                 ..
             }) => {
                 let mut m = pb::GenerateResponse {
-                    text: st.text.push(&tokens),
+                    text: st.text.push(&tokens, st.output_tokens),
                     tokens,
                     reused_tokens: reused_tokens.map_or(0, |r| r.0),
                     retained_tokens: reused_tokens.map_or(0, |r| r.1),
@@ -349,6 +359,29 @@ impl Scheduler for SchedulerService {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stop_strings_end_the_text_only_from_min_tokens_on() {
+        let tokenizer = Tokenizer::byte_level();
+        let tokens = |s: &str| tokenizer.encode(s).unwrap();
+        let stream = |min_tokens| TextStream {
+            decoder: tokenizer.stream(),
+            stops: StopStrings::new(["x".to_string()]),
+            min_tokens,
+        };
+        // without min_tokens the first "x" ends it
+        let mut t = stream(0);
+        assert_eq!(t.push(&tokens("ax"), 0), "a");
+        assert!(t.stops.stopped());
+        // with 4, the "x" among the first three outputs is text; the one
+        // in the chunk that reaches the fourth ends it
+        let mut t = stream(4);
+        assert_eq!(t.push(&tokens("ax"), 0), "ax");
+        assert_eq!(t.push(&tokens("b"), 2), "b");
+        assert!(!t.stops.stopped());
+        assert_eq!(t.push(&tokens("cx"), 3), "c");
+        assert!(t.stops.stopped());
+    }
 
     #[test]
     fn grpc_timeout_header_is_parsed() {

@@ -154,6 +154,17 @@ impl StopStrings {
         std::mem::replace(&mut self.pending, rest)
     }
 
+    /// Emits `text`, and what was held back, without looking for stops in
+    /// it: output before a request's `min_tokens`, which no stop ends.
+    pub fn pass(&mut self, text: &str) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        let mut out = std::mem::take(&mut self.pending);
+        out.push_str(text);
+        out
+    }
+
     /// The text held back (end of the stream without a stop).
     pub fn finish(&mut self) -> String {
         std::mem::take(&mut self.pending)
