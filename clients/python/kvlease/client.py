@@ -281,7 +281,15 @@ class KvleaseClient:
         max_tokens: int = 64,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
         seed: int = 0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repetition_penalty: float = 0.0,
+        logit_bias: Optional[Mapping[int, float]] = None,
+        min_tokens: int = 0,
+        retain: Optional[Mapping[str, int]] = None,
         stop: Sequence[str] = (),
         stop_tokens: Sequence[int] = (),
         ignore_eos: bool = False,
@@ -292,7 +300,11 @@ class KvleaseClient:
     ) -> Generation:
         """Streams a generation from exactly one of `text`, `tokens` (prompt
         token ids) and `messages` (a chat, rendered with the model's own
-        template). `temperature` 0 is greedy."""
+        template). `temperature` 0 is greedy; `top_k`, `min_p`, the penalties
+        (0: off; `repetition_penalty` 0 is read as 1), `logit_bias` (token id
+        to a bias in [-100, 100]) and `min_tokens` as the server's
+        `GenerateRequest` documents them. `retain` asks the cache to keep a
+        prompt prefix: `{"tokens": N, "priority": P, "ttl_s": T}`."""
         given = [name for name, v in (("text", text), ("tokens", tokens), ("messages", messages)) if v is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of text, tokens and messages (got {given or 'none'})")
@@ -303,7 +315,15 @@ class KvleaseClient:
             max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
             seed=seed,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=dict(logit_bias or {}),
+            min_tokens=min_tokens,
+            retain=scheduler_pb2.RetainPrefix(**retain) if retain else None,
             stop=list(stop),
             stop_tokens=list(stop_tokens),
             ignore_eos=ignore_eos,

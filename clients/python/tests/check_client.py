@@ -60,6 +60,16 @@ def main(addr):
         check(by_ids.finish.prompt_tokens == 4 and len(by_ids.tokens) >= 1,
               f"a token-id prompt: {by_ids.finish.prompt_tokens} prompt tokens, {len(by_ids.tokens)} out")
 
+        banned = tokens[0]
+        biased = client.complete(PROMPT, max_tokens=8, logit_bias={banned: -100.0})
+        check(banned not in biased.tokens,
+              f"logit_bias -100 bans greedy's first token {banned}: {list(biased.tokens)}")
+        e = raises(lambda: client.complete(PROMPT, max_tokens=2, min_p=1.5), KvleaseError)
+        check(e is not None and e.code == "INVALID_ARGUMENT" and "min_p" in e.details,
+              f"min_p 1.5 is INVALID_ARGUMENT naming it: {e}")
+        kept = client.complete(PROMPT, max_tokens=2, retain={"tokens": 4, "priority": 10, "ttl_s": 60})
+        check(kept.finish.reason in ("LENGTH", "STOP"), f"a retention hint is taken: {kept.finish.reason}")
+
         e = raises(lambda: client.complete(PROMPT, max_tokens=0), KvleaseError)
         check(e is not None and e.code == "INVALID_ARGUMENT" and "max_tokens" in e.details,
               f"max_tokens=0 is INVALID_ARGUMENT with the reason: {e}")
