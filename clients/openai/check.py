@@ -20,7 +20,10 @@ Checks, each failing with a message and exit code 1:
   others are served to their length.
 
 With --factual: a chat completion, whole and streamed, answers "What is the
-capital of France?" with an answer that names Paris.
+capital of France?" with an answer that names Paris; a logit_bias of +100
+makes one token every token, frequency and presence penalties reduce the
+repeats of a repetitive prompt, top_k 1 at temperature 1 is greedy, and
+min_p 2 is a 400 naming min_p.
 """
 
 import sys
@@ -136,6 +139,27 @@ def factual(base_url):
                                             stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     check(streamed == answer, "the streamed chat gives the same answer")
+
+    # sampling fields through the openai package (extra_body for vLLM's)
+    def complete(prompt, temperature=0, **kw):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=temperature, **kw)
+        return r.choices[0].text
+    forced = complete("The capital of France is", logit_bias={"1000": 100})
+    piece = forced[:len(forced) // 16]
+    check(piece and forced == piece * 16,
+          f"logit_bias +100 on token 1000 makes it every one of 16 tokens: {forced!r}")
+    plain = complete("1, 1, 1, 1, 1, 1, 1, 1,")
+    penalised = complete("1, 1, 1, 1, 1, 1, 1, 1,", frequency_penalty=2.0, presence_penalty=2.0)
+    check(penalised != plain and penalised.count("1") < plain.count("1"),
+          f"penalties reduce the repeats: {plain.count('1')} ones greedy ({plain!r}), "
+          f"{penalised.count('1')} penalised ({penalised!r})")
+    topk1 = complete("The capital of France is", temperature=1.0, seed=7, extra_body={"top_k": 1})
+    check(topk1 == complete("The capital of France is"), f"top_k 1 at temperature 1 is greedy: {topk1!r}")
+    try:
+        complete("x", extra_body={"min_p": 2})
+        check(False, "min_p 2 was served")
+    except openai.BadRequestError as e:
+        check("min_p" in e.message, f"min_p 2 is a 400 naming it: {e.message}")
     print("openai factual chat check passed")
 
 
