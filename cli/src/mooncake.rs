@@ -27,6 +27,11 @@ pub struct Record {
     pub input_length: u32,
     pub output_length: u32,
     pub hash_ids: Vec<u64>,
+    /// Leading prompt tokens the request asks the cache to retain (an
+    /// extension of the format, written by `kvlease cache-trace --kind
+    /// agent`; absent = no hint).
+    #[serde(default)]
+    pub retain_tokens: Option<u32>,
 }
 
 /// Parses a whole trace; blank lines are skipped. The error names the
@@ -169,18 +174,21 @@ mod tests {
                 input_length: 1200,
                 output_length: 64,
                 hash_ids: vec![5, 6, 7],
+                retain_tokens: None,
             },
             Record {
                 timestamp: 1500,
                 input_length: 1100,
                 output_length: 10,
                 hash_ids: vec![5, 6, 9],
+                retain_tokens: None,
             },
             Record {
                 timestamp: 3000,
                 input_length: 300,
                 output_length: 1,
                 hash_ids: vec![8],
+                retain_tokens: None,
             },
         ];
         let how = Expand {
@@ -213,6 +221,7 @@ mod tests {
             input_length: 4096,
             output_length: 900,
             hash_ids: (0..8).collect(),
+            retain_tokens: None,
         }];
         let full = expand(
             &records,

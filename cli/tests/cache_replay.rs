@@ -205,3 +205,36 @@ async fn a_sampled_curve_stays_within_two_points_on_a_large_pool() {
     assert!((at_1.hit_rate - replayed.hit_rate()).abs() <= 0.02);
     service.stop().await.unwrap();
 }
+
+/// Retention hints on an agent trace (issue 28 point 5): the tool prompts,
+/// hinted, survive the flood between a session's returns, so the hinted
+/// replay gets strictly more hits than the same replay without hints.
+#[test]
+fn agent_trace_hints_buy_hits() {
+    use kvlease::mooncake::MOONCAKE_BLOCK_TOKENS;
+    use kvlease::replay::conversations::Agent;
+
+    let records = Agent {
+        sessions: 60,
+        ..Agent::default()
+    }
+    .records();
+    let trace: Vec<Vec<u64>> = records.iter().map(|r| r.hash_ids.clone()).collect();
+    let retain: Vec<Option<u32>> = records
+        .iter()
+        .map(|r| {
+            r.retain_tokens
+                .map(|t| t / MOONCAKE_BLOCK_TOKENS * drive::REPLAY_BLOCK_TOKENS)
+        })
+        .collect();
+    assert!(retain.iter().any(Option::is_some));
+    let config = drive::service_config(PolicyKind::Lru);
+    let plain = drive::replay_core(&trace, 256, &config, 1).unwrap();
+    let hinted = drive::replay_core_hinted(&trace, &retain, 256, &config, 1).unwrap();
+    assert!(
+        hinted.hits > plain.hits,
+        "hinted {} hits, unhinted {}",
+        hinted.hits,
+        plain.hits
+    );
+}

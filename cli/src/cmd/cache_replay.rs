@@ -46,6 +46,12 @@ pub(crate) struct CacheReplayArgs {
     /// gRPC: the same calls, the same figures, many times faster.
     #[arg(long)]
     in_process: bool,
+    /// Pass each record's `retain_tokens` (written by `cache-trace --kind
+    /// agent`) as a retention hint on the lease: priority 50, TTL 24 h (the
+    /// longest the cache takes; the replay has no clock), the replay
+    /// session's quota. Without it the field is ignored.
+    #[arg(long)]
+    hints: bool,
 }
 
 /// Runs `kvlease cache-replay` with `a`.
@@ -59,6 +65,7 @@ pub(crate) async fn run(a: CacheReplayArgs) -> ExitCode {
         shared_root: a.shared_root,
         partial_min_tokens: a.partial_min_tokens,
         in_process: a.in_process,
+        hints: a.hints,
     };
     match replay::run(options).await {
         Ok(_) => ExitCode::SUCCESS,

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use kvlease::replay::conversations::{self, Conversations};
+use kvlease::replay::conversations::{self, Agent, Conversations};
 use kvlease_runtime::process::EXIT_USAGE;
 
 use super::failed;
@@ -14,6 +14,13 @@ pub(crate) struct CacheTraceArgs {
     /// File to write.
     #[arg(long)]
     out: PathBuf,
+    /// `conversations` (multi-turn chat) or `agent` (long shared tool
+    /// prompts, sessions returning after long gaps between one-off flood
+    /// requests, each session request with `retain_tokens` = its tool
+    /// prompt's length; only `--sessions` and `--seed` apply,
+    /// the other shape flags are the chat's).
+    #[arg(long, value_enum, default_value_t = TraceKind::Conversations)]
+    kind: TraceKind,
     #[arg(long, default_value_t = Conversations::default().sessions)]
     sessions: usize,
     /// Blocks every request opens with, before its system prompt (a prompt
@@ -40,25 +47,41 @@ pub(crate) struct CacheTraceArgs {
     seed: u64,
 }
 
+/// What `cache-trace` generates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum TraceKind {
+    Conversations,
+    Agent,
+}
+
 /// Runs `kvlease cache-trace` with `a`.
 pub(crate) fn run(a: CacheTraceArgs) -> ExitCode {
     if !(0.0..=1.0).contains(&a.return_probability) {
         eprintln!("kvlease: --return-probability must be in [0, 1]");
         return ExitCode::from(EXIT_USAGE);
     }
-    let shape = Conversations {
-        sessions: a.sessions,
-        shared_root_blocks: a.shared_root_blocks,
-        system_prompts: a.system_prompts,
-        zipf: a.zipf,
-        return_probability: a.return_probability,
-        max_turns: a.max_turns,
-        think_ms: a.think_ms,
-        arrival_gap_ms: a.arrival_gap_ms,
-        seed: a.seed,
-        ..Conversations::default()
+    let records = if a.kind == TraceKind::Agent {
+        Agent {
+            sessions: a.sessions,
+            seed: a.seed,
+            ..Agent::default()
+        }
+        .records()
+    } else {
+        Conversations {
+            sessions: a.sessions,
+            shared_root_blocks: a.shared_root_blocks,
+            system_prompts: a.system_prompts,
+            zipf: a.zipf,
+            return_probability: a.return_probability,
+            max_turns: a.max_turns,
+            think_ms: a.think_ms,
+            arrival_gap_ms: a.arrival_gap_ms,
+            seed: a.seed,
+            ..Conversations::default()
+        }
+        .records()
     };
-    let records = shape.records();
     match std::fs::write(&a.out, conversations::to_jsonl(&records)) {
         Ok(()) => {
             println!("wrote {} requests to {}", records.len(), a.out.display());

@@ -122,8 +122,106 @@ impl Conversations {
                     input_length: chain.len() as u32 * MOONCAKE_BLOCK_TOKENS,
                     output_length: output_blocks * MOONCAKE_BLOCK_TOKENS,
                     hash_ids: chain.clone(),
+                    retain_tokens: None,
                 };
                 timed.push((at, timed.len(), record));
+            }
+        }
+        timed.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        timed.into_iter().map(|(_, _, r)| r).collect()
+    }
+}
+
+/// The shape of a generated agent-style trace: a few long tool prompts
+/// (system prompt plus tool definitions, many blocks each), sessions that
+/// open with one of them and add their own turns, each returning after a
+/// long gap, and one-off flood requests (fresh blocks, no reuse) between
+/// them, enough that an unhinted LRU evicts a returning session's prefix.
+/// Each session request carries `retain_tokens`: its tool prompt's length.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Agent {
+    /// Agent sessions.
+    pub sessions: usize,
+    /// Distinct tool prompts (uniformly chosen).
+    pub tool_prompts: u32,
+    /// Tool prompt length, in blocks.
+    pub tool_blocks: u32,
+    /// Turns of each session.
+    pub turns: u32,
+    /// Blocks a turn adds (tool output and user message).
+    pub turn_blocks: (u32, u32),
+    /// Gap before a session returns, in milliseconds (exponential mean).
+    pub return_gap_ms: f64,
+    /// Mean gap between new sessions, in milliseconds (exponential).
+    pub arrival_gap_ms: f64,
+    /// Flood requests per new session (one-off, never reused).
+    pub flood_per_session: u32,
+    /// Flood request length range, in blocks.
+    pub flood_blocks: (u32, u32),
+    pub seed: u64,
+}
+
+impl Default for Agent {
+    fn default() -> Self {
+        Self {
+            sessions: 400,
+            tool_prompts: 4,
+            tool_blocks: 48,
+            turns: 4,
+            turn_blocks: (1, 4),
+            return_gap_ms: 60_000.0,
+            arrival_gap_ms: 2_000.0,
+            flood_per_session: 4,
+            flood_blocks: (8, 32),
+            seed: 1,
+        }
+    }
+}
+
+impl Agent {
+    /// The trace, by arrival time; the same shape always gives the same trace.
+    pub fn records(&self) -> Vec<Record> {
+        let mut rng = SplitMix64(self.seed ^ 0x6167_656e_7421_2121);
+        let mut next_id = 0u64;
+        let mut fresh = |n: u32| {
+            let ids: Vec<u64> = (next_id..next_id + u64::from(n)).collect();
+            next_id += u64::from(n);
+            ids
+        };
+        let tool_blocks = self.tool_blocks.max(1);
+        let tools: Vec<Vec<u64>> = (0..self.tool_prompts.max(1))
+            .map(|_| fresh(tool_blocks))
+            .collect();
+        let mut timed: Vec<(f64, usize, Record)> = Vec::new();
+        let mut push = |at: f64, chain: &[u64], retain: Option<u32>| {
+            let record = Record {
+                timestamp: at as u64,
+                input_length: chain.len() as u32 * MOONCAKE_BLOCK_TOKENS,
+                output_length: MOONCAKE_BLOCK_TOKENS,
+                hash_ids: chain.to_vec(),
+                retain_tokens: retain,
+            };
+            timed.push((at, timed.len(), record));
+        };
+        let mut start = 0.0;
+        for _ in 0..self.sessions {
+            start += rng.exponential(self.arrival_gap_ms);
+            let tool = rng.below(tools.len() as u64) as usize;
+            let mut chain = tools[tool].clone();
+            let retain = Some(tool_blocks * MOONCAKE_BLOCK_TOKENS);
+            let mut at = start;
+            for turn in 0..self.turns.max(1) {
+                if turn > 0 {
+                    at += rng.exponential(self.return_gap_ms);
+                }
+                let n = rng.between(self.turn_blocks.0, self.turn_blocks.1);
+                chain.extend(fresh(n.max(1)));
+                push(at, &chain, retain);
+            }
+            for _ in 0..self.flood_per_session {
+                let n = rng.between(self.flood_blocks.0, self.flood_blocks.1);
+                let at = start + rng.unit() * self.arrival_gap_ms;
+                push(at, &fresh(n.max(1)), None);
             }
         }
         timed.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
@@ -136,12 +234,17 @@ pub fn to_jsonl(records: &[Record]) -> String {
     let mut out = String::new();
     for r in records {
         let ids: Vec<String> = r.hash_ids.iter().map(u64::to_string).collect();
+        let retain = r
+            .retain_tokens
+            .map(|t| format!(", \"retain_tokens\": {t}"))
+            .unwrap_or_default();
         out.push_str(&format!(
-            "{{\"timestamp\": {}, \"input_length\": {}, \"output_length\": {}, \"hash_ids\": [{}]}}\n",
+            "{{\"timestamp\": {}, \"input_length\": {}, \"output_length\": {}, \"hash_ids\": [{}]{}}}\n",
             r.timestamp,
             r.input_length,
             r.output_length,
-            ids.join(", ")
+            ids.join(", "),
+            retain
         ));
     }
     out
@@ -150,6 +253,35 @@ pub fn to_jsonl(records: &[Record]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn agent_traces_are_seeded_and_hinted() {
+        let seeded = |seed| {
+            Agent {
+                sessions: 20,
+                seed,
+                ..Agent::default()
+            }
+            .records()
+        };
+        let records = seeded(1);
+        assert_eq!(records, seeded(1));
+        assert_ne!(records, seeded(2));
+        let hinted: Vec<&Record> = records
+            .iter()
+            .filter(|r| r.retain_tokens.is_some())
+            .collect();
+        assert_eq!(hinted.len(), 20 * 4);
+        assert_eq!(records.len(), 20 * 4 + 20 * 4);
+        let tool = 48 * MOONCAKE_BLOCK_TOKENS;
+        assert!(
+            hinted
+                .iter()
+                .all(|r| r.retain_tokens == Some(tool) && r.input_length > tool)
+        );
+        let parsed = crate::mooncake::parse(&to_jsonl(&records)).unwrap();
+        assert_eq!(parsed, records);
+    }
 
     #[test]
     fn deterministic_and_round_trips_through_the_parser() {

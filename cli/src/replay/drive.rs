@@ -149,6 +149,19 @@ pub async fn replay(
     capacity: u32,
     concurrency: usize,
 ) -> Result<Replayed> {
+    replay_hinted(client, group, hash_ids, &[], capacity, concurrency).await
+}
+
+/// [`replay`] with request `i` hinted to retain `retain[i]` leading tokens
+/// (see [`replay_hint`]).
+pub async fn replay_hinted(
+    client: &mut CacheServiceClient<Channel>,
+    group: &str,
+    hash_ids: &[Vec<u64>],
+    retain: &[Option<u32>],
+    capacity: u32,
+    concurrency: usize,
+) -> Result<Replayed> {
     let concurrency = concurrency.max(1);
     client
         .register_pool(pb::RegisterPoolRequest {
@@ -201,6 +214,14 @@ pub async fn replay(
                     pool_group: group.to_owned(),
                     prompt_tokens: prompt_tokens(i, ids),
                     max_new_tokens: 1,
+                    retain: replay_hint(retain, i).map(|(tokens, priority, ttl)| {
+                        pb::RetentionHint {
+                            tokens,
+                            priority: priority.into(),
+                            ttl_ms: ttl.as_millis() as u32,
+                            tenant: String::new(),
+                        }
+                    }),
                     ..pb::SequenceSpec::default()
                 }],
                 warmup: false,
@@ -264,9 +285,21 @@ pub async fn replay_fresh_with(
     config: cache_svc::Config,
     concurrency: usize,
 ) -> Result<Replayed> {
+    replay_fresh_hinted(hash_ids, &[], capacity, config, concurrency).await
+}
+
+/// [`replay_fresh_with`] with request `i` hinted to retain `retain[i]`
+/// leading tokens (see [`replay_hint`]).
+pub async fn replay_fresh_hinted(
+    hash_ids: &[Vec<u64>],
+    retain: &[Option<u32>],
+    capacity: u32,
+    config: cache_svc::Config,
+    concurrency: usize,
+) -> Result<Replayed> {
     let service = LocalCache::start(config).await?;
     let mut client = service.client().await?;
-    let out = replay(&mut client, GROUP, hash_ids, capacity, concurrency).await;
+    let out = replay_hinted(&mut client, GROUP, hash_ids, retain, capacity, concurrency).await;
     service.stop().await?;
     out
 }
@@ -278,6 +311,34 @@ pub async fn replay_fresh_with(
 /// holds the two equal).
 pub fn replay_core(
     hash_ids: &[Vec<u64>],
+    capacity: u32,
+    config: &cache_svc::Config,
+    concurrency: usize,
+) -> Result<Replayed> {
+    replay_core_hinted(hash_ids, &[], capacity, config, concurrency)
+}
+
+/// The retention hint a replay gives request `i` of `retain` (tokens; none
+/// past its end): priority [`REPLAY_RETAIN_PRIORITY`], TTL the longest the
+/// cache takes ([`cache_svc::lease::MAX_RETAIN_TTL`]: the replay has no
+/// clock, every call happens at one instant), the session's own quota.
+pub fn replay_hint(retain: &[Option<u32>], i: usize) -> Option<(u32, u8, std::time::Duration)> {
+    let tokens = retain.get(i).copied().flatten().filter(|&t| t > 0)?;
+    Some((
+        tokens,
+        REPLAY_RETAIN_PRIORITY,
+        cache_svc::lease::MAX_RETAIN_TTL,
+    ))
+}
+
+/// Priority of a replayed retention hint.
+pub const REPLAY_RETAIN_PRIORITY: u8 = 50;
+
+/// [`replay_core`] with request `i` hinted to retain `retain[i]` leading
+/// tokens (see [`replay_hint`]).
+pub fn replay_core_hinted(
+    hash_ids: &[Vec<u64>],
+    retain: &[Option<u32>],
     capacity: u32,
     config: &cache_svc::Config,
     concurrency: usize,
@@ -310,6 +371,13 @@ pub fn replay_core(
             Prompt::Tokens(prompt_tokens(i, ids)),
         );
         spec.max_new_tokens = 1;
+        spec.retain =
+            replay_hint(retain, i).map(|(tokens, priority, ttl)| cache_svc::lease::Retain {
+                tokens,
+                priority,
+                ttl,
+                tenant: String::new(),
+            });
         let batch = Batch {
             step,
             atomic: false,

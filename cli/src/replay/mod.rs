@@ -47,6 +47,9 @@ pub struct ReplayOptions {
     /// Drive the service's core in this process instead of a service over
     /// gRPC (the same calls, so the same figures, much faster).
     pub in_process: bool,
+    /// Pass each record's `retain_tokens` as a retention hint
+    /// ([`drive::replay_hint`]); off, the field is ignored.
+    pub hints: bool,
 }
 
 /// `hash_ids` with the same `blocks` ids (ones no trace uses: counted down
@@ -103,6 +106,7 @@ pub struct Report {
 /// through a fresh in-process cache service.
 pub async fn replay_all(
     hash_ids: &[Vec<u64>],
+    retain: &[Option<u32>],
     capacities: &[u32],
     policies: &[PolicyKind],
     concurrency: usize,
@@ -130,9 +134,9 @@ pub async fn replay_all(
                 config.partial_min_tokens = min;
             }
             let replayed = if in_process {
-                drive::replay_core(hash_ids, capacity, &config, concurrency)?
+                drive::replay_core_hinted(hash_ids, retain, capacity, &config, concurrency)?
             } else {
-                drive::replay_fresh_with(hash_ids, capacity, config, concurrency).await?
+                drive::replay_fresh_hinted(hash_ids, retain, capacity, config, concurrency).await?
             };
             row.policies.push(PolicyRow { policy, replayed });
         }
@@ -160,12 +164,28 @@ pub async fn run(options: ReplayOptions) -> Result<Report> {
     if options.limit > 0 {
         records.truncate(options.limit);
     }
+    // a shared root moves every prompt right by its blocks
+    let root_tokens = options.shared_root * drive::REPLAY_BLOCK_TOKENS;
+    let retain: Vec<Option<u32>> = if options.hints {
+        records
+            .iter()
+            .map(|r| {
+                r.retain_tokens.map(|t| {
+                    let blocks = t / mooncake::MOONCAKE_BLOCK_TOKENS;
+                    blocks * drive::REPLAY_BLOCK_TOKENS + root_tokens
+                })
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     let hash_ids = with_shared_root(
         records.into_iter().map(|r| r.hash_ids).collect(),
         options.shared_root,
     );
     let report = replay_all(
         &hash_ids,
+        &retain,
         &options.capacities,
         &options.policies,
         options.concurrency.max(1),
