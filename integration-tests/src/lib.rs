@@ -66,6 +66,14 @@ async fn loopback() -> Result<Listeners, Error> {
     Ok(Listeners::bind(any, Some(any)).await?)
 }
 
+/// The request field an INVALID_ARGUMENT status names in its metadata.
+pub fn invalid_field(status: &tonic::Status) -> Option<&str> {
+    status
+        .metadata()
+        .get(kvlease_proto::INVALID_FIELD_METADATA)
+        .and_then(|v| v.to_str().ok())
+}
+
 /// Starts a cache service (with a metrics endpoint).
 pub async fn start_cache(config: cache_svc::Config) -> Result<Service, Error> {
     Ok(cluster::start_cache(loopback().await?, config).await?)

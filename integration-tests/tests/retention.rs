@@ -133,11 +133,11 @@ async fn malformed_hints_are_invalid_argument_naming_the_field() {
     ] {
         let status = collect(&mut client, r).await.expect_err(field);
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
-        let named = status
-            .metadata()
-            .get(kvlease_proto::INVALID_FIELD_METADATA)
-            .and_then(|v| v.to_str().ok());
-        assert_eq!(named, Some(field), "{status:?}");
+        assert_eq!(
+            kvlease_integration_tests::invalid_field(&status),
+            Some(field),
+            "{status:?}"
+        );
     }
     scheduler.stop().await.unwrap();
     worker.stop().await.unwrap();

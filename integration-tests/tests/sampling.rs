@@ -132,11 +132,11 @@ async fn sampling_set(overlap: bool) {
     for (r, field) in out_of_range {
         let status = collect(&mut client, r).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
-        let named = status
-            .metadata()
-            .get(kvlease_proto::INVALID_FIELD_METADATA)
-            .and_then(|v| v.to_str().ok());
-        assert_eq!(named, Some(field), "{status:?}");
+        assert_eq!(
+            kvlease_integration_tests::invalid_field(&status),
+            Some(field),
+            "{status:?}"
+        );
     }
 
     let pools = wait_whole(cache.addr, GROUP, WITHIN).await.unwrap();
