@@ -61,6 +61,16 @@ pub struct Common {
     pub n: Option<u64>,
     #[serde(default)]
     pub user: Option<String>,
+    /// OpenAI's newer end-user id (it replaces `user`): a label for the
+    /// provider's abuse monitoring, checked for length as `user` is; it
+    /// changes no output.
+    #[serde(default)]
+    pub safety_identifier: Option<String>,
+    /// OpenAI's key for routing requests with shared prefixes to the same
+    /// cache: checked for length. kvlease's prefix reuse and kv-aware routing
+    /// go by the prompt's own tokens, which a key cannot improve on.
+    #[serde(default)]
+    pub prompt_cache_key: Option<String>,
     #[serde(default)]
     pub stream: Option<bool>,
     /// vLLM's extension: generate `max_tokens` even past an end-of-sequence
@@ -144,6 +154,14 @@ pub struct Unserved {
     pub metadata: Option<serde_json::Value>,
     #[serde(default)]
     pub service_tier: Option<serde_json::Value>,
+    /// OpenAI's `"in-memory"` (what kvlease's cache does) or `"24h"`
+    /// (refused: `kvlease.retain` keeps a prefix for a given time).
+    #[serde(default)]
+    pub prompt_cache_retention: Option<serde_json::Value>,
+    /// Only meaningful with `tools`, which are refused: any boolean is a
+    /// no-op.
+    #[serde(default)]
+    pub parallel_tool_calls: Option<serde_json::Value>,
 }
 
 /// A completion prompt: a string, a list of one string, or token ids.
@@ -168,6 +186,10 @@ pub enum Stop {
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
+    /// OpenAI pads stream chunks with an `obfuscation` field unless this is
+    /// false; kvlease never does, so `true` is refused.
+    #[serde(default)]
+    pub include_obfuscation: Option<bool>,
 }
 
 /// One chat message. `content` is a string or a list of parts, of which
@@ -177,6 +199,51 @@ pub struct ChatMessage {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    #[serde(flatten)]
+    pub unserved: MessageUnserved,
+}
+
+/// A message's fields besides `role` and `content` that OpenAI documents:
+/// none reaches the chat template, so each is refused unless absent, `null`
+/// or empty ([`crate::request`]), never dropped.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct MessageUnserved {
+    #[serde(default)]
+    pub name: Option<serde_json::Value>,
+    #[serde(default)]
+    pub tool_calls: Option<serde_json::Value>,
+    #[serde(default)]
+    pub tool_call_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub function_call: Option<serde_json::Value>,
+    #[serde(default)]
+    pub audio: Option<serde_json::Value>,
+    #[serde(default)]
+    pub refusal: Option<serde_json::Value>,
+}
+
+impl MessageUnserved {
+    /// The first field set to something: absent, `null`, `""` and `[]` are
+    /// nothing.
+    pub fn first_set(&self) -> Option<&'static str> {
+        let set = |v: &Option<serde_json::Value>| {
+            v.as_ref().is_some_and(|v| {
+                !(v.is_null()
+                    || v.as_str().is_some_and(str::is_empty)
+                    || v.as_array().is_some_and(Vec::is_empty))
+            })
+        };
+        [
+            ("name", &self.name),
+            ("tool_calls", &self.tool_calls),
+            ("tool_call_id", &self.tool_call_id),
+            ("function_call", &self.function_call),
+            ("audio", &self.audio),
+            ("refusal", &self.refusal),
+        ]
+        .into_iter()
+        .find_map(|(field, v)| set(v).then_some(field))
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]

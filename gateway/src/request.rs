@@ -220,6 +220,12 @@ impl Served {
                     text
                 }
             };
+            if let Some(field) = m.unserved.first_set() {
+                return Err(ApiError::invalid_param(
+                    "messages",
+                    format!("message {i}: {field} is not supported (role and content only)"),
+                ));
+            }
             chat.push((m.role, content));
         }
         let default = self.default_max_tokens;
@@ -269,10 +275,25 @@ impl Served {
                 "log-probabilities are not supported",
             ));
         }
-        if c.user.as_ref().is_some_and(|u| u.len() > MAX_USER) {
+        for (param, label) in [
+            ("user", &c.user),
+            ("safety_identifier", &c.safety_identifier),
+            ("prompt_cache_key", &c.prompt_cache_key),
+        ] {
+            if label.as_ref().is_some_and(|u| u.len() > MAX_USER) {
+                return Err(ApiError::invalid_param(
+                    param,
+                    format!("{param} is limited to {MAX_USER} bytes"),
+                ));
+            }
+        }
+        if c.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_obfuscation == Some(true))
+        {
             return Err(ApiError::invalid_param(
-                "user",
-                format!("user is limited to {MAX_USER} bytes"),
+                "stream_options.include_obfuscation",
+                "stream_options.include_obfuscation is not supported: kvlease never pads stream chunks (false is accepted)",
             ));
         }
         let stop = match c.stop {
@@ -354,7 +375,7 @@ fn refuse_unserved(u: &Unserved) -> Result<()> {
         v.as_object().is_some_and(|o| o.is_empty()) || v.as_array().is_some_and(|a| a.is_empty())
     };
     let no = |v: &Value| *v == Value::Bool(false);
-    let fields: [NoOp<'_>; 14] = [
+    let fields: [NoOp<'_>; 16] = [
         (
             "response_format",
             &u.response_format,
@@ -398,6 +419,18 @@ fn refuse_unserved(u: &Unserved) -> Result<()> {
             &u.service_tier,
             &|v| matches!(v.as_str(), Some("auto" | "default")),
             r#""auto" or "default""#,
+        ),
+        (
+            "prompt_cache_retention",
+            &u.prompt_cache_retention,
+            &|v| matches!(v.as_str(), Some("in-memory" | "in_memory")),
+            r#""in-memory" (kvlease.retain keeps a prefix longer)"#,
+        ),
+        (
+            "parallel_tool_calls",
+            &u.parallel_tool_calls,
+            &Value::is_boolean,
+            "a boolean (no tools are served)",
         ),
     ];
     for (name, value, no_op, accepted) in fields {
@@ -727,6 +760,93 @@ mod tests {
             "function_call": "none", "modalities": ["text"], "audio": null, "store": false,
             "metadata": {}, "service_tier": "auto", "n": 1});
         completion(no_ops).expect("no-op values are served");
+    }
+
+    /// Issue 25, point 5: the fields of OpenAI's completions and chat
+    /// create that the gateway used to drop without a word.
+    #[test]
+    fn newer_documented_fields_are_served_or_refused_naming_them() {
+        let body = |field: &str, value: Value| {
+            let mut body = json!({"model": "m", "prompt": "x",
+                "messages": [{"role": "user", "content": "x"}]});
+            body[field] = value;
+            body
+        };
+        let refused = [
+            (
+                "prompt_cache_retention",
+                json!("24h"),
+                "prompt_cache_retention",
+            ),
+            ("parallel_tool_calls", json!("yes"), "parallel_tool_calls"),
+            (
+                "stream_options",
+                json!({"include_obfuscation": true}),
+                "stream_options.include_obfuscation",
+            ),
+            ("user", json!("u".repeat(257)), "user"),
+            (
+                "safety_identifier",
+                json!("s".repeat(257)),
+                "safety_identifier",
+            ),
+            (
+                "prompt_cache_key",
+                json!("k".repeat(257)),
+                "prompt_cache_key",
+            ),
+        ];
+        for (field, value, param) in refused {
+            for e in [
+                completion(body(field, value.clone())).expect_err(field),
+                chat(body(field, value.clone())).expect_err(field),
+            ] {
+                assert_eq!((e.status.as_u16(), e.param), (400, Some(param)), "{e:?}");
+                assert!(e.message.contains(param), "{e:?}");
+            }
+        }
+        let served = [
+            ("prompt_cache_retention", json!("in-memory")),
+            ("parallel_tool_calls", json!(false)),
+            ("parallel_tool_calls", json!(true)),
+            ("stream_options", json!({"include_obfuscation": false})),
+            ("safety_identifier", json!("s".repeat(256))),
+            ("prompt_cache_key", json!("conversation-1")),
+        ];
+        for (field, value) in served {
+            completion(body(field, value.clone())).expect(field);
+            chat(body(field, value)).expect(field);
+        }
+        // a message's fields besides role and content never reach the
+        // template: refused naming the message, unless null or empty (as
+        // clients echo an assistant message back)
+        for (field, value) in [
+            ("name", json!("alice")),
+            ("tool_calls", json!([{"id": "c1", "type": "function"}])),
+            ("tool_call_id", json!("c1")),
+            ("function_call", json!({"name": "f", "arguments": "{}"})),
+            ("audio", json!({"id": "a1"})),
+            ("refusal", json!("no")),
+        ] {
+            let mut message = json!({"role": "assistant", "content": "x"});
+            message[field] = value;
+            let e = chat(
+                json!({"model": "m", "messages": [{"role": "user", "content": "x"}, message]}),
+            )
+            .expect_err(field);
+            assert_eq!(
+                (e.status.as_u16(), e.param),
+                (400, Some("messages")),
+                "{e:?}"
+            );
+            assert!(e.message.contains(&format!("message 1: {field} ")), "{e:?}");
+        }
+        chat(
+            json!({"model": "m", "messages": [{"role": "assistant", "content": "x",
+            "name": "", "tool_calls": [], "refusal": null, "audio": null,
+            "function_call": null, "tool_call_id": null}]}),
+        )
+        .expect("null and empty message fields are served");
     }
 
     #[test]
