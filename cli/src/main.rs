@@ -34,6 +34,7 @@ enum Command {
     Bench(cmd::bench::BenchArgs),
     /// Show a scheduler's queue, counters and pool figures.
     Status {
+        /// The scheduler's gRPC address.
         #[arg(
             long,
             env = "KVLEASE_SCHEDULER_ADDR",
@@ -45,6 +46,7 @@ enum Command {
     /// exit 1 when the audit reclaimed blocks or, with --whole, a pool has blocks in use
     /// or fenced.
     Audit {
+        /// The cache service's gRPC address.
         #[arg(long, env = "KVLEASE_CACHE_ADDR", default_value = "127.0.0.1:50052")]
         cache: String,
         /// Every pool must be whole too (nothing in use, nothing fenced): no
@@ -85,6 +87,7 @@ enum Command {
         /// Service name to check; empty = the whole server.
         #[arg(long, default_value = "")]
         service: String,
+        /// Milliseconds to wait for the answer (exit 1 after).
         #[arg(long, default_value_t = 2000)]
         timeout_ms: u64,
     },
@@ -155,5 +158,31 @@ async fn main() -> ExitCode {
             service,
             timeout_ms,
         } => cmd::health::run(&addr, &service, timeout_ms).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+    use kvlease_runtime::process::missing_help;
+
+    /// Issue 25, point 5: `--policy` and `--on-exhausted` had no help text.
+    /// Every flag, positional argument and subcommand of every binary says
+    /// what it is in `--help`: this one's and the four services'.
+    #[test]
+    fn every_argument_of_every_binary_has_help() {
+        let binaries = [
+            super::Cli::command(),
+            <cache_svc::Config as CommandFactory>::command(),
+            <scheduler_svc::Config as CommandFactory>::command(),
+            <worker_svc::Config as CommandFactory>::command(),
+            <kvlease_gateway::Config as CommandFactory>::command(),
+        ];
+        let missing: Vec<String> = binaries.iter().flat_map(missing_help).collect();
+        assert!(
+            missing.is_empty(),
+            "arguments without help:\n  {}",
+            missing.join("\n  ")
+        );
     }
 }

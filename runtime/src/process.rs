@@ -49,6 +49,57 @@ where
     <C as clap::FromArgMatches>::from_arg_matches_mut(&mut matches)
 }
 
+/// Every argument of `command` and of its subcommands, at any depth, that
+/// `--help` would show without a word of explanation, as `kvlease up
+/// --policy`; and every subcommand without an about. Hidden arguments and
+/// those clap adds itself (`--help`, `--version`) are exempt. For each
+/// binary's test that its help explains every flag (issue 25, point 5).
+pub fn missing_help(command: &clap::Command) -> Vec<String> {
+    let mut command = command.clone();
+    // adds --help and --version and propagates global arguments, so that
+    // what is walked is what `--help` prints
+    command.build();
+    let mut missing = Vec::new();
+    walk_help(&command, command.get_name(), &mut missing);
+    missing
+}
+
+fn walk_help(command: &clap::Command, path: &str, missing: &mut Vec<String>) {
+    for arg in command.get_arguments() {
+        let generated = matches!(
+            arg.get_action(),
+            clap::ArgAction::Help
+                | clap::ArgAction::HelpShort
+                | clap::ArgAction::HelpLong
+                | clap::ArgAction::Version
+        );
+        let explained = arg
+            .get_help()
+            .or(arg.get_long_help())
+            .is_some_and(|h| !h.to_string().trim().is_empty());
+        if !generated && !arg.is_hide_set() && !explained {
+            let name = match (arg.get_long(), arg.get_short()) {
+                (Some(long), _) => format!("--{long}"),
+                (None, Some(short)) => format!("-{short}"),
+                (None, None) => arg.get_id().to_string().to_uppercase(),
+            };
+            missing.push(format!("{path} {name}"));
+        }
+    }
+    for sub in command.get_subcommands() {
+        // `help` is clap's own: it mirrors the others without abouts
+        if sub.is_hide_set() || sub.get_name() == "help" {
+            continue;
+        }
+        let sub_path = format!("{path} {}", sub.get_name());
+        let about = sub.get_about().or(sub.get_long_about());
+        if about.is_none_or(|a| a.to_string().trim().is_empty()) {
+            missing.push(format!("{sub_path} (no about)"));
+        }
+        walk_help(sub, &sub_path, missing);
+    }
+}
+
 /// Runs the binary at `bin` with `args` and an empty environment and
 /// returns its exit code: for each service's test that its binary exits as
 /// this module says.
@@ -181,5 +232,38 @@ where
                 ExitCode::FAILURE
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{Arg, Command};
+
+    use super::missing_help;
+
+    #[test]
+    fn missing_help_names_each_unexplained_argument_and_subcommand() {
+        let command = Command::new("tool")
+            .arg(Arg::new("a").long("a").help("explained"))
+            .arg(Arg::new("b").long("b"))
+            .arg(Arg::new("blank").long("blank").help("  "))
+            .arg(Arg::new("hidden").long("hidden").hide(true))
+            .arg(Arg::new("file"))
+            .subcommand(Command::new("run").arg(Arg::new("c").short('c')))
+            .subcommand(
+                Command::new("ok")
+                    .about("fine")
+                    .arg(Arg::new("d").long("d").long_help("long only")),
+            );
+        assert_eq!(
+            missing_help(&command),
+            [
+                "tool --b",
+                "tool --blank",
+                "tool FILE",
+                "tool run (no about)",
+                "tool run -c"
+            ]
+        );
     }
 }

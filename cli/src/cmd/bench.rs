@@ -14,6 +14,7 @@ use super::failed;
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct BenchArgs {
+    /// The scheduler's gRPC address.
     #[arg(
         long,
         env = "KVLEASE_SCHEDULER_ADDR",
@@ -35,6 +36,7 @@ pub(crate) struct BenchArgs {
     /// Replay the trace's arrival times (divided by --speedup) instead of sending as fast as possible.
     #[arg(long)]
     replay: bool,
+    /// With --replay: how many times faster than the trace's clock.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
     /// Requests to send (synthetic), or the first N of the trace (0 = all).
@@ -46,21 +48,25 @@ pub(crate) struct BenchArgs {
     /// Requests per second (overrides trace arrivals); unset = as fast as concurrency allows.
     #[arg(long)]
     rate: Option<f64>,
-    /// Synthetic: shared prefixes and their length in tokens.
+    /// Synthetic: shared prefixes the prompts start with.
     #[arg(long, default_value_t = 4)]
     prefixes: u32,
+    /// Synthetic: length of each shared prefix, in tokens.
     #[arg(long, default_value_t = 64)]
     prefix_tokens: u32,
-    /// Synthetic: unique prompt tail length range.
+    /// Synthetic: shortest unique prompt tail, in tokens.
     #[arg(long, default_value_t = 16)]
     tail_min: u32,
+    /// Synthetic: longest unique prompt tail, in tokens.
     #[arg(long, default_value_t = 96)]
     tail_max: u32,
-    /// Synthetic: output length range.
+    /// Synthetic: shortest output, in tokens.
     #[arg(long, default_value_t = 8)]
     output_min: u32,
+    /// Synthetic: longest output, in tokens.
     #[arg(long, default_value_t = 32)]
     output_max: u32,
+    /// Synthetic: seed of the workload (the same seed sends the same requests).
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Bound on one request, in seconds.

@@ -21,12 +21,14 @@ pub(crate) struct CacheTraceArgs {
     /// the other shape flags are the chat's).
     #[arg(long, value_enum, default_value_t = TraceKind::Conversations)]
     kind: TraceKind,
+    /// Conversations (or agent sessions) in the trace.
     #[arg(long, default_value_t = Conversations::default().sessions)]
     sessions: usize,
     /// Blocks every request opens with, before its system prompt (a prompt
     /// every session shares; 0 = none).
     #[arg(long, default_value_t = Conversations::default().shared_root_blocks)]
     shared_root_blocks: u32,
+    /// Distinct system prompts.
     #[arg(long, default_value_t = Conversations::default().system_prompts)]
     system_prompts: u32,
     /// Zipf exponent of system prompt popularity.
@@ -35,6 +37,7 @@ pub(crate) struct CacheTraceArgs {
     /// Probability that a conversation comes back after a turn.
     #[arg(long, default_value_t = Conversations::default().return_probability)]
     return_probability: f64,
+    /// Most turns of one conversation.
     #[arg(long, default_value_t = Conversations::default().max_turns)]
     max_turns: u32,
     /// Mean think time between turns, in milliseconds.
@@ -43,6 +46,7 @@ pub(crate) struct CacheTraceArgs {
     /// Mean gap between new conversations, in milliseconds.
     #[arg(long, default_value_t = Conversations::default().arrival_gap_ms)]
     arrival_gap_ms: f64,
+    /// Seed of the trace (the same flags and seed write the same trace).
     #[arg(long, default_value_t = 1)]
     seed: u64,
 }

@@ -10,8 +10,10 @@ use super::failed;
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct DemoArgs {
+    /// Requests each phase sends.
     #[arg(long, default_value_t = DemoOptions::default().requests)]
     requests: usize,
+    /// Requests in flight at once: far more than the pool holds.
     #[arg(long, default_value_t = DemoOptions::default().concurrency)]
     concurrency: usize,
     /// Worker memory budget in MiB (it sizes the KV pool).
@@ -21,8 +23,10 @@ pub(crate) struct DemoArgs {
     /// reject. Default: one phase of each, on a fresh cluster.
     #[arg(long)]
     on_exhausted: Option<OnExhausted>,
+    /// Preemptions a request may suffer before it is rejected.
     #[arg(long, default_value_t = DemoOptions::default().max_preemptions)]
     max_preemptions: u32,
+    /// Seed of the workload (prompt and output lengths, shared prefixes).
     #[arg(long, default_value_t = DemoOptions::default().seed)]
     seed: u64,
 }
