@@ -54,7 +54,7 @@ enum Command {
         #[arg(long)]
         whole: bool,
     },
-    /// Real models: `kvlease model fetch smollm2`.
+    /// Real models: `kvlease model fetch smollm2`; `kvlease model tokenizer smollm2 --out DIR`.
     Model {
         #[command(subcommand)]
         action: cmd::model::ModelAction,

@@ -115,6 +115,29 @@ pub fn served_names(asked: &str, path: &Path, own: &str) -> Vec<String> {
     names
 }
 
+/// Writes the tokenizer of the model at `path` (a GGUF file or a Hugging
+/// Face directory) into `out` as a Hugging Face tokenizer directory
+/// (`tokenizer.json`, `tokenizer_config.json`, `generation_config.json`):
+/// the tokenizer the worker and the scheduler use, for clients that make
+/// or count prompts with transformers' `AutoTokenizer.from_pretrained(out)`
+/// (load generators) and cannot download one. Returns the files written.
+pub fn write_tokenizer(path: &Path, out: &Path) -> Result<Vec<PathBuf>> {
+    let tokenizer =
+        worker_svc::model::load::tokenizer(path).map_err(|e| Error::Model(e.to_string()))?;
+    let files = tokenizer
+        .hf_files()
+        .map_err(|e| Error::Model(format!("{}: {e}", path.display())))?;
+    let io = |what: &Path, e: std::io::Error| Error::Model(format!("{}: {e}", what.display()));
+    std::fs::create_dir_all(out).map_err(|e| io(out, e))?;
+    let mut written = Vec::new();
+    for (name, contents) in files {
+        let file = out.join(name);
+        std::fs::write(&file, contents).map_err(|e| io(&file, e))?;
+        written.push(file);
+    }
+    Ok(written)
+}
+
 /// What [`fetch`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Fetched {

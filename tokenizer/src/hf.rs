@@ -6,8 +6,8 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use crate::Specials;
 use crate::error::{Error, Result};
+use crate::{Specials, Tokenizer, TokenizerKind};
 
 /// A BPE `model` object of `tokenizer.json`.
 pub(crate) fn bpe_model(
@@ -29,6 +29,52 @@ pub(crate) fn bpe_model(
         "vocab": vocab,
         "merges": merges.iter().map(|(l, r)| json!([l, r])).collect::<Vec<_>>(),
     })
+}
+
+impl Tokenizer {
+    /// This tokenizer as the files of a Hugging Face tokenizer directory:
+    /// `tokenizer.json`, `tokenizer_config.json` (special tokens, chat
+    /// template, a fast tokenizer's class) and `generation_config.json`
+    /// (every end id). [`Tokenizer::from_hf_dir`] reads them back into an
+    /// equal tokenizer (the same fingerprint), and transformers'
+    /// `AutoTokenizer.from_pretrained(DIR)` as a fast tokenizer: what load
+    /// generators that make prompts with the model's tokenizer need, with no
+    /// hub to download it from. The seeded model's byte-level tokenizer has
+    /// no `tokenizer.json`: an error.
+    pub fn hf_files(&self) -> Result<Vec<(&'static str, String)>> {
+        let parts = self.parts();
+        if parts.kind != TokenizerKind::HuggingFace {
+            return Err(Error::Invalid(
+                "the byte-level tokenizer has no tokenizer.json".into(),
+            ));
+        }
+        let s = &parts.specials;
+        let mut config = json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": s.add_bos,
+            "clean_up_tokenization_spaces": false,
+        });
+        for (key, value) in [
+            ("bos_token", &s.bos_token),
+            ("eos_token", &s.eos_token),
+            ("chat_template", &parts.chat_template),
+        ] {
+            if let Some(v) = value {
+                config[key] = json!(v);
+            }
+        }
+        let pretty = |v: &Value| {
+            serde_json::to_string_pretty(v).map_err(|e| Error::Tokenizer(e.to_string()))
+        };
+        Ok(vec![
+            ("tokenizer.json", parts.tokenizer_json.clone()),
+            ("tokenizer_config.json", pretty(&config)?),
+            (
+                "generation_config.json",
+                pretty(&json!({ "eos_token_id": s.end_ids }))?,
+            ),
+        ])
+    }
 }
 
 /// The files of a Hugging Face model directory the tokenizer is made of.

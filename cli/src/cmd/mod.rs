@@ -22,3 +22,14 @@ pub(crate) fn failed(e: impl std::fmt::Display) -> ExitCode {
     eprintln!("kvlease: {e}");
     ExitCode::FAILURE
 }
+
+/// The file a `--model` value names (a fetched known model, or a path), or
+/// the usage error's exit code, printed.
+pub(crate) fn model_path(model: &str) -> Result<std::path::PathBuf, ExitCode> {
+    kvlease::models::home(|k| std::env::var_os(k))
+        .and_then(|home| kvlease::models::resolve(model, &home))
+        .map_err(|e| {
+            eprintln!("kvlease: {e}");
+            ExitCode::from(kvlease_runtime::process::EXIT_USAGE)
+        })
+}

@@ -1,4 +1,6 @@
-//! `kvlease model fetch`: a known model's file into the model cache.
+//! `kvlease model fetch`: a known model's file into the model cache;
+//! `kvlease model tokenizer`: a model's tokenizer as a Hugging Face
+//! tokenizer directory.
 
 use std::process::ExitCode;
 
@@ -17,11 +19,27 @@ pub(crate) enum ModelAction {
         /// smollm2 (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB).
         name: String,
     },
+    /// Write a model's tokenizer (the one its workers and scheduler use) as a
+    /// Hugging Face tokenizer directory: tokenizer.json, tokenizer_config.json
+    /// (special tokens, chat template) and generation_config.json (end ids),
+    /// which transformers' AutoTokenizer.from_pretrained(DIR) reads offline,
+    /// e.g. for a load generator's --tokenizer.
+    Tokenizer {
+        /// A known model that was fetched (smollm2), a GGUF file or a
+        /// Hugging Face directory.
+        model: String,
+        /// Directory to write into (created when missing).
+        #[arg(long)]
+        out: std::path::PathBuf,
+    },
 }
 
 /// Runs `kvlease model ACTION`.
 pub(crate) fn run(action: ModelAction) -> ExitCode {
-    let ModelAction::Fetch { name } = action;
+    let name = match action {
+        ModelAction::Fetch { name } => name,
+        ModelAction::Tokenizer { model, out } => return tokenizer(&model, &out),
+    };
     let Some(model) = models::known(&name) else {
         let names: Vec<&str> = models::KNOWN.iter().map(|m| m.name).collect();
         eprintln!(
@@ -44,6 +62,23 @@ pub(crate) fn run(action: ModelAction) -> ExitCode {
                 model.md5,
                 path.display()
             );
+            ExitCode::SUCCESS
+        }
+        Err(e) => failed(e),
+    }
+}
+
+/// Runs `kvlease model tokenizer MODEL --out DIR`.
+fn tokenizer(model: &str, out: &std::path::Path) -> ExitCode {
+    let path = match super::model_path(model) {
+        Ok(path) => path,
+        Err(code) => return code,
+    };
+    match models::write_tokenizer(&path, out) {
+        Ok(files) => {
+            for f in files {
+                println!("{}", f.display());
+            }
             ExitCode::SUCCESS
         }
         Err(e) => failed(e),

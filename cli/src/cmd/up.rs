@@ -168,14 +168,9 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
     let mut served = vec![kvlease_gateway::config::DEFAULT_MODEL.to_string()];
     match &a.model {
         Some(model) => {
-            let path = match models::home(|k| std::env::var_os(k))
-                .and_then(|home| models::resolve(model, &home))
-            {
+            let path = match super::model_path(model) {
                 Ok(path) => path,
-                Err(e) => {
-                    eprintln!("kvlease: {e}");
-                    return ExitCode::from(EXIT_USAGE);
-                }
+                Err(code) => return code,
             };
             match config.serve_model(path.clone(), a.memory_budget_mib) {
                 Ok(budget) => println!(

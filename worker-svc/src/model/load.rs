@@ -69,6 +69,27 @@ pub fn shape(path: &Path, serving: ServingShape) -> Result<ModelConfig> {
     })
 }
 
+/// The tokenizer of the model at `path` alone, without building its
+/// weights: the one [`open`] returns, for `kvlease model tokenizer` to
+/// write out for clients. Errors as [`open`]'s.
+pub fn tokenizer(path: &Path) -> Result<Tokenizer> {
+    let read = || -> Result<Tokenizer, String> {
+        if path.is_dir() {
+            return Tokenizer::from_hf_dir(path).map_err(|e| format!("tokenizer: {e}"));
+        }
+        let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
+        let file = GgufFile::parse(bytes)?;
+        // only the vocabulary's size is read from the shape
+        let config = gguf_llama::model_config(&file, u32::MAX, 16)?;
+        let vocab = gguf_llama::vocab(&file, config.vocab_size)?;
+        Tokenizer::from_gguf(&vocab).map_err(|e| format!("tokenizer: {e}"))
+    };
+    read().map_err(|reason| Error::Weights {
+        path: path.display().to_string(),
+        reason,
+    })
+}
+
 fn open_gguf(path: &Path, serving: ServingShape) -> Result<LoadedModel, String> {
     let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
     let file = GgufFile::parse(bytes)?;
