@@ -27,10 +27,12 @@ concurrency="${LOADGEN_CONCURRENCY:-16}"
 target="${CARGO_TARGET_DIR:-target}"
 kvlease="$target/debug/kvlease"
 
-# a Python of at least 3.12: on PATH, else one of pyenv's
+# a Python of at least 3.12, 3.12 first (the pins were resolved on it): on
+# PATH, else one of pyenv's
 python=""
-for candidate in python3.13 python3.12 python3 \
-    "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.1[2-9]*/bin/python3; do
+pyenv_versions="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")/versions"
+for candidate in python3.12 "$pyenv_versions"/3.12*/bin/python3 \
+    python3.13 "$pyenv_versions"/3.1[3-9]*/bin/python3 python3; do
     if command -v "$candidate" >/dev/null 2>&1 \
         && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
         python="$candidate"
@@ -116,7 +118,8 @@ EOF
 echo "-- inference-perf: $requests streaming completions, $concurrency at a time"
 start=$SECONDS
 # bounded: a hang fails the run after 10 minutes
-if ! (cd "$work" && timeout 600 "$venv/bin/inference-perf" --config_file "$work/config.yml" \
+# HF_HUB_OFFLINE: the tokenizer is local, and no hub is reachable here
+if ! (cd "$work" && HF_HUB_OFFLINE=1 timeout 600 "$venv/bin/inference-perf" --config_file "$work/config.yml" \
     >"$work/inference-perf.log" 2>&1); then
     echo "inference-perf failed:"; tail -50 "$work/inference-perf.log"
     echo "kvlease up's log:"; tail -50 "$log"; exit 1
@@ -148,6 +151,8 @@ if failed:
     sys.exit(f"{failed} request(s) failed")
 if ok == 0:
     sys.exit("no request completed")
+if not ttft:
+    sys.exit("no time to first token: the answers did not stream")
 EOF
 
 # what the cluster saw, and its pools whole with nothing leaked once the load
