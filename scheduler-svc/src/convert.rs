@@ -496,6 +496,7 @@ pub(crate) fn sequence_spec(s: &LeaseSpec, traceparent: String) -> pb::SequenceS
         traceparent,
         prefill_tokens: s.prefill_tokens,
         refusal_retried: false,
+        fork_of: None,
         retain: s.retain.as_ref().map(|h| pb::RetentionHint {
             tokens: h.tokens,
             priority: h.priority,
