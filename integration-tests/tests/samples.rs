@@ -15,6 +15,7 @@ use std::time::Duration;
 use kvlease_integration_tests::*;
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::scheduler_client::SchedulerClient;
+use scheduler_svc::policy::OnExhausted;
 use scheduler_svc::queue::branch_seed;
 use tonic::transport::Channel;
 
@@ -151,13 +152,14 @@ async fn three_samples_fork_alike_in_the_pipelined_order() {
     three_samples(true).await;
 }
 
-/// Requests of 4 samples far past the pool: every sample ends (its length,
-/// or `REJECTED` with the cache's figures), and the pools are whole with
-/// nothing for the leak audit afterwards.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_over_subscribed_run_of_samples_leaves_the_pools_whole() {
-    const MAX_TOKENS: u32 = 24;
+/// Requests of 4 samples about 17 times past the pool, preempting or
+/// rejecting what cannot grow: every sample ends (its length, or `REJECTED`
+/// with the cache's figures), and the pools are whole with nothing for the
+/// leak audit afterwards.
+async fn over_subscribed(on_exhausted: OnExhausted) -> (usize, usize) {
+    const MAX_TOKENS: u32 = 60;
     let config = scheduler_svc::Config {
+        on_exhausted,
         overlap: true,
         max_preemptions: 3,
         max_seqs: 32,
@@ -169,14 +171,15 @@ async fn an_over_subscribed_run_of_samples_leaves_the_pools_whole() {
     let cluster = SmallCluster::start(config).await.unwrap();
     let pools = pool_stats(cluster.cache.addr, GROUP).await.unwrap();
     let total = pools.iter().find(|p| p.window == 0).map_or(0, |p| p.total);
-    // 40-token prompts, 4 samples of 24 tokens: about 2 + 4 * 2 blocks each
-    let requests = (4 * total / 10).max(8) as usize;
+    // 20-token prompts, 4 samples of 60 tokens: 1 + 4 x 4 blocks each (of
+    // 16 tokens), most of them taken while decoding
+    let requests = total.max(8) as usize;
     let client = cluster.client().await.unwrap();
     let mut tasks = Vec::new();
     for i in 0..requests {
         let mut c = client.clone();
         tasks.push(tokio::spawn(async move {
-            let tokens: Vec<u32> = (0..40)
+            let tokens: Vec<u32> = (0..20)
                 .map(|t| ((i * 31 + t * 13) % 250 + 1) as u32)
                 .collect();
             let r = pb::GenerateRequest {
@@ -191,6 +194,7 @@ async fn an_over_subscribed_run_of_samples_leaves_the_pools_whole() {
             samples(&mut c, r).await
         }));
     }
+    let (mut served, mut refused) = (0, 0);
     for t in tasks {
         let (got, _) = tokio::time::timeout(Duration::from_secs(120), t)
             .await
@@ -200,16 +204,40 @@ async fn an_over_subscribed_run_of_samples_leaves_the_pools_whole() {
         assert_eq!(got.len(), 4, "{got:?}");
         for s in &got {
             match pb::FinishReason::try_from(s.finish) {
-                Ok(pb::FinishReason::Length) => assert_eq!(s.tokens.len(), MAX_TOKENS as usize),
-                Ok(pb::FinishReason::Rejected) => {}
+                Ok(pb::FinishReason::Length) => {
+                    assert_eq!(s.tokens.len(), MAX_TOKENS as usize);
+                    served += 1;
+                }
+                Ok(pb::FinishReason::Rejected) => refused += 1,
                 other => panic!("a sample ended {other:?}: {s:?}"),
             }
         }
     }
     let pools = pool_stats(cluster.cache.addr, GROUP).await.unwrap();
-    assert!(fork_figures(&pools).1 > 0, "forks were made: {pools:?}");
+    let (shared, copies) = fork_figures(&pools);
+    println!(
+        "{requests} requests of 4 samples on {total} blocks: {served} samples served, {refused} refused; \
+         forks shared {shared} blocks and copied {copies}"
+    );
+    assert!(copies > 0, "forks were made: {pools:?}");
+    assert!(served > 0, "samples were served");
     assert_cache_sound(cluster.cache.addr, GROUP, WITHIN)
         .await
         .unwrap();
     cluster.stop().await.unwrap();
+    (served, refused)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_subscribed_run_of_samples_preempting_leaves_the_pools_whole() {
+    over_subscribed(OnExhausted::Preempt).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_subscribed_run_of_samples_rejecting_leaves_the_pools_whole() {
+    let (_, refused) = over_subscribed(OnExhausted::Reject).await;
+    assert!(
+        refused > 0,
+        "a pool 17 times over-subscribed refuses samples"
+    );
 }
