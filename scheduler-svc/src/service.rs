@@ -190,11 +190,16 @@ fn response_stream(
                 };
             };
             match next {
-                Some(output) => {
-                    if let Some(msg) = st.branch_message(output) {
-                        break msg;
+                Some(output) => match st.branch_message(output) {
+                    Some(msg) => break msg,
+                    // the request's last output, for a sample whose text
+                    // already ended: every sample's last message went
+                    None if st.done => {
+                        st.rx.close();
+                        return None;
                     }
-                }
+                    None => {}
+                },
                 None => {
                     st.done = true;
                     break pb::GenerateResponse {
@@ -437,6 +442,102 @@ mod tests {
         assert!(!t.stops.stopped());
         assert_eq!(t.push(&tokens("cx"), 3), "c");
         assert!(t.stops.stopped());
+    }
+
+    /// The messages of a request of `samples` samples whose step loop sends
+    /// `outputs` (then drops its sender).
+    async fn messages(
+        samples: u32,
+        stop: &[&str],
+        outputs: Vec<Output>,
+    ) -> Vec<pb::GenerateResponse> {
+        use futures::StreamExt;
+        let tokenizer = Tokenizer::byte_level();
+        let (tx, rx) = mpsc::unbounded_channel();
+        for o in outputs {
+            tx.send(o).unwrap();
+        }
+        drop(tx);
+        let text = TextOutput {
+            stop: stop.iter().map(|s| s.to_string()).collect(),
+            min_tokens: 0,
+        };
+        let stream = response_stream(
+            rx,
+            text,
+            &tokenizer,
+            None,
+            3,
+            samples,
+            tracing::Span::none(),
+        );
+        stream.map(|m| m.unwrap()).collect().await
+    }
+
+    fn tokens(index: u32, s: &str) -> Output {
+        Output::Tokens {
+            request: crate::domain::RequestId(1),
+            index,
+            tokens: s.bytes().map(u32::from).collect(),
+            reused_tokens: None,
+        }
+    }
+
+    fn finished(index: u32, last: bool) -> Output {
+        Output::Finished {
+            request: crate::domain::RequestId(1),
+            index,
+            finish: Finish::Length,
+            preemptions: 0,
+            last,
+        }
+    }
+
+    #[tokio::test]
+    async fn samples_stream_apart_and_the_stream_ends_with_the_last() {
+        let got = messages(
+            2,
+            &["x"],
+            vec![
+                tokens(0, "ab"),
+                tokens(1, "cx"),
+                // sample 1's text ended at the stop string: its later
+                // outputs are not sent
+                tokens(1, "dd"),
+                tokens(0, "e"),
+                finished(0, false),
+                finished(1, true),
+            ],
+        )
+        .await;
+        let seen: Vec<(u32, String, i32)> = got
+            .iter()
+            .map(|m| (m.index, m.text.clone(), m.finish_reason))
+            .collect();
+        let (none, stop, length) = (
+            0,
+            pb::FinishReason::Stop as i32,
+            pb::FinishReason::Length as i32,
+        );
+        assert_eq!(
+            seen,
+            vec![
+                (0, "ab".into(), none),
+                (1, "c".into(), stop),
+                (0, "e".into(), none),
+                (0, String::new(), length),
+            ],
+            "no error after the last output of a stopped sample"
+        );
+        assert_eq!(got[0].prompt_tokens, 3, "the prompt is reported once");
+        assert!(got[1..].iter().all(|m| m.prompt_tokens == 0));
+    }
+
+    #[tokio::test]
+    async fn a_stream_closed_before_every_sample_ended_is_an_error() {
+        let got = messages(2, &[], vec![tokens(0, "a"), finished(0, false)]).await;
+        let last = got.last().unwrap();
+        assert_eq!(last.finish_reason, pb::FinishReason::Error as i32);
     }
 
     #[test]
