@@ -85,7 +85,7 @@ if target/debug/kvlease model fetch smollm2 >/dev/null 2>&1; then
     log="$(mktemp)"
     # a short context keeps the warm-up's prefill quick in a debug build
     start_cluster "$log" --model smollm2 --max-context 256
-    "$py" clients/openai/check.py --factual "$http" || on_failure
+    "$py" clients/openai/check.py --factual "$http" "$cache" || on_failure
 else
     echo "skipped: SmolLM2 is not cached and could not be fetched (kvlease model fetch smollm2 says why)"
 fi

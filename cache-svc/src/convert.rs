@@ -115,6 +115,7 @@ pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
         reserve_full_life: s.reserve_full_life,
         prefill_tokens: s.prefill_tokens,
         retain,
+        fork_of: s.fork_of.map(SeqId),
     })
 }
 
@@ -338,6 +339,8 @@ pub(crate) fn stats_to_pb(p: PoolStats) -> pb::PoolStats {
         demotions: p.counters.demotions,
         onboards: p.counters.onboards,
         demotions_dropped: p.counters.demotions_dropped,
+        fork_shared: p.counters.fork_shared,
+        fork_copies: p.counters.fork_copies,
         eviction_policy: p.policy.configured.name().to_owned(),
         current_policy: p.policy.current.name().to_owned(),
         policy_estimates: p

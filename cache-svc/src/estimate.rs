@@ -6,8 +6,10 @@
 //! The life of a shape with prompt `P`, `n` output tokens, `e` extra slots and
 //! beam width `b`: one `Lease` of `P` tokens, then `n - 1` `Extend`s of one
 //! token (the last output token is never fed back), so the final length is
-//! `L = P + n - 1` and the lease covers `L + e` slots. Blocks wholly inside
-//! the prompt are shared by the beams; the rest are per beam. In a pool of
+//! `L = P + n - 1` and the lease covers `L + e` slots. Blocks wholly before
+//! the last prompt token are shared by the beams (or the branches forked
+//! from one parent); the rest are per beam, the block holding the last
+//! prompt token included: each beam computes that token itself. In a pool of
 //! window `W`, blocks that slide out are released, so fewer are held at once
 //! (`peak`) than are taken over the life (`total`).
 
@@ -53,7 +55,13 @@ pub(crate) fn pool_need(shape: Shape, window: u32, tokens_per_block: u32) -> Poo
     let prompt = u64::from(shape.prompt);
     let extra = u64::from(shape.extra);
     let final_len = prompt + u64::from(shape.max_new_tokens.max(1)) - 1;
-    let shared_end = prompt / b;
+    // beams share the blocks wholly before the last prompt token (each
+    // computes it); one beam's blocks are all its own anyway
+    let shared_end = if beams > 1 {
+        (prompt - 1) / b
+    } else {
+        prompt / b
+    };
     let total = held(0, ceil_div(final_len + extra, b), shared_end, beams);
     let mut peak = held(0, ceil_div(prompt + extra, b), shared_end, beams);
     if window > 0 && final_len > prompt {

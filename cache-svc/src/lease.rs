@@ -80,6 +80,10 @@ pub struct SeqSpec {
     pub prefill_tokens: u32,
     /// A retention hint on a prefix of the prompt (see [`Retain`]).
     pub retain: Option<Retain>,
+    /// A branch of this held sequence (see [`crate::cache`]'s forks): the
+    /// parent's blocks before the last prompt token are shared by
+    /// reference, the block holding it copied on write.
+    pub fork_of: Option<SeqId>,
 }
 
 /// The longest retention hint a request may give.
@@ -116,6 +120,7 @@ impl SeqSpec {
             reserve_full_life: false,
             prefill_tokens: 0,
             retain: None,
+            fork_of: None,
         }
     }
 }

@@ -124,6 +124,10 @@ pub struct PoolCounters {
     pub onboards: u64,
     /// Demotions dropped before publication (the copy was not vouched for).
     pub demotions_dropped: u64,
+    /// Blocks forks took by reference from their parents.
+    pub fork_shared: u64,
+    /// Partial-block copies granted to forks (copy on write).
+    pub fork_copies: u64,
 }
 
 /// One pool of blocks.

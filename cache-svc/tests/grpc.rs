@@ -761,3 +761,78 @@ async fn watch_streams_are_limited_per_principal() {
     drop(open);
     s.shutdown().await;
 }
+
+/// `SequenceSpec.fork_of` over the wire: a branch shares its parent's full
+/// blocks and gets a copy of the block of its last prompt token (counted in
+/// `PoolStats.fork_shared` / `fork_copies`); a parent not held is a
+/// per-sequence `UNKNOWN_SEQUENCE`; a malformed fork is `INVALID_ARGUMENT`
+/// naming `fork_of`, nothing taken.
+#[tokio::test]
+async fn forks_share_blocks_and_malformed_forks_name_fork_of() {
+    let (mut s, sess) = Server::with_session(config(), 16).await;
+    let c = &mut s.client;
+    let prompt: Vec<u32> = (0..10).collect();
+    let fork = |seq_id: u64, parent: u64, tokens: Vec<u32>| pb::SequenceSpec {
+        fork_of: Some(parent),
+        ..seq(seq_id, tokens)
+    };
+    let parent = c
+        .lease(lease_req(sess, 1, vec![seq(1, prompt.clone())]))
+        .await
+        .unwrap()
+        .into_inner();
+    let parent = grant(&parent.outcomes[0]).clone();
+    let in_use = |st: &pb::GetStatsResponse| st.pools.iter().map(|p| p.in_use).collect::<Vec<_>>();
+    let before = stats(c).await;
+    let mut beams = fork(2, 1, prompt.clone());
+    beams.beam_width = 2;
+    for (bad, why) in [
+        (fork(1, 1, prompt.clone()), "cannot fork itself"),
+        (beams, "beam_width must be 1"),
+        (
+            fork(2, 1, (5..15).collect()),
+            "not the tokens the parent holds",
+        ),
+    ] {
+        let status = c.lease(lease_req(sess, 2, vec![bad])).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument);
+        let message = status.message();
+        assert!(
+            message.contains("fork_of") && message.contains(why),
+            "{message}"
+        );
+    }
+    assert_eq!(in_use(&before), in_use(&stats(c).await), "nothing taken");
+    let out = c
+        .lease(lease_req(
+            sess,
+            2,
+            vec![fork(2, 1, prompt.clone()), fork(3, 9, prompt.clone())],
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let g = grant(&out.outcomes[0]);
+    assert_eq!(g.reused_tokens, 9);
+    // both pools (full attention and window 8): blocks 0 and 1 shared
+    // where the window reaches them, block 2 copied
+    for t in &g.tables {
+        let mother = parent
+            .tables
+            .iter()
+            .find(|p| p.pool_id == t.pool_id)
+            .unwrap();
+        assert_eq!(t.first_block, mother.first_block);
+        let shared = 2 - t.first_block as usize;
+        assert_eq!(t.block_ids[..shared], mother.block_ids[..shared]);
+        assert_ne!(t.block_ids[shared], mother.block_ids[shared]);
+    }
+    assert_eq!(g.copies.len(), 2);
+    assert!(g.copies.iter().all(|c| c.tokens == 1));
+    let r = reject(&out.outcomes[1]);
+    assert_eq!(r.reason, pb::RejectReason::UnknownSequence as i32);
+    let st = stats(c).await;
+    assert_eq!(st.pools.iter().map(|p| p.fork_copies).sum::<u64>(), 2);
+    assert!(st.pools.iter().map(|p| p.fork_shared).sum::<u64>() >= 2);
+    s.shutdown().await;
+}

@@ -1,7 +1,7 @@
 """The official `openai` package against a running `kvlease up --http-listen`.
 
 Usage: python check.py [--rejects] BASE_URL (e.g. http://127.0.0.1:8000/v1)
-       python check.py --factual BASE_URL   (a real chat model, e.g. kvlease up --model smollm2)
+       python check.py --factual BASE_URL [CACHE_ADDR]   (a real chat model, e.g. kvlease up --model smollm2)
 
 Checks, each failing with a message and exit code 1:
 - models.list names the served model;
@@ -23,7 +23,12 @@ With --factual: a chat completion, whole and streamed, answers "What is the
 capital of France?" with an answer that names Paris; a logit_bias of +100
 makes one token every token, frequency and presence penalties reduce the
 repeats of a repetitive prompt, top_k 1 at temperature 1 is greedy, and
-min_p 2 is a 400 naming min_p.
+min_p 2 is a 400 naming min_p; n=3 with a seed gives three different
+completions, the same three again, streamed with each chunk's index and
+usage counting the prompt once, and (given the cache's gRPC address) the
+cache's figures show the prompt's blocks leased once: the two forked
+choices took (prompt - 1) // tokens_per_block full blocks each by reference
+and a copy of the block of the last prompt token; n=17 is a 400 naming n.
 """
 
 import sys
@@ -124,7 +129,7 @@ def rejects(base_url, requests=48, max_tokens=256):
     print("openai reject check passed")
 
 
-def factual(base_url):
+def factual(base_url, cache_addr=None):
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
     # a real model is served under its own name: ask for it, as a client would
     model = client.models.list().data[0].id
@@ -160,12 +165,64 @@ def factual(base_url):
         check(False, "min_p 2 was served")
     except openai.BadRequestError as e:
         check("min_p" in e.message, f"min_p 2 is a 400 naming it: {e.message}")
+    samples(client, model, cache_addr)
     print("openai factual chat check passed")
 
 
+def fork_figures(cache_addr):
+    """(fork_shared, fork_copies, tokens_per_block) summed over the cache's pools."""
+    import grpc
+    from kvlease.v1 import cache_pb2, cache_pb2_grpc
+
+    with grpc.insecure_channel(cache_addr) as channel:
+        pools = cache_pb2_grpc.CacheServiceStub(channel).GetStats(cache_pb2.GetStatsRequest()).pools
+    return (sum(p.fork_shared for p in pools), sum(p.fork_copies for p in pools),
+            pools[0].tokens_per_block, len(pools))
+
+
+def samples(client, model, cache_addr):
+    prompt = "Write a one-line poem about the sea:"
+    before = fork_figures(cache_addr) if cache_addr else None
+
+    def create(**kw):
+        return client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=1.0, seed=5,
+                                         extra_body={"ignore_eos": True}, **kw)
+    many = create(n=3)
+    texts = [c.text for c in sorted(many.choices, key=lambda c: c.index)]
+    check([c.index for c in sorted(many.choices, key=lambda c: c.index)] == [0, 1, 2]
+          and len(set(texts)) == 3, f"n=3 with a seed gives three different completions: {texts!r}")
+    one = create()
+    check(many.usage.prompt_tokens == one.usage.prompt_tokens
+          and many.usage.completion_tokens == 3 * 16,
+          f"usage counts the prompt once ({many.usage.prompt_tokens} tokens) and every choice's tokens "
+          f"({many.usage.completion_tokens})")
+    check(one.choices[0].text == texts[0], "choice 0 keeps the seed: it is the one-choice completion")
+    if before is not None:
+        after = fork_figures(cache_addr)
+        shared, copies, b, pools = after[0] - before[0], after[1] - before[1], after[2], after[3]
+        p = many.usage.prompt_tokens
+        want = (2 * ((p - 1) // b) * pools, 2 * pools if (p - 1) % b else 0)
+        check((shared, copies) == want,
+              f"the prompt's blocks were leased once: the 2 forks shared {shared} blocks and copied {copies} "
+              f"(a {p}-token prompt in blocks of {b}: {want})")
+    again = create(n=3)
+    check([c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts,
+          "the same three completions again")
+    streamed = ["", "", ""]
+    for chunk in create(n=3, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    check(streamed == texts, "streamed, each chunk names its choice: the same three texts")
+    try:
+        client.completions.create(model=model, prompt=prompt, max_tokens=4, n=17)
+        check(False, "n=17 was served")
+    except openai.BadRequestError as e:
+        check(getattr(e, "param", None) == "n", f"n=17 is a 400 naming n: {e.message}")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--factual"] and len(sys.argv) == 3:
-        factual(sys.argv[2])
+    if sys.argv[1:2] == ["--factual"] and len(sys.argv) in (3, 4):
+        factual(sys.argv[2], sys.argv[3] if len(sys.argv) == 4 else None)
     elif sys.argv[1:2] == ["--rejects"] and len(sys.argv) == 3:
         rejects(sys.argv[2])
     elif len(sys.argv) == 2:

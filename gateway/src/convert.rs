@@ -32,6 +32,7 @@ pub fn generate_request(g: &Generate, id: &str, tenant: &str) -> pb::GenerateReq
         cache_salt: tenant.to_string(),
         request_id: id.to_string(),
         ignore_eos: g.ignore_eos,
+        n: g.n,
         retain: g.retain.map(|h| pb::RetainPrefix {
             tokens: h.tokens,
             priority: h.priority,
@@ -80,6 +81,8 @@ impl End {
 /// One message of the response stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Piece {
+    /// The choice (parallel sample) it belongs to.
+    pub index: u32,
     pub text: String,
     /// Tokens generated in this message.
     pub tokens: u32,
@@ -104,6 +107,7 @@ impl Piece {
 
     fn failed(e: ApiError) -> Self {
         Self {
+            index: 0,
             text: String::new(),
             tokens: 0,
             prompt_tokens: 0,
@@ -114,24 +118,28 @@ impl Piece {
     }
 }
 
-/// The scheduler's response stream as pieces, always ending with a piece
-/// whose `end` is set: a gRPC error mid-stream, or a stream that closes
-/// without a finish reason, becomes an [`End::Failed`].
-pub fn pieces<S>(stream: S) -> impl Stream<Item = Piece> + Send + 'static
+/// The scheduler's response stream of a request of `n` choices as pieces,
+/// ending with the piece that ends the last choice, or with the first
+/// [`End::Failed`]: a gRPC error mid-stream, or a stream that closes before
+/// every choice ended, becomes one.
+pub fn pieces<S>(stream: S, n: u32) -> impl Stream<Item = Piece> + Send + 'static
 where
     S: Stream<Item = Result<pb::GenerateResponse, tonic::Status>> + Send + Unpin + 'static,
 {
-    futures::stream::unfold(Some(stream), |state| async move {
-        let mut stream = state?;
+    futures::stream::unfold(Some((stream, n.max(1))), |state| async move {
+        let (mut stream, mut left) = state?;
         let piece = match stream.next().await {
             Some(Ok(m)) => piece(m),
             Some(Err(status)) => Piece::failed(status.into()),
             None => Piece::unfinished(),
         };
-        let next = if piece.end.is_some() {
-            None
-        } else {
-            Some(stream)
+        let next = match &piece.end {
+            None => Some((stream, left)),
+            Some(End::Failed(_)) => None,
+            Some(_) => {
+                left -= 1;
+                (left > 0).then_some((stream, left))
+            }
         };
         Some((piece, next))
     })
@@ -161,6 +169,7 @@ pub fn piece(m: pb::GenerateResponse) -> Piece {
         )))),
     };
     Piece {
+        index: m.index,
         tokens: u32::try_from(m.tokens.len()).unwrap_or(u32::MAX),
         text: m.text,
         prompt_tokens: m.prompt_tokens,
@@ -306,7 +315,7 @@ mod tests {
             reused_tokens: 4,
             ..Default::default()
         };
-        let got: Vec<Piece> = pieces(futures::stream::iter(vec![Ok(tokens.clone())]))
+        let got: Vec<Piece> = pieces(futures::stream::iter(vec![Ok(tokens.clone())]), 1)
             .collect()
             .await;
         assert_eq!(got.len(), 2);
@@ -315,14 +324,53 @@ mod tests {
             (2, 5, 4)
         );
         assert_eq!(got[1], Piece::unfinished());
-        let got: Vec<Piece> = pieces(futures::stream::iter(vec![
-            Ok(tokens),
-            Err(tonic::Status::unavailable("gone")),
-            Ok(pb::GenerateResponse::default()),
-        ]))
+        let got: Vec<Piece> = pieces(
+            futures::stream::iter(vec![
+                Ok(tokens),
+                Err(tonic::Status::unavailable("gone")),
+                Ok(pb::GenerateResponse::default()),
+            ]),
+            1,
+        )
         .collect()
         .await;
         assert_eq!(got.len(), 2, "nothing is read after the end");
         assert_eq!(error_of(got[1].clone()).status.as_u16(), 503);
+    }
+
+    #[tokio::test]
+    async fn a_stream_of_choices_ends_with_the_last_choice_to_end() {
+        let msg = |index: u32, reason: pb::FinishReason| pb::GenerateResponse {
+            index,
+            tokens: vec![1],
+            text: "a".into(),
+            finish_reason: reason as i32,
+            ..Default::default()
+        };
+        let stream = || {
+            futures::stream::iter(vec![
+                Ok(msg(1, pb::FinishReason::Unspecified)),
+                Ok(msg(1, pb::FinishReason::Stop)),
+                Ok(msg(0, pb::FinishReason::Length)),
+                Ok(msg(2, pb::FinishReason::Length)),
+                Ok(pb::GenerateResponse::default()),
+            ])
+        };
+        let got: Vec<Piece> = pieces(stream(), 3).collect().await;
+        assert_eq!(got.len(), 4, "nothing is read after the last choice ends");
+        assert_eq!(
+            got.iter().map(|p| p.index).collect::<Vec<_>>(),
+            vec![1, 1, 0, 2]
+        );
+        assert_eq!(got[3].end, Some(End::Length));
+        // a stream that closes before every choice ended fails
+        let got: Vec<Piece> = pieces(
+            futures::stream::iter(vec![Ok(msg(0, pb::FinishReason::Length))]),
+            2,
+        )
+        .collect()
+        .await;
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[1], Piece::unfinished());
     }
 }

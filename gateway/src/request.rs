@@ -47,7 +47,12 @@ pub struct Generate {
     pub include_usage: bool,
     /// `kvlease.retain`: keep a prefix of the prompt cached.
     pub retain: Option<Retain>,
+    /// Choices (parallel samples), 1 to [`MAX_SAMPLES`].
+    pub n: u32,
 }
+
+/// Most choices (`n`) one request may ask for (the scheduler's limit).
+pub const MAX_SAMPLES: u64 = 16;
 
 /// A retention hint (`"kvlease": {"retain": {...}}`): the cache keeps the
 /// full blocks of the prompt's first `tokens` tokens after every unhinted
@@ -263,9 +268,16 @@ impl Served {
         default_max_tokens: u32,
     ) -> Result<Generate> {
         refuse_unserved(&c.unserved)?;
-        if c.n.is_some_and(|n| n != 1) {
-            return Err(ApiError::invalid_param("n", "n must be 1"));
-        }
+        let n = match c.n {
+            None => 1,
+            Some(n @ 1..=MAX_SAMPLES) => n as u32,
+            Some(n) => {
+                return Err(ApiError::invalid_param(
+                    "n",
+                    format!("n must be 1 to {MAX_SAMPLES} choices, got {n}"),
+                ));
+            }
+        };
         if c.logprobs
             .as_ref()
             .is_some_and(|v| !(v.is_null() || *v == serde_json::Value::Bool(false)))
@@ -355,6 +367,7 @@ impl Served {
             ignore_eos: c.ignore_eos.unwrap_or(false),
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
             retain,
+            n,
         })
     }
 }
@@ -658,10 +671,26 @@ mod tests {
     }
 
     #[test]
+    fn n_choices_reach_the_request_for_completions_and_chat() {
+        let c = completion(serde_json::json!({"model": "m", "prompt": "x", "n": 3})).unwrap();
+        assert_eq!(c.n, 3);
+        let c = chat(serde_json::json!({"model": "m", "n": 16,
+            "messages": [{"role": "user", "content": "x"}]}))
+        .unwrap();
+        assert_eq!(c.n, 16);
+        let c = completion(serde_json::json!({"model": "m", "prompt": "x"})).unwrap();
+        assert_eq!(c.n, 1, "one choice unless asked");
+    }
+
+    #[test]
     fn what_kvlease_cannot_serve_is_refused_naming_the_field() {
         let cases = [
             (
-                serde_json::json!({"model": "m", "prompt": "x", "n": 2}),
+                serde_json::json!({"model": "m", "prompt": "x", "n": 17}),
+                "n",
+            ),
+            (
+                serde_json::json!({"model": "m", "prompt": "x", "n": 0}),
                 "n",
             ),
             (
@@ -914,7 +943,7 @@ mod tests {
             (
                 completion(serde_json::json!({"model": "m", "prompt": "x", "n": over})),
                 "n",
-                "n must be 1",
+                "n must be 1 to 16 choices, got 4294967301",
             ),
         ];
         for (result, param, message) in cases {

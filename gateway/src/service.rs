@@ -302,7 +302,7 @@ impl Gateway {
             Ok(r) => r.into_inner(),
             Err(status) => return ApiError::from(status).into_response(),
         };
-        let mut pieces = Box::pin(convert::pieces(stream));
+        let mut pieces = Box::pin(convert::pieces(stream, g.n));
         // a refusal before the first token gets its own HTTP status
         let Some(first) = pieces.next().await else {
             return ApiError::upstream("the scheduler sent no answer").into_response();
@@ -312,7 +312,7 @@ impl Gateway {
         }
         if g.stream {
             let tally = Tally::new(g.retain.is_some());
-            let events = sse(answer, g.include_usage, tally, first, pieces);
+            let events = sse(answer, g.include_usage, tally, g.n, first, pieces);
             let mut r = Response::new(Body::from_stream(events));
             let h = r.headers_mut();
             h.insert(
@@ -322,35 +322,54 @@ impl Gateway {
             h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
             r
         } else {
-            match whole(Tally::new(g.retain.is_some()), first, pieces).await {
-                Ok((text, end, tally)) => answer.whole(text, end, tally.usage()),
+            match whole(Tally::new(g.retain.is_some()), g.n, first, pieces).await {
+                Ok((choices, tally)) => answer.whole(choices, tally.usage()),
                 Err(e) => e.into_response(),
             }
         }
     }
 }
 
-/// Reads every piece: the text, how it ended and the usage, or the error.
+/// Reads every piece of `n` choices: each choice's text and how it ended,
+/// in index order, and the usage (the prompt counted once); or the error
+/// (any choice failing fails the request).
 async fn whole(
     mut tally: Tally,
+    n: u32,
     first: Piece,
     mut rest: impl Stream<Item = Piece> + Unpin,
-) -> Result<(String, &'static str, Tally)> {
-    let mut text = String::new();
+) -> Result<(Vec<(String, &'static str)>, Tally)> {
+    let mut choices: Vec<(String, Option<&'static str>)> =
+        vec![(String::new(), None); n.max(1) as usize];
     let mut p = first;
     loop {
         tally.add(&p);
-        text.push_str(&p.text);
+        let Some(choice) = choices.get_mut(p.index as usize) else {
+            return Err(ApiError::upstream(format!(
+                "the scheduler answered choice {} of {n}",
+                p.index
+            )));
+        };
+        choice.0.push_str(&p.text);
         match p.end {
             Some(End::Failed(e)) => return Err(e),
-            Some(end) => return Ok((text, end.finish_reason().unwrap_or("stop"), tally)),
-            None => p = rest.next().await.unwrap_or_else(Piece::unfinished),
+            Some(end) => choice.1 = Some(end.finish_reason().unwrap_or("stop")),
+            None => {}
         }
+        if choices.iter().all(|c| c.1.is_some()) {
+            let done = choices
+                .into_iter()
+                .map(|(text, end)| (text, end.unwrap_or("stop")))
+                .collect();
+            return Ok((done, tally));
+        }
+        p = rest.next().await.unwrap_or_else(Piece::unfinished);
     }
 }
 
 impl Answer {
-    fn whole(&self, text: String, finish: &'static str, usage: Usage) -> Response {
+    fn whole(&self, choices: Vec<(String, &'static str)>, usage: Usage) -> Response {
+        let indexed = choices.into_iter().zip(0u32..);
         match self.kind {
             Kind::Completion => json(
                 StatusCode::OK,
@@ -359,12 +378,14 @@ impl Answer {
                     object: "text_completion",
                     created: self.created,
                     model: self.model.clone(),
-                    choices: vec![CompletionChoice {
-                        index: 0,
-                        text,
-                        logprobs: None,
-                        finish_reason: Some(finish),
-                    }],
+                    choices: indexed
+                        .map(|((text, finish), index)| CompletionChoice {
+                            index,
+                            text,
+                            logprobs: None,
+                            finish_reason: Some(finish),
+                        })
+                        .collect(),
                     usage: Some(usage),
                 },
             ),
@@ -375,25 +396,28 @@ impl Answer {
                     object: "chat.completion",
                     created: self.created,
                     model: self.model.clone(),
-                    choices: vec![ChatChoice {
-                        index: 0,
-                        message: AssistantMessage {
-                            role: "assistant",
-                            content: text,
-                        },
-                        logprobs: None,
-                        finish_reason: finish,
-                    }],
+                    choices: indexed
+                        .map(|((text, finish), index)| ChatChoice {
+                            index,
+                            message: AssistantMessage {
+                                role: "assistant",
+                                content: text,
+                            },
+                            logprobs: None,
+                            finish_reason: finish,
+                        })
+                        .collect(),
                     usage,
                 },
             ),
         }
     }
 
-    /// One streamed chunk: a text delta, the role (chat's first chunk), a
-    /// finish reason, or (with no choices) the usage.
+    /// One streamed chunk of choice `index`: a text delta, the role (chat's
+    /// first chunk), a finish reason, or (with no choices) the usage.
     fn chunk(
         &self,
+        index: u32,
         text: Option<String>,
         role: bool,
         finish: Option<&'static str>,
@@ -408,7 +432,7 @@ impl Answer {
                 model: self.model.clone(),
                 choices: with_choice
                     .then(|| CompletionChoice {
-                        index: 0,
+                        index,
                         text: text.unwrap_or_default(),
                         logprobs: None,
                         finish_reason: finish,
@@ -424,7 +448,7 @@ impl Answer {
                 model: self.model.clone(),
                 choices: with_choice
                     .then(|| ChunkChoice {
-                        index: 0,
+                        index,
                         delta: Delta {
                             role: role.then_some("assistant"),
                             content: text,
@@ -451,6 +475,8 @@ struct SseState<S> {
     answer: Answer,
     include_usage: bool,
     tally: Tally,
+    /// Choices not ended yet.
+    left: u32,
     first: Option<Piece>,
     rest: S,
     started: bool,
@@ -464,6 +490,7 @@ fn sse(
     answer: Answer,
     include_usage: bool,
     tally: Tally,
+    n: u32,
     first: Piece,
     rest: impl Stream<Item = Piece> + Send + Unpin + 'static,
 ) -> impl Stream<Item = std::result::Result<Bytes, Infallible>> + Send + 'static {
@@ -471,6 +498,7 @@ fn sse(
         answer,
         include_usage,
         tally,
+        left: n.max(1),
         first: Some(first),
         rest,
         started: false,
@@ -496,7 +524,12 @@ impl<S: Stream<Item = Piece> + Unpin> SseState<S> {
         if !st.started {
             st.started = true;
             if st.answer.kind == Kind::Chat {
-                out.push_str(&st.answer.chunk(Some(String::new()), true, None, None));
+                for index in 0..st.left {
+                    out.push_str(
+                        &st.answer
+                            .chunk(index, Some(String::new()), true, None, None),
+                    );
+                }
             }
         }
         let piece = match st.first.take() {
@@ -507,8 +540,9 @@ impl<S: Stream<Item = Piece> + Unpin> SseState<S> {
             },
         };
         st.tally.add(&piece);
+        let index = piece.index;
         if !piece.text.is_empty() {
-            out.push_str(&st.answer.chunk(Some(piece.text), false, None, None));
+            out.push_str(&st.answer.chunk(index, Some(piece.text), false, None, None));
         }
         match piece.end {
             None => {}
@@ -518,13 +552,25 @@ impl<S: Stream<Item = Piece> + Unpin> SseState<S> {
                 out.push_str(DONE);
             }
             Some(end) => {
-                st.done = true;
                 let content = (st.answer.kind == Kind::Chat).then(String::new);
-                out.push_str(&st.answer.chunk(content, false, end.finish_reason(), None));
-                if st.include_usage {
-                    out.push_str(&st.answer.chunk(None, false, None, Some(st.tally.usage())));
+                out.push_str(
+                    &st.answer
+                        .chunk(index, content, false, end.finish_reason(), None),
+                );
+                st.left = st.left.saturating_sub(1);
+                if st.left == 0 {
+                    st.done = true;
+                    if st.include_usage {
+                        out.push_str(&st.answer.chunk(
+                            0,
+                            None,
+                            false,
+                            None,
+                            Some(st.tally.usage()),
+                        ));
+                    }
+                    out.push_str(DONE);
                 }
-                out.push_str(DONE);
             }
         }
     }
@@ -561,6 +607,7 @@ mod tests {
 
     fn text(t: &str) -> Piece {
         Piece {
+            index: 0,
             text: t.into(),
             tokens: 1,
             prompt_tokens: 0,
@@ -587,12 +634,17 @@ mod tests {
     }
 
     async fn body(kind: Kind, usage: bool, pieces: Vec<Piece>) -> Vec<String> {
+        body_of(kind, usage, 1, pieces).await
+    }
+
+    async fn body_of(kind: Kind, usage: bool, n: u32, pieces: Vec<Piece>) -> Vec<String> {
         let mut it = pieces.into_iter();
         let first = it.next().unwrap();
         let frames: Vec<Bytes> = sse(
             answer(kind),
             usage,
             Tally::new(false),
+            n,
             first,
             futures::stream::iter(it),
         )
@@ -667,5 +719,83 @@ mod tests {
             )
         );
         assert_eq!(events[4], "[DONE]");
+    }
+
+    /// Choice `index`'s piece of `t`.
+    fn of(index: u32, t: &str, end: Option<End>) -> Piece {
+        Piece {
+            index,
+            end,
+            ..text(t)
+        }
+    }
+
+    #[tokio::test]
+    async fn choices_stream_with_their_index_and_end_once_every_choice_ended() {
+        let pieces = vec![
+            Piece {
+                prompt_tokens: 5,
+                ..of(0, "a", None)
+            },
+            of(1, "x", None),
+            of(1, "y", Some(End::Stop)),
+            of(0, "b", Some(End::Length)),
+        ];
+        let events = body_of(Kind::Chat, true, 2, pieces).await;
+        let chunk = |i: usize| serde_json::from_str::<serde_json::Value>(&events[i]).unwrap();
+        assert_eq!(events.len(), 10, "{events:?}");
+        for (i, index) in [(0, 0), (1, 1)] {
+            assert_eq!(chunk(i)["choices"][0]["index"], index);
+            assert_eq!(chunk(i)["choices"][0]["delta"]["role"], "assistant");
+        }
+        let delta = |i: usize| {
+            let c = chunk(i);
+            let choice = &c["choices"][0];
+            (
+                choice["index"].as_u64().unwrap(),
+                choice["delta"]["content"].as_str().unwrap().to_owned(),
+                choice["finish_reason"].as_str().map(str::to_owned),
+            )
+        };
+        assert_eq!(delta(2), (0, "a".into(), None));
+        assert_eq!(delta(3), (1, "x".into(), None));
+        assert_eq!(delta(4), (1, "y".into(), None));
+        assert_eq!(delta(5), (1, String::new(), Some("stop".into())));
+        assert_eq!(delta(6), (0, "b".into(), None));
+        assert_eq!(delta(7), (0, String::new(), Some("length".into())));
+        // the prompt counted once, every choice's tokens
+        let usage = &chunk(8)["usage"];
+        assert_eq!(
+            (&usage["prompt_tokens"], &usage["completion_tokens"]),
+            (&serde_json::json!(5), &serde_json::json!(4))
+        );
+        assert_eq!(events[9], "[DONE]");
+    }
+
+    #[tokio::test]
+    async fn whole_answers_hold_every_choice_in_index_order() {
+        let rest = vec![of(0, "b", Some(End::Length)), of(1, "y", Some(End::Stop))];
+        let first = Piece {
+            prompt_tokens: 5,
+            ..of(1, "x", None)
+        };
+        let (choices, tally) = whole(Tally::new(false), 2, first, futures::stream::iter(rest))
+            .await
+            .unwrap();
+        assert_eq!(
+            choices,
+            vec![("b".to_owned(), "length"), ("xy".to_owned(), "stop")]
+        );
+        assert_eq!((tally.prompt_tokens, tally.completion_tokens), (5, 3));
+        // a choice past n is the scheduler's fault, answered as such
+        let e = whole(
+            Tally::new(false),
+            1,
+            of(3, "z", None),
+            futures::stream::iter(Vec::new()),
+        )
+        .await
+        .unwrap_err();
+        assert!(e.message.contains("choice 3 of 1"), "{}", e.message);
     }
 }

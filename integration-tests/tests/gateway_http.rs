@@ -352,11 +352,11 @@ async fn invalid_requests_are_400_in_openai_shape_with_the_schedulers_message() 
     expect(
         &f.post(
             "/v1/completions",
-            json!({"model": "kvlease", "prompt": "x", "n": 2}),
+            json!({"model": "kvlease", "prompt": "x", "n": 17}),
         )
         .await,
         400,
-        "n must be 1",
+        "n must be 1 to 16",
     );
     expect(
         &f.post("/v1/completions", json!({"model": "gpt-4", "prompt": "x"}))

@@ -270,6 +270,7 @@ async fn warm_up(
                     reserve_full_life: true,
                     // warm-up: nothing is published, whatever the chunks
                     prefill_tokens: 0,
+                    fork_of: None,
                 }
             })
             .collect();

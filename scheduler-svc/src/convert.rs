@@ -31,6 +31,8 @@ const MAX_LABEL: usize = 256;
 /// Limits on stop strings: how many, and the bytes of each.
 const MAX_STOPS: usize = 16;
 const MAX_STOP_BYTES: usize = 256;
+/// Most parallel samples (`GenerateRequest.n`) one request may ask for.
+pub(crate) const MAX_SAMPLES: u32 = 16;
 
 /// How a request's output text is made. Every request gets its text, a
 /// token-id prompt too: clients that tokenize themselves (load generators)
@@ -187,6 +189,12 @@ pub(crate) fn validate(
             ),
         );
     }
+    if req.n > MAX_SAMPLES {
+        return bad(
+            "n",
+            format!("n must be 1 to {MAX_SAMPLES} samples, got {}", req.n),
+        );
+    }
     if req.priority > 100 {
         return bad(
             "priority",
@@ -231,6 +239,7 @@ pub(crate) fn validate(
     let sampling = sampling(req, limits)?;
     let mut r = Request::new(RequestId(id), prompt, req.max_tokens);
     r.sampling = sampling;
+    r.n = req.n.max(1);
     r.stop_tokens = req.stop_tokens.clone();
     if !req.ignore_eos {
         r.stop_tokens.extend_from_slice(tokenizer.end_ids());
@@ -496,6 +505,7 @@ pub(crate) fn sequence_spec(s: &LeaseSpec, traceparent: String) -> pb::SequenceS
         traceparent,
         prefill_tokens: s.prefill_tokens,
         refusal_retried: false,
+        fork_of: s.fork_of.map(SeqId::get),
         retain: s.retain.as_ref().map(|h| pb::RetentionHint {
             tokens: h.tokens,
             priority: h.priority,
@@ -829,6 +839,7 @@ mod tests {
             }),
             reserve_full_life: false,
             prefill_tokens: 3,
+            fork_of: Some(SeqId(9)),
         };
         let traces = ["00-t-s-01".to_string()];
         let admit = lease_request(
@@ -849,6 +860,7 @@ mod tests {
             (7, 3, 5, false, false)
         );
         assert_eq!(admit.sequences[0].seq_id, 11);
+        assert_eq!(admit.sequences[0].fork_of, Some(9));
         assert_eq!(admit.sequences[0].traceparent, "00-t-s-01");
         assert_eq!(
             admit.sequences[0].retain,
@@ -1071,6 +1083,13 @@ mod tests {
                 },
                 "priority",
             ),
+            (
+                pb::GenerateRequest {
+                    n: MAX_SAMPLES + 1,
+                    ..base()
+                },
+                "n",
+            ),
             (retain(2, 0, 60), "retain.tokens"),
             (retain(0, 0, 60), "retain.tokens"),
             (retain(1, 101, 60), "retain.priority"),
@@ -1204,6 +1223,15 @@ mod tests {
         assert_eq!(s.logit_bias, [(2, 3.5), (7, -100.0)]);
         assert_eq!(s.min_tokens, 2);
         assert!(s.has_penalties() && !s.is_greedy());
+        // samples: 0 is read as 1, 16 is the most
+        assert_eq!(q.n, 1);
+        for n in [1, MAX_SAMPLES] {
+            let r = pb::GenerateRequest {
+                n,
+                ..req(vec![1, 2], 4)
+            };
+            assert_eq!(validate_bytes(1, &r, &limits()).expect("valid").0.n, n);
+        }
         let biased = Sampling {
             logit_bias: vec![(1, 1.0)],
             ..Sampling::default()

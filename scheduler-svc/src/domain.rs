@@ -356,6 +356,10 @@ pub struct LeaseSpec {
     pub cache_salt: String,
     pub retain: Option<Retain>,
     pub reserve_full_life: bool,
+    /// A branch of this running sequence (see `SequenceSpec.fork_of`): its
+    /// blocks before the last prompt token are shared, the block holding
+    /// it copied on write.
+    pub fork_of: Option<SeqId>,
     /// Prompt tokens the lease's step computes beyond the reused ones (the
     /// first prefill chunk); the cache holds back the blocks of later chunks
     /// until an [`ExtendSpec::written_tokens`] reports them. 0: the whole
@@ -472,16 +476,21 @@ pub enum Output {
     /// Tokens generated since the previous output.
     Tokens {
         request: RequestId,
+        /// The branch (parallel sample) they belong to: 0 to `n - 1`.
+        index: u32,
         tokens: Vec<u32>,
         /// Prompt tokens served from cached blocks and kept under the
         /// request's retention hint, on the first output.
         reused_tokens: Option<(u32, u32)>,
     },
-    /// The last output of a request.
+    /// The last output of a branch of a request; `last`: of the request
+    /// (every branch has finished).
     Finished {
         request: RequestId,
+        index: u32,
         finish: Finish,
         preemptions: u32,
+        last: bool,
     },
 }
 

@@ -231,6 +231,7 @@ impl SchedulerMetrics {
                 request,
                 tokens,
                 reused_tokens,
+                ..
             } => {
                 self.output_tokens.inc_by(tokens.len() as u64);
                 if let Some(n) = reused_tokens {
@@ -245,8 +246,12 @@ impl SchedulerMetrics {
                         .observe(now.duration_since(clock.arrived).as_secs_f64());
                 }
             }
+            // a request of several samples ends with its last
             Output::Finished {
-                request, finish, ..
+                request,
+                finish,
+                last: true,
+                ..
             } => {
                 if let Some(clock) = self.live.remove(request) {
                     self.request_seconds
@@ -254,6 +259,7 @@ impl SchedulerMetrics {
                         .observe(now.duration_since(clock.arrived).as_secs_f64());
                 }
             }
+            Output::Finished { .. } => {}
         }
     }
 
@@ -324,6 +330,7 @@ mod tests {
         m.arrived_at(id, 12, t0);
         let tokens = |tokens: Vec<u32>, reused| Output::Tokens {
             request: id,
+            index: 0,
             tokens,
             reused_tokens: reused,
         };
@@ -335,8 +342,10 @@ mod tests {
         m.output_at(
             &Output::Finished {
                 request: id,
+                index: 0,
                 finish: Finish::Length,
                 preemptions: 0,
+                last: true,
             },
             t0 + Duration::from_millis(700),
         );

@@ -43,14 +43,27 @@ impl Policy {
         }
     }
 
-    /// Blocks a request or sequence is charged in a pool of `window`.
+    /// Blocks a request or sequence is charged in a pool of `window`: with
+    /// samples, the blocks they share once (none for a forked sample, whose
+    /// parent is charged them) and the rest per sample, as the cache
+    /// takes them.
     pub fn charge(self, group: &GroupGeometry, window: u32, demand: Demand) -> u32 {
         let tokens = if self.reserves_full_life() {
             demand.life_tokens
         } else {
             demand.next_tokens
         };
-        group.blocks_for(tokens, window)
+        let whole = group.blocks_for(tokens, window);
+        let shared = match window {
+            0 => (demand.shared_tokens / group.tokens_per_block.max(1)).min(whole),
+            _ => 0,
+        };
+        let own = (whole - shared).saturating_mul(demand.branches.max(1));
+        if demand.shared_elsewhere {
+            own
+        } else {
+            own.saturating_add(shared)
+        }
     }
 
     /// Whether to lease `demand` now. `loads` are the group's pools with
@@ -155,6 +168,30 @@ pub struct Demand {
     pub next_tokens: u32,
     /// Slots over the whole life (extra slots included).
     pub life_tokens: u32,
+    /// Samples it stands for (0 is read as 1): a request of several samples
+    /// not forked yet is charged its shared blocks once and the rest per
+    /// sample.
+    pub branches: u32,
+    /// Leading tokens whose full blocks the samples share (the prompt but
+    /// its last token): in a full-attention pool they are charged once
+    /// (windowed pools charge every sample whole: their blocks slide).
+    pub shared_tokens: u32,
+    /// A forked sample: its shared blocks are charged to the sequence it
+    /// shares them with, not to it.
+    pub shared_elsewhere: bool,
+}
+
+impl Demand {
+    /// The demand of one sequence that shares nothing.
+    pub fn new(next_tokens: u32, life_tokens: u32) -> Self {
+        Self {
+            next_tokens,
+            life_tokens,
+            branches: 1,
+            shared_tokens: 0,
+            shared_elsewhere: false,
+        }
+    }
 }
 
 /// One pool as the admission decision sees it.
@@ -226,10 +263,7 @@ mod tests {
     fn max_utilization_admits_on_next_need_no_evict_on_life() {
         let g = group(10);
         // 32 tokens now (2 blocks), 160 over the life (10 blocks)
-        let d = Demand {
-            next_tokens: 32,
-            life_tokens: 160,
-        };
+        let d = Demand::new(32, 160);
         let l = loads(&g, 8);
         assert_eq!(
             Policy::MaxUtilization.admit(&g, &l, d, false),
@@ -248,10 +282,7 @@ mod tests {
     #[test]
     fn never_fitting_request_is_refused_by_every_policy() {
         let g = group(10);
-        let d = Demand {
-            next_tokens: 16,
-            life_tokens: 161,
-        };
+        let d = Demand::new(16, 161);
         for p in [
             Policy::MaxUtilization,
             Policy::GuaranteedNoEvict,
@@ -271,10 +302,7 @@ mod tests {
     #[test]
     fn static_batch_admits_only_into_an_open_batch() {
         let g = group(10);
-        let d = Demand {
-            next_tokens: 16,
-            life_tokens: 32,
-        };
+        let d = Demand::new(16, 32);
         assert_eq!(
             Policy::StaticBatch.admit(&g, &loads(&g, 0), d, false),
             Admission::Wait
@@ -286,6 +314,30 @@ mod tests {
         assert_eq!(
             Policy::StaticBatch.admit(&g, &loads(&g, 9), d, true),
             Admission::Wait
+        );
+    }
+
+    #[test]
+    fn samples_are_charged_their_shared_prompt_blocks_once() {
+        // blocks of 16: a 41-token prompt shares 2 full blocks (40 tokens)
+        let g = group(100);
+        let mut d = Demand::new(41, 60);
+        assert_eq!(Policy::GuaranteedNoEvict.charge(&g, 0, d), 4);
+        d.branches = 3;
+        d.shared_tokens = 40;
+        // 2 shared + 3 x (4 - 2)
+        assert_eq!(Policy::GuaranteedNoEvict.charge(&g, 0, d), 2 + 3 * 2);
+        assert_eq!(Policy::MaxUtilization.charge(&g, 0, d), 2 + 3);
+        // a forked sample: only its own blocks
+        d.branches = 1;
+        d.shared_elsewhere = true;
+        assert_eq!(Policy::GuaranteedNoEvict.charge(&g, 0, d), 2);
+        // a window pool charges every sample whole
+        d.shared_elsewhere = false;
+        d.branches = 3;
+        assert_eq!(
+            Policy::GuaranteedNoEvict.charge(&g, 32, d),
+            3 * g.blocks_for(60, 32)
         );
     }
 

@@ -41,6 +41,12 @@ pub struct Request {
     /// The cache's last refusal that sent it back to wait, for the figures
     /// of a `QUEUE_TIMEOUT`.
     pub last_refusal: Option<Reject>,
+    /// Branches (parallel samples) still to fork from this one once its
+    /// prompt is prefilled, itself included: 1 once forked, or for a
+    /// request of one sample.
+    pub n: u32,
+    /// Which branch this is (0 to the request's `n - 1`).
+    pub index: u32,
 }
 
 impl Request {
@@ -61,7 +67,26 @@ impl Request {
             reported_reuse: false,
             queued_at: None,
             last_refusal: None,
+            n: 1,
+            index: 0,
         }
+    }
+
+    /// Branch `index` of a request of several samples, forked from this
+    /// one (branch 0) before anything was generated: the same prompt and
+    /// limits, its own seed (see [`branch_seed`]), no retention hint (the
+    /// parent's holds the prompt).
+    pub fn branch(&self, index: u32) -> Self {
+        let mut b = Self::new(self.id, self.prompt.clone(), self.max_tokens);
+        b.sampling = self.sampling.clone();
+        b.sampling.seed = branch_seed(self.sampling.seed, index);
+        b.stop_tokens = self.stop_tokens.clone();
+        b.priority = self.priority;
+        b.cache_salt = self.cache_salt.clone();
+        b.index = index;
+        // the request reports its prompt's reuse once, with sample 0
+        b.reported_reuse = true;
+        b
     }
 
     /// The tokens a lease must cover now: the prompt plus anything generated
@@ -93,11 +118,38 @@ impl Request {
             .saturating_add(extra.total())
     }
 
+    /// What admitting it asks of the pools: its next lease and whole life,
+    /// and while its samples are not forked, their shared prompt blocks
+    /// once and the rest per sample.
+    pub fn demand(&self, extra: Extra) -> crate::policy::Demand {
+        let mut d =
+            crate::policy::Demand::new(self.lease_tokens(extra), self.full_life_tokens(extra));
+        if self.n > 1 {
+            d.branches = self.n;
+            d.shared_tokens = u32::try_from(self.prompt.len() - 1).unwrap_or(u32::MAX);
+        }
+        d
+    }
+
     /// Token slots the next lease takes: the context plus the extra slots.
     pub fn lease_tokens(&self, extra: Extra) -> u32 {
         let context = u32::try_from(self.prompt.len() + self.generated.len()).unwrap_or(u32::MAX);
         context.saturating_add(extra.total())
     }
+}
+
+/// The seed of branch `index` of a request seeded `seed`: branch 0 keeps
+/// it (one sample is what it was), the others get seeds apart from it and
+/// from each other (splitmix64 of the pair), so n samples with a seed are
+/// n different, reproducible completions.
+pub fn branch_seed(seed: u64, index: u32) -> u64 {
+    if index == 0 {
+        return seed;
+    }
+    let mut z = seed ^ u64::from(index).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// Waiting requests in arrival order.

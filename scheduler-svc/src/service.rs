@@ -74,15 +74,24 @@ type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Sta
 
 struct StreamState {
     rx: mpsc::UnboundedReceiver<Output>,
-    text: TextStream,
+    /// One per sample (`GenerateRequest.n`), by index.
+    branches: Vec<Branch>,
     deadline: Option<Instant>,
     done: bool,
     /// The prompt's length, sent on the first message and then cleared.
     prompt_tokens: Option<u32>,
-    /// Output tokens so far.
+    /// Output tokens so far, every sample's.
     output_tokens: u64,
     /// The request's `Generate` span: its finish is recorded there.
     root: tracing::Span,
+}
+
+/// One sample of a request: its text and whether its last message went.
+struct Branch {
+    text: TextStream,
+    /// Its output tokens so far.
+    output_tokens: u64,
+    done: bool,
 }
 
 /// The output text of a request.
@@ -139,15 +148,23 @@ fn response_stream(
     tokenizer: &Tokenizer,
     deadline: Option<Instant>,
     prompt_tokens: u32,
+    samples: u32,
     root: tracing::Span,
 ) -> GenerateStream {
+    let branches = (0..samples.max(1))
+        .map(|_| Branch {
+            text: TextStream {
+                decoder: tokenizer.stream(),
+                stops: StopStrings::new(text.stop.clone()),
+                min_tokens: u64::from(text.min_tokens),
+            },
+            output_tokens: 0,
+            done: false,
+        })
+        .collect();
     let state = StreamState {
         rx,
-        text: TextStream {
-            decoder: tokenizer.stream(),
-            stops: StopStrings::new(text.stop),
-            min_tokens: u64::from(text.min_tokens),
-        },
+        branches,
         deadline,
         done: false,
         prompt_tokens: Some(prompt_tokens),
@@ -158,54 +175,102 @@ fn response_stream(
         if st.done {
             return None;
         }
-        let next = match st.deadline {
-            Some(at) => tokio::time::timeout_at(at, st.rx.recv()).await,
-            None => Ok(st.rx.recv().await),
-        };
-        let Ok(next) = next else {
-            st.done = true;
-            st.rx.close();
-            let m = pb::GenerateResponse {
-                finish_reason: pb::FinishReason::Cancelled as i32,
-                message: "deadline exceeded".into(),
-                ..Default::default()
+        let msg = loop {
+            let next = match st.deadline {
+                Some(at) => tokio::time::timeout_at(at, st.rx.recv()).await,
+                None => Ok(st.rx.recv().await),
             };
-            return Some((Ok(m), st));
+            let Ok(next) = next else {
+                st.done = true;
+                st.rx.close();
+                break pb::GenerateResponse {
+                    finish_reason: pb::FinishReason::Cancelled as i32,
+                    message: "deadline exceeded".into(),
+                    ..Default::default()
+                };
+            };
+            match next {
+                Some(output) => match st.branch_message(output) {
+                    Some(msg) => break msg,
+                    // the request's last output, for a sample whose text
+                    // already ended: every sample's last message went
+                    None if st.done => {
+                        st.rx.close();
+                        return None;
+                    }
+                    None => {}
+                },
+                None => {
+                    st.done = true;
+                    break pb::GenerateResponse {
+                        finish_reason: pb::FinishReason::Error as i32,
+                        message: "the scheduler stopped before the request finished".into(),
+                        ..Default::default()
+                    };
+                }
+            }
         };
-        let mut msg = match next {
-            Some(Output::Tokens {
+        let mut msg = msg;
+        msg.prompt_tokens = st.prompt_tokens.take().unwrap_or(0);
+        st.output_tokens += msg.tokens.len() as u64;
+        if st.done {
+            record_finish(&st.root, &msg, st.output_tokens);
+        }
+        Some((Ok(msg), st))
+    }))
+}
+
+impl StreamState {
+    /// The message of one sample's output, or `None` for the outputs of a
+    /// sample whose text already ended at a stop string (its generation
+    /// runs on unseen). Marks the stream done with the request's last
+    /// output, or once every sample's text ended (which closes the
+    /// receiver: the step loop cancels what still runs).
+    fn branch_message(&mut self, output: Output) -> Option<pb::GenerateResponse> {
+        let (index, last) = match &output {
+            Output::Tokens { index, .. } => (*index, false),
+            Output::Finished { index, last, .. } => (*index, *last),
+        };
+        if last {
+            self.done = true;
+        }
+        let branch = self.branches.get_mut(index as usize)?;
+        if branch.done {
+            return None;
+        }
+        let mut m = match output {
+            Output::Tokens {
                 tokens,
                 reused_tokens,
                 ..
-            }) => {
+            } => {
                 let mut m = pb::GenerateResponse {
-                    text: st.text.push(&tokens, st.output_tokens),
-                    tokens,
+                    text: branch.text.push(&tokens, branch.output_tokens),
                     reused_tokens: reused_tokens.map_or(0, |r| r.0),
                     retained_tokens: reused_tokens.map_or(0, |r| r.1),
                     ..Default::default()
                 };
-                if st.text.stops.stopped() {
-                    // a stop string ends the request here; the step loop
-                    // sees the stream gone and releases its blocks
-                    st.done = true;
-                    st.rx.close();
+                branch.output_tokens += tokens.len() as u64;
+                m.tokens = tokens;
+                if branch.text.stops.stopped() {
+                    // a stop string ends the sample's text here
+                    branch.done = true;
                     m.finish_reason = pb::FinishReason::Stop as i32;
                 }
                 m
             }
-            Some(Output::Finished {
+            Output::Finished {
                 finish,
                 preemptions,
                 ..
-            }) => {
-                st.done = true;
+            } => {
+                branch.done = true;
                 let mut m = pb::GenerateResponse {
-                    text: st.text.finish(),
+                    text: branch.text.finish(),
                     preemptions,
                     ..Default::default()
                 };
-                let stopped = st.text.stops.stopped();
+                let stopped = branch.text.stops.stopped();
                 let reason = match finish {
                     Finish::Length | Finish::Stop if stopped => pb::FinishReason::Stop,
                     Finish::Length => pb::FinishReason::Length,
@@ -227,22 +292,16 @@ fn response_stream(
                 m.finish_reason = reason as i32;
                 m
             }
-            None => {
-                st.done = true;
-                pb::GenerateResponse {
-                    finish_reason: pb::FinishReason::Error as i32,
-                    message: "the scheduler stopped before the request finished".into(),
-                    ..Default::default()
-                }
-            }
         };
-        msg.prompt_tokens = st.prompt_tokens.take().unwrap_or(0);
-        st.output_tokens += msg.tokens.len() as u64;
-        if msg.finish_reason != 0 {
-            record_finish(&st.root, &msg, st.output_tokens);
+        m.index = index;
+        if !self.done && self.branches.iter().all(|b| b.done) {
+            // every sample's text ended at a stop string: the step loop
+            // sees the stream gone and releases their blocks
+            self.done = true;
+            self.rx.close();
         }
-        Some((Ok(msg), st))
-    }))
+        Some(m)
+    }
 }
 
 /// Records how the request ended on its `Generate` span: output tokens,
@@ -299,6 +358,7 @@ impl Scheduler for SchedulerService {
         tracing::debug!(request = id.get(), request_id = %req.request_id, prompt_tokens = r.prompt.len(),
             max_tokens = r.max_tokens, "generate");
         let prompt_tokens = u32::try_from(r.prompt.len()).unwrap_or(u32::MAX);
+        let samples = r.n;
         let root = tracing::Span::current();
         attributes::set_u64(&root, attributes::REQUEST_ID, id.get());
         if !req.request_id.is_empty() {
@@ -312,6 +372,7 @@ impl Scheduler for SchedulerService {
             &self.tokenizer,
             deadline,
             prompt_tokens,
+            samples,
             root,
         )))
     }
@@ -381,6 +442,102 @@ mod tests {
         assert!(!t.stops.stopped());
         assert_eq!(t.push(&tokens("cx"), 3), "c");
         assert!(t.stops.stopped());
+    }
+
+    /// The messages of a request of `samples` samples whose step loop sends
+    /// `outputs` (then drops its sender).
+    async fn messages(
+        samples: u32,
+        stop: &[&str],
+        outputs: Vec<Output>,
+    ) -> Vec<pb::GenerateResponse> {
+        use futures::StreamExt;
+        let tokenizer = Tokenizer::byte_level();
+        let (tx, rx) = mpsc::unbounded_channel();
+        for o in outputs {
+            tx.send(o).unwrap();
+        }
+        drop(tx);
+        let text = TextOutput {
+            stop: stop.iter().map(|s| s.to_string()).collect(),
+            min_tokens: 0,
+        };
+        let stream = response_stream(
+            rx,
+            text,
+            &tokenizer,
+            None,
+            3,
+            samples,
+            tracing::Span::none(),
+        );
+        stream.map(|m| m.unwrap()).collect().await
+    }
+
+    fn tokens(index: u32, s: &str) -> Output {
+        Output::Tokens {
+            request: crate::domain::RequestId(1),
+            index,
+            tokens: s.bytes().map(u32::from).collect(),
+            reused_tokens: None,
+        }
+    }
+
+    fn finished(index: u32, last: bool) -> Output {
+        Output::Finished {
+            request: crate::domain::RequestId(1),
+            index,
+            finish: Finish::Length,
+            preemptions: 0,
+            last,
+        }
+    }
+
+    #[tokio::test]
+    async fn samples_stream_apart_and_the_stream_ends_with_the_last() {
+        let got = messages(
+            2,
+            &["x"],
+            vec![
+                tokens(0, "ab"),
+                tokens(1, "cx"),
+                // sample 1's text ended at the stop string: its later
+                // outputs are not sent
+                tokens(1, "dd"),
+                tokens(0, "e"),
+                finished(0, false),
+                finished(1, true),
+            ],
+        )
+        .await;
+        let seen: Vec<(u32, String, i32)> = got
+            .iter()
+            .map(|m| (m.index, m.text.clone(), m.finish_reason))
+            .collect();
+        let (none, stop, length) = (
+            0,
+            pb::FinishReason::Stop as i32,
+            pb::FinishReason::Length as i32,
+        );
+        assert_eq!(
+            seen,
+            vec![
+                (0, "ab".into(), none),
+                (1, "c".into(), stop),
+                (0, "e".into(), none),
+                (0, String::new(), length),
+            ],
+            "no error after the last output of a stopped sample"
+        );
+        assert_eq!(got[0].prompt_tokens, 3, "the prompt is reported once");
+        assert!(got[1..].iter().all(|m| m.prompt_tokens == 0));
+    }
+
+    #[tokio::test]
+    async fn a_stream_closed_before_every_sample_ended_is_an_error() {
+        let got = messages(2, &[], vec![tokens(0, "a"), finished(0, false)]).await;
+        let last = got.last().unwrap();
+        assert_eq!(last.finish_reason, pb::FinishReason::Error as i32);
     }
 
     #[test]

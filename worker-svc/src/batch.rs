@@ -394,6 +394,12 @@ impl BatchWrites<'_> {
         self.written[pool][block as usize] == self.stamp
     }
 
+    /// Whether a sequence of the batch writes any of `slots` of `block`.
+    fn writes(&self, pool: usize, block: u32, slots: std::ops::Range<usize>) -> bool {
+        self.runs(pool, block)
+            .any(|r| r.lo < slots.end && slots.start < r.hi)
+    }
+
     /// Adds a run; on a slot another sequence writes, that slot and
     /// sequence.
     fn add(
@@ -507,9 +513,11 @@ pub fn validate(
     }
 
     // Partial-block copies: the source slots hold K/V and no sequence of the
-    // batch writes the source (all sources checked before any copy counts);
-    // the copied slots count as written by the sequence (so they conflict
-    // with any other writer, and satisfy the reads below).
+    // batch writes them (all sources checked before any copy counts; the
+    // copies run before the pass, so a sequence may write the source's
+    // later slots: a fork's parent decoding into the block its branches
+    // copy from); the copied slots count as written by the sequence (so
+    // they conflict with any other writer, and satisfy the reads below).
     for seq in &seqs {
         for c in &seq.copies {
             let window = layout.pools[c.pool].window;
@@ -517,10 +525,10 @@ pub fn validate(
                 seq_id: seq.seq_id,
                 problem: SeqProblem::BadCopy { window, message },
             };
-            if batch.touched(c.pool, c.src) {
+            if batch.writes(c.pool, c.src, 0..c.slots) {
                 return Err(bad(format!(
-                    "source block {} is written by this batch",
-                    c.src
+                    "slots 0..{} of source block {} are written by this batch",
+                    c.slots, c.src
                 )));
             }
             if !ledger.all_written(c.pool, c.src, 0..c.slots) {

@@ -201,6 +201,17 @@ fn a_partial_block_copy_gives_the_same_logits_as_recomputing() {
 }
 
 #[test]
+fn forked_branches_copy_on_write_and_match_recomputing() {
+    if !gpu_available("forked_branches") {
+        return;
+    }
+    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+        let build = |w: &Weights| cuda_worker(w, dtype);
+        common::forked_branches_match_recomputing(&build, TINY_MODEL_TOLERANCE);
+    }
+}
+
+#[test]
 fn sliding_window_matches_dense_after_blocks_slide_out_and_are_reused() {
     if !gpu_available("sliding_window") {
         return;

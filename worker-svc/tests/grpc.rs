@@ -520,15 +520,18 @@ async fn partial_block_copies_are_validated_and_applied() {
         needles.push("partial-block copy");
         assert_invalid(server.forward(vec![bad]).await, &needles);
     }
-    // A copy whose source another sequence of the batch writes.
-    let writer = seq(3, vec![7], 20, tables(&[3, 9], &[4, 1]));
+    // A copy whose source slots another sequence of the batch writes.
+    let restart = seq(3, vec![7, 8], 16, tables(&[3, 9], &[4, 1]));
     assert_invalid(
-        server.forward(vec![writer, copying(good(), 20)]).await,
-        &["source block 9 is written by this batch"],
+        server.forward(vec![restart, copying(good(), 20)]).await,
+        &["slots 0..4 of source block 9 are written by this batch"],
     );
     // Nothing above wrote anything: the good copy still finds its sources
-    // and the destination's slots count as written for the pass.
-    let ok = server.forward(vec![copying(good(), 20)]).await;
+    // and the destination's slots count as written for the pass, while the
+    // source's owner writes its next slot (a fork's parent decoding into
+    // the block its branch copies from: the copies run first).
+    let parent = seq(1, vec![7], 20, tables(&[3, 9], &[4, 1]));
+    let ok = server.forward(vec![parent, copying(good(), 20)]).await;
     assert!(ok.is_ok(), "{ok:?}");
     server.stop().await;
 }

@@ -148,6 +148,11 @@ fn a_partial_block_copy_gives_the_same_logits_as_recomputing() {
 }
 
 #[test]
+fn forked_branches_copy_on_write_and_match_recomputing() {
+    common::forked_branches_match_recomputing(&cpu_worker, TOLERANCE);
+}
+
+#[test]
 fn a_long_reused_prefix_is_bit_identical_in_any_batch_and_through_decode() {
     common::long_reused_prefix_is_bit_identical(&cpu_worker);
 }

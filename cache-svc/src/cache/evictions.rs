@@ -74,6 +74,7 @@ mod tests {
             reserve_full_life: false,
             prefill_tokens: 0,
             retain: None,
+            fork_of: None,
         }
     }
 

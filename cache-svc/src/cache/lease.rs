@@ -8,6 +8,16 @@
 //! end of an earlier turn). The source is pinned like a reused block, then
 //! fenced at the lease's step, and the grant tells the holder to copy the
 //! matching slots into the sequence's own block at that index.
+//!
+//! Forks (`SeqSpec::fork_of`): a branch of a held sequence (parallel
+//! samples, beams) reuses the parent's live blocks instead of published
+//! ones: every block wholly before the branch's last prompt token by
+//! reference, and the block holding that token by a partial-block copy of
+//! the parent's leading slots into the branch's own block (copy on write:
+//! the branch's first pass writes its last prompt token there, where the
+//! branches diverge). The source is pinned and fenced at the lease's step
+//! as for any copy, so the parent may end at once. A parent that cannot
+//! give those blocks leaves the branch an ordinary lease.
 
 use foldhash::{HashSet, HashSetExt};
 use std::time::Instant;
@@ -91,6 +101,21 @@ struct LeasePlan {
     /// Prompt tokens the lease's step writes (reused ones included): full
     /// prompt blocks ending after it are held back (chunked prefill).
     written: u32,
+    /// A fork: the reused blocks and the copy source are the parent's.
+    fork: bool,
+}
+
+/// What a fork takes from its parent: the blocks wholly before the
+/// branch's last prompt token and the slots of the block holding it.
+#[derive(Clone, Debug)]
+struct ForkSource {
+    /// Full blocks shared (block indices below it).
+    reuse_blocks: u32,
+    /// Leading slots of block `reuse_blocks` copied (0: no copy).
+    copy_tokens: u32,
+    /// Per pool of the group, in order: the parent's blocks from the
+    /// pool's first held index to `reuse_blocks`, and the copy source.
+    pools: Vec<(Vec<BlockId>, Option<BlockId>)>,
 }
 
 impl Cache {
@@ -127,8 +152,21 @@ impl Cache {
         let principal = self.session_principal(session_id)?;
         for spec in specs {
             self.validate_spec(spec)?;
+            self.validate_fork(session_id, spec)?;
             self.owned_group(&spec.group, &principal, "lease")?;
         }
+        // A fork's parent must be held before the call (a parent leased in
+        // it has written nothing a branch could share, and was not checked).
+        let parent_held: Vec<bool> = specs
+            .iter()
+            .map(|s| {
+                s.fork_of.is_none_or(|p| {
+                    self.sessions
+                        .get(&session_id)
+                        .is_some_and(|s| s.seqs.contains_key(&p))
+                })
+            })
+            .collect();
         let holder = |seq| Holder {
             session: session_id,
             seq,
@@ -149,11 +187,22 @@ impl Cache {
                 )));
                 continue;
             }
+            if let Some(parent) = spec.fork_of.filter(|_| !parent_held[i]) {
+                outcomes[i] = Some(Outcome::Reject(Reject::plain(
+                    spec.seq_id,
+                    RejectReason::UnknownSequence,
+                    format!(
+                        "sequence {}: fork_of {parent} is not leased by this session",
+                        spec.seq_id
+                    ),
+                )));
+                continue;
+            }
             if atomic {
-                plans.push((i, self.plan_lease(spec, warmup)));
+                plans.push((i, self.plan_lease(session_id, spec, warmup)));
             } else {
                 // One at a time: each plan sees the blocks earlier ones took.
-                let plan = self.plan_lease(spec, warmup);
+                let plan = self.plan_lease(session_id, spec, warmup);
                 let outcome = match self.check_lease(session_id, &plan, None) {
                     Ok(()) => Outcome::Grant(self.noting_evictions(spec.seq_id, |c| {
                         c.execute_lease(session_id, plan, step, holder(spec.seq_id))
@@ -335,7 +384,7 @@ impl Cache {
     }
 
     /// Works out what a new sequence would take, without changing anything.
-    fn plan_lease(&self, spec: &SeqSpec, warmup: bool) -> LeasePlan {
+    fn plan_lease(&self, session_id: SessionId, spec: &SeqSpec, warmup: bool) -> LeasePlan {
         let group = &self.groups[&spec.group];
         let b = group.tokens_per_block;
         let prompt_len = spec.prompt.len();
@@ -349,15 +398,26 @@ impl Cache {
             }
             _ => (false, Vec::new(), Vec::new()),
         };
+        let fork = match warmup {
+            false => self.fork_source(session_id, spec),
+            true => None,
+        };
         // the device prefix, then what the host tier adds after it
-        let (reuse_blocks, device_end) = if hashable {
-            self.reusable_blocks(group, &hashes, prompt_len)
-        } else {
-            (0, vec![0; group.pools.len()])
+        let (reuse_blocks, device_end) = match &fork {
+            Some(f) => (f.reuse_blocks, vec![f.reuse_blocks; group.pools.len()]),
+            None if hashable => self.reusable_blocks(group, &hashes, prompt_len),
+            None => (0, vec![0; group.pools.len()]),
         };
         let first_of = |window: u32, r: u32| super::matching::first_block(window, r, b);
-        let copy = match &spec.prompt {
-            Prompt::Tokens(tokens) if hashable && spec.beam_width == 1 => {
+        let copy = match (&fork, &spec.prompt) {
+            (Some(f), _) => f
+                .pools
+                .iter()
+                .map(|p| p.1)
+                .collect::<Option<Vec<BlockId>>>()
+                .filter(|_| f.copy_tokens > 0)
+                .map(|sources| (f.copy_tokens, sources)),
+            (None, Prompt::Tokens(tokens)) if hashable && spec.beam_width == 1 => {
                 self.plan_copy(group, tokens, &hashes, salt, reuse_blocks)
             }
             _ => None,
@@ -371,7 +431,15 @@ impl Cache {
             0
         };
         let end = ceil_div(capacity.max(reserved_capacity), b);
-        let shared_end = prompt_len / b;
+        // Beams share the blocks wholly before the last prompt token: each
+        // computes that token itself, so its first sample is its own (as a
+        // fork does). One beam holds its full prompt blocks as shared ones
+        // (they are hashed and published).
+        let shared_end = if spec.beam_width > 1 {
+            (prompt_len - 1) / b
+        } else {
+            prompt_len / b
+        };
         let pools = group
             .pools
             .iter()
@@ -380,9 +448,12 @@ impl Cache {
                 let entry = &self.pools[i];
                 let first = first_of(entry.window, reuse_blocks);
                 let split = device_end[j].min(reuse_blocks).max(first);
-                let reuse: Vec<BlockId> = (first..split)
-                    .filter_map(|idx| entry.pool.lookup(hashes[idx as usize]))
-                    .collect();
+                let reuse: Vec<BlockId> = match &fork {
+                    Some(f) => f.pools[j].0.clone(),
+                    None => (first..split)
+                        .filter_map(|idx| entry.pool.lookup(hashes[idx as usize]))
+                        .collect(),
+                };
                 let onboard: Vec<HostBlockId> = (split..reuse_blocks)
                     .filter_map(|idx| entry.pool.host().lookup(hashes[idx as usize]))
                     .collect();
@@ -420,7 +491,102 @@ impl Cache {
             partial,
             copy_tokens,
             written,
+            fork: fork.is_some(),
         }
+    }
+
+    /// Checks a fork's request against its parent, where the parent is held
+    /// (an unknown parent is a per-sequence reject): not itself, one beam,
+    /// the parent's salt, and a prompt whose tokens the parent holds where
+    /// the cache knows them.
+    fn validate_fork(&self, session_id: SessionId, spec: &SeqSpec) -> Result<()> {
+        let Some(parent_id) = spec.fork_of else {
+            return Ok(());
+        };
+        let seq_id = spec.seq_id;
+        let invalid = |why: String| {
+            Err(Error::InvalidArgument(format!(
+                "sequence {seq_id}: fork_of {parent_id}: {why}"
+            )))
+        };
+        if parent_id == seq_id {
+            return invalid("a sequence cannot fork itself".into());
+        }
+        if spec.beam_width > 1 {
+            return invalid(format!(
+                "a fork is one branch, beam_width must be 1, got {}",
+                spec.beam_width
+            ));
+        }
+        let Some(parent) = self
+            .sessions
+            .get(&session_id)
+            .and_then(|s| s.seqs.get(&parent_id))
+        else {
+            return Ok(());
+        };
+        let (Prompt::Tokens(tokens), true) = (&spec.prompt, parent.hashable) else {
+            return Ok(());
+        };
+        let Some(group) = self.groups.get(&spec.group) else {
+            return Ok(());
+        };
+        if prefix::salt_hash(&spec.cache_salt) != parent.salt {
+            return invalid("its cache_salt is not the parent's".into());
+        }
+        let b = group.tokens_per_block as usize;
+        let k = tokens.len().min(parent.len as usize);
+        // the full blocks both hold, then what lies in the parent's partly
+        // filled block
+        let hashes = prefix::chain(parent.salt, &tokens[..k], b);
+        let known = hashes.len().min(parent.hashes.len());
+        let mut same = hashes[..known] == parent.hashes[..known];
+        if known == parent.hashes.len() {
+            let rest = &tokens[known * b..k];
+            same &= parent.partial.get(..rest.len()) == Some(rest);
+        }
+        if !same {
+            return invalid("its prompt is not the tokens the parent holds".into());
+        }
+        Ok(())
+    }
+
+    /// What a fork takes from its parent, or `None` when the parent cannot
+    /// give it (not held, several beams, another group, its table slid past
+    /// the blocks, its prefill not written that far): the branch is then
+    /// leased as any sequence.
+    fn fork_source(&self, session_id: SessionId, spec: &SeqSpec) -> Option<ForkSource> {
+        let parent = self.sessions.get(&session_id)?.seqs.get(&spec.fork_of?)?;
+        let group = self.groups.get(&spec.group)?;
+        if parent.beams != 1 || parent.tables.len() != group.pools.len() {
+            return None;
+        }
+        let b = group.tokens_per_block;
+        let k = (spec.prompt.len() - 1).min(parent.written).min(parent.len);
+        let (reuse_blocks, copy_tokens) = (k / b, k % b);
+        let end = reuse_blocks + u32::from(copy_tokens > 0);
+        let mut pools = Vec::with_capacity(group.pools.len());
+        for (t, &i) in parent.tables.iter().zip(&group.pools) {
+            let bt = t.beams.first()?;
+            let first = super::matching::first_block(self.pools[i].window, reuse_blocks, b);
+            if t.pool != i || (first < end && (first < bt.first || end > bt.end())) {
+                return None;
+            }
+            let at = |idx: u32| bt.blocks.get((idx - bt.first) as usize).copied();
+            let reuse = (first..reuse_blocks)
+                .map(at)
+                .collect::<Option<Vec<BlockId>>>()?;
+            let src = match copy_tokens {
+                0 => None,
+                _ => Some(at(reuse_blocks)?),
+            };
+            pools.push((reuse, src));
+        }
+        Some(ForkSource {
+            reuse_blocks,
+            copy_tokens,
+            pools,
+        })
     }
 
     /// The partial-block copy a lease can take after `reused` full blocks:
@@ -609,7 +775,10 @@ impl Cache {
         for p in &plan.pools {
             let entry = &mut self.pools[p.pool];
             let b = entry.tokens_per_block;
-            if plan.hashable {
+            if plan.fork {
+                entry.pool.counters.fork_shared += p.reuse.len() as u64;
+                entry.pool.counters.fork_copies += u64::from(p.copy_src.is_some());
+            } else if plan.hashable {
                 let eligible = ((plan.prompt_len - 1) / b).min(plan.hashes.len() as u32);
                 entry.pool.counters.reuse_lookups += u64::from(eligible);
                 entry.pool.counters.reuse_hits += u64::from(plan.reused_tokens / b);

@@ -8,6 +8,7 @@
 
 mod adaptive;
 mod chunked;
+mod forks;
 mod limits;
 mod partial;
 mod proptests;
@@ -70,20 +71,27 @@ impl Fixture {
     }
 
     pub(super) fn lease(&mut self, step: u64, atomic: bool, specs: &[SeqSpec]) -> Vec<Outcome> {
-        let out = self
-            .cache
-            .lease(
-                self.session,
-                self.epoch,
-                Batch {
-                    step: Step(step),
-                    atomic,
-                    warmup: false,
-                },
-                specs,
-                self.now,
-            )
-            .unwrap();
+        self.try_lease(step, atomic, specs).unwrap()
+    }
+
+    /// A lease whose call may fail as a whole (malformed specs).
+    pub(super) fn try_lease(
+        &mut self,
+        step: u64,
+        atomic: bool,
+        specs: &[SeqSpec],
+    ) -> crate::Result<Vec<Outcome>> {
+        let out = self.cache.lease(
+            self.session,
+            self.epoch,
+            Batch {
+                step: Step(step),
+                atomic,
+                warmup: false,
+            },
+            specs,
+            self.now,
+        );
         self.check();
         out
     }

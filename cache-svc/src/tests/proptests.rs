@@ -16,7 +16,9 @@ use crate::lease::{Extra, Growth, Outcome, Prompt, RejectReason};
 #[derive(Clone, Debug)]
 enum Op {
     Lease {
-        seqs: Vec<(u8, u8, u8, u8, u8)>, // (seq, prefix family, len, extra, beams)
+        /// (seq, prefix family, len, extra, beams, fork): a fork of a held
+        /// sequence whose prompt the holder knows takes that prompt.
+        seqs: Vec<(u8, u8, u8, u8, u8, Option<u8>)>,
         atomic: bool,
         warmup: bool,
         reserve: bool,
@@ -53,7 +55,10 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (
-            prop::collection::vec((0u8..12, 0u8..3, 1u8..40, 0u8..4, 1u8..3), 1..4),
+            prop::collection::vec(
+                (0u8..12, 0u8..3, 1u8..40, 0u8..4, 1u8..3, prop::option::weighted(0.3, 0u8..12)),
+                1..4,
+            ),
             any::<bool>(),
             prop::bool::weighted(0.1),
             prop::bool::weighted(0.2),
@@ -185,17 +190,28 @@ proptest! {
         for op in ops {
             match op {
                 Op::Lease { seqs, atomic, warmup, reserve, prefill, retain } => {
-                    let specs: Vec<_> = seqs.iter().map(|&(id, fam, len, extra, beams)| {
-                        let mut s = spec(u64::from(id), Prompt::Tokens(prompt(fam, len)));
+                    let specs: Vec<_> = seqs.iter().map(|&(id, fam, len, extra, beams, fork)| {
+                        // a branch of a sequence whose prompt is known
+                        // shares its blocks (and diverges by its extends);
+                        // of one not held, it is refused
+                        let parent = fork.map(u64::from).filter(|&p| {
+                            p != u64::from(id) && (prefill_of.contains_key(&p) || !mirror.contains_key(&p))
+                        });
+                        let ids = match parent.and_then(|p| prefill_of.get(&p)) {
+                            Some((ids, _)) => ids.clone(),
+                            None => prompt(fam, len),
+                        };
+                        let mut s = spec(u64::from(id), Prompt::Tokens(ids));
+                        s.fork_of = parent.map(SeqId);
                         s.extra = Extra { draft: u32::from(extra), ..Extra::default() };
-                        s.beam_width = u32::from(beams);
+                        s.beam_width = if parent.is_some() { 1 } else { u32::from(beams) };
                         s.max_new_tokens = 6;
                         s.reserve_full_life = reserve;
-                        if prefill <= len {
+                        if u32::from(prefill) <= s.prompt.len() {
                             s.prefill_tokens = u32::from(prefill);
                         }
                         s.retain = retain.map(|(tokens, priority, ttl, tenant)| crate::lease::Retain {
-                            tokens: u32::from(tokens.min(len)),
+                            tokens: u32::from(tokens).min(s.prompt.len()),
                             priority,
                             ttl: Duration::from_secs(ttl.into()),
                             tenant: format!("t{tenant}"),
@@ -215,6 +231,27 @@ proptest! {
                         }
                     }
                     for (o, s) in out.iter().zip(&specs) {
+                        if let (Outcome::Reject(r), Some(_)) = (o, s.fork_of) {
+                            prop_assert!(matches!(
+                                r.reason,
+                                RejectReason::PoolExhausted
+                                    | RejectReason::ExceedsCapacity
+                                    | RejectReason::UnknownSequence
+                                    | RejectReason::DuplicateSequence
+                                    | RejectReason::RolledBack
+                                    | RejectReason::QuotaExceeded
+                            ), "{:?}", r);
+                        }
+                        if let (Outcome::Grant(g), Some(parent)) = (o, s.fork_of) {
+                            // a fork of a prefill written through its last
+                            // token shares everything before that token
+                            // (and has not grown, so no window slid)
+                            let written = prefill_of.get(&parent.0).is_some_and(|(ids, w)| *w >= ids.len() - 1);
+                            let grown = toks.get(&parent.0).is_none_or(|t| t.len() as u32 != s.prompt.len());
+                            if !warmup && written && !grown {
+                                prop_assert_eq!(g.reused_tokens, s.prompt.len() - 1);
+                            }
+                        }
                         if let (Outcome::Grant(g), Some(r)) = (o, &s.retain) {
                             prop_assert!(g.retained_tokens <= r.tokens / b * b);
                         } else if let Outcome::Grant(g) = o {
@@ -537,5 +574,66 @@ proptest! {
         // And the closed form agrees with itself on the shape.
         let shape = Shape { prompt: prompt_len, max_new_tokens: max_new, extra: draft + extra_kv + steps, beam_width: beams };
         prop_assert_eq!(pool_need(shape, 0, b).total, est.pools[0].total);
+    }
+
+    /// Invariant 6 for forks: a parent leased with the prompt and `n - 1`
+    /// branches forked from it once its prefill is written (parallel
+    /// samples: each branch computes the last prompt token itself), every
+    /// one decoding to the end, take exactly what Estimate says of the
+    /// shape with beam width `n`, in every pool.
+    #[test]
+    fn estimate_equals_blocks_taken_by_a_forked_life(
+        prompt_len in 1u32..120,
+        max_new in 1u32..40,
+        steps in 0u32..3,
+        n in 1u32..5,
+        b in prop::sample::select(vec![1u32, 3, 4, 16]),
+        window in prop::sample::select(vec![0u32, 5, 8, 16, 33, 64]),
+    ) {
+        let mut pools = vec![(0, 1024)];
+        if window != 0 {
+            pools.push((window, 1024));
+        }
+        let mut f = Fixture::new(b, &pools);
+        let ids: Vec<u32> = (0..prompt_len).collect();
+        let extra = Extra { extra_decoding_steps: steps, ..Extra::default() };
+        let mut shape = spec(1, Prompt::Tokens(ids.clone()));
+        shape.max_new_tokens = max_new;
+        shape.extra = extra;
+        shape.beam_width = n;
+        let est = f.cache.estimate(std::slice::from_ref(&shape)).unwrap().remove(0);
+        let before: Vec<u64> = f.cache.pools().iter().map(|p| p.pool.counters.allocations).collect();
+        let mut parent = spec(1, Prompt::Tokens(ids.clone()));
+        parent.extra = extra;
+        prop_assert!(f.lease(1, false, &[parent])[0].grant().is_some());
+        let branches: Vec<_> = (2..=u64::from(n)).map(|id| {
+            let mut s = spec(id, Prompt::Tokens(ids.clone()));
+            s.extra = extra;
+            s.fork_of = Some(SeqId(1));
+            s
+        }).collect();
+        for o in f.lease(2, false, &branches) {
+            let g = o.grant().unwrap();
+            prop_assert_eq!(g.reused_tokens, prompt_len - 1);
+            prop_assert_eq!(g.copies.len(), if (prompt_len - 1) % b == 0 { 0 } else { pools.len() });
+        }
+        f.complete(2);
+        // every branch decodes its max_new - 1 fed tokens, each its own
+        for step in 3..2 + u64::from(max_new) {
+            let items: Vec<_> = (1..=u64::from(n)).map(|id| (id, Growth::Tokens(vec![7000 + id as u32]))).collect();
+            for o in f.extend(step, &items) {
+                prop_assert!(o.grant().is_some());
+            }
+            f.complete(step);
+        }
+        for (i, p) in f.cache.pools().iter().enumerate() {
+            let taken = p.pool.counters.allocations - before[i];
+            let e = est.pools.iter().find(|e| e.pool_id == p.id).unwrap();
+            prop_assert_eq!(u64::from(e.total), taken, "pool window {}", p.window);
+        }
+        let all: Vec<u64> = (1..=u64::from(n)).collect();
+        f.release(&all, Some(1_000));
+        f.complete(1_000);
+        prop_assert!(super::whole(&f.counts()));
     }
 }

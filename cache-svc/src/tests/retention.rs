@@ -135,20 +135,7 @@ fn malformed_hints_are_refused_naming_the_field() {
         if let Some(r) = &mut s.retain {
             r.priority = priority;
         }
-        let err = f
-            .cache
-            .lease(
-                f.session,
-                f.epoch,
-                crate::cache::Batch {
-                    step: crate::ids::Step(1),
-                    atomic: false,
-                    warmup: false,
-                },
-                &[s],
-                f.now,
-            )
-            .unwrap_err();
+        let err = f.try_lease(1, false, &[s]).unwrap_err();
         assert!(
             matches!(&err, Error::InvalidArgument(m) if m.contains(field)),
             "{field}: {err:?}"

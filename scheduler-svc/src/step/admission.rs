@@ -29,10 +29,15 @@ impl Core {
     /// Queues a new request, or finishes it `REJECTED` at once when its whole
     /// life cannot fit in any group's empty pools.
     pub fn submit(&mut self, request: Request) {
+        if request.n > 1 {
+            self.branches_left.insert(request.id, request.n);
+        }
         let extra = self.extra_for(&request);
+        // whether one sample's life fits an empty pool (the others may
+        // wait for theirs)
         let demand = Demand {
-            next_tokens: request.lease_tokens(extra),
-            life_tokens: request.full_life_tokens(extra),
+            branches: 1,
+            ..request.demand(extra)
         };
         let mut never = None;
         for group in &self.groups {
@@ -180,6 +185,7 @@ impl Core {
         for l in &self.leasing {
             per_group[l.group] += 1;
         }
+        self.plan_forks(&mut leases, &mut per_group, &reserve);
         loop {
             if self.running() >= self.config.max_seqs as usize || leases.len() >= self.batch_limit {
                 break;
@@ -188,10 +194,7 @@ impl Core {
                 break;
             };
             let extra = self.extra_for(head);
-            let demand = Demand {
-                next_tokens: head.lease_tokens(extra),
-                life_tokens: head.full_life_tokens(extra),
-            };
+            let demand = head.demand(extra);
             let lease_len = u32::try_from(head.context_len()).unwrap_or(u32::MAX);
             let head_id = head.id;
             let routing = self.config.routing;
@@ -282,6 +285,7 @@ impl Core {
                 // the cache publishes only the blocks this step's pass
                 // writes; later chunks report their progress (plan_extends)
                 prefill_tokens: first,
+                fork_of: None,
             });
             self.leasing.push(Leasing {
                 seq_id,
@@ -290,11 +294,64 @@ impl Core {
                 extra,
                 lease_len,
                 first_chunk: first,
+                fork_of: None,
             });
         }
         // a match answers for this step only: the pools change under it
         self.reuse.clear();
         leases
+    }
+
+    /// The leases of the branches waiting to fork (before the queue: their
+    /// parent's prompt is prefilled and held for them), in the parent's
+    /// group, each computing its last prompt token this step (a token of
+    /// the step's budget). The cache has the last word: a branch it
+    /// refuses waits in the queue as any request (`apply_leases`).
+    fn plan_forks(&mut self, leases: &mut Vec<LeaseSpec>, per_group: &mut [u32], reserve: &[u32]) {
+        let policy = self.config.policy;
+        let mut waiting = Vec::new();
+        for f in std::mem::take(&mut self.forks) {
+            let g = f.group;
+            let room = self.running() < self.config.max_seqs as usize
+                && leases.len() < self.batch_limit
+                && self.budget.get(g).is_some_and(|&b| b > reserve[g])
+                && per_group[g] < self.groups[g].max_batch_sequences;
+            if !room {
+                waiting.push(f);
+                continue;
+            }
+            self.budget[g] -= 1;
+            per_group[g] += 1;
+            let seq_id = self.next_seq;
+            self.next_seq = self.next_seq.next();
+            let extra = self.extra_for(&f.request);
+            let context = f.request.context();
+            let lease_len = u32::try_from(context.len()).unwrap_or(u32::MAX);
+            leases.push(LeaseSpec {
+                seq_id,
+                request: f.request.id,
+                pool_group: self.groups[g].name.clone(),
+                prompt_tokens: context,
+                extra,
+                max_new_tokens: f.request.remaining(),
+                priority: f.request.priority,
+                cache_salt: f.request.cache_salt.clone(),
+                retain: None,
+                reserve_full_life: policy.reserves_full_life(),
+                prefill_tokens: 1,
+                fork_of: Some(f.parent),
+            });
+            self.leasing.push(Leasing {
+                seq_id,
+                request: f.request,
+                group: g,
+                extra,
+                lease_len,
+                first_chunk: 1,
+                fork_of: Some(f.parent),
+            });
+        }
+        self.forks = waiting;
     }
 
     /// The pools of group `g` with what running sequences are charged.
@@ -326,12 +383,20 @@ impl Core {
         self.tier_call_failed();
         for l in std::mem::take(&mut self.leasing) {
             self.released.push(l.seq_id);
-            if self.cancelled_leasing.remove(&l.request.id) {
+            if self.cancelled_leasing.contains(&l.request.id) {
                 self.finish_request(&l.request, Finish::Cancelled("client went away".into()));
+            } else if let Some(parent) = l.fork_of {
+                // its parent is still held for it: fork again next step
+                self.forks.push(super::Fork {
+                    parent,
+                    group: l.group,
+                    request: l.request,
+                });
             } else {
                 self.queue.requeue(l.request);
             }
         }
+        self.cancelled_leasing.clear();
     }
 
     /// Applies the Lease outcomes: granted sequences start prefilling this
@@ -352,7 +417,7 @@ impl Core {
                         self.releases.push(grant.seq_id);
                         continue;
                     };
-                    if self.cancelled_leasing.remove(&l.request.id) {
+                    if self.cancelled_leasing.contains(&l.request.id) {
                         self.releases.push(l.seq_id);
                         self.finish_request(
                             &l.request,
@@ -404,6 +469,10 @@ impl Core {
                             planned: (len > 0).then_some(Work::Prefill { len }),
                             in_flight: VecDeque::new(),
                             history_sent: false,
+                            // a fork granted what it asked: the parent's
+                            // blocks before its last prompt token
+                            shares_parent: l.fork_of.is_some()
+                                && reused == l.lease_len.saturating_sub(1),
                             request,
                         },
                     );
@@ -414,7 +483,7 @@ impl Core {
                     };
                     // a refused lease holds nothing: the sequence id is done
                     self.released.push(l.seq_id);
-                    if self.cancelled_leasing.remove(&l.request.id) {
+                    if self.cancelled_leasing.contains(&l.request.id) {
                         self.finish_request(
                             &l.request,
                             Finish::Cancelled("client went away".into()),
@@ -423,6 +492,9 @@ impl Core {
                     }
                     let wait = match reject.reason {
                         RejectReason::PoolExhausted | RejectReason::RolledBack => true,
+                        // a branch whose parent the cache no longer holds
+                        // is leased as any request
+                        RejectReason::UnknownSequence => l.fork_of.is_some(),
                         // a quota frees up only when something of ours ends
                         RejectReason::QuotaExceeded => have_running,
                         _ => false,
@@ -445,5 +517,6 @@ impl Core {
             self.released.push(seq_id);
             self.queue.requeue(l.request);
         }
+        self.cancelled_leasing.clear();
     }
 }

@@ -28,7 +28,7 @@
 //! kept while the cache was unreachable, several groups' ends at once) is
 //! never refused for its size.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 use super::Core;
 use crate::domain::{SeqId, Step};
@@ -222,7 +222,9 @@ impl Core {
     /// any is left). Send them, then call [`Core::releases_sent`] once the
     /// cache answered, or [`Core::release_failed`].
     pub fn take_releases(&mut self) -> ReleaseBatch {
-        let discard_unwritten = !self.failed_releases.is_empty() || self.tiers.discard;
+        let parents = self.fork_parents();
+        let discard_unwritten =
+            self.failed_releases.iter().any(|s| !parents.contains(s)) || self.tiers.discard;
         let waiting = if discard_unwritten {
             // any discard drops every pending demotion of the session
             self.tiers.discard = false;
@@ -230,8 +232,12 @@ impl Core {
         } else {
             &mut self.releases
         };
+        let (held, free): (Vec<SeqId>, Vec<SeqId>) =
+            waiting.drain(..).partition(|s| parents.contains(s));
+        *waiting = free;
         let n = waiting.len().min(self.batch_limit);
         let seq_ids = waiting.drain(..n).collect();
+        waiting.extend(held);
         ReleaseBatch {
             seq_ids,
             fence_step: self.steps.forwards.back().map(|f| f.step),
@@ -273,9 +279,22 @@ impl Core {
         }
     }
 
-    /// Whether any release is waiting to be sent.
+    /// Whether any release is waiting to be sent (a parent whose branches
+    /// wait for their fork is not, yet).
     pub fn has_releases(&self) -> bool {
-        !self.releases.is_empty() || !self.failed_releases.is_empty() || self.tiers.discard
+        let parents = self.fork_parents();
+        let sendable = |list: &[SeqId]| list.iter().any(|s| !parents.contains(s));
+        sendable(&self.releases) || sendable(&self.failed_releases) || self.tiers.discard
+    }
+
+    /// Sequences whose branches wait for their fork (or its answer): each
+    /// stays leased until then, so that the cache can share its blocks.
+    fn fork_parents(&self) -> HashSet<SeqId> {
+        self.forks
+            .iter()
+            .map(|f| f.parent)
+            .chain(self.leasing.iter().filter_map(|l| l.fork_of))
+            .collect()
     }
 
     /// The step to report complete now, if any: the last one whose forward

@@ -8,21 +8,29 @@ use crate::queue::Request;
 impl Core {
     /// Cancels a request wherever it is; a running one is released with the
     /// next release batch.
+    /// Every branch of a request of several samples is cancelled, wherever
+    /// each one is.
     pub fn cancel(&mut self, id: RequestId, why: &str) {
-        if let Some(request) = self.queue.remove(id) {
+        while let Some(request) = self.queue.remove(id) {
             self.finish_request(&request, Finish::Cancelled(why.to_string()));
-            return;
+        }
+        let (forks, kept) = std::mem::take(&mut self.forks)
+            .into_iter()
+            .partition(|f| f.request.id == id);
+        self.forks = kept;
+        for f in forks {
+            self.finish_request(&f.request, Finish::Cancelled(why.to_string()));
         }
         if self.leasing.iter().any(|l| l.request.id == id) {
             self.cancelled_leasing.insert(id);
-            return;
         }
-        let seq_id = self
+        let seq_ids: Vec<SeqId> = self
             .running
             .values()
-            .find(|s| s.request.id == id)
-            .map(|s| s.seq_id);
-        if let Some(seq_id) = seq_id {
+            .filter(|s| s.request.id == id)
+            .map(|s| s.seq_id)
+            .collect();
+        for seq_id in seq_ids {
             self.end_sequence(seq_id, Finish::Cancelled(why.to_string()));
         }
     }
@@ -83,19 +91,40 @@ impl Core {
         }
     }
 
+    /// Finishes one branch of a request (the only one of a request of one
+    /// sample), and with a branch 0 not forked yet the branches still to
+    /// fork from it: the request's last output says so once none is left.
     pub(super) fn finish_request(&mut self, request: &Request, finish: Finish) {
-        match &finish {
-            Finish::Length => self.counters.finished_length += 1,
-            Finish::Stop => self.counters.finished_stop += 1,
-            Finish::Cancelled(_) => self.counters.cancelled += 1,
-            Finish::Rejected(_) => self.counters.rejected += 1,
-            Finish::Error(_) => self.counters.errors += 1,
+        let unforked = (request.n > 1)
+            .then_some(1..request.n)
+            .into_iter()
+            .flatten();
+        for index in std::iter::once(request.index).chain(unforked) {
+            match &finish {
+                Finish::Length => self.counters.finished_length += 1,
+                Finish::Stop => self.counters.finished_stop += 1,
+                Finish::Cancelled(_) => self.counters.cancelled += 1,
+                Finish::Rejected(_) => self.counters.rejected += 1,
+                Finish::Error(_) => self.counters.errors += 1,
+            }
+            let last = match self.branches_left.get_mut(&request.id) {
+                Some(left) if *left > 1 => {
+                    *left -= 1;
+                    false
+                }
+                _ => {
+                    self.branches_left.remove(&request.id);
+                    true
+                }
+            };
+            self.outputs.push(Output::Finished {
+                request: request.id,
+                index,
+                finish: finish.clone(),
+                preemptions: request.preemptions,
+                last,
+            });
         }
-        self.outputs.push(Output::Finished {
-            request: request.id,
-            finish,
-            preemptions: request.preemptions,
-        });
     }
 
     /// Sequences preempted (released and requeued) since the last call.
@@ -127,6 +156,26 @@ impl Core {
         self.released.append(&mut self.failed_releases);
         self.forget_fences();
         self.leases_failed();
+        // branches waiting for a fork: their parent's lease is gone too
+        for f in std::mem::take(&mut self.forks) {
+            if recompute {
+                self.queue.requeue(f.request);
+            } else {
+                let reject = Reject {
+                    seq_id: f.parent,
+                    reason: RejectReason::CacheRestarted,
+                    pool_id: 0,
+                    window: 0,
+                    blocks_needed: 0,
+                    blocks_free: 0,
+                    blocks_pending_free: 0,
+                    message: format!(
+                        "the scheduler's cache session was lost ({why}) before the branch was forked"
+                    ),
+                };
+                self.finish_request(&f.request, Finish::Rejected(reject));
+            }
+        }
         for (_, seq) in std::mem::take(&mut self.running) {
             self.released.push(seq.seq_id);
             if recompute {
@@ -154,6 +203,9 @@ impl Core {
     /// Finishes every request (shutdown); running ones are released.
     pub fn cancel_all(&mut self, why: &str) {
         self.leases_failed();
+        for f in std::mem::take(&mut self.forks) {
+            self.finish_request(&f.request, Finish::Cancelled(why.to_string()));
+        }
         let queued: Vec<Request> = self.queue.drain().collect();
         for r in queued {
             self.finish_request(&r, Finish::Cancelled(why.to_string()));

@@ -211,6 +211,9 @@ struct Sequence {
     /// Whether a pass carried its history to the worker (penalised
     /// sequences only; see `ForwardItem::history`).
     history_sent: bool,
+    /// A forked sample holding its parent's blocks before its last prompt
+    /// token by reference (charged to the parent).
+    shares_parent: bool,
 }
 
 /// What the passes in flight will have done to a sequence once they return.
@@ -256,10 +259,16 @@ impl Sequence {
         } else {
             self.lease_len
         };
-        Demand {
+        let mut d = Demand {
             next_tokens: next.saturating_add(self.extra.total()),
-            life_tokens: self.request.full_life_tokens(self.extra),
+            ..self.request.demand(self.extra)
+        };
+        if self.shares_parent {
+            // its prompt but the last token is the parent's
+            d.shared_tokens = self.lease_len.saturating_sub(1);
+            d.shared_elsewhere = true;
         }
+        d
     }
 }
 
@@ -272,6 +281,17 @@ struct Leasing {
     lease_len: u32,
     /// Prompt tokens budgeted for the first prefill chunk this step.
     first_chunk: u32,
+    /// A branch forked from this running sequence.
+    fork_of: Option<SeqId>,
+}
+
+/// A branch of a request of several samples waiting for its lease: forked
+/// from `parent` (branch 0, whose prompt is prefilled) in `group`.
+#[derive(Debug)]
+struct Fork {
+    parent: SeqId,
+    group: usize,
+    request: Request,
 }
 
 /// A running sequence the core released and requeued for recompute, for the
@@ -296,6 +316,11 @@ pub struct Core {
     leasing: Vec<Leasing>,
     /// Requests cancelled while their lease was in flight.
     cancelled_leasing: HashSet<RequestId>,
+    /// Branches waiting for a lease forked from their parent (whose
+    /// release waits until then, see `take_releases`).
+    forks: Vec<Fork>,
+    /// Branches of a request of several samples not finished yet.
+    branches_left: HashMap<RequestId, u32>,
     /// Ended sequences whose blocks are still held at the cache.
     releases: Vec<SeqId>,
     /// Sequences of a failed forward pass whose blocks are still held at
@@ -350,6 +375,8 @@ impl Core {
             running: BTreeMap::new(),
             leasing: Vec::new(),
             cancelled_leasing: HashSet::new(),
+            forks: Vec::new(),
+            branches_left: HashMap::new(),
             releases: Vec::new(),
             failed_releases: Vec::new(),
             outputs: Vec::new(),
@@ -417,14 +444,18 @@ impl Core {
         self.running.len() + self.leasing.len()
     }
 
-    /// Whether anything is waiting, leasing or running.
+    /// Whether anything is waiting, forking, leasing or running.
     pub fn is_idle(&self) -> bool {
-        self.queue.is_empty() && self.running.is_empty() && self.leasing.is_empty()
+        self.queue.is_empty()
+            && self.running.is_empty()
+            && self.leasing.is_empty()
+            && self.forks.is_empty()
     }
 
-    /// Requests the core holds (queued, leasing or running).
+    /// Requests the core holds (queued, forking, leasing or running).
     pub fn live_requests(&self) -> Vec<RequestId> {
         let mut ids: Vec<RequestId> = self.queue.ids().collect();
+        ids.extend(self.forks.iter().map(|f| f.request.id));
         ids.extend(self.leasing.iter().map(|l| l.request.id));
         ids.extend(self.running.values().map(|s| s.request.id));
         ids

@@ -451,6 +451,19 @@ impl Core {
         let Some(seq) = self.running.get_mut(&seq_id) else {
             return;
         };
+        // The prompt is prefilled: the other samples fork from it now (its
+        // KV before the last prompt token shared, each branch computing
+        // that token and sampling its own first one).
+        if seq.request.n > 1 && seq.request.generated.is_empty() {
+            let n = std::mem::replace(&mut seq.request.n, 1);
+            for index in 1..n {
+                self.forks.push(super::Fork {
+                    parent: seq_id,
+                    group: seq.group,
+                    request: seq.request.branch(index),
+                });
+            }
+        }
         let mut out = Vec::with_capacity(tokens.len());
         let mut finish = None;
         for t in tokens {
@@ -476,6 +489,7 @@ impl Core {
         };
         self.outputs.push(Output::Tokens {
             request: seq.request.id,
+            index: seq.request.index,
             tokens: out,
             reused_tokens,
         });

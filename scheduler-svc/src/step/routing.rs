@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use super::Core;
 use crate::domain::RequestId;
-use crate::policy::{Admission, Demand};
+use crate::policy::Admission;
 use crate::routing::Routing;
 
 /// Most queued requests one step asks `Match` about.
@@ -40,10 +40,7 @@ impl Core {
             return Vec::new();
         };
         let extra = self.extra_for(head);
-        let demand = Demand {
-            next_tokens: head.lease_tokens(extra),
-            life_tokens: head.full_life_tokens(extra),
-        };
+        let demand = head.demand(extra);
         let admissible = self.groups.iter().enumerate().any(|(g, group)| {
             let loads = self.loads(g);
             self.config

@@ -14,7 +14,7 @@ impl StepLoop {
         self.publish();
         for output in self.core.drain_outputs() {
             let id = output.request();
-            let last = matches!(output, Output::Finished { .. });
+            let last = matches!(output, Output::Finished { last: true, .. });
             self.metrics.output(&output);
             if let Some(tx) = self.streams.get(&id) {
                 // a closed stream is reaped as a cancellation

@@ -453,6 +453,82 @@ pub(crate) fn partial_block_copy_matches_recomputing(build: Build<'_>, tol: f32)
     }
 }
 
+/// Forks (n > 1 parallel samples, beams): two branches of a 15-token
+/// prompt share the parent's three full blocks, copy on write the 2 slots
+/// before the last prompt token from the parent's fourth block into their
+/// own, and compute that token themselves, in the same pass as the parent
+/// writes its next token into the block they copy from (the copies run
+/// first). Each branch then decodes its own token (they diverge). Every
+/// branch's logits are bit-identical to recomputing its whole context in
+/// fresh blocks, and within `tol` of the dense reference.
+pub(crate) fn forked_branches_match_recomputing(build: Build<'_>, tol: f32) {
+    let weights = fixed_model(vec![0, 32, 0], 4);
+    let mut worker = build(&weights);
+    let vocab = weights.config.vocab_size;
+    let prompt: Vec<u32> = (0..15).map(|i| (i * 5 + 2) % 64).collect();
+    let both = |ids: &[u32]| vec![table(0, 0, ids), table(32, 0, ids)];
+    // the parent prefills the prompt: blocks 10-12 full, 3 slots of 13
+    run_one(&mut worker, 1, &prompt, 0, both(&[10, 11, 12, 13]));
+    let branch_tables = |own: u32| both(&[10, 11, 12, own, own + 1]);
+    let fork = |seq_id: u64, own: u32| {
+        let mut s = seq_input(seq_id, &prompt[14..], 14, branch_tables(own));
+        s.copies = [0, 32]
+            .map(|window| CopyInput {
+                window,
+                src_block: 13,
+                dst_block: own,
+                tokens: 2,
+            })
+            .to_vec();
+        s
+    };
+    // one pass: the parent's decode writes slot 3 of block 13 while the
+    // branches copy its slots 0-1
+    let out = match worker.forward(vec![
+        seq_input(1, &[7], 15, both(&[10, 11, 12, 13])),
+        fork(2, 20),
+        fork(3, 30),
+    ]) {
+        Ok(out) => out,
+        Err(e) => panic!("forward of the forks: {e}"),
+    };
+    let mut rows: Vec<Vec<f32>> = (1..3).map(|i| out.logits(i).to_vec()).collect();
+    // the branches diverge: each decodes its own token
+    for (k, (seq_id, own, token)) in [(2u64, 20u32, 41u32), (3, 30, 9)].into_iter().enumerate() {
+        rows[k].extend(run_one(
+            &mut worker,
+            seq_id,
+            &[token],
+            15,
+            branch_tables(own),
+        ));
+    }
+    let dense = DenseModel::new(&weights);
+    for (k, token) in [41u32, 9].into_iter().enumerate() {
+        let full: Vec<u32> = prompt.iter().copied().chain([token]).collect();
+        let fresh = both(&[
+            40 + 10 * k as u32,
+            41 + 10 * k as u32,
+            42 + 10 * k as u32,
+            43 + 10 * k as u32,
+            44 + 10 * k as u32,
+        ]);
+        let recomputed = run_one(&mut worker, 10 + k as u64, &full, 0, fresh);
+        assert_bit_identical(
+            &rows[k],
+            &recomputed[14 * vocab..],
+            "forked branch vs recomputed",
+        );
+        let mut d = dense.sequence();
+        let expected = dense.forward(&mut d, &full);
+        for (row, want) in rows[k].chunks_exact(vocab).zip(&expected[14..]) {
+            let err = relative_error(row, want);
+            assert!(err <= tol, "fork vs dense: relative error {err} over {tol}");
+        }
+    }
+    assert_ne!(rows[0][vocab..], rows[1][vocab..], "the branches diverged");
+}
+
 /// A 300-token reused prefix gives bit-identical logits to recomputing it
 /// in a batch with another sequence, through prefill and one decode step.
 pub(crate) fn long_reused_prefix_is_bit_identical(build: Build<'_>) {

@@ -163,7 +163,7 @@ class ExtraTokens(_message.Message):
     def __init__(self, draft: _Optional[int] = ..., extra_kv: _Optional[int] = ..., extra_decoding_steps: _Optional[int] = ...) -> None: ...
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life", "traceparent", "prefill_tokens", "refusal_retried", "retain")
+    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life", "traceparent", "prefill_tokens", "refusal_retried", "retain", "fork_of")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,7 @@ class SequenceSpec(_message.Message):
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_RETRIED_FIELD_NUMBER: _ClassVar[int]
     RETAIN_FIELD_NUMBER: _ClassVar[int]
+    FORK_OF_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     pool_group: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -192,7 +193,8 @@ class SequenceSpec(_message.Message):
     prefill_tokens: int
     refusal_retried: bool
     retain: RetentionHint
-    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ..., traceparent: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., refusal_retried: _Optional[bool] = ..., retain: _Optional[_Union[RetentionHint, _Mapping]] = ...) -> None: ...
+    fork_of: int
+    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ..., traceparent: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., refusal_retried: _Optional[bool] = ..., retain: _Optional[_Union[RetentionHint, _Mapping]] = ..., fork_of: _Optional[int] = ...) -> None: ...
 
 class RetentionHint(_message.Message):
     __slots__ = ("tokens", "priority", "ttl_ms", "tenant")
@@ -493,7 +495,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, pool_group: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_group", "pool_id", "window", "tokens_per_block", "total", "free", "cached_evictable", "in_use", "fenced", "grants", "rejects", "evictions", "reuse_lookups", "reuse_hits", "leaks_reclaimed", "hit_rate_estimates", "host_total", "host_free", "host_pending", "host_cached", "host_pinned", "demotions", "onboards", "demotions_dropped", "eviction_policy", "current_policy", "policy_estimates", "policy_switches")
+    __slots__ = ("pool_group", "pool_id", "window", "tokens_per_block", "total", "free", "cached_evictable", "in_use", "fenced", "grants", "rejects", "evictions", "reuse_lookups", "reuse_hits", "leaks_reclaimed", "hit_rate_estimates", "host_total", "host_free", "host_pending", "host_cached", "host_pinned", "demotions", "onboards", "demotions_dropped", "eviction_policy", "current_policy", "policy_estimates", "policy_switches", "fork_shared", "fork_copies")
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
@@ -522,6 +524,8 @@ class PoolStats(_message.Message):
     CURRENT_POLICY_FIELD_NUMBER: _ClassVar[int]
     POLICY_ESTIMATES_FIELD_NUMBER: _ClassVar[int]
     POLICY_SWITCHES_FIELD_NUMBER: _ClassVar[int]
+    FORK_SHARED_FIELD_NUMBER: _ClassVar[int]
+    FORK_COPIES_FIELD_NUMBER: _ClassVar[int]
     pool_group: str
     pool_id: int
     window: int
@@ -550,7 +554,9 @@ class PoolStats(_message.Message):
     current_policy: str
     policy_estimates: _containers.RepeatedCompositeFieldContainer[PolicyEstimate]
     policy_switches: int
-    def __init__(self, pool_group: _Optional[str] = ..., pool_id: _Optional[int] = ..., window: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached_evictable: _Optional[int] = ..., in_use: _Optional[int] = ..., fenced: _Optional[int] = ..., grants: _Optional[int] = ..., rejects: _Optional[int] = ..., evictions: _Optional[int] = ..., reuse_lookups: _Optional[int] = ..., reuse_hits: _Optional[int] = ..., leaks_reclaimed: _Optional[int] = ..., hit_rate_estimates: _Optional[_Iterable[_Union[HitRateEstimate, _Mapping]]] = ..., host_total: _Optional[int] = ..., host_free: _Optional[int] = ..., host_pending: _Optional[int] = ..., host_cached: _Optional[int] = ..., host_pinned: _Optional[int] = ..., demotions: _Optional[int] = ..., onboards: _Optional[int] = ..., demotions_dropped: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., current_policy: _Optional[str] = ..., policy_estimates: _Optional[_Iterable[_Union[PolicyEstimate, _Mapping]]] = ..., policy_switches: _Optional[int] = ...) -> None: ...
+    fork_shared: int
+    fork_copies: int
+    def __init__(self, pool_group: _Optional[str] = ..., pool_id: _Optional[int] = ..., window: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached_evictable: _Optional[int] = ..., in_use: _Optional[int] = ..., fenced: _Optional[int] = ..., grants: _Optional[int] = ..., rejects: _Optional[int] = ..., evictions: _Optional[int] = ..., reuse_lookups: _Optional[int] = ..., reuse_hits: _Optional[int] = ..., leaks_reclaimed: _Optional[int] = ..., hit_rate_estimates: _Optional[_Iterable[_Union[HitRateEstimate, _Mapping]]] = ..., host_total: _Optional[int] = ..., host_free: _Optional[int] = ..., host_pending: _Optional[int] = ..., host_cached: _Optional[int] = ..., host_pinned: _Optional[int] = ..., demotions: _Optional[int] = ..., onboards: _Optional[int] = ..., demotions_dropped: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., current_policy: _Optional[str] = ..., policy_estimates: _Optional[_Iterable[_Union[PolicyEstimate, _Mapping]]] = ..., policy_switches: _Optional[int] = ..., fork_shared: _Optional[int] = ..., fork_copies: _Optional[int] = ...) -> None: ...
 
 class PolicyEstimate(_message.Message):
     __slots__ = ("policy", "hit_rate")

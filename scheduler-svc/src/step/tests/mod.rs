@@ -13,6 +13,7 @@ use crate::policy::OnExhausted;
 
 mod ahead;
 mod fences;
+mod forks;
 mod model;
 mod policies;
 mod recovery;

@@ -21,6 +21,12 @@ struct ModelCache {
     known: HashMap<SeqId, u32>,
 
     fenced: Vec<(Step, Vec<u32>)>,
+    /// Holders of each block in use (a fork shares its parent's) and the
+    /// fences on it: it is free again only once both are gone.
+    refs: HashMap<u32, u32>,
+    pins: HashMap<u32, u32>,
+    /// Forks granted the parent's blocks.
+    forks: usize,
     /// Another holder of the pool takes the free blocks now and then: an
     /// extend that needs a block is refused one time in this many.
     contested_one_in: u64,
@@ -39,6 +45,9 @@ impl ModelCache {
             held: HashMap::new(),
             known: HashMap::new(),
             fenced: Vec::new(),
+            refs: HashMap::new(),
+            pins: HashMap::new(),
+            forks: 0,
             contested_one_in: 6,
             rng: 0x2545_f491_4f6c_dd1d,
             contested: 0,
@@ -55,6 +64,9 @@ impl ModelCache {
             return exhausted(seq_id);
         }
         let new: Vec<u32> = self.free.split_off(self.free.len() - need);
+        for &b in &new {
+            self.refs.insert(b, 1);
+        }
         blocks.extend(&new);
         let table = if delta { new } else { blocks.clone() };
         self.held.insert(seq_id, (tokens, blocks));
@@ -64,9 +76,81 @@ impl ModelCache {
         })
     }
 
-    fn lease(&mut self, spec: &LeaseSpec) -> Outcome {
+    /// Drops one holder of `block`, turning it into a fence at `fence`.
+    fn put_back(&mut self, block: u32, fence: Option<Step>) {
+        let refs = self.refs.entry(block).or_default();
+        *refs = refs.saturating_sub(1);
+        match fence {
+            Some(step) => {
+                *self.pins.entry(block).or_default() += 1;
+                self.fenced.push((step, vec![block]));
+            }
+            None => self.settle(block),
+        }
+    }
+
+    fn settle(&mut self, block: u32) {
+        let held = self.refs.get(&block).copied().unwrap_or(0) > 0
+            || self.pins.get(&block).copied().unwrap_or(0) > 0;
+        if !held {
+            self.refs.remove(&block);
+            self.pins.remove(&block);
+            self.free.push(block);
+        }
+    }
+
+    /// A lease; a fork (`fork_of` a held sequence) shares the parent's
+    /// blocks before its last prompt token and copies the next one's
+    /// leading slots, whose source stays fenced at the lease's `step`.
+    fn lease(&mut self, spec: &LeaseSpec, step: Step) -> Outcome {
         let tokens = spec.prompt_tokens.len() as u32 + spec.extra.total();
+        let parent = spec
+            .fork_of
+            .and_then(|p| self.held.get(&p))
+            .map(|(_, b)| b.clone());
+        let k = spec.prompt_tokens.len() as u32 - 1;
+        let shared: Vec<u32> = parent
+            .as_ref()
+            .map(|b| {
+                b.iter()
+                    .take((k / self.tokens_per_block) as usize)
+                    .copied()
+                    .collect()
+            })
+            .unwrap_or_default();
+        if !shared.is_empty() {
+            self.held.insert(spec.seq_id, (0, shared.clone()));
+        }
         let outcome = self.take(spec.seq_id, tokens, false);
+        let Outcome::Grant(mut g) = outcome else {
+            self.held.remove(&spec.seq_id);
+            return outcome;
+        };
+        if let Some(parent) = parent {
+            self.forks += 1;
+            for &b in &shared {
+                *self.refs.entry(b).or_default() += 1;
+            }
+            g.reused_tokens = k / self.tokens_per_block * self.tokens_per_block;
+            let slots = k % self.tokens_per_block;
+            if let (Some(&src), Some(&dst)) = (
+                parent.get(shared.len()),
+                g.tables[0].block_ids.get(shared.len()),
+            ) && slots > 0
+            {
+                *self.refs.entry(src).or_default() += 1;
+                self.put_back(src, Some(step));
+                g.reused_tokens = k;
+                g.copies = vec![crate::domain::BlockCopy {
+                    pool_id: 1,
+                    window: 0,
+                    src_block: src,
+                    dst_block: dst,
+                    tokens: slots,
+                }];
+            }
+        }
+        let outcome = Outcome::Grant(g);
         if matches!(outcome, Outcome::Grant(_)) {
             self.known
                 .insert(spec.seq_id, spec.prompt_tokens.len() as u32);
@@ -99,9 +183,8 @@ impl ModelCache {
         for seq_id in &batch.seq_ids {
             self.known.remove(seq_id);
             if let Some((_, blocks)) = self.held.remove(seq_id) {
-                match batch.fence_step {
-                    Some(step) => self.fenced.push((step, blocks)),
-                    None => self.free.extend(blocks),
+                for b in blocks {
+                    self.put_back(b, batch.fence_step);
                 }
             }
         }
@@ -112,7 +195,12 @@ impl ModelCache {
             .into_iter()
             .partition(|(s, _)| *s <= step);
         self.fenced = parked;
-        self.free.extend(due.into_iter().flat_map(|(_, b)| b));
+        for b in due.into_iter().flat_map(|(_, b)| b) {
+            if let Some(pins) = self.pins.get_mut(&b) {
+                *pins = pins.saturating_sub(1);
+            }
+            self.settle(b);
+        }
     }
 }
 
@@ -142,6 +230,8 @@ struct Exercised {
     fed: usize,
     /// Requests that stopped (a stop token) with a later pass in flight.
     stopped_in_flight: usize,
+    /// Samples forked from their parent's blocks.
+    forks: usize,
 }
 
 /// Every item of a launch writes only blocks the cache holds for its
@@ -241,14 +331,27 @@ fn drive(order: Order, seed: u64) -> Exercised {
     let mut seen = Exercised::default();
     let mut next_id = 1;
 
-    fn check_grants(outcomes: &[Outcome], in_flight: &InFlight, seen: &mut Exercised) {
+    /// Every block a grant hands out that no other sequence holds (a fork
+    /// shares its parent's, which the parent's passes read) is read by no
+    /// pass in flight for another sequence.
+    fn check_grants(
+        outcomes: &[Outcome],
+        cache: &ModelCache,
+        in_flight: &InFlight,
+        seen: &mut Exercised,
+    ) {
         for outcome in outcomes {
             let Outcome::Grant(g) = outcome else {
                 continue;
             };
             seen.grants += 1;
             for (step, batches) in in_flight {
-                for block in g.tables.iter().flat_map(|t| &t.block_ids) {
+                let fresh = g
+                    .tables
+                    .iter()
+                    .flat_map(|t| &t.block_ids)
+                    .filter(|b| cache.refs.get(b).copied() == Some(1));
+                for block in fresh {
                     for item in batches.iter().flat_map(|(_, items)| items) {
                         let reads = item.tables.iter().any(|t| t.block_ids.contains(block));
                         assert!(
@@ -296,6 +399,10 @@ fn drive(order: Order, seed: u64) -> Exercised {
             let prompt = 3 + rand(10) as usize;
             let mut r = request(next_id, prompt, 2 + rand(8) as u32);
             r.stop_tokens = vec![STOP];
+            // a request of several samples now and then: they fork
+            if rand(3) == 0 {
+                r.n = 2 + rand(2) as u32;
+            }
             c.submit(r);
             next_id += 1;
         }
@@ -316,8 +423,9 @@ fn drive(order: Order, seed: u64) -> Exercised {
         let admit =
             |c: &mut Core, cache: &mut ModelCache, in_flight: &InFlight, seen: &mut Exercised| {
                 let specs = c.plan_admission();
-                let outcomes: Vec<Outcome> = specs.iter().map(|s| cache.lease(s)).collect();
-                check_grants(&outcomes, in_flight, seen);
+                let step = c.step();
+                let outcomes: Vec<Outcome> = specs.iter().map(|s| cache.lease(s, step)).collect();
+                check_grants(&outcomes, cache, in_flight, seen);
                 c.apply_leases(outcomes);
             };
         let extend = |c: &mut Core,
@@ -331,7 +439,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
                 seen.extended_in_flight += specs.len();
                 seen.refused_in_flight += cache.contested - contested;
             }
-            check_grants(&outcomes, in_flight, seen);
+            check_grants(&outcomes, cache, in_flight, seen);
             c.apply_extends(outcomes);
         };
         // the extends `Plan` kept for the settle after the launch
@@ -411,6 +519,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
         cache.held.len(),
         cache.fenced.len()
     );
+    seen.forks = cache.forks;
     seen
 }
 
@@ -428,6 +537,7 @@ fn drive_seeds(order: Order) -> Exercised {
         total.refused_in_flight += seen.refused_in_flight;
         total.fed += seen.fed;
         total.stopped_in_flight += seen.stopped_in_flight;
+        total.forks += seen.forks;
     }
     total
 }
@@ -441,7 +551,8 @@ fn overlap_no_block_reaches_another_sequence_before_the_forward_that_could_read_
             && total.completes > 1_000
             && total.extended_in_flight > 1_000
             && total.launched_ahead > 1_000
-            && total.refused_in_flight > 100,
+            && total.refused_in_flight > 100
+            && total.forks > 100,
         "the runs exercised too little: {total:?}"
     );
 }
@@ -457,7 +568,8 @@ fn pipelined_no_block_reaches_another_sequence_before_every_forward_that_could_r
             && total.launched_ahead > 1_000
             && total.fed > 1_000
             && total.stopped_in_flight > 100
-            && total.refused_in_flight > 100,
+            && total.refused_in_flight > 100
+            && total.forks > 100,
         "the runs exercised too little: {total:?}"
     );
 }
@@ -473,7 +585,10 @@ fn plain_no_block_reaches_another_sequence_early_and_every_fenced_block_comes_ba
     assert_eq!(total.launched_ahead, 0, "every decode waits for its extend");
     assert_eq!(total.fed, 0, "nothing is fed without a pass in flight");
     assert!(
-        total.grants > 1_000 && total.completes > 1_000 && total.finished > 1_000,
+        total.grants > 1_000
+            && total.completes > 1_000
+            && total.finished > 1_000
+            && total.forks > 100,
         "the runs exercised too little: {total:?}"
     );
 }
