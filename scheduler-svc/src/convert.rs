@@ -708,6 +708,7 @@ fn forward_sequence(i: &ForwardItem, trace: Option<&ChunkTrace>) -> pb::ForwardS
         history: i.history.as_ref().map(|tokens| pb::TokenHistory {
             tokens: tokens.clone(),
         }),
+        logprobs: None,
         copies: i
             .copies
             .iter()
