@@ -270,6 +270,7 @@ async fn warm_up(
                     reserve_full_life: true,
                     // warm-up: nothing is published, whatever the chunks
                     prefill_tokens: 0,
+                    reuse_prefix: true,
                 }
             })
             .collect();
@@ -400,6 +401,7 @@ async fn run_shape(
                 stop_ids: Vec::new(),
                 history: None,
                 copies: Vec::new(),
+                logprobs: None,
             })
             .collect();
         let copies = std::mem::take(&mut tier_copies);
@@ -448,6 +450,7 @@ async fn run_shape(
             prompt_len: 0,
             stop_ids: Vec::new(),
             history: None,
+            logprobs: None,
             copies: Vec::new(),
         });
     }

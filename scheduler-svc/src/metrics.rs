@@ -231,6 +231,7 @@ impl SchedulerMetrics {
                 request,
                 tokens,
                 reused_tokens,
+                ..
             } => {
                 self.output_tokens.inc_by(tokens.len() as u64);
                 if let Some(n) = reused_tokens {
@@ -326,6 +327,8 @@ mod tests {
             request: id,
             tokens,
             reused_tokens: reused,
+            logprobs: Vec::new(),
+            prompt_logprobs: None,
         };
         m.output_at(
             &tokens(vec![5], Some((8, 0))),

@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 
 use std::time::Instant;
 
-use crate::domain::{Extra, Reject, RequestId, Retain, Sampling};
+use crate::domain::{Extra, Logprobs, Reject, RequestId, Retain, Sampling, TokenLogprob};
 
 /// A client request and what it has produced so far.
 #[derive(Debug, Clone)]
@@ -41,6 +41,13 @@ pub struct Request {
     /// The cache's last refusal that sent it back to wait, for the figures
     /// of a `QUEUE_TIMEOUT`.
     pub last_refusal: Option<Reject>,
+    /// Log-probabilities asked for; `None`: none.
+    pub logprobs: Option<Logprobs>,
+    /// The prompt's logprobs computed so far (entry `i`: prompt token
+    /// `i + 1`), until they are reported with the first output.
+    pub prompt_logprobs: Vec<TokenLogprob>,
+    /// Whether the prompt's logprobs were reported.
+    pub reported_prompt_logprobs: bool,
 }
 
 impl Request {
@@ -61,7 +68,22 @@ impl Request {
             reported_reuse: false,
             queued_at: None,
             last_refusal: None,
+            logprobs: None,
+            prompt_logprobs: Vec::new(),
+            reported_prompt_logprobs: false,
         }
+    }
+
+    /// Whether the prompt's logprobs are asked and not reported yet (they
+    /// go with the first output).
+    pub fn owes_prompt_logprobs(&self) -> bool {
+        self.logprobs.is_some_and(|l| l.prompt) && !self.reported_prompt_logprobs
+    }
+
+    /// Whether its next lease must compute every prompt position: the
+    /// prompt's logprobs are asked and not known yet.
+    pub fn needs_prompt_logprobs(&self) -> bool {
+        self.owes_prompt_logprobs() && self.generated.is_empty()
     }
 
     /// The tokens a lease must cover now: the prompt plus anything generated

@@ -19,7 +19,7 @@ use tonic::{Request as GrpcRequest, Response, Status};
 
 use crate::client::CacheClient;
 use crate::convert::{Limits, TextOutput, reject_to_proto};
-use crate::domain::{Finish, Output};
+use crate::domain::{Finish, Output, TokenLogprob};
 use crate::error::Error;
 use crate::policy::{OnExhausted, Policy};
 use crate::step_loop::StepLoopHandle;
@@ -81,6 +81,11 @@ struct StreamState {
     prompt_tokens: Option<u32>,
     /// Output tokens so far.
     output_tokens: u64,
+    /// With echo: the prompt's text, sent on the first message.
+    prompt_text: Option<String>,
+    /// The prompt's first token, which leads its logprobs (it has none).
+    prompt_first: Option<u32>,
+    tokenizer: Tokenizer,
     /// The request's `Generate` span: its finish is recorded there.
     root: tracing::Span,
 }
@@ -133,15 +138,20 @@ pub(crate) fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Du
 /// message with the finish reason. Dropping it, or its deadline passing,
 /// cancels the request (the step loop sees the receiver gone and releases
 /// the request's blocks).
+#[allow(clippy::too_many_arguments)] // the stream's parts, each used once
 fn response_stream(
     rx: mpsc::UnboundedReceiver<Output>,
     text: TextOutput,
     tokenizer: &Tokenizer,
     deadline: Option<Instant>,
     prompt_tokens: u32,
+    prompt: &[u32],
     root: tracing::Span,
 ) -> GenerateStream {
     let state = StreamState {
+        prompt_text: text.echo.then(|| tokenizer.decode(prompt)),
+        prompt_first: prompt.first().copied(),
+        tokenizer: tokenizer.clone(),
         rx,
         text: TextStream {
             decoder: tokenizer.stream(),
@@ -176,10 +186,31 @@ fn response_stream(
             Some(Output::Tokens {
                 tokens,
                 reused_tokens,
+                logprobs,
+                prompt_logprobs,
                 ..
             }) => {
+                let tok = &st.tokenizer;
+                let prompt_logprobs = match prompt_logprobs {
+                    Some(lp) => {
+                        // the first prompt token leads, without a logprob
+                        let first = st.prompt_first.map(|t| pb::TokenLogprob {
+                            token: t,
+                            bytes: tok.token_bytes(t),
+                            logprob: None,
+                            top: Vec::new(),
+                        });
+                        first
+                            .into_iter()
+                            .chain(lp.iter().map(|l| token_logprob(tok, l)))
+                            .collect()
+                    }
+                    None => Vec::new(),
+                };
                 let mut m = pb::GenerateResponse {
                     text: st.text.push(&tokens, st.output_tokens),
+                    logprobs: logprobs.iter().map(|l| token_logprob(tok, l)).collect(),
+                    prompt_logprobs,
                     tokens,
                     reused_tokens: reused_tokens.map_or(0, |r| r.0),
                     retained_tokens: reused_tokens.map_or(0, |r| r.1),
@@ -237,12 +268,32 @@ fn response_stream(
             }
         };
         msg.prompt_tokens = st.prompt_tokens.take().unwrap_or(0);
+        msg.prompt_text = st.prompt_text.take().unwrap_or_default();
         st.output_tokens += msg.tokens.len() as u64;
         if msg.finish_reason != 0 {
             record_finish(&st.root, &msg, st.output_tokens);
         }
         Some((Ok(msg), st))
     }))
+}
+
+/// One token's logprobs as the API shows them: with the bytes of it and of
+/// each alternative.
+fn token_logprob(tokenizer: &Tokenizer, l: &TokenLogprob) -> pb::TokenLogprob {
+    pb::TokenLogprob {
+        token: l.token,
+        bytes: tokenizer.token_bytes(l.token),
+        logprob: Some(l.logprob),
+        top: l
+            .top
+            .iter()
+            .map(|&(token, logprob)| pb::TopLogprob {
+                token,
+                bytes: tokenizer.token_bytes(token),
+                logprob,
+            })
+            .collect(),
+    }
 }
 
 /// Records how the request ended on its `Generate` span: output tokens,
@@ -299,6 +350,11 @@ impl Scheduler for SchedulerService {
         tracing::debug!(request = id.get(), request_id = %req.request_id, prompt_tokens = r.prompt.len(),
             max_tokens = r.max_tokens, "generate");
         let prompt_tokens = u32::try_from(r.prompt.len()).unwrap_or(u32::MAX);
+        let prompt = if text.echo || r.logprobs.is_some_and(|l| l.prompt) {
+            r.prompt.clone()
+        } else {
+            Vec::new()
+        };
         let root = tracing::Span::current();
         attributes::set_u64(&root, attributes::REQUEST_ID, id.get());
         if !req.request_id.is_empty() {
@@ -312,6 +368,7 @@ impl Scheduler for SchedulerService {
             &self.tokenizer,
             deadline,
             prompt_tokens,
+            &prompt,
             root,
         )))
     }

@@ -14,7 +14,11 @@ impl Core {
     /// Extra slots the lease of `request` keeps: drafts for greedy requests
     /// when speculation is on, and the lookahead.
     pub fn extra_for(&self, request: &Request) -> Extra {
-        let draft = if self.config.draft_k > 0 && request.sampling.is_greedy() {
+        // drafts are verified against the argmax, and report no logprobs
+        let draft = if self.config.draft_k > 0
+            && request.sampling.is_greedy()
+            && request.logprobs.is_none()
+        {
             self.config.draft_k
         } else {
             0
@@ -282,6 +286,7 @@ impl Core {
                 // the cache publishes only the blocks this step's pass
                 // writes; later chunks report their progress (plan_extends)
                 prefill_tokens: first,
+                reuse_prefix: !request.needs_prompt_logprobs(),
             });
             self.leasing.push(Leasing {
                 seq_id,
