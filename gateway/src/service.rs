@@ -38,11 +38,13 @@ use tonic_health::pb::health_client::HealthClient;
 
 use crate::convert::{self, End, Piece};
 use crate::error::{ApiError, Result};
+use crate::logprobs::{self, TokenLp};
 use crate::openai::{
     AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChunkChoice, Completion,
     CompletionChoice, Delta, Model, ModelList, Usage,
 };
 use crate::request::{Generate, Served};
+use serde_json::Value;
 
 /// What every handler shares: the scheduler channel and what is served.
 #[derive(Debug, Clone)]
@@ -258,6 +260,8 @@ struct Answer {
     id: String,
     created: u64,
     model: String,
+    /// Whether the request asked for logprobs.
+    logprobs: bool,
 }
 
 impl Gateway {
@@ -293,6 +297,7 @@ impl Gateway {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             model: self.served.model.clone(),
+            logprobs: g.logprobs.is_some(),
         };
         let mut client = SchedulerClient::new(self.channel.clone());
         let stream = match client
@@ -323,34 +328,70 @@ impl Gateway {
             r
         } else {
             match whole(Tally::new(g.retain.is_some()), first, pieces).await {
-                Ok((text, end, tally)) => answer.whole(text, end, tally.usage()),
+                Ok((text, lps, end, tally)) => {
+                    let logprobs = answer.logprobs_value(&lps, &mut Vec::new());
+                    answer.whole(text, logprobs, end, tally.usage())
+                }
                 Err(e) => e.into_response(),
             }
         }
     }
 }
 
-/// Reads every piece: the text, how it ended and the usage, or the error.
+/// Reads every piece: the text (an echoed prompt's first), the tokens'
+/// logprobs, how it ended and the usage, or the error.
 async fn whole(
     mut tally: Tally,
     first: Piece,
     mut rest: impl Stream<Item = Piece> + Unpin,
-) -> Result<(String, &'static str, Tally)> {
+) -> Result<(String, Vec<TokenLp>, &'static str, Tally)> {
     let mut text = String::new();
+    let mut lps = Vec::new();
     let mut p = first;
     loop {
         tally.add(&p);
-        text.push_str(&p.text);
+        let (t, l) = piece_parts(&p);
+        text.push_str(&t);
+        lps.extend(l);
         match p.end {
             Some(End::Failed(e)) => return Err(e),
-            Some(end) => return Ok((text, end.finish_reason().unwrap_or("stop"), tally)),
+            Some(end) => return Ok((text, lps, end.finish_reason().unwrap_or("stop"), tally)),
             None => p = rest.next().await.unwrap_or_else(Piece::unfinished),
         }
     }
 }
 
+/// A piece's text and its tokens' logprobs as an answer shows them: an
+/// echoed prompt (its text, and its logprobs when asked) first.
+fn piece_parts(p: &Piece) -> (String, Vec<TokenLp>) {
+    let mut text = p.prompt_text.clone();
+    text.push_str(&p.text);
+    let mut lps = p.prompt_logprobs.clone();
+    lps.extend(p.logprobs.iter().cloned());
+    (text, lps)
+}
+
 impl Answer {
-    fn whole(&self, text: String, finish: &'static str, usage: Usage) -> Response {
+    /// The logprobs object of `lps` in this answer's shape, when asked;
+    /// `before` holds the bytes of the tokens the choice already showed
+    /// (completions' `text_offset`).
+    fn logprobs_value(&self, lps: &[TokenLp], before: &mut Vec<u8>) -> Option<Value> {
+        if !self.logprobs {
+            return None;
+        }
+        Some(match self.kind {
+            Kind::Completion => logprobs::completion(lps, before),
+            Kind::Chat => logprobs::chat(lps),
+        })
+    }
+
+    fn whole(
+        &self,
+        text: String,
+        logprobs: Option<Value>,
+        finish: &'static str,
+        usage: Usage,
+    ) -> Response {
         match self.kind {
             Kind::Completion => json(
                 StatusCode::OK,
@@ -362,7 +403,7 @@ impl Answer {
                     choices: vec![CompletionChoice {
                         index: 0,
                         text,
-                        logprobs: None,
+                        logprobs,
                         finish_reason: Some(finish),
                     }],
                     usage: Some(usage),
@@ -381,7 +422,7 @@ impl Answer {
                             role: "assistant",
                             content: text,
                         },
-                        logprobs: None,
+                        logprobs,
                         finish_reason: finish,
                     }],
                     usage,
@@ -390,11 +431,13 @@ impl Answer {
         }
     }
 
-    /// One streamed chunk: a text delta, the role (chat's first chunk), a
-    /// finish reason, or (with no choices) the usage.
+    /// One streamed chunk: a text delta (with its tokens' logprobs), the
+    /// role (chat's first chunk), a finish reason, or (with no choices) the
+    /// usage.
     fn chunk(
         &self,
         text: Option<String>,
+        logprobs: Option<Value>,
         role: bool,
         finish: Option<&'static str>,
         usage: Option<Usage>,
@@ -410,7 +453,7 @@ impl Answer {
                     .then(|| CompletionChoice {
                         index: 0,
                         text: text.unwrap_or_default(),
-                        logprobs: None,
+                        logprobs: logprobs.clone(),
                         finish_reason: finish,
                     })
                     .into_iter()
@@ -429,7 +472,7 @@ impl Answer {
                             role: role.then_some("assistant"),
                             content: text,
                         },
-                        logprobs: None,
+                        logprobs,
                         finish_reason: finish,
                     })
                     .into_iter()
@@ -455,6 +498,8 @@ struct SseState<S> {
     rest: S,
     started: bool,
     done: bool,
+    /// The bytes of the tokens streamed so far (completions' `text_offset`).
+    streamed: Vec<u8>,
 }
 
 /// The SSE body: the chat role chunk, a chunk per piece with text, the
@@ -475,6 +520,7 @@ fn sse(
         rest,
         started: false,
         done: false,
+        streamed: Vec::new(),
     };
     futures::stream::unfold(state, |mut st| async move {
         if st.done {
@@ -496,7 +542,7 @@ impl<S: Stream<Item = Piece> + Unpin> SseState<S> {
         if !st.started {
             st.started = true;
             if st.answer.kind == Kind::Chat {
-                out.push_str(&st.answer.chunk(Some(String::new()), true, None, None));
+                out.push_str(&st.answer.chunk(Some(String::new()), None, true, None, None));
             }
         }
         let piece = match st.first.take() {
@@ -507,8 +553,15 @@ impl<S: Stream<Item = Piece> + Unpin> SseState<S> {
             },
         };
         st.tally.add(&piece);
-        if !piece.text.is_empty() {
-            out.push_str(&st.answer.chunk(Some(piece.text), false, None, None));
+        let (text, lps) = piece_parts(&piece);
+        // a piece whose text is held back still shows its tokens' logprobs
+        let logprobs = if lps.is_empty() {
+            None
+        } else {
+            st.answer.logprobs_value(&lps, &mut st.streamed)
+        };
+        if !text.is_empty() || logprobs.is_some() {
+            out.push_str(&st.answer.chunk(Some(text), logprobs, false, None, None));
         }
         match piece.end {
             None => {}
@@ -520,9 +573,15 @@ impl<S: Stream<Item = Piece> + Unpin> SseState<S> {
             Some(end) => {
                 st.done = true;
                 let content = (st.answer.kind == Kind::Chat).then(String::new);
-                out.push_str(&st.answer.chunk(content, false, end.finish_reason(), None));
+                out.push_str(
+                    &st.answer
+                        .chunk(content, None, false, end.finish_reason(), None),
+                );
                 if st.include_usage {
-                    out.push_str(&st.answer.chunk(None, false, None, Some(st.tally.usage())));
+                    out.push_str(
+                        &st.answer
+                            .chunk(None, None, false, None, Some(st.tally.usage())),
+                    );
                 }
                 out.push_str(DONE);
             }
@@ -556,12 +615,16 @@ mod tests {
             id: "x".into(),
             created: 1,
             model: "m".into(),
+            logprobs: false,
         }
     }
 
     fn text(t: &str) -> Piece {
         Piece {
             text: t.into(),
+            logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
+            prompt_text: String::new(),
             tokens: 1,
             prompt_tokens: 0,
             cached_tokens: 0,
