@@ -8,6 +8,7 @@ use futures::{Stream, StreamExt};
 use kvlease_proto::v1 as pb;
 
 use crate::error::ApiError;
+use crate::logprobs::TokenLp;
 use crate::request::{Generate, Input};
 
 /// The scheduler request of `g` for `tenant`, traced under the
@@ -38,6 +39,11 @@ pub fn generate_request(g: &Generate, id: &str, tenant: &str) -> pb::GenerateReq
             priority: h.priority,
             ttl_s: h.ttl_s,
         }),
+        logprobs: g.logprobs.map(|top| pb::LogprobsRequest {
+            top,
+            prompt: g.echo,
+        }),
+        echo: g.echo,
         ..Default::default()
     };
     match &g.input {
@@ -79,11 +85,17 @@ impl End {
 }
 
 /// One message of the response stream.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Piece {
     /// The choice (parallel sample) it belongs to.
     pub index: u32,
     pub text: String,
+    /// One per token, when logprobs were asked.
+    pub logprobs: Vec<TokenLp>,
+    /// With echo and logprobs, the first message: one per prompt token.
+    pub prompt_logprobs: Vec<TokenLp>,
+    /// With echo, the first message: the prompt's text.
+    pub prompt_text: String,
     /// Tokens generated in this message.
     pub tokens: u32,
     /// The prompt's tokens (first message only; 0 elsewhere).
@@ -109,6 +121,9 @@ impl Piece {
         Self {
             index: 0,
             text: String::new(),
+            logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
+            prompt_text: String::new(),
             tokens: 0,
             prompt_tokens: 0,
             cached_tokens: 0,
@@ -168,10 +183,22 @@ pub fn piece(m: pb::GenerateResponse) -> Piece {
             m.finish_reason
         )))),
     };
+    let lps = |v: Vec<pb::TokenLogprob>| -> Vec<TokenLp> {
+        v.into_iter()
+            .map(|l| TokenLp {
+                bytes: l.bytes,
+                logprob: l.logprob,
+                top: l.top.into_iter().map(|t| (t.bytes, t.logprob)).collect(),
+            })
+            .collect()
+    };
     Piece {
         index: m.index,
         tokens: u32::try_from(m.tokens.len()).unwrap_or(u32::MAX),
         text: m.text,
+        logprobs: lps(m.logprobs),
+        prompt_logprobs: lps(m.prompt_logprobs),
+        prompt_text: m.prompt_text,
         prompt_tokens: m.prompt_tokens,
         cached_tokens: m.reused_tokens,
         retained_tokens: m.retained_tokens,

@@ -241,6 +241,10 @@ fn openai_param(field: &str) -> Option<&'static str> {
         "retain.tokens" => "kvlease.retain.tokens",
         "retain.priority" => "kvlease.retain.priority",
         "retain.ttl_s" => "kvlease.retain.ttl_s",
+        // a hint with the prompt's logprobs (echo and logprobs)
+        "retain" => "kvlease.retain",
+        // the gateway checks its own shapes first (0 to 5, 0 to 20)
+        "logprobs.top" => "logprobs",
         _ => return None,
     })
 }

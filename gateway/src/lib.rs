@@ -28,6 +28,7 @@
 //!   and figures.
 //! - [`error`]: [`ApiError`], OpenAI's error shape and the HTTP status of
 //!   each scheduler code and reject reason (never a 500).
+//! - [`logprobs`]: log-probabilities in the completions' and chat's shapes.
 //! - [`service`]: the axum routes, whole answers and server-sent events.
 //!
 //! Data flows: body -> `openai` type -> `Generate` -> gRPC `Generate` ->
@@ -48,6 +49,7 @@ use tokio::net::TcpListener;
 pub mod config;
 pub mod convert;
 pub mod error;
+pub mod logprobs;
 pub mod openai;
 pub mod request;
 pub mod service;

@@ -15,7 +15,8 @@ pub struct CompletionRequest {
     pub prompt: Prompt,
     #[serde(flatten)]
     pub common: Common,
-    /// Refused when true: the prompt is not echoed.
+    /// The prompt's text before the completion (and with `logprobs`, the
+    /// prompt's logprobs before the completion's).
     #[serde(default)]
     pub echo: Option<bool>,
     /// Refused unless 1.
@@ -39,9 +40,10 @@ pub struct ChatRequest {
     /// Refused when not empty: no tool calls.
     #[serde(default)]
     pub tools: Option<Vec<serde_json::Value>>,
-    /// Refused when more than 0.
+    /// 0 to 20 alternatives per token; needs `logprobs: true`. Read as a
+    /// JSON value, so that a negative one is refused naming it.
     #[serde(default)]
-    pub top_logprobs: Option<u64>,
+    pub top_logprobs: Option<serde_json::Value>,
 }
 
 /// The fields both endpoints share.
@@ -79,7 +81,8 @@ pub struct Common {
     pub ignore_eos: Option<bool>,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    /// Refused when set to anything but `false` / `null`: no log-probs.
+    /// Completions: an integer 0 to 5 (alternatives per token); chat: a
+    /// boolean. Read as a JSON value and checked per endpoint.
     #[serde(default)]
     pub logprobs: Option<serde_json::Value>,
     /// kvlease's own extensions: `{"retain": {"tokens": N, "priority": P,
@@ -313,7 +316,8 @@ pub struct Completion {
 pub struct CompletionChoice {
     pub index: u32,
     pub text: String,
-    pub logprobs: Option<()>,
+    /// [`crate::logprobs::completion`]'s object, or null.
+    pub logprobs: Option<serde_json::Value>,
     pub finish_reason: Option<&'static str>,
 }
 
@@ -332,7 +336,8 @@ pub struct ChatCompletion {
 pub struct ChatChoice {
     pub index: u32,
     pub message: AssistantMessage,
-    pub logprobs: Option<()>,
+    /// [`crate::logprobs::chat`]'s object, or null.
+    pub logprobs: Option<serde_json::Value>,
     pub finish_reason: &'static str,
 }
 
@@ -358,7 +363,7 @@ pub struct ChatChunk {
 pub struct ChunkChoice {
     pub index: u32,
     pub delta: Delta,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<serde_json::Value>,
     pub finish_reason: Option<&'static str>,
 }
 

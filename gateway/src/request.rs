@@ -49,6 +49,34 @@ pub struct Generate {
     pub retain: Option<Retain>,
     /// Choices (parallel samples), 1 to [`MAX_SAMPLES`].
     pub n: u32,
+    /// Log-probabilities of each token with this many alternatives;
+    /// `None`: none.
+    pub logprobs: Option<u32>,
+    /// Completions' `echo`: the prompt's text (and, with `logprobs`, its
+    /// logprobs) first.
+    pub echo: bool,
+}
+
+/// The most alternatives the completions' `logprobs` may ask (OpenAI's).
+const MAX_COMPLETION_LOGPROBS: u64 = 5;
+/// The most chat's `top_logprobs` may ask (OpenAI's).
+const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// A count in `0..=max` or null, else a 400 naming `param`.
+fn count(param: &'static str, v: Option<&Value>, max: u64) -> Result<Option<u32>> {
+    match v.filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) if n <= max => Ok(Some(n as u32)),
+            _ => Err(ApiError::invalid_param(
+                param,
+                format!(
+                    "{param} must be an integer 0 to {max}, got {}",
+                    crate::error::clip(&v.to_string())
+                ),
+            )),
+        },
+    }
 }
 
 /// Most choices (`n`) one request may ask for (the scheduler's limit).
@@ -161,9 +189,12 @@ impl Served {
     /// `POST /v1/completions`.
     pub fn completion(&self, r: CompletionRequest) -> Result<Generate> {
         self.check_model(&r.model)?;
-        if r.echo == Some(true) {
-            return Err(ApiError::invalid_param("echo", "echo is not supported"));
-        }
+        // `false` reads as none, as OpenAI's clients send it
+        let logprobs = match r.common.logprobs.as_ref() {
+            Some(Value::Bool(false)) => None,
+            v => count("logprobs", v, MAX_COMPLETION_LOGPROBS)?,
+        };
+        let echo = r.echo.unwrap_or(false);
         if r.best_of.is_some_and(|b| b != 1) {
             return Err(ApiError::invalid_param("best_of", "best_of must be 1"));
         }
@@ -181,7 +212,10 @@ impl Served {
             }
         };
         // OpenAI's completions default
-        self.common(input, r.common, None, 16)
+        let mut g = self.common(input, r.common, None, 16)?;
+        g.logprobs = logprobs;
+        g.echo = echo;
+        Ok(g)
     }
 
     /// `POST /v1/chat/completions`.
@@ -190,12 +224,19 @@ impl Served {
         if r.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(ApiError::invalid_param("tools", "tools are not supported"));
         }
-        if r.top_logprobs.is_some_and(|n| n > 0) {
+        let asked = match r.common.logprobs.as_ref().filter(|v| !v.is_null()) {
+            None | Some(Value::Bool(false)) => false,
+            Some(Value::Bool(true)) => true,
+            Some(v) => return Err(wrong_type("logprobs", v, "a boolean")),
+        };
+        let top = count("top_logprobs", r.top_logprobs.as_ref(), MAX_TOP_LOGPROBS)?;
+        if top.is_some() && !asked {
             return Err(ApiError::invalid_param(
                 "top_logprobs",
-                "log-probabilities are not supported",
+                "top_logprobs needs logprobs: true",
             ));
         }
+        let logprobs = asked.then_some(top.unwrap_or(0));
         if r.messages.is_empty() {
             return Err(ApiError::invalid_param(
                 "messages",
@@ -234,12 +275,14 @@ impl Served {
             chat.push((m.role, content));
         }
         let default = self.default_max_tokens;
-        self.common(
+        let mut g = self.common(
             Input::Chat(chat),
             r.common,
             r.max_completion_tokens,
             default,
-        )
+        )?;
+        g.logprobs = logprobs;
+        Ok(g)
     }
 
     /// Whether a request naming `asked` is served here.
@@ -278,15 +321,6 @@ impl Served {
                 ));
             }
         };
-        if c.logprobs
-            .as_ref()
-            .is_some_and(|v| !(v.is_null() || *v == serde_json::Value::Bool(false)))
-        {
-            return Err(ApiError::invalid_param(
-                "logprobs",
-                "log-probabilities are not supported",
-            ));
-        }
         for (param, label) in [
             ("user", &c.user),
             ("safety_identifier", &c.safety_identifier),
@@ -368,6 +402,9 @@ impl Served {
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
             retain,
             n,
+            // the endpoints read their own shapes of these
+            logprobs: None,
+            echo: false,
         })
     }
 }
@@ -683,6 +720,53 @@ mod tests {
     }
 
     #[test]
+    fn logprobs_and_echo_are_read_per_endpoint_and_bad_ones_named() {
+        let c = |v| completion(v).unwrap();
+        let g = c(serde_json::json!({"model": "m", "prompt": "x", "logprobs": 5, "echo": true}));
+        assert_eq!((g.logprobs, g.echo), (Some(5), true));
+        let g = c(serde_json::json!({"model": "m", "prompt": "x", "logprobs": 0}));
+        assert_eq!((g.logprobs, g.echo), (Some(0), false));
+        let g = c(serde_json::json!({"model": "m", "prompt": "x", "logprobs": null}));
+        assert_eq!(g.logprobs, None);
+        let msgs = serde_json::json!([{"role": "user", "content": "x"}]);
+        let g = chat(
+            serde_json::json!({"model": "m", "messages": msgs, "logprobs": true,
+            "top_logprobs": 20}),
+        )
+        .unwrap();
+        assert_eq!(g.logprobs, Some(20));
+        let g =
+            chat(serde_json::json!({"model": "m", "messages": msgs, "logprobs": true})).unwrap();
+        assert_eq!(g.logprobs, Some(0));
+        let g =
+            chat(serde_json::json!({"model": "m", "messages": msgs, "logprobs": false})).unwrap();
+        assert_eq!(g.logprobs, None);
+        for (body, param) in [
+            (
+                serde_json::json!({"model": "m", "messages": msgs, "logprobs": true,
+                    "top_logprobs": 21}),
+                "top_logprobs",
+            ),
+            (
+                serde_json::json!({"model": "m", "messages": msgs, "logprobs": true,
+                    "top_logprobs": -1}),
+                "top_logprobs",
+            ),
+            (
+                serde_json::json!({"model": "m", "messages": msgs, "top_logprobs": 2}),
+                "top_logprobs",
+            ),
+            (
+                serde_json::json!({"model": "m", "messages": msgs, "logprobs": 3}),
+                "logprobs",
+            ),
+        ] {
+            let e = chat(body).expect_err(param);
+            assert_eq!((e.status.as_u16(), e.param), (400, Some(param)), "{e:?}");
+        }
+    }
+
+    #[test]
     fn what_kvlease_cannot_serve_is_refused_naming_the_field() {
         let cases = [
             (
@@ -698,12 +782,16 @@ mod tests {
                 "prompt",
             ),
             (
-                serde_json::json!({"model": "m", "prompt": "x", "logprobs": 2}),
+                serde_json::json!({"model": "m", "prompt": "x", "logprobs": 6}),
                 "logprobs",
             ),
             (
-                serde_json::json!({"model": "m", "prompt": "x", "echo": true}),
-                "echo",
+                serde_json::json!({"model": "m", "prompt": "x", "logprobs": -1}),
+                "logprobs",
+            ),
+            (
+                serde_json::json!({"model": "m", "prompt": "x", "logprobs": true}),
+                "logprobs",
             ),
             (
                 serde_json::json!({"model": "m", "prompt": "x", "best_of": 3}),

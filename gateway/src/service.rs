@@ -38,11 +38,13 @@ use tonic_health::pb::health_client::HealthClient;
 
 use crate::convert::{self, End, Piece};
 use crate::error::{ApiError, Result};
+use crate::logprobs::{self, TokenLp};
 use crate::openai::{
     AssistantMessage, ChatChoice, ChatChunk, ChatCompletion, ChunkChoice, Completion,
     CompletionChoice, Delta, Model, ModelList, Usage,
 };
 use crate::request::{Generate, Served};
+use serde_json::Value;
 
 /// What every handler shares: the scheduler channel and what is served.
 #[derive(Debug, Clone)]
@@ -258,6 +260,8 @@ struct Answer {
     id: String,
     created: u64,
     model: String,
+    /// Whether the request asked for logprobs.
+    logprobs: bool,
 }
 
 impl Gateway {
@@ -293,6 +297,7 @@ impl Gateway {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             model: self.served.model.clone(),
+            logprobs: g.logprobs.is_some(),
         };
         let mut client = SchedulerClient::new(self.channel.clone());
         let stream = match client
@@ -323,52 +328,95 @@ impl Gateway {
             r
         } else {
             match whole(Tally::new(g.retain.is_some()), g.n, first, pieces).await {
-                Ok((choices, tally)) => answer.whole(choices, tally.usage()),
+                Ok((choices, tally)) => {
+                    let choices = choices
+                        .into_iter()
+                        .map(|c| {
+                            let logprobs = answer.logprobs_value(&c.logprobs, &mut Vec::new());
+                            (c.text, logprobs, c.finish)
+                        })
+                        .collect();
+                    answer.whole(choices, tally.usage())
+                }
                 Err(e) => e.into_response(),
             }
         }
     }
 }
 
-/// Reads every piece of `n` choices: each choice's text and how it ended,
-/// in index order, and the usage (the prompt counted once); or the error
-/// (any choice failing fails the request).
+/// Reads every piece of `n` choices: each choice's text (an echoed
+/// prompt's first), its tokens' logprobs and how it ended, in index order,
+/// and the usage (the prompt counted once); or the error (any choice
+/// failing fails the request).
 async fn whole(
     mut tally: Tally,
     n: u32,
     first: Piece,
     mut rest: impl Stream<Item = Piece> + Unpin,
-) -> Result<(Vec<(String, &'static str)>, Tally)> {
-    let mut choices: Vec<(String, Option<&'static str>)> =
-        vec![(String::new(), None); n.max(1) as usize];
+) -> Result<(Vec<WholeChoice>, Tally)> {
+    let mut choices: Vec<(WholeChoice, bool)> = (0..n.max(1))
+        .map(|_| (WholeChoice::default(), false))
+        .collect();
     let mut p = first;
     loop {
         tally.add(&p);
-        let Some(choice) = choices.get_mut(p.index as usize) else {
+        let Some((choice, ended)) = choices.get_mut(p.index as usize) else {
             return Err(ApiError::upstream(format!(
                 "the scheduler answered choice {} of {n}",
                 p.index
             )));
         };
-        choice.0.push_str(&p.text);
+        let (t, l) = piece_parts(&p);
+        choice.text.push_str(&t);
+        choice.logprobs.extend(l);
         match p.end {
             Some(End::Failed(e)) => return Err(e),
-            Some(end) => choice.1 = Some(end.finish_reason().unwrap_or("stop")),
+            Some(end) => {
+                choice.finish = end.finish_reason().unwrap_or("stop");
+                *ended = true;
+            }
             None => {}
         }
-        if choices.iter().all(|c| c.1.is_some()) {
-            let done = choices
-                .into_iter()
-                .map(|(text, end)| (text, end.unwrap_or("stop")))
-                .collect();
-            return Ok((done, tally));
+        if choices.iter().all(|c| c.1) {
+            return Ok((choices.into_iter().map(|(c, _)| c).collect(), tally));
         }
         p = rest.next().await.unwrap_or_else(Piece::unfinished);
     }
 }
 
+/// One choice of a whole (not streamed) answer.
+#[derive(Debug, Default)]
+struct WholeChoice {
+    text: String,
+    logprobs: Vec<TokenLp>,
+    finish: &'static str,
+}
+
+/// A piece's text and its tokens' logprobs as an answer shows them: an
+/// echoed prompt (its text, and its logprobs when asked) first.
+fn piece_parts(p: &Piece) -> (String, Vec<TokenLp>) {
+    let mut text = p.prompt_text.clone();
+    text.push_str(&p.text);
+    let mut lps = p.prompt_logprobs.clone();
+    lps.extend(p.logprobs.iter().cloned());
+    (text, lps)
+}
+
 impl Answer {
-    fn whole(&self, choices: Vec<(String, &'static str)>, usage: Usage) -> Response {
+    /// The logprobs object of `lps` in this answer's shape, when asked;
+    /// `before` holds the bytes of the tokens the choice already showed
+    /// (completions' `text_offset`).
+    fn logprobs_value(&self, lps: &[TokenLp], before: &mut Vec<u8>) -> Option<Value> {
+        if !self.logprobs {
+            return None;
+        }
+        Some(match self.kind {
+            Kind::Completion => logprobs::completion(lps, before),
+            Kind::Chat => logprobs::chat(lps),
+        })
+    }
+
+    fn whole(&self, choices: Vec<(String, Option<Value>, &'static str)>, usage: Usage) -> Response {
         let indexed = choices.into_iter().zip(0u32..);
         match self.kind {
             Kind::Completion => json(
@@ -379,10 +427,10 @@ impl Answer {
                     created: self.created,
                     model: self.model.clone(),
                     choices: indexed
-                        .map(|((text, finish), index)| CompletionChoice {
+                        .map(|((text, logprobs, finish), index)| CompletionChoice {
                             index,
                             text,
-                            logprobs: None,
+                            logprobs,
                             finish_reason: Some(finish),
                         })
                         .collect(),
@@ -397,13 +445,13 @@ impl Answer {
                     created: self.created,
                     model: self.model.clone(),
                     choices: indexed
-                        .map(|((text, finish), index)| ChatChoice {
+                        .map(|((text, logprobs, finish), index)| ChatChoice {
                             index,
                             message: AssistantMessage {
                                 role: "assistant",
                                 content: text,
                             },
-                            logprobs: None,
+                            logprobs,
                             finish_reason: finish,
                         })
                         .collect(),
@@ -413,12 +461,14 @@ impl Answer {
         }
     }
 
-    /// One streamed chunk of choice `index`: a text delta, the role (chat's
-    /// first chunk), a finish reason, or (with no choices) the usage.
+    /// One streamed chunk of choice `index`: a text delta (with its tokens'
+    /// logprobs), the role (chat's first chunk), a finish reason, or (with
+    /// no choices) the usage.
     fn chunk(
         &self,
         index: u32,
         text: Option<String>,
+        logprobs: Option<Value>,
         role: bool,
         finish: Option<&'static str>,
         usage: Option<Usage>,
@@ -434,7 +484,7 @@ impl Answer {
                     .then(|| CompletionChoice {
                         index,
                         text: text.unwrap_or_default(),
-                        logprobs: None,
+                        logprobs: logprobs.clone(),
                         finish_reason: finish,
                     })
                     .into_iter()
@@ -453,7 +503,7 @@ impl Answer {
                             role: role.then_some("assistant"),
                             content: text,
                         },
-                        logprobs: None,
+                        logprobs,
                         finish_reason: finish,
                     })
                     .into_iter()
@@ -481,6 +531,9 @@ struct SseState<S> {
     rest: S,
     started: bool,
     done: bool,
+    /// Per choice, the bytes of the tokens streamed so far (completions'
+    /// `text_offset`).
+    streamed: Vec<Vec<u8>>,
 }
 
 /// The SSE body: the chat role chunk, a chunk per piece with text, the
@@ -503,6 +556,7 @@ fn sse(
         rest,
         started: false,
         done: false,
+        streamed: vec![Vec::new(); n.max(1) as usize],
     };
     futures::stream::unfold(state, |mut st| async move {
         if st.done {
@@ -525,10 +579,14 @@ impl<S: Stream<Item = Piece> + Unpin> SseState<S> {
             st.started = true;
             if st.answer.kind == Kind::Chat {
                 for index in 0..st.left {
-                    out.push_str(
-                        &st.answer
-                            .chunk(index, Some(String::new()), true, None, None),
-                    );
+                    out.push_str(&st.answer.chunk(
+                        index,
+                        Some(String::new()),
+                        None,
+                        true,
+                        None,
+                        None,
+                    ));
                 }
             }
         }
@@ -541,8 +599,17 @@ impl<S: Stream<Item = Piece> + Unpin> SseState<S> {
         };
         st.tally.add(&piece);
         let index = piece.index;
-        if !piece.text.is_empty() {
-            out.push_str(&st.answer.chunk(index, Some(piece.text), false, None, None));
+        let (text, lps) = piece_parts(&piece);
+        // a piece whose text is held back still shows its tokens' logprobs
+        let logprobs = match st.streamed.get_mut(index as usize) {
+            Some(before) if !lps.is_empty() => st.answer.logprobs_value(&lps, before),
+            _ => None,
+        };
+        if !text.is_empty() || logprobs.is_some() {
+            out.push_str(
+                &st.answer
+                    .chunk(index, Some(text), logprobs, false, None, None),
+            );
         }
         match piece.end {
             None => {}
@@ -553,16 +620,21 @@ impl<S: Stream<Item = Piece> + Unpin> SseState<S> {
             }
             Some(end) => {
                 let content = (st.answer.kind == Kind::Chat).then(String::new);
-                out.push_str(
-                    &st.answer
-                        .chunk(index, content, false, end.finish_reason(), None),
-                );
+                out.push_str(&st.answer.chunk(
+                    index,
+                    content,
+                    None,
+                    false,
+                    end.finish_reason(),
+                    None,
+                ));
                 st.left = st.left.saturating_sub(1);
                 if st.left == 0 {
                     st.done = true;
                     if st.include_usage {
                         out.push_str(&st.answer.chunk(
                             0,
+                            None,
                             None,
                             false,
                             None,
@@ -602,6 +674,7 @@ mod tests {
             id: "x".into(),
             created: 1,
             model: "m".into(),
+            logprobs: false,
         }
     }
 
@@ -609,6 +682,9 @@ mod tests {
         Piece {
             index: 0,
             text: t.into(),
+            logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
+            prompt_text: String::new(),
             tokens: 1,
             prompt_tokens: 0,
             cached_tokens: 0,
@@ -782,10 +858,11 @@ mod tests {
         let (choices, tally) = whole(Tally::new(false), 2, first, futures::stream::iter(rest))
             .await
             .unwrap();
-        assert_eq!(
-            choices,
-            vec![("b".to_owned(), "length"), ("xy".to_owned(), "stop")]
-        );
+        let got: Vec<(&str, &str)> = choices
+            .iter()
+            .map(|c| (c.text.as_str(), c.finish))
+            .collect();
+        assert_eq!(got, [("b", "length"), ("xy", "stop")]);
         assert_eq!((tally.prompt_tokens, tally.completion_tokens), (5, 3));
         // a choice past n is the scheduler's fault, answered as such
         let e = whole(

@@ -227,6 +227,7 @@ fn scheduler_step(draft_k: u32) -> Duration {
                     seq_id: i.seq_id,
                     next_token: 5,
                     argmax: vec![],
+                    logprobs: Vec::new(),
                 })
                 .collect(),
         );
@@ -255,6 +256,7 @@ fn scheduler_step(draft_k: u32) -> Duration {
                         seq_id: i.seq_id,
                         next_token: 7,
                         argmax,
+                        logprobs: Vec::new(),
                     }
                 })
                 .collect();

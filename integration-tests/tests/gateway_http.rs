@@ -581,3 +581,163 @@ async fn models_and_health_are_503_while_the_scheduler_is_unreachable() {
     worker.stop().await.unwrap();
     cache.stop().await.unwrap();
 }
+
+/// Logprobs over HTTP in both shapes, whole and streamed, equal gRPC's:
+/// completions with `logprobs` 5 and `echo` (the prompt's text and
+/// logprobs first, its first token null), chat with `logprobs` and
+/// `top_logprobs`; a streamed answer's logprobs, chunk after chunk, are the
+/// whole answer's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_and_echo_in_the_completions_and_chat_shapes() {
+    let f = Front::start(Some(chatml_tokenizer().unwrap())).await;
+    let grpc = f
+        .grpc(pb::GenerateRequest {
+            text: PROMPT.into(),
+            max_tokens: 5,
+            ignore_eos: true,
+            logprobs: Some(pb::LogprobsRequest {
+                top: 5,
+                prompt: false,
+            }),
+            ..Default::default()
+        })
+        .await;
+    let body = json!({"model": "kvlease", "prompt": PROMPT, "max_tokens": 5, "temperature": 0,
+        "ignore_eos": true, "logprobs": 5, "echo": true});
+    let whole = f.post("/v1/completions", body.clone()).await;
+    assert_eq!(whole.status, 200, "{whole:?}");
+    let choice = &whole.json()["choices"][0];
+    let text = choice["text"].as_str().unwrap();
+    assert_eq!(text, format!("{PROMPT}{}", grpc.text));
+    let lp = &choice["logprobs"];
+    let n = PROMPT.len() + 5;
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        assert_eq!(lp[key].as_array().unwrap().len(), n, "{key}: {lp}");
+    }
+    assert_eq!(lp["token_logprobs"][0], Value::Null);
+    assert_eq!(lp["top_logprobs"][0], Value::Null);
+    // the byte-level tokenizer: a token a character, offsets count them
+    let offsets: Vec<u64> = (0..n as u64).collect();
+    assert_eq!(lp["text_offset"], json!(offsets));
+    for i in 1..n {
+        let top = lp["top_logprobs"][i].as_object().unwrap();
+        assert!((5..=6).contains(&top.len()), "{top:?}");
+        let mass: f64 = top.values().map(|v| v.as_f64().unwrap().exp()).sum();
+        assert!(mass <= 1.0 + 1e-6, "{mass}");
+        let token = lp["tokens"][i].as_str().unwrap();
+        assert_eq!(
+            top[token], lp["token_logprobs"][i],
+            "the chosen token is listed"
+        );
+    }
+    let generated: Vec<f64> = (PROMPT.len()..n)
+        .map(|i| lp["token_logprobs"][i].as_f64().unwrap())
+        .collect();
+    let from_grpc: Vec<f64> = grpc_logprobs(&f, PROMPT, 5).await;
+    assert_eq!(generated, from_grpc, "HTTP carries gRPC's values");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = f.post("/v1/completions", streamed).await.chunks();
+    let mut tokens = Vec::new();
+    let mut offsets_streamed = Vec::new();
+    for c in &chunks {
+        let l = &c["choices"][0]["logprobs"];
+        if l.is_object() {
+            tokens.extend(l["tokens"].as_array().unwrap().clone());
+            offsets_streamed.extend(l["text_offset"].as_array().unwrap().clone());
+        }
+    }
+    assert_eq!(Value::Array(tokens), lp["tokens"]);
+    assert_eq!(Value::Array(offsets_streamed), lp["text_offset"]);
+    let streamed_text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(streamed_text, text);
+
+    // chat: content entries with bytes and top_logprobs
+    let chat = json!({"model": "kvlease", "max_tokens": 4, "temperature": 0, "ignore_eos": true,
+        "messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 3});
+    let whole = f.post("/v1/chat/completions", chat.clone()).await;
+    assert_eq!(whole.status, 200, "{whole:?}");
+    let choice = &whole.json()["choices"][0];
+    let content = choice["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 4);
+    for e in content {
+        let bytes: Vec<u8> = serde_json::from_value(e["bytes"].clone()).unwrap();
+        assert_eq!(e["token"].as_str().unwrap().as_bytes(), bytes.as_slice());
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(
+            top[0]["token"], e["token"],
+            "greedy: the chosen token leads"
+        );
+        assert_eq!(top[0]["logprob"], e["logprob"]);
+    }
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let chunks = f.post("/v1/chat/completions", streamed).await.chunks();
+    let streamed_content: Vec<Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(&streamed_content, content);
+    // without logprobs, none
+    let plain = f
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "kvlease", "max_tokens": 2,
+                "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+    assert_eq!(plain.json()["choices"][0]["logprobs"], Value::Null);
+    for (path, body, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": "kvlease", "messages": [{"role": "user", "content": "hi"}],
+                "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "kvlease", "prompt": "x", "logprobs": 6}),
+            "logprobs",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "kvlease", "prompt": "x", "logprobs": -2}),
+            "logprobs",
+        ),
+    ] {
+        let r = f.post(path, body).await;
+        assert_eq!(r.status, 400, "{r:?}");
+        assert_eq!(r.json()["error"]["param"], param, "{r:?}");
+    }
+    f.stop().await;
+}
+
+/// The logprobs of the greedy tokens gRPC generates after `prompt`.
+async fn grpc_logprobs(f: &Front, prompt: &str, max_tokens: u32) -> Vec<f64> {
+    let mut c = scheduler_client(f.scheduler.addr).await.unwrap();
+    let mut s = c
+        .generate(pb::GenerateRequest {
+            text: prompt.into(),
+            max_tokens,
+            ignore_eos: true,
+            logprobs: Some(pb::LogprobsRequest {
+                top: 0,
+                prompt: false,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(m) = s.message().await.unwrap() {
+        out.extend(m.logprobs.iter().map(|l| f64::from(l.logprob.unwrap())));
+    }
+    out
+}

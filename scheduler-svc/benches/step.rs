@@ -135,6 +135,7 @@ fn running_core(draft_k: u32) -> Core {
             seq_id: i.seq_id,
             next_token: 5,
             argmax: vec![],
+            logprobs: Vec::new(),
         });
         core.apply_forward(g, results.collect());
     }
@@ -169,6 +170,7 @@ fn step(core: &mut Core, len: u32) -> (Duration, Duration) {
                     seq_id: i.seq_id,
                     next_token: 7,
                     argmax,
+                    logprobs: Vec::new(),
                 }
             })
             .collect();

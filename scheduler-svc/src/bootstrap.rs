@@ -271,6 +271,7 @@ async fn warm_up(
                     // warm-up: nothing is published, whatever the chunks
                     prefill_tokens: 0,
                     fork_of: None,
+                    reuse_prefix: true,
                 }
             })
             .collect();
@@ -401,6 +402,7 @@ async fn run_shape(
                 stop_ids: Vec::new(),
                 history: None,
                 copies: Vec::new(),
+                logprobs: None,
             })
             .collect();
         let copies = std::mem::take(&mut tier_copies);
@@ -449,6 +451,7 @@ async fn run_shape(
             prompt_len: 0,
             stop_ids: Vec::new(),
             history: None,
+            logprobs: None,
             copies: Vec::new(),
         });
     }

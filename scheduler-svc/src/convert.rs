@@ -5,8 +5,9 @@
 use kvlease_proto::v1 as pb;
 
 use crate::domain::{
-    ExtendSpec, Extra, ForwardItem, ForwardResult, Grant, LeaseMode, LeaseSpec, Outcome, Reject,
-    RejectReason, RequestId, Retain, Sampling, SeqId, Step, StepCall, Table, TierCopy,
+    ExtendSpec, Extra, ForwardItem, ForwardResult, Grant, LeaseMode, LeaseSpec, Logprobs, Outcome,
+    Reject, RejectReason, RequestId, Retain, Sampling, SeqId, Step, StepCall, Table, TierCopy,
+    TokenLogprob,
 };
 use crate::error::{Error, Result};
 use crate::queue::Request;
@@ -43,6 +44,8 @@ pub(crate) struct TextOutput {
     pub(crate) stop: Vec<String>,
     /// Output tokens before which no stop string ends the request.
     pub(crate) min_tokens: u32,
+    /// Send the prompt's text on the first response (`echo`).
+    pub(crate) echo: bool,
 }
 
 /// The field a request gives its prompt in: `messages`, `text` or `tokens`.
@@ -236,8 +239,10 @@ pub(crate) fn validate(
             return bad(field, format!("{field} is limited to {MAX_LABEL} bytes"));
         }
     }
+    let logprobs = logprobs(req)?;
     let sampling = sampling(req, limits)?;
     let mut r = Request::new(RequestId(id), prompt, req.max_tokens);
+    r.logprobs = logprobs;
     r.sampling = sampling;
     r.n = req.n.max(1);
     r.stop_tokens = req.stop_tokens.clone();
@@ -255,9 +260,43 @@ pub(crate) fn validate(
     let text = TextOutput {
         stop: req.stop.clone(),
         min_tokens: req.min_tokens,
+        echo: req.echo,
     };
     Ok((r, text))
 }
+
+/// A request's `logprobs`: at most [`MAX_TOP_LOGPROBS`] alternatives; the
+/// prompt's are computed without prefix reuse, which a retention hint
+/// needs, so the two do not go together.
+fn logprobs(req: &pb::GenerateRequest) -> Result<Option<Logprobs>, Error> {
+    let Some(l) = &req.logprobs else {
+        return Ok(None);
+    };
+    if l.top > MAX_TOP_LOGPROBS {
+        return Err(invalid(
+            "logprobs.top",
+            format!(
+                "logprobs.top must be 0 to {MAX_TOP_LOGPROBS}, got {}",
+                l.top
+            ),
+        ));
+    }
+    if l.prompt && req.retain.is_some() {
+        return Err(invalid(
+            "retain",
+            "a retention hint cannot be combined with logprobs.prompt: the prompt's logprobs \
+             compute every position and reuse no cached prefix"
+                .into(),
+        ));
+    }
+    Ok(Some(Logprobs {
+        top: l.top,
+        prompt: l.prompt,
+    }))
+}
+
+/// Alternatives per token a request may ask (OpenAI's chat maximum).
+pub(crate) const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// Entries of `logit_bias` a request may carry (OpenAI allows 300).
 const MAX_LOGIT_BIAS: usize = 1024;
@@ -494,8 +533,18 @@ pub(crate) fn sequence_spec(s: &LeaseSpec, traceparent: String) -> pb::SequenceS
     pb::SequenceSpec {
         seq_id: s.seq_id.get(),
         pool_group: s.pool_group.clone(),
-        prompt_tokens: s.prompt_tokens.clone(),
-        num_tokens: 0,
+        // without reuse the cache gets only the count: it neither matches
+        // nor publishes the prompt's blocks
+        prompt_tokens: if s.reuse_prefix {
+            s.prompt_tokens.clone()
+        } else {
+            Vec::new()
+        },
+        num_tokens: if s.reuse_prefix {
+            0
+        } else {
+            u32::try_from(s.prompt_tokens.len()).unwrap_or(u32::MAX)
+        },
         extra: Some(extra(s.extra)),
         beam_width: 1,
         max_new_tokens: s.max_new_tokens,
@@ -718,6 +767,11 @@ fn forward_sequence(i: &ForwardItem, trace: Option<&ChunkTrace>) -> pb::ForwardS
         history: i.history.as_ref().map(|tokens| pb::TokenHistory {
             tokens: tokens.clone(),
         }),
+        logprobs: i.logprobs.map(|l| pb::LogprobsParams {
+            top: l.top,
+            prompt: l.prompt,
+            next_prompt_token: l.next_prompt_token,
+        }),
         copies: i
             .copies
             .iter()
@@ -753,6 +807,15 @@ pub(crate) fn forward_results(
             seq_id: SeqId(x.seq_id),
             next_token: x.next_token,
             argmax: x.argmax,
+            logprobs: x
+                .logprobs
+                .into_iter()
+                .map(|p| TokenLogprob {
+                    token: p.token,
+                    logprob: p.logprob,
+                    top: p.top_tokens.into_iter().zip(p.top_logprobs).collect(),
+                })
+                .collect(),
         })
         .collect())
 }
@@ -840,6 +903,7 @@ mod tests {
             reserve_full_life: false,
             prefill_tokens: 3,
             fork_of: Some(SeqId(9)),
+            reuse_prefix: true,
         };
         let traces = ["00-t-s-01".to_string()];
         let admit = lease_request(
@@ -916,6 +980,7 @@ mod tests {
             stop_ids: Vec::new(),
             history: None,
             copies: Vec::new(),
+            logprobs: None,
         };
         let req = forward_request(Step(6), None, std::slice::from_ref(&item), &[], &[]);
         assert_eq!((req.step, req.after_step), (6, 0));
@@ -941,6 +1006,7 @@ mod tests {
             seq_id: 2,
             next_token: 9,
             argmax: vec![9],
+            logprobs: Vec::new(),
         };
         let results = forward_results(vec![answer.clone()], 1).unwrap();
         assert_eq!((results[0].seq_id, results[0].next_token), (SeqId(2), 9));

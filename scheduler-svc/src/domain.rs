@@ -365,6 +365,10 @@ pub struct LeaseSpec {
     /// until an [`ExtendSpec::written_tokens`] reports them. 0: the whole
     /// prompt.
     pub prefill_tokens: u32,
+    /// Reuse (and publish) cached prefix blocks: the prompt's token ids go
+    /// to the cache. Off for a request whose prompt's logprobs are asked
+    /// (every position must be computed): its lease names only a count.
+    pub reuse_prefix: bool,
 }
 
 /// One sequence to grow.
@@ -420,6 +424,37 @@ impl Sampling {
     }
 }
 
+/// The log-probabilities a request asks for (`LogprobsRequest` in
+/// `scheduler.proto`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Logprobs {
+    /// Alternatives per token, at most 20.
+    pub top: u32,
+    /// The prompt's too.
+    pub prompt: bool,
+}
+
+/// What one forward item asks of the worker (`LogprobsParams` in
+/// `worker.proto`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ItemLogprobs {
+    pub top: u32,
+    /// Every input position (a prompt chunk).
+    pub prompt: bool,
+    /// With `prompt`, for a chunk the prompt goes on after.
+    pub next_prompt_token: Option<u32>,
+}
+
+/// The log-probability of one token and the most likely alternatives
+/// (the model's raw distribution, as the worker computes it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// (token, logprob), the most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
 /// One sequence of a worker forward batch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ForwardItem {
@@ -445,14 +480,19 @@ pub struct ForwardItem {
     /// Partial-block copies to apply before the pass (the lease step's
     /// first chunk only).
     pub copies: Vec<BlockCopy>,
+    /// Log-probabilities to return; `None`: none.
+    pub logprobs: Option<ItemLogprobs>,
 }
 
 /// One sequence's forward result.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ForwardResult {
     pub seq_id: SeqId,
     pub next_token: u32,
     pub argmax: Vec<u32>,
+    /// What the item's `logprobs` asked for: one per input position of a
+    /// prompt chunk, else one.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 /// How a request ended.
@@ -471,7 +511,7 @@ pub enum Finish {
 }
 
 /// What the core tells a request's stream.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Output {
     /// Tokens generated since the previous output.
     Tokens {
@@ -482,6 +522,11 @@ pub enum Output {
         /// Prompt tokens served from cached blocks and kept under the
         /// request's retention hint, on the first output.
         reused_tokens: Option<(u32, u32)>,
+        /// With logprobs: one per token of `tokens`.
+        logprobs: Vec<TokenLogprob>,
+        /// With the prompt's logprobs, on the first output: one per prompt
+        /// token after the first.
+        prompt_logprobs: Option<Vec<TokenLogprob>>,
     },
     /// The last output of a branch of a request; `last`: of the request
     /// (every branch has finished).

@@ -333,6 +333,8 @@ mod tests {
             index: 0,
             tokens,
             reused_tokens: reused,
+            logprobs: Vec::new(),
+            prompt_logprobs: None,
         };
         m.output_at(
             &tokens(vec![5], Some((8, 0))),

@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 
 use std::time::Instant;
 
-use crate::domain::{Extra, Reject, RequestId, Retain, Sampling};
+use crate::domain::{Extra, Logprobs, Reject, RequestId, Retain, Sampling, TokenLogprob};
 
 /// A client request and what it has produced so far.
 #[derive(Debug, Clone)]
@@ -47,6 +47,13 @@ pub struct Request {
     pub n: u32,
     /// Which branch this is (0 to the request's `n - 1`).
     pub index: u32,
+    /// Log-probabilities asked for; `None`: none.
+    pub logprobs: Option<Logprobs>,
+    /// The prompt's logprobs computed so far (entry `i`: prompt token
+    /// `i + 1`), until they are reported with the first output.
+    pub prompt_logprobs: Vec<TokenLogprob>,
+    /// Whether the prompt's logprobs were reported.
+    pub reported_prompt_logprobs: bool,
 }
 
 impl Request {
@@ -69,6 +76,9 @@ impl Request {
             last_refusal: None,
             n: 1,
             index: 0,
+            logprobs: None,
+            prompt_logprobs: Vec::new(),
+            reported_prompt_logprobs: false,
         }
     }
 
@@ -84,9 +94,24 @@ impl Request {
         b.priority = self.priority;
         b.cache_salt = self.cache_salt.clone();
         b.index = index;
+        // every sample reports its own tokens' logprobs; the prompt's go
+        // with sample 0
+        b.logprobs = self.logprobs.map(|l| Logprobs { prompt: false, ..l });
         // the request reports its prompt's reuse once, with sample 0
         b.reported_reuse = true;
         b
+    }
+
+    /// Whether the prompt's logprobs are asked and not reported yet (they
+    /// go with the first output).
+    pub fn owes_prompt_logprobs(&self) -> bool {
+        self.logprobs.is_some_and(|l| l.prompt) && !self.reported_prompt_logprobs
+    }
+
+    /// Whether its next lease must compute every prompt position: the
+    /// prompt's logprobs are asked and not known yet.
+    pub fn needs_prompt_logprobs(&self) -> bool {
+        self.owes_prompt_logprobs() && self.generated.is_empty()
     }
 
     /// The tokens a lease must cover now: the prompt plus anything generated

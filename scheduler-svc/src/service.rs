@@ -19,7 +19,7 @@ use tonic::{Request as GrpcRequest, Response, Status};
 
 use crate::client::CacheClient;
 use crate::convert::{Limits, TextOutput, reject_to_proto};
-use crate::domain::{Finish, Output};
+use crate::domain::{Finish, Output, TokenLogprob};
 use crate::error::Error;
 use crate::policy::{OnExhausted, Policy};
 use crate::step_loop::StepLoopHandle;
@@ -82,6 +82,11 @@ struct StreamState {
     prompt_tokens: Option<u32>,
     /// Output tokens so far, every sample's.
     output_tokens: u64,
+    /// With echo: the prompt's text, sent on the first message.
+    prompt_text: Option<String>,
+    /// The prompt's first token, which leads its logprobs (it has none).
+    prompt_first: Option<u32>,
+    tokenizer: Tokenizer,
     /// The request's `Generate` span: its finish is recorded there.
     root: tracing::Span,
 }
@@ -142,6 +147,7 @@ pub(crate) fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Du
 /// message with the finish reason. Dropping it, or its deadline passing,
 /// cancels the request (the step loop sees the receiver gone and releases
 /// the request's blocks).
+#[allow(clippy::too_many_arguments)] // the stream's parts, each used once
 fn response_stream(
     rx: mpsc::UnboundedReceiver<Output>,
     text: TextOutput,
@@ -149,6 +155,7 @@ fn response_stream(
     deadline: Option<Instant>,
     prompt_tokens: u32,
     samples: u32,
+    prompt: &[u32],
     root: tracing::Span,
 ) -> GenerateStream {
     let branches = (0..samples.max(1))
@@ -163,6 +170,9 @@ fn response_stream(
         })
         .collect();
     let state = StreamState {
+        prompt_text: text.echo.then(|| tokenizer.decode(prompt)),
+        prompt_first: prompt.first().copied(),
+        tokenizer: tokenizer.clone(),
         rx,
         branches,
         deadline,
@@ -212,6 +222,7 @@ fn response_stream(
         };
         let mut msg = msg;
         msg.prompt_tokens = st.prompt_tokens.take().unwrap_or(0);
+        msg.prompt_text = st.prompt_text.take().unwrap_or_default();
         st.output_tokens += msg.tokens.len() as u64;
         if st.done {
             record_finish(&st.root, &msg, st.output_tokens);
@@ -242,10 +253,31 @@ impl StreamState {
             Output::Tokens {
                 tokens,
                 reused_tokens,
+                logprobs,
+                prompt_logprobs,
                 ..
             } => {
+                let tok = &self.tokenizer;
+                let prompt_logprobs = match prompt_logprobs {
+                    Some(lp) => {
+                        // the first prompt token leads, without a logprob
+                        let first = self.prompt_first.map(|t| pb::TokenLogprob {
+                            token: t,
+                            bytes: tok.token_bytes(t),
+                            logprob: None,
+                            top: Vec::new(),
+                        });
+                        first
+                            .into_iter()
+                            .chain(lp.iter().map(|l| token_logprob(tok, l)))
+                            .collect()
+                    }
+                    None => Vec::new(),
+                };
                 let mut m = pb::GenerateResponse {
                     text: branch.text.push(&tokens, branch.output_tokens),
+                    logprobs: logprobs.iter().map(|l| token_logprob(tok, l)).collect(),
+                    prompt_logprobs,
                     reused_tokens: reused_tokens.map_or(0, |r| r.0),
                     retained_tokens: reused_tokens.map_or(0, |r| r.1),
                     ..Default::default()
@@ -304,6 +336,25 @@ impl StreamState {
     }
 }
 
+/// One token's logprobs as the API shows them: with the bytes of it and of
+/// each alternative.
+fn token_logprob(tokenizer: &Tokenizer, l: &TokenLogprob) -> pb::TokenLogprob {
+    pb::TokenLogprob {
+        token: l.token,
+        bytes: tokenizer.token_bytes(l.token),
+        logprob: Some(l.logprob),
+        top: l
+            .top
+            .iter()
+            .map(|&(token, logprob)| pb::TopLogprob {
+                token,
+                bytes: tokenizer.token_bytes(token),
+                logprob,
+            })
+            .collect(),
+    }
+}
+
 /// Records how the request ended on its `Generate` span: output tokens,
 /// finish reason, preemptions, and for `REJECTED` (or `ERROR`) error status,
 /// with the reject's figures.
@@ -359,6 +410,11 @@ impl Scheduler for SchedulerService {
             max_tokens = r.max_tokens, "generate");
         let prompt_tokens = u32::try_from(r.prompt.len()).unwrap_or(u32::MAX);
         let samples = r.n;
+        let prompt = if text.echo || r.logprobs.is_some_and(|l| l.prompt) {
+            r.prompt.clone()
+        } else {
+            Vec::new()
+        };
         let root = tracing::Span::current();
         attributes::set_u64(&root, attributes::REQUEST_ID, id.get());
         if !req.request_id.is_empty() {
@@ -373,6 +429,7 @@ impl Scheduler for SchedulerService {
             deadline,
             prompt_tokens,
             samples,
+            &prompt,
             root,
         )))
     }
@@ -461,6 +518,7 @@ mod tests {
         let text = TextOutput {
             stop: stop.iter().map(|s| s.to_string()).collect(),
             min_tokens: 0,
+            echo: false,
         };
         let stream = response_stream(
             rx,
@@ -469,6 +527,7 @@ mod tests {
             None,
             3,
             samples,
+            &[],
             tracing::Span::none(),
         );
         stream.map(|m| m.unwrap()).collect().await
@@ -480,6 +539,8 @@ mod tests {
             index,
             tokens: s.bytes().map(u32::from).collect(),
             reused_tokens: None,
+            logprobs: Vec::new(),
+            prompt_logprobs: None,
         }
     }
 

@@ -11,6 +11,8 @@
 //!   `tokenizer_config.json` (special tokens, chat template) and
 //!   end-of-sequence ids.
 //! - `byte_level.rs`: the seeded model's byte-level tokenizer.
+//! - `pieces.rs`: the bytes of one token ([`Tokenizer::token_bytes`]), for
+//!   logprobs answers.
 //! - `stream.rs`: [`StreamDecoder`] (text as tokens arrive, only complete
 //!   characters) and [`StopStrings`].
 //! - `chat.rs`: chat templates rendered with `minijinja`.
@@ -30,6 +32,7 @@ mod chat;
 mod error;
 pub mod gguf;
 mod hf;
+mod pieces;
 mod stream;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -322,6 +325,29 @@ impl Tokenizer {
             // decoding fails only inside a custom decoder, which a
             // tokenizer.json cannot name
             Some(t) => t.decode(ids, true).unwrap_or_default(),
+        }
+    }
+
+    /// The bytes token `id` stands for on its own (a piece of a character
+    /// split across tokens stays that piece; a special token is its own
+    /// text; the byte-level tokenizer's BOS and EOS are `<s>` and `</s>`);
+    /// empty for an id outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(hf) = &self.0.hf else {
+            return match id {
+                byte_level::BOS => b"<s>".to_vec(),
+                byte_level::EOS => b"</s>".to_vec(),
+                _ => u8::try_from(id).map_or_else(|_| Vec::new(), |b| vec![b]),
+            };
+        };
+        match hf.id_to_token(id) {
+            Some(piece) => pieces::piece_bytes(
+                &piece,
+                hf.get_decoder(),
+                self.is_byte_token(id),
+                self.is_special(id),
+            ),
+            None => Vec::new(),
         }
     }
 

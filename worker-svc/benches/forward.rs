@@ -264,6 +264,7 @@ fn seq_input(tables: &[TableInput], s: usize, rep: usize, start: usize, end: usi
         start_pos: start as u32,
         tables: tables.to_vec(),
         all_positions: false,
+        logprobs: None,
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,

@@ -65,6 +65,7 @@ fn main() {
                 start_pos: context as u32,
                 tables,
                 all_positions: false,
+                logprobs: None,
                 sampling: Sampling::GREEDY,
                 copies: Vec::new(),
                 history: None,

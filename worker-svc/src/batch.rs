@@ -63,6 +63,21 @@ impl Sampling {
     };
 }
 
+/// The log-probabilities a sequence asks of a pass (`LogprobsParams` in
+/// `worker.proto`; [`crate::logprobs`] says how they are computed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogprobsSpec {
+    /// Alternatives per position, at most [`crate::logprobs::MAX_TOP`].
+    pub top: u32,
+    /// Every input position, not only the last: position `i`'s chosen
+    /// token is `tokens[i + 1]`, the last one's the picked token (or
+    /// `next_prompt_token`).
+    pub prompt: bool,
+    /// With `prompt`, for a chunk of a prompt that goes on: the token after
+    /// the chunk, chosen at its last position instead of the picked one.
+    pub next_prompt_token: Option<u32>,
+}
+
 /// Penalties on tokens a sequence already holds (OpenAI's frequency and
 /// presence over its output, HF's repetition over prompt and output).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -115,6 +130,8 @@ pub struct SeqInput {
     pub tables: Vec<TableInput>,
     /// Compute logits (and argmax) at every input position, not just the last.
     pub all_positions: bool,
+    /// Log-probabilities to return; `None`: none.
+    pub logprobs: Option<LogprobsSpec>,
     /// How to pick the next token.
     pub sampling: Sampling,
     /// Partial-block copies to apply before the pass.
@@ -270,6 +287,8 @@ pub struct PlannedSeq {
     pub tables: Vec<PoolTable>,
     /// Logits at every position, not just the last.
     pub all_positions: bool,
+    /// Log-probabilities to return.
+    pub logprobs: Option<LogprobsSpec>,
     /// How to pick the next token.
     pub sampling: Sampling,
     /// Partial-block copies, applied before anything is computed.
@@ -281,7 +300,7 @@ pub struct PlannedSeq {
 impl PlannedSeq {
     /// Logit rows this sequence needs.
     pub fn logit_rows(&self) -> usize {
-        if self.all_positions {
+        if self.all_positions || self.logprobs.is_some_and(|l| l.prompt) {
             self.tokens.len()
         } else {
             1
@@ -634,6 +653,9 @@ fn plan_sequence(
         });
     }
     let sampling = check_sampling(input.sampling, model.vocab_size)?;
+    if let Some(l) = &input.logprobs {
+        check_logprobs(l, model.vocab_size)?;
+    }
     if let Some(history) = &input.history {
         if history.len() != start {
             return Err(SeqProblem::BadHistory(format!(
@@ -723,6 +745,7 @@ fn plan_sequence(
         start_pos: start,
         tables,
         all_positions: input.all_positions,
+        logprobs: input.logprobs,
         sampling,
         copies,
         history: input.history,
@@ -808,6 +831,27 @@ fn plan_copies(
     Ok(planned)
 }
 
+/// A sequence's [`LogprobsSpec`]: at most [`crate::logprobs::MAX_TOP`]
+/// alternatives, a `next_prompt_token` only with `prompt` and inside the
+/// vocabulary.
+fn check_logprobs(l: &LogprobsSpec, vocab_size: usize) -> std::result::Result<(), SeqProblem> {
+    let bad = |what: String| Err(SeqProblem::BadLogprobs(what));
+    if l.top as usize > crate::logprobs::MAX_TOP {
+        return bad(format!(
+            "top {} is more than {}",
+            l.top,
+            crate::logprobs::MAX_TOP
+        ));
+    }
+    match l.next_prompt_token {
+        Some(_) if !l.prompt => bad("next_prompt_token is set without prompt".into()),
+        Some(t) if t as usize >= vocab_size => bad(format!(
+            "next_prompt_token {t} is outside the vocabulary of {vocab_size}"
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn check_sampling(s: Sampling, vocab_size: usize) -> std::result::Result<Sampling, SeqProblem> {
     let bad = |what: String| Err(SeqProblem::BadSampling(what));
     if !(s.temperature.is_finite() && s.temperature >= 0.0) {
@@ -891,6 +935,7 @@ mod tests {
                 block_ids: blocks.to_vec(),
             }],
             all_positions: false,
+            logprobs: None,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,

@@ -5,7 +5,8 @@
 use kvlease_proto::v1 as pb;
 
 use crate::batch::{
-    CopyInput, Penalties, Sampling, SeqInput, TableInput, TierCopyInput, TierDirection,
+    CopyInput, LogprobsSpec, Penalties, Sampling, SeqInput, TableInput, TierCopyInput,
+    TierDirection,
 };
 use crate::worker::{SeqOutput, WorkerInfo};
 use kvlease_tokenizer::Tokenizer;
@@ -28,6 +29,11 @@ pub(crate) fn seq_input(seq: pb::ForwardSequence) -> SeqInput {
         min_tokens: s.min_tokens,
         stop_ids: s.stop_ids,
     });
+    let logprobs = seq.logprobs.map(|l| LogprobsSpec {
+        top: l.top,
+        prompt: l.prompt,
+        next_prompt_token: l.next_prompt_token,
+    });
     SeqInput {
         seq_id: seq.seq_id,
         tokens: seq.tokens,
@@ -43,6 +49,7 @@ pub(crate) fn seq_input(seq: pb::ForwardSequence) -> SeqInput {
             })
             .collect(),
         all_positions: seq.return_all_argmax,
+        logprobs,
         sampling,
         copies: seq
             .copies
@@ -78,6 +85,19 @@ pub(crate) fn forward_result(out: SeqOutput) -> pb::ForwardResult {
         seq_id: out.seq_id,
         next_token: out.next_token,
         argmax: out.argmax,
+        logprobs: out
+            .logprobs
+            .into_iter()
+            .map(|l| {
+                let (top_tokens, top_logprobs) = l.top.into_iter().unzip();
+                pb::PositionLogprobs {
+                    token: l.token,
+                    logprob: l.logprob,
+                    top_tokens,
+                    top_logprobs,
+                }
+            })
+            .collect(),
     }
 }
 

@@ -122,6 +122,8 @@ pub enum SeqProblem {
     },
     /// Sampling parameters out of range.
     BadSampling(String),
+    /// Malformed log-probability parameters.
+    BadLogprobs(String),
     /// A malformed `history`.
     BadHistory(String),
     /// No block table for one of the model's pools.
@@ -235,6 +237,7 @@ impl fmt::Display for SeqProblem {
                 end.saturating_sub(1)
             ),
             SeqProblem::BadSampling(what) => write!(f, "bad sampling parameters: {what}"),
+            SeqProblem::BadLogprobs(what) => write!(f, "bad logprobs parameters: {what}"),
             SeqProblem::BadHistory(what) => write!(f, "history {what}"),
             SeqProblem::MissingTable { window } => {
                 write!(f, "no block table for the pool of window {window}")

@@ -131,6 +131,7 @@ mod tests {
             start_pos,
             tables: Vec::new(),
             all_positions: false,
+            logprobs: None,
             sampling: Sampling {
                 penalties: Penalties {
                     presence: 0.5,

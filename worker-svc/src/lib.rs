@@ -30,6 +30,9 @@
 //! - [`sampling`]: how a logits row becomes a token (logit bias, penalties, min_tokens,
 //!   temperature, top-k/top-p/min-p), seeded by (seed, position); `history`: the token
 //!   counts of penalised sequences, kept between passes.
+//! - [`logprobs`]: a logits row's log-probabilities (the chosen token's and the top
+//!   alternatives, of the raw distribution), asked per row of a pass
+//!   ([`logprobs::LogprobRow`]) and computed by the backend where the logits are.
 //! - [`reference`](mod@reference): a dense, contiguous-KV reference of the same model for tests.
 //! - `gpu_bench` (features `cuda` and `bench`): a CUDA [`worker::Worker`] timed end to end,
 //!   for the GPU benches; it sits above the worker, which never reaches back to it.
@@ -53,6 +56,7 @@ mod error;
 #[cfg(all(feature = "cuda", feature = "bench"))]
 pub mod gpu_bench;
 mod history;
+pub mod logprobs;
 mod metrics;
 pub mod model;
 pub mod ops;

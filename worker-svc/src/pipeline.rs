@@ -202,6 +202,7 @@ mod tests {
             start_pos: 5,
             tables: Vec::new(),
             all_positions: false,
+            logprobs: None,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,
@@ -214,6 +215,7 @@ mod tests {
             next_token,
             argmax: Vec::new(),
             rows: 0..1,
+            logprobs: Vec::new(),
         }
     }
 

@@ -83,6 +83,7 @@ impl Harness {
                 })
                 .collect(),
             all_positions: false,
+            logprobs: None,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,

@@ -12,6 +12,7 @@ use crate::backend::{
 use crate::batch::{self, Batch, Limits, SeqInput, TierCopyInput, TierDirection};
 use crate::error::{Error, Result};
 use crate::history::Histories;
+use crate::logprobs::{LogprobRow, RowLogprobs, batch_logprobs, rows_of};
 use crate::model::ModelConfig;
 use crate::model::weights::Weights;
 use crate::sampling::{RowPick, pick_rows, row_pick};
@@ -85,6 +86,10 @@ pub struct SeqOutput {
     /// This sequence's rows of [`ForwardOutput::logits`]: every position
     /// when asked, else the last one.
     pub rows: std::ops::Range<usize>,
+    /// The log-probabilities it asked for ([`crate::logprobs::rows_of`]:
+    /// one per input position with `prompt`, else the next token's); empty
+    /// when it asked for none.
+    pub logprobs: Vec<RowLogprobs>,
 }
 
 /// What one [`Worker::forward`] produced. The logits stay in one buffer, as
@@ -356,12 +361,13 @@ impl Worker {
     /// the logits it returns.
     pub fn forward(&mut self, inputs: Vec<SeqInput>) -> Result<ForwardOutput> {
         let t_start = Instant::now();
-        let (batch, picks) = self.prepare(inputs)?;
+        let (batch, picks, rows) = self.prepare(inputs)?;
         let t_validated = Instant::now();
         let logits = self.backend.forward(&batch)?;
         self.ledger.record(&batch.writes);
         let tokens = pick_rows(&logits, &picks);
-        let seqs = self.outputs(&batch, t_start, t_validated, &tokens);
+        let logprobs = batch_logprobs(&logits, &tokens, &rows)?;
+        let seqs = self.outputs(&batch, t_start, t_validated, &tokens, logprobs);
         Ok(ForwardOutput { seqs, logits })
     }
 
@@ -396,25 +402,22 @@ impl Worker {
             return Ok(Begun::Done(Vec::new()));
         }
         let t_start = Instant::now();
-        let (batch, picks) = self.prepare(inputs)?;
+        let (batch, picks, rows) = self.prepare(inputs)?;
         let t_validated = Instant::now();
-        if !picks.is_empty() {
-            // sampled or adjusted rows: picked where the logits are, in one go
-            if !feed.is_empty() {
-                return Err(Error::Backend(
-                    "a batch with sampled rows cannot be fed on the device".into(),
-                ));
-            }
-            let tokens = self.backend.forward_picks(&batch, &picks)?;
+        let feed = device_feed(&batch, feed)?;
+        if !picks.is_empty() || !rows.is_empty() {
+            // sampled or adjusted rows, or logprobs: picked and computed
+            // where the logits are, in one go
+            let picked = self.backend.forward_picks(&batch, &feed, &picks, &rows)?;
             self.ledger.record(&batch.writes);
             return Ok(Begun::Done(self.outputs(
                 &batch,
                 t_start,
                 t_validated,
-                &tokens,
+                &picked.tokens,
+                picked.logprobs,
             )));
         }
-        let feed = device_feed(&batch, feed)?;
         let tokens = self.backend.begin_argmax(&batch, &feed)?;
         self.ledger.record(&batch.writes);
         let rest = BegunRest {
@@ -438,24 +441,27 @@ impl Worker {
             t_start,
             t_validated,
         } = rest;
-        self.outputs(&batch, t_start, t_validated, &tokens)
+        self.outputs(&batch, t_start, t_validated, &tokens, Vec::new())
     }
 
     /// Validates `inputs`, counts their tokens into the penalised
     /// sequences' histories, and says how each sequence's last logits row
-    /// becomes its next token where that is not the plain argmax.
-    fn prepare(&mut self, inputs: Vec<SeqInput>) -> Result<(Batch, Vec<RowPick>)> {
+    /// becomes its next token where that is not the plain argmax, and
+    /// which rows report log-probabilities.
+    fn prepare(&mut self, inputs: Vec<SeqInput>) -> Result<(Batch, Vec<RowPick>, Vec<LogprobRow>)> {
         let batch = self.validate(inputs)?;
         self.histories.advance(&batch.seqs)?;
         let mut picks = Vec::new();
+        let mut logprobs = Vec::new();
         let mut row = 0;
         for seq in &batch.seqs {
+            logprobs.extend(rows_of(seq, row));
             row += seq.logit_rows();
             let next_pos = seq.start_pos + seq.tokens.len();
             let history = self.histories.get(seq.seq_id);
             picks.extend(row_pick(row - 1, &seq.sampling, history, next_pos));
         }
-        Ok((batch, picks))
+        Ok((batch, picks, logprobs))
     }
 
     fn validate(&mut self, inputs: Vec<SeqInput>) -> Result<Batch> {
@@ -471,16 +477,23 @@ impl Worker {
 
     /// After the backend ran `batch` (its writes recorded in the ledger):
     /// builds each sequence's output from `tokens`, the token picked at
-    /// every logits row.
+    /// every logits row, and `logprobs`, the rows [`Worker::prepare`]
+    /// asked for, in its order.
     fn outputs(
         &mut self,
         batch: &Batch,
         t_start: Instant,
         t_validated: Instant,
         tokens: &[u32],
+        logprobs: Vec<RowLogprobs>,
     ) -> Vec<SeqOutput> {
         let t_forward = Instant::now();
-        let outputs = seq_outputs(batch, tokens);
+        let mut outputs = seq_outputs(batch, tokens);
+        let mut logprobs = logprobs.into_iter();
+        for (out, seq) in outputs.iter_mut().zip(&batch.seqs) {
+            let n = rows_of(seq, 0).len();
+            out.logprobs = logprobs.by_ref().take(n).collect();
+        }
         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
         self.host_times = (ms(t_start, t_validated), ms(t_forward, Instant::now()));
         outputs
@@ -505,6 +518,7 @@ fn seq_outputs(batch: &Batch, tokens: &[u32]) -> Vec<SeqOutput> {
                 Vec::new()
             },
             rows,
+            logprobs: Vec::new(),
         });
     }
     outputs

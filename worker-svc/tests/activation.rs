@@ -105,6 +105,7 @@ fn a_full_batch_stays_within_the_reported_activation_bytes() {
         start_pos: start as u32,
         tables: tables(0),
         all_positions: false,
+        logprobs: None,
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,
@@ -115,6 +116,7 @@ fn a_full_batch_stays_within_the_reported_activation_bytes() {
     let batch: Vec<SeqInput> = (0..4u32)
         .map(|s| SeqInput {
             all_positions: true,
+            logprobs: None,
             ..if s == 0 {
                 fill(256, 64)
             } else {
@@ -124,6 +126,7 @@ fn a_full_batch_stays_within_the_reported_activation_bytes() {
                     start_pos: 0,
                     tables: tables(s),
                     all_positions: true,
+                    logprobs: None,
                     sampling: Sampling::GREEDY,
                     copies: Vec::new(),
                     history: None,

@@ -305,6 +305,7 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
                 start_pos: done[s] as u32,
                 tables: seq_tables(s as u32),
                 all_positions: true,
+                logprobs: None,
                 sampling: Sampling::GREEDY,
                 copies: Vec::new(),
                 history: None,
@@ -325,6 +326,7 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
                 start_pos: pos[s] as u32,
                 tables: seq_tables(s as u32),
                 all_positions: false,
+                logprobs: None,
                 sampling: Sampling::GREEDY,
                 copies: Vec::new(),
                 history: None,
@@ -382,6 +384,7 @@ fn prefill_rows_are_bit_identical_to_decoding_them_one_by_one() {
                 start_pos: start as u32,
                 tables: vec![table(0, 0, &ids)],
                 all_positions: true,
+                logprobs: None,
                 sampling: Sampling::GREEDY,
                 copies: Vec::new(),
                 history: None,
@@ -470,6 +473,7 @@ fn decode_from_graphs_is_bit_identical_to_eager_decode() {
             start_pos: start as u32,
             tables: vec![table(0, 0, &ids), table(32, 0, &ids)],
             all_positions: false,
+            logprobs: None,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,
@@ -544,6 +548,7 @@ fn passes_fed_on_the_device_while_the_pass_before_runs_equal_passes_fed_from_the
             start_pos: start as u32,
             tables: vec![table(0, 0, &ids)],
             all_positions: false,
+            logprobs: None,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,
@@ -661,6 +666,7 @@ fn greedy_tokens_picked_on_the_device_equal_the_hosts_argmax() {
         start_pos: start,
         tables: tables(s),
         all_positions,
+        logprobs: None,
         sampling,
         copies: Vec::new(),
         history: None,
@@ -703,6 +709,43 @@ fn greedy_tokens_picked_on_the_device_equal_the_hosts_argmax() {
     }
 }
 
+/// A CUDA worker of a seeded model whose vocabulary (3001) is wider than
+/// the picking kernels' 1024 threads, so each thread walks a run of ids;
+/// its pools' windows and the vocabulary.
+fn wide_vocabulary_worker() -> (Worker, Vec<u32>, u32) {
+    let config = ModelConfig {
+        vocab_size: 3001,
+        ..ModelConfig::small()
+    };
+    let weights = match Weights::seeded(config, 5) {
+        Ok(w) => w,
+        Err(e) => panic!("weights: {e}"),
+    };
+    let worker = gpu_worker(&weights);
+    let windows: Vec<u32> = worker.layout().pools.iter().map(|p| p.window).collect();
+    (worker, windows, weights.config.vocab_size as u32)
+}
+
+/// `batch` run twice (the same K/V written into the same slots): with its
+/// logits downloaded and picked on the host (`forward`), then picked on the
+/// device (`forward_tokens`).
+fn host_and_device(
+    worker: &mut Worker,
+    batch: Vec<SeqInput>,
+) -> (
+    worker_svc::worker::ForwardOutput,
+    Vec<worker_svc::worker::SeqOutput>,
+) {
+    let on_host = match worker.forward(batch.clone()) {
+        Ok(o) => o,
+        Err(e) => panic!("forward: {e}"),
+    };
+    match worker.forward_tokens(batch) {
+        Ok(o) => (on_host, o),
+        Err(e) => panic!("forward_tokens: {e}"),
+    }
+}
+
 /// Every sampling parameter, alone and together, picked on the device
 /// (`forward_tokens`: `adjust_logits`, `argmax_rows`, `sample_rows`) equals
 /// the host's pick from the same logits (`forward` downloads them), over
@@ -714,17 +757,7 @@ fn device_sampling_equals_the_hosts_for_every_parameter() {
     if !gpu_available("device_sampling_equals_the_hosts") {
         return;
     }
-    let config = ModelConfig {
-        vocab_size: 3001,
-        ..ModelConfig::small()
-    };
-    let weights = match Weights::seeded(config, 5) {
-        Ok(w) => w,
-        Err(e) => panic!("weights: {e}"),
-    };
-    let mut worker = gpu_worker(&weights);
-    let windows: Vec<u32> = worker.layout().pools.iter().map(|p| p.window).collect();
-    let vocab = weights.config.vocab_size as u32;
+    let (mut worker, windows, vocab) = wide_vocabulary_worker();
     let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % vocab).collect();
     let hot = |seed: u64| Sampling {
         temperature: 1.3,
@@ -852,20 +885,14 @@ fn device_sampling_equals_the_hosts_for_every_parameter() {
                     start_pos: 0,
                     tables: windows.iter().map(|&w| table(w, 0, &ids)).collect(),
                     all_positions: false,
+                    logprobs: None,
                     sampling,
                     copies: Vec::new(),
                     history: Some(Vec::new()),
                 }
             })
             .collect();
-        let on_host = match worker.forward(batch.clone()) {
-            Ok(o) => o,
-            Err(e) => panic!("forward: {e}"),
-        };
-        let on_device = match worker.forward_tokens(batch) {
-            Ok(o) => o,
-            Err(e) => panic!("forward_tokens: {e}"),
-        };
+        let (on_host, on_device) = host_and_device(&mut worker, batch);
         for (i, (name, _)) in cases(seed).iter().enumerate() {
             assert_eq!(
                 on_device[i].next_token, on_host.seqs[i].next_token,
@@ -880,6 +907,115 @@ fn device_sampling_equals_the_hosts_for_every_parameter() {
         );
     }
     println!("{compared} picks equal on the device and the host");
+}
+
+/// Log-probabilities computed on the device (`forward_tokens`:
+/// `keep_logits` around the picking, `logprob_rows`) equal the host's
+/// (`forward` downloads the logits and runs `logprobs::row_logprobs`) from
+/// the same logits: greedy and sampled rows, adjusted rows (the raw values
+/// put back), a prompt's every position with the next chunk's token, 0 to
+/// 20 alternatives, a vocabulary over the kernel's 1024 threads.
+#[test]
+fn device_logprobs_equal_the_hosts() {
+    use worker_svc::batch::{LogprobsSpec, Penalties};
+    if !gpu_available("device_logprobs_equal_the_hosts") {
+        return;
+    }
+    let (mut worker, windows, vocab) = wide_vocabulary_worker();
+    let spec = |top: u32, prompt: bool, next_prompt_token: Option<u32>| {
+        Some(LogprobsSpec {
+            top,
+            prompt,
+            next_prompt_token,
+        })
+    };
+    let hot = Sampling {
+        temperature: 1.1,
+        seed: 3,
+        prompt_len: 20,
+        ..Sampling::GREEDY
+    };
+    let adjusted = Sampling {
+        logit_bias: vec![(3, -100.0), (7, 40.0)],
+        penalties: Penalties {
+            frequency: 1.0,
+            presence: 0.5,
+            repetition: 1.5,
+        },
+        ..hot.clone()
+    };
+    let cases = [
+        ("greedy, top 5", Sampling::GREEDY, spec(5, false, None)),
+        ("sampled, top 20", hot.clone(), spec(20, false, None)),
+        ("adjusted, top 3", adjusted.clone(), spec(3, false, None)),
+        ("no alternatives", Sampling::GREEDY, spec(0, false, None)),
+        (
+            "a prompt chunk",
+            Sampling::GREEDY,
+            spec(4, true, Some(vocab - 1)),
+        ),
+        ("a prompt's last chunk", adjusted, spec(2, true, None)),
+        ("no logprobs", hot, None),
+    ];
+    for round in 0..4u32 {
+        let batch: Vec<SeqInput> = cases
+            .iter()
+            .enumerate()
+            .map(|(s, (_, sampling, logprobs))| {
+                let s = s as u32;
+                let ids: Vec<u32> = (s * 4..(s + 1) * 4).collect();
+                SeqInput {
+                    seq_id: u64::from(s),
+                    tokens: (0..24)
+                        .map(|i| (i * 37 + 11 + s * 13 + round * 7) % vocab)
+                        .collect(),
+                    start_pos: 0,
+                    tables: windows.iter().map(|&w| table(w, 0, &ids)).collect(),
+                    all_positions: false,
+                    logprobs: *logprobs,
+                    sampling: sampling.clone(),
+                    copies: Vec::new(),
+                    history: Some(Vec::new()),
+                }
+            })
+            .collect();
+        let (on_host, on_device) = host_and_device(&mut worker, batch);
+        for (i, (name, _, logprobs)) in cases.iter().enumerate() {
+            let (host, device) = (&on_host.seqs[i], &on_device[i]);
+            assert_eq!(device.next_token, host.next_token, "{name}, round {round}");
+            let rows = match logprobs {
+                Some(l) if l.prompt => 24,
+                Some(_) => 1,
+                None => 0,
+            };
+            assert_eq!(device.logprobs.len(), rows, "{name}");
+            assert_eq!(host.logprobs.len(), rows, "{name}");
+            for (d, h) in device.logprobs.iter().zip(&host.logprobs) {
+                assert_eq!(d.token, h.token, "{name}, round {round}");
+                assert!(
+                    (d.logprob - h.logprob).abs() <= 1e-5 * h.logprob.abs().max(1.0),
+                    "{name}, round {round}: {} on the device, {} on the host",
+                    d.logprob,
+                    h.logprob
+                );
+                let tokens = |r: &worker_svc::logprobs::RowLogprobs| {
+                    r.top.iter().map(|t| t.0).collect::<Vec<_>>()
+                };
+                assert_eq!(tokens(d), tokens(h), "{name}, round {round}");
+                for (a, b) in d.top.iter().zip(&h.top) {
+                    assert!((a.1 - b.1).abs() <= 1e-5 * b.1.abs().max(1.0), "{name}");
+                }
+            }
+            if let Some(l) = logprobs {
+                let last = &device.logprobs[rows - 1];
+                assert_eq!(last.top.len(), l.top as usize, "{name}");
+                match l.next_prompt_token {
+                    Some(t) => assert_eq!(last.token, t, "{name}"),
+                    None => assert_eq!(last.token, device.next_token, "{name}"),
+                }
+            }
+        }
+    }
 }
 
 #[test]

@@ -107,6 +107,7 @@ fn seq(
         history: None,
         trace: None,
         feed_previous: false,
+        logprobs: None,
     }
 }
 
@@ -576,5 +577,85 @@ async fn malformed_sampling_and_a_missing_history_are_refused_before_anything_ru
     assert!(first.is_ok(), "{first:?}");
     let next = server.forward(vec![penalised(None, 2)]).await;
     assert!(next.is_ok(), "{next:?}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn logprobs_come_back_per_position_and_malformed_ones_are_refused() {
+    let mut server = Server::start(Config::default()).await;
+    let asking = |logprobs: pb::LogprobsParams| pb::ForwardSequence {
+        logprobs: Some(logprobs),
+        return_all_argmax: false,
+        ..seq(3, vec![1, 2, 3], 0, tables(&[3], &[4]))
+    };
+    for (params, needle) in [
+        (
+            pb::LogprobsParams {
+                top: 21,
+                ..Default::default()
+            },
+            "top 21 is more than 20",
+        ),
+        (
+            pb::LogprobsParams {
+                next_prompt_token: Some(4),
+                ..Default::default()
+            },
+            "next_prompt_token is set without prompt",
+        ),
+        (
+            pb::LogprobsParams {
+                prompt: true,
+                next_prompt_token: Some(1 << 20),
+                ..Default::default()
+            },
+            "outside the vocabulary",
+        ),
+    ] {
+        assert_invalid(
+            server.forward(vec![asking(params)]).await,
+            &["sequence 3", "logprobs", needle],
+        );
+    }
+    // the prompt's every position: tokens[i + 1] chosen, then the next chunk's
+    let prompt = pb::LogprobsParams {
+        top: 4,
+        prompt: true,
+        next_prompt_token: Some(9),
+    };
+    let r = match server.forward(vec![asking(prompt)]).await {
+        Ok(r) => r,
+        Err(status) => panic!("forward: {status:?}"),
+    };
+    let lp = &r.results[0].logprobs;
+    let chosen: Vec<u32> = lp.iter().map(|p| p.token).collect();
+    assert_eq!(chosen, [2, 3, 9]);
+    for p in lp {
+        assert_eq!(p.top_tokens.len(), 4);
+        assert_eq!(p.top_logprobs.len(), 4);
+        assert!(p.top_logprobs.windows(2).all(|w| w[0] >= w[1]));
+        let mass: f32 = p.top_logprobs.iter().map(|l| l.exp()).sum();
+        assert!(mass <= 1.0 + 1e-6 && p.logprob <= 0.0, "{p:?}");
+    }
+    assert!(r.results[0].argmax.is_empty(), "logprobs ask no argmax");
+    // the next token's only: the picked one, the greedy choice top first
+    let next = pb::LogprobsParams {
+        top: 2,
+        ..Default::default()
+    };
+    let decode = pb::ForwardSequence {
+        start_pos: 3,
+        tokens: vec![5],
+        ..asking(next)
+    };
+    let r = match server.forward(vec![decode]).await {
+        Ok(r) => r,
+        Err(status) => panic!("forward: {status:?}"),
+    };
+    let lp = &r.results[0].logprobs;
+    assert_eq!(lp.len(), 1);
+    assert_eq!(lp[0].token, r.results[0].next_token);
+    assert_eq!(lp[0].top_tokens[0], r.results[0].next_token);
+    assert_eq!(lp[0].logprob, lp[0].top_logprobs[0]);
     server.stop().await;
 }

@@ -98,6 +98,7 @@ fn packed_weights_match_the_dense_reference_on_their_values() {
                 common::table(8, 0, &(8..16).collect::<Vec<u32>>()),
             ],
             all_positions: true,
+            logprobs: None,
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,

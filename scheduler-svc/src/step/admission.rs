@@ -14,7 +14,11 @@ impl Core {
     /// Extra slots the lease of `request` keeps: drafts for greedy requests
     /// when speculation is on, and the lookahead.
     pub fn extra_for(&self, request: &Request) -> Extra {
-        let draft = if self.config.draft_k > 0 && request.sampling.is_greedy() {
+        // drafts are verified against the argmax, and report no logprobs
+        let draft = if self.config.draft_k > 0
+            && request.sampling.is_greedy()
+            && request.logprobs.is_none()
+        {
             self.config.draft_k
         } else {
             0
@@ -286,6 +290,7 @@ impl Core {
                 // writes; later chunks report their progress (plan_extends)
                 prefill_tokens: first,
                 fork_of: None,
+                reuse_prefix: !request.needs_prompt_logprobs(),
             });
             self.leasing.push(Leasing {
                 seq_id,
@@ -340,6 +345,8 @@ impl Core {
                 reserve_full_life: policy.reserves_full_life(),
                 prefill_tokens: 1,
                 fork_of: Some(f.parent),
+                // a branch asks no prompt logprobs (sample 0 reports them)
+                reuse_prefix: true,
             });
             self.leasing.push(Leasing {
                 seq_id,

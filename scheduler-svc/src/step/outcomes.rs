@@ -5,9 +5,11 @@ use std::time::Instant;
 
 use super::{Core, Order, PreemptCause, WORKER_RETRY_AFTER, Work};
 use crate::domain::{
-    ExtendSpec, Finish, ForwardItem, ForwardResult, Outcome, Output, Reject, RejectReason, SeqId,
+    ExtendSpec, Finish, ForwardItem, ForwardResult, ItemLogprobs, Outcome, Output, Reject,
+    RejectReason, SeqId, TokenLogprob,
 };
 use crate::policy::{OnExhausted, Policy};
+use crate::queue::Request;
 use crate::spec;
 
 impl Core {
@@ -306,6 +308,7 @@ impl Core {
             let history =
                 (sampling.has_penalties() && !seq.history_sent).then(|| seq.context[..at].to_vec());
             seq.history_sent |= history.is_some();
+            let logprobs = item_logprobs(&seq.request, &work, &seq.context, at);
             // until min_tokens outputs are known (later ones are past it)
             let stop_ids = if seq.request.generated.len() < sampling.min_tokens as usize {
                 seq.request.stop_tokens.clone()
@@ -324,6 +327,7 @@ impl Core {
                 stop_ids,
                 history,
                 copies: std::mem::take(&mut seq.copies),
+                logprobs,
             });
             seq.in_flight.push_back((step, work));
         }
@@ -356,9 +360,21 @@ impl Core {
             let Some((_, work)) = seq.in_flight.pop_front() else {
                 continue;
             };
+            let mut logprobs = result.logprobs;
             let emit = match work {
                 Work::Prefill { len } => {
+                    let at = seq.kv_len as usize;
                     seq.kv_len += len;
+                    if seq.request.needs_prompt_logprobs() {
+                        // row i chose the token at `at + i + 1`: the prompt's
+                        // up to its last row, which chose the first output
+                        let last = (seq.kv_len >= seq.lease_len)
+                            .then(|| logprobs.pop())
+                            .flatten();
+                        seq.request.prompt_logprobs.truncate(at);
+                        seq.request.prompt_logprobs.append(&mut logprobs);
+                        logprobs.extend(last);
+                    }
                     if seq.kv_len < seq.lease_len {
                         continue;
                     }
@@ -386,7 +402,7 @@ impl Core {
                     }
                 }
             };
-            self.emit(result.seq_id, emit);
+            self.emit(result.seq_id, emit, logprobs);
         }
         self.tier_forward_returned(group, false);
         let missing: Vec<SeqId> = self
@@ -447,7 +463,9 @@ impl Core {
         self.forward_returned(group);
     }
 
-    fn emit(&mut self, seq_id: SeqId, tokens: Vec<u32>) {
+    /// Streams `tokens` (with their `logprobs`, when asked: one per token)
+    /// and ends the request at a stop token or its length.
+    fn emit(&mut self, seq_id: SeqId, tokens: Vec<u32>, mut logprobs: Vec<TokenLogprob>) {
         let Some(seq) = self.running.get_mut(&seq_id) else {
             return;
         };
@@ -487,14 +505,50 @@ impl Core {
             seq.request.reported_reuse = true;
             Some((seq.reused_tokens, seq.request.retained_tokens))
         };
+        logprobs.truncate(out.len());
+        let prompt_logprobs = seq.request.owes_prompt_logprobs().then(|| {
+            seq.request.reported_prompt_logprobs = true;
+            std::mem::take(&mut seq.request.prompt_logprobs)
+        });
         self.outputs.push(Output::Tokens {
             request: seq.request.id,
             index: seq.request.index,
             tokens: out,
             reused_tokens,
+            logprobs,
+            prompt_logprobs,
         });
         if let Some(finish) = finish {
             self.end_sequence(seq_id, finish);
         }
     }
+}
+
+/// What a forward item of `request` asks the worker's logprobs for: a
+/// prompt chunk of a request that wants the prompt's logprobs reports every
+/// position (the next chunk's first token chosen at its last row); the
+/// last prefill chunk and every decode report the next token's; other
+/// chunks nothing.
+fn item_logprobs(
+    request: &Request,
+    work: &Work,
+    context: &[u32],
+    at: usize,
+) -> Option<ItemLogprobs> {
+    let asked = request.logprobs?;
+    let end = match work {
+        Work::Prefill { len } => at + *len as usize,
+        Work::Decode { .. } => context.len(),
+    };
+    let prompt = matches!(work, Work::Prefill { .. }) && request.needs_prompt_logprobs();
+    let next_prompt_token = context.get(end).copied().filter(|_| prompt);
+    if !prompt && end < context.len() {
+        // a chunk that is not the prompt's last: its pick is thrown away
+        return None;
+    }
+    Some(ItemLogprobs {
+        top: asked.top,
+        prompt,
+        next_prompt_token,
+    })
 }

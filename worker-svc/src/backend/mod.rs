@@ -8,6 +8,7 @@ pub mod cuda;
 
 use crate::batch::Batch;
 use crate::error::Result;
+use crate::logprobs::{LogprobRow, RowLogprobs};
 use crate::sampling::RowPick;
 
 /// Which backend the worker runs on (`--backend`).
@@ -118,6 +119,15 @@ pub struct BatchLogits {
     pub values: Vec<f32>,
 }
 
+/// What [`Backend::forward_picks`] returns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Picked {
+    /// One token per logits row.
+    pub tokens: Vec<u32>,
+    /// One per [`LogprobRow`] asked for, in that order.
+    pub logprobs: Vec<RowLogprobs>,
+}
+
 /// A token of a pass taken on the device from the pass begun before it:
 /// the token at `token` (index into the batch's tokens, in batch order)
 /// is the argmax of that pass's logit row `row`.
@@ -191,11 +201,29 @@ pub trait Backend: Send + std::fmt::Debug {
     /// has one ([`crate::sampling`]), else its argmax (first index of the
     /// largest value, as [`crate::ops::argmax`]), so a backend whose logits
     /// live in device memory samples there and copies back one token per
-    /// row instead of the row. The default picks on the host from
-    /// `forward`'s rows.
-    fn forward_picks(&mut self, batch: &Batch, picks: &[RowPick]) -> Result<Vec<u32>> {
+    /// row instead of the row. With `logprobs`, also the log-probabilities
+    /// each of those rows asks for ([`crate::logprobs`]: of the raw logits,
+    /// before the picks' adjustments), computed where the logits are, so
+    /// only those values come back. `feed` is as for
+    /// [`Backend::begin_argmax`]. The default picks on the host from
+    /// `forward`'s rows and has no device tokens to feed from.
+    fn forward_picks(
+        &mut self,
+        batch: &Batch,
+        feed: &[Feed],
+        picks: &[RowPick],
+        logprobs: &[LogprobRow],
+    ) -> Result<Picked> {
+        if !feed.is_empty() {
+            return Err(crate::error::Error::Backend(format!(
+                "the {} backend keeps no sampled tokens on a device to feed from",
+                self.name()
+            )));
+        }
         let logits = self.forward(batch)?;
-        Ok(crate::sampling::pick_rows(&logits, picks))
+        let tokens = crate::sampling::pick_rows(&logits, picks);
+        let logprobs = crate::logprobs::batch_logprobs(&logits, &tokens, logprobs)?;
+        Ok(Picked { tokens, logprobs })
     }
     /// Starts a batch whose every row takes its argmax, as
     /// [`Backend::forward_picks`] runs it with no picks, and returns
@@ -207,13 +235,9 @@ pub trait Backend: Send + std::fmt::Debug {
     /// placeholders. The default runs the pass at once and has no device
     /// tokens to feed from.
     fn begin_argmax(&mut self, batch: &Batch, feed: &[Feed]) -> Result<PendingTokens> {
-        if !feed.is_empty() {
-            return Err(crate::error::Error::Backend(format!(
-                "the {} backend keeps no sampled tokens on a device to feed from",
-                self.name()
-            )));
-        }
-        Ok(PendingTokens::ready(self.forward_picks(batch, &[])?))
+        Ok(PendingTokens::ready(
+            self.forward_picks(batch, feed, &[], &[])?.tokens,
+        ))
     }
     /// Gives the backend a host tier of `host_blocks[i]` blocks for pool
     /// `i` (a second arena in host memory). A backend that has none refuses

@@ -171,6 +171,7 @@ fn input(worker: &Worker, seq: &Driven, start: usize, end: usize) -> SeqInput {
             })
             .collect(),
         all_positions: true,
+        logprobs: None,
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,
@@ -343,6 +344,7 @@ pub(crate) fn seq_input(
         start_pos: start,
         tables,
         all_positions: true,
+        logprobs: None,
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,

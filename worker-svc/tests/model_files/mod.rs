@@ -377,6 +377,7 @@ pub fn input(
         start_pos: start as u32,
         tables,
         all_positions: all,
+        logprobs: None,
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,

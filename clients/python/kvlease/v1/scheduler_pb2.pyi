@@ -35,7 +35,7 @@ MAX_UTILIZATION: CapacityPolicy
 STATIC_BATCH: CapacityPolicy
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "tokens", "max_tokens", "temperature", "top_p", "seed", "stop_tokens", "priority", "cache_salt", "request_id", "messages", "stop", "ignore_eos", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "retain", "n")
+    __slots__ = ("text", "tokens", "max_tokens", "temperature", "top_p", "seed", "stop_tokens", "priority", "cache_salt", "request_id", "messages", "stop", "ignore_eos", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "retain", "n", "logprobs", "echo")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class GenerateRequest(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETAIN_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
     text: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -87,7 +89,39 @@ class GenerateRequest(_message.Message):
     min_tokens: int
     retain: RetainPrefix
     n: int
-    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., retain: _Optional[_Union[RetainPrefix, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
+    logprobs: LogprobsRequest
+    echo: bool
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., retain: _Optional[_Union[RetainPrefix, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., echo: _Optional[bool] = ...) -> None: ...
+
+class LogprobsRequest(_message.Message):
+    __slots__ = ("top", "prompt")
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    top: int
+    prompt: bool
+    def __init__(self, top: _Optional[int] = ..., prompt: _Optional[bool] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token", "bytes", "logprob", "top")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    bytes: bytes
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token: _Optional[int] = ..., bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token", "bytes", "logprob")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    bytes: bytes
+    logprob: float
+    def __init__(self, token: _Optional[int] = ..., bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class RetainPrefix(_message.Message):
     __slots__ = ("tokens", "priority", "ttl_s")
@@ -108,7 +142,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("tokens", "text", "finish_reason", "reject", "message", "reused_tokens", "preemptions", "prompt_tokens", "retained_tokens", "index")
+    __slots__ = ("tokens", "text", "finish_reason", "reject", "message", "reused_tokens", "preemptions", "prompt_tokens", "retained_tokens", "index", "logprobs", "prompt_logprobs", "prompt_text")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +153,9 @@ class GenerateResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
@@ -129,7 +166,10 @@ class GenerateResponse(_message.Message):
     prompt_tokens: int
     retained_tokens: int
     index: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., reject: _Optional[_Union[_cache_pb2.Reject, _Mapping]] = ..., message: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., retained_tokens: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_text: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., reject: _Optional[_Union[_cache_pb2.Reject, _Mapping]] = ..., message: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., retained_tokens: _Optional[int] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -121,7 +121,7 @@ class TokenHistory(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardSequence(_message.Message):
-    __slots__ = ("seq_id", "tokens", "start_pos", "tables", "return_all_argmax", "sampling", "copies", "trace", "feed_previous", "history")
+    __slots__ = ("seq_id", "tokens", "start_pos", "tables", "return_all_argmax", "sampling", "copies", "trace", "feed_previous", "history", "logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class ForwardSequence(_message.Message):
     TRACE_FIELD_NUMBER: _ClassVar[int]
     FEED_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
@@ -142,7 +143,30 @@ class ForwardSequence(_message.Message):
     trace: SequenceTrace
     feed_previous: bool
     history: TokenHistory
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[_cache_pb2.BlockTable, _Mapping]]] = ..., return_all_argmax: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[_cache_pb2.BlockCopy, _Mapping]]] = ..., trace: _Optional[_Union[SequenceTrace, _Mapping]] = ..., feed_previous: _Optional[bool] = ..., history: _Optional[_Union[TokenHistory, _Mapping]] = ...) -> None: ...
+    logprobs: LogprobsParams
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[_cache_pb2.BlockTable, _Mapping]]] = ..., return_all_argmax: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[_cache_pb2.BlockCopy, _Mapping]]] = ..., trace: _Optional[_Union[SequenceTrace, _Mapping]] = ..., feed_previous: _Optional[bool] = ..., history: _Optional[_Union[TokenHistory, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobsParams, _Mapping]] = ...) -> None: ...
+
+class LogprobsParams(_message.Message):
+    __slots__ = ("top", "prompt", "next_prompt_token")
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PROMPT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    top: int
+    prompt: bool
+    next_prompt_token: int
+    def __init__(self, top: _Optional[int] = ..., prompt: _Optional[bool] = ..., next_prompt_token: _Optional[int] = ...) -> None: ...
+
+class PositionLogprobs(_message.Message):
+    __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logprob: float
+    top_tokens: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_tokens: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceTrace(_message.Message):
     __slots__ = ("traceparent", "reused_tokens", "onboarded_blocks", "replica")
@@ -169,14 +193,16 @@ class ForwardRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ForwardSequence, _Mapping]]] = ..., tier_copies: _Optional[_Iterable[_Union[_cache_pb2.TierCopy, _Mapping]]] = ..., after_step: _Optional[int] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
-    __slots__ = ("seq_id", "next_token", "argmax")
+    __slots__ = ("seq_id", "next_token", "argmax", "logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ARGMAX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     next_token: int
     argmax: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., next_token: _Optional[int] = ..., argmax: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
+    def __init__(self, seq_id: _Optional[int] = ..., next_token: _Optional[int] = ..., argmax: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("results", "compute_us")

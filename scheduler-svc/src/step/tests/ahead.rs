@@ -58,6 +58,7 @@ fn decoding_pair(order: Order, on_exhausted: OnExhausted) -> Core {
                 seq_id: i.seq_id,
                 next_token: 10 * i.seq_id.get() as u32,
                 argmax: Vec::new(),
+                logprobs: Vec::new(),
             })
             .collect();
         c.apply_forward(g, results);

@@ -49,6 +49,7 @@ fn step(c: &mut Core, lease: impl Fn(&LeaseSpec) -> Outcome) -> (Vec<LeaseSpec>,
                 seq_id: i.seq_id,
                 next_token: (10 * i.seq_id.get() + s.get()) as u32,
                 argmax: Vec::new(),
+                logprobs: Vec::new(),
             })
             .collect();
         c.apply_forward(g, answers);

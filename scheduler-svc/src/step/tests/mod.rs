@@ -171,6 +171,7 @@ fn results(items: &[ForwardItem], token: u32, accept_drafts: bool) -> Vec<Forwar
                 seq_id: i.seq_id,
                 next_token: token,
                 argmax,
+                logprobs: Vec::new(),
             }
         })
         .collect()

@@ -12,16 +12,17 @@ use super::gemm::{Products, padded_rows};
 use super::graphs::{self, DecodeGraphs, Graph, GraphKey};
 use super::kernels::{KernelShape, Kernels};
 use super::launches::{AttentionArgs, AttnOut, Launcher};
-use super::picks::DevicePicks;
+use super::picks::{DeviceLogprobs, DevicePicks};
 use super::tier::HostTier;
 use super::uploads::{Activations, BatchMeta, DeviceBatch, DeviceWeights};
 use super::{CudaOptions, GPU_KV_ELEM_BYTES, KvDtype, cuda_err, probe};
 use crate::arena::{ArenaLayout, split_kv_bytes};
 use crate::backend::{
-    Backend, BatchLogits, Feed, GraphCounts, HostTimes, PendingTokens, PhaseTimes,
+    Backend, BatchLogits, Feed, GraphCounts, HostTimes, PendingTokens, PhaseTimes, Picked,
 };
 use crate::batch::{Batch, TierMove};
 use crate::error::{Error, Result};
+use crate::logprobs::LogprobRow;
 use crate::model::weights::Weights;
 use crate::model::{Activation, ModelConfig};
 use crate::sampling::RowPick;
@@ -472,13 +473,24 @@ impl CudaBackend {
 
     /// A pass, then one token per logits row picked on the device: the
     /// picks' adjustments, the argmax of every row, then the sampled rows
-    /// drawn over theirs. One token per row comes back instead of the row.
-    fn run_picks(&mut self, batch: &Batch, picks: &[RowPick]) -> Result<Vec<u32>> {
+    /// drawn over theirs; with `logprobs`, the raw values of the adjusted
+    /// logits are kept around the picking and put back, then
+    /// `logprob_rows` reports each row asked for. One token per row, and
+    /// each asked row's few values, come back instead of the rows.
+    fn run_picks(
+        &mut self,
+        batch: &Batch,
+        feed: &[Feed],
+        picks: &[RowPick],
+        logprobs: &[LogprobRow],
+    ) -> Result<Picked> {
         let mut prof = Profiler::start(&self.stream, self.profiling)?;
         let vocab = self.config.vocab_size;
         let rows_needed: usize = batch.seqs.iter().map(|s| s.logit_rows()).sum();
         let device_picks = DevicePicks::upload(&self.stream, picks, rows_needed, vocab)?;
-        let rows = self.pass(batch, &[], &mut prof)?;
+        let mut device_logprobs =
+            DeviceLogprobs::upload(&self.stream, logprobs, rows_needed, vocab)?;
+        let rows = self.pass(batch, feed, &mut prof)?;
         if rows != rows_needed {
             return Err(Error::Backend(format!(
                 "the pass returned {rows} logits rows, its sequences need {rows_needed}"
@@ -488,15 +500,36 @@ impl CudaBackend {
             stream: &self.stream,
             kernels: &self.kernels,
         };
+        // the raw values of the logits adjusted, while logprobs need them
+        let mut kept = None;
         if let Some(a) = &device_picks.adjusts {
+            if device_logprobs.is_some() {
+                let mut vals = self
+                    .stream
+                    .alloc_zeros::<f32>(a.n)
+                    .map_err(cuda_err("allocate kept logits"))?;
+                launch.keep_logits(&mut self.acts.logits, vocab, rows, a, &mut vals, false)?;
+                kept = Some(vals);
+            }
             launch.adjust_logits(&mut self.acts.logits, vocab, rows, a)?;
         }
         launch.argmax_rows(&self.acts.logits, vocab, rows, &mut self.acts.argmax)?;
         if let Some(s) = &device_picks.samples {
             launch.sample_rows(&self.acts.logits, vocab, rows, s, &mut self.acts.argmax)?;
         }
+        if let Some(l) = &mut device_logprobs {
+            if let (Some(a), Some(vals)) = (&device_picks.adjusts, &mut kept) {
+                launch.keep_logits(&mut self.acts.logits, vocab, rows, a, vals, true)?;
+            }
+            launch.logprob_rows(&self.acts.logits, vocab, rows, &self.acts.argmax, l)?;
+        }
         prof.mark(Phase::Other)?;
-        self.tokens_back(rows, prof)
+        let tokens = self.tokens_back(rows, prof)?;
+        let logprobs = match &device_logprobs {
+            Some(l) => l.read(&self.stream)?,
+            None => Vec::new(),
+        };
+        Ok(Picked { tokens, logprobs })
     }
 
     /// The first `rows` tokens of `acts.argmax` back on the host, once the
@@ -936,8 +969,14 @@ impl Backend for CudaBackend {
             .copy(&self.stream, &mut self.kv, &self.layout, moves)
     }
 
-    fn forward_picks(&mut self, batch: &Batch, picks: &[RowPick]) -> Result<Vec<u32>> {
-        self.run_picks(batch, picks)
+    fn forward_picks(
+        &mut self,
+        batch: &Batch,
+        feed: &[Feed],
+        picks: &[RowPick],
+        logprobs: &[LogprobRow],
+    ) -> Result<Picked> {
+        self.run_picks(batch, feed, picks, logprobs)
     }
 
     /// Enqueues the pass, its argmax and the copy of the tokens into a

@@ -879,6 +879,10 @@ struct SumOp {
 struct MaxOp {
     __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
     __device__ __forceinline__ int operator()(int a, int b) const { return max(a, b); }
+    __device__ __forceinline__ unsigned long long operator()(unsigned long long a,
+                                                             unsigned long long b) const {
+        return a > b ? a : b;
+    }
 };
 
 // `op` of v over the block (SAMPLE_THREADS threads), for every thread; the
@@ -1023,6 +1027,100 @@ sample_rows(const float* __restrict__ logits, int vocab,
         const int last = block_reduce(last_kept, scratch_i, MaxOp());
         if (t == 0 && last >= 0) out[r] = (unsigned int)last;
     }
+}
+
+// === log-probabilities (the definition is `logprobs.rs`'s) ===
+
+// Entry i of `vals` and logit (rows[i], tokens[i]) swap roles: with
+// `restore` 0, vals[i] = the logit (saved before `adjust_logits` changes
+// it); with 1, the logit = vals[i] (the raw value back, once the tokens are
+// picked). Each (row, token) at most once (the host's adjustments).
+extern "C" __global__ void keep_logits(float* __restrict__ logits, int vocab, int n,
+                                       const unsigned int* __restrict__ rows,
+                                       const unsigned int* __restrict__ tokens,
+                                       float* __restrict__ vals, int restore) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float* l = logits + (unsigned long long)rows[i] * vocab + tokens[i];
+    if (restore) *l = vals[i];
+    else vals[i] = *l;
+}
+
+// Entry b reports logits row rows[b] as `logprobs::row_logprobs` does:
+// the chosen token (chosen[b], or picked[rows[b]] where chosen[b] is
+// 0xffffffff) and its logprob, then the top[b] most likely tokens (by key,
+// ties by lower id; NaN never) and their logprobs: out[b * stride] = token,
+// [+1] = logprob's bits, [+2 + j] = j-th token (0xffffffff: none),
+// [+2 + kmax + j] = its logprob's bits, stride = 2 + 2 * kmax. l - max in
+// f32, the exponentials and their sum in f64, as on the host. The top list
+// takes one reduction over the row per entry of it (at most 20). One block
+// of SAMPLE_THREADS threads per entry.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+logprob_rows(const float* __restrict__ logits, int vocab,
+             const unsigned int* __restrict__ rows, const unsigned int* __restrict__ chosen,
+             const unsigned int* __restrict__ top, const unsigned int* __restrict__ picked,
+             int kmax, unsigned int* __restrict__ out) {
+    __shared__ double scratch_d[33];
+    __shared__ float scratch_f[33];
+    __shared__ unsigned long long scratch_l[33];
+    const int b = blockIdx.x, t = threadIdx.x;
+    const unsigned int r = rows[b];
+    const float* row = logits + (unsigned long long)r * vocab;
+    unsigned int* o = out + (unsigned long long)b * (2 + 2 * kmax);
+
+    float mx = NEG_INF;
+    for (int i = t; i < vocab; i += blockDim.x) {
+        const float l = row[i];
+        if (!isnan(l)) mx = fmaxf(mx, l);
+    }
+    mx = block_reduce(mx, scratch_f, MaxOp());
+    double sum = 0.0;
+    if (mx != NEG_INF) {
+        for (int i = t; i < vocab; i += blockDim.x) {
+            const float l = row[i];
+            if (!isnan(l)) sum += exp((double)__fsub_rn(l, mx));
+        }
+    }
+    sum = block_reduce(sum, scratch_d, SumOp());
+    const double ln_sum = mx != NEG_INF ? log(sum) : 0.0;
+    // logprob of logit l, as `logprobs::logprob`
+#define LOGPROB(l) \
+    ((mx == NEG_INF || isnan(l)) ? NEG_INF : (float)((double)__fsub_rn((l), mx) - ln_sum))
+
+    if (t == 0) {
+        const unsigned int c = chosen[b] != 0xffffffffu ? chosen[b] : picked[r];
+        o[0] = c;
+        o[1] = __float_as_uint(c < (unsigned int)vocab ? LOGPROB(row[c]) : NEG_INF);
+    }
+    // (key << 32 | ~id): larger is better, then the lower id; 0 is none
+    // (key 0 is a NaN, never ranked)
+    unsigned long long prev = ~0ull;
+    for (int j = 0; j < kmax; ++j) {
+        unsigned long long best = 0;
+        if (j < (int)top[b]) {
+            for (int i = t; i < vocab; i += blockDim.x) {
+                const float l = row[i];
+                if (isnan(l)) continue;
+                const unsigned long long c =
+                    ((unsigned long long)logit_key(l) << 32) | (unsigned long long)(~(unsigned int)i);
+                if (c < prev && c > best) best = c;
+            }
+        }
+        // every thread runs every reduction: `top[b]` is the block's own
+        best = block_reduce(best, scratch_l, MaxOp());
+        if (t == 0) {
+            if (best == 0) {
+                o[2 + j] = 0xffffffffu;
+                o[2 + kmax + j] = __float_as_uint(NEG_INF);
+            } else {
+                const unsigned int id = ~(unsigned int)(best & 0xffffffffu);
+                o[2 + j] = id;
+                o[2 + kmax + j] = __float_as_uint(LOGPROB(row[id]));
+            }
+        }
+        prev = best == 0 ? 0 : best;
+    }
+#undef LOGPROB
 }
 
 // a[i] = a value in [-0.5, 0.5) hashed from (i, seed); for benchmarks.

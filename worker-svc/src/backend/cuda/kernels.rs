@@ -96,6 +96,8 @@ pub(super) struct Kernels {
     pub(super) feed_tokens: CudaFunction,
     pub(super) adjust_logits: CudaFunction,
     pub(super) sample_rows: CudaFunction,
+    pub(super) keep_logits: CudaFunction,
+    pub(super) logprob_rows: CudaFunction,
     /// The bench's K/V filler.
     #[cfg(feature = "bench")]
     pub(super) fill_random: CudaFunction,
@@ -230,6 +232,8 @@ impl Kernels {
             feed_tokens: f("feed_tokens")?,
             adjust_logits: f("adjust_logits")?,
             sample_rows: f("sample_rows")?,
+            keep_logits: f("keep_logits")?,
+            logprob_rows: f("logprob_rows")?,
             #[cfg(feature = "bench")]
             fill_random: f("fill_random")?,
         })

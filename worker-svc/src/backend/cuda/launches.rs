@@ -19,7 +19,7 @@ use half::bf16;
 
 use super::cuda_err;
 use super::kernels::{Kernels, SplitPlan, group_launches};
-use super::picks::{DeviceAdjusts, DeviceSamples};
+use super::picks::{DeviceAdjusts, DeviceLogprobs, DeviceSamples};
 use crate::error::{Error, Result};
 
 /// Launches the kernels of one compiled module on one stream.
@@ -505,6 +505,101 @@ impl Launcher<'_> {
                 .launch(per_row(s.n, 1024))
         }
         .map_err(cuda_err("sample_rows"))?;
+        Ok(())
+    }
+
+    /// Saves (`restore` false) the logits `a` names into `vals`, or puts
+    /// them back from it (`restore` true): the raw values around
+    /// `adjust_logits`, for the log-probabilities of the raw distribution.
+    pub(super) fn keep_logits(
+        &self,
+        logits: &mut CudaSlice<f32>,
+        vocab: usize,
+        rows: usize,
+        a: &DeviceAdjusts,
+        vals: &mut CudaSlice<f32>,
+        restore: bool,
+    ) -> Result<()> {
+        check_len("keep_logits", "logits", logits.len(), rows * vocab)?;
+        for (name, len) in [
+            ("rows", a.rows.len()),
+            ("tokens", a.tokens.len()),
+            ("vals", vals.len()),
+        ] {
+            check_len("keep_logits", name, len, a.n)?;
+        }
+        let (vocab_i, n_i, restore_i) = (vocab as i32, a.n as i32, i32::from(restore));
+        // SAFETY: matches `keep_logits(float* logits, int vocab, int n,
+        // const unsigned* rows, const unsigned* tokens, float* vals, int
+        // restore)`; threads past n return, each array holds n entries
+        // (checked above), and `DevicePicks::upload` checked every row below
+        // the pass's logits rows and every token below the vocabulary, each
+        // (row, token) once, as for `adjust_logits`.
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.keep_logits)
+                .arg(logits)
+                .arg(&vocab_i)
+                .arg(&n_i)
+                .arg(&a.rows)
+                .arg(&a.tokens)
+                .arg(vals)
+                .arg(&restore_i)
+                .launch(LaunchConfig {
+                    grid_dim: (a.n.div_ceil(256) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+        }
+        .map_err(cuda_err("keep_logits"))?;
+        Ok(())
+    }
+
+    /// The log-probabilities `l` asks of the (raw) logits, the tokens
+    /// picked at the rows being `picked`, into `l.out`, as
+    /// [`crate::logprobs::row_logprobs`].
+    pub(super) fn logprob_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        rows: usize,
+        picked: &CudaSlice<u32>,
+        l: &mut DeviceLogprobs,
+    ) -> Result<()> {
+        check_len("logprob_rows", "logits", logits.len(), rows * vocab)?;
+        check_len("logprob_rows", "picked", picked.len(), rows)?;
+        for (name, len) in [
+            ("rows", l.rows.len()),
+            ("chosen", l.chosen.len()),
+            ("top", l.top.len()),
+        ] {
+            check_len("logprob_rows", name, len, l.n)?;
+        }
+        check_len("logprob_rows", "out", l.out.len(), l.n * l.stride())?;
+        let (vocab_i, kmax_i) = (vocab as i32, l.kmax as i32);
+        // SAFETY: matches `logprob_rows(const float* logits, int vocab,
+        // const unsigned* rows, const unsigned* chosen, const unsigned* top,
+        // const unsigned* picked, int kmax, unsigned* out)`; one block of
+        // 1024 threads (SAMPLE_THREADS, which its reductions assume) per
+        // entry, each array holds n entries and `out` n strides (checked
+        // above); `DeviceLogprobs::upload` checked each row below `rows`
+        // (so `picked[row]` is in range), each top at most kmax, and each
+        // chosen token below the vocabulary or the picked marker (a picked
+        // token past the vocabulary is checked by the kernel).
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.logprob_rows)
+                .arg(logits)
+                .arg(&vocab_i)
+                .arg(&l.rows)
+                .arg(&l.chosen)
+                .arg(&l.top)
+                .arg(picked)
+                .arg(&kmax_i)
+                .arg(&mut l.out)
+                .launch(per_row(l.n, 1024))
+        }
+        .map_err(cuda_err("logprob_rows"))?;
         Ok(())
     }
 

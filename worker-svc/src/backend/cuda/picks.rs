@@ -1,6 +1,7 @@
 //! A pass's [`RowPick`]s in device memory: the logit adjustments
 //! (`adjust_logits`) and the sampled rows' parameters (`sample_rows`), so
-//! the tokens are picked where the logits are.
+//! the tokens are picked where the logits are; and its [`LogprobRow`]s
+//! (`logprob_rows`), so only their values come back.
 
 use std::sync::Arc;
 
@@ -8,6 +9,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 
 use super::cuda_err;
 use crate::error::{Error, Result};
+use crate::logprobs::{LogprobRow, MAX_TOP, RowLogprobs};
 use crate::sampling::RowPick;
 
 /// `adjust_logits`'s entries: logit (`rows[i]`, `tokens[i]`) changes as
@@ -128,5 +130,101 @@ impl DevicePicks {
             })
         };
         Ok(DevicePicks { adjusts, samples })
+    }
+}
+
+/// `logprob_rows`'s entries: one per [`LogprobRow`] of a pass, each row
+/// below the pass's logits rows and each chosen token below the vocabulary
+/// (checked on upload), with the buffer the kernel writes (`stride` words
+/// per entry, read back by [`DeviceLogprobs::read`]).
+#[derive(Debug)]
+pub(super) struct DeviceLogprobs {
+    pub(super) n: usize,
+    /// The most alternatives an entry asks for: the stride's `kmax`.
+    pub(super) kmax: usize,
+    pub(super) rows: CudaSlice<u32>,
+    /// The chosen token, or [`PICKED`].
+    pub(super) chosen: CudaSlice<u32>,
+    pub(super) top: CudaSlice<u32>,
+    pub(super) out: CudaSlice<u32>,
+    asked: Vec<usize>,
+}
+
+/// `chosen` of an entry whose token is the one picked at its row.
+const PICKED: u32 = u32::MAX;
+
+impl DeviceLogprobs {
+    /// Uploads `rows` for a pass of `logit_rows` rows of width `vocab`;
+    /// `None` when there are none. A row past the pass, more than
+    /// [`MAX_TOP`] alternatives or a chosen token past `vocab` is refused
+    /// (the worker never builds one; the kernel indexes with them).
+    pub(super) fn upload(
+        stream: &Arc<CudaStream>,
+        rows: &[LogprobRow],
+        logit_rows: usize,
+        vocab: usize,
+    ) -> Result<Option<Self>> {
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        if let Some(r) = rows.iter().find(|r| {
+            r.row >= logit_rows || r.top > MAX_TOP || r.chosen.is_some_and(|c| c as usize >= vocab)
+        }) {
+            return Err(Error::Backend(format!(
+                "logprobs of row {} (the pass has {logit_rows} logits rows), {} alternatives \
+                 (at most {MAX_TOP}), chosen {:?} (vocabulary {vocab})",
+                r.row, r.top, r.chosen
+            )));
+        }
+        let kmax = rows.iter().map(|r| r.top).max().unwrap_or(0);
+        let stride = 2 + 2 * kmax;
+        Ok(Some(DeviceLogprobs {
+            n: rows.len(),
+            kmax,
+            rows: up(
+                stream,
+                &rows.iter().map(|r| r.row as u32).collect::<Vec<_>>(),
+            )?,
+            chosen: up(
+                stream,
+                &rows
+                    .iter()
+                    .map(|r| r.chosen.unwrap_or(PICKED))
+                    .collect::<Vec<_>>(),
+            )?,
+            top: up(
+                stream,
+                &rows.iter().map(|r| r.top as u32).collect::<Vec<_>>(),
+            )?,
+            out: stream
+                .alloc_zeros(rows.len() * stride)
+                .map_err(cuda_err("allocate logprobs"))?,
+            asked: rows.iter().map(|r| r.top).collect(),
+        }))
+    }
+
+    /// Words per entry of `out`.
+    pub(super) fn stride(&self) -> usize {
+        2 + 2 * self.kmax
+    }
+
+    /// The entries from `out` once the kernel wrote it (the stream waits).
+    pub(super) fn read(&self, stream: &Arc<CudaStream>) -> Result<Vec<RowLogprobs>> {
+        let out = stream
+            .clone_dtoh(&self.out)
+            .map_err(cuda_err("download logprobs"))?;
+        let stride = self.stride();
+        Ok(out
+            .chunks_exact(stride)
+            .zip(&self.asked)
+            .map(|(e, &asked)| RowLogprobs {
+                token: e[0],
+                logprob: f32::from_bits(e[1]),
+                top: (0..asked)
+                    .filter(|&j| e[2 + j] != u32::MAX)
+                    .map(|j| (e[2 + j], f32::from_bits(e[2 + self.kmax + j])))
+                    .collect(),
+            })
+            .collect())
     }
 }
