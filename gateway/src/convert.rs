@@ -9,6 +9,7 @@ use kvlease_proto::v1 as pb;
 
 use crate::error::ApiError;
 use crate::request::{Generate, Input};
+use crate::structured::Grammar;
 
 /// The scheduler request of `g` for `tenant`, traced under the
 /// client-visible `id`.
@@ -37,6 +38,7 @@ pub fn generate_request(g: &Generate, id: &str, tenant: &str) -> pb::GenerateReq
             priority: h.priority,
             ttl_s: h.ttl_s,
         }),
+        grammar: g.grammar.as_ref().map(grammar_message),
         ..Default::default()
     };
     match &g.input {
@@ -53,6 +55,18 @@ pub fn generate_request(g: &Generate, id: &str, tenant: &str) -> pb::GenerateReq
         }
     }
     r
+}
+
+/// A structured-output request as the scheduler's `Grammar`.
+fn grammar_message(g: &Grammar) -> pb::Grammar {
+    use pb::grammar::Kind;
+    let kind = match g {
+        Grammar::JsonObject => Kind::JsonObject(true),
+        Grammar::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+        Grammar::Lark(s) => Kind::Lark(s.clone()),
+        Grammar::Regex(s) => Kind::Regex(s.clone()),
+    };
+    pb::Grammar { kind: Some(kind) }
 }
 
 /// How a request ended.

@@ -241,6 +241,11 @@ fn openai_param(field: &str) -> Option<&'static str> {
         "retain.tokens" => "kvlease.retain.tokens",
         "retain.priority" => "kvlease.retain.priority",
         "retain.ttl_s" => "kvlease.retain.ttl_s",
+        "ignore_eos" => "ignore_eos",
+        // JSON constraints come only from response_format
+        "grammar" | "grammar.json_schema" => "response_format",
+        "grammar.lark" => "kvlease.grammar.lark",
+        "grammar.regex" => "kvlease.grammar.regex",
         _ => return None,
     })
 }
@@ -304,6 +309,10 @@ mod tests {
             ("min_tokens", "min_tokens"),
             ("stop", "stop"),
             ("retain.tokens", "kvlease.retain.tokens"),
+            ("grammar.json_schema", "response_format"),
+            ("grammar.lark", "kvlease.grammar.lark"),
+            ("grammar.regex", "kvlease.grammar.regex"),
+            ("ignore_eos", "ignore_eos"),
         ] {
             let e = refused(field);
             assert_eq!((e.status.as_u16(), e.param), (400, Some(param)), "{e:?}");

@@ -47,6 +47,8 @@ pub struct Generate {
     pub include_usage: bool,
     /// `kvlease.retain`: keep a prefix of the prompt cached.
     pub retain: Option<Retain>,
+    /// `response_format` / `kvlease.grammar`: structured output.
+    pub grammar: Option<crate::structured::Grammar>,
 }
 
 /// A retention hint (`"kvlease": {"retain": {...}}`): the cache keeps the
@@ -64,7 +66,8 @@ pub struct Retain {
 /// The longest `kvlease.retain.ttl_s` (a day, as the scheduler allows).
 const MAX_RETAIN_TTL_S: u64 = 86_400;
 
-/// Reads the `kvlease` extension object: only `retain` is known.
+/// Reads the `kvlease` extension object: `retain` here, `grammar` in
+/// [`crate::structured`].
 fn kvlease_extension(v: Option<&Value>) -> Result<Option<Retain>> {
     let Some(v) = v.filter(|v| !v.is_null()) else {
         return Ok(None);
@@ -75,11 +78,14 @@ fn kvlease_extension(v: Option<&Value>) -> Result<Option<Retain>> {
             "kvlease must be an object",
         ));
     };
-    if let Some(k) = ext.keys().find(|k| *k != "retain") {
+    if let Some(k) = ext
+        .keys()
+        .find(|k| !["retain", "grammar"].contains(&k.as_str()))
+    {
         return Err(ApiError::invalid_param(
             "kvlease",
             format!(
-                "kvlease.{} is not a kvlease extension (known: retain)",
+                "kvlease.{} is not a kvlease extension (known: retain, grammar)",
                 crate::error::clip(k)
             ),
         ));
@@ -305,6 +311,8 @@ impl Served {
         };
         let stream = c.stream.unwrap_or(false);
         let retain = kvlease_extension(c.kvlease.as_ref())?;
+        let grammar =
+            crate::structured::grammar(c.unserved.response_format.as_ref(), c.kvlease.as_ref())?;
         let f = &c.sampling;
         let number = |name, v: &Option<Value>| number(name, v.as_ref());
         Ok(Generate {
@@ -334,6 +342,7 @@ impl Served {
             ignore_eos: c.ignore_eos.unwrap_or(false),
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
             retain,
+            grammar,
         })
     }
 }
@@ -354,13 +363,7 @@ fn refuse_unserved(u: &Unserved) -> Result<()> {
         v.as_object().is_some_and(|o| o.is_empty()) || v.as_array().is_some_and(|a| a.is_empty())
     };
     let no = |v: &Value| *v == Value::Bool(false);
-    let fields: [NoOp<'_>; 14] = [
-        (
-            "response_format",
-            &u.response_format,
-            &|v| *v == json!({"type": "text"}),
-            r#"{"type": "text"}"#,
-        ),
+    let fields: [NoOp<'_>; 13] = [
         ("use_beam_search", &u.use_beam_search, &no, "false"),
         (
             "tool_choice",
@@ -674,7 +677,7 @@ mod tests {
     #[test]
     fn documented_fields_kvlease_does_not_serve_are_refused_naming_them() {
         let refused = [
-            ("response_format", json!({"type": "json_object"})),
+            ("response_format", json!({"type": "xml"})),
             ("use_beam_search", json!(true)),
             ("tool_choice", json!("auto")),
             ("functions", json!([{"name": "f"}])),
@@ -727,6 +730,22 @@ mod tests {
             "function_call": "none", "modalities": ["text"], "audio": null, "store": false,
             "metadata": {}, "service_tier": "auto", "n": 1});
         completion(no_ops).expect("no-op values are served");
+    }
+
+    #[test]
+    fn response_format_and_the_grammar_extension_reach_the_generation() {
+        use crate::structured::Grammar;
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_object"}});
+        assert_eq!(chat(body).unwrap().grammar, Some(Grammar::JsonObject));
+        let body = json!({"model": "m", "prompt": "x",
+            "kvlease": {"grammar": {"regex": "[ab]+"}, "retain": null}});
+        assert_eq!(
+            completion(body).unwrap().grammar,
+            Some(Grammar::Regex("[ab]+".into()))
+        );
+        let plain = completion(json!({"model": "m", "prompt": "x"})).unwrap();
+        assert_eq!(plain.grammar, None);
     }
 
     #[test]

@@ -141,6 +141,7 @@ mod tests {
             },
             copies: Vec::new(),
             history,
+            grammar: None,
         }
     }
 

@@ -28,8 +28,9 @@
 //!   with NVRTC kernels and cuBLAS products.
 //! - [`worker`]: sizes the arena from the memory budget, then validate → backend → sample.
 //! - [`sampling`]: how a logits row becomes a token (logit bias, penalties, min_tokens,
-//!   temperature, top-k/top-p/min-p), seeded by (seed, position); `history`: the token
-//!   counts of penalised sequences, kept between passes.
+//!   temperature, top-k/top-p/min-p, a grammar's mask), seeded by (seed, position);
+//!   `history`: the token counts of penalised sequences, and `grammar`: the grammar
+//!   matchers of constrained ones (structured output), both kept between passes.
 //! - [`reference`](mod@reference): a dense, contiguous-KV reference of the same model for tests.
 //! - `gpu_bench` (features `cuda` and `bench`): a CUDA [`worker::Worker`] timed end to end,
 //!   for the GPU benches; it sits above the worker, which never reaches back to it.
@@ -52,6 +53,7 @@ pub mod dequant;
 mod error;
 #[cfg(all(feature = "cuda", feature = "bench"))]
 pub mod gpu_bench;
+mod grammar;
 mod history;
 mod metrics;
 pub mod model;

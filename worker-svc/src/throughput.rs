@@ -86,6 +86,7 @@ impl Harness {
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,
+            grammar: None,
         }
     }
 

@@ -11,6 +11,7 @@ use crate::backend::{
 };
 use crate::batch::{self, Batch, Limits, SeqInput, TierCopyInput, TierDirection};
 use crate::error::{Error, Result};
+use crate::grammar::Matchers;
 use crate::history::Histories;
 use crate::model::ModelConfig;
 use crate::model::weights::Weights;
@@ -131,6 +132,8 @@ pub struct Worker {
     host_times: (f64, f64),
     /// Token counts of the penalised sequences.
     histories: Histories,
+    /// Grammar matchers of the constrained sequences.
+    matchers: Matchers,
 }
 
 impl Worker {
@@ -313,6 +316,7 @@ impl Worker {
             backend,
             host_times: (0.0, 0.0),
             histories: Histories::default(),
+            matchers: Matchers::default(),
         })
     }
 
@@ -339,6 +343,12 @@ impl Worker {
             }
         }
         Ok(())
+    }
+
+    /// The model's tokenizer, whose vocabulary constrained sequences'
+    /// grammars compile against (none before: such a sequence is refused).
+    pub fn set_tokenizer(&mut self, tokenizer: kvlease_tokenizer::Tokenizer) {
+        self.matchers.set_tokenizer(tokenizer);
     }
 
     /// What `Describe` reports.
@@ -398,14 +408,13 @@ impl Worker {
         let t_start = Instant::now();
         let (batch, picks) = self.prepare(inputs)?;
         let t_validated = Instant::now();
+        let feed = device_feed(&batch, feed)?;
         if !picks.is_empty() {
-            // sampled or adjusted rows: picked where the logits are, in one go
-            if !feed.is_empty() {
-                return Err(Error::Backend(
-                    "a batch with sampled rows cannot be fed on the device".into(),
-                ));
-            }
-            let tokens = self.backend.forward_picks(&batch, &picks)?;
+            // sampled, adjusted or masked rows: picked where the logits
+            // are, in one go (a fed item's picks never depend on its token:
+            // the service has penalised and constrained ones fed from the
+            // host)
+            let tokens = self.backend.forward_picks(&batch, &picks, &feed)?;
             self.ledger.record(&batch.writes);
             return Ok(Begun::Done(self.outputs(
                 &batch,
@@ -414,7 +423,6 @@ impl Worker {
                 &tokens,
             )));
         }
-        let feed = device_feed(&batch, feed)?;
         let tokens = self.backend.begin_argmax(&batch, &feed)?;
         self.ledger.record(&batch.writes);
         let rest = BegunRest {
@@ -442,18 +450,26 @@ impl Worker {
     }
 
     /// Validates `inputs`, counts their tokens into the penalised
-    /// sequences' histories, and says how each sequence's last logits row
-    /// becomes its next token where that is not the plain argmax.
+    /// sequences' histories and the constrained ones' matchers, and says
+    /// how each sequence's last logits row becomes its next token where
+    /// that is not the plain argmax.
     fn prepare(&mut self, inputs: Vec<SeqInput>) -> Result<(Batch, Vec<RowPick>)> {
         let batch = self.validate(inputs)?;
         self.histories.advance(&batch.seqs)?;
+        self.matchers.advance(&batch.seqs)?;
+        let vocab = self.info.model.vocab_size;
         let mut picks = Vec::new();
         let mut row = 0;
         for seq in &batch.seqs {
             row += seq.logit_rows();
             let next_pos = seq.start_pos + seq.tokens.len();
             let history = self.histories.get(seq.seq_id);
-            picks.extend(row_pick(row - 1, &seq.sampling, history, next_pos));
+            let mask = if seq.sampling.constrained {
+                self.matchers.mask(seq.seq_id, vocab)?
+            } else {
+                None
+            };
+            picks.extend(row_pick(row - 1, &seq.sampling, history, next_pos, mask));
         }
         Ok((batch, picks))
     }

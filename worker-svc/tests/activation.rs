@@ -108,6 +108,7 @@ fn a_full_batch_stays_within_the_reported_activation_bytes() {
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,
+        grammar: None,
     };
     worker
         .forward(vec![fill(0, 256)])
@@ -127,6 +128,7 @@ fn a_full_batch_stays_within_the_reported_activation_bytes() {
                     sampling: Sampling::GREEDY,
                     copies: Vec::new(),
                     history: None,
+                    grammar: None,
                 }
             }
         })

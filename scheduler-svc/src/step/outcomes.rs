@@ -300,11 +300,12 @@ impl Core {
                     (t, !drafts.is_empty())
                 }
             };
-            // a penalised sequence's first pass tells the worker what it
-            // holds; the worker counts every later token itself
+            // a penalised or constrained sequence's first pass tells the
+            // worker what it holds (with the grammar); the worker counts
+            // every later token itself
             let sampling = &seq.request.sampling;
             let history =
-                (sampling.has_penalties() && !seq.history_sent).then(|| seq.context[..at].to_vec());
+                (sampling.needs_history() && !seq.history_sent).then(|| seq.context[..at].to_vec());
             seq.history_sent |= history.is_some();
             // until min_tokens outputs are known (later ones are past it)
             let stop_ids = if seq.request.generated.len() < sampling.min_tokens as usize {

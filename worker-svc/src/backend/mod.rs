@@ -191,9 +191,21 @@ pub trait Backend: Send + std::fmt::Debug {
     /// has one ([`crate::sampling`]), else its argmax (first index of the
     /// largest value, as [`crate::ops::argmax`]), so a backend whose logits
     /// live in device memory samples there and copies back one token per
-    /// row instead of the row. The default picks on the host from
-    /// `forward`'s rows.
-    fn forward_picks(&mut self, batch: &Batch, picks: &[RowPick]) -> Result<Vec<u32>> {
+    /// row instead of the row. `feed` as for [`Backend::begin_argmax`]
+    /// (no pick depends on a fed token). The default picks on the host from
+    /// `forward`'s rows and has no device tokens to feed from.
+    fn forward_picks(
+        &mut self,
+        batch: &Batch,
+        picks: &[RowPick],
+        feed: &[Feed],
+    ) -> Result<Vec<u32>> {
+        if !feed.is_empty() {
+            return Err(crate::error::Error::Backend(format!(
+                "the {} backend keeps no sampled tokens on a device to feed from",
+                self.name()
+            )));
+        }
         let logits = self.forward(batch)?;
         Ok(crate::sampling::pick_rows(&logits, picks))
     }
@@ -207,13 +219,11 @@ pub trait Backend: Send + std::fmt::Debug {
     /// placeholders. The default runs the pass at once and has no device
     /// tokens to feed from.
     fn begin_argmax(&mut self, batch: &Batch, feed: &[Feed]) -> Result<PendingTokens> {
-        if !feed.is_empty() {
-            return Err(crate::error::Error::Backend(format!(
-                "the {} backend keeps no sampled tokens on a device to feed from",
-                self.name()
-            )));
-        }
-        Ok(PendingTokens::ready(self.forward_picks(batch, &[])?))
+        Ok(PendingTokens::ready(self.forward_picks(
+            batch,
+            &[],
+            feed,
+        )?))
     }
     /// Gives the backend a host tier of `host_blocks[i]` blocks for pool
     /// `i` (a second arena in host memory). A backend that has none refuses

@@ -174,6 +174,7 @@ fn input(worker: &Worker, seq: &Driven, start: usize, end: usize) -> SeqInput {
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,
+        grammar: None,
     }
 }
 
@@ -346,6 +347,7 @@ pub(crate) fn seq_input(
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,
+        grammar: None,
     }
 }
 

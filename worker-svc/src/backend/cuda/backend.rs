@@ -473,12 +473,12 @@ impl CudaBackend {
     /// A pass, then one token per logits row picked on the device: the
     /// picks' adjustments, the argmax of every row, then the sampled rows
     /// drawn over theirs. One token per row comes back instead of the row.
-    fn run_picks(&mut self, batch: &Batch, picks: &[RowPick]) -> Result<Vec<u32>> {
+    fn run_picks(&mut self, batch: &Batch, picks: &[RowPick], feed: &[Feed]) -> Result<Vec<u32>> {
         let mut prof = Profiler::start(&self.stream, self.profiling)?;
         let vocab = self.config.vocab_size;
         let rows_needed: usize = batch.seqs.iter().map(|s| s.logit_rows()).sum();
         let device_picks = DevicePicks::upload(&self.stream, picks, rows_needed, vocab)?;
-        let rows = self.pass(batch, &[], &mut prof)?;
+        let rows = self.pass(batch, feed, &mut prof)?;
         if rows != rows_needed {
             return Err(Error::Backend(format!(
                 "the pass returned {rows} logits rows, its sequences need {rows_needed}"
@@ -490,6 +490,9 @@ impl CudaBackend {
         };
         if let Some(a) = &device_picks.adjusts {
             launch.adjust_logits(&mut self.acts.logits, vocab, rows, a)?;
+        }
+        if let Some(m) = &device_picks.masks {
+            launch.mask_logits(&mut self.acts.logits, vocab, rows, m)?;
         }
         launch.argmax_rows(&self.acts.logits, vocab, rows, &mut self.acts.argmax)?;
         if let Some(s) = &device_picks.samples {
@@ -936,8 +939,13 @@ impl Backend for CudaBackend {
             .copy(&self.stream, &mut self.kv, &self.layout, moves)
     }
 
-    fn forward_picks(&mut self, batch: &Batch, picks: &[RowPick]) -> Result<Vec<u32>> {
-        self.run_picks(batch, picks)
+    fn forward_picks(
+        &mut self,
+        batch: &Batch,
+        picks: &[RowPick],
+        feed: &[Feed],
+    ) -> Result<Vec<u32>> {
+        self.run_picks(batch, picks, feed)
     }
 
     /// Enqueues the pass, its argmax and the copy of the tokens into a

@@ -95,6 +95,7 @@ pub(super) struct Kernels {
     pub(super) argmax_rows: CudaFunction,
     pub(super) feed_tokens: CudaFunction,
     pub(super) adjust_logits: CudaFunction,
+    pub(super) mask_logits: CudaFunction,
     pub(super) sample_rows: CudaFunction,
     /// The bench's K/V filler.
     #[cfg(feature = "bench")]
@@ -229,6 +230,7 @@ impl Kernels {
             argmax_rows: f("argmax_rows")?,
             feed_tokens: f("feed_tokens")?,
             adjust_logits: f("adjust_logits")?,
+            mask_logits: f("mask_logits")?,
             sample_rows: f("sample_rows")?,
             #[cfg(feature = "bench")]
             fill_random: f("fill_random")?,
