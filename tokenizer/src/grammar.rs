@@ -251,6 +251,11 @@ impl Matcher {
         self.inner.consume_token(token).map_err(|e| e.to_string())
     }
 
+    /// Whether an end id was consumed: the output is over.
+    pub fn ended(&self) -> bool {
+        self.ended
+    }
+
     /// Whether the output is complete: only an end id may follow.
     pub fn is_complete(&self) -> bool {
         self.ended || self.inner.is_stopped()

@@ -11,10 +11,12 @@
 //! it runs for the sequence, in position order, the fed token of a
 //! pipelined decode included (the service waits for the pass it follows to
 //! come back first: the host must know the token), and asks it for the
-//! mask of the sequence's next token, one bit per model token. A sequence
-//! no pass names for [`IDLE_PASSES`] passes is forgotten; should it come
-//! back the pass fails with FAILED_PRECONDITION and the scheduler
-//! recomputes it, grammar included.
+//! mask of the sequence's next token, one bit per model token. A matcher
+//! that ran the end token (the fed token of a pass sent before the end came
+//! back) is dropped at once; a sequence no pass names for [`IDLE_PASSES`]
+//! passes (one that ended by length, a stop string or a cancel) is
+//! forgotten; should it come back the pass fails with FAILED_PRECONDITION
+//! and the scheduler recomputes it, grammar included.
 
 use std::collections::HashMap;
 
@@ -128,6 +130,11 @@ impl Matchers {
             }
             kept.end = s.start_pos + s.tokens.len();
             kept.last_pass = self.passes;
+            if kept.matcher.ended() {
+                // The end token ran (a pipelined pass sent before the end
+                // came back): no later pass names the sequence.
+                self.seqs.remove(&s.seq_id);
+            }
         }
         let now = self.passes;
         self.seqs.retain(|_, k| now - k.last_pass <= IDLE_PASSES);
@@ -212,12 +219,14 @@ mod tests {
         assert_eq!(next(&mut m, 1), [u32::from(b'c'), u32::from(b'd')]);
         m.advance(&[seq(1, 4, b"d", None)]).unwrap();
         assert_eq!(next(&mut m, 1), [EOS], "complete: only the end");
-        // a pipelined pass that runs the end token changes nothing
+        // a pipelined pass that runs the end token: the matcher is dropped
+        // (no later pass names the sequence) and the row goes unmasked
         m.advance(&[PlannedSeq {
             tokens: vec![EOS],
             ..seq(1, 5, b"", None)
         }])
         .unwrap();
+        assert_eq!(m.mask(1, 258).unwrap(), None);
         // a recompute sends grammar and history again and replays the outputs
         m.advance(&[seq(
             1,
