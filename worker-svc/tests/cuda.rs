@@ -662,6 +662,80 @@ fn passes_fed_on_the_device_while_the_pass_before_runs_equal_passes_fed_from_the
     );
 }
 
+/// A pass with sampled rows fed on the device from the greedy pass running
+/// before it (a sampled request joining greedy decodes: its picks need no
+/// fed token) picks what the same passes pick fed from the host.
+#[test]
+fn a_sampled_pass_fed_on_the_device_equals_one_fed_from_the_host() {
+    use worker_svc::worker::Begun;
+    if !gpu_available("sampled_pass_fed_on_the_device") {
+        return;
+    }
+    let weights = fixed_model(vec![0], 4);
+    let input = |s: u64, tokens: Vec<u32>, start: u32, sampling: Sampling| {
+        let ids: Vec<u32> = (s as u32 * 16..s as u32 * 16 + 16).collect();
+        SeqInput {
+            seq_id: s,
+            tokens,
+            start_pos: start,
+            tables: vec![table(0, 0, &ids)],
+            all_positions: false,
+            sampling,
+            copies: Vec::new(),
+            history: None,
+            grammar: None,
+        }
+    };
+    let greedy = || Sampling::GREEDY;
+    let hot = Sampling {
+        temperature: 0.9,
+        seed: 3,
+        ..Sampling::GREEDY
+    };
+    let prompt = |s: u64| -> Vec<u32> { (0..4).map(|p| ((s * 7 + p * 5) % 64) as u32).collect() };
+    let first = || {
+        vec![
+            input(1, prompt(1), 0, greedy()),
+            input(2, prompt(2), 0, greedy()),
+        ]
+    };
+    let second = |a: u32, b: u32| {
+        vec![
+            input(1, vec![a], 4, greedy()),
+            input(2, vec![b], 4, greedy()),
+            input(3, prompt(3), 0, hot.clone()),
+        ]
+    };
+    let next =
+        |o: &[worker_svc::worker::SeqOutput]| o.iter().map(|s| s.next_token).collect::<Vec<_>>();
+    let mut host = gpu_worker(&weights);
+    let first_host = next(&host.forward_tokens(first()).unwrap());
+    let second_host = next(
+        &host
+            .forward_tokens(second(first_host[0], first_host[1]))
+            .unwrap(),
+    );
+    let mut device = gpu_worker(&weights);
+    let Begun::Running(pass) = device.begin_tokens(first(), &[]).unwrap() else {
+        panic!("a greedy pass on the GPU keeps its tokens on the device");
+    };
+    let rows: std::collections::HashMap<u64, u32> = pass.last_rows().collect();
+    let begun = device
+        .begin_tokens(second(0, 0), &[(0, rows[&1]), (1, rows[&2])])
+        .unwrap();
+    let Begun::Done(second_device) = begun else {
+        panic!("sampled rows are picked at once");
+    };
+    let tokens = pass.tokens.wait().unwrap();
+    let first_device = next(&device.finish_tokens(pass.rest, tokens));
+    assert_eq!(first_device, first_host);
+    assert_eq!(
+        next(&second_device),
+        second_host,
+        "fed on the device == fed from the host"
+    );
+}
+
 #[test]
 fn greedy_tokens_picked_on_the_device_equal_the_hosts_argmax() {
     if !gpu_available("greedy_tokens_on_the_device") {
