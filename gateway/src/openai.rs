@@ -129,6 +129,8 @@ pub struct SamplingFields {
 /// that a value of the wrong type is refused naming the field too.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct Unserved {
+    /// Served: read by [`crate::structured`] (structured output); kept
+    /// here, beside the fields refused, as OpenAI documents it.
     #[serde(default)]
     pub response_format: Option<serde_json::Value>,
     #[serde(default)]

@@ -55,6 +55,8 @@ pub struct Generate {
     /// Completions' `echo`: the prompt's text (and, with `logprobs`, its
     /// logprobs) first.
     pub echo: bool,
+    /// `response_format` / `kvlease.grammar`: structured output.
+    pub grammar: Option<crate::structured::Grammar>,
 }
 
 /// The most alternatives the completions' `logprobs` may ask (OpenAI's).
@@ -97,7 +99,8 @@ pub struct Retain {
 /// The longest `kvlease.retain.ttl_s` (a day, as the scheduler allows).
 const MAX_RETAIN_TTL_S: u64 = 86_400;
 
-/// Reads the `kvlease` extension object: only `retain` is known.
+/// Reads the `kvlease` extension object: `retain` here, `grammar` in
+/// [`crate::structured`].
 fn kvlease_extension(v: Option<&Value>) -> Result<Option<Retain>> {
     let Some(v) = v.filter(|v| !v.is_null()) else {
         return Ok(None);
@@ -108,11 +111,14 @@ fn kvlease_extension(v: Option<&Value>) -> Result<Option<Retain>> {
             "kvlease must be an object",
         ));
     };
-    if let Some(k) = ext.keys().find(|k| *k != "retain") {
+    if let Some(k) = ext
+        .keys()
+        .find(|k| !["retain", "grammar"].contains(&k.as_str()))
+    {
         return Err(ApiError::invalid_param(
             "kvlease",
             format!(
-                "kvlease.{} is not a kvlease extension (known: retain)",
+                "kvlease.{} is not a kvlease extension (known: retain, grammar)",
                 crate::error::clip(k)
             ),
         ));
@@ -372,6 +378,8 @@ impl Served {
         };
         let stream = c.stream.unwrap_or(false);
         let retain = kvlease_extension(c.kvlease.as_ref())?;
+        let grammar =
+            crate::structured::grammar(c.unserved.response_format.as_ref(), c.kvlease.as_ref())?;
         let f = &c.sampling;
         let number = |name, v: &Option<Value>| number(name, v.as_ref());
         Ok(Generate {
@@ -405,6 +413,7 @@ impl Served {
             // the endpoints read their own shapes of these
             logprobs: None,
             echo: false,
+            grammar,
         })
     }
 }
@@ -425,13 +434,7 @@ fn refuse_unserved(u: &Unserved) -> Result<()> {
         v.as_object().is_some_and(|o| o.is_empty()) || v.as_array().is_some_and(|a| a.is_empty())
     };
     let no = |v: &Value| *v == Value::Bool(false);
-    let fields: [NoOp<'_>; 16] = [
-        (
-            "response_format",
-            &u.response_format,
-            &|v| *v == json!({"type": "text"}),
-            r#"{"type": "text"}"#,
-        ),
+    let fields: [NoOp<'_>; 15] = [
         ("use_beam_search", &u.use_beam_search, &no, "false"),
         (
             "tool_choice",
@@ -824,7 +827,7 @@ mod tests {
     #[test]
     fn documented_fields_kvlease_does_not_serve_are_refused_naming_them() {
         let refused = [
-            ("response_format", json!({"type": "json_object"})),
+            ("response_format", json!({"type": "xml"})),
             ("use_beam_search", json!(true)),
             ("tool_choice", json!("auto")),
             ("functions", json!([{"name": "f"}])),
@@ -964,6 +967,22 @@ mod tests {
             "function_call": null, "tool_call_id": null}]}),
         )
         .expect("null and empty message fields are served");
+    }
+
+    #[test]
+    fn response_format_and_the_grammar_extension_reach_the_generation() {
+        use crate::structured::Grammar;
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_object"}});
+        assert_eq!(chat(body).unwrap().grammar, Some(Grammar::JsonObject));
+        let body = json!({"model": "m", "prompt": "x",
+            "kvlease": {"grammar": {"regex": "[ab]+"}, "retain": null}});
+        assert_eq!(
+            completion(body).unwrap().grammar,
+            Some(Grammar::Regex("[ab]+".into()))
+        );
+        let plain = completion(json!({"model": "m", "prompt": "x"})).unwrap();
+        assert_eq!(plain.grammar, None);
     }
 
     #[test]

@@ -326,6 +326,41 @@ async fn invalid_requests_are_400_in_openai_shape_with_the_schedulers_message() 
         .await;
     expect(&r, 400, "outside the vocabulary");
     assert_eq!(param(&r), "prompt", "{r:?}");
+    // structured output: a schema llguidance cannot compile names
+    // response_format and the engine's problem; a well-formed one is served
+    let r = f
+        .post(
+            "/v1/completions",
+            json!({"model": "kvlease", "prompt": "x", "max_tokens": 8,
+                "response_format": {"type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "strnig"}}}}),
+        )
+        .await;
+    expect(&r, 400, "invalid json_schema: Invalid type: strnig");
+    assert_eq!(param(&r), "response_format", "{r:?}");
+    let r = f
+        .post(
+            "/v1/completions",
+            json!({"model": "kvlease", "prompt": "x", "max_tokens": 8,
+                "kvlease": {"grammar": {"regex": "(a"}}}),
+        )
+        .await;
+    expect(&r, 400, "invalid regex");
+    assert_eq!(param(&r), "kvlease.grammar.regex", "{r:?}");
+    let r = f
+        .post(
+            "/v1/completions",
+            json!({"model": "kvlease", "prompt": "x", "max_tokens": 40, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                    "schema": {"type": "object", "properties": {"n": {"enum": [1, 2]}},
+                        "required": ["n"], "additionalProperties": false}}}}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let choice = &r.json()["choices"][0];
+    assert_eq!(choice["finish_reason"], "stop", "{r:?}");
+    let text = choice["text"].as_str().unwrap();
+    assert!(text == r#"{"n":1}"# || text == r#"{"n":2}"#, "{text:?}");
     // the sampling set out of range (the seeded model has no chat template:
     // chat reads these fields with the same code, `request.rs`)
     for (field, value) in [

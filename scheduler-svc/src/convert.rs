@@ -13,6 +13,9 @@ use crate::error::{Error, Result};
 use crate::queue::Request;
 use crate::session::Session;
 use crate::traces::ChunkTrace;
+use std::sync::Arc;
+
+use kvlease_tokenizer::grammar::Constraint;
 use kvlease_tokenizer::{Message, Tokenizer};
 
 // === the Scheduler API ===
@@ -240,7 +243,16 @@ pub(crate) fn validate(
         }
     }
     let logprobs = logprobs(req)?;
-    let sampling = sampling(req, limits)?;
+    let mut sampling = sampling(req, limits)?;
+    sampling.grammar = constraint(req, tokenizer)?;
+    if sampling.grammar.is_some() && logprobs.is_some() {
+        // the device masks a constrained row's logits before the picking,
+        // and logprobs are of the raw row: not served together
+        return bad(
+            "logprobs",
+            "logprobs are not served with a grammar (structured output)".into(),
+        );
+    }
     let mut r = Request::new(RequestId(id), prompt, req.max_tokens);
     r.logprobs = logprobs;
     r.sampling = sampling;
@@ -382,7 +394,81 @@ fn sampling(req: &pb::GenerateRequest, limits: &Limits) -> Result<Sampling, Erro
         repetition_penalty: rep,
         logit_bias,
         min_tokens: req.min_tokens,
+        grammar: None,
     })
+}
+
+/// Longest schema, grammar or regex a request may carry.
+const MAX_GRAMMAR_BYTES: usize = 256 << 10;
+
+/// A request's `grammar`, compiled once against the model's vocabulary so
+/// that a bad one is refused here, naming its field and the engine's
+/// message; `None` when absent.
+fn constraint(
+    req: &pb::GenerateRequest,
+    tokenizer: &Tokenizer,
+) -> Result<Option<Arc<Constraint>>, Error> {
+    use pb::grammar::Kind;
+    let Some(g) = &req.grammar else {
+        return Ok(None);
+    };
+    let (field, c) = match &g.kind {
+        None => {
+            return Err(invalid(
+                "grammar",
+                "grammar sets no kind (json_object, json_schema, lark or regex)".into(),
+            ));
+        }
+        Some(Kind::JsonObject(_)) => ("grammar", Constraint::JsonObject),
+        Some(Kind::JsonSchema(s)) => ("grammar.json_schema", Constraint::JsonSchema(s.clone())),
+        Some(Kind::Lark(s)) => ("grammar.lark", Constraint::Lark(s.clone())),
+        Some(Kind::Regex(s)) => ("grammar.regex", Constraint::Regex(s.clone())),
+    };
+    let text_len = match &c {
+        Constraint::JsonObject => 0,
+        Constraint::JsonSchema(s) | Constraint::Lark(s) | Constraint::Regex(s) => s.len(),
+    };
+    if text_len > MAX_GRAMMAR_BYTES {
+        return Err(invalid(
+            field,
+            format!("{field} of {text_len} bytes; at most {MAX_GRAMMAR_BYTES}"),
+        ));
+    }
+    if req.ignore_eos {
+        return Err(invalid(
+            "ignore_eos",
+            "ignore_eos cannot be combined with a grammar: a complete output ends on the \
+             model's end token"
+                .into(),
+        ));
+    }
+    if req.min_tokens > 0 {
+        return Err(invalid(
+            "min_tokens",
+            "min_tokens cannot be combined with a grammar: a complete output ends on the \
+             model's end token"
+                .into(),
+        ));
+    }
+    let grammars = tokenizer
+        .grammars()
+        .map_err(|e| invalid("grammar", format!("this model cannot serve a grammar: {e}")))?;
+    grammars
+        .compile(&c)
+        .map_err(|e| invalid(field, e.to_string()))?;
+    Ok(Some(Arc::new(c)))
+}
+
+/// A constraint as its `Grammar` message.
+fn grammar_message(c: &Constraint) -> pb::Grammar {
+    use pb::grammar::Kind;
+    let kind = match c {
+        Constraint::JsonObject => Kind::JsonObject(true),
+        Constraint::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+        Constraint::Lark(s) => Kind::Lark(s.clone()),
+        Constraint::Regex(s) => Kind::Regex(s.clone()),
+    };
+    pb::Grammar { kind: Some(kind) }
 }
 
 // === the cache's messages ===
@@ -763,6 +849,7 @@ fn forward_sequence(i: &ForwardItem, trace: Option<&ChunkTrace>) -> pb::ForwardS
             prompt_len: i.prompt_len,
             min_tokens: i.sampling.min_tokens,
             stop_ids: i.stop_ids.clone(),
+            constrained: i.sampling.grammar.is_some(),
         }),
         history: i.history.as_ref().map(|tokens| pb::TokenHistory {
             tokens: tokens.clone(),
@@ -772,6 +859,12 @@ fn forward_sequence(i: &ForwardItem, trace: Option<&ChunkTrace>) -> pb::ForwardS
             prompt: l.prompt,
             next_prompt_token: l.next_prompt_token,
         }),
+        // with the history only: the sequence's first pass
+        grammar: i
+            .history
+            .as_ref()
+            .and(i.sampling.grammar.as_deref())
+            .map(grammar_message),
         copies: i
             .copies
             .iter()
@@ -1255,6 +1348,109 @@ mod tests {
         for (r, want) in sampling {
             assert_eq!(field(r).as_deref(), Some(want));
         }
+    }
+
+    #[test]
+    fn a_grammar_is_compiled_at_the_edge_and_a_bad_one_names_its_field() {
+        use pb::grammar::Kind;
+        let with = |kind: Option<Kind>| pb::GenerateRequest {
+            grammar: Some(pb::Grammar { kind }),
+            ..req(vec![1, 2], 8)
+        };
+        let l = limits();
+        let refused = |r: pb::GenerateRequest| {
+            let s =
+                tonic::Status::from(validate_bytes(1, &r, &l).map(|_| ()).expect_err("refused"));
+            assert_eq!(s.code(), tonic::Code::InvalidArgument, "{s:?}");
+            let field = s
+                .metadata()
+                .get(kvlease_proto::INVALID_FIELD_METADATA)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            (field, s.message().to_string())
+        };
+        let schema = |s: &str| with(Some(Kind::JsonSchema(s.into())));
+        let (field, message) = refused(schema(r#"{"type": "integr"}"#));
+        assert_eq!(field.as_deref(), Some("grammar.json_schema"));
+        assert!(
+            message.contains("integr"),
+            "the engine's message: {message}"
+        );
+        let (field, _) = refused(schema("{"));
+        assert_eq!(field.as_deref(), Some("grammar.json_schema"));
+        let (field, _) = refused(with(Some(Kind::Lark("start: ((".into()))));
+        assert_eq!(field.as_deref(), Some("grammar.lark"));
+        let (field, _) = refused(with(Some(Kind::Regex("[".into()))));
+        assert_eq!(field.as_deref(), Some("grammar.regex"));
+        assert_eq!(refused(with(None)).0.as_deref(), Some("grammar"));
+        let huge = "a".repeat(MAX_GRAMMAR_BYTES + 1);
+        assert_eq!(
+            refused(with(Some(Kind::Regex(huge)))).0.as_deref(),
+            Some("grammar.regex")
+        );
+        let json = || with(Some(Kind::JsonObject(true)));
+        let eos = pb::GenerateRequest {
+            ignore_eos: true,
+            ..json()
+        };
+        assert_eq!(refused(eos).0.as_deref(), Some("ignore_eos"));
+        let min = pb::GenerateRequest {
+            min_tokens: 1,
+            ..json()
+        };
+        assert_eq!(refused(min).0.as_deref(), Some("min_tokens"));
+        // the device masks before the picking; logprobs are of the raw row
+        let with_logprobs = pb::GenerateRequest {
+            logprobs: Some(pb::LogprobsRequest {
+                top: 2,
+                prompt: false,
+            }),
+            ..json()
+        };
+        assert_eq!(refused(with_logprobs).0.as_deref(), Some("logprobs"));
+        let (q, _) = validate_bytes(1, &json(), &l).expect("valid");
+        assert_eq!(q.sampling.grammar.as_deref(), Some(&Constraint::JsonObject));
+        assert!(
+            !q.sampling.is_greedy(),
+            "a grammar changes the argmax: no drafts"
+        );
+        assert!(q.sampling.needs_history() && !q.sampling.has_penalties());
+    }
+
+    #[test]
+    fn a_grammar_travels_with_the_history_only() {
+        let item = ForwardItem {
+            seq_id: SeqId(2),
+            tokens: vec![5, 6],
+            feed_previous: false,
+            start_pos: 0,
+            tables: Vec::new(),
+            return_all_argmax: false,
+            sampling: Sampling {
+                grammar: Some(Arc::new(Constraint::Regex("a+".into()))),
+                ..Sampling::default()
+            },
+            prompt_len: 2,
+            stop_ids: Vec::new(),
+            history: Some(Vec::new()),
+            copies: Vec::new(),
+            logprobs: None,
+        };
+        let first = forward_request(Step(1), None, std::slice::from_ref(&item), &[], &[]);
+        let s = &first.sequences[0];
+        assert!(s.sampling.as_ref().is_some_and(|p| p.constrained));
+        assert_eq!(
+            s.grammar.as_ref().and_then(|g| g.kind.clone()),
+            Some(pb::grammar::Kind::Regex("a+".into()))
+        );
+        let later = ForwardItem {
+            history: None,
+            ..item
+        };
+        let next = forward_request(Step(2), None, &[later], &[], &[]);
+        let s = &next.sequences[0];
+        assert!(s.sampling.as_ref().is_some_and(|p| p.constrained));
+        assert_eq!(s.grammar, None, "a decode step sends no grammar");
     }
 
     #[test]

@@ -403,6 +403,10 @@ pub struct Sampling {
     pub logit_bias: Vec<(u32, f32)>,
     /// No stop or end token before this many output tokens.
     pub min_tokens: u32,
+    /// Structured output: the grammar the output follows (compiled once
+    /// at the edge to refuse a bad one; the worker keeps its matcher).
+    /// Shared: every pass's item clones the sampling.
+    pub grammar: Option<std::sync::Arc<kvlease_tokenizer::grammar::Constraint>>,
 }
 
 impl Sampling {
@@ -413,10 +417,17 @@ impl Sampling {
             && !self.has_penalties()
             && self.logit_bias.is_empty()
             && self.min_tokens == 0
+            && self.grammar.is_none()
     }
 
-    /// Whether the worker keeps the sequence's token counts (it needs
-    /// their history on the sequence's first pass).
+    /// Whether the worker needs the sequence's history on its first pass:
+    /// for its token counts (penalties) or to replay its output into the
+    /// grammar's matcher.
+    pub fn needs_history(&self) -> bool {
+        self.has_penalties() || self.grammar.is_some()
+    }
+
+    /// Whether the worker keeps the sequence's token counts.
     pub fn has_penalties(&self) -> bool {
         self.frequency_penalty != 0.0
             || self.presence_penalty != 0.0

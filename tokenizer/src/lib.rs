@@ -16,6 +16,10 @@
 //! - `stream.rs`: [`StreamDecoder`] (text as tokens arrive, only complete
 //!   characters) and [`StopStrings`].
 //! - `chat.rs`: chat templates rendered with `minijinja`.
+//! - [`grammar`]: structured output; a constraint (JSON object, JSON schema,
+//!   Lark grammar, regex) compiled by `llguidance` against this vocabulary
+//!   into a matcher that gives each step's token mask
+//!   ([`Tokenizer::grammars`], built once per tokenizer).
 //! - `testing.rs` (feature `testing`, tests only): where the SmolLM2 GGUF of
 //!   the real-model tests is, and `KVLEASE_REQUIRE_MODEL`.
 //!
@@ -31,6 +35,7 @@ pub mod byte_level;
 mod chat;
 mod error;
 pub mod gguf;
+pub mod grammar;
 mod hf;
 mod pieces;
 mod stream;
@@ -145,6 +150,9 @@ struct Shared {
     byte_tokens: Vec<bool>,
     /// Special tokens (left out of decoded text).
     special_tokens: Vec<bool>,
+    /// The compiler of structured-output constraints, built on first use
+    /// (the vocabulary's trie costs tens of milliseconds for 50k tokens).
+    grammars: std::sync::OnceLock<std::result::Result<grammar::Grammars, String>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -260,6 +268,7 @@ impl Tokenizer {
             vocab_size,
             byte_tokens,
             special_tokens,
+            grammars: std::sync::OnceLock::new(),
         })))
     }
 
@@ -368,6 +377,17 @@ impl Tokenizer {
             .get(id as usize)
             .copied()
             .unwrap_or(false)
+    }
+
+    /// The compiler of structured-output constraints over this vocabulary;
+    /// an error when the vocabulary cannot carry one (no end id, a
+    /// tokenizer.json llguidance cannot read).
+    pub fn grammars(&self) -> std::result::Result<&grammar::Grammars, String> {
+        self.0
+            .grammars
+            .get_or_init(|| grammar::Grammars::new(self))
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// A decoder of an output stream.

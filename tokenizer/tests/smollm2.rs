@@ -150,3 +150,43 @@ fn parts_round_trip_to_the_same_tokenizer() {
         vec![504, 3575, 282, 4649, 314]
     );
 }
+
+/// A JSON schema over SmolLM2's 49k-token vocabulary: every token of a
+/// valid output is allowed in turn, the end ids alone once it is complete;
+/// prints what a mask and a consume cost per constrained row.
+#[test]
+fn json_schema_masks_over_the_real_vocabulary_and_their_cost() {
+    use kvlease_tokenizer::grammar::{Constraint, allowed};
+    let Some(t) = smollm2() else { return };
+    let g = t
+        .grammars()
+        .expect("SmolLM2's vocabulary compiles grammars");
+    let schema = r#"{"type":"object","properties":{"name":{"type":"string","maxLength":20},"age":{"type":"integer"}},"required":["name","age"],"additionalProperties":false}"#;
+    let mut m = g
+        .compile(&Constraint::JsonSchema(schema.into()))
+        .expect("schema");
+    let n = t.vocab_size() as usize;
+    let target = t
+        .encode_with(r#"{"name":"Ada","age":36}"#, false)
+        .expect("encode");
+    let mut words = Vec::new();
+    let mut spent = std::time::Duration::ZERO;
+    for &tok in &target {
+        let started = std::time::Instant::now();
+        m.mask_into(&mut words, n).expect("mask");
+        spent += started.elapsed();
+        assert!(
+            allowed(&words, tok),
+            "token {tok} of the valid output refused"
+        );
+        m.consume(tok).expect("consume");
+    }
+    m.mask_into(&mut words, n).expect("mask");
+    let ends: Vec<u32> = (0..n as u32).filter(|&x| allowed(&words, x)).collect();
+    assert_eq!(ends, t.end_ids(), "complete: the end ids only");
+    println!(
+        "mask per constrained row over {n} tokens: {:?} (mean of {})",
+        spent / target.len() as u32,
+        target.len()
+    );
+}

@@ -268,6 +268,7 @@ fn seq_input(tables: &[TableInput], s: usize, rep: usize, start: usize, end: usi
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,
+        grammar: None,
     }
 }
 

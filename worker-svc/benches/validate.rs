@@ -69,6 +69,7 @@ fn main() {
                 sampling: Sampling::GREEDY,
                 copies: Vec::new(),
                 history: None,
+                grammar: None,
             });
         }
         ledger.record(&history);

@@ -11,6 +11,7 @@ use crate::arena::{ArenaLayout, SlotLedger};
 use crate::error::{Error, Result, SeqProblem};
 use crate::model::ModelConfig;
 use crate::ops::window_start;
+use kvlease_tokenizer::grammar::Constraint;
 
 /// Limits on one Forward batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +46,9 @@ pub struct Sampling {
     pub min_tokens: u32,
     /// The end and stop tokens `min_tokens` holds back.
     pub stop_ids: Vec<u32>,
+    /// The output follows a grammar whose matcher the worker keeps
+    /// (`grammar`); only tokens it allows are picked.
+    pub constrained: bool,
 }
 
 impl Sampling {
@@ -60,6 +64,7 @@ impl Sampling {
         prompt_len: 0,
         min_tokens: 0,
         stop_ids: Vec::new(),
+        constrained: false,
     };
 }
 
@@ -139,6 +144,10 @@ pub struct SeqInput {
     /// The tokens at positions `[0, start_pos)`, for penalties
     /// (`TokenHistory`); `None` when the worker keeps them.
     pub history: Option<Vec<u32>>,
+    /// A constrained sequence's grammar, on its first pass (with its
+    /// history), or why the message holds none; `None` when the worker
+    /// keeps its matcher.
+    pub grammar: Option<std::result::Result<Constraint, String>>,
 }
 
 /// A partial-block copy as the request gives it: slots `[0, tokens)` of
@@ -295,6 +304,8 @@ pub struct PlannedSeq {
     pub copies: Vec<KvCopy>,
     /// The tokens before `start_pos`, when the request sent them.
     pub history: Option<Vec<u32>>,
+    /// The grammar, when the request sent it.
+    pub grammar: Option<Constraint>,
 }
 
 impl PlannedSeq {
@@ -670,6 +681,22 @@ fn plan_sequence(
             )));
         }
     }
+    let grammar = input.grammar.transpose().map_err(SeqProblem::BadGrammar)?;
+    if grammar.is_some() && !sampling.constrained {
+        return Err(SeqProblem::BadGrammar(
+            "sent for a sequence whose sampling is not constrained".into(),
+        ));
+    }
+    if grammar.is_some() && input.history.is_none() {
+        return Err(SeqProblem::BadGrammar(
+            "sent without the sequence's history, whose output it replays".into(),
+        ));
+    }
+    if sampling.constrained && input.all_positions {
+        return Err(SeqProblem::BadSampling(
+            "a grammar cannot be combined with return_all_argmax (draft verification)".into(),
+        ));
+    }
     if sampling.penalties.any() && input.all_positions {
         // drafts a pass may reject would be counted as output
         return Err(SeqProblem::BadSampling(
@@ -749,6 +776,7 @@ fn plan_sequence(
         sampling,
         copies,
         history: input.history,
+        grammar,
     })
 }
 
@@ -939,6 +967,7 @@ mod tests {
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,
+            grammar: None,
         }
     }
 
@@ -969,7 +998,7 @@ mod tests {
             }
         };
         type Edit<'a> = &'a dyn Fn(&mut SeqInput);
-        let cases: [(&str, Edit<'_>); 9] = [
+        let cases: [(&str, Edit<'_>); 13] = [
             ("min_p 1.5", &|s| s.sampling.min_p = 1.5),
             ("frequency_penalty 3", &|s| {
                 s.sampling.penalties.frequency = 3.0
@@ -994,6 +1023,29 @@ mod tests {
                 s.all_positions = true;
                 s.sampling.penalties.presence = 1.0;
             }),
+            ("grammar: no kind set", &|s| {
+                s.sampling.constrained = true;
+                s.history = Some(Vec::new());
+                s.grammar = Some(Err("no kind set".into()));
+            }),
+            (
+                "grammar: sent for a sequence whose sampling is not constrained",
+                &|s| {
+                    s.history = Some(Vec::new());
+                    s.grammar = Some(Ok(Constraint::JsonObject));
+                },
+            ),
+            ("grammar: sent without the sequence's history", &|s| {
+                s.sampling.constrained = true;
+                s.grammar = Some(Ok(Constraint::JsonObject));
+            }),
+            (
+                "a grammar cannot be combined with return_all_argmax",
+                &|s| {
+                    s.sampling.constrained = true;
+                    s.all_positions = true;
+                },
+            ),
         ];
         for (want, edit) in cases {
             let got = problem(edit);

@@ -10,6 +10,7 @@ use crate::batch::{
 };
 use crate::worker::{SeqOutput, WorkerInfo};
 use kvlease_tokenizer::Tokenizer;
+use kvlease_tokenizer::grammar::Constraint;
 
 pub(crate) fn seq_input(seq: pb::ForwardSequence) -> SeqInput {
     let sampling = seq.sampling.map_or(Sampling::GREEDY, |s| Sampling {
@@ -28,6 +29,7 @@ pub(crate) fn seq_input(seq: pb::ForwardSequence) -> SeqInput {
         prompt_len: s.prompt_len,
         min_tokens: s.min_tokens,
         stop_ids: s.stop_ids,
+        constrained: s.constrained,
     });
     let logprobs = seq.logprobs.map(|l| LogprobsSpec {
         top: l.top,
@@ -62,6 +64,20 @@ pub(crate) fn seq_input(seq: pb::ForwardSequence) -> SeqInput {
             })
             .collect(),
         history: seq.history.map(|h| h.tokens),
+        grammar: seq.grammar.map(grammar),
+    }
+}
+
+/// A `Grammar` message as a constraint, or why it is none (batch
+/// validation refuses it, naming the sequence).
+pub(crate) fn grammar(g: pb::Grammar) -> Result<Constraint, String> {
+    use pb::grammar::Kind;
+    match g.kind {
+        Some(Kind::JsonObject(_)) => Ok(Constraint::JsonObject),
+        Some(Kind::JsonSchema(s)) => Ok(Constraint::JsonSchema(s)),
+        Some(Kind::Lark(s)) => Ok(Constraint::Lark(s)),
+        Some(Kind::Regex(s)) => Ok(Constraint::Regex(s)),
+        None => Err("no kind set (json_object, json_schema, lark or regex)".into()),
     }
 }
 

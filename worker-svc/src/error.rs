@@ -79,6 +79,16 @@ pub enum Error {
         /// What is missing.
         problem: String,
     },
+    /// A constrained sequence's matcher is not on this worker, ends
+    /// elsewhere than its `start_pos`, or refused one of its tokens (see
+    /// `SamplingParams.constrained`); the scheduler recomputes it.
+    #[error("sequence {seq_id}: {problem}; send its grammar and history")]
+    NoGrammar {
+        /// The sequence.
+        seq_id: u64,
+        /// What is wrong.
+        problem: String,
+    },
     /// The compute backend failed.
     #[error("backend failure: {0}")]
     Backend(String),
@@ -126,6 +136,9 @@ pub enum SeqProblem {
     BadLogprobs(String),
     /// A malformed `history`.
     BadHistory(String),
+    /// A `grammar` that cannot be used (does not compile, or comes without
+    /// `constrained` or the history).
+    BadGrammar(String),
     /// No block table for one of the model's pools.
     MissingTable {
         /// The pool's window.
@@ -239,6 +252,7 @@ impl fmt::Display for SeqProblem {
             SeqProblem::BadSampling(what) => write!(f, "bad sampling parameters: {what}"),
             SeqProblem::BadLogprobs(what) => write!(f, "bad logprobs parameters: {what}"),
             SeqProblem::BadHistory(what) => write!(f, "history {what}"),
+            SeqProblem::BadGrammar(what) => write!(f, "grammar: {what}"),
             SeqProblem::MissingTable { window } => {
                 write!(f, "no block table for the pool of window {window}")
             }
@@ -322,7 +336,8 @@ impl From<Error> for tonic::Status {
             | Error::Weights { .. }
             | Error::MemoryBudget { .. }
             | Error::PreviousPass { .. }
-            | Error::NoHistory { .. } => tonic::Status::failed_precondition(message),
+            | Error::NoHistory { .. }
+            | Error::NoGrammar { .. } => tonic::Status::failed_precondition(message),
             Error::Backend(_) => tonic::Status::internal(message),
             Error::Serve(_) => tonic::Status::unavailable(message),
         }

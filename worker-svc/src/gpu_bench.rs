@@ -133,6 +133,7 @@ pub fn model_bench(
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,
+        grammar: None,
     };
     // Prefills `seqs` in forwards of up to PREFILL_BATCH_TOKENS tokens, in
     // chunks of at most that many per sequence; returns each one's next token.
@@ -197,6 +198,7 @@ pub fn model_bench(
                     sampling: Sampling::GREEDY,
                     copies: Vec::new(),
                     history: None,
+                    grammar: None,
                 })
                 .collect();
             for (n, out) in next.iter_mut().zip(worker.forward_tokens(inputs)?) {
@@ -319,6 +321,7 @@ pub fn host_tier_bench(
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,
+            grammar: None,
         };
         let copies = |direction: TierDirection, device: &[u32]| -> Vec<TierCopyInput> {
             pools

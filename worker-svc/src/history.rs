@@ -142,6 +142,7 @@ mod tests {
             },
             copies: Vec::new(),
             history,
+            grammar: None,
         }
     }
 

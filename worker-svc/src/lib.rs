@@ -28,8 +28,9 @@
 //!   with NVRTC kernels and cuBLAS products.
 //! - [`worker`]: sizes the arena from the memory budget, then validate → backend → sample.
 //! - [`sampling`]: how a logits row becomes a token (logit bias, penalties, min_tokens,
-//!   temperature, top-k/top-p/min-p), seeded by (seed, position); `history`: the token
-//!   counts of penalised sequences, kept between passes.
+//!   temperature, top-k/top-p/min-p, a grammar's mask), seeded by (seed, position);
+//!   `history`: the token counts of penalised sequences, and `grammar`: the grammar
+//!   matchers of constrained ones (structured output), both kept between passes.
 //! - [`logprobs`]: a logits row's log-probabilities (the chosen token's and the top
 //!   alternatives, of the raw distribution), asked per row of a pass
 //!   ([`logprobs::LogprobRow`]) and computed by the backend where the logits are.
@@ -55,6 +56,7 @@ pub mod dequant;
 mod error;
 #[cfg(all(feature = "cuda", feature = "bench"))]
 pub mod gpu_bench;
+mod grammar;
 mod history;
 pub mod logprobs;
 mod metrics;

@@ -206,6 +206,7 @@ mod tests {
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,
+            grammar: None,
         }
     }
 

@@ -7,6 +7,8 @@
 //!    holds them back; HF's repetition penalty over prompt and output
 //!    tokens (a positive logit divided, a negative one multiplied); minus
 //!    `frequency × count + presence` over output tokens.
+//!    Then the grammar's mask of a constrained sequence (`grammar.rs`):
+//!    -inf for every token it does not allow next.
 //! 2. Temperature 0: the argmax of the adjusted row.
 //! 3. Otherwise `p(l) = exp((l - max) / T)` in f64 (`l - max` in f32), and a
 //!    token is kept when its logit is among the `top_k` largest (ties at the
@@ -82,16 +84,21 @@ pub struct RowPick {
     pub draw: f64,
     /// Ascending by token, each token once.
     pub adjusts: Vec<Adjust>,
+    /// A constrained sequence's allowed tokens: bit `t % 32` of word
+    /// `t / 32`, `vocab.div_ceil(32)` words (the CUDA `mask_logits` reads
+    /// the same); the others get -inf after the adjustments.
+    pub mask: Option<Vec<u32>>,
 }
 
 /// How `row`, holding the logits of a token at `position` of a sequence
-/// with `sampling` (and `history`, when it has penalties), becomes a token;
-/// `None` when that is its plain argmax.
+/// with `sampling` (and `history`, when it has penalties; `mask`, when it is
+/// constrained), becomes a token; `None` when that is its plain argmax.
 pub(crate) fn row_pick(
     row: usize,
     sampling: &Sampling,
     history: Option<&History>,
     position: usize,
+    mask: Option<Vec<u32>>,
 ) -> Option<RowPick> {
     // by token: each token once, in the order the device expects
     let mut adjusts: BTreeMap<u32, Adjust> = sampling
@@ -123,7 +130,7 @@ pub(crate) fn row_pick(
             }
         }
     }
-    if sampling.temperature == 0.0 && adjusts.is_empty() {
+    if sampling.temperature == 0.0 && adjusts.is_empty() && mask.is_none() {
         return None;
     }
     Some(RowPick {
@@ -134,6 +141,7 @@ pub(crate) fn row_pick(
         min_p: sampling.min_p,
         draw: uniform(sampling.seed, position),
         adjusts: adjusts.into_values().collect(),
+        mask,
     })
 }
 
@@ -161,7 +169,7 @@ pub fn pick_rows(logits: &BatchLogits, picks: &[RowPick]) -> Vec<u32> {
 
 /// The token `p` picks from the raw logits `row`.
 pub fn pick(row: &[f32], p: &RowPick) -> u32 {
-    let row: Cow<'_, [f32]> = if p.adjusts.is_empty() {
+    let row: Cow<'_, [f32]> = if p.adjusts.is_empty() && p.mask.is_none() {
         Cow::Borrowed(row)
     } else {
         let mut r = row.to_vec();
@@ -170,12 +178,26 @@ pub fn pick(row: &[f32], p: &RowPick) -> u32 {
                 *l = a.apply(*l);
             }
         }
+        if let Some(mask) = &p.mask {
+            apply_mask(&mut r, mask);
+        }
         Cow::Owned(r)
     };
     if p.temperature == 0.0 {
         return argmax(&row) as u32;
     }
     sample(&row, p)
+}
+
+/// -inf for every logit of `row` whose bit in `mask` is clear (a token
+/// past the mask's words is clear too), as the CUDA `mask_logits` does.
+pub fn apply_mask(row: &mut [f32], mask: &[u32]) {
+    for (t, l) in row.iter_mut().enumerate() {
+        let on = mask.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1);
+        if !on {
+            *l = f32::NEG_INFINITY;
+        }
+    }
 }
 
 /// The total order logits are compared in: larger logit, larger key
@@ -278,7 +300,7 @@ mod tests {
 
     /// The token `sampling` picks from `logits` at `position`.
     fn next(logits: &[f32], s: &Sampling, history: Option<&History>, position: usize) -> u32 {
-        match row_pick(0, s, history, position) {
+        match row_pick(0, s, history, position, None) {
             Some(p) => pick(logits, &p),
             None => argmax(logits) as u32,
         }
@@ -295,7 +317,7 @@ mod tests {
 
     #[test]
     fn greedy_is_argmax_and_needs_no_pick() {
-        assert_eq!(row_pick(0, &Sampling::GREEDY, None, 5), None);
+        assert_eq!(row_pick(0, &Sampling::GREEDY, None, 5, None), None);
         assert_eq!(next(&[0.1, 2.0, -1.0], &Sampling::GREEDY, None, 5), 1);
     }
 
@@ -401,7 +423,7 @@ mod tests {
         });
         // token 0 (twice in the output) loses 0.2, token 1 (once) 0.1
         let adjusted: Vec<f32> = {
-            let p = row_pick(0, &freq, Some(&h), 4).unwrap();
+            let p = row_pick(0, &freq, Some(&h), 4, None).unwrap();
             let mut r = logits.to_vec();
             for a in &p.adjusts {
                 r[a.token as usize] = a.apply(r[a.token as usize]);
@@ -420,7 +442,7 @@ mod tests {
             repetition: 2.0,
             ..Penalties::NONE
         });
-        let p = row_pick(0, &rep, Some(&h), 4).unwrap();
+        let p = row_pick(0, &rep, Some(&h), 4, None).unwrap();
         let tokens: Vec<u32> = p.adjusts.iter().map(|a| a.token).collect();
         assert_eq!(tokens, [0, 1, 3]);
         assert_eq!(p.adjusts[2].apply(-1.0), -2.0);
@@ -446,6 +468,47 @@ mod tests {
             penalised < plain,
             "{penalised} repeats with the penalty, {plain} without"
         );
+    }
+
+    #[test]
+    fn a_mask_leaves_only_its_tokens_greedy_or_sampled() {
+        let logits = wavy(70);
+        let best = argmax(&logits) as u32;
+        // tokens 3, 40 and 65 allowed (the third word reaches past 64)
+        let mut mask = vec![0u32; 3];
+        for t in [3usize, 40, 65] {
+            mask[t / 32] |= 1 << (t % 32);
+        }
+        assert!(![3, 40, 65].contains(&best));
+        let greedy = row_pick(0, &Sampling::GREEDY, None, 0, Some(mask.clone()))
+            .expect("a mask makes a pick even for greedy");
+        let allowed = [3, 40, 65];
+        let by_logit = *allowed
+            .iter()
+            .max_by(|&&a, &&b| logits[a as usize].total_cmp(&logits[b as usize]))
+            .unwrap();
+        assert_eq!(pick(&logits, &greedy), by_logit);
+        let hot = sampled(5.0, 1.0, 21);
+        let got: std::collections::HashSet<u32> = (0..300)
+            .map(|pos| {
+                pick(
+                    &logits,
+                    &row_pick(0, &hot, None, pos, Some(mask.clone())).unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            allowed.into_iter().collect(),
+            "all three and nothing else"
+        );
+        // a mask with a bias: the bias moves the choice among allowed tokens only
+        let biased = Sampling {
+            logit_bias: vec![(best, 100.0), (65, 50.0)],
+            ..Sampling::GREEDY
+        };
+        let p = row_pick(0, &biased, None, 0, Some(mask)).unwrap();
+        assert_eq!(pick(&logits, &p), 65);
     }
 
     #[test]

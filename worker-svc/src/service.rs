@@ -33,8 +33,9 @@ pub(crate) struct WorkerGrpc {
 impl WorkerGrpc {
     /// Serves `worker`, recording into `metrics`, with the seeded model's
     /// byte-level tokenizer.
-    pub(crate) fn new(worker: Worker, metrics: WorkerMetrics) -> Self {
+    pub(crate) fn new(mut worker: Worker, metrics: WorkerMetrics) -> Self {
         let tokenizer = Tokenizer::byte_level();
+        worker.set_tokenizer(tokenizer.clone());
         let describe = describe_response(worker.info(), &tokenizer);
         WorkerGrpc {
             passes: Arc::new(Passes {
@@ -65,6 +66,11 @@ impl WorkerGrpc {
         if let Some(m) = self.describe.model.as_mut() {
             m.tokenizer_fingerprint = tokenizer.fingerprint().to_string();
         }
+        self.passes
+            .worker
+            .lock()
+            .map_err(|_| crate::Error::Config("worker state poisoned".into()))?
+            .set_tokenizer(tokenizer.clone());
         self.tokenizer = tokenizer;
         Ok(self)
     }
@@ -143,12 +149,24 @@ impl Passes {
         feed: &[bool],
     ) -> Result<(Vec<crate::worker::SeqOutput>, u64, u64), Status> {
         let deadline = received + FOLLOW_WAIT;
+        // A fed sequence whose penalty counts or grammar matcher take its
+        // token on the host cannot be fed on the device: such a pass waits
+        // for the one it follows to come back (the other fed sequences lose
+        // the device overlap for this pass only; see worker-svc/README.md).
+        let host_fed = inputs
+            .iter()
+            .zip(feed)
+            .any(|(s, &f)| f && (s.sampling.penalties.any() || s.sampling.constrained));
         if after_step != 0 {
             let log = self.log.lock().map_err(poisoned)?;
-            if self
-                .wait_log(log, deadline, |l| l.passes.ready_to_follow(after_step))?
-                .is_none()
-            {
+            let ready = |l: &Log| {
+                if host_fed {
+                    l.passes.finished(after_step)
+                } else {
+                    l.passes.ready_to_follow(after_step)
+                }
+            };
+            if self.wait_log(log, deadline, ready)?.is_none() {
                 let late = || crate::Error::PreviousPass {
                     step: after_step,
                     problem: format!("did not finish within {} s", FOLLOW_WAIT.as_secs()),

@@ -87,6 +87,7 @@ impl Harness {
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,
+            grammar: None,
         }
     }
 

@@ -11,6 +11,7 @@ use crate::backend::{
 };
 use crate::batch::{self, Batch, Limits, SeqInput, TierCopyInput, TierDirection};
 use crate::error::{Error, Result};
+use crate::grammar::Matchers;
 use crate::history::Histories;
 use crate::logprobs::{LogprobRow, RowLogprobs, batch_logprobs, rows_of};
 use crate::model::ModelConfig;
@@ -136,6 +137,8 @@ pub struct Worker {
     host_times: (f64, f64),
     /// Token counts of the penalised sequences.
     histories: Histories,
+    /// Grammar matchers of the constrained sequences.
+    matchers: Matchers,
 }
 
 impl Worker {
@@ -318,6 +321,7 @@ impl Worker {
             backend,
             host_times: (0.0, 0.0),
             histories: Histories::default(),
+            matchers: Matchers::default(),
         })
     }
 
@@ -344,6 +348,12 @@ impl Worker {
             }
         }
         Ok(())
+    }
+
+    /// The model's tokenizer, whose vocabulary constrained sequences'
+    /// grammars compile against (none before: such a sequence is refused).
+    pub fn set_tokenizer(&mut self, tokenizer: kvlease_tokenizer::Tokenizer) {
+        self.matchers.set_tokenizer(tokenizer);
     }
 
     /// What `Describe` reports.
@@ -406,8 +416,10 @@ impl Worker {
         let t_validated = Instant::now();
         let feed = device_feed(&batch, feed)?;
         if !picks.is_empty() || !rows.is_empty() {
-            // sampled or adjusted rows, or logprobs: picked and computed
-            // where the logits are, in one go
+            // sampled, adjusted or masked rows, or logprobs: picked and
+            // computed where the logits are, in one go (a fed item's picks
+            // never depend on its token: the service has penalised and
+            // constrained ones fed from the host)
             let picked = self.backend.forward_picks(&batch, &feed, &picks, &rows)?;
             self.ledger.record(&batch.writes);
             return Ok(Begun::Done(self.outputs(
@@ -445,12 +457,15 @@ impl Worker {
     }
 
     /// Validates `inputs`, counts their tokens into the penalised
-    /// sequences' histories, and says how each sequence's last logits row
-    /// becomes its next token where that is not the plain argmax, and
-    /// which rows report log-probabilities.
+    /// sequences' histories and the constrained ones' matchers, and says
+    /// how each sequence's last logits row becomes its next token where
+    /// that is not the plain argmax, and which rows report
+    /// log-probabilities.
     fn prepare(&mut self, inputs: Vec<SeqInput>) -> Result<(Batch, Vec<RowPick>, Vec<LogprobRow>)> {
         let batch = self.validate(inputs)?;
         self.histories.advance(&batch.seqs)?;
+        self.matchers.advance(&batch.seqs)?;
+        let vocab = self.info.model.vocab_size;
         let mut picks = Vec::new();
         let mut logprobs = Vec::new();
         let mut row = 0;
@@ -459,7 +474,12 @@ impl Worker {
             row += seq.logit_rows();
             let next_pos = seq.start_pos + seq.tokens.len();
             let history = self.histories.get(seq.seq_id);
-            picks.extend(row_pick(row - 1, &seq.sampling, history, next_pos));
+            let mask = if seq.sampling.constrained {
+                self.matchers.mask(seq.seq_id, vocab)?
+            } else {
+                None
+            };
+            picks.extend(row_pick(row - 1, &seq.sampling, history, next_pos, mask));
         }
         Ok((batch, picks, logprobs))
     }

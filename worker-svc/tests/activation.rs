@@ -109,6 +109,7 @@ fn a_full_batch_stays_within_the_reported_activation_bytes() {
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,
+        grammar: None,
     };
     worker
         .forward(vec![fill(0, 256)])
@@ -130,6 +131,7 @@ fn a_full_batch_stays_within_the_reported_activation_bytes() {
                     sampling: Sampling::GREEDY,
                     copies: Vec::new(),
                     history: None,
+                    grammar: None,
                 }
             }
         })

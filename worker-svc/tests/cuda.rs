@@ -36,7 +36,7 @@ use worker_svc::backend::{CudaOptions, KvDtype};
 use worker_svc::batch::{Limits, Sampling, SeqInput, TableInput};
 use worker_svc::model::weights::Weights;
 use worker_svc::model::{ModelConfig, RopeScaling};
-use worker_svc::worker::{Worker, WorkerOptions};
+use worker_svc::worker::{SeqOutput, Worker, WorkerOptions};
 
 /// Whether a GPU is usable; prints why not (or fails when
 /// `KVLEASE_REQUIRE_GPU=1`).
@@ -89,6 +89,35 @@ fn gpu_worker(weights: &Weights) -> Worker {
 }
 
 /// A CUDA worker with a host tier of `host_blocks` pinned blocks per pool.
+/// The tokens `worker` picks for `batch` on the host from downloaded logits
+/// (`forward`) and on the device (`forward_tokens`), in batch order.
+fn host_and_device_picks(worker: &mut Worker, batch: Vec<SeqInput>) -> (Vec<u32>, Vec<SeqOutput>) {
+    let on_host = match worker.forward(batch.clone()) {
+        Ok(o) => o.seqs.iter().map(|s| s.next_token).collect(),
+        Err(e) => panic!("forward: {e}"),
+    };
+    let on_device = match worker.forward_tokens(batch) {
+        Ok(o) => o,
+        Err(e) => panic!("forward_tokens: {e}"),
+    };
+    (on_host, on_device)
+}
+
+/// The small seeded model with a 3001-token vocabulary (over the sampling
+/// kernel's 1024 threads, so each thread walks a run of ids) on the GPU.
+fn wide_vocab_gpu_worker(seed: u64) -> (Weights, Worker) {
+    let config = ModelConfig {
+        vocab_size: 3001,
+        ..ModelConfig::small()
+    };
+    let weights = match Weights::seeded(config, seed) {
+        Ok(w) => w,
+        Err(e) => panic!("weights: {e}"),
+    };
+    let worker = gpu_worker(&weights);
+    (weights, worker)
+}
+
 fn tiered_cuda_worker(weights: &Weights, kv_dtype: KvDtype, host_blocks: u32) -> Worker {
     let gpu = CudaOptions {
         device: 0,
@@ -309,6 +338,7 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
                 sampling: Sampling::GREEDY,
                 copies: Vec::new(),
                 history: None,
+                grammar: None,
             });
             done[s] = end;
         }
@@ -330,6 +360,7 @@ fn gpu_matches_the_cpu_backend_on_the_default_model() {
                 sampling: Sampling::GREEDY,
                 copies: Vec::new(),
                 history: None,
+                grammar: None,
             })
             .collect();
         next = compare(batch, &format!("decode step {step}"));
@@ -388,6 +419,7 @@ fn prefill_rows_are_bit_identical_to_decoding_them_one_by_one() {
                 sampling: Sampling::GREEDY,
                 copies: Vec::new(),
                 history: None,
+                grammar: None,
             };
             match worker.forward(vec![input]) {
                 Ok(o) => o.logits(0).to_vec(),
@@ -477,6 +509,7 @@ fn decode_from_graphs_is_bit_identical_to_eager_decode() {
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,
+            grammar: None,
         }
     };
     let mut both = |inputs: Vec<SeqInput>, what: &str| {
@@ -552,6 +585,7 @@ fn passes_fed_on_the_device_while_the_pass_before_runs_equal_passes_fed_from_the
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,
+            grammar: None,
         }
     };
     // per step, the sequences it runs: (sequence, prefill?)
@@ -644,6 +678,80 @@ fn passes_fed_on_the_device_while_the_pass_before_runs_equal_passes_fed_from_the
     );
 }
 
+/// A pass with sampled rows fed on the device from the greedy pass running
+/// before it (a sampled request joining greedy decodes: its picks need no
+/// fed token) picks what the same passes pick fed from the host.
+#[test]
+fn a_sampled_pass_fed_on_the_device_equals_one_fed_from_the_host() {
+    use worker_svc::worker::Begun;
+    if !gpu_available("sampled_pass_fed_on_the_device") {
+        return;
+    }
+    let weights = fixed_model(vec![0], 4);
+    let input = |s: u64, tokens: Vec<u32>, start: u32, sampling: Sampling| {
+        let ids: Vec<u32> = (s as u32 * 16..s as u32 * 16 + 16).collect();
+        SeqInput {
+            seq_id: s,
+            tokens,
+            start_pos: start,
+            tables: vec![table(0, 0, &ids)],
+            all_positions: false,
+            sampling,
+            copies: Vec::new(),
+            history: None,
+            grammar: None,
+        }
+    };
+    let greedy = || Sampling::GREEDY;
+    let hot = Sampling {
+        temperature: 0.9,
+        seed: 3,
+        ..Sampling::GREEDY
+    };
+    let prompt = |s: u64| -> Vec<u32> { (0..4).map(|p| ((s * 7 + p * 5) % 64) as u32).collect() };
+    let first = || {
+        vec![
+            input(1, prompt(1), 0, greedy()),
+            input(2, prompt(2), 0, greedy()),
+        ]
+    };
+    let second = |a: u32, b: u32| {
+        vec![
+            input(1, vec![a], 4, greedy()),
+            input(2, vec![b], 4, greedy()),
+            input(3, prompt(3), 0, hot.clone()),
+        ]
+    };
+    let next =
+        |o: &[worker_svc::worker::SeqOutput]| o.iter().map(|s| s.next_token).collect::<Vec<_>>();
+    let mut host = gpu_worker(&weights);
+    let first_host = next(&host.forward_tokens(first()).unwrap());
+    let second_host = next(
+        &host
+            .forward_tokens(second(first_host[0], first_host[1]))
+            .unwrap(),
+    );
+    let mut device = gpu_worker(&weights);
+    let Begun::Running(pass) = device.begin_tokens(first(), &[]).unwrap() else {
+        panic!("a greedy pass on the GPU keeps its tokens on the device");
+    };
+    let rows: std::collections::HashMap<u64, u32> = pass.last_rows().collect();
+    let begun = device
+        .begin_tokens(second(0, 0), &[(0, rows[&1]), (1, rows[&2])])
+        .unwrap();
+    let Begun::Done(second_device) = begun else {
+        panic!("sampled rows are picked at once");
+    };
+    let tokens = pass.tokens.wait().unwrap();
+    let first_device = next(&device.finish_tokens(pass.rest, tokens));
+    assert_eq!(first_device, first_host);
+    assert_eq!(
+        next(&second_device),
+        second_host,
+        "fed on the device == fed from the host"
+    );
+}
+
 #[test]
 fn greedy_tokens_picked_on_the_device_equal_the_hosts_argmax() {
     if !gpu_available("greedy_tokens_on_the_device") {
@@ -670,6 +778,7 @@ fn greedy_tokens_picked_on_the_device_equal_the_hosts_argmax() {
         sampling,
         copies: Vec::new(),
         history: None,
+        grammar: None,
     };
     let sampled = Sampling {
         temperature: 0.8,
@@ -757,7 +866,9 @@ fn device_sampling_equals_the_hosts_for_every_parameter() {
     if !gpu_available("device_sampling_equals_the_hosts") {
         return;
     }
-    let (mut worker, windows, vocab) = wide_vocabulary_worker();
+    let (weights, mut worker) = wide_vocab_gpu_worker(5);
+    let windows: Vec<u32> = worker.layout().pools.iter().map(|p| p.window).collect();
+    let vocab = weights.config.vocab_size as u32;
     let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 11) % vocab).collect();
     let hot = |seed: u64| Sampling {
         temperature: 1.3,
@@ -889,15 +1000,13 @@ fn device_sampling_equals_the_hosts_for_every_parameter() {
                     sampling,
                     copies: Vec::new(),
                     history: Some(Vec::new()),
+                    grammar: None,
                 }
             })
             .collect();
-        let (on_host, on_device) = host_and_device(&mut worker, batch);
+        let (on_host, on_device) = host_and_device_picks(&mut worker, batch);
         for (i, (name, _)) in cases(seed).iter().enumerate() {
-            assert_eq!(
-                on_device[i].next_token, on_host.seqs[i].next_token,
-                "{name}, seed {seed}"
-            );
+            assert_eq!(on_device[i].next_token, on_host[i], "{name}, seed {seed}");
             compared += 1;
         }
         assert_ne!(on_device[9].next_token, 3, "a bias of -100 bans the token");
@@ -1328,4 +1437,134 @@ fn gemma2_fixture_on_the_gpu_agrees_with_transformers() {
     // Soft-capped scores: the general attention kernel, never the
     // tensor-core one.
     architecture_on_the_gpu("gemma2");
+}
+
+/// Structured output: grammar masks applied on the device (`mask_logits`
+/// after `adjust_logits`, then `argmax_rows` / `sample_rows`;
+/// `forward_tokens`) pick what the host picks from the same logits with the
+/// same mask (`forward`), greedy and sampled, with a bias pulling towards a
+/// token the grammar refuses, mid-grammar and once complete (the end token
+/// alone); every pick is one the grammar allows. The byte-level tokenizer
+/// over a 3001-token model: ids past it are never allowed.
+#[test]
+fn grammar_masks_applied_on_the_device_pick_as_the_host() {
+    use kvlease_tokenizer::grammar::{Constraint, allowed};
+    use kvlease_tokenizer::{Tokenizer, byte_level};
+    if !gpu_available("grammar_masks_applied_on_the_device") {
+        return;
+    }
+    let (weights, mut worker) = wide_vocab_gpu_worker(9);
+    let tokenizer = Tokenizer::byte_level();
+    worker.set_tokenizer(tokenizer.clone());
+    let windows: Vec<u32> = worker.layout().pools.iter().map(|p| p.window).collect();
+    let vocab = weights.config.vocab_size;
+    let hot = |seed: u64| Sampling {
+        temperature: 1.2,
+        seed,
+        ..Sampling::GREEDY
+    };
+    let cases =
+        |seed: u64| -> Vec<(&'static str, Sampling, Constraint, &'static str)> {
+            vec![
+            (
+                "greedy regex",
+                Sampling::GREEDY,
+                Constraint::Regex("ab[0-9]{2,5}".into()),
+                "ab1",
+            ),
+            ("sampled json_object", hot(seed), Constraint::JsonObject, "{\"k\":"),
+            (
+                "top_k regex",
+                Sampling { top_k: 3, ..hot(seed) },
+                Constraint::Regex("(yes|no|maybe)".into()),
+                "m",
+            ),
+            (
+                "a bias towards a refused token",
+                Sampling {
+                    logit_bias: vec![(u32::from(b'a'), 100.0), (2000, 100.0)],
+                    ..Sampling::GREEDY
+                },
+                Constraint::Regex("[0-9]+x".into()),
+                "7",
+            ),
+            (
+                "sampled lark",
+                hot(seed ^ 5),
+                Constraint::Lark("start: \"x\" NUM\nNUM: /[0-9]+/".into()),
+                "x",
+            ),
+            (
+                "a json schema",
+                hot(seed ^ 9),
+                Constraint::JsonSchema(
+                    r#"{"type":"object","properties":{"n":{"type":"integer"}},"required":["n"]}"#
+                        .into(),
+                ),
+                "{\"n\":4",
+            ),
+            ("complete", hot(seed), Constraint::Regex("ok".into()), "ok"),
+        ]
+        };
+    let mut compared = 0;
+    for seed in 0..16u64 {
+        let batch: Vec<SeqInput> = cases(seed)
+            .into_iter()
+            .enumerate()
+            .map(|(s, (_, sampling, grammar, output))| {
+                let s = s as u32;
+                let ids: Vec<u32> = (s * 4..(s + 1) * 4).collect();
+                let mut tokens: Vec<u32> = (0..20)
+                    .map(|i| (i * 37 + s * 13 + seed as u32 * 7) % vocab as u32)
+                    .collect();
+                tokens.extend(byte_level::encode(output, false));
+                SeqInput {
+                    seq_id: u64::from(s),
+                    tokens,
+                    start_pos: 0,
+                    tables: windows.iter().map(|&w| table(w, 0, &ids)).collect(),
+                    all_positions: false,
+                    sampling: Sampling {
+                        constrained: true,
+                        prompt_len: 20,
+                        ..sampling
+                    },
+                    copies: Vec::new(),
+                    history: Some(Vec::new()),
+                    grammar: Some(Ok(grammar)),
+                }
+            })
+            .collect();
+        let (on_host, on_device) = host_and_device_picks(&mut worker, batch);
+        let grammars = match tokenizer.grammars() {
+            Ok(g) => g,
+            Err(e) => panic!("grammars: {e}"),
+        };
+        for (i, (name, _, grammar, output)) in cases(seed).into_iter().enumerate() {
+            let t = on_device[i].next_token;
+            assert_eq!(t, on_host[i], "{name}, seed {seed}");
+            let mut m = match grammars.compile(&grammar) {
+                Ok(m) => m,
+                Err(e) => panic!("{name}: {e}"),
+            };
+            for tok in byte_level::encode(output, false) {
+                if let Err(e) = m.consume(tok) {
+                    panic!("{name}: {e}");
+                }
+            }
+            let mut words = Vec::new();
+            if let Err(e) = m.mask_into(&mut words, vocab) {
+                panic!("{name}: {e}");
+            }
+            assert!(allowed(&words, t), "{name}, seed {seed}: {t} is refused");
+            compared += 1;
+        }
+        assert_eq!(
+            on_device[6].next_token,
+            byte_level::EOS,
+            "complete: the end"
+        );
+        assert_ne!(on_device[3].next_token, u32::from(b'a'), "a refused token");
+    }
+    println!("{compared} masked picks equal on the device and the host");
 }

@@ -105,6 +105,7 @@ fn seq(
         sampling: None,
         copies: Vec::new(),
         history: None,
+        grammar: None,
         trace: None,
         feed_previous: false,
         logprobs: None,
@@ -657,5 +658,77 @@ async fn logprobs_come_back_per_position_and_malformed_ones_are_refused() {
     assert_eq!(lp[0].token, r.results[0].next_token);
     assert_eq!(lp[0].top_tokens[0], r.results[0].next_token);
     assert_eq!(lp[0].logprob, lp[0].top_logprobs[0]);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_constrained_sequence_picks_only_what_its_grammar_allows() {
+    let mut server = Server::start(Config::default()).await;
+    let regex = |rx: &str| pb::Grammar {
+        kind: Some(pb::grammar::Kind::Regex(rx.into())),
+    };
+    // the seeded model's byte tokens: the output must be "7", then "x" or
+    // "y", then its end token (257)
+    let constrained =
+        |tokens: Vec<u32>, start_pos: u32, grammar: Option<pb::Grammar>| pb::ForwardSequence {
+            sampling: Some(pb::SamplingParams {
+                constrained: true,
+                prompt_len: 2,
+                ..Default::default()
+            }),
+            history: grammar.as_ref().map(|_| pb::TokenHistory {
+                tokens: vec![0; start_pos as usize],
+            }),
+            grammar,
+            return_all_argmax: false,
+            ..seq(3, tokens, start_pos, tables(&[3], &[4]))
+        };
+    // malformed: a grammar of no kind, one that does not compile, one
+    // without its history, one on an unconstrained sequence
+    let mut no_kind = constrained(vec![1, 2], 0, Some(pb::Grammar { kind: None }));
+    assert_invalid(
+        server.forward(vec![no_kind.clone()]).await,
+        &["sequence 3", "grammar: no kind set"],
+    );
+    assert_invalid(
+        server
+            .forward(vec![constrained(vec![1, 2], 0, Some(regex("(")))])
+            .await,
+        &["sequence 3", "invalid regex"],
+    );
+    no_kind.grammar = Some(regex("7"));
+    no_kind.history = None;
+    assert_invalid(
+        server.forward(vec![no_kind]).await,
+        &["sequence 3", "without the sequence's history"],
+    );
+    let mut unconstrained = constrained(vec![1, 2], 0, Some(regex("7")));
+    unconstrained.sampling = None;
+    assert_invalid(
+        server.forward(vec![unconstrained]).await,
+        &["sequence 3", "not constrained"],
+    );
+    // constrained without its matcher on the worker: FAILED_PRECONDITION
+    match server.forward(vec![constrained(vec![1, 2], 0, None)]).await {
+        Ok(r) => panic!("expected FAILED_PRECONDITION, got {r:?}"),
+        Err(status) => {
+            assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+            assert!(status.message().contains("sequence 3"), "{status:?}");
+        }
+    }
+    let next = |r: Result<pb::ForwardResponse, tonic::Status>| match r {
+        Ok(r) => r.results[0].next_token,
+        Err(s) => panic!("{s:?}"),
+    };
+    let t = next(
+        server
+            .forward(vec![constrained(vec![1, 2], 0, Some(regex("7[xy]")))])
+            .await,
+    );
+    assert_eq!(t, u32::from(b'7'));
+    let t = next(server.forward(vec![constrained(vec![t], 2, None)]).await);
+    assert!([b'x', b'y'].map(u32::from).contains(&t), "{t}");
+    let t = next(server.forward(vec![constrained(vec![t], 3, None)]).await);
+    assert_eq!(t, 257, "complete: the end token");
     server.stop().await;
 }

@@ -102,6 +102,7 @@ fn packed_weights_match_the_dense_reference_on_their_values() {
             sampling: Sampling::GREEDY,
             copies: Vec::new(),
             history: None,
+            grammar: None,
         }])
         .unwrap_or_else(|e| panic!("forward: {e}"));
     let vocab = packed.config.vocab_size;

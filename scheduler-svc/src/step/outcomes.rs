@@ -302,11 +302,12 @@ impl Core {
                     (t, !drafts.is_empty())
                 }
             };
-            // a penalised sequence's first pass tells the worker what it
-            // holds; the worker counts every later token itself
+            // a penalised or constrained sequence's first pass tells the
+            // worker what it holds (with the grammar); the worker counts
+            // every later token itself
             let sampling = &seq.request.sampling;
             let history =
-                (sampling.has_penalties() && !seq.history_sent).then(|| seq.context[..at].to_vec());
+                (sampling.needs_history() && !seq.history_sent).then(|| seq.context[..at].to_vec());
             seq.history_sent |= history.is_some();
             let logprobs = item_logprobs(&seq.request, &work, &seq.context, at);
             // until min_tokens outputs are known (later ones are past it)

@@ -205,7 +205,8 @@ pub trait Backend: Send + std::fmt::Debug {
     /// each of those rows asks for ([`crate::logprobs`]: of the raw logits,
     /// before the picks' adjustments), computed where the logits are, so
     /// only those values come back. `feed` is as for
-    /// [`Backend::begin_argmax`]. The default picks on the host from
+    /// [`Backend::begin_argmax`] (no pick depends on a fed token). The
+    /// default picks on the host from
     /// `forward`'s rows and has no device tokens to feed from.
     fn forward_picks(
         &mut self,

@@ -175,6 +175,7 @@ fn input(worker: &Worker, seq: &Driven, start: usize, end: usize) -> SeqInput {
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,
+        grammar: None,
     }
 }
 
@@ -348,6 +349,7 @@ pub(crate) fn seq_input(
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,
+        grammar: None,
     }
 }
 

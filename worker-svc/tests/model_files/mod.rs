@@ -381,6 +381,7 @@ pub fn input(
         sampling: Sampling::GREEDY,
         copies: Vec::new(),
         history: None,
+        grammar: None,
     }
 }
 

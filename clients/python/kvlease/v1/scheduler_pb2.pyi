@@ -1,4 +1,5 @@
 from kvlease.v1 import cache_pb2 as _cache_pb2
+from kvlease.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -35,7 +36,7 @@ MAX_UTILIZATION: CapacityPolicy
 STATIC_BATCH: CapacityPolicy
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "tokens", "max_tokens", "temperature", "top_p", "seed", "stop_tokens", "priority", "cache_salt", "request_id", "messages", "stop", "ignore_eos", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "retain", "n", "logprobs", "echo")
+    __slots__ = ("text", "tokens", "max_tokens", "temperature", "top_p", "seed", "stop_tokens", "priority", "cache_salt", "request_id", "messages", "stop", "ignore_eos", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "retain", "n", "logprobs", "echo", "grammar")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +68,7 @@ class GenerateRequest(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     text: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -91,7 +93,8 @@ class GenerateRequest(_message.Message):
     n: int
     logprobs: LogprobsRequest
     echo: bool
-    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., retain: _Optional[_Union[RetainPrefix, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., echo: _Optional[bool] = ...) -> None: ...
+    grammar: _worker_pb2.Grammar
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., retain: _Optional[_Union[RetainPrefix, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., echo: _Optional[bool] = ..., grammar: _Optional[_Union[_worker_pb2.Grammar, _Mapping]] = ...) -> None: ...
 
 class LogprobsRequest(_message.Message):
     __slots__ = ("top", "prompt")

@@ -80,7 +80,7 @@ class DescribeResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelShape, _Mapping]] = ..., tokens_per_block: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[WorkerPool, _Mapping]]] = ..., backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "seed", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "prompt_len", "min_tokens", "stop_ids")
+    __slots__ = ("temperature", "top_p", "seed", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "prompt_len", "min_tokens", "stop_ids", "constrained")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class SamplingParams(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     seed: int
@@ -112,7 +113,20 @@ class SamplingParams(_message.Message):
     prompt_len: int
     min_tokens: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_len: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    constrained: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_len: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., constrained: _Optional[bool] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("json_object", "json_schema", "lark", "regex")
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    LARK_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    json_object: bool
+    json_schema: str
+    lark: str
+    regex: str
+    def __init__(self, json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., lark: _Optional[str] = ..., regex: _Optional[str] = ...) -> None: ...
 
 class TokenHistory(_message.Message):
     __slots__ = ("tokens",)
@@ -121,7 +135,7 @@ class TokenHistory(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardSequence(_message.Message):
-    __slots__ = ("seq_id", "tokens", "start_pos", "tables", "return_all_argmax", "sampling", "copies", "trace", "feed_previous", "history", "logprobs")
+    __slots__ = ("seq_id", "tokens", "start_pos", "tables", "return_all_argmax", "sampling", "copies", "trace", "feed_previous", "history", "logprobs", "grammar")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +147,7 @@ class ForwardSequence(_message.Message):
     FEED_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
@@ -144,7 +159,8 @@ class ForwardSequence(_message.Message):
     feed_previous: bool
     history: TokenHistory
     logprobs: LogprobsParams
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[_cache_pb2.BlockTable, _Mapping]]] = ..., return_all_argmax: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[_cache_pb2.BlockCopy, _Mapping]]] = ..., trace: _Optional[_Union[SequenceTrace, _Mapping]] = ..., feed_previous: _Optional[bool] = ..., history: _Optional[_Union[TokenHistory, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobsParams, _Mapping]] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[_cache_pb2.BlockTable, _Mapping]]] = ..., return_all_argmax: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[_cache_pb2.BlockCopy, _Mapping]]] = ..., trace: _Optional[_Union[SequenceTrace, _Mapping]] = ..., feed_previous: _Optional[bool] = ..., history: _Optional[_Union[TokenHistory, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobsParams, _Mapping]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
 
 class LogprobsParams(_message.Message):
     __slots__ = ("top", "prompt", "next_prompt_token")

@@ -258,6 +258,21 @@ fn a_penalised_sequence_sends_its_history_on_its_first_pass_only() {
 }
 
 #[test]
+fn a_constrained_sequence_sends_its_history_on_its_first_pass_only() {
+    use kvlease_tokenizer::grammar::Constraint;
+    let mut c = core(Policy::MaxUtilization, 100);
+    let mut r = request(1, 4, 10);
+    r.sampling.grammar = Some(std::sync::Arc::new(Constraint::JsonObject));
+    c.submit(r);
+    let first = step_granting(&mut c, 3);
+    assert_eq!(first[0].history, Some(Vec::new()), "with its grammar");
+    assert!(first[0].sampling.grammar.is_some());
+    let second = step_granting(&mut c, 3);
+    assert_eq!(second[0].history, None, "the worker's matcher follows");
+    assert!(second[0].sampling.grammar.is_some(), "still constrained");
+}
+
+#[test]
 fn speculative_decode_feeds_drafts_and_extends_by_accepted_plus_one() {
     let config = CoreConfig {
         draft_k: 3,

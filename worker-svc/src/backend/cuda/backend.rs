@@ -513,6 +513,9 @@ impl CudaBackend {
             }
             launch.adjust_logits(&mut self.acts.logits, vocab, rows, a)?;
         }
+        if let Some(m) = &device_picks.masks {
+            launch.mask_logits(&mut self.acts.logits, vocab, rows, m)?;
+        }
         launch.argmax_rows(&self.acts.logits, vocab, rows, &mut self.acts.argmax)?;
         if let Some(s) = &device_picks.samples {
             launch.sample_rows(&self.acts.logits, vocab, rows, s, &mut self.acts.argmax)?;

@@ -867,6 +867,21 @@ extern "C" __global__ void adjust_logits(float* __restrict__ logits, int vocab, 
     *l = __fsub_rn(v, penalty[i]);
 }
 
+// Structured output: logits row rows[b] keeps only the tokens its grammar
+// allows (bit t % 32 of words[b * words_per_row + t / 32], as
+// `sampling::apply_mask`); the others become -inf. Launched after
+// adjust_logits and before argmax_rows / sample_rows; grid (vocab / 256
+// rounded up, n), so no full row leaves the device.
+extern "C" __global__ void mask_logits(float* __restrict__ logits, int vocab, int words_per_row,
+                                       const unsigned int* __restrict__ rows,
+                                       const unsigned int* __restrict__ words) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const int b = blockIdx.y;
+    if (t >= vocab) return;
+    const unsigned int w = words[(unsigned long long)b * words_per_row + (t >> 5)];
+    if (!((w >> (t & 31)) & 1u)) logits[(unsigned long long)rows[b] * vocab + t] = NEG_INF;
+}
+
 // The total order of `sampling::key`: larger logit, larger key.
 __device__ __forceinline__ unsigned int logit_key(float l) {
     const unsigned int b = __float_as_uint(l);

@@ -19,7 +19,7 @@ use half::bf16;
 
 use super::cuda_err;
 use super::kernels::{Kernels, SplitPlan, group_launches};
-use super::picks::{DeviceAdjusts, DeviceLogprobs, DeviceSamples};
+use super::picks::{DeviceAdjusts, DeviceLogprobs, DeviceMasks, DeviceSamples};
 use crate::error::{Error, Result};
 
 /// Launches the kernels of one compiled module on one stream.
@@ -456,6 +456,44 @@ impl Launcher<'_> {
                 })
         }
         .map_err(cuda_err("adjust_logits"))?;
+        Ok(())
+    }
+
+    /// -inf for every logit of the rows `m` names whose token their mask
+    /// does not allow, as [`crate::sampling::apply_mask`].
+    pub(super) fn mask_logits(
+        &self,
+        logits: &mut CudaSlice<f32>,
+        vocab: usize,
+        rows: usize,
+        m: &DeviceMasks,
+    ) -> Result<()> {
+        check_len("mask_logits", "logits", logits.len(), rows * vocab)?;
+        check_len("mask_logits", "rows", m.rows.len(), m.n)?;
+        let words_per_row = vocab.div_ceil(32);
+        check_len("mask_logits", "words", m.words.len(), m.n * words_per_row)?;
+        let (vocab_i, words_i) = (vocab as i32, words_per_row as i32);
+        // SAFETY: matches `mask_logits(float* logits, int vocab, int
+        // words_per_row, const unsigned* rows, const unsigned* words)`;
+        // threads past vocab return, blockIdx.y < n indexes `rows` (n
+        // entries) and `words` (n * words_per_row, checked above), and
+        // `DevicePicks::upload` checked every row below the pass's logits
+        // rows (`rows`), each named once.
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.mask_logits)
+                .arg(logits)
+                .arg(&vocab_i)
+                .arg(&words_i)
+                .arg(&m.rows)
+                .arg(&m.words)
+                .launch(LaunchConfig {
+                    grid_dim: (vocab.div_ceil(256) as u32, m.n as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+        }
+        .map_err(cuda_err("mask_logits"))?;
         Ok(())
     }
 

@@ -39,10 +39,21 @@ pub(super) struct DeviceSamples {
     pub(super) draw: CudaSlice<f64>,
 }
 
-/// Both, for one pass; `None` where there is nothing to do.
+/// `mask_logits`'s masks: one per constrained row, `vocab.div_ceil(32)`
+/// words each, rows named once and below the pass's logits rows (checked
+/// on upload).
+#[derive(Debug)]
+pub(super) struct DeviceMasks {
+    pub(super) n: usize,
+    pub(super) rows: CudaSlice<u32>,
+    pub(super) words: CudaSlice<u32>,
+}
+
+/// All three, for one pass; `None` where there is nothing to do.
 #[derive(Debug)]
 pub(super) struct DevicePicks {
     pub(super) adjusts: Option<DeviceAdjusts>,
+    pub(super) masks: Option<DeviceMasks>,
     pub(super) samples: Option<DeviceSamples>,
 }
 
@@ -81,6 +92,16 @@ impl DevicePicks {
                 }
                 last = Some(a.token);
             }
+            if let Some(m) = &p.mask
+                && m.len() != vocab.div_ceil(32)
+            {
+                return Err(Error::Backend(format!(
+                    "mask of row {} holds {} words; the vocabulary of {vocab} needs {}",
+                    p.row,
+                    m.len(),
+                    vocab.div_ceil(32)
+                )));
+            }
         }
         let entries: Vec<(u32, &crate::sampling::Adjust)> = picks
             .iter()
@@ -110,6 +131,25 @@ impl DevicePicks {
                 )?,
             })
         };
+        let masked: Vec<(u32, &[u32])> = picks
+            .iter()
+            .filter_map(|p| p.mask.as_deref().map(|m| (p.row as u32, m)))
+            .collect();
+        let masks = if masked.is_empty() {
+            None
+        } else {
+            Some(DeviceMasks {
+                n: masked.len(),
+                rows: up(stream, &masked.iter().map(|m| m.0).collect::<Vec<_>>())?,
+                words: up(
+                    stream,
+                    &masked
+                        .iter()
+                        .flat_map(|m| m.1.iter().copied())
+                        .collect::<Vec<_>>(),
+                )?,
+            })
+        };
         let sampled: Vec<&RowPick> = picks.iter().filter(|p| p.temperature > 0.0).collect();
         let samples = if sampled.is_empty() {
             None
@@ -129,7 +169,11 @@ impl DevicePicks {
                 draw: up(stream, &sampled.iter().map(|p| p.draw).collect::<Vec<_>>())?,
             })
         };
-        Ok(DevicePicks { adjusts, samples })
+        Ok(DevicePicks {
+            adjusts,
+            masks,
+            samples,
+        })
     }
 }
 
