@@ -8,7 +8,8 @@
 # - the grpcurl recipes of docs/operations.md (clients/grpcurl/check.py).
 # One cluster of the seeded model serves them all. When SmolLM2 is cached
 # (`kvlease model fetch smollm2`, run by .ci/run before this), a second
-# cluster serves it for the openai check's factual chat; otherwise that step
+# cluster serves it for the openai check's factual chat, sampling fields and
+# logprobs (completions logprobs=5 and echo, chat top_logprobs); otherwise that step
 # says why it skips. The Python packages live in
 # a cached venv (KVLEASE_CI_VENV), so a run takes seconds once it exists.
 set -euo pipefail

@@ -28,7 +28,12 @@ completions, the same three again, streamed with each chunk's index and
 usage counting the prompt once, and (given the cache's gRPC address) the
 cache's figures show the prompt's blocks leased once: the two forked
 choices took (prompt - 1) // tokens_per_block full blocks each by reference
-and a copy of the block of the last prompt token; n=17 is a 400 naming n.
+and a copy of the block of the last prompt token; n=17 is a 400 naming n; logprobs: a greedy completion with
+logprobs=5 lists each chosen token first among at most 6 alternatives whose
+probabilities sum to at most 1 (streamed, the same values); echo puts the
+prompt's text first and its logprobs (the first null); chat's logprobs with
+top_logprobs 5 give each token's bytes and 5 sorted alternatives; logprobs
+6 and top_logprobs 21 are 400s naming the field.
 """
 
 import sys
@@ -166,6 +171,7 @@ def factual(base_url, cache_addr=None):
     except openai.BadRequestError as e:
         check("min_p" in e.message, f"min_p 2 is a 400 naming it: {e.message}")
     samples(client, model, cache_addr)
+    logprobs(client, model)
     print("openai factual chat check passed")
 
 
@@ -218,6 +224,61 @@ def samples(client, model, cache_addr):
         check(False, "n=17 was served")
     except openai.BadRequestError as e:
         check(getattr(e, "param", None) == "n", f"n=17 is a 400 naming n: {e.message}")
+
+
+def logprobs(client, model):
+    import math
+
+    prompt = "The capital of France is"
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=5)
+    lp = r.choices[0].logprobs
+    check(len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8,
+          f"completions logprobs=5: one entry per token ({len(lp.tokens)})")
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        mass = sum(math.exp(v) for v in top.values())
+        check(len(top) <= 6 and mass <= 1 + 1e-6 and chosen <= 0,
+              f"token {token!r}: logprob {chosen:.4f}, {len(top)} alternatives, mass {mass:.4f} <= 1")
+        check(top.get(token) == chosen and chosen == max(top.values()),
+              f"greedy: {token!r} is the most likely of its alternatives")
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                            logprobs=5, stream=True))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs
+                for v in c.choices[0].logprobs.token_logprobs]
+    check(streamed == lp.token_logprobs, "streamed logprobs equal the whole answer's")
+
+    echo = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                     logprobs=1)
+    text = echo.choices[0].text
+    elp = echo.choices[0].logprobs
+    n = echo.usage.prompt_tokens + 4
+    check(text.startswith(prompt) and len(text) > len(prompt), f"echo puts the prompt first: {text!r}")
+    check(len(elp.tokens) == n and elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+          and all(v is not None and v <= 0 for v in elp.token_logprobs[1:]),
+          f"echo with logprobs: the prompt's {echo.usage.prompt_tokens} tokens first, the first null")
+    check(elp.token_logprobs[-4:] == lp.token_logprobs[:4], "the echoed answer's own logprobs are the plain one's")
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=5)
+    content = chat.choices[0].logprobs.content
+    check(len(content) == chat.usage.completion_tokens, f"chat logprobs: {len(content)} tokens")
+    for e in content:
+        alts = [t.logprob for t in e.top_logprobs]
+        check(len(alts) == 5 and alts == sorted(alts, reverse=True)
+              and sum(math.exp(v) for v in alts) <= 1 + 1e-6 and e.top_logprobs[0].token == e.token,
+              f"chat token {e.token!r} ({e.logprob:.4f}, bytes {e.bytes}): 5 sorted alternatives, it first")
+    for kw, param in ((dict(logprobs=6), "logprobs"),):
+        try:
+            client.completions.create(model=model, prompt=prompt, max_tokens=1, **kw)
+            check(False, f"{kw} was served")
+        except openai.BadRequestError as e:
+            check(getattr(e, "param", None) == param, f"{kw} is a 400 naming {param}: {e.message}")
+    try:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=1, logprobs=True,
+                                       top_logprobs=21)
+        check(False, "top_logprobs 21 was served")
+    except openai.BadRequestError as e:
+        check(getattr(e, "param", None) == "top_logprobs", f"top_logprobs 21 is a 400 naming it: {e.message}")
 
 
 if __name__ == "__main__":

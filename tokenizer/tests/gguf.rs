@@ -91,6 +91,10 @@ fn sentencepiece_without_merges_uses_the_scores() {
     assert_eq!(t.encode("ab").unwrap(), vec![1, 8]);
     assert_eq!(t.decode(&[1, 8, 8]), "ab ab");
     assert_eq!(t.end_ids(), &[2]);
+    // a SentencePiece piece's bytes: `▁` is a space; specials their text
+    assert_eq!(t.token_bytes(8), b" ab");
+    assert_eq!(t.token_bytes(6), b"ab");
+    assert_eq!(t.token_bytes(1), b"<s>");
 }
 
 #[test]

@@ -190,3 +190,31 @@ fn json_schema_masks_over_the_real_vocabulary_and_their_cost() {
         target.len()
     );
 }
+
+/// Each token's bytes ([`Tokenizer::token_bytes`], what logprobs answers
+/// show), concatenated over an encoding, are the text's bytes: a character
+/// split across byte-level tokens too.
+#[test]
+fn token_bytes_concatenate_to_the_text() {
+    let Some(tok) = smollm2() else {
+        return;
+    };
+    for text in [
+        "The capital of France is Paris.",
+        "  leading spaces\nand a newline",
+        "caf\u{e9} \u{4e2d}\u{6587} \u{1f600}",
+    ] {
+        let ids = tok.encode_with(text, false).unwrap();
+        let bytes: Vec<u8> = ids.iter().flat_map(|&t| tok.token_bytes(t)).collect();
+        assert_eq!(bytes, text.as_bytes(), "{text:?} as {ids:?}");
+    }
+    // special tokens are their own text
+    assert!(
+        tok.end_ids()
+            .iter()
+            .any(|&e| tok.token_bytes(e) == b"<|im_end|>"),
+        "{:?}",
+        tok.end_ids()
+    );
+    assert!(tok.token_bytes(u32::MAX).is_empty());
+}

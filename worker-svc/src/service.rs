@@ -205,12 +205,15 @@ impl Passes {
         }
         drop(worker);
         let outcome = match begun {
-            Ok((Begun::Done(outputs), _)) => Ok(outputs),
-            Ok((Begun::Running(pass), fed_on_device)) => {
-                let outputs = pass.tokens.wait().map(|t| pass.rest.outputs(&t));
-                // Fed on the device: only as good as the pass it followed,
-                // whose tokens came back before these (its thread records
-                // it at once).
+            Ok((begun, fed_on_device)) => {
+                let outputs = match begun {
+                    Begun::Done(outputs) => Ok(outputs),
+                    Begun::Running(pass) => pass.tokens.wait().map(|t| pass.rest.outputs(&t)),
+                };
+                // Fed on the device (a pass with picks or logprobs runs to
+                // its end at once, but may be fed too): only as good as the
+                // pass it followed, whose tokens came back before these
+                // (its thread records it at once).
                 let followed = if fed_on_device {
                     let log = self.log.lock().map_err(poisoned)?;
                     self.wait_log(log, deadline.max(Instant::now() + FOLLOW_WAIT), |l| {

@@ -678,6 +678,84 @@ fn passes_fed_on_the_device_while_the_pass_before_runs_equal_passes_fed_from_the
     );
 }
 
+/// A pass with picks and logprobs (run to its end at once) may be fed on
+/// the device from the greedy pass running before it: a new sampled
+/// request with logprobs joins decoding greedy ones (it failed before).
+/// Its tokens and logprobs equal those of the same passes fed from the host.
+#[test]
+fn a_pass_with_picks_and_logprobs_is_fed_on_the_device_like_from_the_host() {
+    use worker_svc::batch::LogprobsSpec;
+    if !gpu_available("a_pass_with_picks_is_fed_on_the_device") {
+        return;
+    }
+    let weights = fixed_model(vec![0], 4);
+    let input = |s: u32, tokens: Vec<u32>, start: u32, sampling: Sampling, logprobs| {
+        let ids: Vec<u32> = (s * 16..s * 16 + 16).collect();
+        SeqInput {
+            seq_id: u64::from(s),
+            tokens,
+            start_pos: start,
+            tables: vec![table(0, 0, &ids)],
+            all_positions: false,
+            logprobs,
+            sampling,
+            copies: Vec::new(),
+            history: None,
+            grammar: None,
+        }
+    };
+    let prompt: Vec<u32> = (0..9).map(|p| (p * 7 + 3) % 64).collect();
+    let hot = Sampling {
+        temperature: 0.9,
+        seed: 4,
+        ..Sampling::GREEDY
+    };
+    let asked = Some(LogprobsSpec {
+        top: 3,
+        prompt: false,
+        next_prompt_token: None,
+    });
+    let second = |first: u32| {
+        vec![
+            input(1, vec![first], 9, Sampling::GREEDY, None),
+            input(2, prompt.clone(), 0, hot.clone(), asked),
+        ]
+    };
+    let mut host = gpu_worker(&weights);
+    let a = host
+        .forward_tokens(vec![input(1, prompt.clone(), 0, Sampling::GREEDY, None)])
+        .unwrap();
+    let b = host.forward_tokens(second(a[0].next_token)).unwrap();
+
+    let mut device = gpu_worker(&weights);
+    let begun = device
+        .begin_tokens(
+            vec![input(1, prompt.clone(), 0, Sampling::GREEDY, None)],
+            &[],
+        )
+        .unwrap();
+    let worker_svc::worker::Begun::Running(pass) = begun else {
+        panic!("a greedy pass on the GPU keeps its tokens on the device");
+    };
+    let row = pass.last_rows().next().unwrap().1;
+    let fed = match device.begin_tokens(second(0), &[(0, row)]).unwrap() {
+        worker_svc::worker::Begun::Done(outputs) => outputs,
+        worker_svc::worker::Begun::Running(_) => panic!("a pass with picks runs to its end"),
+    };
+    let tokens = pass.tokens.wait().unwrap();
+    let first = device.finish_tokens(pass.rest, tokens);
+    assert_eq!(first[0].next_token, a[0].next_token);
+    assert_eq!(
+        fed.iter().map(|o| o.next_token).collect::<Vec<_>>(),
+        b.iter().map(|o| o.next_token).collect::<Vec<_>>(),
+        "fed on the device == fed from the host"
+    );
+    assert_eq!(fed[1].logprobs.len(), 1);
+    let (d, h) = (&fed[1].logprobs[0], &b[1].logprobs[0]);
+    assert_eq!((d.token, d.top.len()), (h.token, 3));
+    assert!((d.logprob - h.logprob).abs() <= 1e-5 * h.logprob.abs().max(1.0));
+}
+
 /// A pass with sampled rows fed on the device from the greedy pass running
 /// before it (a sampled request joining greedy decodes: its picks need no
 /// fed token) picks what the same passes pick fed from the host.
@@ -700,6 +778,7 @@ fn a_sampled_pass_fed_on_the_device_equals_one_fed_from_the_host() {
             copies: Vec::new(),
             history: None,
             grammar: None,
+            logprobs: None,
         }
     };
     let greedy = || Sampling::GREEDY;
@@ -1085,6 +1164,7 @@ fn device_logprobs_equal_the_hosts() {
                     sampling: sampling.clone(),
                     copies: Vec::new(),
                     history: Some(Vec::new()),
+                    grammar: None,
                 }
             })
             .collect();
@@ -1531,6 +1611,7 @@ fn grammar_masks_applied_on_the_device_pick_as_the_host() {
                     },
                     copies: Vec::new(),
                     history: Some(Vec::new()),
+                    logprobs: None,
                     grammar: Some(Ok(grammar)),
                 }
             })

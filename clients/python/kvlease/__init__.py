@@ -22,6 +22,8 @@ from .client import (
     Pool,
     Reject,
     Status,
+    TokenLogprob,
+    TopLogprob,
 )
 
 __all__ = [
@@ -34,4 +36,6 @@ __all__ = [
     "Pool",
     "Reject",
     "Status",
+    "TokenLogprob",
+    "TopLogprob",
 ]

@@ -65,12 +65,45 @@ class Reject:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    """An alternative at a token's position."""
+
+    token: int
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability (of the model's raw distribution, before
+    logit_bias, penalties and temperature) and the most likely alternatives
+    at its position, the most likely first."""
+
+    token: int
+    bytes: bytes
+    logprob: Optional[float]
+    """None for the prompt's first token."""
+    top: Tuple[TopLogprob, ...]
+
+    @classmethod
+    def from_pb(cls, l: scheduler_pb2.TokenLogprob) -> "TokenLogprob":
+        return cls(
+            token=l.token,
+            bytes=l.bytes,
+            logprob=l.logprob if l.HasField("logprob") else None,
+            top=tuple(TopLogprob(token=t.token, bytes=t.bytes, logprob=t.logprob) for t in l.top),
+        )
+
+
+@dataclass(frozen=True)
 class Chunk:
     """Tokens generated since the previous chunk and their text (complete
     characters only; special tokens left out)."""
 
     text: str
     tokens: Tuple[int, ...]
+    logprobs: Tuple[TokenLogprob, ...] = ()
+    """With `logprobs`: one per token."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +121,10 @@ class Finish:
     reused_tokens: int
     """Prompt tokens served from cached prefix blocks."""
     preemptions: int
+    prompt_logprobs: Tuple[TokenLogprob, ...] = ()
+    """With `prompt_logprobs=True`: one per prompt token."""
+    prompt_text: str = ""
+    """With `echo=True`: the prompt's text."""
 
     @property
     def rejected(self) -> bool:
@@ -101,6 +138,8 @@ class Completion:
     text: str
     tokens: Tuple[int, ...]
     finish: Finish
+    logprobs: Tuple[TokenLogprob, ...] = ()
+    """With `logprobs`: one per token."""
 
 
 class Generation(Iterator[Chunk]):
@@ -116,6 +155,8 @@ class Generation(Iterator[Chunk]):
         self._first = True
         self._prompt_tokens = 0
         self._reused_tokens = 0
+        self._prompt_logprobs: Tuple[TokenLogprob, ...] = ()
+        self._prompt_text = ""
         self.finish: Optional[Finish] = None
 
     def __iter__(self) -> "Generation":
@@ -136,6 +177,8 @@ class Generation(Iterator[Chunk]):
                         prompt_tokens=self._prompt_tokens,
                         reused_tokens=self._reused_tokens,
                         preemptions=0,
+                        prompt_logprobs=self._prompt_logprobs,
+                        prompt_text=self._prompt_text,
                     )
                     break
                 raise KvleaseError.from_rpc(e) from None
@@ -143,6 +186,9 @@ class Generation(Iterator[Chunk]):
                 self._first = False
                 self._prompt_tokens = message.prompt_tokens
                 self._reused_tokens = message.reused_tokens
+                self._prompt_text = message.prompt_text
+            if message.prompt_logprobs:
+                self._prompt_logprobs = tuple(TokenLogprob.from_pb(l) for l in message.prompt_logprobs)
             if message.finish_reason != scheduler_pb2.FINISH_REASON_UNSPECIFIED:
                 self.finish = Finish(
                     reason=scheduler_pb2.FinishReason.Name(message.finish_reason),
@@ -151,9 +197,15 @@ class Generation(Iterator[Chunk]):
                     prompt_tokens=self._prompt_tokens,
                     reused_tokens=self._reused_tokens,
                     preemptions=message.preemptions,
+                    prompt_logprobs=self._prompt_logprobs,
+                    prompt_text=self._prompt_text,
                 )
             if message.tokens or message.text:
-                return Chunk(text=message.text, tokens=tuple(message.tokens))
+                return Chunk(
+                    text=message.text,
+                    tokens=tuple(message.tokens),
+                    logprobs=tuple(TokenLogprob.from_pb(l) for l in message.logprobs),
+                )
         raise StopIteration
 
     def cancel(self) -> None:
@@ -170,6 +222,7 @@ class Generation(Iterator[Chunk]):
             text="".join(c.text for c in chunks),
             tokens=tuple(t for c in chunks for t in c.tokens),
             finish=self.finish,
+            logprobs=tuple(l for c in chunks for l in c.logprobs),
         )
 
 
@@ -290,6 +343,9 @@ class KvleaseClient:
         logit_bias: Optional[Mapping[int, float]] = None,
         min_tokens: int = 0,
         retain: Optional[Mapping[str, int]] = None,
+        logprobs: Optional[int] = None,
+        prompt_logprobs: bool = False,
+        echo: bool = False,
         stop: Sequence[str] = (),
         stop_tokens: Sequence[int] = (),
         ignore_eos: bool = False,
@@ -304,7 +360,13 @@ class KvleaseClient:
         (0: off; `repetition_penalty` 0 is read as 1), `logit_bias` (token id
         to a bias in [-100, 100]) and `min_tokens` as the server's
         `GenerateRequest` documents them. `retain` asks the cache to keep a
-        prompt prefix: `{"tokens": N, "priority": P, "ttl_s": T}`."""
+        prompt prefix: `{"tokens": N, "priority": P, "ttl_s": T}`.
+        `logprobs=N` (0 to 20) gives each chunk its tokens' log-probabilities
+        with N alternatives (of the raw distribution); `prompt_logprobs`
+        also the prompt's (`finish.prompt_logprobs`; the request then reuses
+        no cached prefix); `echo` the prompt's text (`finish.prompt_text`)."""
+        if prompt_logprobs and logprobs is None:
+            raise ValueError("prompt_logprobs needs logprobs (the number of alternatives)")
         given = [name for name, v in (("text", text), ("tokens", tokens), ("messages", messages)) if v is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of text, tokens and messages (got {given or 'none'})")
@@ -324,6 +386,10 @@ class KvleaseClient:
             logit_bias=dict(logit_bias or {}),
             min_tokens=min_tokens,
             retain=scheduler_pb2.RetainPrefix(**retain) if retain else None,
+            logprobs=(
+                scheduler_pb2.LogprobsRequest(top=logprobs, prompt=prompt_logprobs) if logprobs is not None else None
+            ),
+            echo=echo,
             stop=list(stop),
             stop_tokens=list(stop_tokens),
             ignore_eos=ignore_eos,

@@ -67,6 +67,20 @@ def main(addr):
         e = raises(lambda: client.complete(PROMPT, max_tokens=2, min_p=1.5), KvleaseError)
         check(e is not None and e.code == "INVALID_ARGUMENT" and "min_p" in e.details,
               f"min_p 1.5 is INVALID_ARGUMENT naming it: {e}")
+        scored = client.complete(PROMPT, max_tokens=8, logprobs=3, prompt_logprobs=True, echo=True)
+        check(list(scored.tokens) == tokens and len(scored.logprobs) == len(tokens)
+              and all(l.token == t and l.logprob <= 0 and len(l.top) == 3 and l.top[0].token == t
+                      for l, t in zip(scored.logprobs, tokens)),
+              f"logprobs=3: each greedy token first among 3 alternatives, logprobs "
+              f"{[round(l.logprob, 3) for l in scored.logprobs]}")
+        p = scored.finish.prompt_logprobs
+        check(len(p) == scored.finish.prompt_tokens and p[0].logprob is None
+              and all(l.logprob is not None and l.logprob <= 0 for l in p[1:]),
+              f"prompt_logprobs: {len(p)} prompt tokens, the first without a logprob")
+        check(scored.finish.prompt_text == PROMPT, f"echo: the prompt's text {scored.finish.prompt_text!r}")
+        e = raises(lambda: client.complete(PROMPT, max_tokens=2, logprobs=21), KvleaseError)
+        check(e is not None and e.code == "INVALID_ARGUMENT" and "logprobs.top" in e.details,
+              f"logprobs=21 is INVALID_ARGUMENT naming logprobs.top: {e}")
         kept = client.complete(PROMPT, max_tokens=2, retain={"tokens": 4, "priority": 10, "ttl_s": 60})
         check(kept.finish.reason in ("LENGTH", "STOP"), f"a retention hint is taken: {kept.finish.reason}")
 

@@ -68,5 +68,29 @@ class GenerationTest(unittest.TestCase):
         self.assertEqual(e.exception.code, "CANCELLED")
 
 
+class LogprobsTest(unittest.TestCase):
+    def test_chunks_carry_their_tokens_logprobs_and_the_finish_the_prompts(self):
+        top = [scheduler_pb2.TopLogprob(token=7, bytes=b"a", logprob=-0.25)]
+        first = scheduler_pb2.GenerateResponse(
+            tokens=[7],
+            text="a",
+            prompt_tokens=2,
+            prompt_text="hi",
+            logprobs=[scheduler_pb2.TokenLogprob(token=7, bytes=b"a", logprob=-0.25, top=top)],
+            prompt_logprobs=[
+                scheduler_pb2.TokenLogprob(token=104, bytes=b"h"),
+                scheduler_pb2.TokenLogprob(token=105, bytes=b"i", logprob=-3.0),
+            ],
+        )
+        last = scheduler_pb2.GenerateResponse(finish_reason=scheduler_pb2.LENGTH)
+        c = Generation(_Call([first, last])).result()
+        self.assertEqual(c.tokens, (7,))
+        self.assertEqual(c.logprobs[0].logprob, -0.25)
+        self.assertEqual(c.logprobs[0].top[0].bytes, b"a")
+        self.assertIsNone(c.finish.prompt_logprobs[0].logprob, "the prompt's first has none")
+        self.assertEqual(c.finish.prompt_logprobs[1].logprob, -3.0)
+        self.assertEqual(c.finish.prompt_text, "hi")
+
+
 if __name__ == "__main__":
     unittest.main()
