@@ -6,15 +6,16 @@
 //! are followed, in the plain and the pipelined order (where the worker
 //! takes the fed token on the host for the matcher); unconstrained requests
 //! running beside constrained ones give what they give alone; bad grammars
-//! are INVALID_ARGUMENT naming the field; the pools are whole afterwards.
+//! are INVALID_ARGUMENT naming the field; the pools are whole and the audit
+//! clean afterwards.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
 use std::time::Duration;
 
 use kvlease_integration_tests::{
-    GROUP, Generated, collect, invalid_field, scheduler_client, small_worker_with, start_cache,
-    start_scheduler, start_worker, wait_whole,
+    GROUP, Generated, assert_cache_sound, collect, invalid_field, scheduler_client,
+    small_worker_with, start_cache, start_scheduler, start_worker,
 };
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::grammar::Kind;
@@ -363,10 +364,7 @@ async fn structured(overlap: bool) {
     .unwrap_err();
     assert_eq!(invalid_field(&status), Some("grammar"), "{status:?}");
 
-    let pools = wait_whole(cache.addr, GROUP, WITHIN).await.unwrap();
-    for p in &pools {
-        assert_eq!((p.in_use, p.fenced), (0, 0), "{p:?}");
-    }
+    assert_cache_sound(cache.addr, GROUP, WITHIN).await.unwrap();
     scheduler.stop().await.unwrap();
     worker.stop().await.unwrap();
     cache.stop().await.unwrap();
