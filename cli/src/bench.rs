@@ -67,6 +67,9 @@ pub struct Load {
     pub timeout: Duration,
     /// Show a progress bar on stderr (hidden anyway when it is no terminal).
     pub progress: bool,
+    /// Parallel samples per request (`GenerateRequest.n`); more than one
+    /// samples at temperature 1, seeded with the request's index.
+    pub samples: u32,
 }
 
 impl Default for Load {
@@ -76,6 +79,7 @@ impl Default for Load {
             rate: None,
             timeout: Duration::from_secs(300),
             progress: true,
+            samples: 1,
         }
     }
 }
@@ -121,8 +125,9 @@ pub async fn drive(
         let Ok(permit) = permit else { break };
         let client = client.clone();
         let timeout = load.timeout;
+        let samples = load.samples;
         tasks.spawn(async move {
-            let outcome = generate(client, request, timeout).await;
+            let outcome = generate(client, request, timeout, samples).await;
             drop(permit);
             outcome
         });
@@ -190,11 +195,14 @@ fn record(
     bar.set_message(counts.message());
 }
 
-/// Sends one request and reads its stream to the end.
+/// Sends one request of `samples` samples and reads its stream to the end:
+/// output tokens of every sample, the finish of the first sample that did
+/// not complete, else the last one's.
 pub async fn generate(
     mut client: SchedulerClient<Channel>,
     request: Request,
     timeout: Duration,
+    samples: u32,
 ) -> Outcome {
     let sent = Instant::now();
     let mut outcome = Outcome {
@@ -213,11 +221,16 @@ pub async fn generate(
         request_id: format!("bench-{}", request.index),
         // a workload's output lengths are part of it: no early end of sequence
         ignore_eos: true,
+        n: samples,
+        // samples of one greedy prompt would all be the same
+        temperature: if samples > 1 { 1.0 } else { 0.0 },
+        seed: request.index as u64,
         ..Default::default()
     };
     let run = async {
         let mut stream = client.generate(call).await?.into_inner();
         let mut first = true;
+        let mut ended = 0;
         while let Some(msg) = stream.message().await? {
             if first {
                 outcome.reused_tokens = msg.reused_tokens;
@@ -228,8 +241,11 @@ pub async fn generate(
             }
             outcome.output_tokens += msg.tokens.len() as u32;
             if msg.finish_reason != 0 {
-                outcome.preemptions = msg.preemptions;
-                outcome.finish = finish_of(&msg);
+                outcome.preemptions = outcome.preemptions.max(msg.preemptions);
+                if ended == 0 || outcome.finish.is_ok() {
+                    outcome.finish = finish_of(&msg);
+                }
+                ended += 1;
             }
         }
         Ok::<(), tonic::Status>(())

@@ -257,6 +257,7 @@ async fn drive(
         rate: None,
         timeout: Duration::from_secs(120),
         progress: true,
+        samples: 1,
     };
     let t0 = Instant::now();
     let outcomes = bench::drive(scheduler.clone(), requests, &load).await;

@@ -502,6 +502,66 @@ async fn chat_whole_and_streamed_match_grpc() {
     f.stop().await;
 }
 
+/// OpenAI's `n` through the gateway: n choices with their index, the same
+/// as the scheduler's samples over gRPC, streamed by index with each
+/// choice's finish, usage counting the prompt once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_whole_and_streamed_match_the_grpc_samples() {
+    let f = Front::start(None).await;
+    let prompt = "Forked samples share the prompt's blocks.";
+    let body = json!({"model": "kvlease", "prompt": prompt, "max_tokens": 6, "temperature": 1.0,
+        "seed": 3, "n": 3, "ignore_eos": true});
+    let whole = f.post("/v1/completions", body.clone()).await;
+    assert_eq!(whole.status, 200, "{whole:?}");
+    let w = whole.json();
+    let choices = w["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{w}");
+    // each choice is the gRPC sample of its index: sample i of a request
+    // of one sample with its seed
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["finish_reason"], "length");
+        let one = f
+            .grpc(pb::GenerateRequest {
+                text: prompt.into(),
+                max_tokens: 6,
+                temperature: 1.0,
+                seed: scheduler_svc::queue::branch_seed(3, i as u32),
+                ignore_eos: true,
+                ..Default::default()
+            })
+            .await;
+        assert_eq!(c["text"].as_str(), Some(one.text.as_str()), "choice {i}");
+    }
+    assert_eq!(w["usage"]["prompt_tokens"], prompt.len());
+    assert_eq!(w["usage"]["completion_tokens"], 3 * 6);
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let sse = f.post("/v1/completions", streamed).await;
+    assert_eq!(sse.status, 200, "{sse:?}");
+    let chunks = sse.chunks();
+    let (usage_chunk, rest) = chunks.split_last().unwrap();
+    assert_eq!(usage_chunk["usage"]["prompt_tokens"], prompt.len());
+    assert_eq!(usage_chunk["usage"]["completion_tokens"], 3 * 6);
+    let mut texts = vec![String::new(); 3];
+    let mut finishes = vec![0; 3];
+    for c in rest {
+        let choice = &c["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        texts[i].push_str(choice["text"].as_str().unwrap_or(""));
+        finishes[i] += usize::from(choice["finish_reason"] == "length");
+    }
+    let want: Vec<&str> = choices
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, want);
+    assert_eq!(finishes, vec![1, 1, 1], "each choice ends once");
+    f.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_can_never_fit_is_a_400_for_streams_too() {
     let f = Front::start(None).await;

@@ -78,6 +78,12 @@ pub(crate) struct BenchArgs {
     /// Exit 1 when any request ends in an error (rejects are answers, not errors).
     #[arg(long)]
     fail_on_error: bool,
+    /// Parallel samples per request (OpenAI's n, 1 to 16): the prompt is leased and prefilled
+    /// once and the samples fork from it; more than one samples at temperature 1, seeded with
+    /// the request's index. A request counts every sample's tokens and ends with the first
+    /// sample that did not complete.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    samples: u32,
 }
 
 /// Runs `kvlease bench` with `a`.
@@ -110,6 +116,7 @@ pub(crate) async fn run(a: BenchArgs) -> ExitCode {
         rate: a.rate,
         timeout: Duration::from_secs(a.timeout_s.max(1)),
         progress: !a.no_progress,
+        samples: a.samples,
     };
     match commands::bench(&a.scheduler, source, load).await {
         Ok(s) if a.fail_on_error && s.errors_total() > 0 => {
