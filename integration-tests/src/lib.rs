@@ -300,6 +300,38 @@ pub async fn collect(
     Ok(g)
 }
 
+/// Generates `max_tokens` greedy tokens after `tokens`, asserts that the
+/// request ends `LENGTH`, then waits for [`GROUP`]'s pools to be whole
+/// again: its release and the CompleteStep after it are through, so its
+/// blocks are cached and the tier copies its allocations caused are
+/// published.
+pub async fn generate_settled(
+    client: &mut SchedulerClient<Channel>,
+    cache: SocketAddr,
+    tokens: Vec<u32>,
+    max_tokens: u32,
+) -> Generated {
+    let request = pb::GenerateRequest {
+        tokens,
+        max_tokens,
+        ..Default::default()
+    };
+    let out = match collect(client, request).await {
+        Ok(out) => out,
+        Err(status) => panic!("generate failed: {status:?}"),
+    };
+    assert_eq!(
+        out.finish_reason(),
+        pb::FinishReason::Length,
+        "{}",
+        out.message
+    );
+    if let Err(e) = wait_whole(cache, GROUP, Duration::from_secs(60)).await {
+        panic!("pools: {e}");
+    }
+    out
+}
+
 /// The cache's figures for the pools of `group`.
 pub async fn pool_stats(cache: SocketAddr, group: &str) -> Result<Vec<pb::PoolStats>, Error> {
     let mut c = cache_client(cache).await?;

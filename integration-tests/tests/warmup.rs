@@ -155,8 +155,10 @@ async fn refused_atomic_warm_up_takes_nothing() {
                 host_blocks: 0,
                 window: p.window.into(),
                 num_blocks: p.num_blocks.into(),
+                ..Default::default()
             })
             .collect(),
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -8,9 +8,10 @@
 
 mod adaptive;
 mod chunked;
+mod disk;
 mod limits;
 mod partial;
-mod proptests;
+pub(super) mod proptests;
 mod retention;
 mod step;
 mod tiers;
