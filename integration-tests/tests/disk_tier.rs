@@ -228,3 +228,107 @@ async fn malformed_disk_tiers_in_register_pool_are_refused_naming_the_field() {
     }
     cache.stop().await.unwrap();
 }
+
+/// A worker restarted while an earlier session (a scheduler killed with it)
+/// still holds blocks of its group: the cache refuses the new incarnation
+/// (`ABORTED`, nothing forgotten under the holder), and the new
+/// scheduler's start-up waits until the blocks come back, then serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_incarnation_waits_for_an_earlier_session_to_give_its_blocks_back() {
+    let dir = temp_dir();
+    let secret = dir.with_extension("secret");
+    std::fs::write(&secret, b"another salt secret").unwrap();
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let worker = start_worker(disk_worker(&dir)).await.unwrap();
+    let d = kvlease_integration_tests::worker_client(worker.addr)
+        .await
+        .unwrap()
+        .describe(pb::DescribeRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    // The group as an earlier incarnation of the worker registered it, and
+    // a sequence of an earlier session holding blocks of it.
+    let mut c = kvlease_integration_tests::cache_client(cache.addr)
+        .await
+        .unwrap();
+    let pools = d
+        .pools
+        .iter()
+        .map(|p| pb::PoolSpec {
+            window: p.window.into(),
+            num_blocks: p.num_blocks.into(),
+            host_blocks: p.host_blocks.into(),
+            ..Default::default()
+        })
+        .collect();
+    c.register_pool(pb::RegisterPoolRequest {
+        pool_group: GROUP.into(),
+        tokens_per_block: d.tokens_per_block.into(),
+        pools,
+        worker_incarnation: d.incarnation ^ 1,
+    })
+    .await
+    .unwrap();
+    let s = c
+        .open_session(pb::OpenSessionRequest {
+            holder: "earlier".into(),
+            ttl_ms: 60_000,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let lease = c
+        .lease(pb::LeaseRequest {
+            session_id: s.session_id,
+            epoch: s.epoch,
+            step: 1,
+            sequences: vec![pb::SequenceSpec {
+                seq_id: 1,
+                pool_group: GROUP.into(),
+                num_tokens: 40,
+                ..Default::default()
+            }],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(matches!(
+        lease.outcomes[0].outcome,
+        Some(pb::sequence_outcome::Outcome::Grant(_))
+    ));
+    // The new scheduler starts; the earlier session ends a little later.
+    let starting = tokio::spawn({
+        let (cache, worker) = (cache.url(), worker.url());
+        let secret = secret.clone();
+        async move {
+            let config = scheduler_svc::Config {
+                max_context: 256,
+                max_tokens: 64,
+                salt_secret_file: Some(secret),
+                ..scheduler_svc::Config::default()
+            };
+            start_scheduler(config, &cache, &[worker], READY).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!starting.is_finished(), "start-up waits for the blocks");
+    c.close_session(pb::CloseSessionRequest {
+        session_id: s.session_id,
+        epoch: s.epoch,
+    })
+    .await
+    .unwrap();
+    let scheduler = starting.await.unwrap().unwrap();
+    let out = generate(&cache, &scheduler, prompt(0)).await;
+    assert_eq!(out.tokens.len(), 4);
+    let stats = pool_stats(cache.addr, GROUP).await.unwrap();
+    assert!(stats.iter().all(|p| p.disk_total > 0), "{stats:?}");
+    assert_cache_sound(cache.addr, GROUP, WITHIN).await.unwrap();
+    scheduler.stop().await.unwrap();
+    worker.stop().await.unwrap();
+    cache.stop().await.unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_file(&secret).unwrap();
+}
