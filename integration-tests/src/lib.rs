@@ -332,6 +332,47 @@ pub async fn generate_settled(
     out
 }
 
+/// Opens a session of another holder (`holder`, a 60 s TTL) and leases one
+/// sequence of `num_tokens` in [`GROUP`], granted: blocks a scheduler
+/// starting next finds held. Returns the session (id, epoch).
+pub async fn hold_blocks(
+    client: &mut CacheServiceClient<Channel>,
+    holder: &str,
+    num_tokens: u32,
+) -> Result<(u64, u64), Error> {
+    let s = client
+        .open_session(pb::OpenSessionRequest {
+            holder: holder.into(),
+            ttl_ms: 60_000,
+        })
+        .await?
+        .into_inner();
+    let lease = client
+        .lease(pb::LeaseRequest {
+            session_id: s.session_id,
+            epoch: s.epoch,
+            step: 1,
+            atomic: true,
+            warmup: false,
+            sequences: vec![pb::SequenceSpec {
+                seq_id: 1,
+                pool_group: GROUP.into(),
+                num_tokens,
+                ..Default::default()
+            }],
+        })
+        .await?
+        .into_inner();
+    assert!(
+        matches!(
+            lease.outcomes.first().and_then(|o| o.outcome.as_ref()),
+            Some(pb::sequence_outcome::Outcome::Grant(_))
+        ),
+        "{lease:?}"
+    );
+    Ok((s.session_id, s.epoch))
+}
+
 /// The cache's figures for the pools of `group`.
 pub async fn pool_stats(cache: SocketAddr, group: &str) -> Result<Vec<pb::PoolStats>, Error> {
     let mut c = cache_client(cache).await?;

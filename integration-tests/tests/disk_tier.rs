@@ -47,20 +47,29 @@ fn disk_worker(dir: &Path) -> worker_svc::Config {
     }
 }
 
+/// A scheduler for the small worker whose tenant salts come from `secret`.
+fn scheduler_config(secret: &Path) -> scheduler_svc::Config {
+    scheduler_svc::Config {
+        max_context: 256,
+        max_tokens: 64,
+        salt_secret_file: Some(secret.to_path_buf()),
+        ..scheduler_svc::Config::default()
+    }
+}
+
 /// A worker over `dir` and a scheduler whose tenant salts come from
 /// `secret` (a random key per start would hash the same prompt otherwise
 /// after the restart, and nothing cached before it could ever match).
 async fn start_pair(cache: &Service, dir: &Path, secret: &Path) -> (Service, Service) {
     let worker = start_worker(disk_worker(dir)).await.unwrap();
-    let config = scheduler_svc::Config {
-        max_context: 256,
-        max_tokens: 64,
-        salt_secret_file: Some(secret.to_path_buf()),
-        ..scheduler_svc::Config::default()
-    };
-    let scheduler = start_scheduler(config, &cache.url(), &[worker.url()], READY)
-        .await
-        .unwrap();
+    let scheduler = start_scheduler(
+        scheduler_config(secret),
+        &cache.url(),
+        &[worker.url()],
+        READY,
+    )
+    .await
+    .unwrap();
     (worker, scheduler)
 }
 
@@ -270,56 +279,20 @@ async fn a_new_incarnation_waits_for_an_earlier_session_to_give_its_blocks_back(
     })
     .await
     .unwrap();
-    let s = c
-        .open_session(pb::OpenSessionRequest {
-            holder: "earlier".into(),
-            ttl_ms: 60_000,
-        })
+    let (session_id, epoch) = kvlease_integration_tests::hold_blocks(&mut c, "earlier", 40)
         .await
-        .unwrap()
-        .into_inner();
-    let lease = c
-        .lease(pb::LeaseRequest {
-            session_id: s.session_id,
-            epoch: s.epoch,
-            step: 1,
-            sequences: vec![pb::SequenceSpec {
-                seq_id: 1,
-                pool_group: GROUP.into(),
-                num_tokens: 40,
-                ..Default::default()
-            }],
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(matches!(
-        lease.outcomes[0].outcome,
-        Some(pb::sequence_outcome::Outcome::Grant(_))
-    ));
+        .unwrap();
     // The new scheduler starts; the earlier session ends a little later.
     let starting = tokio::spawn({
         let (cache, worker) = (cache.url(), worker.url());
         let secret = secret.clone();
-        async move {
-            let config = scheduler_svc::Config {
-                max_context: 256,
-                max_tokens: 64,
-                salt_secret_file: Some(secret),
-                ..scheduler_svc::Config::default()
-            };
-            start_scheduler(config, &cache, &[worker], READY).await
-        }
+        async move { start_scheduler(scheduler_config(&secret), &cache, &[worker], READY).await }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!starting.is_finished(), "start-up waits for the blocks");
-    c.close_session(pb::CloseSessionRequest {
-        session_id: s.session_id,
-        epoch: s.epoch,
-    })
-    .await
-    .unwrap();
+    c.close_session(pb::CloseSessionRequest { session_id, epoch })
+        .await
+        .unwrap();
     let scheduler = starting.await.unwrap().unwrap();
     let out = generate(&cache, &scheduler, prompt(0)).await;
     assert_eq!(out.tokens.len(), 4);
