@@ -111,7 +111,9 @@ async fn over_grpc(samples: usize) -> (Vec<Duration>, Vec<Duration>, usize) {
             host_blocks: 0,
             window: 0,
             num_blocks: u64::from(BLOCKS),
+            ..Default::default()
         }],
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -179,13 +179,16 @@ async fn grpc(iterations: u32, tls: Option<&std::path::Path>) -> (Duration, Dura
                     host_blocks: 0,
                     window: 0,
                     num_blocks: 65_536,
+                    ..Default::default()
                 },
                 pb::PoolSpec {
                     host_blocks: 0,
                     window: 256,
                     num_blocks: 65_536,
+                    ..Default::default()
                 },
             ],
+            ..Default::default()
         })
         .await
         .expect("register");

@@ -5,7 +5,8 @@
 use kvlease_proto::v1 as pb;
 
 use crate::cache::{
-    AuditReport, Batch, MatchPrompt, PoolInfo, PoolStats, ShapeEstimate, StepExtend, StepRelease,
+    AuditReport, Batch, DiskPool, MatchPrompt, PoolInfo, PoolStats, ShapeEstimate, StepExtend,
+    StepRelease,
 };
 use crate::error::{Error, Result};
 use crate::events::{EventKind, Tier};
@@ -34,6 +35,19 @@ fn tokens(seq_id: u64, field: &str, ids: Vec<u32>, count: u32) -> Result<Tokens>
             "sequence {seq_id}: give only one of {field}_tokens and num_tokens"
         ))),
     }
+}
+
+/// A pool spec's disk tier (checked by `check_disk_pool`).
+pub(crate) fn disk_pool_from_pb(p: &pb::PoolSpec) -> Result<DiskPool> {
+    Ok(DiskPool {
+        window: narrow("window", p.window)?,
+        blocks: narrow("disk_blocks", p.disk_blocks)?,
+        held: p
+            .disk_held
+            .iter()
+            .map(|h| (h.block, h.hash, h.parent))
+            .collect(),
+    })
 }
 
 /// A uint64 wire field that holds a 32-bit value, refused rather than
@@ -194,6 +208,7 @@ pub(crate) fn pool_info_to_pb(i: PoolInfo) -> pb::PoolInfo {
         num_blocks: i.num_blocks,
         tokens_per_block: i.tokens_per_block,
         host_blocks: i.host_blocks,
+        disk_blocks: i.disk_blocks,
     }
 }
 
@@ -255,6 +270,8 @@ fn tier_copy_to_pb(c: TierCopy) -> pb::TierCopy {
     let direction = match c.direction {
         TierDirection::Demote => pb::tier_copy::Direction::Demote,
         TierDirection::Onboard => pb::tier_copy::Direction::Onboard,
+        TierDirection::Spill => pb::tier_copy::Direction::Spill,
+        TierDirection::Load => pb::tier_copy::Direction::Load,
     };
     pb::TierCopy {
         pool_id: c.pool_id,
@@ -262,6 +279,9 @@ fn tier_copy_to_pb(c: TierCopy) -> pb::TierCopy {
         direction: direction as i32,
         device_block: c.device_block,
         host_block: c.host_block,
+        disk_block: c.disk_block,
+        hash: c.hash,
+        parent: c.parent,
     }
 }
 
@@ -341,6 +361,14 @@ pub(crate) fn stats_to_pb(p: PoolStats) -> pb::PoolStats {
         demotions_dropped: p.counters.demotions_dropped,
         fork_shared: p.counters.fork_shared,
         fork_copies: p.counters.fork_copies,
+        disk_total: p.disk.total,
+        disk_free: p.disk.free,
+        disk_pending: p.disk.pending,
+        disk_cached: p.disk.cached,
+        disk_pinned: p.disk.pinned,
+        spills: p.counters.spills,
+        loads: p.counters.loads,
+        disk_invalidated: p.counters.disk_invalidated,
         eviction_policy: p.policy.configured.name().to_owned(),
         current_policy: p.policy.current.name().to_owned(),
         policy_estimates: p
@@ -390,6 +418,7 @@ pub(crate) fn event_to_pb(e: crate::events::Event) -> pb::CacheEvent {
         tier: match e.tier {
             Tier::Device => pb::Tier::Device,
             Tier::Host => pb::Tier::Host,
+            Tier::Disk => pb::Tier::Disk,
         } as i32,
     }
 }

@@ -73,6 +73,15 @@ pub enum Error {
         /// The pools that hold blocks, with their counts.
         detail: String,
     },
+    /// A new worker incarnation of a group a session still holds blocks of
+    /// or copies blocks of (`RegisterPool`): retry once it is done.
+    #[error("pool group {group:?} cannot take a new worker incarnation yet: {detail}")]
+    IncarnationBusy {
+        /// The group.
+        group: String,
+        /// The pools that hold blocks, with their counts.
+        detail: String,
+    },
     /// The service's configuration is refused (a flag out of range, a
     /// certificate that does not load); `run` fails before serving.
     #[error("invalid configuration: {0}")]
@@ -102,6 +111,7 @@ impl From<Error> for tonic::Status {
             | Error::StaleEpoch { .. }
             | Error::StepAlreadyCompleted { .. }
             | Error::GroupBusy { .. } => tonic::Status::failed_precondition(message),
+            Error::IncarnationBusy { .. } => tonic::Status::aborted(message),
             Error::UnknownGroup(_) => tonic::Status::not_found(message),
             Error::GeometryConflict { .. } => tonic::Status::already_exists(message),
             Error::Config(_) | Error::Io(_) | Error::Serve(_) => tonic::Status::internal(message),

@@ -11,6 +11,8 @@ pub enum Tier {
     Device,
     /// The worker's host-memory arena (see `tier`).
     Host,
+    /// The worker's block files below the host (see `tier`).
+    Disk,
 }
 
 /// An event of the prefix index, for the event stream.

@@ -238,9 +238,13 @@ pub enum TierDirection {
     Demote,
     /// Host block -> device block (a host-cached prefix block brought back).
     Onboard,
+    /// Host block -> disk block (an evicted host block kept on disk).
+    Spill,
+    /// Disk block -> device block (a disk-cached prefix block brought back).
+    Load,
 }
 
-/// Copy one whole block between the device and the host arena of a pool.
+/// Copy one whole block between two tiers (device, host, disk) of a pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TierCopy {
     /// The pool's service-wide id.
@@ -249,10 +253,16 @@ pub struct TierCopy {
     pub window: u32,
     /// Which way.
     pub direction: TierDirection,
-    /// The device block.
+    /// The device block (`Demote`, `Onboard`, `Load`; 0 for `Spill`).
     pub device_block: BlockId,
-    /// The host block.
+    /// The host block (`Demote`, `Onboard`, `Spill`; 0 for `Load`).
     pub host_block: crate::tier::HostBlockId,
+    /// The disk block (`Spill`, `Load`; 0 otherwise).
+    pub disk_block: crate::tier::HostBlockId,
+    /// The block's prefix hash (`Spill`, `Load`; 0 otherwise).
+    pub hash: u64,
+    /// Its parent's hash (`Spill`, `Load`; 0 otherwise).
+    pub parent: u64,
 }
 
 /// Copy slots `[0, tokens)` of `src_block` into `dst_block`, in one pool.

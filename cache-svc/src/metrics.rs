@@ -31,6 +31,7 @@ pub(crate) struct CacheMetrics {
     leaks: CounterVec<2>,
     matched: Counter,
     host_blocks: GaugeVec<3>,
+    disk_blocks: GaugeVec<3>,
     tier_copies: CounterVec<3>,
 }
 
@@ -162,15 +163,23 @@ impl CacheMetrics {
                 [names::POOL_GROUP, names::POOL_ID, names::STATE],
             )
             .map_err(fail)?;
+        let disk_blocks = r
+            .gauge_vec(
+                names::DISK_TIER_BLOCKS,
+                "Blocks of a pool's disk tier in each state (free, pending, cached, pinned).",
+                [names::POOL_GROUP, names::POOL_ID, names::STATE],
+            )
+            .map_err(fail)?;
         let tier_copies = r
             .counter_vec(
                 names::TIER_COPY_BLOCKS_TOTAL,
-                "Blocks copied between a pool's device and host tiers (demoted, onboarded, demotion_dropped).",
+                "Blocks copied between a pool's tiers (demoted, onboarded, demotion_dropped, spilled, loaded, disk_invalidated).",
                 [names::POOL_GROUP, names::POOL_ID, names::DIRECTION],
             )
             .map_err(fail)?;
         Ok(Self {
             host_blocks,
+            disk_blocks,
             tier_copies,
             registry: Arc::new(registry),
             blocks,
@@ -263,6 +272,24 @@ impl CacheMetrics {
                     catch_up(&self.tier_copies, [group, &id, direction], n);
                 }
             }
+            let d = p.pool.disk().counts();
+            if d.total > 0 {
+                for (state, n) in [
+                    (names::STATE_FREE, d.free),
+                    (names::STATE_PENDING, d.pending),
+                    (names::STATE_CACHED, d.cached),
+                    (names::STATE_PINNED, d.pinned),
+                ] {
+                    self.disk_blocks.with([group, &id, state]).set(f64::from(n));
+                }
+                for (direction, n) in [
+                    (names::DIRECTION_SPILLED, k.spills),
+                    (names::DIRECTION_LOADED, k.loads),
+                    (names::DIRECTION_DISK_INVALIDATED, k.disk_invalidated),
+                ] {
+                    catch_up(&self.tier_copies, [group, &id, direction], n);
+                }
+            }
             let rate = if k.reuse_lookups == 0 {
                 0.0
             } else {
@@ -332,11 +359,15 @@ impl CacheMetrics {
             names::STATE_PINNED,
         ] {
             self.host_blocks.remove([group, id, state]);
+            self.disk_blocks.remove([group, id, state]);
         }
         for direction in [
             names::DIRECTION_DEMOTED,
             names::DIRECTION_ONBOARDED,
             names::DIRECTION_DEMOTION_DROPPED,
+            names::DIRECTION_SPILLED,
+            names::DIRECTION_LOADED,
+            names::DIRECTION_DISK_INVALIDATED,
         ] {
             self.tier_copies.remove([group, id, direction]);
         }

@@ -30,7 +30,7 @@ use crate::eviction::{EvictionPolicy, PriorityLru};
 use crate::mrc::{HitRateEstimate, MissRatioCurve};
 use crate::partial::PartialIndex;
 use crate::retention::Retention;
-use crate::tier::{Demotion, HostTier};
+use crate::tier::{Demotion, HostTier, Spill};
 
 pub use crate::ids::BlockId;
 use crate::ids::{SeqId, SessionId};
@@ -128,6 +128,13 @@ pub struct PoolCounters {
     pub fork_shared: u64,
     /// Partial-block copies granted to forks (copy on write).
     pub fork_copies: u64,
+    /// Evicted host blocks spilled to the disk tier (copy named).
+    pub spills: u64,
+    /// Prompt blocks loaded from the disk tier (warm-up excluded; also in
+    /// `onboards`).
+    pub loads: u64,
+    /// Disk blocks dropped from the index after a failed pass loaded them.
+    pub disk_invalidated: u64,
 }
 
 /// One pool of blocks.
@@ -147,6 +154,8 @@ pub struct BlockPool {
     retention: Retention,
     /// The host tier (no blocks: none).
     host: HostTier,
+    /// The disk tier below the host (no blocks: none).
+    disk: HostTier,
     /// Demotions decided by evictions since the caller last took them.
     demotions: Vec<Demotion>,
 }
@@ -176,6 +185,7 @@ impl BlockPool {
             partials: PartialIndex::new(),
             retention: Retention::new(num_blocks as usize, 0),
             host: HostTier::new(0),
+            disk: HostTier::disk(0),
             demotions: Vec::new(),
         }
     }
@@ -228,6 +238,51 @@ impl BlockPool {
     /// The host tier, to pin, unpin, publish or discard its blocks.
     pub fn host_mut(&mut self) -> &mut HostTier {
         &mut self.host
+    }
+
+    /// The disk tier (empty when the pool has none).
+    pub fn disk(&self) -> &HostTier {
+        &self.disk
+    }
+
+    /// Replaces the disk tier (a new worker incarnation's).
+    pub fn set_disk_tier(&mut self, disk: HostTier) {
+        self.disk = disk;
+    }
+
+    /// The host or disk tier (`Tier::Device` is not a tier of its own: the
+    /// host's is answered).
+    pub fn tier(&self, tier: Tier) -> &HostTier {
+        match tier {
+            Tier::Disk => &self.disk,
+            Tier::Device | Tier::Host => &self.host,
+        }
+    }
+
+    /// [`BlockPool::tier`], to pin, unpin, publish or discard its blocks.
+    pub fn tier_mut(&mut self, tier: Tier) -> &mut HostTier {
+        match tier {
+            Tier::Disk => &mut self.disk,
+            Tier::Device | Tier::Host => &mut self.host,
+        }
+    }
+
+    /// Forgets every published hash of the device and the host tier (the
+    /// worker restarted and lost that memory): cached blocks become free,
+    /// held ones are never matched again. Pending hashes of held blocks stay
+    /// (their holder's step publishes or discards them).
+    pub fn forget_memory(&mut self) {
+        for block in 0..self.counts.total {
+            let m = &self.meta[block as usize];
+            if m.hash.is_none() && !m.partial {
+                continue;
+            }
+            let before = self.state(block);
+            // a cached block leaves the policy and turns free, as evicted
+            self.unpublish(block);
+            self.settle(block, before);
+        }
+        self.host.forget_all();
     }
 
     /// Demotions decided since the last call, in the order the worker must
@@ -298,6 +353,7 @@ impl BlockPool {
     pub fn drain_events(&mut self) -> Vec<IndexEvent> {
         let mut events = std::mem::take(&mut self.events);
         events.extend(self.host.drain_events());
+        events.extend(self.disk.drain_events());
         events
     }
 
@@ -420,14 +476,34 @@ impl BlockPool {
         if self.host.lookup(hash).is_some() {
             return;
         }
-        if let Some(host) = self.host.reserve(hash, m.parent) {
+        if let Some((host, evicted)) = self.host.reserve_evicting(hash, m.parent) {
+            let spill = evicted.and_then(|(hash, parent)| self.spill(host, hash, parent));
             self.counters.demotions += 1;
             self.demotions.push(Demotion {
                 device: victim,
                 host,
                 generation: self.host.generation(host),
+                spill,
             });
         }
+    }
+
+    /// Keeps the content of host block `host` (`hash` after `parent`, being
+    /// evicted from the host tier) on the disk tier when it has one with
+    /// room and not already the same hash.
+    fn spill(&mut self, host: u32, hash: u64, parent: u64) -> Option<Spill> {
+        if self.disk.is_empty() || self.disk.lookup(hash).is_some() {
+            return None;
+        }
+        let disk = self.disk.reserve(hash, parent)?;
+        self.counters.spills += 1;
+        Some(Spill {
+            host,
+            disk,
+            generation: self.disk.generation(disk),
+            hash,
+            parent,
+        })
     }
 
     /// Adds a reader to a published (cached, fenced or in-use) block.
@@ -694,7 +770,8 @@ impl BlockPool {
                 return Err(format!("index entry {h:#x} -> {b} is stale"));
             }
         }
-        self.host.check_invariants()
+        self.host.check_invariants()?;
+        self.disk.check_invariants()
     }
 }
 

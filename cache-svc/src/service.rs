@@ -18,10 +18,12 @@ use tonic::{Request, Response, Status};
 
 use crate::cache::{
     AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Batch, Cache, Registration, StepParts,
+    check_disk_pool,
 };
 use crate::convert::{
-    audit_to_pb, estimate_to_pb, event_to_pb, extend_from_pb, match_prompt_from_pb, narrow,
-    outcomes_to_pb, pool_info_to_pb, release_from_pb, release_to_pb, spec_from_pb, stats_to_pb,
+    audit_to_pb, disk_pool_from_pb, estimate_to_pb, event_to_pb, extend_from_pb,
+    match_prompt_from_pb, narrow, outcomes_to_pb, pool_info_to_pb, release_from_pb, release_to_pb,
+    spec_from_pb, stats_to_pb,
 };
 use crate::error::{Error, Result};
 use crate::ids::{Epoch, SessionId, Step};
@@ -242,6 +244,15 @@ impl CacheService for CacheServiceImpl {
             })
             .collect::<Result<Vec<(u32, u32, u32)>>>()?;
         let tokens_per_block = narrow("tokens_per_block", r.tokens_per_block)?;
+        let disks = r
+            .pools
+            .iter()
+            .map(disk_pool_from_pb)
+            .collect::<Result<Vec<_>>>()?;
+        let max_blocks = self.lock().config().max_pool_blocks;
+        for (d, &(_, _, host_blocks)) in disks.iter().zip(&pools) {
+            check_disk_pool(d, host_blocks, r.worker_incarnation, max_blocks)?;
+        }
         let plan = self.lock().plan_registration(
             caller.name(),
             &r.pool_group,
@@ -259,7 +270,20 @@ impl CacheService for CacheServiceImpl {
                 self.lock().commit_registration(built)?
             }
         };
-        tracing::info!(pool_group = %r.pool_group, pools = infos.len(), already, "pools registered");
+        // the worker's incarnation and disk tiers, once the group exists
+        let reindexed = self.lock().register_incarnation(
+            caller.name(),
+            &r.pool_group,
+            r.worker_incarnation,
+            &disks,
+        )?;
+        let infos = match reindexed.new_incarnation {
+            true => self.lock().pool_infos(&infos),
+            false => infos,
+        };
+        tracing::info!(pool_group = %r.pool_group, pools = infos.len(), already,
+            new_incarnation = reindexed.new_incarnation,
+            disk_blocks_indexed = reindexed.disk_blocks_indexed, "pools registered");
         Ok(Response::new(pb::RegisterPoolResponse {
             pools: infos.into_iter().map(pool_info_to_pb).collect(),
             already_registered: already,

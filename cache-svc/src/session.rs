@@ -103,11 +103,13 @@ pub(crate) struct BlockRef {
     pub generation: u32,
 }
 
-/// A host-tier block waiting on a step of the session.
+/// A host- or disk-tier block waiting on a step of the session.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct HostRef {
     /// Pool index.
     pub pool: usize,
+    /// `Tier::Host` or `Tier::Disk`.
+    pub tier: crate::events::Tier,
     /// Host block id.
     pub block: crate::tier::HostBlockId,
     /// Its generation when the reference was taken.
@@ -139,7 +141,8 @@ pub(crate) struct Session {
     pub fences: BTreeMap<Step, Vec<BlockRef>>,
     /// Blocks whose hash publishes when the step completes, by step.
     pub pending: BTreeMap<Step, Vec<BlockRef>>,
-    /// Host blocks receiving demotions named at a step, by step: published
+    /// Host (and disk) blocks receiving demotions (and spills) named at a
+    /// step, by step: published
     /// when it completes, dropped by a `discard_unwritten` release.
     pub demotions: BTreeMap<Step, Vec<HostRef>>,
     /// Host blocks read by onboarding copies at a step, by step: unpinned

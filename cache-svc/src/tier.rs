@@ -19,6 +19,15 @@
 //! leaves first, so a chain reaches the host child before parent and leaves
 //! it in the same order, and a block whose parent was dropped is merely
 //! unreachable until it ages out.
+//!
+//! The disk tier below the host is the same state machine over the worker's
+//! block files ([`HostTier::disk`]): a host block the host tier evicts is
+//! *spilled* (host block -> disk block, pending until its step completes),
+//! a disk-cached prefix block is *loaded* (disk block -> device block,
+//! pinned until its step completes), eviction is the same recency. Two
+//! things only the disk has: [`HostTier::index_held`] publishes what a
+//! restarted worker found in its files, and [`HostTier::invalidate`] drops
+//! a block whose file a failed pass may have found bad.
 
 use foldhash::{HashMap, HashMapExt};
 
@@ -26,7 +35,8 @@ use crate::events::{IndexEvent, Tier};
 use crate::eviction::{EvictionPolicy, PriorityLru};
 use crate::ids::BlockId;
 
-/// A block id of the host tier (indexes the worker's host arena).
+/// A block id of the host tier (indexes the worker's host arena), or of
+/// the disk tier (a block file's slot).
 pub type HostBlockId = u32;
 
 /// The state of one host block.
@@ -67,6 +77,25 @@ pub struct Demotion {
     pub host: HostBlockId,
     /// The host block's generation (publication checks it).
     pub generation: u32,
+    /// The content `host` held before (a cached block it evicted) kept on
+    /// disk: the worker writes it before this demotion overwrites `host`.
+    pub spill: Option<Spill>,
+}
+
+/// A spill the cache decided: write host block `host` (its published
+/// content, `hash` after `parent`) to disk block `disk`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Spill {
+    /// The host block read.
+    pub host: HostBlockId,
+    /// The disk block written.
+    pub disk: HostBlockId,
+    /// The disk block's generation (publication checks it).
+    pub generation: u32,
+    /// The content's hash.
+    pub hash: u64,
+    /// Its parent's hash.
+    pub parent: u64,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -81,9 +110,11 @@ struct Meta {
     generation: u32,
 }
 
-/// One pool's host tier.
+/// One pool's host tier (or disk tier, see [`HostTier::disk`]).
 #[derive(Debug)]
 pub struct HostTier {
+    /// Which tier the events name.
+    tier: Tier,
     meta: Vec<Meta>,
     free_list: Vec<HostBlockId>,
     index: HashMap<u64, HostBlockId>,
@@ -95,7 +126,17 @@ pub struct HostTier {
 impl HostTier {
     /// A tier of `num_blocks` free host blocks (0: no tier).
     pub fn new(num_blocks: u32) -> Self {
+        Self::of_tier(Tier::Host, num_blocks)
+    }
+
+    /// A disk tier of `num_blocks` free disk blocks (0: no tier).
+    pub fn disk(num_blocks: u32) -> Self {
+        Self::of_tier(Tier::Disk, num_blocks)
+    }
+
+    fn of_tier(tier: Tier, num_blocks: u32) -> Self {
         Self {
+            tier,
             meta: vec![Meta::default(); num_blocks as usize],
             free_list: (0..num_blocks).rev().collect(),
             index: HashMap::new(),
@@ -192,16 +233,29 @@ impl HostTier {
     /// [`HostTier::publish`]. `None` when every block is pending or pinned:
     /// the device block is then simply dropped.
     pub fn reserve(&mut self, hash: u64, parent: u64) -> Option<HostBlockId> {
+        self.reserve_evicting(hash, parent).map(|(b, _)| b)
+    }
+
+    /// [`HostTier::reserve`], also naming what the block held when it was
+    /// taken by evicting a cached one: `(hash, parent)` of that content,
+    /// still intact in the block until the new content is copied in.
+    pub fn reserve_evicting(
+        &mut self,
+        hash: u64,
+        parent: u64,
+    ) -> Option<(HostBlockId, Option<(u64, u64)>)> {
+        let mut evicted = None;
         let block = match self.free_list.pop() {
             Some(b) => b,
             None => {
                 let victim = self.eviction.pop_victim()?;
                 let m = &mut self.meta[victim as usize];
                 if let Some(h) = m.hash.take() {
+                    evicted = Some((h, m.parent));
                     self.index.remove(&h);
                     self.events.push(IndexEvent::Removed {
                         hash: h,
-                        tier: Tier::Host,
+                        tier: self.tier,
                     });
                 }
                 // The policy no longer holds it: count it free, then take it.
@@ -217,7 +271,7 @@ impl HostTier {
         m.generation = m.generation.wrapping_add(1);
         self.counts.free -= 1;
         self.counts.pending += 1;
-        Some(block)
+        Some((block, evicted))
     }
 
     /// Publishes the pending demotion into `block` if it is still the
@@ -242,10 +296,79 @@ impl HostTier {
         self.events.push(IndexEvent::Stored {
             hash,
             parent: m.parent,
-            tier: Tier::Host,
+            tier: self.tier,
         });
         self.settle(block, before);
         true
+    }
+
+    /// The published `(hash, parent)` of `block`, if any.
+    pub fn content(&self, block: HostBlockId) -> Option<(u64, u64)> {
+        let m = &self.meta[block as usize];
+        m.hash.map(|h| (h, m.parent))
+    }
+
+    /// Publishes what a restarted worker found in its files: `(block,
+    /// hash, parent)` each, into free blocks of an empty tier. A block out
+    /// of range or not free, or a hash already indexed, is skipped; returns
+    /// the blocks published.
+    pub fn index_held(&mut self, held: &[(HostBlockId, u64, u64)]) -> u32 {
+        let mut published = 0;
+        for &(block, hash, parent) in held {
+            if block >= self.counts.total
+                || self.state(block) != HostState::Free
+                || self.index.contains_key(&hash)
+            {
+                continue;
+            }
+            self.free_list.retain(|&b| b != block);
+            let m = &mut self.meta[block as usize];
+            m.generation = m.generation.wrapping_add(1);
+            m.hash = Some(hash);
+            m.parent = parent;
+            self.index.insert(hash, block);
+            self.events.push(IndexEvent::Stored {
+                hash,
+                parent,
+                tier: self.tier,
+            });
+            self.counts.free -= 1;
+            self.counts.cached += 1;
+            self.eviction.insert(block, 0, true);
+            published += 1;
+        }
+        published
+    }
+
+    /// Forgets the content of `block` (its hash leaves the index): it is
+    /// never matched again, and free once no reader pins it. Returns whether
+    /// a hash was dropped.
+    pub fn invalidate(&mut self, block: HostBlockId) -> bool {
+        let before = self.state(block);
+        let Some(hash) = self.meta[block as usize].hash.take() else {
+            return false;
+        };
+        self.index.remove(&hash);
+        self.events.push(IndexEvent::Removed {
+            hash,
+            tier: self.tier,
+        });
+        self.settle(block, before);
+        true
+    }
+
+    /// Forgets every published hash (the worker lost the content): cached
+    /// blocks become free, pinned ones free after their last reader.
+    /// Pending reservations stay (their holders publish or discard them).
+    pub fn forget_all(&mut self) {
+        for block in 0..self.counts.total {
+            self.invalidate(block);
+        }
+    }
+
+    /// Whether a session's copy waits on a block (pending or pinned).
+    pub fn is_quiet(&self) -> bool {
+        self.counts.pending == 0 && self.counts.pinned == 0
     }
 
     /// Drops the pending demotion into `block` (the copy may never have

@@ -300,6 +300,79 @@ pub async fn collect(
     Ok(g)
 }
 
+/// Generates `max_tokens` greedy tokens after `tokens`, asserts that the
+/// request ends `LENGTH`, then waits for [`GROUP`]'s pools to be whole
+/// again: its release and the CompleteStep after it are through, so its
+/// blocks are cached and the tier copies its allocations caused are
+/// published.
+pub async fn generate_settled(
+    client: &mut SchedulerClient<Channel>,
+    cache: SocketAddr,
+    tokens: Vec<u32>,
+    max_tokens: u32,
+) -> Generated {
+    let request = pb::GenerateRequest {
+        tokens,
+        max_tokens,
+        ..Default::default()
+    };
+    let out = match collect(client, request).await {
+        Ok(out) => out,
+        Err(status) => panic!("generate failed: {status:?}"),
+    };
+    assert_eq!(
+        out.finish_reason(),
+        pb::FinishReason::Length,
+        "{}",
+        out.message
+    );
+    if let Err(e) = wait_whole(cache, GROUP, Duration::from_secs(60)).await {
+        panic!("pools: {e}");
+    }
+    out
+}
+
+/// Opens a session of another holder (`holder`, a 60 s TTL) and leases one
+/// sequence of `num_tokens` in [`GROUP`], granted: blocks a scheduler
+/// starting next finds held. Returns the session (id, epoch).
+pub async fn hold_blocks(
+    client: &mut CacheServiceClient<Channel>,
+    holder: &str,
+    num_tokens: u32,
+) -> Result<(u64, u64), Error> {
+    let s = client
+        .open_session(pb::OpenSessionRequest {
+            holder: holder.into(),
+            ttl_ms: 60_000,
+        })
+        .await?
+        .into_inner();
+    let lease = client
+        .lease(pb::LeaseRequest {
+            session_id: s.session_id,
+            epoch: s.epoch,
+            step: 1,
+            atomic: true,
+            warmup: false,
+            sequences: vec![pb::SequenceSpec {
+                seq_id: 1,
+                pool_group: GROUP.into(),
+                num_tokens,
+                ..Default::default()
+            }],
+        })
+        .await?
+        .into_inner();
+    assert!(
+        matches!(
+            lease.outcomes.first().and_then(|o| o.outcome.as_ref()),
+            Some(pb::sequence_outcome::Outcome::Grant(_))
+        ),
+        "{lease:?}"
+    );
+    Ok((s.session_id, s.epoch))
+}
+
 /// The cache's figures for the pools of `group`.
 pub async fn pool_stats(cache: SocketAddr, group: &str) -> Result<Vec<pb::PoolStats>, Error> {
     let mut c = cache_client(cache).await?;

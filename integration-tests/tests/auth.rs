@@ -357,8 +357,10 @@ async fn a_second_scheduler_principal_cannot_use_the_first_ones_pool_groups()
                 window: p.window.into(),
                 num_blocks: p.total.into(),
                 host_blocks: p.host_total.into(),
+                ..Default::default()
             })
             .collect(),
+        ..Default::default()
     };
 
     let mut cache = CacheServiceClient::new(channel_as(cluster.cache.addr, Some("mallory")).await?);

@@ -12,8 +12,8 @@
 use std::time::Duration;
 
 use kvlease_integration_tests::{
-    GROUP, Generated, assert_cache_sound, collect, pool_stats, scheduler_client, small_worker,
-    start_small_cluster, wait_whole,
+    GROUP, Generated, assert_cache_sound, generate_settled, pool_stats, scheduler_client,
+    small_worker, start_small_cluster,
 };
 use kvlease_proto::v1 as pb;
 
@@ -41,24 +41,8 @@ async fn fill_and_repeat(host_blocks: u32) -> Run {
         .await
         .unwrap();
     let mut client = scheduler_client(scheduler.addr).await.unwrap();
-    let mut generate = async |tokens: Vec<u32>| {
-        let request = pb::GenerateRequest {
-            tokens,
-            max_tokens: 4,
-            ..Default::default()
-        };
-        let out = collect(&mut client, request).await.unwrap();
-        assert_eq!(
-            out.finish_reason(),
-            pb::FinishReason::Length,
-            "{}",
-            out.message
-        );
-        // Its release and the CompleteStep after it: its blocks are cached
-        // (and the demotions its allocations caused are published).
-        wait_whole(cache.addr, GROUP, WITHIN).await.unwrap();
-        out
-    };
+    let mut generate =
+        async |tokens: Vec<u32>| generate_settled(&mut client, cache.addr, tokens, 4).await;
     let first = generate(prompt(0)).await;
     for i in 1..=6 {
         generate(prompt(i)).await;

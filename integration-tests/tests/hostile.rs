@@ -125,7 +125,9 @@ async fn register(
             host_blocks: 0,
             window: 0,
             num_blocks: blocks,
+            ..Default::default()
         }],
+        ..Default::default()
     })
     .await
     .map(drop)

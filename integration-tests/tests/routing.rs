@@ -166,7 +166,9 @@ async fn match_answers_only_in_the_callers_groups_and_refuses_malformed_requests
             window: 0,
             num_blocks: 16,
             host_blocks: 0,
+            ..Default::default()
         }],
+        ..Default::default()
     })
     .await
     .unwrap();

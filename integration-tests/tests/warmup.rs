@@ -155,40 +155,16 @@ async fn refused_atomic_warm_up_takes_nothing() {
                 host_blocks: 0,
                 window: p.window.into(),
                 num_blocks: p.num_blocks.into(),
+                ..Default::default()
             })
             .collect(),
+        ..Default::default()
     })
     .await
     .unwrap();
-    let s = c
-        .open_session(pb::OpenSessionRequest {
-            holder: "squatter".into(),
-            ttl_ms: 60_000,
-        })
+    kvlease_integration_tests::hold_blocks(&mut c, "squatter", 160)
         .await
-        .unwrap()
-        .into_inner();
-    let lease = c
-        .lease(pb::LeaseRequest {
-            session_id: s.session_id,
-            epoch: s.epoch,
-            step: 1,
-            atomic: true,
-            warmup: false,
-            sequences: vec![pb::SequenceSpec {
-                seq_id: 1,
-                pool_group: GROUP.into(),
-                num_tokens: 160,
-                ..Default::default()
-            }],
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(matches!(
-        lease.outcomes[0].outcome,
-        Some(pb::sequence_outcome::Outcome::Grant(_))
-    ));
+        .unwrap();
     let held = pool_stats(cache.addr, GROUP).await.unwrap();
 
     let blocks = full_pool_blocks(&worker).await;

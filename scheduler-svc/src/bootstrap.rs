@@ -96,9 +96,7 @@ async fn start_inner(
             });
         }
         let name = config.pool_group(&d.model_name, i);
-        let pools = cache
-            .register_pool(&name, d.tokens_per_block, &d.pools)
-            .await?;
+        let pools = register_waiting(config, cache, &name, &d).await?;
         let max_context = match config.max_context {
             0 => d.max_context,
             c => c.min(d.max_context),
@@ -132,6 +130,41 @@ async fn start_inner(
         last_step: step,
         tokenizer,
     })
+}
+
+/// Registers a worker's pools with its incarnation and disk tiers. The
+/// cache refuses a new incarnation (`ABORTED`) while an earlier
+/// session of this scheduler (killed with its worker, not yet expired)
+/// still holds blocks of the group: waits up to one session TTL for it, as
+/// [`wait_for_an_earlier_session`] does, then fails with the cache's answer.
+async fn register_waiting(
+    config: &Config,
+    cache: &CacheClient,
+    group: &str,
+    d: &WorkerDescription,
+) -> Result<Vec<crate::domain::PoolGeometry>> {
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_millis(config.session_ttl_ms) + EXPIRY_SLACK;
+    let mut warned = false;
+    loop {
+        match cache
+            .register_pool(group, d.tokens_per_block, &d.pools, &d.tiers)
+            .await
+        {
+            Err(Error::Rpc {
+                code: tonic::Code::Aborted,
+                message,
+                ..
+            }) if tokio::time::Instant::now() < deadline => {
+                if !warned {
+                    tracing::warn!(group, %message, "the worker restarted while an earlier session holds its group's blocks: waiting up to its TTL");
+                    warned = true;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => return other,
+        }
+    }
 }
 
 /// A scheduler started again soon after it died (`kill -9`, no

@@ -17,7 +17,7 @@ use tonic::transport::Channel;
 use crate::convert::{self, match_results, outcomes, release_counts, sequence_spec};
 use crate::domain::{
     Epoch, ExtendSpec, ForwardItem, ForwardResult, LeaseMode, LeaseSpec, Outcome, PoolGeometry,
-    SeqId, SessionId, Step, StepCall, TierCopy,
+    SeqId, SessionId, Step, StepCall, TierCopy, WorkerTiers,
 };
 use crate::error::{Error, Result};
 use crate::session::{Session, SessionState};
@@ -175,24 +175,44 @@ impl CacheClient {
     }
 
     /// Registers a group's pools; returns them with their ids, in the order
-    /// of `pools` (window, blocks, host-tier blocks).
+    /// of `pools` (window, blocks, host-tier blocks), with the worker's
+    /// incarnation and disk tiers (`tiers.disks` in the order of `pools`;
+    /// default: none).
     pub(crate) async fn register_pool(
         &self,
         group: &str,
         tokens_per_block: u32,
         pools: &[(u32, u32, u32)],
+        tiers: &WorkerTiers,
     ) -> Result<Vec<PoolGeometry>> {
         let req = pb::RegisterPoolRequest {
             pool_group: group.to_string(),
             tokens_per_block: tokens_per_block.into(),
             pools: pools
                 .iter()
-                .map(|&(window, num_blocks, host_blocks)| pb::PoolSpec {
-                    host_blocks: host_blocks.into(),
-                    window: window.into(),
-                    num_blocks: num_blocks.into(),
+                .enumerate()
+                .map(|(i, &(window, num_blocks, host_blocks))| {
+                    let (disk_blocks, held) = tiers
+                        .disks
+                        .get(i)
+                        .map_or((0, &[][..]), |(n, held)| (*n, held.as_slice()));
+                    pb::PoolSpec {
+                        host_blocks: host_blocks.into(),
+                        window: window.into(),
+                        num_blocks: num_blocks.into(),
+                        disk_blocks: disk_blocks.into(),
+                        disk_held: held
+                            .iter()
+                            .map(|&(block, hash, parent)| pb::DiskBlock {
+                                block,
+                                hash,
+                                parent,
+                            })
+                            .collect(),
+                    }
                 })
                 .collect(),
+            worker_incarnation: tiers.incarnation,
         };
         let r = self.inner.clone().register_pool(req).await;
         let r = self.seen("RegisterPool", r)?;
@@ -399,6 +419,8 @@ pub(crate) struct WorkerDescription {
     pub tokens_per_block: u32,
     /// (window, blocks, host-tier blocks) per pool.
     pub pools: Vec<(u32, u32, u32)>,
+    /// The worker's incarnation and disk tiers.
+    pub tiers: WorkerTiers,
     pub max_context: u32,
     pub vocab_size: u32,
     pub max_batch_sequences: u32,
@@ -449,6 +471,17 @@ impl WorkerClient {
                 .iter()
                 .map(|p| (p.window, p.num_blocks, p.host_blocks))
                 .collect(),
+            tiers: WorkerTiers {
+                incarnation: r.incarnation,
+                disks: r
+                    .pools
+                    .iter()
+                    .map(|p| {
+                        let held = p.disk_held.iter().map(|h| (h.block, h.hash, h.parent));
+                        (p.disk_blocks, held.collect())
+                    })
+                    .collect(),
+            },
             max_context: model.max_context,
             vocab_size: model.vocab_size,
             max_batch_sequences: r.max_batch_sequences,

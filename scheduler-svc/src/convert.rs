@@ -7,7 +7,7 @@ use kvlease_proto::v1 as pb;
 use crate::domain::{
     ExtendSpec, Extra, ForwardItem, ForwardResult, Grant, LeaseMode, LeaseSpec, Logprobs, Outcome,
     Reject, RejectReason, RequestId, Retain, Sampling, SeqId, Step, StepCall, Table, TierCopy,
-    TokenLogprob,
+    TierDirection, TokenLogprob,
 };
 use crate::error::{Error, Result};
 use crate::queue::Request;
@@ -722,21 +722,33 @@ pub(crate) fn grant(g: pb::Grant, seq_id: SeqId) -> Grant {
 }
 
 fn tier_copy_from_pb(c: &pb::TierCopy) -> TierCopy {
+    use pb::tier_copy::Direction;
+    let direction = match Direction::try_from(c.direction) {
+        Ok(Direction::Onboard) => TierDirection::Onboard,
+        Ok(Direction::Spill) => TierDirection::Spill,
+        Ok(Direction::Load) => TierDirection::Load,
+        // DEMOTE is 0: an unknown direction reads as it, like any proto3 enum.
+        Ok(Direction::Demote) | Err(_) => TierDirection::Demote,
+    };
     TierCopy {
         pool_id: c.pool_id,
         window: c.window,
-        // DEMOTE is 0: an unknown direction reads as it, like any proto3 enum.
-        demote: c.direction != pb::tier_copy::Direction::Onboard as i32,
+        direction,
         device_block: c.device_block,
         host_block: c.host_block,
+        disk_block: c.disk_block,
+        hash: c.hash,
+        parent: c.parent,
     }
 }
 
 fn tier_copy_to_pb(c: &TierCopy) -> pb::TierCopy {
-    let direction = if c.demote {
-        pb::tier_copy::Direction::Demote
-    } else {
-        pb::tier_copy::Direction::Onboard
+    use pb::tier_copy::Direction;
+    let direction = match c.direction {
+        TierDirection::Demote => Direction::Demote,
+        TierDirection::Onboard => Direction::Onboard,
+        TierDirection::Spill => Direction::Spill,
+        TierDirection::Load => Direction::Load,
     };
     pb::TierCopy {
         pool_id: c.pool_id,
@@ -744,6 +756,9 @@ fn tier_copy_to_pb(c: &TierCopy) -> pb::TierCopy {
         direction: direction as i32,
         device_block: c.device_block,
         host_block: c.host_block,
+        disk_block: c.disk_block,
+        hash: c.hash,
+        parent: c.parent,
     }
 }
 

@@ -119,7 +119,8 @@ pub struct PoolGeometry {
     pub window: u32,
     /// Blocks in the pool.
     pub num_blocks: u32,
-    /// Blocks of the pool's host-memory tier in the worker (0: none).
+    /// Blocks of the pool's host-memory tier in the worker (0: none; a
+    /// disk tier needs one).
     pub host_blocks: u32,
 }
 
@@ -309,20 +310,59 @@ pub struct Grant {
     pub retained_tokens: u32,
 }
 
-/// Copy one whole block between a pool's device arena and its host tier in
-/// the worker (cache.proto `TierCopy`): demotions of blocks the cache
-/// evicted, onboardings of host-cached prefix blocks. The scheduler carries
-/// every one a grant names to the group's worker in the forward pass of
-/// that step, whatever becomes of the sequence.
+/// Copy one whole block between two tiers of a pool in the worker
+/// (cache.proto `TierCopy`): demotions of blocks the cache evicted (device
+/// -> host), spills (host -> disk), onboardings of host-cached prefix
+/// blocks and loads of disk-cached ones. The scheduler carries every one a
+/// grant names to the group's worker in the forward pass of that step,
+/// whatever becomes of the sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TierCopy {
     pub pool_id: u32,
     pub window: u32,
-    /// Device -> host (else host -> device).
-    pub demote: bool,
+    pub direction: TierDirection,
     pub device_block: u32,
     pub host_block: u32,
+    /// The disk block, and the content's hash and parent (spills, loads).
+    pub disk_block: u32,
+    pub hash: u64,
+    pub parent: u64,
 }
+
+/// Which way a [`TierCopy`] goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TierDirection {
+    /// Device -> host.
+    Demote,
+    /// Host -> device.
+    Onboard,
+    /// Host -> disk.
+    Spill,
+    /// Disk -> device.
+    Load,
+}
+
+impl TierCopy {
+    /// Whether the copy brings a prompt block to the device.
+    pub fn onboards(&self) -> bool {
+        matches!(self.direction, TierDirection::Onboard | TierDirection::Load)
+    }
+}
+
+/// What a worker's `Describe` says of its incarnation and disk tiers, for
+/// `RegisterPool` (cache.proto `worker_incarnation`, `disk_blocks`,
+/// `disk_held`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerTiers {
+    /// Differs on every start of the worker (0: unknown, nothing to say).
+    pub incarnation: u64,
+    /// Per pool, in the order of the pools: disk blocks and the verified
+    /// files found at the worker's start.
+    pub disks: Vec<(u32, Vec<DiskFile>)>,
+}
+
+/// A verified block file of a worker's disk tier: `(block, hash, parent)`.
+pub type DiskFile = (u32, u64, u64);
 
 /// Copy slots `[0, tokens)` of `src_block` into `dst_block` in one pool, in
 /// the worker, before a forward pass (partial-block reuse).

@@ -65,7 +65,15 @@ pub(crate) async fn reopen(
             .map(|p| (p.window, p.num_blocks, p.host_blocks))
             .collect();
         group.pools = cache
-            .register_pool(&group.name, group.tokens_per_block, &pools)
+            // a restarted cache gets no disk tier (the files the worker
+            // found at its start may have changed since): none until the
+            // scheduler starts again
+            .register_pool(
+                &group.name,
+                group.tokens_per_block,
+                &pools,
+                &crate::domain::WorkerTiers::default(),
+            )
             .await
             .map_err(|e| {
                 tracing::warn!(group = %group.name, error = %e, "re-registering pools failed");

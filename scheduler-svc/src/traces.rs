@@ -180,7 +180,7 @@ impl RequestTraces {
             let Some(t) = self.requests.get(&spec.request) else {
                 continue;
             };
-            let onboarded = grant.tier_copies.iter().filter(|c| !c.demote).count();
+            let onboarded = grant.tier_copies.iter().filter(|c| c.onboards()).count();
             self.prefilling.insert(
                 spec.seq_id,
                 Prefilling {

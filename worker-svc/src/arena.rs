@@ -213,6 +213,34 @@ impl SlotLedger {
         }
     }
 
+    /// Words of the slot flags of one block (which slots hold K/V), as a
+    /// disk-tier file keeps them; all clear for a block out of range.
+    pub fn block_words(&self, pool: usize, block: u32) -> Vec<u64> {
+        self.words(pool, block)
+            .map_or_else(|| vec![0; self.words_per_block], <[u64]>::to_vec)
+    }
+
+    /// Words of one block's slot flags (`block_words` has as many).
+    pub fn words_per_block(&self) -> usize {
+        self.words_per_block
+    }
+
+    /// Sets the slot flags of one block (a block loaded from disk holds
+    /// K/V in exactly the slots its file says). Ignored out of range or
+    /// with the wrong number of words.
+    pub fn set_block_words(&mut self, pool: usize, block: u32, words: &[u64]) {
+        let wpb = self.words_per_block;
+        let start = block as usize * wpb;
+        if let Some(dst) = self
+            .written
+            .get_mut(pool)
+            .and_then(|w| w.get_mut(start..start + wpb))
+            .filter(|d| d.len() == words.len())
+        {
+            dst.copy_from_slice(words);
+        }
+    }
+
     /// Records one batch's writes: `(pool, block, slot)` triples. Blocks
     /// written at slot 0 are cleared first.
     pub fn record(&mut self, writes: &[(usize, u32, usize)]) {

@@ -179,13 +179,17 @@ pub struct KvCopy {
     pub slots: usize,
 }
 
-/// Which way a host-tier copy goes.
+/// Which way a tier copy goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TierDirection {
     /// Device block -> host block.
     Demote,
     /// Host block -> device block.
     Onboard,
+    /// Host block -> disk block (a block file; see `disk`).
+    Spill,
+    /// Disk block -> device block.
+    Load,
 }
 
 /// A host-tier copy as the request gives it: one whole block of the pool of
@@ -200,6 +204,41 @@ pub struct TierCopyInput {
     pub device_block: u32,
     /// Block of the host tier.
     pub host_block: u32,
+    /// The disk side of a `Spill` or `Load` (default otherwise).
+    pub disk: DiskRef,
+}
+
+/// The disk block of a `Spill` or `Load` and the content it holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskRef {
+    /// The disk block (file slot).
+    pub block: u32,
+    /// The prefix hash of the content.
+    pub hash: u64,
+    /// Its parent's hash.
+    pub parent: u64,
+}
+
+/// A validated disk copy: pool index resolved, blocks in range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskMove {
+    /// Pool index (`ArenaLayout::pools`).
+    pub pool: usize,
+    /// The host block (`Spill`) or device block (`Load`).
+    pub block: u32,
+    /// The disk block and its content.
+    pub disk: DiskRef,
+}
+
+/// A request's tier copies, validated and in the order they run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TierPlan {
+    /// Host -> disk, first (a demotion may overwrite their host blocks).
+    pub spills: Vec<DiskMove>,
+    /// Device <-> host: every demotion, then every onboarding.
+    pub moves: Vec<TierMove>,
+    /// Disk -> device, last.
+    pub loads: Vec<DiskMove>,
 }
 
 /// A validated host-tier copy (pool index resolved, blocks in range).
@@ -215,15 +254,18 @@ pub struct TierMove {
     pub host: u32,
 }
 
-/// Checks a request's host-tier copies against the device arena and the
-/// host tier (`host.pools[i].num_blocks` host blocks in pool `i`) and puts
-/// them in the order they run: every demotion, then every onboarding, each
-/// in request order. An error names the copy; nothing is copied.
+/// Checks a request's tier copies against the device arena, the host tier
+/// (`host.pools[i].num_blocks` host blocks in pool `i`) and the disk tier
+/// (`disk_blocks` in every pool, 0: none) and puts them in the order they
+/// run: every spill, every demotion, every onboarding, every load, each in
+/// request order. An error names the copy; nothing is copied.
 pub fn validate_tier_copies(
     copies: &[TierCopyInput],
     device: &ArenaLayout,
     host: &ArenaLayout,
-) -> Result<Vec<TierMove>> {
+    disk_blocks: u32,
+) -> Result<TierPlan> {
+    let mut plan = TierPlan::default();
     let mut moves = Vec::with_capacity(copies.len());
     for (index, c) in copies.iter().enumerate() {
         let bad = |message: String| Error::InvalidTierCopy { index, message };
@@ -240,17 +282,46 @@ pub fn validate_tier_copies(
                 c.window
             )));
         }
-        if c.device_block >= blocks {
+        let disk = matches!(c.direction, TierDirection::Spill | TierDirection::Load);
+        if disk && disk_blocks == 0 {
+            return Err(bad(
+                "the worker has no disk tier (start it with --disk-tier-dir)".to_owned(),
+            ));
+        }
+        if disk && c.disk.block >= disk_blocks {
+            return Err(bad(format!(
+                "disk_block {} is out of range (the disk tier has {disk_blocks})",
+                c.disk.block
+            )));
+        }
+        let uses_device = c.direction != TierDirection::Spill;
+        if uses_device && c.device_block >= blocks {
             return Err(bad(format!(
                 "device_block {} is out of range (the pool has {blocks})",
                 c.device_block
             )));
+        }
+        if c.direction == TierDirection::Load {
+            plan.loads.push(DiskMove {
+                pool,
+                block: c.device_block,
+                disk: c.disk,
+            });
+            continue;
         }
         if c.host_block >= host_blocks {
             return Err(bad(format!(
                 "host_block {} is out of range (the host tier has {host_blocks})",
                 c.host_block
             )));
+        }
+        if c.direction == TierDirection::Spill {
+            plan.spills.push(DiskMove {
+                pool,
+                block: c.host_block,
+                disk: c.disk,
+            });
+            continue;
         }
         moves.push(TierMove {
             pool,
@@ -261,7 +332,8 @@ pub fn validate_tier_copies(
     }
     // Stable: demotions keep their order, then onboardings keep theirs.
     moves.sort_by_key(|m| m.direction == TierDirection::Onboard);
-    Ok(moves)
+    plan.moves = moves;
+    Ok(plan)
 }
 
 /// A validated table: block index `first_block + i` is `block_ids[i]`.

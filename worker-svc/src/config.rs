@@ -168,6 +168,27 @@ pub struct Config {
     #[arg(long, env = "KVLEASE_WORKER_HOST_BLOCKS", default_value_t = 0)]
     pub host_blocks: u32,
 
+    /// Directory of a file-backed disk tier below the host tier (needs
+    /// --host-blocks and --disk-tier-bytes): one file per block, with a
+    /// checksum and the model's fingerprint, kept across restarts (a
+    /// restarted worker announces the files that verify). One directory
+    /// per worker; the cpu backend only.
+    #[arg(
+        long,
+        env = "KVLEASE_WORKER_DISK_TIER_DIR",
+        requires = "disk_tier_bytes"
+    )]
+    pub disk_tier_dir: Option<PathBuf>,
+
+    /// Size cap of the disk tier in bytes: as many blocks of every pool as
+    /// fit (headers included).
+    #[arg(
+        long,
+        env = "KVLEASE_WORKER_DISK_TIER_BYTES",
+        requires = "disk_tier_dir"
+    )]
+    pub disk_tier_bytes: Option<u64>,
+
     /// Address of the Prometheus `GET /metrics` endpoint; off when absent.
     #[arg(long, env = "KVLEASE_WORKER_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
@@ -234,6 +255,8 @@ impl Default for Config {
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
             threads: DEFAULT_THREADS,
             host_blocks: 0,
+            disk_tier_dir: None,
+            disk_tier_bytes: None,
             metrics_listen: None,
             backend: DEFAULT_BACKEND,
             kv_dtype: DEFAULT_KV_DTYPE,

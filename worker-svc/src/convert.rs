@@ -5,7 +5,7 @@
 use kvlease_proto::v1 as pb;
 
 use crate::batch::{
-    CopyInput, LogprobsSpec, Penalties, Sampling, SeqInput, TableInput, TierCopyInput,
+    CopyInput, DiskRef, LogprobsSpec, Penalties, Sampling, SeqInput, TableInput, TierCopyInput,
     TierDirection,
 };
 use crate::worker::{SeqOutput, WorkerInfo};
@@ -84,6 +84,8 @@ pub(crate) fn grammar(g: pb::Grammar) -> Result<Constraint, String> {
 pub(crate) fn tier_copy_input(c: &pb::TierCopy) -> TierCopyInput {
     let direction = match pb::tier_copy::Direction::try_from(c.direction) {
         Ok(pb::tier_copy::Direction::Onboard) => TierDirection::Onboard,
+        Ok(pb::tier_copy::Direction::Spill) => TierDirection::Spill,
+        Ok(pb::tier_copy::Direction::Load) => TierDirection::Load,
         // DEMOTE is 0; an unknown value is read as the default, like any
         // proto3 enum.
         _ => TierDirection::Demote,
@@ -93,6 +95,11 @@ pub(crate) fn tier_copy_input(c: &pb::TierCopy) -> TierCopyInput {
         direction,
         device_block: c.device_block,
         host_block: c.host_block,
+        disk: DiskRef {
+            block: c.disk_block,
+            hash: c.hash,
+            parent: c.parent,
+        },
     }
 }
 
@@ -157,6 +164,16 @@ pub(crate) fn describe_response(info: &WorkerInfo, tokenizer: &Tokenizer) -> pb:
             .iter()
             .map(|p| pb::WorkerPool {
                 host_blocks: p.host_blocks,
+                disk_blocks: p.disk_blocks,
+                disk_held: p
+                    .disk_held
+                    .iter()
+                    .map(|h| pb::DiskBlock {
+                        block: h.block,
+                        hash: h.hash,
+                        parent: h.parent,
+                    })
+                    .collect(),
                 window: p.window,
                 num_layers: p.num_layers,
                 num_blocks: p.num_blocks,
@@ -166,6 +183,7 @@ pub(crate) fn describe_response(info: &WorkerInfo, tokenizer: &Tokenizer) -> pb:
         backend: info.backend.to_string(),
         kv_dtype: info.kv_dtype.to_string(),
         memory_budget_bytes: info.memory_budget_bytes,
+        incarnation: info.incarnation,
         weight_bytes: info.weight_bytes,
         activation_bytes: info.activation_bytes,
         max_batch_sequences: info.limits.max_batch_sequences as u32,

@@ -52,6 +52,13 @@ pub enum Error {
         /// What is wrong with it.
         problem: SeqProblem,
     },
+    /// A disk-tier block file is missing or fails verification (a miss,
+    /// never K/V): nothing of the request was applied, the file is gone.
+    #[error("disk tier: {0}")]
+    DiskBlock(String),
+    /// The disk tier's directory or a file could not be used.
+    #[error("disk tier i/o: {0}")]
+    Disk(String),
     /// A host-tier copy of a Forward request is malformed; nothing was run.
     #[error("tier_copies[{index}]: {message}")]
     InvalidTierCopy {
@@ -337,8 +344,9 @@ impl From<Error> for tonic::Status {
             | Error::MemoryBudget { .. }
             | Error::PreviousPass { .. }
             | Error::NoHistory { .. }
-            | Error::NoGrammar { .. } => tonic::Status::failed_precondition(message),
-            Error::Backend(_) => tonic::Status::internal(message),
+            | Error::NoGrammar { .. }
+            | Error::DiskBlock(_) => tonic::Status::failed_precondition(message),
+            Error::Backend(_) | Error::Disk(_) => tonic::Status::internal(message),
             Error::Serve(_) => tonic::Status::unavailable(message),
         }
     }

@@ -335,6 +335,7 @@ pub fn host_tier_bench(
                             direction,
                             device_block,
                             host_block: i as u32,
+                            disk: Default::default(),
                         })
                 })
                 .collect()

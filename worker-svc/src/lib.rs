@@ -15,6 +15,9 @@
 //! - [`arena`]: pool geometry (where each K/V row lives) and the ledger of written slots.
 //! - [`batch`]: a Forward batch in domain terms; [`batch::validate`] checks all of it
 //!   before anything is written.
+//! - [`disk`]: the file-backed disk tier below the host tier (one checksummed,
+//!   fingerprinted file per block; kept across restarts), which `worker` writes on a
+//!   spill and reads on a load.
 //! - [`ops`]: the numeric building blocks (RMSNorm, RoPE, softmax, row-exact
 //!   `gemm` products) of the CPU backend and the reference; [`threads`]: whether a
 //!   product may spread over the rayon pool, a leaf both `ops` and `packed` use.
@@ -53,6 +56,7 @@ pub mod batch;
 mod config;
 mod convert;
 pub mod dequant;
+pub mod disk;
 mod error;
 #[cfg(all(feature = "cuda", feature = "bench"))]
 pub mod gpu_bench;

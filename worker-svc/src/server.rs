@@ -80,12 +80,26 @@ async fn serve_model(
         .security
         .load()
         .map_err(|e| Error::Config(e.to_string()))?;
-    let worker = Worker::new(
+    let mut worker = Worker::new(
         weights,
         config.worker_options(),
         config.backend,
         config.cuda_options(),
     )?;
+    if let (Some(dir), Some(bytes)) = (&config.disk_tier_dir, config.disk_tier_bytes) {
+        // what the K/V depends on beyond the shape: the weights' source
+        // and the tokenizer
+        let identity = format!(
+            "model={:?} weights={:?} seed={} tokenizer={}",
+            config.model,
+            config.weights,
+            config.seed,
+            tokenizer
+                .as_ref()
+                .map_or_else(|| "byte-level".to_owned(), |t| t.fingerprint().to_string())
+        );
+        worker.open_disk_tier(dir, bytes, &identity)?;
+    }
     let mut registry = Registry::new();
     let metrics = WorkerMetrics::register(&mut registry)?;
     metrics.set_pools(worker.info());

@@ -2,6 +2,7 @@
 //! batch, hands it to the backend and picks the next tokens. Plain
 //! synchronous Rust; `service.rs` puts it behind gRPC.
 
+use std::path::Path;
 use std::time::Instant;
 
 use crate::arena::{ArenaLayout, SlotLedger, plan_blocks};
@@ -10,6 +11,7 @@ use crate::backend::{
     Backend, BackendChoice, BatchLogits, CudaOptions, Feed, PendingTokens, PhaseTimes,
 };
 use crate::batch::{self, Batch, Limits, SeqInput, TierCopyInput, TierDirection};
+use crate::disk::{self, DiskTier, PoolGeometry};
 use crate::error::{Error, Result};
 use crate::grammar::Matchers;
 use crate::history::Histories;
@@ -50,6 +52,10 @@ pub struct PoolInfo {
     pub bytes_per_block: u64,
     /// Blocks of the pool's host tier (0: none).
     pub host_blocks: u32,
+    /// Blocks of the pool's disk tier (0: none).
+    pub disk_blocks: u32,
+    /// The block files the disk tier found and verified at start.
+    pub disk_held: Vec<crate::disk::Held>,
 }
 
 /// What `Describe` reports.
@@ -73,6 +79,9 @@ pub struct WorkerInfo {
     pub limits: Limits,
     /// Device description.
     pub device: String,
+    /// A number that differs on every start of the process (never 0): the
+    /// cache forgets the device and host blocks of an earlier one.
+    pub incarnation: u64,
 }
 
 /// The result for one sequence of a batch.
@@ -131,6 +140,8 @@ pub struct Worker {
     /// which of its slots hold K/V.
     host_layout: ArenaLayout,
     host_ledger: SlotLedger,
+    /// The disk tier below the host tier, if any.
+    disk: Option<DiskTier>,
     backend: Box<dyn Backend>,
     /// Host milliseconds of the last pass spent validating and building the
     /// outputs (for [`Worker::last_profile`]).
@@ -291,6 +302,8 @@ impl Worker {
                     num_blocks: p.num_blocks,
                     bytes_per_block: p.elems_per_block() as u64 * kv_elem_bytes,
                     host_blocks,
+                    disk_blocks: 0,
+                    disk_held: Vec::new(),
                 })
                 .collect(),
             model: config,
@@ -301,6 +314,7 @@ impl Worker {
             activation_bytes,
             limits,
             device: backend.device(),
+            incarnation: fresh_incarnation(),
         };
         tracing::info!(
             backend = info.backend,
@@ -318,6 +332,7 @@ impl Worker {
             layout,
             host_ledger: SlotLedger::new(&host_layout),
             host_layout,
+            disk: None,
             backend,
             host_times: (0.0, 0.0),
             histories: Histories::default(),
@@ -325,16 +340,91 @@ impl Worker {
         })
     }
 
-    /// Applies a Forward request's host-tier copies, before its sequences
-    /// are validated and run: all are checked first (an error copies
-    /// nothing), then every demotion runs, then every onboarding, and the
-    /// slot ledgers follow the blocks (a copy carries which slots hold K/V).
+    /// Opens the disk tier in `dir` (at most `bytes`; see `disk`) below
+    /// the host tier, whose files must match `identity` (what the weights
+    /// come from, the tokenizer's fingerprint) and the arena's geometry:
+    /// `Describe` then reports its blocks and the files that verified.
+    pub fn open_disk_tier(&mut self, dir: &Path, bytes: u64, identity: &str) -> Result<()> {
+        if self.info.pools.iter().any(|p| p.host_blocks == 0) {
+            return Err(Error::Config(
+                "--disk-tier-dir needs a host tier (--host-blocks)".into(),
+            ));
+        }
+        if !self.backend.supports_disk_tier() {
+            return Err(Error::Config(format!(
+                "the {} backend has no disk tier yet; start it without --disk-tier-dir",
+                self.backend.name()
+            )));
+        }
+        let geometry: Vec<PoolGeometry> = self
+            .info
+            .pools
+            .iter()
+            .map(|p| PoolGeometry {
+                window: p.window,
+                payload_bytes: p.bytes_per_block as usize,
+                ledger_words: self.ledger.words_per_block(),
+            })
+            .collect();
+        let fingerprint = disk::fingerprint(
+            format!(
+                "{identity}|{:?}|{}|{geometry:?}",
+                self.info.model, self.info.kv_dtype
+            )
+            .as_bytes(),
+        );
+        let tier = DiskTier::open(dir, bytes, fingerprint, &geometry)?;
+        for (i, p) in self.info.pools.iter_mut().enumerate() {
+            p.disk_blocks = tier.blocks();
+            p.disk_held = tier.held(i).to_vec();
+        }
+        tracing::info!(
+            dir = %dir.display(),
+            blocks = tier.blocks(),
+            held = ?self.info.pools.iter().map(|p| p.disk_held.len()).collect::<Vec<_>>(),
+            "disk tier opened"
+        );
+        self.disk = Some(tier);
+        Ok(())
+    }
+
+    /// Applies a Forward request's tier copies, before its sequences are
+    /// validated and run: all are checked first and every load's file is
+    /// read and verified (an error, a bad file included, copies nothing),
+    /// then every spill runs, every demotion, every onboarding and every
+    /// load, and the slot ledgers follow the blocks (a copy carries which
+    /// slots hold K/V).
     pub fn apply_tier_copies(&mut self, copies: &[TierCopyInput]) -> Result<()> {
         if copies.is_empty() {
             return Ok(());
         }
-        let moves = batch::validate_tier_copies(copies, &self.layout, &self.host_layout)?;
+        let disk_blocks = self.disk.as_ref().map_or(0, DiskTier::blocks);
+        let plan =
+            batch::validate_tier_copies(copies, &self.layout, &self.host_layout, disk_blocks)?;
+        let (spills, moves, loads) = (plan.spills, plan.moves, plan.loads);
+        let mut loaded = Vec::with_capacity(loads.len());
+        if let Some(disk) = &self.disk {
+            for l in &loads {
+                loaded.push(disk.read(l.pool, l.disk.block, l.disk.hash)?);
+            }
+            for s in &spills {
+                let payload = self.backend.host_block_bytes(s.pool, s.block)?;
+                let ledger = self.host_ledger.block_words(s.pool, s.block);
+                disk.write(
+                    s.pool,
+                    s.disk.block,
+                    (s.disk.hash, s.disk.parent),
+                    &ledger,
+                    &payload,
+                )?;
+            }
+        }
         self.backend.tier_copies(&moves)?;
+        for (l, data) in loads.iter().zip(&loaded) {
+            self.backend
+                .write_device_block(l.pool, l.block, &data.payload)?;
+            self.ledger.set_block_words(l.pool, l.block, &data.ledger);
+        }
         for m in &moves {
             match m.direction {
                 TierDirection::Demote => {
@@ -345,6 +435,8 @@ impl Worker {
                     self.ledger
                         .copy_block(m.pool, m.device, &self.host_ledger, m.host)
                 }
+                // validation keeps disk copies out of the moves
+                TierDirection::Spill | TierDirection::Load => {}
             }
         }
         Ok(())
@@ -635,4 +727,13 @@ fn check_limits(limits: Limits) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// A number that differs on every start of the worker process (never 0):
+/// wall-clock nanoseconds mixed with the process id.
+fn fresh_incarnation() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    (nanos ^ (u64::from(std::process::id()) << 40)).max(1)
 }

@@ -732,3 +732,79 @@ async fn a_constrained_sequence_picks_only_what_its_grammar_allows() {
     assert_eq!(t, 257, "complete: the end token");
     server.stop().await;
 }
+
+/// Disk-tier copies over gRPC: a worker without a disk tier refuses them
+/// naming the copy; with one, a disk block out of range is refused, and a
+/// load whose file is missing is `FAILED_PRECONDITION` (a miss), nothing
+/// applied; `Describe` reports the tier and the worker's incarnation.
+#[tokio::test]
+async fn disk_tier_copies_are_validated_and_a_missing_file_is_a_miss() {
+    let copy = |direction: pb::tier_copy::Direction, disk_block: u32| pb::TierCopy {
+        pool_id: 1,
+        window: 0,
+        direction: direction as i32,
+        device_block: 1,
+        host_block: 1,
+        disk_block,
+        hash: 7,
+        parent: 0,
+    };
+    let request = |copies: Vec<pb::TierCopy>| pb::ForwardRequest {
+        step: 1,
+        sequences: Vec::new(),
+        tier_copies: copies,
+        after_step: 0,
+    };
+    let config = Config {
+        host_blocks: 4,
+        ..Config::default()
+    };
+    let mut plain = Server::start(config.clone()).await;
+    let result = plain
+        .client
+        .forward(request(vec![copy(pb::tier_copy::Direction::Load, 0)]))
+        .await
+        .map(tonic::Response::into_inner);
+    assert_invalid(result, &["tier_copies[0]", "no disk tier"]);
+    plain.stop().await;
+
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let dir =
+        std::env::temp_dir().join(format!("kvlease-grpc-disk-{}-{nanos}", std::process::id()));
+    let mut server = Server::start(Config {
+        disk_tier_dir: Some(dir.clone()),
+        disk_tier_bytes: Some(1 << 22),
+        ..config
+    })
+    .await;
+    let d = server
+        .client
+        .describe(pb::DescribeRequest {})
+        .await
+        .map(tonic::Response::into_inner)
+        .unwrap_or_else(|s| panic!("describe: {s:?}"));
+    assert_ne!(d.incarnation, 0);
+    let blocks = d.pools[0].disk_blocks;
+    assert!(blocks > 0 && d.pools.iter().all(|p| p.disk_held.is_empty()));
+    let result = server
+        .client
+        .forward(request(vec![copy(pb::tier_copy::Direction::Spill, blocks)]))
+        .await
+        .map(tonic::Response::into_inner);
+    assert_invalid(result, &["tier_copies[0]", &format!("disk_block {blocks}")]);
+    match server
+        .client
+        .forward(request(vec![copy(pb::tier_copy::Direction::Load, 3)]))
+        .await
+    {
+        Err(status) => {
+            assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+            assert!(status.message().contains("disk block 3"), "{status:?}");
+        }
+        Ok(r) => panic!("a load of a missing file answered {r:?}"),
+    }
+    server.stop().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}

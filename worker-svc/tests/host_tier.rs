@@ -51,6 +51,7 @@ fn malformed_tier_copies_are_refused_and_copy_nothing() {
         direction: TierDirection::Onboard,
         device_block: 0,
         host_block: 0,
+        disk: Default::default(),
     }];
     assert!(matches!(
         worker.apply_tier_copies(&bad_window),

@@ -1,6 +1,7 @@
 //! The leak audit, `check_invariants`, and views of the state for tests.
 
 use super::Cache;
+use crate::events::Tier;
 use crate::ids::{BlockId, SeqId, SessionId};
 use crate::pool::Holder;
 use crate::session::SeqState;
@@ -202,42 +203,51 @@ impl Cache {
         Ok(())
     }
 
-    /// The host tiers: every pin is an onboarding of a session's step not
-    /// yet complete, every pending block a demotion of one.
+    /// The host and disk tiers: every pin is an onboarding (or load) of a
+    /// session's step not yet complete, every pending block a demotion (or
+    /// spill) of one.
     fn check_tier_invariants(&self) -> Result<(), String> {
         for (i, entry) in self.pools.iter().enumerate() {
-            let host = entry.pool.host();
-            let mut pins = vec![0u32; host.len() as usize];
-            let mut pending = vec![0u32; host.len() as usize];
-            for session in self.sessions.values() {
-                for r in session.host_pins.values().flatten().filter(|r| r.pool == i) {
-                    pins[r.block as usize] += 1;
-                }
-                for r in session.demotions.values().flatten().filter(|r| r.pool == i) {
-                    if host.generation(r.block) != r.generation {
-                        return Err(format!(
-                            "pool {}: demotion into host block {} is stale",
-                            entry.id, r.block
-                        ));
-                    }
-                    pending[r.block as usize] += 1;
-                }
+            for tier in [Tier::Host, Tier::Disk] {
+                self.check_one_tier(i, entry, tier)?;
             }
-            for b in 0..host.len() {
-                let (found, want) = (host.pins(b), pins[b as usize]);
-                if found != want {
+        }
+        Ok(())
+    }
+
+    fn check_one_tier(&self, i: usize, entry: &super::PoolEntry, tier: Tier) -> Result<(), String> {
+        let blocks = entry.pool.tier(tier);
+        let mut pins = vec![0u32; blocks.len() as usize];
+        let mut pending = vec![0u32; blocks.len() as usize];
+        for session in self.sessions.values() {
+            let mine = |r: &&crate::session::HostRef| r.pool == i && r.tier == tier;
+            for r in session.host_pins.values().flatten().filter(mine) {
+                pins[r.block as usize] += 1;
+            }
+            for r in session.demotions.values().flatten().filter(mine) {
+                if blocks.generation(r.block) != r.generation {
                     return Err(format!(
-                        "pool {} host block {b}: {found} pins, sessions account for {want}",
-                        entry.id
+                        "pool {}: demotion into {tier:?} block {} is stale",
+                        entry.id, r.block
                     ));
                 }
-                let is_pending = host.state(b) == crate::tier::HostState::Pending;
-                if is_pending != (pending[b as usize] == 1) || pending[b as usize] > 1 {
-                    return Err(format!(
-                        "pool {} host block {b}: pending={is_pending}, {} demotions name it",
-                        entry.id, pending[b as usize]
-                    ));
-                }
+                pending[r.block as usize] += 1;
+            }
+        }
+        for b in 0..blocks.len() {
+            let (found, want) = (blocks.pins(b), pins[b as usize]);
+            if found != want {
+                return Err(format!(
+                    "pool {} {tier:?} block {b}: {found} pins, sessions account for {want}",
+                    entry.id
+                ));
+            }
+            let is_pending = blocks.state(b) == crate::tier::HostState::Pending;
+            if is_pending != (pending[b as usize] == 1) || pending[b as usize] > 1 {
+                return Err(format!(
+                    "pool {} {tier:?} block {b}: pending={is_pending}, {} demotions name it",
+                    entry.id, pending[b as usize]
+                ));
             }
         }
         Ok(())

@@ -24,6 +24,7 @@ use std::time::Instant;
 
 use super::{Batch, Cache, PoolEntry, Tally, ceil_div};
 use crate::error::{Error, Result};
+use crate::events::Tier;
 use crate::ids::{BlockId, Epoch, SeqId, SessionId, Step};
 use crate::lease::{
     BlockCopy, Grant, MAX_RETAIN_TTL, Outcome, Prompt, Reject, RejectReason, Retain, SeqSpec,
@@ -51,9 +52,9 @@ struct PoolLease {
     /// A kept partly filled block to copy from, into the block after the
     /// reused and onboarded ones.
     copy_src: Option<BlockId>,
-    /// Host blocks to onboard, for the indices after the reused ones: each
-    /// gets a new device block and a copy.
-    onboard: Vec<HostBlockId>,
+    /// Host (or disk) blocks to onboard, for the indices after the reused
+    /// ones: each gets a new device block and a copy.
+    onboard: Vec<(Tier, HostBlockId)>,
 }
 
 impl PoolLease {
@@ -454,8 +455,14 @@ impl Cache {
                         .filter_map(|idx| entry.pool.lookup(hashes[idx as usize]))
                         .collect(),
                 };
-                let onboard: Vec<HostBlockId> = (split..reuse_blocks)
-                    .filter_map(|idx| entry.pool.host().lookup(hashes[idx as usize]))
+                // the host first (a faster copy), else the disk
+                let onboard: Vec<(Tier, HostBlockId)> = (split..reuse_blocks)
+                    .filter_map(|idx| {
+                        let hash = hashes[idx as usize];
+                        [Tier::Host, Tier::Disk]
+                            .into_iter()
+                            .find_map(|t| entry.pool.tier(t).lookup(hash).map(|b| (t, b)))
+                    })
                     .collect();
                 PoolLease {
                     pool: i,
@@ -737,8 +744,8 @@ impl Cache {
             }
             // Before any allocation: a demotion must not take the host
             // block this lease reads.
-            for &h in &p.onboard {
-                pool.host_mut().pin(h);
+            for &(t, h) in &p.onboard {
+                pool.tier_mut(t).pin(h);
             }
         }
     }
@@ -783,6 +790,8 @@ impl Cache {
                 entry.pool.counters.reuse_lookups += u64::from(eligible);
                 entry.pool.counters.reuse_hits += u64::from(plan.reused_tokens / b);
                 entry.pool.counters.onboards += p.onboard.len() as u64;
+                entry.pool.counters.loads +=
+                    p.onboard.iter().filter(|(t, _)| *t == Tier::Disk).count() as u64;
                 entry
                     .pool
                     .observe_lookups(&plan.hashes[..eligible as usize]);
@@ -808,18 +817,20 @@ impl Cache {
                 let Some(block) = pool.allocate(holder, plan.priority) else {
                     break;
                 };
-                if let Some(&host_block) = p.onboard.get((idx - shared_start) as usize) {
-                    onboards.push(TierCopy {
-                        pool_id,
-                        window,
-                        direction: TierDirection::Onboard,
-                        device_block: block,
-                        host_block,
-                    });
+                if let Some(&(tier, from)) = p.onboard.get((idx - shared_start) as usize) {
+                    onboards.push(onboard_copy(
+                        (pool_id, window),
+                        tier,
+                        from,
+                        block,
+                        &plan.hashes,
+                        idx,
+                    ));
                     host_pins.push(HostRef {
                         pool: p.pool,
-                        block: host_block,
-                        generation: pool.host().generation(host_block),
+                        tier,
+                        block: from,
+                        generation: pool.tier(tier).generation(from),
                     });
                 }
                 for _ in 1..plan.beams {
@@ -852,8 +863,8 @@ impl Cache {
             if shared.len() < (p.reuse.len() + p.onboard.len()) {
                 // Allocation fell short (a defect path): the pins of the
                 // onboardings that got no block must still be lifted.
-                for &h in &p.onboard[shared.len() - p.reuse.len()..] {
-                    pool.host_mut().unpin(h);
+                for &(t, h) in &p.onboard[shared.len() - p.reuse.len()..] {
+                    pool.tier_mut(t).unpin(h);
                 }
             }
             let mut beams = Vec::with_capacity(plan.beams as usize);
@@ -939,6 +950,38 @@ impl Cache {
 
     fn grant_of(&self, seq_id: SeqId, seq: &SeqState, reused_tokens: u32) -> Grant {
         grant_of(&self.pools, seq_id, seq, reused_tokens)
+    }
+}
+
+/// The copy that onboards prompt block `idx` (whose full-block hashes are
+/// `hashes`) from block `from` of `tier` into device block `device`.
+fn onboard_copy(
+    (pool_id, window): (u32, u32),
+    tier: Tier,
+    from: HostBlockId,
+    device: BlockId,
+    hashes: &[u64],
+    idx: u32,
+) -> TierCopy {
+    let i = idx as usize;
+    let parent = match i {
+        0 => prefix::ROOT_PARENT,
+        _ => hashes.get(i - 1).copied().unwrap_or_default(),
+    };
+    let hash = hashes.get(i).copied().unwrap_or_default();
+    let (direction, host_block, disk_block, hash, parent) = match tier {
+        Tier::Disk => (TierDirection::Load, 0, from, hash, parent),
+        Tier::Device | Tier::Host => (TierDirection::Onboard, from, 0, 0, 0),
+    };
+    TierCopy {
+        pool_id,
+        window,
+        direction,
+        device_block: device,
+        host_block,
+        disk_block,
+        hash,
+        parent,
     }
 }
 

@@ -109,7 +109,7 @@ impl Cache {
     /// need every block before it, windowed pools only those the first
     /// computed token's window reaches. Then the blocks after it that every
     /// pool holds on its device (continuing its run of device blocks) or on
-    /// its host tier (once a block came from the host, the rest of that
+    /// its host or disk tier (once a block came from there, the rest of that
     /// pool's must too): a lease onboards those instead of recomputing them.
     pub(super) fn reusable_blocks(
         &self,
@@ -134,10 +134,10 @@ impl Cache {
             break;
         }
         let mut device_end: Vec<u32> = vec![reuse; group.pools.len()];
-        let has_host = group
-            .pools
-            .iter()
-            .any(|&i| !self.pools[i].pool.host().is_empty());
+        let has_host = group.pools.iter().any(|&i| {
+            let pool = &self.pools[i].pool;
+            !pool.host().is_empty() || !pool.disk().is_empty()
+        });
         if has_host {
             for (end, &i) in device_end.iter_mut().zip(&group.pools) {
                 let pool = &self.pools[i].pool;
@@ -148,12 +148,10 @@ impl Cache {
             'grow: while reuse < most {
                 let idx = reuse;
                 for (&end, &i) in device_end.iter().zip(&group.pools) {
+                    let (pool, hash) = (&self.pools[i].pool, hashes[idx as usize]);
                     if idx >= end
-                        && self.pools[i]
-                            .pool
-                            .host()
-                            .lookup(hashes[idx as usize])
-                            .is_none()
+                        && pool.host().lookup(hash).is_none()
+                        && pool.disk().lookup(hash).is_none()
                     {
                         break 'grow;
                     }

@@ -29,12 +29,16 @@
 //! - `evictions`: which sequence's allocation evicted cached blocks.
 //! - `matching`: `Match`, the read-only prefix lookup that routing asks
 //!   (what a lease would reuse in each group, changing nothing).
-//! - `tiers`: the host tier's demotions and onboarding pins per step.
+//! - `incarnation`: a restarted worker (memory forgotten, disk tier
+//!   indexed from its files).
+//! - `tiers`: the host and disk tiers' demotions, spills and onboarding
+//!   pins per step, and what a failed pass or a worker restart drops.
 //! - `audit`: the leak audit, `check_invariants` and views for tests.
 
 mod audit;
 mod evictions;
 mod extend;
+mod incarnation;
 mod lease;
 mod matching;
 mod pools;
@@ -56,6 +60,7 @@ use crate::session::Session;
 
 pub use audit::{AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Leak};
 pub use evictions::Evicted;
+pub use incarnation::{DiskPool, Reindexed, check_disk_pool};
 pub use matching::MatchPrompt;
 pub use pools::{BuiltGroup, NewGroup, PoolInfo, Registration, Unregistered};
 pub use sessions::{Opened, Reclaimed};
@@ -175,6 +180,8 @@ struct Group {
     owner: String,
     /// Indices into `Cache::pools`, in registration order.
     pools: Vec<usize>,
+    /// The worker incarnation last registered (0: none yet).
+    incarnation: u64,
 }
 
 /// The cache service's state. Plain, synchronous, single-threaded: the gRPC
@@ -277,7 +284,7 @@ impl Cache {
             if raw.is_empty() {
                 continue;
             }
-            for tier in [Tier::Device, Tier::Host] {
+            for tier in [Tier::Device, Tier::Host, Tier::Disk] {
                 let kinds: Vec<EventKind> = raw
                     .iter()
                     .filter_map(|e| match *e {

@@ -76,6 +76,8 @@ pub struct PoolInfo {
     pub tokens_per_block: u32,
     /// Blocks of the pool's host tier (0: none).
     pub host_blocks: u32,
+    /// Blocks of the pool's disk tier (0: none).
+    pub disk_blocks: u32,
 }
 
 /// What unregistering a group removed.
@@ -256,6 +258,7 @@ impl Cache {
                 tokens_per_block: new.tokens_per_block,
                 owner: new.owner,
                 pools: indices,
+                incarnation: 0,
             },
         );
         Ok((infos, false))
@@ -428,6 +431,7 @@ impl Cache {
             num_blocks: p.pool.len(),
             tokens_per_block: p.tokens_per_block,
             host_blocks: p.pool.host().len(),
+            disk_blocks: p.pool.disk().len(),
         }
     }
 }

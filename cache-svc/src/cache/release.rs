@@ -118,6 +118,8 @@ impl Cache {
             // The failed pass may not have run the demotion copies of any
             // step not yet complete either: none of them may publish.
             Self::drop_demotions(&mut self.pools, session);
+            // ... and one of its loads may have met a bad block file
+            Self::distrust_loads(&mut self.pools, session);
         }
         self.flush_events();
         Ok(results)

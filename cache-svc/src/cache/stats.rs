@@ -21,6 +21,8 @@ pub struct PoolStats {
     pub counters: PoolCounters,
     /// Host-tier blocks by state (all 0 without a tier).
     pub host: HostCounts,
+    /// Disk-tier blocks by state (all 0 without a tier).
+    pub disk: HostCounts,
     /// Estimated hit rates at other pool sizes (the miss-ratio curve).
     pub hit_rate_estimates: Vec<crate::mrc::HitRateEstimate>,
     /// Its eviction policy and, for an adaptive one, its choice.
@@ -156,6 +158,7 @@ impl Cache {
                 counts: p.pool.counts(),
                 counters: p.pool.counters,
                 host: p.pool.host().counts(),
+                disk: p.pool.disk().counts(),
                 hit_rate_estimates: p.pool.hit_rate_estimates(),
                 policy: self.policy_stats(p),
             })

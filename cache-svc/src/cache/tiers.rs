@@ -12,8 +12,18 @@
 //! - an onboarding source is pinned (not evictable, so no demotion can
 //!   overwrite it) until `CompleteStep(>= N)` of the lease's step;
 //! - a session's end drops its pending demotions and lifts its pins.
+//!
+//! The disk tier follows the same rules: a spill (host block -> disk block)
+//! is a demotion of the disk tier, named in the same response just before
+//! the host demotion that overwrites its source; a load (disk block ->
+//! device block) is an onboarding that pins its disk block. One rule of its
+//! own: a `discard_unwritten` release also drops from the disk index every
+//! disk block the session's incomplete steps load (the worker fails a pass
+//! whose block file is bad, and a file once doubted is never trusted
+//! again), so the recompute that follows never meets it.
 
 use super::Cache;
+use crate::events::Tier;
 use crate::ids::{SessionId, Step};
 use crate::lease::{TierCopy, TierDirection};
 use crate::session::{HostRef, Session};
@@ -39,9 +49,35 @@ impl Cache {
             let entry = &mut self.pools[i];
             for d in entry.pool.take_demotions() {
                 if completed {
+                    if let Some(s) = d.spill {
+                        entry
+                            .pool
+                            .tier_mut(Tier::Disk)
+                            .discard(s.disk, s.generation);
+                    }
                     entry.pool.host_mut().discard(d.host, d.generation);
                     entry.pool.counters.demotions_dropped += 1;
                     continue;
+                }
+                // the spill reads the host block the demotion overwrites:
+                // named first (and a worker runs every spill first)
+                if let Some(s) = d.spill {
+                    copies.push(TierCopy {
+                        pool_id: entry.id,
+                        window: entry.window,
+                        direction: TierDirection::Spill,
+                        device_block: 0,
+                        host_block: s.host,
+                        disk_block: s.disk,
+                        hash: s.hash,
+                        parent: s.parent,
+                    });
+                    refs.push(HostRef {
+                        pool: i,
+                        tier: Tier::Disk,
+                        block: s.disk,
+                        generation: s.generation,
+                    });
                 }
                 copies.push(TierCopy {
                     pool_id: entry.id,
@@ -49,9 +85,13 @@ impl Cache {
                     direction: TierDirection::Demote,
                     device_block: d.device,
                     host_block: d.host,
+                    disk_block: 0,
+                    hash: 0,
+                    parent: 0,
                 });
                 refs.push(HostRef {
                     pool: i,
+                    tier: Tier::Host,
                     block: d.host,
                     generation: d.generation,
                 });
@@ -75,7 +115,7 @@ impl Cache {
             Some(session) => session.host_pins.entry(step).or_default().extend(pins),
             None => {
                 for r in pins {
-                    self.pools[r.pool].pool.host_mut().unpin(r.block);
+                    self.pools[r.pool].pool.tier_mut(r.tier).unpin(r.block);
                 }
             }
         }
@@ -104,11 +144,11 @@ impl Cache {
         for r in demotions.into_values().flatten() {
             self.pools[r.pool]
                 .pool
-                .host_mut()
+                .tier_mut(r.tier)
                 .publish(r.block, r.generation);
         }
         for r in pins.into_values().flatten() {
-            self.pools[r.pool].pool.host_mut().unpin(r.block);
+            self.pools[r.pool].pool.tier_mut(r.tier).unpin(r.block);
         }
     }
 
@@ -120,8 +160,30 @@ impl Cache {
             .flatten()
         {
             let pool = &mut pools[r.pool].pool;
-            pool.host_mut().discard(r.block, r.generation);
-            pool.counters.demotions_dropped += 1;
+            pool.tier_mut(r.tier).discard(r.block, r.generation);
+            if r.tier == Tier::Host {
+                pool.counters.demotions_dropped += 1;
+            }
+        }
+    }
+
+    /// Drops from the disk index every disk block the incomplete steps of
+    /// `session` load (its holder reported a failed pass, which a bad block
+    /// file causes): the pins stay until the step completes, but no lease
+    /// matches those blocks again.
+    pub(super) fn distrust_loads(pools: &mut [super::PoolEntry], session: &Session) {
+        for r in session
+            .host_pins
+            .values()
+            .flatten()
+            .filter(|r| r.tier == Tier::Disk)
+        {
+            let pool = &mut pools[r.pool].pool;
+            if pool.tier(Tier::Disk).generation(r.block) == r.generation
+                && pool.tier_mut(Tier::Disk).invalidate(r.block)
+            {
+                pool.counters.disk_invalidated += 1;
+            }
         }
     }
 
@@ -133,7 +195,7 @@ impl Cache {
             .into_values()
             .flatten()
         {
-            pools[r.pool].pool.host_mut().unpin(r.block);
+            pools[r.pool].pool.tier_mut(r.tier).unpin(r.block);
         }
     }
 }

@@ -8,10 +8,11 @@
 
 mod adaptive;
 mod chunked;
+mod disk;
 mod forks;
 mod limits;
 mod partial;
-mod proptests;
+pub(super) mod proptests;
 mod retention;
 mod step;
 mod tiers;

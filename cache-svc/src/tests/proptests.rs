@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 
-use super::{Fixture, spec};
-use crate::cache::{Batch, CacheConfig};
+use super::{Fixture, GROUP, spec};
+use crate::cache::{Batch, CacheConfig, DiskPool};
 use crate::estimate::{Shape, pool_need};
 use crate::eviction::{EvictionConfig, PolicyKind};
 use crate::ids::{SeqId, Step};
@@ -50,6 +50,9 @@ enum Op {
     Complete,
     Expire,
     Audit,
+    /// The worker starts again: a new incarnation announcing what its disk
+    /// tiers hold (refused while a session holds or copies blocks).
+    Restart,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -76,6 +79,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::Complete),
         1 => Just(Op::Expire),
         1 => Just(Op::Audit),
+        1 => Just(Op::Restart),
     ]
 }
 
@@ -90,20 +94,37 @@ fn prompt(family: u8, len: u8) -> Vec<u32> {
 /// block's content into a pending host block (only what a completed step
 /// vouches for becomes the host block's content: a failed pass may not have
 /// run the copy), onboardings take a host block's content into a device
-/// block. Every demotion of a grant comes before its onboardings.
+/// block. Every demotion of a grant comes before its onboardings. The disk
+/// tier alike: a spill takes a host block's published content into a
+/// pending disk block (before any demotion overwrites the host block), a
+/// load a disk block's content into a device block.
 #[derive(Default)]
-struct TierModel {
-    host: HashMap<(u32, u32), Vec<u32>>,
+pub(super) struct TierModel {
+    pub(super) host: HashMap<(u32, u32), Vec<u32>>,
     pending: Vec<((u32, u32), Vec<u32>)>,
+    disk: HashMap<(u32, u32), Vec<u32>>,
+    pending_disk: Vec<((u32, u32), Vec<u32>)>,
 }
 
 impl TierModel {
-    fn apply(
+    pub(super) fn apply(
         &mut self,
         content: &mut HashMap<(u32, u32), Vec<u32>>,
         copies: &[crate::lease::TierCopy],
     ) {
         use crate::lease::TierDirection;
+        for c in copies
+            .iter()
+            .filter(|c| c.direction == TierDirection::Spill)
+        {
+            let held = self
+                .host
+                .get(&(c.pool_id, c.host_block))
+                .cloned()
+                .unwrap_or_default();
+            self.disk.remove(&(c.pool_id, c.disk_block));
+            self.pending_disk.push(((c.pool_id, c.disk_block), held));
+        }
         for c in copies
             .iter()
             .filter(|c| c.direction == TierDirection::Demote)
@@ -124,23 +145,33 @@ impl TierModel {
                 None => content.remove(&(c.pool_id, c.device_block)),
             };
         }
+        for c in copies.iter().filter(|c| c.direction == TierDirection::Load) {
+            match self.disk.get(&(c.pool_id, c.disk_block)) {
+                Some(held) => content.insert((c.pool_id, c.device_block), held.clone()),
+                None => content.remove(&(c.pool_id, c.device_block)),
+            };
+        }
     }
 
     /// The step completed: its demotions ran.
-    fn complete(&mut self) {
+    pub(super) fn complete(&mut self) {
         for (k, v) in self.pending.drain(..) {
             self.host.insert(k, v);
+        }
+        for (k, v) in self.pending_disk.drain(..) {
+            self.disk.insert(k, v);
         }
     }
 
     /// The pass failed (or the session ended): its demotions may not have run.
-    fn fail(&mut self) {
+    pub(super) fn fail(&mut self) {
         self.pending.clear();
+        self.pending_disk.clear();
     }
 }
 
 /// Records the token ids of `tokens` in the blocks of `tables` that hold them.
-fn write_content(
+pub(super) fn write_content(
     content: &mut HashMap<(u32, u32), Vec<u32>>,
     tables: &[crate::lease::Table],
     tokens: &[u32],
@@ -165,6 +196,7 @@ proptest! {
         ops in prop::collection::vec(op(), 1..40),
         policy in prop::sample::select(PolicyKind::ALL.to_vec()),
         host in prop::sample::select(vec![0u32, 3, 12, 40]),
+        disk in prop::sample::select(vec![0u32, 4, 30]),
     ) {
         let (b, w) = (4u32, 9u32);
         let config = CacheConfig {
@@ -173,7 +205,14 @@ proptest! {
             ..CacheConfig::default()
         };
         let mut f = Fixture::with_tiers(config, b, &[(0, 24, host), (w, 14, host / 2)]);
+        if host / 2 > 0 {
+            // a disk tier below each host tier
+            let disks = [0, w].map(|window| DiskPool { window, blocks: disk, held: Vec::new() });
+            f.cache.register_incarnation(kvlease_auth::principal::ANONYMOUS, GROUP, 1, &disks).unwrap();
+            f.check();
+        }
         let mut tiers = TierModel::default();
+        let mut incarnation = 1u64;
         let mut step = 1u64;
         let mut extra_of: HashMap<u64, u32> = HashMap::new();
         // What a holder knows: lease tables with every extend delta applied
@@ -267,12 +306,21 @@ proptest! {
                             for c in &g.tier_copies {
                                 let pool = f.cache.pools().iter().find(|p| p.id == c.pool_id).unwrap();
                                 let state = pool.pool.host().state(c.host_block);
+                                let disk_state = match c.direction {
+                                    crate::lease::TierDirection::Spill | crate::lease::TierDirection::Load => pool.pool.disk().state(c.disk_block),
+                                    _ => crate::tier::HostState::Free,
+                                };
                                 match c.direction {
                                     // a demotion in flight is never read
                                     crate::lease::TierDirection::Demote => prop_assert_eq!(state, crate::tier::HostState::Pending),
+                                    crate::lease::TierDirection::Spill => prop_assert_eq!(disk_state, crate::tier::HostState::Pending),
                                     crate::lease::TierDirection::Onboard => {
                                         prop_assert!(!warmup);
                                         prop_assert_eq!(state, crate::tier::HostState::Pinned);
+                                    }
+                                    crate::lease::TierDirection::Load => {
+                                        prop_assert!(!warmup);
+                                        prop_assert_eq!(disk_state, crate::tier::HostState::Pinned);
                                     }
                                 }
                             }
@@ -353,7 +401,7 @@ proptest! {
                     for (o, (s, _)) in out.iter().zip(&items) {
                         match o {
                             Outcome::Grant(g) => {
-                                prop_assert!(g.tier_copies.iter().all(|c| c.direction == crate::lease::TierDirection::Demote));
+                                prop_assert!(g.tier_copies.iter().all(|c| matches!(c.direction, crate::lease::TierDirection::Demote | crate::lease::TierDirection::Spill)));
                                 tiers.apply(&mut content, &g.tier_copies);
                                 if let Some(known) = mirror.get_mut(s) {
                                     for delta in g.tables.iter().filter(|t| t.beam == 0) {
@@ -492,6 +540,37 @@ proptest! {
                     let report = f.cache.audit();
                     prop_assert!(report.reclaimed.is_empty(), "leak: {:?}", report.reclaimed);
                 }
+                Op::Restart => {
+                    incarnation += 1;
+                    let disks: Vec<DiskPool> = f.cache.pools().iter().map(|p| {
+                        let d = p.pool.disk();
+                        let held = (0..d.len())
+                            .filter_map(|b| d.content(b).map(|(h, parent)| (b, h, parent)))
+                            .collect();
+                        DiskPool { window: p.window, blocks: d.len(), held }
+                    }).collect();
+                    let before = f.counts();
+                    match f.cache.register_incarnation(kvlease_auth::principal::ANONYMOUS, GROUP, incarnation, &disks) {
+                        Ok(r) => {
+                            prop_assert!(r.new_incarnation);
+                            if r.memory_forgotten {
+                                // device and host memory are gone; the files stay
+                                tiers.host.clear();
+                                for (c, b) in f.counts().iter().zip(&before) {
+                                    prop_assert_eq!((c.cached, c.in_use, c.fenced), (0, 0, 0));
+                                    prop_assert_eq!(c.free, b.total);
+                                }
+                            } else {
+                                prop_assert_eq!(f.counts(), before, "a first incarnation is adopted");
+                            }
+                        }
+                        Err(e) => {
+                            prop_assert!(matches!(e, crate::Error::IncarnationBusy { .. }), "{}", e);
+                            prop_assert_eq!(f.counts(), before, "a refused incarnation changed the pools");
+                        }
+                    }
+                    f.check();
+                }
             }
         }
         // Everything released and every fence completed: the pools are whole.
@@ -506,6 +585,8 @@ proptest! {
         for p in f.cache.pools() {
             let h = p.pool.host().counts();
             prop_assert_eq!((h.pending, h.pinned), (0, 0));
+            let d = p.pool.disk().counts();
+            prop_assert_eq!((d.pending, d.pinned), (0, 0));
         }
     }
 

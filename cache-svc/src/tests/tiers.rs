@@ -18,14 +18,14 @@ fn tiered(device: u32, host: u32) -> Fixture {
     Fixture::with_tiers(config, 4, &[(0, device, host)])
 }
 
-fn grant(o: &Outcome) -> &Grant {
+pub(super) fn grant(o: &Outcome) -> &Grant {
     match o {
         Outcome::Grant(g) => g,
         Outcome::Reject(r) => panic!("rejected: {r:?}"),
     }
 }
 
-fn of(g: &Grant, direction: TierDirection) -> Vec<TierCopy> {
+pub(super) fn of(g: &Grant, direction: TierDirection) -> Vec<TierCopy> {
     g.tier_copies
         .iter()
         .copied()
@@ -35,7 +35,7 @@ fn of(g: &Grant, direction: TierDirection) -> Vec<TierCopy> {
 
 /// Leases `seq` with `prompt` at `step`, completes the step and releases it,
 /// so its full blocks end up cached on the device.
-fn run_and_cache(f: &mut Fixture, seq: u64, prompt: Vec<u32>, step: u64) -> Grant {
+pub(super) fn run_and_cache(f: &mut Fixture, seq: u64, prompt: Vec<u32>, step: u64) -> Grant {
     let out = f.lease(step, false, &[spec(seq, Prompt::Tokens(prompt))]);
     let g = grant(&out[0]).clone();
     f.complete(step);

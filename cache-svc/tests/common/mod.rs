@@ -77,6 +77,7 @@ pub fn pool_spec(window: u64, num_blocks: u64) -> pb::PoolSpec {
         host_blocks: 0,
         window,
         num_blocks,
+        ..Default::default()
     }
 }
 
@@ -89,6 +90,7 @@ pub fn register_req(
         pool_group: group.into(),
         tokens_per_block,
         pools,
+        ..Default::default()
     }
 }
 

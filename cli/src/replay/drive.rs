@@ -171,7 +171,9 @@ pub async fn replay_hinted(
                 host_blocks: 0,
                 window: 0,
                 num_blocks: capacity.into(),
+                ..Default::default()
             }],
+            ..Default::default()
         })
         .await
         .map_err(|s| Error::rpc("RegisterPool", s))?;

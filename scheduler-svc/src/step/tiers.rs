@@ -34,7 +34,7 @@ pub(super) struct TierCopies {
 }
 
 impl Core {
-    /// Whether any group registered a host tier.
+    /// Whether any group registered a host tier (a disk tier needs one).
     fn has_host_tier(&self) -> bool {
         self.groups
             .iter()

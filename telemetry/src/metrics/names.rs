@@ -52,9 +52,14 @@ pub const MATCH_PROMPTS_TOTAL: &str = "kvlease_match_prompts_total";
 /// in each state ([`STATE_FREE`], [`STATE_PENDING`], [`STATE_CACHED`], [`STATE_PINNED`]); only
 /// for pools registered with a host tier.
 pub const HOST_TIER_BLOCKS: &str = "kvlease_host_tier_blocks";
+/// Gauge, labels [`POOL_GROUP`], [`POOL_ID`], [`STATE`]: blocks of a pool's disk tier in each
+/// state (as [`HOST_TIER_BLOCKS`]); only for pools with a disk tier.
+pub const DISK_TIER_BLOCKS: &str = "kvlease_disk_tier_blocks";
 /// Counter, labels [`POOL_GROUP`], [`POOL_ID`], [`DIRECTION`] ([`DIRECTION_DEMOTED`],
-/// [`DIRECTION_ONBOARDED`], [`DIRECTION_DEMOTION_DROPPED`]): blocks copied between a pool's
-/// device and host tiers (GetStats' `demotions`, `onboards`, `demotions_dropped`).
+/// [`DIRECTION_ONBOARDED`], [`DIRECTION_DEMOTION_DROPPED`], and with a disk tier
+/// [`DIRECTION_SPILLED`], [`DIRECTION_LOADED`], [`DIRECTION_DISK_INVALIDATED`]): blocks copied
+/// between a pool's tiers (GetStats' `demotions`, `onboards`, `demotions_dropped`, `spills`,
+/// `loads`, `disk_invalidated`).
 pub const TIER_COPY_BLOCKS_TOTAL: &str = "kvlease_tier_copy_blocks_total";
 
 // === scheduler ===
@@ -146,3 +151,9 @@ pub const DIRECTION_DEMOTED: &str = "demoted";
 pub const DIRECTION_ONBOARDED: &str = "onboarded";
 /// [`DIRECTION`] value: a demotion dropped before it published.
 pub const DIRECTION_DEMOTION_DROPPED: &str = "demotion_dropped";
+/// [`DIRECTION`] value: host -> disk (an evicted host block kept on disk).
+pub const DIRECTION_SPILLED: &str = "spilled";
+/// [`DIRECTION`] value: disk -> device (a prefix hit on the disk tier).
+pub const DIRECTION_LOADED: &str = "loaded";
+/// [`DIRECTION`] value: a disk block dropped from the index after a failed pass loaded it.
+pub const DIRECTION_DISK_INVALIDATED: &str = "disk_invalidated";

@@ -711,7 +711,52 @@ impl Backend for CpuBackend {
                 TierDirection::Onboard => {
                     device_kv[device..device + n].copy_from_slice(&host_kv[host..host + n]);
                 }
+                TierDirection::Spill | TierDirection::Load => {
+                    return Err(Error::Backend(
+                        "a disk-tier copy is not a device <-> host move".into(),
+                    ));
+                }
             }
+        }
+        Ok(())
+    }
+
+    fn supports_disk_tier(&self) -> bool {
+        true
+    }
+
+    fn host_block_bytes(&self, pool: usize, host_block: u32) -> Result<Vec<u8>> {
+        let n = self.state.layout.pools[pool].elems_per_block();
+        let at = host_block as usize * n;
+        let block = self
+            .host_kv
+            .get(pool)
+            .and_then(|kv| kv.get(at..at + n))
+            .ok_or_else(|| {
+                Error::Backend(format!(
+                    "host block {host_block} of pool {pool} is out of range"
+                ))
+            })?;
+        Ok(block.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+
+    fn write_device_block(&mut self, pool: usize, device_block: u32, bytes: &[u8]) -> Result<()> {
+        let n = self.state.layout.pools[pool].elems_per_block();
+        let at = device_block as usize * n;
+        let block = self
+            .state
+            .kv
+            .get_mut(pool)
+            .and_then(|kv| kv.get_mut(at..at + n))
+            .filter(|_| bytes.len() == n * 4)
+            .ok_or_else(|| {
+                Error::Backend(format!(
+                    "device block {device_block} of pool {pool}: out of range or {} bytes for {n} elements",
+                    bytes.len()
+                ))
+            })?;
+        for (x, b) in block.iter_mut().zip(bytes.chunks_exact(4)) {
+            *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
         Ok(())
     }

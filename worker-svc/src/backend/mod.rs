@@ -266,6 +266,34 @@ pub trait Backend: Send + std::fmt::Debug {
             self.name()
         )))
     }
+    /// Whether the backend can read host blocks and write device blocks
+    /// as bytes ([`Backend::host_block_bytes`],
+    /// [`Backend::write_device_block`]), which the disk tier needs.
+    fn supports_disk_tier(&self) -> bool {
+        false
+    }
+    /// The bytes of host block `host_block` of pool `pool` (its K/V as the
+    /// backend keeps it), for a spill to the disk tier.
+    fn host_block_bytes(&self, _pool: usize, _host_block: u32) -> Result<Vec<u8>> {
+        Err(crate::error::Error::Backend(format!(
+            "the {} backend has no disk tier",
+            self.name()
+        )))
+    }
+    /// Writes `bytes` (from [`Backend::host_block_bytes`] of the same
+    /// backend kind) into device block `device_block` of pool `pool`, for a
+    /// load from the disk tier; returns once a later pass sees them.
+    fn write_device_block(
+        &mut self,
+        _pool: usize,
+        _device_block: u32,
+        _bytes: &[u8],
+    ) -> Result<()> {
+        Err(crate::error::Error::Backend(format!(
+            "the {} backend has no disk tier",
+            self.name()
+        )))
+    }
     /// Turns per-phase timing of later passes on or off; backends that
     /// cannot time phases ignore it.
     fn set_profiling(&mut self, _on: bool) {}

@@ -25,6 +25,7 @@ pub(crate) fn tier_copies(direction: TierDirection, pairs: &[(u32, u32)]) -> Vec
                     direction,
                     device_block,
                     host_block,
+                    disk: Default::default(),
                 })
         })
         .collect()

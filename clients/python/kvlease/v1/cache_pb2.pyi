@@ -30,6 +30,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DEVICE: _ClassVar[Tier]
     HOST: _ClassVar[Tier]
+    DISK: _ClassVar[Tier]
 REJECT_REASON_UNSPECIFIED: RejectReason
 POOL_EXHAUSTED: RejectReason
 EXCEEDS_CAPACITY: RejectReason
@@ -45,26 +46,43 @@ ALREADY_RELEASED: ReleaseStatus
 UNKNOWN: ReleaseStatus
 DEVICE: Tier
 HOST: Tier
+DISK: Tier
 
 class PoolSpec(_message.Message):
-    __slots__ = ("window", "num_blocks", "host_blocks")
+    __slots__ = ("window", "num_blocks", "host_blocks", "disk_blocks", "disk_held")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_HELD_FIELD_NUMBER: _ClassVar[int]
     window: int
     num_blocks: int
     host_blocks: int
-    def __init__(self, window: _Optional[int] = ..., num_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ...) -> None: ...
+    disk_blocks: int
+    disk_held: _containers.RepeatedCompositeFieldContainer[DiskBlock]
+    def __init__(self, window: _Optional[int] = ..., num_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., disk_held: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ...) -> None: ...
+
+class DiskBlock(_message.Message):
+    __slots__ = ("block", "hash", "parent")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    hash: int
+    parent: int
+    def __init__(self, block: _Optional[int] = ..., hash: _Optional[int] = ..., parent: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_group", "tokens_per_block", "pools")
+    __slots__ = ("pool_group", "tokens_per_block", "pools", "worker_incarnation")
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     pool_group: str
     tokens_per_block: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolSpec]
-    def __init__(self, pool_group: _Optional[str] = ..., tokens_per_block: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolSpec, _Mapping]]] = ...) -> None: ...
+    worker_incarnation: int
+    def __init__(self, pool_group: _Optional[str] = ..., tokens_per_block: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolSpec, _Mapping]]] = ..., worker_incarnation: _Optional[int] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("pool_group",)
@@ -81,18 +99,20 @@ class UnregisterPoolResponse(_message.Message):
     def __init__(self, pools_removed: _Optional[int] = ..., blocks_removed: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("pool_id", "window", "num_blocks", "tokens_per_block", "host_blocks")
+    __slots__ = ("pool_id", "window", "num_blocks", "tokens_per_block", "host_blocks", "disk_blocks")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     pool_id: int
     window: int
     num_blocks: int
     tokens_per_block: int
     host_blocks: int
-    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., host_blocks: _Optional[int] = ...) -> None: ...
+    disk_blocks: int
+    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., num_blocks: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("pools", "already_registered")
@@ -271,24 +291,34 @@ class BlockCopy(_message.Message):
     def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., src_block: _Optional[int] = ..., dst_block: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class TierCopy(_message.Message):
-    __slots__ = ("pool_id", "window", "direction", "device_block", "host_block")
+    __slots__ = ("pool_id", "window", "direction", "device_block", "host_block", "disk_block", "hash", "parent")
     class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         DEMOTE: _ClassVar[TierCopy.Direction]
         ONBOARD: _ClassVar[TierCopy.Direction]
+        SPILL: _ClassVar[TierCopy.Direction]
+        LOAD: _ClassVar[TierCopy.Direction]
     DEMOTE: TierCopy.Direction
     ONBOARD: TierCopy.Direction
+    SPILL: TierCopy.Direction
+    LOAD: TierCopy.Direction
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BLOCK_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     pool_id: int
     window: int
     direction: TierCopy.Direction
     device_block: int
     host_block: int
-    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., direction: _Optional[_Union[TierCopy.Direction, str]] = ..., device_block: _Optional[int] = ..., host_block: _Optional[int] = ...) -> None: ...
+    disk_block: int
+    hash: int
+    parent: int
+    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., direction: _Optional[_Union[TierCopy.Direction, str]] = ..., device_block: _Optional[int] = ..., host_block: _Optional[int] = ..., disk_block: _Optional[int] = ..., hash: _Optional[int] = ..., parent: _Optional[int] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("seq_id", "reason", "pool_id", "window", "blocks_needed", "blocks_free", "blocks_pending_free", "message")
@@ -495,7 +525,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, pool_group: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_group", "pool_id", "window", "tokens_per_block", "total", "free", "cached_evictable", "in_use", "fenced", "grants", "rejects", "evictions", "reuse_lookups", "reuse_hits", "leaks_reclaimed", "hit_rate_estimates", "host_total", "host_free", "host_pending", "host_cached", "host_pinned", "demotions", "onboards", "demotions_dropped", "eviction_policy", "current_policy", "policy_estimates", "policy_switches", "fork_shared", "fork_copies")
+    __slots__ = ("pool_group", "pool_id", "window", "tokens_per_block", "total", "free", "cached_evictable", "in_use", "fenced", "grants", "rejects", "evictions", "reuse_lookups", "reuse_hits", "leaks_reclaimed", "hit_rate_estimates", "host_total", "host_free", "host_pending", "host_cached", "host_pinned", "demotions", "onboards", "demotions_dropped", "eviction_policy", "current_policy", "policy_estimates", "policy_switches", "fork_shared", "fork_copies", "disk_total", "disk_free", "disk_pending", "disk_cached", "disk_pinned", "spills", "loads", "disk_invalidated")
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
@@ -526,6 +556,14 @@ class PoolStats(_message.Message):
     POLICY_SWITCHES_FIELD_NUMBER: _ClassVar[int]
     FORK_SHARED_FIELD_NUMBER: _ClassVar[int]
     FORK_COPIES_FIELD_NUMBER: _ClassVar[int]
+    DISK_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DISK_FREE_FIELD_NUMBER: _ClassVar[int]
+    DISK_PENDING_FIELD_NUMBER: _ClassVar[int]
+    DISK_CACHED_FIELD_NUMBER: _ClassVar[int]
+    DISK_PINNED_FIELD_NUMBER: _ClassVar[int]
+    SPILLS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    DISK_INVALIDATED_FIELD_NUMBER: _ClassVar[int]
     pool_group: str
     pool_id: int
     window: int
@@ -556,7 +594,15 @@ class PoolStats(_message.Message):
     policy_switches: int
     fork_shared: int
     fork_copies: int
-    def __init__(self, pool_group: _Optional[str] = ..., pool_id: _Optional[int] = ..., window: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached_evictable: _Optional[int] = ..., in_use: _Optional[int] = ..., fenced: _Optional[int] = ..., grants: _Optional[int] = ..., rejects: _Optional[int] = ..., evictions: _Optional[int] = ..., reuse_lookups: _Optional[int] = ..., reuse_hits: _Optional[int] = ..., leaks_reclaimed: _Optional[int] = ..., hit_rate_estimates: _Optional[_Iterable[_Union[HitRateEstimate, _Mapping]]] = ..., host_total: _Optional[int] = ..., host_free: _Optional[int] = ..., host_pending: _Optional[int] = ..., host_cached: _Optional[int] = ..., host_pinned: _Optional[int] = ..., demotions: _Optional[int] = ..., onboards: _Optional[int] = ..., demotions_dropped: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., current_policy: _Optional[str] = ..., policy_estimates: _Optional[_Iterable[_Union[PolicyEstimate, _Mapping]]] = ..., policy_switches: _Optional[int] = ..., fork_shared: _Optional[int] = ..., fork_copies: _Optional[int] = ...) -> None: ...
+    disk_total: int
+    disk_free: int
+    disk_pending: int
+    disk_cached: int
+    disk_pinned: int
+    spills: int
+    loads: int
+    disk_invalidated: int
+    def __init__(self, pool_group: _Optional[str] = ..., pool_id: _Optional[int] = ..., window: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached_evictable: _Optional[int] = ..., in_use: _Optional[int] = ..., fenced: _Optional[int] = ..., grants: _Optional[int] = ..., rejects: _Optional[int] = ..., evictions: _Optional[int] = ..., reuse_lookups: _Optional[int] = ..., reuse_hits: _Optional[int] = ..., leaks_reclaimed: _Optional[int] = ..., hit_rate_estimates: _Optional[_Iterable[_Union[HitRateEstimate, _Mapping]]] = ..., host_total: _Optional[int] = ..., host_free: _Optional[int] = ..., host_pending: _Optional[int] = ..., host_cached: _Optional[int] = ..., host_pinned: _Optional[int] = ..., demotions: _Optional[int] = ..., onboards: _Optional[int] = ..., demotions_dropped: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., current_policy: _Optional[str] = ..., policy_estimates: _Optional[_Iterable[_Union[PolicyEstimate, _Mapping]]] = ..., policy_switches: _Optional[int] = ..., fork_shared: _Optional[int] = ..., fork_copies: _Optional[int] = ..., disk_total: _Optional[int] = ..., disk_free: _Optional[int] = ..., disk_pending: _Optional[int] = ..., disk_cached: _Optional[int] = ..., disk_pinned: _Optional[int] = ..., spills: _Optional[int] = ..., loads: _Optional[int] = ..., disk_invalidated: _Optional[int] = ...) -> None: ...
 
 class PolicyEstimate(_message.Message):
     __slots__ = ("policy", "hit_rate")

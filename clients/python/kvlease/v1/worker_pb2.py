@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvlease.v1 import cache_pb2 as kvlease_dot_v1_dot_cache__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvlease/v1/worker.proto\x12\nkvlease.v1\x1a\x16kvlease/v1/cache.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x83\x02\n\nModelShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x11\n\tnum_heads\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x10\n\x08\x66\x66n_size\x18\x08 \x01(\r\x12\x12\n\nrope_theta\x18\t \x01(\x02\x12\x15\n\rlayer_windows\x18\n \x03(\r\x12\x13\n\x0bmax_context\x18\x0b \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x0c \x01(\t\"r\n\nWorkerPool\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x04 \x01(\x04\x12\x13\n\x0bhost_blocks\x18\x05 \x01(\r\"\xb1\x02\n\x10\x44\x65scribeResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.kvlease.v1.ModelShape\x12\x18\n\x10tokens_per_block\x18\x02 \x01(\r\x12%\n\x05pools\x18\x03 \x03(\x0b\x32\x16.kvlease.v1.WorkerPool\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x06 \x01(\x04\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x04\x12\x18\n\x10\x61\x63tivation_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13max_batch_sequences\x18\t \x01(\r\x12\x18\n\x10max_batch_tokens\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\"\xf1\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).kvlease.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nprompt_len\x18\n \x01(\r\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x10\n\x08stop_ids\x18\x0c \x03(\r\x12\x13\n\x0b\x63onstrained\x18\r \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"`\n\x07Grammar\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x1e\n\x0cTokenHistory\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"\x9c\x03\n\x0f\x46orwardSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12&\n\x06tables\x18\x04 \x03(\x0b\x32\x16.kvlease.v1.BlockTable\x12\x19\n\x11return_all_argmax\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvlease.v1.SamplingParams\x12%\n\x06\x63opies\x18\x07 \x03(\x0b\x32\x15.kvlease.v1.BlockCopy\x12(\n\x05trace\x18\x08 \x01(\x0b\x32\x19.kvlease.v1.SequenceTrace\x12\x15\n\rfeed_previous\x18\t \x01(\x08\x12)\n\x07history\x18\n \x01(\x0b\x32\x18.kvlease.v1.TokenHistory\x12,\n\x08logprobs\x18\x0b \x01(\x0b\x32\x1a.kvlease.v1.LogprobsParams\x12$\n\x07grammar\x18\x0c \x01(\x0b\x32\x13.kvlease.v1.Grammar\"c\n\x0eLogprobsParams\x12\x0b\n\x03top\x18\x01 \x01(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\x08\x12\x1e\n\x11next_prompt_token\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_next_prompt_token\"\\\n\x10PositionLogprobs\x12\r\n\x05token\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"f\n\rSequenceTrace\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x15\n\rreused_tokens\x18\x02 \x01(\r\x12\x18\n\x10onboarded_blocks\x18\x03 \x01(\r\x12\x0f\n\x07replica\x18\x04 \x01(\t\"\x8d\x01\n\x0e\x46orwardRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.kvlease.v1.ForwardSequence\x12)\n\x0btier_copies\x18\x03 \x03(\x0b\x32\x14.kvlease.v1.TierCopy\x12\x12\n\nafter_step\x18\x04 \x01(\x04\"s\n\rForwardResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12\x0e\n\x06\x61rgmax\x18\x03 \x03(\r\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.kvlease.v1.PositionLogprobs\"Q\n\x0f\x46orwardResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvlease.v1.ForwardResult\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\"*\n\x13GetTokenizerRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"\xdf\x01\n\x14GetTokenizerResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x04 \x01(\t\x12\x15\n\rchat_template\x18\x05 \x01(\t\x12\x13\n\x06\x62os_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tbos_token\x18\x07 \x01(\t\x12\x11\n\teos_token\x18\x08 \x01(\t\x12\x0f\n\x07\x65nd_ids\x18\t \x03(\r\x12\x0f\n\x07\x61\x64\x64_bos\x18\n \x01(\x08\x42\t\n\x07_bos_id2\xed\x01\n\rWorkerService\x12\x45\n\x08\x44\x65scribe\x12\x1b.kvlease.v1.DescribeRequest\x1a\x1c.kvlease.v1.DescribeResponse\x12\x42\n\x07\x46orward\x12\x1a.kvlease.v1.ForwardRequest\x1a\x1b.kvlease.v1.ForwardResponse\x12Q\n\x0cGetTokenizer\x12\x1f.kvlease.v1.GetTokenizerRequest\x1a .kvlease.v1.GetTokenizerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvlease/v1/worker.proto\x12\nkvlease.v1\x1a\x16kvlease/v1/cache.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x83\x02\n\nModelShape\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x11\n\tnum_heads\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x10\n\x08\x66\x66n_size\x18\x08 \x01(\r\x12\x12\n\nrope_theta\x18\t \x01(\x02\x12\x15\n\rlayer_windows\x18\n \x03(\r\x12\x13\n\x0bmax_context\x18\x0b \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x0c \x01(\t\"\xb1\x01\n\nWorkerPool\x12\x0e\n\x06window\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x04 \x01(\x04\x12\x13\n\x0bhost_blocks\x18\x05 \x01(\r\x12\x13\n\x0b\x64isk_blocks\x18\x06 \x01(\r\x12(\n\tdisk_held\x18\x07 \x03(\x0b\x32\x15.kvlease.v1.DiskBlock\"\xc6\x02\n\x10\x44\x65scribeResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.kvlease.v1.ModelShape\x12\x18\n\x10tokens_per_block\x18\x02 \x01(\r\x12%\n\x05pools\x18\x03 \x03(\x0b\x32\x16.kvlease.v1.WorkerPool\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x06 \x01(\x04\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x04\x12\x18\n\x10\x61\x63tivation_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13max_batch_sequences\x18\t \x01(\r\x12\x18\n\x10max_batch_tokens\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x13\n\x0bincarnation\x18\x0c \x01(\x04\"\xf1\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).kvlease.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nprompt_len\x18\n \x01(\r\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x10\n\x08stop_ids\x18\x0c \x03(\r\x12\x13\n\x0b\x63onstrained\x18\r \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"`\n\x07Grammar\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x1e\n\x0cTokenHistory\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"\x9c\x03\n\x0f\x46orwardSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12&\n\x06tables\x18\x04 \x03(\x0b\x32\x16.kvlease.v1.BlockTable\x12\x19\n\x11return_all_argmax\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvlease.v1.SamplingParams\x12%\n\x06\x63opies\x18\x07 \x03(\x0b\x32\x15.kvlease.v1.BlockCopy\x12(\n\x05trace\x18\x08 \x01(\x0b\x32\x19.kvlease.v1.SequenceTrace\x12\x15\n\rfeed_previous\x18\t \x01(\x08\x12)\n\x07history\x18\n \x01(\x0b\x32\x18.kvlease.v1.TokenHistory\x12,\n\x08logprobs\x18\x0b \x01(\x0b\x32\x1a.kvlease.v1.LogprobsParams\x12$\n\x07grammar\x18\x0c \x01(\x0b\x32\x13.kvlease.v1.Grammar\"c\n\x0eLogprobsParams\x12\x0b\n\x03top\x18\x01 \x01(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\x08\x12\x1e\n\x11next_prompt_token\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_next_prompt_token\"\\\n\x10PositionLogprobs\x12\r\n\x05token\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"f\n\rSequenceTrace\x12\x13\n\x0btraceparent\x18\x01 \x01(\t\x12\x15\n\rreused_tokens\x18\x02 \x01(\r\x12\x18\n\x10onboarded_blocks\x18\x03 \x01(\r\x12\x0f\n\x07replica\x18\x04 \x01(\t\"\x8d\x01\n\x0e\x46orwardRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.kvlease.v1.ForwardSequence\x12)\n\x0btier_copies\x18\x03 \x03(\x0b\x32\x14.kvlease.v1.TierCopy\x12\x12\n\nafter_step\x18\x04 \x01(\x04\"s\n\rForwardResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12\x0e\n\x06\x61rgmax\x18\x03 \x03(\r\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.kvlease.v1.PositionLogprobs\"Q\n\x0f\x46orwardResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.kvlease.v1.ForwardResult\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\"*\n\x13GetTokenizerRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"\xdf\x01\n\x14GetTokenizerResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x04 \x01(\t\x12\x15\n\rchat_template\x18\x05 \x01(\t\x12\x13\n\x06\x62os_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x11\n\tbos_token\x18\x07 \x01(\t\x12\x11\n\teos_token\x18\x08 \x01(\t\x12\x0f\n\x07\x65nd_ids\x18\t \x03(\r\x12\x0f\n\x07\x61\x64\x64_bos\x18\n \x01(\x08\x42\t\n\x07_bos_id2\xed\x01\n\rWorkerService\x12\x45\n\x08\x44\x65scribe\x12\x1b.kvlease.v1.DescribeRequest\x1a\x1c.kvlease.v1.DescribeResponse\x12\x42\n\x07\x46orward\x12\x1a.kvlease.v1.ForwardRequest\x1a\x1b.kvlease.v1.ForwardResponse\x12Q\n\x0cGetTokenizer\x12\x1f.kvlease.v1.GetTokenizerRequest\x1a .kvlease.v1.GetTokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,36 +38,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_end=80
   _globals['_MODELSHAPE']._serialized_start=83
   _globals['_MODELSHAPE']._serialized_end=342
-  _globals['_WORKERPOOL']._serialized_start=344
-  _globals['_WORKERPOOL']._serialized_end=458
-  _globals['_DESCRIBERESPONSE']._serialized_start=461
-  _globals['_DESCRIBERESPONSE']._serialized_end=766
-  _globals['_SAMPLINGPARAMS']._serialized_start=769
-  _globals['_SAMPLINGPARAMS']._serialized_end=1138
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1090
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1138
-  _globals['_GRAMMAR']._serialized_start=1140
-  _globals['_GRAMMAR']._serialized_end=1236
-  _globals['_TOKENHISTORY']._serialized_start=1238
-  _globals['_TOKENHISTORY']._serialized_end=1268
-  _globals['_FORWARDSEQUENCE']._serialized_start=1271
-  _globals['_FORWARDSEQUENCE']._serialized_end=1683
-  _globals['_LOGPROBSPARAMS']._serialized_start=1685
-  _globals['_LOGPROBSPARAMS']._serialized_end=1784
-  _globals['_POSITIONLOGPROBS']._serialized_start=1786
-  _globals['_POSITIONLOGPROBS']._serialized_end=1878
-  _globals['_SEQUENCETRACE']._serialized_start=1880
-  _globals['_SEQUENCETRACE']._serialized_end=1982
-  _globals['_FORWARDREQUEST']._serialized_start=1985
-  _globals['_FORWARDREQUEST']._serialized_end=2126
-  _globals['_FORWARDRESULT']._serialized_start=2128
-  _globals['_FORWARDRESULT']._serialized_end=2243
-  _globals['_FORWARDRESPONSE']._serialized_start=2245
-  _globals['_FORWARDRESPONSE']._serialized_end=2326
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2328
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2370
-  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2373
-  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2596
-  _globals['_WORKERSERVICE']._serialized_start=2599
-  _globals['_WORKERSERVICE']._serialized_end=2836
+  _globals['_WORKERPOOL']._serialized_start=345
+  _globals['_WORKERPOOL']._serialized_end=522
+  _globals['_DESCRIBERESPONSE']._serialized_start=525
+  _globals['_DESCRIBERESPONSE']._serialized_end=851
+  _globals['_SAMPLINGPARAMS']._serialized_start=854
+  _globals['_SAMPLINGPARAMS']._serialized_end=1223
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1175
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1223
+  _globals['_GRAMMAR']._serialized_start=1225
+  _globals['_GRAMMAR']._serialized_end=1321
+  _globals['_TOKENHISTORY']._serialized_start=1323
+  _globals['_TOKENHISTORY']._serialized_end=1353
+  _globals['_FORWARDSEQUENCE']._serialized_start=1356
+  _globals['_FORWARDSEQUENCE']._serialized_end=1768
+  _globals['_LOGPROBSPARAMS']._serialized_start=1770
+  _globals['_LOGPROBSPARAMS']._serialized_end=1869
+  _globals['_POSITIONLOGPROBS']._serialized_start=1871
+  _globals['_POSITIONLOGPROBS']._serialized_end=1963
+  _globals['_SEQUENCETRACE']._serialized_start=1965
+  _globals['_SEQUENCETRACE']._serialized_end=2067
+  _globals['_FORWARDREQUEST']._serialized_start=2070
+  _globals['_FORWARDREQUEST']._serialized_end=2211
+  _globals['_FORWARDRESULT']._serialized_start=2213
+  _globals['_FORWARDRESULT']._serialized_end=2328
+  _globals['_FORWARDRESPONSE']._serialized_start=2330
+  _globals['_FORWARDRESPONSE']._serialized_end=2411
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2413
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2455
+  _globals['_GETTOKENIZERRESPONSE']._serialized_start=2458
+  _globals['_GETTOKENIZERRESPONSE']._serialized_end=2681
+  _globals['_WORKERSERVICE']._serialized_start=2684
+  _globals['_WORKERSERVICE']._serialized_end=2921
 # @@protoc_insertion_point(module_scope)

@@ -40,21 +40,25 @@ class ModelShape(_message.Message):
     def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., ffn_size: _Optional[int] = ..., rope_theta: _Optional[float] = ..., layer_windows: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class WorkerPool(_message.Message):
-    __slots__ = ("window", "num_layers", "num_blocks", "bytes_per_block", "host_blocks")
+    __slots__ = ("window", "num_layers", "num_blocks", "bytes_per_block", "host_blocks", "disk_blocks", "disk_held")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_HELD_FIELD_NUMBER: _ClassVar[int]
     window: int
     num_layers: int
     num_blocks: int
     bytes_per_block: int
     host_blocks: int
-    def __init__(self, window: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., host_blocks: _Optional[int] = ...) -> None: ...
+    disk_blocks: int
+    disk_held: _containers.RepeatedCompositeFieldContainer[_cache_pb2.DiskBlock]
+    def __init__(self, window: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., disk_held: _Optional[_Iterable[_Union[_cache_pb2.DiskBlock, _Mapping]]] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model", "tokens_per_block", "pools", "backend", "kv_dtype", "memory_budget_bytes", "weight_bytes", "activation_bytes", "max_batch_sequences", "max_batch_tokens", "device")
+    __slots__ = ("model", "tokens_per_block", "pools", "backend", "kv_dtype", "memory_budget_bytes", "weight_bytes", "activation_bytes", "max_batch_sequences", "max_batch_tokens", "device", "incarnation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +70,7 @@ class DescribeResponse(_message.Message):
     MAX_BATCH_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     model: ModelShape
     tokens_per_block: int
     pools: _containers.RepeatedCompositeFieldContainer[WorkerPool]
@@ -77,7 +82,8 @@ class DescribeResponse(_message.Message):
     max_batch_sequences: int
     max_batch_tokens: int
     device: str
-    def __init__(self, model: _Optional[_Union[ModelShape, _Mapping]] = ..., tokens_per_block: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[WorkerPool, _Mapping]]] = ..., backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, model: _Optional[_Union[ModelShape, _Mapping]] = ..., tokens_per_block: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[WorkerPool, _Mapping]]] = ..., backend: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., max_batch_sequences: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., device: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "seed", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "prompt_len", "min_tokens", "stop_ids", "constrained")

@@ -14,9 +14,12 @@ fn demotion(device_block: u32, host_block: u32) -> crate::domain::TierCopy {
     crate::domain::TierCopy {
         pool_id: 1,
         window: 0,
-        demote: true,
+        direction: crate::domain::TierDirection::Demote,
         device_block,
         host_block,
+        disk_block: 0,
+        hash: 0,
+        parent: 0,
     }
 }
 

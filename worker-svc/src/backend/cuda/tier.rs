@@ -135,6 +135,16 @@ impl HostTier {
                     run.pool, run.blocks, run.device, run.host
                 )));
             }
+            let to_host = match run.direction {
+                TierDirection::Demote => true,
+                TierDirection::Onboard => false,
+                // validation keeps disk copies out of the backend's moves
+                TierDirection::Spill | TierDirection::Load => {
+                    return Err(Error::Backend(
+                        "a disk-tier copy is not a device <-> host move".into(),
+                    ));
+                }
+            };
             let bytes = n * size_of::<u16>();
             // `as_mut_ptr` first waits for the allocation's event, which
             // cudarc records only for its own copies (this tier makes none),
@@ -153,19 +163,20 @@ impl HostTier {
             // exists while the DMA runs (the host never touches the
             // tier), and the wait below ends it before `copy` returns.
             let result = unsafe {
-                match run.direction {
-                    TierDirection::Demote => sys::cuMemcpyDtoHAsync_v2(
+                if to_host {
+                    sys::cuMemcpyDtoHAsync_v2(
                         host_ptr.cast(),
                         device_ptr,
                         bytes,
                         stream.cu_stream(),
-                    ),
-                    TierDirection::Onboard => sys::cuMemcpyHtoDAsync_v2(
+                    )
+                } else {
+                    sys::cuMemcpyHtoDAsync_v2(
                         device_ptr,
                         host_ptr.cast_const().cast(),
                         bytes,
                         stream.cu_stream(),
-                    ),
+                    )
                 }
             };
             result.result().map_err(cuda_err("tier copy"))?;
