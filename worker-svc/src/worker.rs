@@ -96,7 +96,7 @@ pub struct SeqOutput {
     /// This sequence's rows of [`ForwardOutput::logits`]: every position
     /// when asked, else the last one.
     pub rows: std::ops::Range<usize>,
-    /// The log-probabilities it asked for ([`crate::logprobs::rows_of`]:
+    /// The log-probabilities it asked for (`logprobs::rows_of`:
     /// one per input position with `prompt`, else the next token's); empty
     /// when it asked for none.
     pub logprobs: Vec<RowLogprobs>,
