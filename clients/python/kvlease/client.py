@@ -10,7 +10,7 @@ gRPC status code and the server's message.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -104,6 +104,8 @@ class Chunk:
     tokens: Tuple[int, ...]
     logprobs: Tuple[TokenLogprob, ...] = ()
     """With `logprobs`: one per token."""
+    index: int = 0
+    """The sample (`generate(n=...)`) the chunk belongs to, 0 to n - 1."""
 
 
 @dataclass(frozen=True)
@@ -144,13 +146,16 @@ class Completion:
 
 class Generation(Iterator[Chunk]):
     """The stream of one `Generate` call: iterate for `Chunk`s; once the
-    iteration ends, `finish` says how. `cancel()` stops it early: the
-    scheduler frees the request's blocks and the stream ends with
-    `finish.reason == "CANCELLED"`, an answer like the others, not an
-    exception."""
+    iteration ends, `finish` says how (`finishes[i]` for sample i of a
+    request of several: each chunk names its sample in `index`). `cancel()`
+    stops it early: the scheduler frees the request's blocks and the stream
+    ends with `finish.reason == "CANCELLED"`, an answer like the others, not
+    an exception."""
 
-    def __init__(self, call):
+    def __init__(self, call, samples: int = 1):
         self._call = call
+        self._samples = max(1, samples)
+        self.finishes: Dict[int, Finish] = {}
         self._cancelled = False
         self._first = True
         self._prompt_tokens = 0
@@ -164,23 +169,36 @@ class Generation(Iterator[Chunk]):
 
     def __next__(self) -> Chunk:
         while self.finish is None:
+            if len(self.finishes) >= self._samples:
+                self.finish = self.finishes.get(0)
+                break
             try:
                 message = next(self._call)
             except StopIteration:
-                raise KvleaseError("UNKNOWN", "the stream ended without a finish reason") from None
+                if not self.finishes:
+                    raise KvleaseError("UNKNOWN", "the stream ended without a finish reason") from None
+                # a request-wide end (a deadline) names one sample: it ends them all
+                ended = next(iter(self.finishes.values()))
+                for i in range(self._samples):
+                    self.finishes.setdefault(i, ended)
+                continue
             except grpc.RpcError as e:
                 if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
-                    self.finish = Finish(
-                        reason="CANCELLED",
-                        reject=None,
-                        message="cancelled by the client",
-                        prompt_tokens=self._prompt_tokens,
-                        reused_tokens=self._reused_tokens,
-                        preemptions=0,
-                        prompt_logprobs=self._prompt_logprobs,
-                        prompt_text=self._prompt_text,
-                    )
-                    break
+                    for i in range(self._samples):
+                        self.finishes.setdefault(
+                            i,
+                            Finish(
+                                reason="CANCELLED",
+                                reject=None,
+                                message="cancelled by the client",
+                                prompt_tokens=self._prompt_tokens,
+                                reused_tokens=self._reused_tokens,
+                                preemptions=0,
+                                prompt_logprobs=self._prompt_logprobs,
+                                prompt_text=self._prompt_text,
+                            ),
+                        )
+                    continue
                 raise KvleaseError.from_rpc(e) from None
             if self._first:
                 self._first = False
@@ -190,7 +208,7 @@ class Generation(Iterator[Chunk]):
             if message.prompt_logprobs:
                 self._prompt_logprobs = tuple(TokenLogprob.from_pb(l) for l in message.prompt_logprobs)
             if message.finish_reason != scheduler_pb2.FINISH_REASON_UNSPECIFIED:
-                self.finish = Finish(
+                self.finishes[message.index] = Finish(
                     reason=scheduler_pb2.FinishReason.Name(message.finish_reason),
                     reject=Reject.from_pb(message.reject) if message.HasField("reject") else None,
                     message=message.message,
@@ -205,6 +223,7 @@ class Generation(Iterator[Chunk]):
                     text=message.text,
                     tokens=tuple(message.tokens),
                     logprobs=tuple(TokenLogprob.from_pb(l) for l in message.logprobs),
+                    index=message.index,
                 )
         raise StopIteration
 
@@ -215,15 +234,25 @@ class Generation(Iterator[Chunk]):
         self._call.cancel()
 
     def result(self) -> Completion:
-        """Reads the rest of the stream; the whole completion."""
+        """Reads the rest of the stream; the whole completion (of a request
+        of one sample: `results()` reads several)."""
+        if self._samples != 1:
+            raise ValueError(f"the request asked {self._samples} samples: read them with results()")
+        return self.results()[0]
+
+    def results(self) -> List[Completion]:
+        """Reads the rest of the stream; one whole completion per sample, in
+        index order."""
         chunks = list(self)
-        assert self.finish is not None  # the loop above ends only with a finish
-        return Completion(
-            text="".join(c.text for c in chunks),
-            tokens=tuple(t for c in chunks for t in c.tokens),
-            finish=self.finish,
-            logprobs=tuple(l for c in chunks for l in c.logprobs),
-        )
+        return [
+            Completion(
+                text="".join(c.text for c in chunks if c.index == i),
+                tokens=tuple(t for c in chunks if c.index == i for t in c.tokens),
+                finish=self.finishes[i],
+                logprobs=tuple(l for c in chunks if c.index == i for l in c.logprobs),
+            )
+            for i in range(self._samples)
+        ]
 
 
 @dataclass(frozen=True)
@@ -346,6 +375,7 @@ class KvleaseClient:
         logprobs: Optional[int] = None,
         prompt_logprobs: bool = False,
         echo: bool = False,
+        n: int = 1,
         stop: Sequence[str] = (),
         stop_tokens: Sequence[int] = (),
         ignore_eos: bool = False,
@@ -364,7 +394,10 @@ class KvleaseClient:
         `logprobs=N` (0 to 20) gives each chunk its tokens' log-probabilities
         with N alternatives (of the raw distribution); `prompt_logprobs`
         also the prompt's (`finish.prompt_logprobs`; the request then reuses
-        no cached prefix); `echo` the prompt's text (`finish.prompt_text`)."""
+        no cached prefix); `echo` the prompt's text (`finish.prompt_text`).
+        `n` (1 to 16) parallel samples of the one prompt, leased and
+        prefilled once (sample 0 keeps `seed`, the others derive theirs):
+        chunks carry their sample's `index`; read them with `results()`."""
         if prompt_logprobs and logprobs is None:
             raise ValueError("prompt_logprobs needs logprobs (the number of alternatives)")
         given = [name for name, v in (("text", text), ("tokens", tokens), ("messages", messages)) if v is not None]
@@ -390,6 +423,7 @@ class KvleaseClient:
                 scheduler_pb2.LogprobsRequest(top=logprobs, prompt=prompt_logprobs) if logprobs is not None else None
             ),
             echo=echo,
+            n=n,
             stop=list(stop),
             stop_tokens=list(stop_tokens),
             ignore_eos=ignore_eos,
@@ -398,7 +432,7 @@ class KvleaseClient:
             request_id=request_id,
         )
         call = self._scheduler.Generate(request, timeout=self._timeout_of(timeout), metadata=self._metadata)
-        return Generation(call)
+        return Generation(call, samples=n)
 
     def complete(self, text: Optional[str] = None, **kwargs) -> Completion:
         """`generate(...)` read to its end."""

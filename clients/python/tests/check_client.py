@@ -81,6 +81,15 @@ def main(addr):
         e = raises(lambda: client.complete(PROMPT, max_tokens=2, logprobs=21), KvleaseError)
         check(e is not None and e.code == "INVALID_ARGUMENT" and "logprobs.top" in e.details,
               f"logprobs=21 is INVALID_ARGUMENT naming logprobs.top: {e}")
+        samples = client.generate(PROMPT, max_tokens=8, temperature=1.0, seed=5, n=3).results()
+        texts = [c.text for c in samples]
+        check(len(samples) == 3 and len(set(texts)) > 1 and all(c.finish.reason in ("LENGTH", "STOP") for c in samples),
+              f"n=3 with a seed: three samples, not all the same: {texts!r}")
+        one = client.complete(PROMPT, max_tokens=8, temperature=1.0, seed=5)
+        check(one.text == texts[0], "sample 0 keeps the seed: it is the one-sample completion")
+        e = raises(lambda: client.generate(PROMPT, max_tokens=2, n=17).results(), KvleaseError)
+        check(e is not None and e.code == "INVALID_ARGUMENT" and "n" in e.details,
+              f"n=17 is INVALID_ARGUMENT naming n: {e}")
         kept = client.complete(PROMPT, max_tokens=2, retain={"tokens": 4, "priority": 10, "ttl_s": 60})
         check(kept.finish.reason in ("LENGTH", "STOP"), f"a retention hint is taken: {kept.finish.reason}")
 
