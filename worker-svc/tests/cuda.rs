@@ -36,7 +36,7 @@ use worker_svc::backend::{CudaOptions, KvDtype};
 use worker_svc::batch::{Limits, Sampling, SeqInput, TableInput};
 use worker_svc::model::weights::Weights;
 use worker_svc::model::{ModelConfig, RopeScaling};
-use worker_svc::worker::{SeqOutput, Worker, WorkerOptions};
+use worker_svc::worker::{Worker, WorkerOptions};
 
 /// Whether a GPU is usable; prints why not (or fails when
 /// `KVLEASE_REQUIRE_GPU=1`).
@@ -88,21 +88,6 @@ fn gpu_worker(weights: &Weights) -> Worker {
     cuda_worker(weights, DTYPE)
 }
 
-/// A CUDA worker with a host tier of `host_blocks` pinned blocks per pool.
-/// The tokens `worker` picks for `batch` on the host from downloaded logits
-/// (`forward`) and on the device (`forward_tokens`), in batch order.
-fn host_and_device_picks(worker: &mut Worker, batch: Vec<SeqInput>) -> (Vec<u32>, Vec<SeqOutput>) {
-    let on_host = match worker.forward(batch.clone()) {
-        Ok(o) => o.seqs.iter().map(|s| s.next_token).collect(),
-        Err(e) => panic!("forward: {e}"),
-    };
-    let on_device = match worker.forward_tokens(batch) {
-        Ok(o) => o,
-        Err(e) => panic!("forward_tokens: {e}"),
-    };
-    (on_host, on_device)
-}
-
 /// The small seeded model with a 3001-token vocabulary (over the sampling
 /// kernel's 1024 threads, so each thread walks a run of ids) on the GPU.
 fn wide_vocab_gpu_worker(seed: u64) -> (Weights, Worker) {
@@ -118,6 +103,7 @@ fn wide_vocab_gpu_worker(seed: u64) -> (Weights, Worker) {
     (weights, worker)
 }
 
+/// A CUDA worker with a host tier of `host_blocks` pinned blocks per pool.
 fn tiered_cuda_worker(weights: &Weights, kv_dtype: KvDtype, host_blocks: u32) -> Worker {
     let gpu = CudaOptions {
         device: 0,
@@ -897,23 +883,6 @@ fn greedy_tokens_picked_on_the_device_equal_the_hosts_argmax() {
     }
 }
 
-/// A CUDA worker of a seeded model whose vocabulary (3001) is wider than
-/// the picking kernels' 1024 threads, so each thread walks a run of ids;
-/// its pools' windows and the vocabulary.
-fn wide_vocabulary_worker() -> (Worker, Vec<u32>, u32) {
-    let config = ModelConfig {
-        vocab_size: 3001,
-        ..ModelConfig::small()
-    };
-    let weights = match Weights::seeded(config, 5) {
-        Ok(w) => w,
-        Err(e) => panic!("weights: {e}"),
-    };
-    let worker = gpu_worker(&weights);
-    let windows: Vec<u32> = worker.layout().pools.iter().map(|p| p.window).collect();
-    (worker, windows, weights.config.vocab_size as u32)
-}
-
 /// `batch` run twice (the same K/V written into the same slots): with its
 /// logits downloaded and picked on the host (`forward`), then picked on the
 /// device (`forward_tokens`).
@@ -1083,9 +1052,12 @@ fn device_sampling_equals_the_hosts_for_every_parameter() {
                 }
             })
             .collect();
-        let (on_host, on_device) = host_and_device_picks(&mut worker, batch);
+        let (on_host, on_device) = host_and_device(&mut worker, batch);
         for (i, (name, _)) in cases(seed).iter().enumerate() {
-            assert_eq!(on_device[i].next_token, on_host[i], "{name}, seed {seed}");
+            assert_eq!(
+                on_device[i].next_token, on_host.seqs[i].next_token,
+                "{name}, seed {seed}"
+            );
             compared += 1;
         }
         assert_ne!(on_device[9].next_token, 3, "a bias of -100 bans the token");
@@ -1109,7 +1081,9 @@ fn device_logprobs_equal_the_hosts() {
     if !gpu_available("device_logprobs_equal_the_hosts") {
         return;
     }
-    let (mut worker, windows, vocab) = wide_vocabulary_worker();
+    let (weights, mut worker) = wide_vocab_gpu_worker(5);
+    let windows: Vec<u32> = worker.layout().pools.iter().map(|p| p.window).collect();
+    let vocab = weights.config.vocab_size as u32;
     let spec = |top: u32, prompt: bool, next_prompt_token: Option<u32>| {
         Some(LogprobsSpec {
             top,
@@ -1616,14 +1590,14 @@ fn grammar_masks_applied_on_the_device_pick_as_the_host() {
                 }
             })
             .collect();
-        let (on_host, on_device) = host_and_device_picks(&mut worker, batch);
+        let (on_host, on_device) = host_and_device(&mut worker, batch);
         let grammars = match tokenizer.grammars() {
             Ok(g) => g,
             Err(e) => panic!("grammars: {e}"),
         };
         for (i, (name, _, grammar, output)) in cases(seed).into_iter().enumerate() {
             let t = on_device[i].next_token;
-            assert_eq!(t, on_host[i], "{name}, seed {seed}");
+            assert_eq!(t, on_host.seqs[i].next_token, "{name}, seed {seed}");
             let mut m = match grammars.compile(&grammar) {
                 Ok(m) => m,
                 Err(e) => panic!("{name}: {e}"),
