@@ -357,16 +357,17 @@ async fn whole(
     let mut choices: Vec<(WholeChoice, bool)> = (0..n.max(1))
         .map(|_| (WholeChoice::default(), false))
         .collect();
+    let mut echo = Echo::new(n);
     let mut p = first;
     loop {
         tally.add(&p);
+        let (t, l) = echo.parts(&p);
         let Some((choice, ended)) = choices.get_mut(p.index as usize) else {
             return Err(ApiError::upstream(format!(
                 "the scheduler answered choice {} of {n}",
                 p.index
             )));
         };
-        let (t, l) = piece_parts(&p);
         choice.text.push_str(&t);
         choice.logprobs.extend(l);
         match p.end {
@@ -392,14 +393,48 @@ struct WholeChoice {
     finish: &'static str,
 }
 
-/// A piece's text and its tokens' logprobs as an answer shows them: an
-/// echoed prompt (its text, and its logprobs when asked) first.
-fn piece_parts(p: &Piece) -> (String, Vec<TokenLp>) {
-    let mut text = p.prompt_text.clone();
-    text.push_str(&p.text);
-    let mut lps = p.prompt_logprobs.clone();
-    lps.extend(p.logprobs.iter().cloned());
-    (text, lps)
+/// The echoed prompt (its text, and its logprobs when asked), which the
+/// scheduler sends once per request, in front of every choice's first
+/// piece.
+#[derive(Debug)]
+struct Echo {
+    text: String,
+    logprobs: Vec<TokenLp>,
+    /// Per choice: whether its answer already shows the prompt.
+    shown: Vec<bool>,
+}
+
+impl Echo {
+    fn new(n: u32) -> Self {
+        Echo {
+            text: String::new(),
+            logprobs: Vec::new(),
+            shown: vec![false; n.max(1) as usize],
+        }
+    }
+
+    /// A piece's text and its tokens' logprobs as an answer shows them:
+    /// the echoed prompt first in its choice's first piece that follows
+    /// it.
+    fn parts(&mut self, p: &Piece) -> (String, Vec<TokenLp>) {
+        if !p.prompt_text.is_empty() || !p.prompt_logprobs.is_empty() {
+            self.text.clone_from(&p.prompt_text);
+            self.logprobs.clone_from(&p.prompt_logprobs);
+        }
+        let echoed = !self.text.is_empty() || !self.logprobs.is_empty();
+        let (mut text, mut lps) = (String::new(), Vec::new());
+        if let Some(shown) = self.shown.get_mut(p.index as usize)
+            && echoed
+            && !*shown
+        {
+            *shown = true;
+            text.clone_from(&self.text);
+            lps.clone_from(&self.logprobs);
+        }
+        text.push_str(&p.text);
+        lps.extend(p.logprobs.iter().cloned());
+        (text, lps)
+    }
 }
 
 impl Answer {
@@ -534,6 +569,7 @@ struct SseState<S> {
     /// Per choice, the bytes of the tokens streamed so far (completions'
     /// `text_offset`).
     streamed: Vec<Vec<u8>>,
+    echo: Echo,
 }
 
 /// The SSE body: the chat role chunk, a chunk per piece with text, the
@@ -557,6 +593,7 @@ fn sse(
         started: false,
         done: false,
         streamed: vec![Vec::new(); n.max(1) as usize],
+        echo: Echo::new(n),
     };
     futures::stream::unfold(state, |mut st| async move {
         if st.done {
@@ -599,7 +636,7 @@ impl<S: Stream<Item = Piece> + Unpin> SseState<S> {
         };
         st.tally.add(&piece);
         let index = piece.index;
-        let (text, lps) = piece_parts(&piece);
+        let (text, lps) = st.echo.parts(&piece);
         // a piece whose text is held back still shows its tokens' logprobs
         let logprobs = match st.streamed.get_mut(index as usize) {
             Some(before) if !lps.is_empty() => st.answer.logprobs_value(&lps, before),
@@ -804,6 +841,25 @@ mod tests {
             end,
             ..text(t)
         }
+    }
+
+    #[tokio::test]
+    async fn an_echoed_prompt_leads_every_choice() {
+        // the scheduler sends the prompt once, with the request's first piece
+        let first = Piece {
+            prompt_text: "P:".into(),
+            ..of(0, "a", None)
+        };
+        let rest = vec![
+            of(1, "x", None),
+            of(0, "b", Some(End::Length)),
+            of(1, "y", Some(End::Length)),
+        ];
+        let (choices, _) = whole(Tally::new(false), 2, first, futures::stream::iter(rest))
+            .await
+            .unwrap();
+        let texts: Vec<&str> = choices.iter().map(|c| c.text.as_str()).collect();
+        assert_eq!(texts, ["P:ab", "P:xy"]);
     }
 
     #[tokio::test]
