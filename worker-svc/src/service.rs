@@ -195,14 +195,14 @@ impl Passes {
             let begun = worker.begin_tokens(inputs, &fed.on_device)?;
             Ok((begun, !fed.on_device.is_empty()))
         });
-        if let Ok((begun, _)) = &begun {
-            let rows = match begun {
-                Begun::Running(pass) => Some(pass.last_rows().collect()),
-                Begun::Done(_) => None,
-            };
-            self.log.lock().map_err(poisoned)?.passes.begun(step, rows);
-            self.changed.notify_all();
-        }
+        // a pass that failed to begin may have overwritten the device's
+        // token rows too: then no pass can be fed from the device
+        let rows = match &begun {
+            Ok((Begun::Running(pass), _)) => Some(pass.last_rows().collect()),
+            Ok((Begun::Done(_), _)) | Err(_) => None,
+        };
+        self.log.lock().map_err(poisoned)?.passes.begun(step, rows);
+        self.changed.notify_all();
         drop(worker);
         let outcome = match begun {
             Ok((begun, fed_on_device)) => {
@@ -225,9 +225,16 @@ impl Passes {
                 };
                 outputs.and_then(|outputs| match followed {
                     Some(true) => Ok(outputs),
-                    _ => Err(crate::Error::PreviousPass {
+                    Some(false) => Err(crate::Error::PreviousPass {
                         step: after_step,
                         problem: "failed after this pass was fed from it".into(),
+                    }),
+                    None => Err(crate::Error::PreviousPass {
+                        step: after_step,
+                        problem: format!(
+                            "did not finish within {} s of this pass, which was fed from it",
+                            FOLLOW_WAIT.as_secs()
+                        ),
                     }),
                 })
             }
