@@ -68,6 +68,12 @@ pub(crate) struct SeqState {
     /// then chunked-prefill progress reports); `len` once the prefill is
     /// whole.
     pub written: u32,
+    /// Tokens whose KV a completed step wrote (reused blocks included):
+    /// what a fork may share. `written` runs ahead of it by the steps in
+    /// flight, whose reports wait in `writes_in_flight`.
+    pub written_done: u32,
+    /// `(step, written)` reported for steps not completed yet, oldest first.
+    pub writes_in_flight: Vec<(Step, u32)>,
     /// Full prompt blocks past `written` (chunked prefill): their hashes are
     /// pending, but they publish only once a progress report covers them.
     /// Each with the token position its block ends at, in block order.
@@ -75,6 +81,35 @@ pub(crate) struct SeqState {
 }
 
 impl SeqState {
+    /// Records that `step`'s pass writes this sequence's KV through
+    /// `written` tokens; `completed`: the session's last completed step. A
+    /// report for a step already completed is never known to be written (as
+    /// its hashes are never published) and counts nothing.
+    pub(crate) fn note_write(&mut self, step: Step, written: u32, completed: Option<Step>) {
+        self.settle_writes(completed);
+        if !completed.is_some_and(|done| step <= done) {
+            self.writes_in_flight.push((step, written));
+        }
+    }
+
+    /// Tokens whose KV a step completed by `completed` wrote.
+    pub(crate) fn written_by(&self, completed: Option<Step>) -> u32 {
+        let done = |step: Step| completed.is_some_and(|c| step <= c);
+        self.writes_in_flight
+            .iter()
+            .filter(|&&(step, _)| done(step))
+            .fold(self.written_done, |acc, &(_, w)| acc.max(w))
+            .min(self.len)
+    }
+
+    /// Folds the reports of steps completed by `completed` into
+    /// `written_done`.
+    fn settle_writes(&mut self, completed: Option<Step>) {
+        self.written_done = self.written_by(completed);
+        self.writes_in_flight
+            .retain(|&(step, _)| !completed.is_some_and(|c| step <= c));
+    }
+
     /// Slots the lease covers.
     pub(crate) fn capacity(&self) -> u32 {
         self.len

@@ -782,6 +782,8 @@ async fn forks_share_blocks_and_malformed_forks_name_fork_of() {
         .unwrap()
         .into_inner();
     let parent = grant(&parent.outcomes[0]).clone();
+    // its prompt pass completes: a branch shares only what a completed step wrote
+    c.complete_step(complete_req(sess, 1)).await.unwrap();
     let in_use = |st: &pb::GetStatsResponse| st.pools.iter().map(|p| p.in_use).collect::<Vec<_>>();
     let before = stats(c).await;
     let mut beams = fork(2, 1, prompt.clone());

@@ -266,6 +266,7 @@ impl Cache {
             return;
         };
         let done = session.step_completed(step);
+        let completed = session.completed_step;
         let Some(seq) = session.seqs.get_mut(&seq_id) else {
             return;
         };
@@ -274,6 +275,7 @@ impl Cache {
             return;
         }
         seq.written = written;
+        seq.note_write(step, written, completed);
         if written == seq.len {
             // the partly filled last block is written by this step too
             seq.write_step = step;
@@ -406,6 +408,7 @@ impl Cache {
             return nothing();
         };
         let fence_done = session.step_completed(step);
+        let completed = session.completed_step;
         let Some(seq) = session.seqs.get_mut(&seq_id) else {
             return nothing();
         };
@@ -479,6 +482,7 @@ impl Cache {
         seq.len = seq.len.saturating_add(growth.len());
         if whole {
             seq.written = seq.len;
+            seq.note_write(step, seq.len, completed);
         }
         // Hash the blocks the new tokens fill; they publish once this step
         // completes (its forward pass writes them).

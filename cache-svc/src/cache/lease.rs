@@ -569,7 +569,10 @@ impl Cache {
             return None;
         }
         let b = group.tokens_per_block;
-        let k = (spec.prompt.len() - 1).min(parent.written).min(parent.len);
+        // only KV a completed step wrote: the parent's pass in flight may
+        // still fail, and a branch must never read what it did not write
+        let completed = self.sessions.get(&session_id)?.completed_step;
+        let k = (spec.prompt.len() - 1).min(parent.written_by(completed));
         let (reuse_blocks, copy_tokens) = (k / b, k % b);
         let end = reuse_blocks + u32::from(copy_tokens > 0);
         let mut pools = Vec::with_capacity(group.pools.len());
@@ -924,8 +927,18 @@ impl Cache {
             write_step: step,
             tables,
             written: plan.written,
+            // known once this step completes (`note_write` below): reused
+            // blocks may be onboarded or copied by this step's pass too
+            written_done: 0,
+            writes_in_flight: Vec::new(),
             held_back,
         };
+        let mut seq = seq;
+        let completed = self
+            .sessions
+            .get(&session_id)
+            .and_then(|session| session.completed_step);
+        seq.note_write(step, plan.written, completed);
         let mut grant = self.grant_of(plan.seq_id, &seq, plan.reused_tokens);
         grant.copies = copies;
         let pools: Vec<usize> = plan.pools.iter().map(|p| p.pool).collect();

@@ -80,7 +80,8 @@ impl Cache {
                 for bt in &t.beams {
                     for &block in &bt.blocks {
                         // A block with a pending hash is the sequence's own
-                        // (others only ever share published blocks), and
+                        // (others only ever share published blocks; a fork
+                        // shares only what a completed step wrote), and
                         // its step is not complete (else it would have
                         // published): its `session.pending` reference then
                         // finds nothing to publish.

@@ -99,6 +99,7 @@ fn branches_share_the_full_blocks_and_copy_the_block_of_the_last_prompt_token() 
 fn a_prompt_ending_a_block_copies_all_but_the_last_slot() {
     let mut f = Fixture::new(4, &[(0, 16)]);
     f.lease(1, false, &[spec(1, Prompt::Tokens(tokens(0, 8)))]);
+    f.complete(1);
     let mother = f.cache.sequence_tables(f.session, SeqId(1)).unwrap()[0]
         .2
         .clone();
@@ -112,6 +113,36 @@ fn a_prompt_ending_a_block_copies_all_but_the_last_slot() {
     f.release(&[1, 2], Some(3));
     f.complete(3);
     assert!(whole(&f.counts()));
+}
+
+#[test]
+fn a_branch_shares_only_kv_that_a_completed_step_wrote() {
+    // the parent's prompt pass (step 1) is in flight: it may still fail, so
+    // a branch leased now shares none of it and computes its whole prompt
+    let mut f = Fixture::new(4, &[(0, 32)]);
+    f.lease(1, false, &[spec(1, Prompt::Tokens(tokens(0, 10)))]);
+    let out = f.lease(2, false, &[branch(2, 1, tokens(0, 10))]);
+    let g = out[0].grant().unwrap();
+    assert_eq!(g.reused_tokens, 0, "nothing the parent has not written yet");
+    assert!(g.copies.is_empty());
+    // step 1 completes: the next branch shares the prompt's blocks; the
+    // parent's decode at step 2 (not completed) adds nothing to the share
+    f.complete(1);
+    f.extend(2, &[(1, Growth::Tokens(vec![100, 101, 102]))]);
+    let mut context = tokens(0, 10);
+    context.extend([100, 101, 102]);
+    let out = f.lease(3, false, &[branch(3, 1, context.clone())]);
+    let g = out[0].grant().unwrap();
+    assert_eq!(g.reused_tokens, 10, "the prompt, written by step 1");
+    // once step 2 completes, a branch shares the decoded tokens too
+    f.complete(2);
+    f.complete(3);
+    let out = f.lease(4, false, &[branch(4, 1, context)]);
+    assert_eq!(out[0].grant().unwrap().reused_tokens, 12);
+    f.release(&[1, 2, 3, 4], Some(4));
+    f.complete(4);
+    assert!(whole(&f.counts()));
+    assert!(f.cache.audit().reclaimed.is_empty());
 }
 
 #[test]

@@ -226,6 +226,10 @@ proptest! {
         let mut toks: HashMap<u64, Vec<u32>> = HashMap::new();
         // Prompts and how far the holder has written them.
         let mut prefill_of: HashMap<u64, (Vec<u32>, usize)> = HashMap::new();
+        // How far a completed step wrote each prompt (what a fork may
+        // share), and the writes of steps not completed yet.
+        let mut prefill_done: HashMap<u64, usize> = HashMap::new();
+        let mut writes: Vec<(u64, u64, usize)> = Vec::new();
         for op in ops {
             match op {
                 Op::Lease { seqs, atomic, warmup, reserve, prefill, retain } => {
@@ -285,7 +289,9 @@ proptest! {
                             // a fork of a prefill written through its last
                             // token shares everything before that token
                             // (and has not grown, so no window slid)
-                            let written = prefill_of.get(&parent.0).is_some_and(|(ids, w)| *w >= ids.len() - 1);
+                            let written = prefill_of.get(&parent.0).is_some_and(|(ids, _)| {
+                                prefill_done.get(&parent.0).is_some_and(|&w| w >= ids.len() - 1)
+                            });
                             let grown = toks.get(&parent.0).is_none_or(|t| t.len() as u32 != s.prompt.len());
                             if !warmup && written && !grown {
                                 prop_assert_eq!(g.reused_tokens, s.prompt.len() - 1);
@@ -379,6 +385,7 @@ proptest! {
                             };
                             write_content(&mut content, &mirror[&g.seq_id.0], &ids[..written], b);
                             prefill_of.insert(g.seq_id.0, (ids.clone(), written));
+                            writes.push((g.seq_id.0, step, written));
                             if s.beam_width == 1 {
                                 toks.insert(g.seq_id.0, ids.clone());
                             }
@@ -488,6 +495,7 @@ proptest! {
                                                 }
                                             }
                                             *done = upto.max(*done);
+                                            writes.push((g.seq_id.0, step, *done));
                                         }
                                     }
                                     Outcome::Reject(r) => prop_assert!(matches!(
@@ -506,7 +514,9 @@ proptest! {
                         mirror.remove(id);
                         toks.remove(id);
                         prefill_of.remove(id);
+                        prefill_done.remove(id);
                     }
+                    writes.retain(|(id, _, _)| !ids.contains(id));
                     if failed {
                         tiers.fail();
                         f.release_failed(&ids, fenced.then_some(step));
@@ -516,6 +526,11 @@ proptest! {
                 }
                 Op::Complete => {
                     f.complete(step);
+                    for &(id, _, upto) in writes.iter().filter(|w| w.1 <= step) {
+                        let done = prefill_done.entry(id).or_default();
+                        *done = upto.max(*done);
+                    }
+                    writes.retain(|w| w.1 > step);
                     tiers.complete();
                     step += 1;
                 }
@@ -535,6 +550,8 @@ proptest! {
                     mirror.clear();
                     toks.clear();
                     prefill_of.clear();
+                    prefill_done.clear();
+                    writes.clear();
                 }
                 Op::Audit => {
                     let report = f.cache.audit();
@@ -687,6 +704,8 @@ proptest! {
         let mut parent = spec(1, Prompt::Tokens(ids.clone()));
         parent.extra = extra;
         prop_assert!(f.lease(1, false, &[parent])[0].grant().is_some());
+        // the parent's prefill is written (a branch shares only that)
+        f.complete(1);
         let branches: Vec<_> = (2..=u64::from(n)).map(|id| {
             let mut s = spec(id, Prompt::Tokens(ids.clone()));
             s.extra = extra;
