@@ -129,15 +129,20 @@ bench() {
 }
 # answered NAME N: all N requests of bench NAME ended with an answer from the
 # scheduler (finished, rejected, cancelled or ended with its error message),
-# none with a call that timed out or failed without one
+# none with a call that timed out or failed without one. A request that
+# arrives while the scheduler knows the cache is unreachable is refused at
+# once with its own UNAVAILABLE message (the documented fail-fast, tested in
+# integration-tests/tests/lifecycle.rs): that is an answer.
+REFUSED_ON_ARRIVAL='Unavailable: the cache service cannot be reached; try again later'
 answered() {
   local log="$LOGS/$1.log" n="$2" total=0 k v
   sed 's/^/    /' "$log"
   for k in ok rejected cancelled errors; do v="$(field "$log" "$k")"; total=$((total + ${v:-0})); done
   if [ "$(field "$log" requests)" != "$n" ] || [ "$total" != "$n" ]; then
     fail "$1: $total of $n requests ended with an answer"
-  elif grep '^summary:' "$log" | grep -qE 'timed out after|no finish reason|(Unavailable|Unknown|Internal|DeadlineExceeded|Cancelled): '; then
-    fail "$1: some requests ended without an answer from the scheduler"
+  elif grep '^summary:' "$log" | sed "s/$REFUSED_ON_ARRIVAL//g" \
+      | grep -qE 'timed out after|no finish reason|(Unavailable|Unknown|Internal|DeadlineExceeded|Cancelled): '; then
+    fail "$1: some requests ended without an answer from the scheduler ($(sed -n 's/^summary:.* error_reasons=//p' "$log" | tail -1))"
   fi
 }
 # all_ok NAME N: all N requests of bench NAME completed
