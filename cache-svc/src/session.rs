@@ -87,7 +87,7 @@ impl SeqState {
     /// its hashes are never published) and counts nothing.
     pub(crate) fn note_write(&mut self, step: Step, written: u32, completed: Option<Step>) {
         self.settle_writes(completed);
-        if !completed.is_some_and(|done| step <= done) {
+        if completed.is_none_or(|done| step > done) {
             self.writes_in_flight.push((step, written));
         }
     }
@@ -107,7 +107,7 @@ impl SeqState {
     fn settle_writes(&mut self, completed: Option<Step>) {
         self.written_done = self.written_by(completed);
         self.writes_in_flight
-            .retain(|&(step, _)| !completed.is_some_and(|c| step <= c));
+            .retain(|&(step, _)| completed.is_none_or(|c| step > c));
     }
 
     /// Slots the lease covers.
