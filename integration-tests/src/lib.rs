@@ -208,6 +208,24 @@ impl SmallCluster {
     }
 }
 
+/// A scheduler that over-subscribes a small cluster's pool on purpose
+/// (the n and beam over-subscription runs): pipelined, bounded
+/// preemptions, `on_exhausted` for what cannot grow.
+pub fn over_subscribed_config(
+    on_exhausted: scheduler_svc::policy::OnExhausted,
+) -> scheduler_svc::Config {
+    scheduler_svc::Config {
+        on_exhausted,
+        overlap: true,
+        max_preemptions: 3,
+        max_seqs: 32,
+        max_tokens_per_step: 192,
+        max_tokens: 64,
+        max_context: 256,
+        ..scheduler_svc::Config::default()
+    }
+}
+
 /// Runs a scheduler to its start-up result (used when start-up must fail).
 pub async fn run_scheduler_start(
     mut config: scheduler_svc::Config,

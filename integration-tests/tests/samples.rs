@@ -158,17 +158,9 @@ async fn three_samples_fork_alike_in_the_pipelined_order() {
 /// leak audit afterwards.
 async fn over_subscribed(on_exhausted: OnExhausted) -> (usize, usize) {
     const MAX_TOKENS: u32 = 60;
-    let config = scheduler_svc::Config {
-        on_exhausted,
-        overlap: true,
-        max_preemptions: 3,
-        max_seqs: 32,
-        max_tokens_per_step: 192,
-        max_tokens: 64,
-        max_context: 256,
-        ..scheduler_svc::Config::default()
-    };
-    let cluster = SmallCluster::start(config).await.unwrap();
+    let cluster = SmallCluster::start(over_subscribed_config(on_exhausted))
+        .await
+        .unwrap();
     let pools = pool_stats(cluster.cache.addr, GROUP).await.unwrap();
     let total = pools.iter().find(|p| p.window == 0).map_or(0, |p| p.total);
     // 20-token prompts, 4 samples of 60 tokens: 1 + 4 x 4 blocks each (of

@@ -37,6 +37,7 @@ const MAX_STOPS: usize = 16;
 const MAX_STOP_BYTES: usize = 256;
 /// Most parallel samples (`GenerateRequest.n`) one request may ask for.
 pub(crate) const MAX_SAMPLES: u32 = 16;
+use crate::beam::MAX_BEAM_WIDTH;
 
 /// How a request's output text is made. Every request gets its text, a
 /// token-id prompt too: clients that tokenize themselves (load generators)
@@ -242,6 +243,7 @@ pub(crate) fn validate(
             return bad(field, format!("{field} is limited to {MAX_LABEL} bytes"));
         }
     }
+    let beam_width = beam_width(req)?;
     let logprobs = logprobs(req)?;
     let mut sampling = sampling(req, limits)?;
     sampling.grammar = constraint(req, tokenizer)?;
@@ -257,6 +259,7 @@ pub(crate) fn validate(
     r.logprobs = logprobs;
     r.sampling = sampling;
     r.n = req.n.max(1);
+    r.beam_width = beam_width;
     r.stop_tokens = req.stop_tokens.clone();
     if !req.ignore_eos {
         r.stop_tokens.extend_from_slice(tokenizer.end_ids());
@@ -280,6 +283,61 @@ pub(crate) fn validate(
 /// A request's `logprobs`: at most [`MAX_TOP_LOGPROBS`] alternatives; the
 /// prompt's are computed without prefix reuse, which a retention hint
 /// needs, so the two do not go together.
+/// The request's beam width (1: no beam search), and the fields that make
+/// no sense with beams refused: beams rank the model's raw log-softmax, so
+/// nothing that changes or constrains the distribution, no text-level stop
+/// (a hypothesis ends at a token), no logprobs (a beam's row serves the
+/// search), at most `beam_width` hypotheses.
+fn beam_width(req: &pb::GenerateRequest) -> Result<u32, Error> {
+    let width = req.beam_width.max(1);
+    if width > MAX_BEAM_WIDTH {
+        return Err(invalid(
+            "beam_width",
+            format!(
+                "beam_width must be 1 to {MAX_BEAM_WIDTH}, got {}",
+                req.beam_width
+            ),
+        ));
+    }
+    if width == 1 {
+        return Ok(1);
+    }
+    if req.n > width {
+        return Err(invalid(
+            "n",
+            format!(
+                "n must be at most beam_width ({width}) with beam search, got {}",
+                req.n
+            ),
+        ));
+    }
+    let off = |v: f32| v == 0.0;
+    let refused = [
+        ("temperature", !off(req.temperature)),
+        ("top_p", !(off(req.top_p) || req.top_p == 1.0)),
+        ("top_k", req.top_k != 0),
+        ("min_p", !off(req.min_p)),
+        ("frequency_penalty", !off(req.frequency_penalty)),
+        ("presence_penalty", !off(req.presence_penalty)),
+        (
+            "repetition_penalty",
+            !(off(req.repetition_penalty) || req.repetition_penalty == 1.0),
+        ),
+        ("logit_bias", !req.logit_bias.is_empty()),
+        ("min_tokens", req.min_tokens != 0),
+        ("stop", !req.stop.is_empty()),
+        ("logprobs", req.logprobs.is_some()),
+        ("grammar", req.grammar.is_some()),
+    ];
+    if let Some((field, _)) = refused.iter().find(|(_, set)| *set) {
+        return Err(invalid(
+            field,
+            format!("{field} is not served with beam search (beam_width {width})"),
+        ));
+    }
+    Ok(width)
+}
+
 fn logprobs(req: &pb::GenerateRequest) -> Result<Option<Logprobs>, Error> {
     let Some(l) = &req.logprobs else {
         return Ok(None);

@@ -587,6 +587,8 @@ pub enum Output {
         finish: Finish,
         preemptions: u32,
         last: bool,
+        /// A beam search's hypothesis: its cumulative logprob.
+        cumulative_logprob: Option<f32>,
     },
 }
 

@@ -14,6 +14,8 @@
 //!   reuse plus load, Dynamo's cost; `least-committed`) that pick the group
 //!   admitting a request.
 //! - `spec.rs`: prompt-lookup drafting and verification.
+//! - `beam.rs`: beam search's choices (which continuations survive or end,
+//!   when a search is done, how hypotheses rank), applied by `step::Core`.
 //! - `step/`: the step loop's core (`step::Core`): plans each step
 //!   (extends, admissions, forward batch), applies lease outcomes and
 //!   forward results, says what to release, fenced at which step, and when a
@@ -44,13 +46,14 @@
 //!   reflection and the metrics endpoint come from `kvlease-telemetry`).
 //! - `config.rs`, `error.rs`.
 //!
-//! Only `domain`, `queue`, `policy`, `routing`, `step` and `error` are public
+//! Only `domain`, `queue`, `policy`, `routing`, `beam`, `step` and `error` are public
 //! modules (the benches, the CLI and the integration tests use them); the
 //! rest is private behind [`run`] and [`Config`].
 //!
 //! Data flow: `service` -> (submission) -> `step_loop` -> `step::Core` plans ->
 //! `client` RPCs -> outcomes back into `Core` -> outputs -> `service` streams.
 
+pub mod beam;
 mod bootstrap;
 mod client;
 mod config;

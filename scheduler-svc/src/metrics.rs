@@ -348,6 +348,7 @@ mod tests {
                 finish: Finish::Length,
                 preemptions: 0,
                 last: true,
+                cumulative_logprob: None,
             },
             t0 + Duration::from_millis(700),
         );

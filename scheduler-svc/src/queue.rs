@@ -54,6 +54,11 @@ pub struct Request {
     pub prompt_logprobs: Vec<TokenLogprob>,
     /// Whether the prompt's logprobs were reported.
     pub reported_prompt_logprobs: bool,
+    /// Beam search width (`GenerateRequest.beam_width`); 1: off. Every
+    /// beam of a search carries it (see `step::beams`).
+    pub beam_width: u32,
+    /// A beam's cumulative logprob of its generated tokens.
+    pub beam_logprob: f64,
 }
 
 impl Request {
@@ -79,7 +84,15 @@ impl Request {
             logprobs: None,
             prompt_logprobs: Vec::new(),
             reported_prompt_logprobs: false,
+            beam_width: 1,
+            beam_logprob: 0.0,
         }
+    }
+
+    /// Whether it is a beam of a search that has started (it generated a
+    /// token the search chose): it is never requeued, a beam ends instead.
+    pub fn is_started_beam(&self) -> bool {
+        self.beam_width > 1 && !self.generated.is_empty()
     }
 
     /// Branch `index` of a request of several samples, forked from this
@@ -144,13 +157,19 @@ impl Request {
     }
 
     /// What admitting it asks of the pools: its next lease and whole life,
-    /// and while its samples are not forked, their shared prompt blocks
-    /// once and the rest per sample.
+    /// and while its samples (or beams) are not forked, their shared prompt
+    /// blocks once and the rest per sample (per beam: at worst every beam
+    /// holds its own copy of everything past the prompt's full blocks).
     pub fn demand(&self, extra: Extra) -> crate::policy::Demand {
         let mut d =
             crate::policy::Demand::new(self.lease_tokens(extra), self.full_life_tokens(extra));
-        if self.n > 1 {
-            d.branches = self.n;
+        let branches = if self.beam_width > 1 && self.generated.is_empty() {
+            self.beam_width
+        } else {
+            self.n
+        };
+        if branches > 1 {
+            d.branches = branches;
             d.shared_tokens = u32::try_from(self.prompt.len() - 1).unwrap_or(u32::MAX);
         }
         d

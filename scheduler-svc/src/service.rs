@@ -294,12 +294,14 @@ impl StreamState {
             Output::Finished {
                 finish,
                 preemptions,
+                cumulative_logprob,
                 ..
             } => {
                 branch.done = true;
                 let mut m = pb::GenerateResponse {
                     text: branch.text.finish(),
                     preemptions,
+                    cumulative_logprob,
                     ..Default::default()
                 };
                 let stopped = branch.text.stops.stopped();
@@ -551,6 +553,7 @@ mod tests {
             finish: Finish::Length,
             preemptions: 0,
             last,
+            cumulative_logprob: None,
         }
     }
 

@@ -504,8 +504,8 @@ impl Cache {
 
     /// Checks a fork's request against its parent, where the parent is held
     /// (an unknown parent is a per-sequence reject): not itself, one beam,
-    /// the parent's salt, and a prompt whose tokens the parent holds where
-    /// the cache knows them.
+    /// the parent's salt, and a prompt whose tokens before its last the
+    /// parent holds where the cache knows them.
     fn validate_fork(&self, session_id: SessionId, spec: &SeqSpec) -> Result<()> {
         let Some(parent_id) = spec.fork_of else {
             return Ok(());
@@ -542,7 +542,10 @@ impl Cache {
             return invalid("its cache_salt is not the parent's".into());
         }
         let b = group.tokens_per_block as usize;
-        let k = tokens.len().min(parent.len as usize);
+        // only the shared part must match: the branch computes its own last
+        // prompt token, which may differ from the parent's token there (a
+        // beam's child continues its parent's context with another token)
+        let k = (tokens.len() - 1).min(parent.len as usize);
         // the full blocks both hold, then what lies in the parent's partly
         // filled block
         let hashes = prefix::chain(parent.salt, &tokens[..k], b);

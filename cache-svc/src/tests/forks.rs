@@ -229,3 +229,55 @@ fn a_branch_of_a_parent_whose_window_slid_past_the_prompt_is_an_ordinary_lease()
     f.complete(14);
     assert!(whole(&f.counts()));
 }
+
+#[test]
+fn a_beam_child_forks_with_its_own_last_token() {
+    // a beam's parent decodes token 100 at position 10 in the step where
+    // its second child forks with token 200 there: only the shared part
+    // (the 10 prompt tokens) must match the parent
+    let mut f = parent(32);
+    let mother = f.cache.sequence_tables(f.session, SeqId(1)).unwrap()[0]
+        .2
+        .clone();
+    f.extend(2, &[(1, Growth::Tokens(vec![100]))]);
+    let mut child = tokens(0, 10);
+    child.push(200);
+    let out = f.lease(2, false, &[branch(2, 1, child.clone())]);
+    let g = out[0].grant().unwrap();
+    assert_eq!(
+        g.reused_tokens, 10,
+        "the parent's context before the new token"
+    );
+    assert_eq!(g.tables[0].block_ids[..2], mother[..2]);
+    assert_ne!(g.tables[0].block_ids[2], mother[2], "copied on write");
+    assert_eq!(g.copies[0].src_block, mother[2]);
+    assert_eq!(g.copies[0].tokens, 2);
+    // a child whose shared part differs from the parent is still refused
+    let mut bad = tokens(0, 10);
+    bad[9] = 999;
+    bad.push(200);
+    let before = f.counts();
+    let err = f.try_lease(2, false, &[branch(3, 1, bad)]).unwrap_err();
+    let Error::InvalidArgument(message) = err else {
+        panic!("{err:?}")
+    };
+    assert!(
+        message.contains("not the tokens the parent holds"),
+        "{message}"
+    );
+    assert_eq!(f.counts(), before);
+    f.complete(2);
+    // the beams diverge, one is pruned, the other finishes
+    f.extend(
+        3,
+        &[
+            (1, Growth::Tokens(vec![101])),
+            (2, Growth::Tokens(vec![201])),
+        ],
+    );
+    f.release(&[1], Some(3));
+    f.release(&[2], Some(4));
+    f.complete(4);
+    assert!(whole(&f.counts()));
+    assert!(f.cache.audit().reclaimed.is_empty());
+}

@@ -18,6 +18,7 @@ impl Core {
         let draft = if self.config.draft_k > 0
             && request.sampling.is_greedy()
             && request.logprobs.is_none()
+            && request.beam_width <= 1
         {
             self.config.draft_k
         } else {
@@ -32,7 +33,13 @@ impl Core {
 
     /// Queues a new request, or finishes it `REJECTED` at once when its whole
     /// life cannot fit in any group's empty pools.
-    pub fn submit(&mut self, request: Request) {
+    /// A beam request (`beam_width > 1`) answers its best `n` hypotheses
+    /// (see `beams`); its beams are sequences of one sample each.
+    pub fn submit(&mut self, mut request: Request) {
+        if request.beam_width > 1 {
+            let n = std::mem::replace(&mut request.n, 1);
+            self.open_beams(&request, n);
+        }
         if request.n > 1 {
             self.branches_left.insert(request.id, request.n);
         }
@@ -404,6 +411,7 @@ impl Core {
             }
         }
         self.cancelled_leasing.clear();
+        self.advance_beams();
     }
 
     /// Applies the Lease outcomes: granted sequences start prefilling this
@@ -480,6 +488,7 @@ impl Core {
                             // blocks before its last prompt token
                             shares_parent: l.fork_of.is_some()
                                 && reused == l.lease_len.saturating_sub(1),
+                            beam_row: None,
                             request,
                         },
                     );
@@ -495,6 +504,11 @@ impl Core {
                             &l.request,
                             Finish::Cancelled("client went away".into()),
                         );
+                        continue;
+                    }
+                    if l.request.is_started_beam() {
+                        // exhaustion while forking drops that candidate
+                        self.beam_dropped(l.request.id, Finish::Rejected(reject));
                         continue;
                     }
                     let wait = match reject.reason {
@@ -522,8 +536,17 @@ impl Core {
         // leases with no outcome: nothing was taken, try again later
         for (seq_id, l) in leasing {
             self.released.push(seq_id);
-            self.queue.requeue(l.request);
+            match l.fork_of.filter(|_| l.request.is_started_beam()) {
+                // a beam's fork: its parent is still held for it
+                Some(parent) => self.forks.push(super::Fork {
+                    parent,
+                    group: l.group,
+                    request: l.request,
+                }),
+                None => self.queue.requeue(l.request),
+            }
         }
         self.cancelled_leasing.clear();
+        self.advance_beams();
     }
 }

@@ -54,6 +54,15 @@ impl Core {
     /// again), counted as a preemption; a request already requeued
     /// `max_preemptions` times ends with `otherwise` instead.
     pub(super) fn preempt(&mut self, seq_id: SeqId, cause: PreemptCause, otherwise: Finish) {
+        if self
+            .running
+            .get(&seq_id)
+            .is_some_and(|s| s.request.is_started_beam())
+        {
+            // a beam is dropped, the search goes on (see `beams`)
+            self.drop_beam(seq_id, otherwise);
+            return;
+        }
         let Some(seq) = self.running.remove(&seq_id) else {
             return;
         };
@@ -94,19 +103,18 @@ impl Core {
     /// Finishes one branch of a request (the only one of a request of one
     /// sample), and with a branch 0 not forked yet the branches still to
     /// fork from it: the request's last output says so once none is left.
+    /// A beam request ends whole (every rank with `finish`), once.
     pub(super) fn finish_request(&mut self, request: &Request, finish: Finish) {
+        if request.beam_width > 1 {
+            self.end_beams(request.id, Some(finish));
+            return;
+        }
         let unforked = (request.n > 1)
             .then_some(1..request.n)
             .into_iter()
             .flatten();
         for index in std::iter::once(request.index).chain(unforked) {
-            match &finish {
-                Finish::Length => self.counters.finished_length += 1,
-                Finish::Stop => self.counters.finished_stop += 1,
-                Finish::Cancelled(_) => self.counters.cancelled += 1,
-                Finish::Rejected(_) => self.counters.rejected += 1,
-                Finish::Error(_) => self.counters.errors += 1,
-            }
+            self.count_finish(&finish);
             let last = match self.branches_left.get_mut(&request.id) {
                 Some(left) if *left > 1 => {
                     *left -= 1;
@@ -123,7 +131,18 @@ impl Core {
                 finish: finish.clone(),
                 preemptions: request.preemptions,
                 last,
+                cumulative_logprob: None,
             });
+        }
+    }
+
+    pub(super) fn count_finish(&mut self, finish: &Finish) {
+        match finish {
+            Finish::Length => self.counters.finished_length += 1,
+            Finish::Stop => self.counters.finished_stop += 1,
+            Finish::Cancelled(_) => self.counters.cancelled += 1,
+            Finish::Rejected(_) => self.counters.rejected += 1,
+            Finish::Error(_) => self.counters.errors += 1,
         }
     }
 
@@ -156,23 +175,22 @@ impl Core {
         self.released.append(&mut self.failed_releases);
         self.forget_fences();
         self.leases_failed();
+        let lost = cache_lost(
+            SeqId(0),
+            format!("the scheduler's cache session was lost ({why}), and the beams with it"),
+        );
+        self.beams_lost(recompute, &Finish::Rejected(lost));
         // branches waiting for a fork: their parent's lease is gone too
         for f in std::mem::take(&mut self.forks) {
             if recompute {
                 self.queue.requeue(f.request);
             } else {
-                let reject = Reject {
-                    seq_id: f.parent,
-                    reason: RejectReason::CacheRestarted,
-                    pool_id: 0,
-                    window: 0,
-                    blocks_needed: 0,
-                    blocks_free: 0,
-                    blocks_pending_free: 0,
-                    message: format!(
+                let reject = cache_lost(
+                    f.parent,
+                    format!(
                         "the scheduler's cache session was lost ({why}) before the branch was forked"
                     ),
-                };
+                );
                 self.finish_request(&f.request, Finish::Rejected(reject));
             }
         }
@@ -183,18 +201,12 @@ impl Core {
                 request.queued_at = None;
                 self.queue.requeue(request);
             } else {
-                let reject = Reject {
-                    seq_id: seq.seq_id,
-                    reason: RejectReason::CacheRestarted,
-                    pool_id: 0,
-                    window: 0,
-                    blocks_needed: 0,
-                    blocks_free: 0,
-                    blocks_pending_free: 0,
-                    message: format!(
+                let reject = cache_lost(
+                    seq.seq_id,
+                    format!(
                         "the scheduler's cache session was lost ({why}), and the lease with it"
                     ),
-                };
+                );
                 self.finish_request(&seq.request, Finish::Rejected(reject));
             }
         }
@@ -221,5 +233,20 @@ impl Core {
         self.budget = vec![0; groups.len()];
         self.down_until = vec![None; groups.len()];
         self.groups = groups;
+    }
+}
+
+/// A `CACHE_RESTARTED` refusal of `seq_id`: the session and its leases are
+/// gone.
+fn cache_lost(seq_id: SeqId, message: String) -> Reject {
+    Reject {
+        seq_id,
+        reason: RejectReason::CacheRestarted,
+        pool_id: 0,
+        window: 0,
+        blocks_needed: 0,
+        blocks_free: 0,
+        blocks_pending_free: 0,
+        message,
     }
 }

@@ -44,10 +44,13 @@
 //! - `tiers`: the host-tier copies grants name, carried to the workers in
 //!   the forward pass of their step.
 //! - `plan`: the call order of a step ([`StepPlan`], [`Call`], [`Order`]).
+//! - `beams`: beam search on forks (which beams continue in place, fork,
+//!   end or are pruned; the answer), with `crate::beam`'s choices.
 //! - `lifecycle`: cancellation, preemption and requeue, finishing requests,
 //!   lost leases, and the outputs that tell the loop about each of them.
 
 mod admission;
+mod beams;
 mod fence;
 mod lifecycle;
 mod outcomes;
@@ -214,6 +217,9 @@ struct Sequence {
     /// A forked sample holding its parent's blocks before its last prompt
     /// token by reference (charged to the parent).
     shares_parent: bool,
+    /// A beam's row (the most likely next tokens) waiting for its
+    /// search's step (see `beams`).
+    beam_row: Option<Vec<(u32, f32)>>,
 }
 
 /// What the passes in flight will have done to a sequence once they return.
@@ -321,6 +327,8 @@ pub struct Core {
     forks: Vec<Fork>,
     /// Branches of a request of several samples not finished yet.
     branches_left: HashMap<RequestId, u32>,
+    /// Beam searches not answered yet.
+    beams: HashMap<RequestId, beams::BeamSearch>,
     /// Ended sequences whose blocks are still held at the cache.
     releases: Vec<SeqId>,
     /// Sequences of a failed forward pass whose blocks are still held at
@@ -377,6 +385,7 @@ impl Core {
             cancelled_leasing: HashSet::new(),
             forks: Vec::new(),
             branches_left: HashMap::new(),
+            beams: HashMap::new(),
             releases: Vec::new(),
             failed_releases: Vec::new(),
             outputs: Vec::new(),

@@ -35,6 +35,10 @@ impl Core {
             if !seq.decoding() || !seq.in_flight.is_empty() || seq.planned.is_some() {
                 continue;
             }
+            // a beam waiting for its search's step has no token to feed
+            if seq.context.len() <= seq.kv_len as usize {
+                continue;
+            }
             let budget = &mut self.budget[seq.group];
             if *budget == 0 {
                 continue;
@@ -119,6 +123,12 @@ impl Core {
             }
             let ahead = seq.ahead();
             if ahead.kv_len < seq.lease_len {
+                continue;
+            }
+            // a beam is fed only the token its search chose: never behind
+            // a pass in flight (which would feed the worker's own pick)
+            let beam = seq.request.beam_width > 1;
+            if beam && (!seq.in_flight.is_empty() || seq.context.len() <= seq.kv_len as usize) {
                 continue;
             }
             let budget = &mut self.budget[seq.group];
@@ -238,6 +248,7 @@ impl Core {
                 seq.planned = None;
             }
         }
+        self.advance_beams();
     }
 
     fn extend_refused(&mut self, reject: Reject) {
@@ -250,6 +261,11 @@ impl Core {
             RejectReason::PoolExhausted | RejectReason::QuotaExceeded
         );
         self.exhausted_this_step |= transient;
+        if seq.request.is_started_beam() && seq.in_flight.is_empty() {
+            // a beam that cannot grow is dropped; the search goes on
+            self.drop_beam(seq_id, Finish::Rejected(reject));
+            return;
+        }
         if !seq.in_flight.is_empty() {
             // An extend sent after its decode launched, growing the lease a
             // step ahead: the pass in flight had room and runs to its end.
@@ -309,7 +325,15 @@ impl Core {
             let history =
                 (sampling.needs_history() && !seq.history_sent).then(|| seq.context[..at].to_vec());
             seq.history_sent |= history.is_some();
-            let logprobs = item_logprobs(&seq.request, &work, &seq.context, at);
+            let logprobs = if seq.request.beam_width > 1 {
+                let end = match &work {
+                    Work::Prefill { len } => at + *len as usize,
+                    Work::Decode { .. } => seq.context.len(),
+                };
+                Self::beam_item_logprobs(&seq.request, end, seq.context.len())
+            } else {
+                item_logprobs(&seq.request, &work, &seq.context, at)
+            };
             // until min_tokens outputs are known (later ones are past it)
             let stop_ids = if seq.request.generated.len() < sampling.min_tokens as usize {
                 seq.request.stop_tokens.clone()
@@ -403,7 +427,11 @@ impl Core {
                     }
                 }
             };
-            self.emit(result.seq_id, emit, logprobs);
+            if seq.request.beam_width > 1 {
+                self.beam_row(result.seq_id, logprobs);
+            } else {
+                self.emit(result.seq_id, emit, logprobs);
+            }
         }
         self.tier_forward_returned(group, false);
         let missing: Vec<SeqId> = self
@@ -419,6 +447,7 @@ impl Core {
             );
         }
         self.forward_returned(group);
+        self.advance_beams();
     }
 
     /// One group's forward pass failed: the group takes no new requests for
@@ -462,6 +491,7 @@ impl Core {
         self.failed_releases.extend(failed);
         self.tier_forward_returned(group, true);
         self.forward_returned(group);
+        self.advance_beams();
     }
 
     /// Streams `tokens` (with their `logprobs`, when asked: one per token)

@@ -26,7 +26,7 @@ from kvlease.v1 import cache_pb2 as kvlease_dot_v1_dot_cache__pb2
 from kvlease.v1 import worker_pb2 as kvlease_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvlease/v1/scheduler.proto\x12\nkvlease.v1\x1a\x16kvlease/v1/cache.proto\x1a\x17kvlease/v1/worker.proto\"\x9e\x05\n\x0fGenerateRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x13\n\x0bstop_tokens\x18\x07 \x03(\r\x12\x10\n\x08priority\x18\x08 \x01(\r\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12)\n\x08messages\x18\x0b \x03(\x0b\x32\x17.kvlease.v1.ChatMessage\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\r\n\x05top_k\x18\x0e \x01(\r\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x11 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x12 \x01(\x02\x12>\n\nlogit_bias\x18\x13 \x03(\x0b\x32*.kvlease.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x14 \x01(\r\x12(\n\x06retain\x18\x15 \x01(\x0b\x32\x18.kvlease.v1.RetainPrefix\x12\t\n\x01n\x18\x16 \x01(\r\x12-\n\x08logprobs\x18\x17 \x01(\x0b\x32\x1b.kvlease.v1.LogprobsRequest\x12\x0c\n\x04\x65\x63ho\x18\x18 \x01(\x08\x12$\n\x07grammar\x18\x19 \x01(\x0b\x32\x13.kvlease.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\".\n\x0fLogprobsRequest\x12\x0b\n\x03top\x18\x01 \x01(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\x08\"s\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x0c\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.kvlease.v1.TopLogprobB\n\n\x08_logprob\";\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"?\n\x0cRetainPrefix\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x10\n\x08priority\x18\x02 \x01(\r\x12\r\n\x05ttl_s\x18\x03 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf5\x02\n\x10GenerateResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.kvlease.v1.FinishReason\x12\"\n\x06reject\x18\x04 \x01(\x0b\x32\x12.kvlease.v1.Reject\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x15\n\rreused_tokens\x18\x06 \x01(\r\x12\x13\n\x0bpreemptions\x18\x07 \x01(\r\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x17\n\x0fretained_tokens\x18\t \x01(\r\x12\r\n\x05index\x18\n \x01(\r\x12*\n\x08logprobs\x18\x0b \x03(\x0b\x32\x18.kvlease.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.kvlease.v1.TokenLogprob\x12\x13\n\x0bprompt_text\x18\r \x01(\t\"\x12\n\x10GetStatusRequest\"\xdb\x02\n\x11GetStatusResponse\x12*\n\x06policy\x18\x01 \x01(\x0e\x32\x1a.kvlease.v1.CapacityPolicy\x12\x14\n\x0con_exhausted\x18\x02 \x01(\t\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x11\n\tpreempted\x18\x05 \x01(\r\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x12\n\nsession_id\x18\x07 \x01(\x04\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12$\n\x05pools\x18\t \x03(\x0b\x32\x15.kvlease.v1.PoolStats\x12\x17\n\x0f\x66inished_length\x18\n \x01(\x04\x12\x15\n\rfinished_stop\x18\x0b \x01(\x04\x12\x11\n\tcancelled\x18\x0c \x01(\x04\x12\x10\n\x08rejected\x18\r \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x0e \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0f \x01(\x04*k\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\r\n\tCANCELLED\x10\x03\x12\x0c\n\x08REJECTED\x10\x04\x12\t\n\x05\x45RROR\x10\x05*q\n\x0e\x43\x61pacityPolicy\x12\x1f\n\x1b\x43\x41PACITY_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13GUARANTEED_NO_EVICT\x10\x01\x12\x13\n\x0fMAX_UTILIZATION\x10\x02\x12\x10\n\x0cSTATIC_BATCH\x10\x03\x32\x9e\x01\n\tScheduler\x12G\n\x08Generate\x12\x1b.kvlease.v1.GenerateRequest\x1a\x1c.kvlease.v1.GenerateResponse0\x01\x12H\n\tGetStatus\x12\x1c.kvlease.v1.GetStatusRequest\x1a\x1d.kvlease.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvlease/v1/scheduler.proto\x12\nkvlease.v1\x1a\x16kvlease/v1/cache.proto\x1a\x17kvlease/v1/worker.proto\"\xb2\x05\n\x0fGenerateRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x13\n\x0bstop_tokens\x18\x07 \x03(\r\x12\x10\n\x08priority\x18\x08 \x01(\r\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12)\n\x08messages\x18\x0b \x03(\x0b\x32\x17.kvlease.v1.ChatMessage\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\r\n\x05top_k\x18\x0e \x01(\r\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x11 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x12 \x01(\x02\x12>\n\nlogit_bias\x18\x13 \x03(\x0b\x32*.kvlease.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x14 \x01(\r\x12(\n\x06retain\x18\x15 \x01(\x0b\x32\x18.kvlease.v1.RetainPrefix\x12\t\n\x01n\x18\x16 \x01(\r\x12-\n\x08logprobs\x18\x17 \x01(\x0b\x32\x1b.kvlease.v1.LogprobsRequest\x12\x0c\n\x04\x65\x63ho\x18\x18 \x01(\x08\x12$\n\x07grammar\x18\x19 \x01(\x0b\x32\x13.kvlease.v1.Grammar\x12\x12\n\nbeam_width\x18\x1a \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\".\n\x0fLogprobsRequest\x12\x0b\n\x03top\x18\x01 \x01(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\x08\"s\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x0c\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.kvlease.v1.TopLogprobB\n\n\x08_logprob\";\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"?\n\x0cRetainPrefix\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x10\n\x08priority\x18\x02 \x01(\r\x12\r\n\x05ttl_s\x18\x03 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xad\x03\n\x10GenerateResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.kvlease.v1.FinishReason\x12\"\n\x06reject\x18\x04 \x01(\x0b\x32\x12.kvlease.v1.Reject\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x15\n\rreused_tokens\x18\x06 \x01(\r\x12\x13\n\x0bpreemptions\x18\x07 \x01(\r\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x17\n\x0fretained_tokens\x18\t \x01(\r\x12\r\n\x05index\x18\n \x01(\r\x12*\n\x08logprobs\x18\x0b \x03(\x0b\x32\x18.kvlease.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x18.kvlease.v1.TokenLogprob\x12\x13\n\x0bprompt_text\x18\r \x01(\t\x12\x1f\n\x12\x63umulative_logprob\x18\x0e \x01(\x02H\x00\x88\x01\x01\x42\x15\n\x13_cumulative_logprob\"\x12\n\x10GetStatusRequest\"\xdb\x02\n\x11GetStatusResponse\x12*\n\x06policy\x18\x01 \x01(\x0e\x32\x1a.kvlease.v1.CapacityPolicy\x12\x14\n\x0con_exhausted\x18\x02 \x01(\t\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x11\n\tpreempted\x18\x05 \x01(\r\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x12\n\nsession_id\x18\x07 \x01(\x04\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12$\n\x05pools\x18\t \x03(\x0b\x32\x15.kvlease.v1.PoolStats\x12\x17\n\x0f\x66inished_length\x18\n \x01(\x04\x12\x15\n\rfinished_stop\x18\x0b \x01(\x04\x12\x11\n\tcancelled\x18\x0c \x01(\x04\x12\x10\n\x08rejected\x18\r \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x0e \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0f \x01(\x04*k\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\r\n\tCANCELLED\x10\x03\x12\x0c\n\x08REJECTED\x10\x04\x12\t\n\x05\x45RROR\x10\x05*q\n\x0e\x43\x61pacityPolicy\x12\x1f\n\x1b\x43\x41PACITY_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13GUARANTEED_NO_EVICT\x10\x01\x12\x13\n\x0fMAX_UTILIZATION\x10\x02\x12\x10\n\x0cSTATIC_BATCH\x10\x03\x32\x9e\x01\n\tScheduler\x12G\n\x08Generate\x12\x1b.kvlease.v1.GenerateRequest\x1a\x1c.kvlease.v1.GenerateResponse0\x01\x12H\n\tGetStatus\x12\x1c.kvlease.v1.GetStatusRequest\x1a\x1d.kvlease.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,30 +35,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1847
-  _globals['_FINISHREASON']._serialized_end=1954
-  _globals['_CAPACITYPOLICY']._serialized_start=1956
-  _globals['_CAPACITYPOLICY']._serialized_end=2069
+  _globals['_FINISHREASON']._serialized_start=1923
+  _globals['_FINISHREASON']._serialized_end=2030
+  _globals['_CAPACITYPOLICY']._serialized_start=2032
+  _globals['_CAPACITYPOLICY']._serialized_end=2145
   _globals['_GENERATEREQUEST']._serialized_start=92
-  _globals['_GENERATEREQUEST']._serialized_end=762
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=714
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=762
-  _globals['_LOGPROBSREQUEST']._serialized_start=764
-  _globals['_LOGPROBSREQUEST']._serialized_end=810
-  _globals['_TOKENLOGPROB']._serialized_start=812
-  _globals['_TOKENLOGPROB']._serialized_end=927
-  _globals['_TOPLOGPROB']._serialized_start=929
-  _globals['_TOPLOGPROB']._serialized_end=988
-  _globals['_RETAINPREFIX']._serialized_start=990
-  _globals['_RETAINPREFIX']._serialized_end=1053
-  _globals['_CHATMESSAGE']._serialized_start=1055
-  _globals['_CHATMESSAGE']._serialized_end=1099
-  _globals['_GENERATERESPONSE']._serialized_start=1102
-  _globals['_GENERATERESPONSE']._serialized_end=1475
-  _globals['_GETSTATUSREQUEST']._serialized_start=1477
-  _globals['_GETSTATUSREQUEST']._serialized_end=1495
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1498
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1845
-  _globals['_SCHEDULER']._serialized_start=2072
-  _globals['_SCHEDULER']._serialized_end=2230
+  _globals['_GENERATEREQUEST']._serialized_end=782
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=734
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=782
+  _globals['_LOGPROBSREQUEST']._serialized_start=784
+  _globals['_LOGPROBSREQUEST']._serialized_end=830
+  _globals['_TOKENLOGPROB']._serialized_start=832
+  _globals['_TOKENLOGPROB']._serialized_end=947
+  _globals['_TOPLOGPROB']._serialized_start=949
+  _globals['_TOPLOGPROB']._serialized_end=1008
+  _globals['_RETAINPREFIX']._serialized_start=1010
+  _globals['_RETAINPREFIX']._serialized_end=1073
+  _globals['_CHATMESSAGE']._serialized_start=1075
+  _globals['_CHATMESSAGE']._serialized_end=1119
+  _globals['_GENERATERESPONSE']._serialized_start=1122
+  _globals['_GENERATERESPONSE']._serialized_end=1551
+  _globals['_GETSTATUSREQUEST']._serialized_start=1553
+  _globals['_GETSTATUSREQUEST']._serialized_end=1571
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1574
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1921
+  _globals['_SCHEDULER']._serialized_start=2148
+  _globals['_SCHEDULER']._serialized_end=2306
 # @@protoc_insertion_point(module_scope)

@@ -36,7 +36,7 @@ MAX_UTILIZATION: CapacityPolicy
 STATIC_BATCH: CapacityPolicy
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "tokens", "max_tokens", "temperature", "top_p", "seed", "stop_tokens", "priority", "cache_salt", "request_id", "messages", "stop", "ignore_eos", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "retain", "n", "logprobs", "echo", "grammar")
+    __slots__ = ("text", "tokens", "max_tokens", "temperature", "top_p", "seed", "stop_tokens", "priority", "cache_salt", "request_id", "messages", "stop", "ignore_eos", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "retain", "n", "logprobs", "echo", "grammar", "beam_width")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
     text: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -94,7 +95,8 @@ class GenerateRequest(_message.Message):
     logprobs: LogprobsRequest
     echo: bool
     grammar: _worker_pb2.Grammar
-    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., retain: _Optional[_Union[RetainPrefix, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., echo: _Optional[bool] = ..., grammar: _Optional[_Union[_worker_pb2.Grammar, _Mapping]] = ...) -> None: ...
+    beam_width: int
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., retain: _Optional[_Union[RetainPrefix, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., echo: _Optional[bool] = ..., grammar: _Optional[_Union[_worker_pb2.Grammar, _Mapping]] = ..., beam_width: _Optional[int] = ...) -> None: ...
 
 class LogprobsRequest(_message.Message):
     __slots__ = ("top", "prompt")
@@ -145,7 +147,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("tokens", "text", "finish_reason", "reject", "message", "reused_tokens", "preemptions", "prompt_tokens", "retained_tokens", "index", "logprobs", "prompt_logprobs", "prompt_text")
+    __slots__ = ("tokens", "text", "finish_reason", "reject", "message", "reused_tokens", "preemptions", "prompt_tokens", "retained_tokens", "index", "logprobs", "prompt_logprobs", "prompt_text", "cumulative_logprob")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +161,7 @@ class GenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
@@ -172,7 +175,8 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_text: str
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., reject: _Optional[_Union[_cache_pb2.Reject, _Mapping]] = ..., message: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., retained_tokens: _Optional[int] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
+    cumulative_logprob: float
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., reject: _Optional[_Union[_cache_pb2.Reject, _Mapping]] = ..., message: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., retained_tokens: _Optional[int] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_text: _Optional[str] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -18,7 +18,7 @@ fn sampled(id: u64, prompt_len: usize, max_tokens: u32, n: u32) -> Request {
 
 /// A fork's grant as the cache gives it: every prompt token but the last
 /// reused, the block holding it copied from the parent's.
-fn fork_grant(l: &LeaseSpec) -> Outcome {
+pub(super) fn fork_grant(l: &LeaseSpec) -> Outcome {
     let n = l.prompt_tokens.len() as u32;
     let own = 100 + l.seq_id.get() as u32;
     let mut g = grant_of(l.seq_id, vec![1, own]);

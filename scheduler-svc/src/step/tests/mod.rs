@@ -12,6 +12,7 @@ use crate::domain::{
 use crate::policy::OnExhausted;
 
 mod ahead;
+mod beams;
 mod fences;
 mod forks;
 mod model;
