@@ -70,6 +70,9 @@ pub struct Load {
     /// Parallel samples per request (`GenerateRequest.n`); more than one
     /// samples at temperature 1, seeded with the request's index.
     pub samples: u32,
+    /// Beam search of this width per request (`GenerateRequest.beam_width`;
+    /// 1: off), answering `samples` hypotheses.
+    pub beam_width: u32,
 }
 
 impl Default for Load {
@@ -80,6 +83,7 @@ impl Default for Load {
             timeout: Duration::from_secs(300),
             progress: true,
             samples: 1,
+            beam_width: 1,
         }
     }
 }
@@ -125,9 +129,9 @@ pub async fn drive(
         let Ok(permit) = permit else { break };
         let client = client.clone();
         let timeout = load.timeout;
-        let samples = load.samples;
+        let (samples, beam_width) = (load.samples, load.beam_width);
         tasks.spawn(async move {
-            let outcome = generate(client, request, timeout, samples).await;
+            let outcome = generate(client, request, timeout, samples, beam_width).await;
             drop(permit);
             outcome
         });
@@ -195,14 +199,16 @@ fn record(
     bar.set_message(counts.message());
 }
 
-/// Sends one request of `samples` samples and reads its stream to the end:
-/// output tokens of every sample, the finish of the first sample that did
-/// not complete, else the last one's.
+/// Sends one request of `samples` samples (hypotheses of a beam search
+/// of `beam_width`, when over 1) and reads its stream to the end: output
+/// tokens of every sample, the finish of the first sample that did not
+/// complete, else the last one's.
 pub async fn generate(
     mut client: SchedulerClient<Channel>,
     request: Request,
     timeout: Duration,
     samples: u32,
+    beam_width: u32,
 ) -> Outcome {
     let sent = Instant::now();
     let mut outcome = Outcome {
@@ -222,8 +228,14 @@ pub async fn generate(
         // a workload's output lengths are part of it: no early end of sequence
         ignore_eos: true,
         n: samples,
-        // samples of one greedy prompt would all be the same
-        temperature: if samples > 1 { 1.0 } else { 0.0 },
+        beam_width,
+        // samples of one greedy prompt would all be the same; beams rank
+        // the raw distribution
+        temperature: if samples > 1 && beam_width <= 1 {
+            1.0
+        } else {
+            0.0
+        },
         seed: request.index as u64,
         ..Default::default()
     };

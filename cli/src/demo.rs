@@ -258,6 +258,7 @@ async fn drive(
         timeout: Duration::from_secs(120),
         progress: true,
         samples: 1,
+        beam_width: 1,
     };
     let t0 = Instant::now();
     let outcomes = bench::drive(scheduler.clone(), requests, &load).await;

@@ -35,6 +35,7 @@ pub fn generate_request(g: &Generate, id: &str, tenant: &str) -> pb::GenerateReq
         request_id: id.to_string(),
         ignore_eos: g.ignore_eos,
         n: g.n,
+        beam_width: g.beam_width,
         retain: g.retain.map(|h| pb::RetainPrefix {
             tokens: h.tokens,
             priority: h.priority,

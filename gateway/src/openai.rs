@@ -19,7 +19,8 @@ pub struct CompletionRequest {
     /// prompt's logprobs before the completion's).
     #[serde(default)]
     pub echo: Option<bool>,
-    /// Refused unless 1.
+    /// With `use_beam_search`: the beam width (at least `n`); without it,
+    /// refused unless 1 (no best-of sampling).
     #[serde(default)]
     pub best_of: Option<u64>,
     /// Refused when set: no insertion mode.
@@ -61,6 +62,11 @@ pub struct Common {
     pub stop: Option<Stop>,
     #[serde(default)]
     pub n: Option<u64>,
+    /// vLLM's extension: beam search, of width `best_of` (completions) or
+    /// else `n`; the best `n` hypotheses are the choices. Read as a JSON
+    /// value, so that a non-boolean is refused naming it.
+    #[serde(default)]
+    pub use_beam_search: Option<serde_json::Value>,
     #[serde(default)]
     pub user: Option<String>,
     /// OpenAI's newer end-user id (it replaces `user`): a label for the
@@ -133,8 +139,6 @@ pub struct Unserved {
     /// here, beside the fields refused, as OpenAI documents it.
     #[serde(default)]
     pub response_format: Option<serde_json::Value>,
-    #[serde(default)]
-    pub use_beam_search: Option<serde_json::Value>,
     #[serde(default)]
     pub tool_choice: Option<serde_json::Value>,
     #[serde(default)]

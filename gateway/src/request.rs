@@ -57,6 +57,41 @@ pub struct Generate {
     pub echo: bool,
     /// `response_format` / `kvlease.grammar`: structured output.
     pub grammar: Option<crate::structured::Grammar>,
+    /// `use_beam_search`: the beam width (`best_of`, else `n`); 1: off.
+    pub beam_width: u32,
+}
+
+/// The most beams a request may ask (the scheduler's `beam_width` limit).
+const MAX_BEAM_WIDTH: u64 = 10;
+
+/// The beam width of `use_beam_search` (1: off): `best_of` when given
+/// (at least `n`), else `n`. `best_of` without beams is refused unless 1:
+/// no best-of sampling is served.
+fn beam_width(use_beam_search: Option<&Value>, best_of: Option<u64>, n: u32) -> Result<u32> {
+    let beams = match use_beam_search.filter(|v| !v.is_null()) {
+        None | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(v) => return Err(wrong_type("use_beam_search", v, "a boolean")),
+    };
+    match (beams, best_of) {
+        (false, None | Some(1)) => Ok(1),
+        (false, Some(_)) => Err(ApiError::invalid_param(
+            "best_of",
+            "best_of must be 1 unless use_beam_search is true (then it is the beam width)",
+        )),
+        (true, Some(b)) if b < u64::from(n) || b > MAX_BEAM_WIDTH => Err(ApiError::invalid_param(
+            "best_of",
+            format!("best_of (the beam width) must be n ({n}) to {MAX_BEAM_WIDTH}, got {b}"),
+        )),
+        (true, Some(b)) => Ok(b as u32),
+        (true, None) if u64::from(n) > MAX_BEAM_WIDTH => Err(ApiError::invalid_param(
+            "n",
+            format!(
+                "n (the beam width without best_of) must be 1 to {MAX_BEAM_WIDTH} with use_beam_search, got {n}"
+            ),
+        )),
+        (true, None) => Ok(n),
+    }
 }
 
 /// The most alternatives the completions' `logprobs` may ask (OpenAI's).
@@ -201,9 +236,6 @@ impl Served {
             v => count("logprobs", v, MAX_COMPLETION_LOGPROBS)?,
         };
         let echo = r.echo.unwrap_or(false);
-        if r.best_of.is_some_and(|b| b != 1) {
-            return Err(ApiError::invalid_param("best_of", "best_of must be 1"));
-        }
         if r.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
         }
@@ -218,7 +250,7 @@ impl Served {
             }
         };
         // OpenAI's completions default
-        let mut g = self.common(input, r.common, None, 16)?;
+        let mut g = self.common(input, r.common, None, 16, r.best_of)?;
         g.logprobs = logprobs;
         g.echo = echo;
         Ok(g)
@@ -286,6 +318,7 @@ impl Served {
             r.common,
             r.max_completion_tokens,
             default,
+            None,
         )?;
         g.logprobs = logprobs;
         Ok(g)
@@ -315,6 +348,7 @@ impl Served {
         c: Common,
         max_completion_tokens: Option<u64>,
         default_max_tokens: u32,
+        best_of: Option<u64>,
     ) -> Result<Generate> {
         refuse_unserved(&c.unserved)?;
         let n = match c.n {
@@ -327,6 +361,13 @@ impl Served {
                 ));
             }
         };
+        let beam_width = beam_width(c.use_beam_search.as_ref(), best_of, n)?;
+        if beam_width > 1 && c.stream == Some(true) {
+            return Err(ApiError::invalid_param(
+                "stream",
+                "beam search answers at the end: stream is not served with use_beam_search",
+            ));
+        }
         for (param, label) in [
             ("user", &c.user),
             ("safety_identifier", &c.safety_identifier),
@@ -398,8 +439,12 @@ impl Served {
             },
             input,
             max_tokens,
-            // OpenAI samples at temperature 1 unless told otherwise
-            temperature: c.temperature.unwrap_or(1.0),
+            // OpenAI samples at temperature 1 unless told otherwise; beams
+            // rank the raw distribution (the scheduler refuses a
+            // temperature given with them)
+            temperature: c
+                .temperature
+                .unwrap_or(if beam_width > 1 { 0.0 } else { 1.0 }),
             top_p: c.top_p.unwrap_or(1.0),
             // without a seed, each request samples differently
             seed: c.seed.unwrap_or_else(rand::random),
@@ -410,6 +455,7 @@ impl Served {
             include_usage: stream && c.stream_options.is_some_and(|o| o.include_usage),
             retain,
             n,
+            beam_width,
             // the endpoints read their own shapes of these
             logprobs: None,
             echo: false,
@@ -434,8 +480,7 @@ fn refuse_unserved(u: &Unserved) -> Result<()> {
         v.as_object().is_some_and(|o| o.is_empty()) || v.as_array().is_some_and(|a| a.is_empty())
     };
     let no = |v: &Value| *v == Value::Bool(false);
-    let fields: [NoOp<'_>; 15] = [
-        ("use_beam_search", &u.use_beam_search, &no, "false"),
+    let fields: [NoOp<'_>; 14] = [
         (
             "tool_choice",
             &u.tool_choice,
@@ -825,10 +870,53 @@ mod tests {
     }
 
     #[test]
+    fn use_beam_search_sets_the_beam_width_and_refuses_what_beams_cannot_serve() {
+        let c = completion(serde_json::json!({"model": "m", "prompt": "x",
+            "use_beam_search": true, "best_of": 4, "n": 2}))
+        .unwrap();
+        assert_eq!((c.beam_width, c.n), (4, 2));
+        assert_eq!(c.temperature, 0.0, "beams rank the raw distribution");
+        let c = chat(
+            serde_json::json!({"model": "m", "use_beam_search": true, "n": 3,
+            "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .unwrap();
+        assert_eq!(c.beam_width, 3, "n is the width without best_of");
+        for off in [json!(false), Value::Null] {
+            let c = completion(serde_json::json!({"model": "m", "prompt": "x",
+                "use_beam_search": off, "best_of": 1}))
+            .unwrap();
+            assert_eq!(c.beam_width, 1);
+        }
+        let cases = [
+            (json!({"use_beam_search": true, "best_of": 11}), "best_of"),
+            (
+                json!({"use_beam_search": true, "best_of": 2, "n": 3}),
+                "best_of",
+            ),
+            (json!({"use_beam_search": false, "best_of": 2}), "best_of"),
+            (json!({"use_beam_search": true, "n": 12}), "n"),
+            (json!({"use_beam_search": "yes"}), "use_beam_search"),
+            (
+                json!({"use_beam_search": true, "best_of": 2, "stream": true}),
+                "stream",
+            ),
+        ];
+        for (extra, param) in cases {
+            let mut body = json!({"model": "m", "prompt": "x"});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            let e = completion(body).expect_err(param);
+            assert_eq!(e.status.as_u16(), 400, "{e:?}");
+            assert_eq!(e.param, Some(param), "{e:?}");
+        }
+    }
+
+    #[test]
     fn documented_fields_kvlease_does_not_serve_are_refused_naming_them() {
         let refused = [
             ("response_format", json!({"type": "xml"})),
-            ("use_beam_search", json!(true)),
             ("tool_choice", json!("auto")),
             ("functions", json!([{"name": "f"}])),
             ("function_call", json!("auto")),

@@ -562,6 +562,60 @@ async fn n_choices_whole_and_streamed_match_the_grpc_samples() {
     f.stop().await;
 }
 
+/// vLLM's `use_beam_search` through the gateway: the `n` choices are the
+/// best hypotheses of a search of width `best_of`, the same as the
+/// scheduler's ranks over gRPC; what beams cannot serve is a 400 naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beam_search_choices_match_the_grpc_ranks() {
+    let f = Front::start(None).await;
+    let prompt = "Beams fork and share the prompt's blocks.";
+    let body = json!({"model": "kvlease", "prompt": prompt, "max_tokens": 6,
+        "use_beam_search": true, "best_of": 4, "n": 2, "ignore_eos": true});
+    let whole = f.post("/v1/completions", body.clone()).await;
+    assert_eq!(whole.status, 200, "{whole:?}");
+    let w = whole.json();
+    let choices = w["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2, "{w}");
+    let mut grpc = scheduler_client(f.scheduler.addr)
+        .await
+        .unwrap()
+        .generate(pb::GenerateRequest {
+            text: prompt.into(),
+            max_tokens: 6,
+            beam_width: 4,
+            n: 2,
+            ignore_eos: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut texts = vec![String::new(); 2];
+    while let Some(m) = grpc.message().await.unwrap() {
+        texts[m.index as usize].push_str(&m.text);
+    }
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"].as_str(), Some(texts[i].as_str()), "choice {i}");
+    }
+    assert_ne!(texts[0], texts[1], "two hypotheses");
+    for (extra, param) in [
+        (json!({"stream": true}), "stream"),
+        (json!({"best_of": 11}), "best_of"),
+        (json!({"temperature": 0.7}), "temperature"),
+        (json!({"use_beam_search": 1}), "use_beam_search"),
+    ] {
+        let mut bad = body.clone();
+        for (k, v) in extra.as_object().unwrap() {
+            bad[k] = v.clone();
+        }
+        let r = f.post("/v1/completions", bad).await;
+        assert_eq!(r.status, 400, "{r:?}");
+        assert_eq!(r.json()["error"]["param"], param, "{r:?}");
+    }
+    f.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_can_never_fit_is_a_400_for_streams_too() {
     let f = Front::start(None).await;

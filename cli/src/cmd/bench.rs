@@ -84,6 +84,11 @@ pub(crate) struct BenchArgs {
     /// sample that did not complete.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
     samples: u32,
+    /// Beam search of this width per request (1 to 10; 1: off): greedy beams over the raw
+    /// distribution that share KV through forks; the request answers its best `--samples`
+    /// hypotheses (at most the width) at the end.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10))]
+    beam_width: u32,
 }
 
 /// Runs `kvlease bench` with `a`.
@@ -117,7 +122,14 @@ pub(crate) async fn run(a: BenchArgs) -> ExitCode {
         timeout: Duration::from_secs(a.timeout_s.max(1)),
         progress: !a.no_progress,
         samples: a.samples,
+        beam_width: a.beam_width,
     };
+    if a.beam_width > 1 && a.samples > a.beam_width {
+        return failed(format!(
+            "--samples {} is more than --beam-width {}: a beam search answers at most its width",
+            a.samples, a.beam_width
+        ));
+    }
     match commands::bench(&a.scheduler, source, load).await {
         Ok(s) if a.fail_on_error && s.errors_total() > 0 => {
             failed(format!("{} request(s) ended in an error", s.errors_total()))

@@ -127,6 +127,8 @@ class Finish:
     """With `prompt_logprobs=True`: one per prompt token."""
     prompt_text: str = ""
     """With `echo=True`: the prompt's text."""
+    cumulative_logprob: Optional[float] = None
+    """With `beam_width`: the hypothesis's cumulative logprob."""
 
     @property
     def rejected(self) -> bool:
@@ -217,6 +219,9 @@ class Generation(Iterator[Chunk]):
                     preemptions=message.preemptions,
                     prompt_logprobs=self._prompt_logprobs,
                     prompt_text=self._prompt_text,
+                    cumulative_logprob=(
+                        message.cumulative_logprob if message.HasField("cumulative_logprob") else None
+                    ),
                 )
             if message.tokens or message.text:
                 return Chunk(
@@ -376,6 +381,7 @@ class KvleaseClient:
         prompt_logprobs: bool = False,
         echo: bool = False,
         n: int = 1,
+        beam_width: int = 1,
         stop: Sequence[str] = (),
         stop_tokens: Sequence[int] = (),
         ignore_eos: bool = False,
@@ -397,7 +403,13 @@ class KvleaseClient:
         no cached prefix); `echo` the prompt's text (`finish.prompt_text`).
         `n` (1 to 16) parallel samples of the one prompt, leased and
         prefilled once (sample 0 keeps `seed`, the others derive theirs):
-        chunks carry their sample's `index`; read them with `results()`."""
+        chunks carry their sample's `index`; read them with `results()`.
+        `beam_width` (1 to 10; 1: off) runs a deterministic beam search over
+        the raw distribution (its beams share KV through forks) and answers
+        its best `n` (at most `beam_width`) hypotheses at the end: `index`
+        is the rank, `finishes[i].cumulative_logprob` its logprob; sampling
+        parameters, stop strings, `logprobs` and `min_tokens` are refused
+        with it."""
         if prompt_logprobs and logprobs is None:
             raise ValueError("prompt_logprobs needs logprobs (the number of alternatives)")
         given = [name for name, v in (("text", text), ("tokens", tokens), ("messages", messages)) if v is not None]
@@ -424,6 +436,7 @@ class KvleaseClient:
             ),
             echo=echo,
             n=n,
+            beam_width=beam_width,
             stop=list(stop),
             stop_tokens=list(stop_tokens),
             ignore_eos=ignore_eos,

@@ -90,6 +90,14 @@ def main(addr):
         e = raises(lambda: client.generate(PROMPT, max_tokens=2, n=17).results(), KvleaseError)
         check(e is not None and e.code == "INVALID_ARGUMENT" and "n" in e.details,
               f"n=17 is INVALID_ARGUMENT naming n: {e}")
+        beams = client.generate(PROMPT, max_tokens=8, beam_width=4, n=2).results()
+        check(len(beams) == 2 and all(b.finish.cumulative_logprob is not None for b in beams)
+              and beams == client.generate(PROMPT, max_tokens=8, beam_width=4, n=2).results(),
+              f"beam_width=4, n=2: two ranked hypotheses with their logprobs, deterministic: {beams!r}")
+        e = raises(lambda: client.generate(PROMPT, max_tokens=2, beam_width=4, temperature=0.5).results(),
+                   KvleaseError)
+        check(e is not None and e.code == "INVALID_ARGUMENT" and "temperature" in e.details,
+              f"temperature with beams is INVALID_ARGUMENT naming temperature: {e}")
         kept = client.complete(PROMPT, max_tokens=2, retain={"tokens": 4, "priority": 10, "ttl_s": 60})
         check(kept.finish.reason in ("LENGTH", "STOP"), f"a retention hint is taken: {kept.finish.reason}")
 

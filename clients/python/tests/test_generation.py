@@ -92,5 +92,24 @@ class LogprobsTest(unittest.TestCase):
         self.assertEqual(c.finish.prompt_text, "hi")
 
 
+class BeamTest(unittest.TestCase):
+    def test_each_rank_gets_its_tokens_and_cumulative_logprob(self):
+        def rank(i, ids, logprob):
+            return [
+                scheduler_pb2.GenerateResponse(tokens=ids, text="x" * len(ids), index=i),
+                scheduler_pb2.GenerateResponse(
+                    finish_reason=scheduler_pb2.STOP, index=i, cumulative_logprob=logprob
+                ),
+            ]
+
+        g = Generation(_Call(rank(0, [1, 2], -0.5) + rank(1, [3], -0.75)), samples=2)
+        best, second = g.results()
+        self.assertEqual((best.tokens, second.tokens), ((1, 2), (3,)))
+        self.assertEqual(best.finish.cumulative_logprob, -0.5)
+        self.assertEqual(second.finish.cumulative_logprob, -0.75)
+        plain = Generation(_Call([_tokens(1), scheduler_pb2.GenerateResponse(finish_reason=scheduler_pb2.LENGTH)]))
+        self.assertIsNone(plain.result().finish.cumulative_logprob, "no beams, no cumulative logprob")
+
+
 if __name__ == "__main__":
     unittest.main()

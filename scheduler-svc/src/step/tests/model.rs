@@ -232,6 +232,9 @@ struct Exercised {
     stopped_in_flight: usize,
     /// Samples forked from their parent's blocks.
     forks: usize,
+    /// Beam passes answered with a row (the search then forks, prunes,
+    /// continues or ends beams).
+    beam_rows: usize,
 }
 
 /// Every item of a launch writes only blocks the cache holds for its
@@ -267,6 +270,13 @@ fn check_launch(
                     .map(|i| (*step, i.start_pos + i.tokens.len().max(1) as u32))
             });
             if item.feed_previous {
+                // beam passes (the only ones asking logprobs here) are fed
+                // the search's token, never the worker's pick
+                assert!(
+                    item.logprobs.is_none(),
+                    "beam sequence {} fed the worker's pick",
+                    item.seq_id
+                );
                 seen.fed += 1;
                 assert!(item.tokens.is_empty(), "a fed decode carries no token");
                 let (step, end) = before.unwrap_or_else(|| {
@@ -400,8 +410,15 @@ fn drive(order: Order, seed: u64) -> Exercised {
             let mut r = request(next_id, prompt, 2 + rand(8) as u32);
             r.stop_tokens = vec![STOP];
             // a request of several samples now and then: they fork
-            if rand(3) == 0 {
-                r.n = 2 + rand(2) as u32;
+            match rand(6) {
+                0 | 1 => r.n = 2 + rand(2) as u32,
+                // a beam search now and then: its beams fork, diverge,
+                // end and are pruned
+                2 => {
+                    r.beam_width = 2 + rand(2) as u32;
+                    r.n = 1 + rand(2) as u32;
+                }
+                _ => {}
             }
             c.submit(r);
             next_id += 1;
@@ -478,7 +495,30 @@ fn drive(order: Order, seed: u64) -> Exercised {
                             .collect();
                         for (g, items) in batches {
                             let mut answer = results(&items, 7, false);
-                            for r in &mut answer {
+                            for (r, item) in answer.iter_mut().zip(&items) {
+                                if let Some(l) = item.logprobs {
+                                    // a beam's row: distinct tokens, the most
+                                    // likely first, the stop token sometimes
+                                    let base = rand(40) as u32;
+                                    let stop_at = rand(2 * u64::from(l.top)) as u32;
+                                    let top = (0..l.top)
+                                        .map(|k| {
+                                            let t = if k == stop_at {
+                                                STOP
+                                            } else {
+                                                1 + (base + k) % 60
+                                            };
+                                            (t, -0.5 * k as f32 - rand(50) as f32 / 100.0)
+                                        })
+                                        .collect();
+                                    r.logprobs = vec![crate::domain::TokenLogprob {
+                                        token: r.next_token,
+                                        logprob: 0.0,
+                                        top,
+                                    }];
+                                    seen.beam_rows += 1;
+                                    continue;
+                                }
                                 if rand(8) == 0 {
                                     r.next_token = STOP;
                                     seen.stopped_in_flight +=
@@ -538,6 +578,7 @@ fn drive_seeds(order: Order) -> Exercised {
         total.fed += seen.fed;
         total.stopped_in_flight += seen.stopped_in_flight;
         total.forks += seen.forks;
+        total.beam_rows += seen.beam_rows;
     }
     total
 }
@@ -552,7 +593,8 @@ fn overlap_no_block_reaches_another_sequence_before_the_forward_that_could_read_
             && total.extended_in_flight > 1_000
             && total.launched_ahead > 1_000
             && total.refused_in_flight > 100
-            && total.forks > 100,
+            && total.forks > 100
+            && total.beam_rows > 100,
         "the runs exercised too little: {total:?}"
     );
 }
@@ -569,7 +611,8 @@ fn pipelined_no_block_reaches_another_sequence_before_every_forward_that_could_r
             && total.fed > 1_000
             && total.stopped_in_flight > 100
             && total.refused_in_flight > 100
-            && total.forks > 100,
+            && total.forks > 100
+            && total.beam_rows > 100,
         "the runs exercised too little: {total:?}"
     );
 }
@@ -588,7 +631,8 @@ fn plain_no_block_reaches_another_sequence_early_and_every_fenced_block_comes_ba
         total.grants > 1_000
             && total.completes > 1_000
             && total.finished > 1_000
-            && total.forks > 100,
+            && total.forks > 100
+            && total.beam_rows > 100,
         "the runs exercised too little: {total:?}"
     );
 }
