@@ -152,6 +152,84 @@ async fn three_samples_fork_alike_in_the_pipelined_order() {
     three_samples(true).await;
 }
 
+/// A sample whose text ends at a stop string stops generating (its blocks
+/// released) while the others go on: the scheduler counts it `STOP`, not
+/// run on unseen to its length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sample_stopped_by_a_stop_string_ends_alone() {
+    let config = scheduler_svc::Config {
+        max_context: 256,
+        max_tokens: 64,
+        ..scheduler_svc::Config::default()
+    };
+    let cluster = SmallCluster::start(config).await.unwrap();
+    let mut client = cluster.client().await.unwrap();
+    let prompt: Vec<u32> = (0..21).map(|i| (i * 7 + 3) % 250 + 1).collect();
+    let request = pb::GenerateRequest {
+        tokens: prompt,
+        max_tokens: 48,
+        temperature: 1.0,
+        seed: 11,
+        n: 3,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    // sample 1's text on its own, to stop it right at its start
+    let one = collect(
+        &mut client,
+        pb::GenerateRequest {
+            n: 1,
+            seed: branch_seed(11, 1),
+            ..request.clone()
+        },
+    )
+    .await
+    .unwrap();
+    let stop: String = one.text.chars().take(3).collect();
+    assert_eq!(stop.chars().count(), 3, "{:?}", one.text);
+    let status = |c: &mut SchedulerClient<Channel>| {
+        let mut c = c.clone();
+        async move {
+            c.get_status(pb::GetStatusRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+        }
+    };
+    let before = status(&mut client).await;
+    let (got, _) = samples(
+        &mut client,
+        pb::GenerateRequest {
+            stop: vec![stop],
+            ..request
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(got.len(), 3);
+    assert_eq!(got[1].finish, pb::FinishReason::Stop as i32, "{got:?}");
+    let stopped = got
+        .iter()
+        .filter(|s| s.finish == pb::FinishReason::Stop as i32)
+        .count() as u64;
+    let after = status(&mut client).await;
+    assert_eq!(
+        after.finished_stop - before.finished_stop,
+        stopped,
+        "each stopped sample ended STOP at the scheduler"
+    );
+    assert_eq!(
+        after.finished_length - before.finished_length,
+        3 - stopped,
+        "the others ran to their length"
+    );
+    assert_eq!(after.cancelled, before.cancelled);
+    assert_cache_sound(cluster.cache.addr, GROUP, WITHIN)
+        .await
+        .unwrap();
+    cluster.stop().await.unwrap();
+}
+
 /// Requests of 4 samples about 17 times past the pool, preempting or
 /// rejecting what cannot grow: every sample ends (its length, or `REJECTED`
 /// with the cache's figures), and the pools are whole with nothing for the

@@ -258,6 +258,15 @@ impl Queue {
         self.items.remove(at)
     }
 
+    /// Removes branch `index` of request `id`, if it waits here.
+    pub fn remove_branch(&mut self, id: RequestId, index: u32) -> Option<Request> {
+        let at = self
+            .items
+            .iter()
+            .position(|r| r.id == id && r.index == index)?;
+        self.items.remove(at)
+    }
+
     pub fn len(&self) -> usize {
         self.items.len()
     }

@@ -74,6 +74,9 @@ type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Sta
 
 struct StreamState {
     rx: mpsc::UnboundedReceiver<Output>,
+    /// Tells the step loop a sample's text ended at a stop string, so that
+    /// it stops generating that sample (the others go on).
+    ended: mpsc::UnboundedSender<u32>,
     /// One per sample (`GenerateRequest.n`), by index.
     branches: Vec<Branch>,
     deadline: Option<Instant>,
@@ -150,6 +153,7 @@ pub(crate) fn grpc_timeout(metadata: &tonic::metadata::MetadataMap) -> Option<Du
 #[allow(clippy::too_many_arguments)] // the stream's parts, each used once
 fn response_stream(
     rx: mpsc::UnboundedReceiver<Output>,
+    ended: mpsc::UnboundedSender<u32>,
     text: TextOutput,
     tokenizer: &Tokenizer,
     deadline: Option<Instant>,
@@ -174,6 +178,7 @@ fn response_stream(
         prompt_first: prompt.first().copied(),
         tokenizer: tokenizer.clone(),
         rx,
+        ended,
         branches,
         deadline,
         done: false,
@@ -285,9 +290,12 @@ impl StreamState {
                 branch.output_tokens += tokens.len() as u64;
                 m.tokens = tokens;
                 if branch.text.stops.stopped() {
-                    // a stop string ends the sample's text here
+                    // a stop string ends the sample's text here, and the
+                    // step loop stops generating it (a closed loop has
+                    // nothing left to stop)
                     branch.done = true;
                     m.finish_reason = pb::FinishReason::Stop as i32;
+                    let _ = self.ended.send(index);
                 }
                 m
             }
@@ -423,9 +431,10 @@ impl Scheduler for SchedulerService {
             root.set_attribute("kvlease.client_request_id", req.request_id.clone());
         }
         root.set_attribute(attributes::PROMPT_TOKENS, i64::from(prompt_tokens));
-        let rx = self.step_loop.submit(r, root.clone())?;
+        let (rx, ended) = self.step_loop.submit(r, root.clone())?;
         Ok(Response::new(response_stream(
             rx,
+            ended,
             text,
             &self.tokenizer,
             deadline,
@@ -510,8 +519,18 @@ mod tests {
         stop: &[&str],
         outputs: Vec<Output>,
     ) -> Vec<pb::GenerateResponse> {
+        messages_ending(samples, stop, outputs).await.0
+    }
+
+    /// [`messages`], and the samples the stream told the loop to end.
+    async fn messages_ending(
+        samples: u32,
+        stop: &[&str],
+        outputs: Vec<Output>,
+    ) -> (Vec<pb::GenerateResponse>, Vec<u32>) {
         use futures::StreamExt;
         let tokenizer = Tokenizer::byte_level();
+        let (end, mut ended) = mpsc::unbounded_channel();
         let (tx, rx) = mpsc::unbounded_channel();
         for o in outputs {
             tx.send(o).unwrap();
@@ -524,6 +543,7 @@ mod tests {
         };
         let stream = response_stream(
             rx,
+            end,
             text,
             &tokenizer,
             None,
@@ -532,7 +552,12 @@ mod tests {
             &[],
             tracing::Span::none(),
         );
-        stream.map(|m| m.unwrap()).collect().await
+        let got = stream.map(|m| m.unwrap()).collect().await;
+        let mut stopped = Vec::new();
+        while let Ok(i) = ended.try_recv() {
+            stopped.push(i);
+        }
+        (got, stopped)
     }
 
     fn tokens(index: u32, s: &str) -> Output {
@@ -559,7 +584,7 @@ mod tests {
 
     #[tokio::test]
     async fn samples_stream_apart_and_the_stream_ends_with_the_last() {
-        let got = messages(
+        let (got, stopped) = messages_ending(
             2,
             &["x"],
             vec![
@@ -595,6 +620,7 @@ mod tests {
         );
         assert_eq!(got[0].prompt_tokens, 3, "the prompt is reported once");
         assert!(got[1..].iter().all(|m| m.prompt_tokens == 0));
+        assert_eq!(stopped, vec![1], "the loop is told to stop sample 1 only");
     }
 
     #[tokio::test]

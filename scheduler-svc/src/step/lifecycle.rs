@@ -35,6 +35,33 @@ impl Core {
         }
     }
 
+    /// Ends branch `index` of a request of several samples whose output the
+    /// client no longer reads (its text ended at a stop string): finished
+    /// `STOP` wherever it is, a running one released with the next release
+    /// batch; the other samples go on. A branch 0 whose samples are not
+    /// forked yet, a branch leasing now, a beam, or a branch that already
+    /// ended, is left as it is (it ends on its own).
+    pub fn end_branch(&mut self, id: RequestId, index: u32) {
+        let is = |r: &Request| r.id == id && r.index == index && r.n == 1 && r.beam_width <= 1;
+        let running = self
+            .running
+            .values()
+            .find(|s| is(&s.request))
+            .map(|s| s.seq_id);
+        if let Some(seq_id) = running {
+            self.end_sequence(seq_id, Finish::Stop);
+        } else if let Some(at) = self.forks.iter().position(|f| is(&f.request)) {
+            let f = self.forks.remove(at);
+            self.finish_request(&f.request, Finish::Stop);
+        } else if let Some(r) = self.queue.remove_branch(id, index) {
+            if is(&r) {
+                self.finish_request(&r, Finish::Stop);
+            } else {
+                self.queue.requeue(r);
+            }
+        }
+    }
+
     /// Whether a transient refusal (`POOL_EXHAUSTED`) of `seq_id`'s extend,
     /// at rest, would preempt it (requeue its request for recompute) rather
     /// than end its request: the rule of `extend_refused` and `preempt`,

@@ -18,6 +18,9 @@ use crate::step::Counters;
 pub(crate) struct Submission {
     pub request: Request,
     pub events: mpsc::UnboundedSender<Output>,
+    /// Samples whose output the client no longer reads (their text ended
+    /// at a stop string): the loop ends them (`Core::end_branch`).
+    pub ended: mpsc::UnboundedReceiver<u32>,
     pub trace: tracing::Span,
 }
 
@@ -75,7 +78,7 @@ impl StepLoopHandle {
         &self,
         request: Request,
         trace: tracing::Span,
-    ) -> Result<mpsc::UnboundedReceiver<Output>> {
+    ) -> Result<(mpsc::UnboundedReceiver<Output>, mpsc::UnboundedSender<u32>)> {
         let queued = self.status().queued as usize;
         if self.max_queue > 0 && queued >= self.max_queue {
             return Err(Error::QueueFull {
@@ -84,18 +87,20 @@ impl StepLoopHandle {
             });
         }
         let (events, rx) = mpsc::unbounded_channel();
+        let (end, ended) = mpsc::unbounded_channel();
         self.backlog.fetch_add(1, Ordering::AcqRel);
         self.submit
             .send(Submission {
                 request,
                 events,
+                ended,
                 trace,
             })
             .map_err(|_| {
                 self.backlog.fetch_sub(1, Ordering::AcqRel);
                 Error::ShuttingDown
             })?;
-        Ok(rx)
+        Ok((rx, end))
     }
 
     /// The loop's last snapshot, its queue counting the submissions the

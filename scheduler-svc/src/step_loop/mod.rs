@@ -84,6 +84,8 @@ pub(crate) struct StepLoop {
     workers: Vec<WorkerClient>,
     steps_run: u64,
     streams: HashMap<RequestId, mpsc::UnboundedSender<Output>>,
+    /// Each stream's samples the client stopped reading (see `Submission`).
+    branch_ends: HashMap<RequestId, mpsc::UnboundedReceiver<u32>>,
     /// The trace of each live request.
     traces: RequestTraces,
     /// Whether the current step refused or preempted a sequence (its trace
@@ -135,6 +137,7 @@ impl StepLoop {
             workers,
             steps_run: 0,
             streams: HashMap::new(),
+            branch_ends: HashMap::new(),
             traces: RequestTraces::default(),
             step_rejects: false,
             step_preemptions: false,
@@ -264,6 +267,7 @@ impl StepLoop {
         let id = sub.request.id;
         self.metrics.arrived(id, sub.request.prompt.len());
         self.streams.insert(id, sub.events);
+        self.branch_ends.insert(id, sub.ended);
         self.traces.accept(id, sub.trace);
         self.core.submit(sub.request);
         self.route_outputs();
@@ -279,6 +283,20 @@ impl StepLoop {
         for id in gone {
             tracing::debug!(request = id.get(), "client went away");
             self.core.cancel(id, "client went away");
+        }
+        let mut ended = Vec::new();
+        for (id, rx) in &mut self.branch_ends {
+            while let Ok(index) = rx.try_recv() {
+                ended.push((*id, index));
+            }
+        }
+        for (id, index) in ended {
+            tracing::debug!(
+                request = id.get(),
+                index,
+                "sample's text ended: stopping it"
+            );
+            self.core.end_branch(id, index);
         }
     }
 

@@ -22,6 +22,7 @@ impl StepLoop {
             }
             if last {
                 self.streams.remove(&id);
+                self.branch_ends.remove(&id);
                 self.traces.finish(id);
             }
         }

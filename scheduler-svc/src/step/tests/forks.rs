@@ -245,3 +245,46 @@ fn guaranteed_no_evict_charges_the_samples_their_shared_prompt_once() {
     let out = c.drain_outputs();
     assert_eq!(lasts(&out).iter().filter(|(_, l)| *l).count(), 2);
 }
+
+#[test]
+fn a_sample_the_client_stopped_reading_ends_alone_and_is_released() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(sampled(1, 6, 8, 3));
+    // the prompt, then the forks
+    step(&mut c, granting);
+    step(&mut c, granting);
+    let branch_1 = c
+        .running
+        .values()
+        .find(|s| s.request.index == 1)
+        .map(|s| s.seq_id)
+        .expect("sample 1 forked");
+    c.drain_outputs();
+    // its text ended at a stop string: only it ends, STOP, and is released
+    c.end_branch(RequestId(1), 1);
+    let out = c.drain_outputs();
+    assert_eq!(lasts(&out), vec![(1, false)]);
+    assert!(matches!(
+        out.last(),
+        Some(Output::Finished {
+            finish: Finish::Stop,
+            ..
+        })
+    ));
+    assert_eq!(c.take_releases().seq_ids, vec![branch_1]);
+    // asking again (the loop may) changes nothing
+    c.end_branch(RequestId(1), 1);
+    assert!(c.drain_outputs().is_empty());
+    // the others go on to their length
+    let mut rest = Vec::new();
+    while !c.is_idle() {
+        step(&mut c, granting);
+        rest.extend(c.drain_outputs());
+    }
+    let by = samples(&rest, 3);
+    assert!(by[1].is_empty(), "sample 1 made nothing more");
+    assert!(by[0].len() + 2 >= 8 && !by[2].is_empty(), "{by:?}");
+    let l = lasts(&rest);
+    assert_eq!(l.len(), 2);
+    assert!(l.last().is_some_and(|(_, last)| *last));
+}
