@@ -4,9 +4,10 @@
 //!
 //! They are of the model's raw distribution, `log_softmax` of the logits
 //! as the forward pass returns them: before `logit_bias`, penalties,
-//! `min_tokens`, temperature and the top-k/top-p/min-p cuts (vLLM's
-//! default, `raw_logprobs`). So they do not depend on how the token was
-//! picked, and a reference forward pass gives the same numbers.
+//! `min_tokens`, temperature, the top-k/top-p/min-p cuts (vLLM's
+//! default, `raw_logprobs`) and a grammar's mask. So they do not depend on
+//! how the token was picked, and a reference forward pass gives the same
+//! numbers.
 //!
 //! `logprob(t) = (l_t - max) - ln(sum_i exp(l_i - max))`: `l - max` in
 //! f32, the exponentials, their sum and the logarithm in f64, the result

@@ -903,6 +903,33 @@ fn host_and_device(
     }
 }
 
+/// A row's logprobs from the device `d` against the host's `h`: the same
+/// tokens, the values within 1e-5 relative (the device's sums reduce in
+/// another order).
+fn assert_logprobs_match(
+    d: &worker_svc::logprobs::RowLogprobs,
+    h: &worker_svc::logprobs::RowLogprobs,
+    what: &str,
+) {
+    assert_eq!(d.token, h.token, "{what}");
+    let close = |a: f32, b: f32| (a - b).abs() <= 1e-5 * b.abs().max(1.0);
+    assert!(
+        close(d.logprob, h.logprob),
+        "{what}: {} on the device, {} on the host",
+        d.logprob,
+        h.logprob
+    );
+    let tokens =
+        |r: &worker_svc::logprobs::RowLogprobs| r.top.iter().map(|t| t.0).collect::<Vec<_>>();
+    assert_eq!(tokens(d), tokens(h), "{what}");
+    for (a, b) in d.top.iter().zip(&h.top) {
+        assert!(
+            close(a.1, b.1),
+            "{what}: {a:?} on the device, {b:?} on the host"
+        );
+    }
+}
+
 /// Every sampling parameter, alone and together, picked on the device
 /// (`forward_tokens`: `adjust_logits`, `argmax_rows`, `sample_rows`) equals
 /// the host's pick from the same logits (`forward` downloads them), over
@@ -1154,20 +1181,7 @@ fn device_logprobs_equal_the_hosts() {
             assert_eq!(device.logprobs.len(), rows, "{name}");
             assert_eq!(host.logprobs.len(), rows, "{name}");
             for (d, h) in device.logprobs.iter().zip(&host.logprobs) {
-                assert_eq!(d.token, h.token, "{name}, round {round}");
-                assert!(
-                    (d.logprob - h.logprob).abs() <= 1e-5 * h.logprob.abs().max(1.0),
-                    "{name}, round {round}: {} on the device, {} on the host",
-                    d.logprob,
-                    h.logprob
-                );
-                let tokens = |r: &worker_svc::logprobs::RowLogprobs| {
-                    r.top.iter().map(|t| t.0).collect::<Vec<_>>()
-                };
-                assert_eq!(tokens(d), tokens(h), "{name}, round {round}");
-                for (a, b) in d.top.iter().zip(&h.top) {
-                    assert!((a.1 - b.1).abs() <= 1e-5 * b.1.abs().max(1.0), "{name}");
-                }
+                assert_logprobs_match(d, h, &format!("{name}, round {round}"));
             }
             if let Some(l) = logprobs {
                 let last = &device.logprobs[rows - 1];
@@ -1499,11 +1513,18 @@ fn gemma2_fixture_on_the_gpu_agrees_with_transformers() {
 /// same mask (`forward`), greedy and sampled, with a bias pulling towards a
 /// token the grammar refuses, mid-grammar and once complete (the end token
 /// alone); every pick is one the grammar allows. The byte-level tokenizer
-/// over a 3001-token model: ids past it are never allowed.
+/// over a 3001-token model: ids past it are never allowed. Run again with
+/// logprobs (the next token's, 0 to 20 alternatives, and one sequence's
+/// every prompt position): the device keeps a constrained row's raw values
+/// around the mask (`keep_rows`), so its logprobs equal the host's and
+/// `logprobs::row_logprobs` of the raw logits the host downloaded, the
+/// picks being the same as without logprobs.
 #[test]
 fn grammar_masks_applied_on_the_device_pick_as_the_host() {
     use kvlease_tokenizer::grammar::{Constraint, allowed};
     use kvlease_tokenizer::{Tokenizer, byte_level};
+    use worker_svc::batch::LogprobsSpec;
+    use worker_svc::logprobs::row_logprobs;
     if !gpu_available("grammar_masks_applied_on_the_device") {
         return;
     }
@@ -1560,8 +1581,22 @@ fn grammar_masks_applied_on_the_device_pick_as_the_host() {
             ("complete", hot(seed), Constraint::Regex("ok".into()), "ok"),
         ]
         };
+    // with logprobs: (alternatives, every prompt position) per case
+    let asked = [
+        (5, false),
+        (20, false),
+        (0, false),
+        (3, false),
+        (2, true),
+        (1, false),
+        (4, false),
+    ];
     let mut compared = 0;
-    for seed in 0..16u64 {
+    let mut picks_without: Vec<Vec<u32>> = Vec::new();
+    for (seed, with_logprobs) in (0..16u64)
+        .map(|s| (s, false))
+        .chain((0..16u64).map(|s| (s, true)))
+    {
         let batch: Vec<SeqInput> = cases(seed)
             .into_iter()
             .enumerate()
@@ -1585,12 +1620,43 @@ fn grammar_masks_applied_on_the_device_pick_as_the_host() {
                     },
                     copies: Vec::new(),
                     history: Some(Vec::new()),
-                    logprobs: None,
+                    logprobs: with_logprobs.then_some(LogprobsSpec {
+                        top: asked[s as usize].0,
+                        prompt: asked[s as usize].1,
+                        next_prompt_token: None,
+                    }),
                     grammar: Some(Ok(grammar)),
                 }
             })
             .collect();
         let (on_host, on_device) = host_and_device(&mut worker, batch);
+        let picks: Vec<u32> = on_device.iter().map(|o| o.next_token).collect();
+        if with_logprobs {
+            assert_eq!(
+                picks, picks_without[seed as usize],
+                "logprobs change no pick, seed {seed}"
+            );
+            for (i, (name, ..)) in cases(seed).into_iter().enumerate() {
+                let (host, device) = (&on_host.seqs[i], &on_device[i]);
+                let raw = on_host.logits(i);
+                let rows = raw.len() / on_host.vocab();
+                assert_eq!(device.logprobs.len(), rows, "{name}");
+                assert_eq!(host.logprobs.len(), rows, "{name}");
+                for (r, (d, h)) in device.logprobs.iter().zip(&host.logprobs).enumerate() {
+                    // row r chooses the next input token, the last the pick
+                    let row = &raw[r * on_host.vocab()..(r + 1) * on_host.vocab()];
+                    let want = row_logprobs(row, h.token, asked[i].0 as usize);
+                    assert_eq!(
+                        h, &want,
+                        "{name}, seed {seed}: the host's are of the raw row"
+                    );
+                    assert_logprobs_match(d, h, &format!("{name}, seed {seed}, row {r}"));
+                }
+                assert_eq!(device.logprobs[rows - 1].token, device.next_token, "{name}");
+            }
+        } else {
+            picks_without.push(picks);
+        }
         let grammars = match tokenizer.grammars() {
             Ok(g) => g,
             Err(e) => panic!("grammars: {e}"),
@@ -1621,5 +1687,5 @@ fn grammar_masks_applied_on_the_device_pick_as_the_host() {
         );
         assert_ne!(on_device[3].next_token, u32::from(b'a'), "a refused token");
     }
-    println!("{compared} masked picks equal on the device and the host");
+    println!("{compared} masked picks equal on the device and the host, half with raw logprobs");
 }

@@ -98,6 +98,7 @@ pub(super) struct Kernels {
     pub(super) mask_logits: CudaFunction,
     pub(super) sample_rows: CudaFunction,
     pub(super) keep_logits: CudaFunction,
+    pub(super) keep_rows: CudaFunction,
     pub(super) logprob_rows: CudaFunction,
     /// The bench's K/V filler.
     #[cfg(feature = "bench")]
@@ -235,6 +236,7 @@ impl Kernels {
             mask_logits: f("mask_logits")?,
             sample_rows: f("sample_rows")?,
             keep_logits: f("keep_logits")?,
+            keep_rows: f("keep_rows")?,
             logprob_rows: f("logprob_rows")?,
             #[cfg(feature = "bench")]
             fill_random: f("fill_random")?,
