@@ -13,6 +13,10 @@ use crate::model::ModelConfig;
 use crate::ops::window_start;
 use kvlease_tokenizer::grammar::Constraint;
 
+/// The most alternatives a logprobs row may ask for (OpenAI's chat
+/// `top_logprobs` maximum).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// Limits on one Forward batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -72,7 +76,7 @@ impl Sampling {
 /// `worker.proto`; [`crate::logprobs`] says how they are computed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogprobsSpec {
-    /// Alternatives per position, at most [`crate::logprobs::MAX_TOP`].
+    /// Alternatives per position, at most [`MAX_TOP_LOGPROBS`].
     pub top: u32,
     /// Every input position, not only the last: position `i`'s chosen
     /// token is `tokens[i + 1]`, the last one's the picked token (or
@@ -931,17 +935,13 @@ fn plan_copies(
     Ok(planned)
 }
 
-/// A sequence's [`LogprobsSpec`]: at most [`crate::logprobs::MAX_TOP`]
+/// A sequence's [`LogprobsSpec`]: at most [`MAX_TOP_LOGPROBS`]
 /// alternatives, a `next_prompt_token` only with `prompt` and inside the
 /// vocabulary.
 fn check_logprobs(l: &LogprobsSpec, vocab_size: usize) -> std::result::Result<(), SeqProblem> {
     let bad = |what: String| Err(SeqProblem::BadLogprobs(what));
-    if l.top as usize > crate::logprobs::MAX_TOP {
-        return bad(format!(
-            "top {} is more than {}",
-            l.top,
-            crate::logprobs::MAX_TOP
-        ));
+    if l.top as usize > MAX_TOP_LOGPROBS {
+        return bad(format!("top {} is more than {}", l.top, MAX_TOP_LOGPROBS));
     }
     match l.next_prompt_token {
         Some(_) if !l.prompt => bad("next_prompt_token is set without prompt".into()),

@@ -15,14 +15,12 @@
 //! The top list is ordered by logprob, descending, ties by token id
 //! ascending (the order of [`crate::sampling::key`], then the id).
 
-use crate::backend::BatchLogits;
 use crate::batch::PlannedSeq;
 use crate::error::{Error, Result};
+use crate::logits::BatchLogits;
 use crate::sampling::key;
 
-/// The most alternatives a row may ask for (OpenAI's chat `top_logprobs`
-/// maximum).
-pub const MAX_TOP: usize = 20;
+pub use crate::batch::MAX_TOP_LOGPROBS as MAX_TOP;
 
 /// What one logits row of a pass should report.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
