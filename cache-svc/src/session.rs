@@ -84,11 +84,19 @@ impl SeqState {
     /// Records that `step`'s pass writes this sequence's KV through
     /// `written` tokens; `completed`: the session's last completed step. A
     /// report for a step already completed is never known to be written (as
-    /// its hashes are never published) and counts nothing.
+    /// its hashes are never published) and counts nothing. Steady decode
+    /// keeps one or two entries: a step's reports share one.
     pub(crate) fn note_write(&mut self, step: Step, written: u32, completed: Option<Step>) {
-        self.settle_writes(completed);
-        if completed.is_none_or(|done| step > done) {
-            self.writes_in_flight.push((step, written));
+        let done = |s: Step| completed.is_some_and(|c| s <= c);
+        if self.writes_in_flight.first().is_some_and(|&(s, _)| done(s)) {
+            self.settle_writes(completed);
+        }
+        if done(step) {
+            return;
+        }
+        match self.writes_in_flight.last_mut() {
+            Some((s, w)) if *s == step => *w = (*w).max(written),
+            _ => self.writes_in_flight.push((step, written)),
         }
     }
 

@@ -2,6 +2,7 @@
 
 Usage: python check.py [--rejects] BASE_URL (e.g. http://127.0.0.1:8000/v1)
        python check.py --factual BASE_URL [CACHE_ADDR]   (a real chat model, e.g. kvlease up --model smollm2)
+       python check.py --reference BASE_URL GGUF   (the served model's GGUF file; needs numpy and gguf)
 
 Checks, each failing with a message and exit code 1:
 - models.list names the served model;
@@ -34,6 +35,18 @@ probabilities sum to at most 1 (streamed, the same values); echo puts the
 prompt's text first and its logprobs (the first null); chat's logprobs with
 top_logprobs 5 give each token's bytes and 5 sorted alternatives; logprobs
 6 and top_logprobs 21 are 400s naming the field.
+
+With --reference: the logprobs equal an independent reference within 1e-3,
+a Llama forward pass in numpy over the same GGUF file (reference.py, f32):
+a greedy completion with echo and logprobs=5 (every prompt token after the
+first and every generated token: the chosen token's logprob and each
+alternative's; the greedy token the reference's most likely; the
+alternatives' probabilities sum to at most 1), a sampled one (temperature
+1.3, seeded: the logprobs are of the raw distribution, whatever the
+temperature), and one under a regex grammar (kvlease's extension; the
+logprobs are of the raw distribution, before the grammar's mask: the text
+follows the regex while a likelier raw token the grammar refuses stays
+listed).
 """
 
 import sys
@@ -283,9 +296,71 @@ def logprobs(client, model):
         check(getattr(e, "param", None) == "top_logprobs", f"top_logprobs 21 is a 400 naming it: {e.message}")
 
 
+def reference_logprobs(base_url, gguf_path):
+    import math
+    import re
+    import time
+
+    from reference import Llama, log_softmax
+
+    started = time.monotonic()
+    ref = Llama(gguf_path)
+    print(f"reference: {gguf_path} read in {time.monotonic() - started:.1f} s")
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    prompt = "The capital of France is"
+    within = 1e-3
+
+    def compare(what, greedy=False, max_tokens=6, **kw):
+        """Asks for a completion with the prompt echoed and logprobs=5 and
+        compares every token's logprobs with the reference's; returns the
+        choice and how many of its generated tokens were not the
+        reference's most likely."""
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=5,
+                                      **kw)
+        lp = r.choices[0].logprobs
+        n_prompt = r.usage.prompt_tokens
+        check(len(lp.tokens) == n_prompt + r.usage.completion_tokens and lp.token_logprobs[0] is None,
+              f"{what}: the prompt's {n_prompt} tokens and the {r.usage.completion_tokens} generated ones")
+        ids = [ref.token_id(t) for t in lp.tokens]
+        rows = ref.logits(ids[:-1])
+        worst, not_argmax = 0.0, 0
+        for i in range(1, len(ids)):
+            want = log_softmax(rows[i - 1])
+            top = lp.top_logprobs[i]
+            mass = sum(math.exp(v) for v in top.values())
+            diffs = [abs(lp.token_logprobs[i] - want[ids[i]])]
+            diffs += [abs(v - want[ref.token_id(t)]) for t, v in top.items()]
+            worst = max(worst, *diffs)
+            if max(diffs) > within or len(top) > 6 or mass > 1 + 1e-6:
+                check(False, f"{what}: token {i} {lp.tokens[i]!r}: logprob {lp.token_logprobs[i]:.6f}, "
+                             f"reference {want[ids[i]]:.6f}; alternatives {top} (mass {mass:.6f})")
+            if i >= n_prompt and want[ids[i]] < want.max() - within:
+                not_argmax += 1
+                if greedy:
+                    check(False, f"{what}: greedy token {i} {lp.tokens[i]!r} ({want[ids[i]]:.6f}) is not the "
+                                 f"reference's most likely ({want.max():.6f})")
+        check(True, f"{what}: {len(ids) - 1} tokens' logprobs and their alternatives within {worst:.1e} of the "
+                    f"reference's (<= {within}), each position's mass <= 1")
+        return r.choices[0], not_argmax
+
+    compare("greedy completion", greedy=True, temperature=0)
+    compare("sampled completion", temperature=1.3, seed=7)
+    pattern = "(yes|no), [0-9]{2,4}!"
+    choice, not_argmax = compare("completion under a regex grammar", temperature=0, max_tokens=16,
+                                 extra_body={"kvlease": {"grammar": {"regex": pattern}}})
+    text = choice.text[len(prompt):]
+    check(choice.finish_reason == "stop" and re.fullmatch(pattern, text) is not None,
+          f"the completion follows {pattern!r} to its end: {text!r}")
+    check(not_argmax > 0, f"the grammar moved {not_argmax} picks off the raw argmax, the logprobs staying raw")
+    print(f"openai logprobs reference check passed in {time.monotonic() - started:.1f} s")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--factual"] and len(sys.argv) in (3, 4):
         factual(sys.argv[2], sys.argv[3] if len(sys.argv) == 4 else None)
+    elif sys.argv[1:2] == ["--reference"] and len(sys.argv) == 4:
+        reference_logprobs(sys.argv[2], sys.argv[3])
     elif sys.argv[1:2] == ["--rejects"] and len(sys.argv) == 3:
         rejects(sys.argv[2])
     elif len(sys.argv) == 2:

@@ -34,8 +34,12 @@ async fn over_subscribe(policy: Policy, on_exhausted: OnExhausted, overlap: bool
         on_exhausted,
         overlap,
         max_preemptions: 3,
-        max_seqs: 16,
-        max_tokens_per_step: 192,
+        // room for every request the first steps find queued: they grow
+        // together, so the overlap order's mid-flight refusals reach
+        // sequences at rest (with 16 and 192 a slower arrival admitted
+        // them in small waves and, 3 runs in 14, nothing was rejected)
+        max_seqs: 32,
+        max_tokens_per_step: 384,
         prefill_chunk: 64,
         max_tokens: 64,
         max_context: 256,

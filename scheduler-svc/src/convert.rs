@@ -247,14 +247,6 @@ pub(crate) fn validate(
     let logprobs = logprobs(req)?;
     let mut sampling = sampling(req, limits)?;
     sampling.grammar = constraint(req, tokenizer)?;
-    if sampling.grammar.is_some() && logprobs.is_some() {
-        // the device masks a constrained row's logits before the picking,
-        // and logprobs are of the raw row: not served together
-        return bad(
-            "logprobs",
-            "logprobs are not served with a grammar (structured output)".into(),
-        );
-    }
     let mut r = Request::new(RequestId(id), prompt, req.max_tokens);
     r.logprobs = logprobs;
     r.sampling = sampling;
@@ -1472,7 +1464,7 @@ mod tests {
             ..json()
         };
         assert_eq!(refused(min).0.as_deref(), Some("min_tokens"));
-        // the device masks before the picking; logprobs are of the raw row
+        // logprobs of the raw row, before the mask: served with a grammar
         let with_logprobs = pb::GenerateRequest {
             logprobs: Some(pb::LogprobsRequest {
                 top: 2,
@@ -1480,7 +1472,9 @@ mod tests {
             }),
             ..json()
         };
-        assert_eq!(refused(with_logprobs).0.as_deref(), Some("logprobs"));
+        let (q, _) = validate_bytes(1, &with_logprobs, &l).expect("logprobs with a grammar");
+        assert!(q.sampling.grammar.is_some());
+        assert_eq!(q.logprobs.map(|l| l.top), Some(2));
         let (q, _) = validate_bytes(1, &json(), &l).expect("valid");
         assert_eq!(q.sampling.grammar.as_deref(), Some(&Constraint::JsonObject));
         assert!(

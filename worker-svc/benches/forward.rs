@@ -229,7 +229,7 @@ fn product_rates(w: &Matrix, m: usize, k: usize, n: usize) -> (f64, f64) {
     let mut rate = |w: &Matrix| {
         let time = best_of(Duration::from_secs(1), 5, |_| {
             let started = Instant::now();
-            ops::matmul_matrix(&a, k, w, &mut out, (m, k, n), false, Threads::Pool);
+            w.matmul(&a, k, &mut out, (m, k, n), false, Threads::Pool);
             started.elapsed()
         });
         flops / time / 1e9

@@ -13,6 +13,10 @@ use crate::model::ModelConfig;
 use crate::ops::window_start;
 use kvlease_tokenizer::grammar::Constraint;
 
+/// The most alternatives a logprobs row may ask for (OpenAI's chat
+/// `top_logprobs` maximum).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// Limits on one Forward batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -72,7 +76,7 @@ impl Sampling {
 /// `worker.proto`; [`crate::logprobs`] says how they are computed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogprobsSpec {
-    /// Alternatives per position, at most [`crate::logprobs::MAX_TOP`].
+    /// Alternatives per position, at most [`MAX_TOP_LOGPROBS`].
     pub top: u32,
     /// Every input position, not only the last: position `i`'s chosen
     /// token is `tokens[i + 1]`, the last one's the picked token (or
@@ -764,13 +768,6 @@ fn plan_sequence(
             "sent without the sequence's history, whose output it replays".into(),
         ));
     }
-    if sampling.constrained && input.logprobs.is_some() {
-        // the device masks a constrained row before the picking; logprobs
-        // are of the raw row (the scheduler refuses the pair too)
-        return Err(SeqProblem::BadLogprobs(
-            "logprobs cannot be combined with a grammar (constrained sampling)".into(),
-        ));
-    }
     if sampling.constrained && input.all_positions {
         return Err(SeqProblem::BadSampling(
             "a grammar cannot be combined with return_all_argmax (draft verification)".into(),
@@ -938,17 +935,13 @@ fn plan_copies(
     Ok(planned)
 }
 
-/// A sequence's [`LogprobsSpec`]: at most [`crate::logprobs::MAX_TOP`]
+/// A sequence's [`LogprobsSpec`]: at most [`MAX_TOP_LOGPROBS`]
 /// alternatives, a `next_prompt_token` only with `prompt` and inside the
 /// vocabulary.
 fn check_logprobs(l: &LogprobsSpec, vocab_size: usize) -> std::result::Result<(), SeqProblem> {
     let bad = |what: String| Err(SeqProblem::BadLogprobs(what));
-    if l.top as usize > crate::logprobs::MAX_TOP {
-        return bad(format!(
-            "top {} is more than {}",
-            l.top,
-            crate::logprobs::MAX_TOP
-        ));
+    if l.top as usize > MAX_TOP_LOGPROBS {
+        return bad(format!("top {} is more than {}", l.top, MAX_TOP_LOGPROBS));
     }
     match l.next_prompt_token {
         Some(_) if !l.prompt => bad("next_prompt_token is set without prompt".into()),
@@ -1077,7 +1070,7 @@ mod tests {
             }
         };
         type Edit<'a> = &'a dyn Fn(&mut SeqInput);
-        let cases: [(&str, Edit<'_>); 14] = [
+        let cases: [(&str, Edit<'_>); 13] = [
             ("min_p 1.5", &|s| s.sampling.min_p = 1.5),
             ("frequency_penalty 3", &|s| {
                 s.sampling.penalties.frequency = 3.0
@@ -1125,19 +1118,30 @@ mod tests {
                     s.all_positions = true;
                 },
             ),
-            ("logprobs cannot be combined with a grammar", &|s| {
-                s.sampling.constrained = true;
-                s.logprobs = Some(LogprobsSpec {
-                    top: 1,
-                    prompt: false,
-                    next_prompt_token: None,
-                });
-            }),
         ];
         for (want, edit) in cases {
             let got = problem(edit);
             assert!(got.contains(want), "{got:?} should name {want:?}");
         }
+        // logprobs with a grammar: of the raw row, kept around the mask
+        let mut both = seq(1, 2, 0, &[3]);
+        both.sampling.constrained = true;
+        both.history = Some(Vec::new());
+        both.grammar = Some(Ok(Constraint::JsonObject));
+        both.logprobs = Some(LogprobsSpec {
+            top: 2,
+            prompt: true,
+            next_prompt_token: None,
+        });
+        let served = validate(
+            vec![both],
+            &m,
+            &layout,
+            &ledger,
+            LIMITS,
+            &mut BlockMarks::default(),
+        );
+        assert!(served.is_ok(), "{served:?}");
         let mut history = seq(1, 1, 2, &[3]);
         history.history = Some(vec![0, vocab]);
         let e = validate(

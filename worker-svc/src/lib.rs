@@ -34,6 +34,8 @@
 //!   temperature, top-k/top-p/min-p, a grammar's mask), seeded by (seed, position);
 //!   `history`: the token counts of penalised sequences, and `grammar`: the grammar
 //!   matchers of constrained ones (structured output), both kept between passes.
+//! - [`logits`]: a pass's logits rows ([`logits::BatchLogits`]), read by
+//!   `sampling` and `logprobs`.
 //! - [`logprobs`]: a logits row's log-probabilities (the chosen token's and the top
 //!   alternatives, of the raw distribution), asked per row of a pass
 //!   ([`logprobs::LogprobRow`]) and computed by the backend where the logits are.
@@ -62,6 +64,7 @@ mod error;
 pub mod gpu_bench;
 mod grammar;
 mod history;
+pub mod logits;
 pub mod logprobs;
 mod metrics;
 pub mod model;

@@ -4,9 +4,10 @@
 //!
 //! They are of the model's raw distribution, `log_softmax` of the logits
 //! as the forward pass returns them: before `logit_bias`, penalties,
-//! `min_tokens`, temperature and the top-k/top-p/min-p cuts (vLLM's
-//! default, `raw_logprobs`). So they do not depend on how the token was
-//! picked, and a reference forward pass gives the same numbers.
+//! `min_tokens`, temperature, the top-k/top-p/min-p cuts (vLLM's
+//! default, `raw_logprobs`) and a grammar's mask. So they do not depend on
+//! how the token was picked, and a reference forward pass gives the same
+//! numbers.
 //!
 //! `logprob(t) = (l_t - max) - ln(sum_i exp(l_i - max))`: `l - max` in
 //! f32, the exponentials, their sum and the logarithm in f64, the result
@@ -14,14 +15,12 @@
 //! The top list is ordered by logprob, descending, ties by token id
 //! ascending (the order of [`crate::sampling::key`], then the id).
 
-use crate::backend::BatchLogits;
 use crate::batch::PlannedSeq;
 use crate::error::{Error, Result};
+use crate::logits::BatchLogits;
 use crate::sampling::key;
 
-/// The most alternatives a row may ask for (OpenAI's chat `top_logprobs`
-/// maximum).
-pub const MAX_TOP: usize = 20;
+pub use crate::batch::MAX_TOP_LOGPROBS as MAX_TOP;
 
 /// What one logits row of a pass should report.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,7 +13,6 @@
 //! rows keep a call on the main kernel; smaller products are padded with
 //! zero rows up to it.
 
-use crate::model::weights::Matrix;
 pub use crate::threads::Threads;
 
 /// `out[m, n] = a[m, k] · w[n, k]ᵀ` (plus `out` when `accumulate`), all
@@ -63,30 +62,6 @@ pub fn matmul_wt_strided(
         // the assert bounds w[j*k + l] for j < n, l < k.
         unsafe { gemm_raw(a, lda, rhs, out, (rows, k, n), accumulate, threads) }
     });
-}
-
-/// [`matmul_wt_strided`] by a weight [`Matrix`]: an f32 one through
-/// `gemm`, a packed one straight from its blocks
-/// ([`crate::packed::matmul_packed`]). Row-exact either way.
-///
-/// # Panics
-/// When a packed matrix is not `[n, k]`, or as [`matmul_wt_strided`].
-pub fn matmul_matrix(
-    a: &[f32],
-    lda: usize,
-    w: &Matrix,
-    out: &mut [f32],
-    (m, k, n): (usize, usize, usize),
-    accumulate: bool,
-    threads: Threads,
-) {
-    match w {
-        Matrix::F32(w) => matmul_wt_strided(a, lda, w, out, (m, k, n), accumulate, threads),
-        Matrix::Packed(p) => {
-            assert!(p.rows() == n && p.cols() == k, "{p:?} is not [{n}, {k}]");
-            crate::packed::matmul_packed(a, lda, p, out, m, accumulate, threads);
-        }
-    }
 }
 
 /// `out[m, n] = a[m, k] · b[k, n]`, all row-major. Row-exact.
@@ -236,19 +211,10 @@ impl Rope {
         Rope { inv_freq }
     }
 
-    /// RoPE with the model's (possibly rescaled) frequencies.
-    pub fn for_model(config: &crate::model::ModelConfig) -> Self {
-        Rope {
-            inv_freq: config.rope_inv_freq(),
-        }
-    }
-
-    /// RoPE of one layer (`ModelConfig::layer_inv_freq`: Gemma 3's local
-    /// layers have a base of their own).
-    pub fn for_layer(config: &crate::model::ModelConfig, layer: usize) -> Self {
-        Rope {
-            inv_freq: config.layer_inv_freq(layer),
-        }
+    /// RoPE with these frequencies (`ModelConfig::layer_inv_freq`: a
+    /// model's, possibly rescaled, or one layer's own base).
+    pub fn from_inv_freq(inv_freq: Vec<f64>) -> Self {
+        Rope { inv_freq }
     }
 
     /// Cosine and sine of every frequency at `pos`.

@@ -43,7 +43,9 @@ impl<'w> DenseModel<'w> {
         let c = &weights.config;
         DenseModel {
             weights,
-            ropes: (0..c.num_layers()).map(|l| Rope::for_layer(c, l)).collect(),
+            ropes: (0..c.num_layers())
+                .map(|l| Rope::from_inv_freq(c.layer_inv_freq(l)))
+                .collect(),
         }
     }
 

@@ -25,9 +25,9 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use crate::backend::BatchLogits;
 use crate::batch::Sampling;
 use crate::history::History;
+use crate::logits::BatchLogits;
 use crate::model::weights::SplitMix64;
 use crate::ops::argmax;
 

@@ -197,15 +197,8 @@ impl CpuState {
 
         for (layer, lw) in weights.layers.iter().enumerate() {
             norm_rows(&x, &lw.attn_norm, cfg.rms_norm_eps, &mut normed, h);
-            ops::matmul_matrix(
-                &normed,
-                h,
-                &lw.wqkv,
-                &mut qkv,
-                (t, h, qkv_dim),
-                false,
-                Threads::Pool,
-            );
+            lw.wqkv
+                .matmul(&normed, h, &mut qkv, (t, h, qkv_dim), false, Threads::Pool);
             // Bias, per-head norms, then RoPE; Q and K heads are
             // consecutive head_dim chunks: rotate them all.
             let d = cfg.head_dim;
@@ -242,10 +235,9 @@ impl CpuState {
                 &mut x,
             );
             norm_rows(&x, &lw.mlp_norm, cfg.rms_norm_eps, &mut normed, h);
-            ops::matmul_matrix(
+            lw.w_gate_up.matmul(
                 &normed,
                 h,
-                &lw.w_gate_up,
                 &mut gate_up,
                 (t, h, 2 * f),
                 false,
@@ -293,10 +285,9 @@ impl CpuState {
             });
         let vocab = cfg.vocab_size;
         let mut logits = vec![0.0f32; r * vocab];
-        ops::matmul_matrix(
+        weights.lm_head().matmul(
             &final_rows,
             h,
-            weights.lm_head(),
             &mut logits,
             (r, h, vocab),
             false,
@@ -329,7 +320,7 @@ fn layer_ropes(cfg: &ModelConfig) -> (Vec<Rope>, Vec<usize>) {
     let ropes = (0..freqs.len())
         .map(|i| {
             let layer = layer_rope.iter().position(|&r| r == i).unwrap_or(0);
-            Rope::for_layer(cfg, layer)
+            Rope::from_inv_freq(cfg.layer_inv_freq(layer))
         })
         .collect();
     (ropes, layer_rope)
@@ -358,10 +349,10 @@ fn residual_product(
     x: &mut [f32],
 ) {
     let Some(norm) = post_norm else {
-        ops::matmul_matrix(input, stride, w, x, (t, k, h), true, Threads::Pool);
+        w.matmul(input, stride, x, (t, k, h), true, Threads::Pool);
         return;
     };
-    ops::matmul_matrix(input, stride, w, branch, (t, k, h), false, Threads::Pool);
+    w.matmul(input, stride, branch, (t, k, h), false, Threads::Pool);
     x.par_chunks_mut(h)
         .zip(branch.par_chunks(h))
         .for_each(|(x_row, b_row)| {

@@ -8,6 +8,7 @@ pub mod cuda;
 
 use crate::batch::Batch;
 use crate::error::Result;
+pub use crate::logits::BatchLogits;
 use crate::logprobs::{LogprobRow, RowLogprobs};
 use crate::sampling::RowPick;
 
@@ -107,16 +108,6 @@ pub struct HostTimes {
     pub download_ms: f64,
     /// Sampling and building the per-sequence outputs.
     pub outputs_ms: f64,
-}
-
-/// Logits of one batch: `rows × vocab`, row-major, the rows of each sequence
-/// in batch order (all its positions when it asked for them, else its last).
-#[derive(Debug, Clone, PartialEq)]
-pub struct BatchLogits {
-    /// Vocabulary size (row width).
-    pub vocab: usize,
-    /// The rows, concatenated.
-    pub values: Vec<f32>,
 }
 
 /// What [`Backend::forward_picks`] returns.

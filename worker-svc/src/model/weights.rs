@@ -13,6 +13,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use super::{Family, ModelConfig};
 use crate::error::{Error, Result};
 use crate::packed::PackedMatrix;
+use crate::threads::Threads;
 
 /// A weight matrix `[out_features, in_features]`: f32, or still in the
 /// quantized blocks of the GGUF file it came from (which the CPU backend
@@ -23,6 +24,35 @@ pub enum Matrix {
     F32(Vec<f32>),
     /// Quantized blocks, row after row.
     Packed(PackedMatrix),
+}
+
+impl Matrix {
+    /// [`crate::ops::matmul_wt_strided`] by this weight: an f32 one
+    /// through `gemm`, a packed one straight from its blocks
+    /// ([`crate::packed::matmul_packed`]). Row-exact either way.
+    ///
+    /// # Panics
+    /// When a packed matrix is not `[n, k]`, or as
+    /// [`crate::ops::matmul_wt_strided`].
+    pub fn matmul(
+        &self,
+        a: &[f32],
+        lda: usize,
+        out: &mut [f32],
+        (m, k, n): (usize, usize, usize),
+        accumulate: bool,
+        threads: Threads,
+    ) {
+        match self {
+            Matrix::F32(w) => {
+                crate::ops::matmul_wt_strided(a, lda, w, out, (m, k, n), accumulate, threads)
+            }
+            Matrix::Packed(p) => {
+                assert!(p.rows() == n && p.cols() == k, "{p:?} is not [{n}, {k}]");
+                crate::packed::matmul_packed(a, lda, p, out, m, accumulate, threads);
+            }
+        }
+    }
 }
 
 impl From<Vec<f32>> for Matrix {

@@ -474,8 +474,9 @@ impl CudaBackend {
     /// A pass, then one token per logits row picked on the device: the
     /// picks' adjustments, the argmax of every row, then the sampled rows
     /// drawn over theirs; with `logprobs`, the raw values of the adjusted
-    /// logits are kept around the picking and put back, then
-    /// `logprob_rows` reports each row asked for. One token per row, and
+    /// logits and of the masked (constrained) rows are kept around the
+    /// picking and put back, then `logprob_rows` reports each row asked
+    /// for. One token per row, and
     /// each asked row's few values, come back instead of the rows.
     fn run_picks(
         &mut self,
@@ -500,10 +501,20 @@ impl CudaBackend {
             stream: &self.stream,
             kernels: &self.kernels,
         };
-        // the raw values of the logits adjusted, while logprobs need them
-        let mut kept = None;
-        if let Some(a) = &device_picks.adjusts {
-            if device_logprobs.is_some() {
+        // the raw values of the logits adjusted or masked, while logprobs
+        // need them: a constrained row whole (its mask may clear any
+        // token), the other adjusted logits one by one
+        let (mut kept, mut kept_rows) = (None, None);
+        if device_logprobs.is_some() {
+            if let Some(m) = &device_picks.masks {
+                let mut vals = self
+                    .stream
+                    .alloc_zeros::<f32>(m.n * vocab)
+                    .map_err(cuda_err("allocate kept rows"))?;
+                launch.keep_rows(&mut self.acts.logits, vocab, rows, m, &mut vals, false)?;
+                kept_rows = Some(vals);
+            }
+            if let Some(a) = &device_picks.adjusts {
                 let mut vals = self
                     .stream
                     .alloc_zeros::<f32>(a.n)
@@ -511,6 +522,8 @@ impl CudaBackend {
                 launch.keep_logits(&mut self.acts.logits, vocab, rows, a, &mut vals, false)?;
                 kept = Some(vals);
             }
+        }
+        if let Some(a) = &device_picks.adjusts {
             launch.adjust_logits(&mut self.acts.logits, vocab, rows, a)?;
         }
         if let Some(m) = &device_picks.masks {
@@ -521,8 +534,12 @@ impl CudaBackend {
             launch.sample_rows(&self.acts.logits, vocab, rows, s, &mut self.acts.argmax)?;
         }
         if let Some(l) = &mut device_logprobs {
+            // both put raw values back, so their order does not matter
             if let (Some(a), Some(vals)) = (&device_picks.adjusts, &mut kept) {
                 launch.keep_logits(&mut self.acts.logits, vocab, rows, a, vals, true)?;
+            }
+            if let (Some(m), Some(vals)) = (&device_picks.masks, &mut kept_rows) {
+                launch.keep_rows(&mut self.acts.logits, vocab, rows, m, vals, true)?;
             }
             launch.logprob_rows(&self.acts.logits, vocab, rows, &self.acts.argmax, l)?;
         }

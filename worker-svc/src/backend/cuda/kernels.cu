@@ -1061,6 +1061,22 @@ extern "C" __global__ void keep_logits(float* __restrict__ logits, int vocab, in
     else vals[i] = *l;
 }
 
+// Whole rows the same way: with `restore` 0, vals[b * vocab + t] = logit
+// (rows[b], t), saved before `adjust_logits` and `mask_logits` change a
+// constrained row; with 1 the row back from vals. blockIdx.y is the entry,
+// one thread per token; each row at most once (the host's masks).
+extern "C" __global__ void keep_rows(float* __restrict__ logits, int vocab,
+                                     const unsigned int* __restrict__ rows,
+                                     float* __restrict__ vals, int restore) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const int b = blockIdx.y;
+    if (t >= vocab) return;
+    float* l = logits + (unsigned long long)rows[b] * vocab + t;
+    float* v = vals + (unsigned long long)b * vocab + t;
+    if (restore) *l = *v;
+    else *v = *l;
+}
+
 // Entry b reports logits row rows[b] as `logprobs::row_logprobs` does:
 // the chosen token (chosen[b], or picked[rows[b]] where chosen[b] is
 // 0xffffffff) and its logprob, then the top[b] most likely tokens (by key,

@@ -593,6 +593,48 @@ impl Launcher<'_> {
         Ok(())
     }
 
+    /// Saves (`restore` false) the whole rows `m` masks into `vals` (`vocab`
+    /// values per mask, in `m`'s order), or puts them back from it
+    /// (`restore` true): a constrained row's raw values around
+    /// `adjust_logits` and `mask_logits`, for the log-probabilities of the
+    /// raw distribution.
+    pub(super) fn keep_rows(
+        &self,
+        logits: &mut CudaSlice<f32>,
+        vocab: usize,
+        rows: usize,
+        m: &DeviceMasks,
+        vals: &mut CudaSlice<f32>,
+        restore: bool,
+    ) -> Result<()> {
+        check_len("keep_rows", "logits", logits.len(), rows * vocab)?;
+        check_len("keep_rows", "rows", m.rows.len(), m.n)?;
+        check_len("keep_rows", "vals", vals.len(), m.n * vocab)?;
+        let (vocab_i, restore_i) = (vocab as i32, i32::from(restore));
+        // SAFETY: matches `keep_rows(float* logits, int vocab, const
+        // unsigned* rows, float* vals, int restore)`; threads past vocab
+        // return, blockIdx.y < n indexes `rows` (n entries) and `vals`
+        // (n * vocab, checked above), and `DevicePicks::upload` checked
+        // every masked row below the pass's logits rows (`rows`), each
+        // named once, so blocks of different entries touch distinct rows.
+        unsafe {
+            self.stream
+                .launch_builder(&self.kernels.keep_rows)
+                .arg(logits)
+                .arg(&vocab_i)
+                .arg(&m.rows)
+                .arg(vals)
+                .arg(&restore_i)
+                .launch(LaunchConfig {
+                    grid_dim: (vocab.div_ceil(256) as u32, m.n as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+        }
+        .map_err(cuda_err("keep_rows"))?;
+        Ok(())
+    }
+
     /// The log-probabilities `l` asks of the (raw) logits, the tokens
     /// picked at the rows being `picked`, into `l.out`, as
     /// [`crate::logprobs::row_logprobs`].
