@@ -6,7 +6,8 @@
 //! and every beam is fed the token the search chose); the beams forked
 //! (the cache's fork figures); every field beams refuse is
 //! INVALID_ARGUMENT naming it; and an over-subscribed run of beam requests,
-//! preempting or rejecting, ends every rank and leaves the pools whole with
+//! preempting, rejecting or reserving every beam's life (GUARANTEED_NO_EVICT),
+//! ends every rank and leaves the pools whole with
 //! nothing for the audit to reclaim.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
@@ -17,7 +18,7 @@ use std::time::Duration;
 use kvlease_integration_tests::*;
 use kvlease_proto::v1 as pb;
 use kvlease_proto::v1::scheduler_client::SchedulerClient;
-use scheduler_svc::policy::OnExhausted;
+use scheduler_svc::policy::{OnExhausted, Policy};
 use tonic::transport::Channel;
 use worker_svc::reference::DenseModel;
 
@@ -416,34 +417,35 @@ async fn fields_beams_refuse_are_invalid_arguments_naming_them() {
 /// Beam requests of width 4 far past the pool, preempting or rejecting
 /// what cannot grow: every rank ends (a hypothesis, or `REJECTED` with the
 /// cache's figures), the pools are whole and the audit reclaims nothing.
-async fn over_subscribed(on_exhausted: OnExhausted) -> (usize, usize) {
+async fn over_subscribed(on_exhausted: OnExhausted, policy: Policy) -> (usize, usize) {
     const MAX_TOKENS: u32 = 40;
-    let cluster = SmallCluster::start(over_subscribed_config(on_exhausted))
-        .await
-        .unwrap();
+    let config = scheduler_svc::Config {
+        policy,
+        ..over_subscribed_config(on_exhausted)
+    };
+    let cluster = SmallCluster::start(config).await.unwrap();
     let pools = pool_stats(cluster.cache.addr, GROUP).await.unwrap();
     let total = pools.iter().find(|p| p.window == 0).map_or(0, |p| p.total);
     let requests = total.max(8) as usize;
-    let client = cluster.client().await.unwrap();
+    let mut client = cluster.client().await.unwrap();
+    let request = |i: usize| pb::GenerateRequest {
+        tokens: (0..20)
+            .map(|t| ((i * 31 + t * 13) % 250 + 1) as u32)
+            .collect(),
+        max_tokens: MAX_TOKENS,
+        beam_width: 4,
+        n: 2,
+        ignore_eos: true,
+        ..Default::default()
+    };
     let mut tasks = Vec::new();
     for i in 0..requests {
         let mut c = client.clone();
-        tasks.push(tokio::spawn(async move {
-            let tokens: Vec<u32> = (0..20)
-                .map(|t| ((i * 31 + t * 13) % 250 + 1) as u32)
-                .collect();
-            let r = pb::GenerateRequest {
-                tokens,
-                max_tokens: MAX_TOKENS,
-                beam_width: 4,
-                n: 2,
-                ignore_eos: true,
-                ..Default::default()
-            };
-            ranks(&mut c, r).await
-        }));
+        let r = request(i);
+        tasks.push(tokio::spawn(async move { ranks(&mut c, r).await }));
     }
     let (mut served, mut refused) = (0, 0);
+    let mut answers = Vec::new();
     for t in tasks {
         let got = tokio::time::timeout(Duration::from_secs(180), t)
             .await
@@ -461,6 +463,15 @@ async fn over_subscribed(on_exhausted: OnExhausted) -> (usize, usize) {
                 Ok(pb::FinishReason::Rejected) => refused += 1,
                 other => panic!("a rank ended {other:?}: {r:?}"),
             }
+        }
+        answers.push(got);
+    }
+    if policy == Policy::GuaranteedNoEvict {
+        // every beam's blocks were reserved: no beam was dropped, so each
+        // answer is the one the request gets alone
+        for (i, got) in answers.iter().enumerate().take(6) {
+            let alone = ranks(&mut client, request(i)).await.unwrap();
+            assert_eq!(&alone, got, "request {i} under pressure");
         }
     }
     let pools = pool_stats(cluster.cache.addr, GROUP).await.unwrap();
@@ -480,10 +491,19 @@ async fn over_subscribed(on_exhausted: OnExhausted) -> (usize, usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_over_subscribed_beam_run_preempting_leaves_the_pools_whole() {
-    over_subscribed(OnExhausted::Preempt).await;
+    over_subscribed(OnExhausted::Preempt, Policy::MaxUtilization).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_over_subscribed_beam_run_rejecting_leaves_the_pools_whole() {
-    over_subscribed(OnExhausted::Reject).await;
+    over_subscribed(OnExhausted::Reject, Policy::MaxUtilization).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_subscribed_beam_run_reserving_every_beam_leaves_the_pools_whole() {
+    let (_, refused) = over_subscribed(OnExhausted::Reject, Policy::GuaranteedNoEvict).await;
+    assert_eq!(
+        refused, 0,
+        "an admitted search reserved every beam's blocks"
+    );
 }

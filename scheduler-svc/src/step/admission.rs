@@ -507,8 +507,27 @@ impl Core {
                         continue;
                     }
                     if l.request.is_started_beam() {
-                        // exhaustion while forking drops that candidate
-                        self.beam_dropped(l.request.id, Finish::Rejected(reject));
+                        let transient = matches!(
+                            reject.reason,
+                            RejectReason::PoolExhausted | RejectReason::RolledBack
+                        );
+                        match l.fork_of {
+                            // a reserving policy reserved the beam's blocks:
+                            // they come back with the fences of the beams
+                            // pruned before it, so the fork waits for them
+                            // (its parent held) and the search stays exact
+                            Some(parent)
+                                if transient && self.config.policy.reserves_full_life() =>
+                            {
+                                self.forks.push(super::Fork {
+                                    parent,
+                                    group: l.group,
+                                    request: l.request,
+                                });
+                            }
+                            // exhaustion while forking drops that candidate
+                            _ => self.beam_dropped(l.request.id, Finish::Rejected(reject)),
+                        }
                         continue;
                     }
                     let wait = match reject.reason {

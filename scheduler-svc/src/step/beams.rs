@@ -22,7 +22,11 @@
 //!
 //! Running out of blocks drops a beam rather than preempting the request:
 //! a refused fork drops that candidate, a beam whose lease cannot grow (or
-//! whose worker failed) ends, and the search goes on with the others. A
+//! whose worker failed) ends, and the search goes on with the others.
+//! Under a reserving policy (`GUARANTEED_NO_EVICT`, `STATIC_BATCH`) the
+//! request's admission reserved every beam, so a fork refused for
+//! exhaustion waits for the fences of the beams pruned before it instead
+//! (its parent held), and the search stays exact. A
 //! request left with no beam and fewer than `n` hypotheses answers the
 //! missing ranks with the refusal (`REJECTED`, the cache's reason) or the
 //! error. Before the search starts (the root's prompt), the root is an

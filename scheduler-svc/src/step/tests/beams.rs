@@ -403,3 +403,29 @@ fn a_search_left_with_no_beam_and_no_hypothesis_is_rejected_whole() {
     c.releases_sent(batch);
     assert!(c.is_idle());
 }
+
+#[test]
+fn under_a_reserving_policy_a_refused_fork_waits_and_the_search_stays_exact() {
+    // the blocks of beams pruned before it come back with their fences:
+    // the fork is leased again (its parent held), no candidate is dropped
+    let mut c = core(Policy::GuaranteedNoEvict, 1000);
+    c.submit(beam_request(1, 6, 8, 4, 3));
+    let r = run(&mut c, 4, |k| k < 3);
+    let want = reference(&request(1, 6, 8).prompt, 4, 8);
+    let got = answers(&r.outputs, 3);
+    for (rank, (tokens, _, _, _)) in got.iter().enumerate() {
+        assert_eq!(tokens, &want[rank].tokens, "rank {rank}");
+    }
+    let refused = &r.forks[..3];
+    assert!(
+        refused.iter().all(|f| r.forks[3..]
+            .iter()
+            .any(|g| g.prompt_tokens == f.prompt_tokens && g.fork_of == f.fork_of)),
+        "every refused fork is leased again"
+    );
+    let mut leased = r.leased.clone();
+    let mut released = r.released.clone();
+    leased.sort_unstable();
+    released.sort_unstable();
+    assert_eq!(leased, released);
+}
