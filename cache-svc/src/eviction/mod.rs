@@ -83,7 +83,9 @@ pub trait EvictionPolicy: Send + fmt::Debug {
     }
     /// The pool evicted `block`, chosen by another policy that shares the
     /// pool ([`Adaptive`]): forget it as [`pop_victim`](Self::pop_victim)
-    /// would have.
+    /// would have, except that an aging policy's clock moves only as far as
+    /// its own next victim would have moved it (the victim was not chosen
+    /// by its credit).
     fn evicted(&mut self, block: BlockId) {
         self.remove(block);
     }

@@ -114,6 +114,14 @@ impl LeafFirst {
         Some((block, rank))
     }
 
+    /// The rank of the block [`Self::pop`] would take next.
+    fn peek(&self) -> Option<Rank> {
+        self.sets
+            .iter()
+            .find_map(|set| set.first())
+            .map(|&(rank, _)| rank)
+    }
+
     fn contains(&self, block: BlockId) -> bool {
         self.tier_of(block).is_some()
     }
@@ -134,9 +142,13 @@ impl LeafFirst {
 pub(super) trait Ranker: Send + fmt::Debug {
     /// The credit of `block` released now (lower goes first).
     fn credit(&self, block: BlockId) -> u64;
-    /// `block` was evicted with `credit`; its history ends.
-    fn evicted(&mut self, block: BlockId, credit: u64) {
-        let _ = (block, credit);
+    /// `block` was evicted; its history ends. `clock` is how far the
+    /// eviction moves the policy's clock (an aging policy's age): the
+    /// victim's credit when the policy chose it, at most the credit of its
+    /// own next victim when another policy sharing the pool did
+    /// ([`EvictionPolicy::evicted`]).
+    fn evicted(&mut self, block: BlockId, clock: u64) {
+        let _ = (block, clock);
     }
     /// See [`EvictionPolicy::published`].
     fn published(&mut self, block: BlockId, hash: u64, parent: Option<BlockId>) {
@@ -190,7 +202,14 @@ impl<R: Ranker> EvictionPolicy for Ranked<R> {
     fn evicted(&mut self, block: BlockId) {
         if let Some(rank) = self.blocks.rank_of(block) {
             self.blocks.remove(block);
-            self.ranker.evicted(block, rank.credit);
+            // Another policy chose this victim, not by this one's credit:
+            // the eviction moves the clock only as far as this policy's own
+            // choice would have. Moving it to the victim's credit (a block
+            // this policy valued, say) put every held block below the age
+            // at once, so the frequencies `lfu` had learnt were gone when an
+            // adaptive pool switched to it (issue 28).
+            let own = self.blocks.peek().map_or(rank.credit, |next| next.credit);
+            self.ranker.evicted(block, rank.credit.min(own));
         }
     }
 
@@ -296,8 +315,8 @@ impl Ranker for Frequency {
         self.age + (1 + uses) * SCALE
     }
 
-    fn evicted(&mut self, block: BlockId, credit: u64) {
-        self.age = self.age.max(credit);
+    fn evicted(&mut self, block: BlockId, clock: u64) {
+        self.age = self.age.max(clock);
         self.forget(block);
     }
 
@@ -397,6 +416,36 @@ mod tests {
         assert_eq!(p.pop_victim(), Some(0));
         assert_eq!(p.pop_victim(), Some(3));
         assert_eq!(p.pop_victim(), Some(1));
+    }
+
+    #[test]
+    fn a_victim_another_policy_chose_does_not_age_away_what_lfu_learnt() {
+        let mut p = GreedyDual::new(8);
+        for b in 0..4 {
+            p.published(b, b.into(), None);
+        }
+        for _ in 0..10 {
+            p.reused(0); // credit 11 uses
+        }
+        p.reused(1);
+        p.reused(1); // credit 3 uses
+        for b in 0..3 {
+            p.insert(b, 5, true); // block 2: credit 1 use
+        }
+        // An adaptive pool following `lru` evicts block 0, the one `lfu`
+        // valued most: the age moves only to what `lfu` would have evicted
+        // (block 2's credit), not to block 0's 11 uses.
+        p.evicted(0);
+        assert!(!p.contains(0));
+        p.insert(3, 5, true); // fresh: age + 1 use
+        // So block 1, used twice, still outranks a fresh block (with the
+        // age at 11 uses the fresh one would outrank it), and block 2 goes
+        // first.
+        assert_eq!(p.pop_victim(), Some(2));
+        assert_eq!(p.pop_victim(), Some(3));
+        assert_eq!(p.pop_victim(), Some(1));
+        // Its own victims move the age to their credit, as before.
+        assert_eq!(p.ranker().age, 3 * SCALE);
     }
 
     #[test]
