@@ -12,7 +12,9 @@
 # logprobs (completions logprobs=5 and echo, chat top_logprobs), and the
 # logprobs are compared with an independent reference: a numpy Llama forward
 # pass over the same GGUF file (clients/openai/reference.py, with the `gguf`
-# package's dequantization); otherwise that step says why it skips. The
+# package's dequantization), as are beam searches of width 4 over gRPC
+# (clients/python/tests/check_beams.py: a beam search over that forward pass);
+# otherwise that step says why it skips. The
 # Python packages live in a cached venv (KVLEASE_CI_VENV), so a run takes
 # seconds once it exists. The kvlease binary is the debug build under
 # $CARGO_TARGET_DIR (default target/); every listener is on a free loopback
@@ -107,6 +109,8 @@ if fetched="$("$kvlease" model fetch smollm2 2>&1)"; then
     "$py" clients/openai/check.py --factual "$http" "$cache" || on_failure
     echo "-- SmolLM2: logprobs against a numpy forward pass over the GGUF file (within 1e-3)"
     "$py" clients/openai/check.py --reference "$http" "$gguf" || on_failure
+    echo "-- SmolLM2: beam search of width 4 over gRPC against a numpy beam search over the GGUF file"
+    "$py" clients/python/tests/check_beams.py "$scheduler" "$gguf" || on_failure
     echo "-- SmolLM2: structured output (json_schema on 20 prompts) through the openai package"
     "$py" clients/openai/structured.py "$http" || on_failure
 else
