@@ -22,7 +22,9 @@ Checks, each failing with a message and exit code 1:
 
 With --factual: a chat completion, whole and streamed, answers "What is the
 capital of France?" with an answer that names Paris; a logit_bias of +100
-makes one token every token, frequency and presence penalties reduce the
+makes one token every token, one of -100 bans a token the greedy
+completion repeats, a prompt sent as token ids gives the text of the same
+prompt sent as text and a stop string ends it, frequency and presence penalties reduce the
 repeats of a repetitive prompt, top_k 1 at temperature 1 is greedy, and
 min_p 2 is a 400 naming min_p; n=3 with a seed gives three different
 completions, the same three again, streamed with each chunk's index and
@@ -171,6 +173,30 @@ def factual(base_url, cache_addr=None):
     piece = forced[:len(forced) // 16]
     check(piece and forced == piece * 16,
           f"logit_bias +100 on token 1000 makes it every one of 16 tokens: {forced!r}")
+    # a logit_bias of -100 bans a token: a prompt token that the greedy
+    # completion repeats (echo names the prompt's ids' texts), banned
+    ids = [504, 3575, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocabulary
+    def tokens_of(**kw):
+        r = client.completions.create(model=model, prompt=ids, max_tokens=16, temperature=0,
+                                      logprobs=1, echo=True, **kw)
+        t = r.choices[0].logprobs.tokens
+        return t[:len(ids)], t[len(ids):]
+    named, free = tokens_of()
+    repeated = [(i, t) for i, t in zip(ids, named) if t in free]
+    check(repeated, f"the greedy completion repeats a prompt token: {named} -> {free}")
+    ban, text = repeated[0]
+    _, banned = tokens_of(logit_bias={str(ban): -100})
+    check(text not in banned, f"logit_bias -100 bans token {ban} ({text!r}): {free.count(text)} of 16 "
+                              f"greedy tokens without the ban, none with it ({banned})")
+    # a prompt sent as token ids comes back with its text, and stop strings apply
+    as_text = complete("The capital of France is")
+    as_ids = complete(ids)
+    check(as_ids and as_ids == as_text, f"a token-id prompt gives the text of the same prompt as text: {as_ids!r}")
+    stop = as_ids[len(as_ids) // 2:len(as_ids) // 2 + 3]
+    r = client.completions.create(model=model, prompt=ids, max_tokens=16, temperature=0, stop=[stop])
+    cut = as_ids[:as_ids.index(stop)]
+    check(r.choices[0].text == cut and r.choices[0].finish_reason == "stop",
+          f"a stop string on a token-id prompt ends the text before it: {stop!r} -> {r.choices[0].text!r}")
     plain = complete("1, 1, 1, 1, 1, 1, 1, 1,")
     penalised = complete("1, 1, 1, 1, 1, 1, 1, 1,", frequency_penalty=2.0, presence_penalty=2.0)
     check(penalised != plain and penalised.count("1") < plain.count("1"),
