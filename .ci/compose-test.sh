@@ -133,7 +133,7 @@ bench() {
 # arrives while the scheduler knows the cache is unreachable is refused at
 # once with its own UNAVAILABLE message (the documented fail-fast, tested in
 # integration-tests/tests/lifecycle.rs): that is an answer.
-REFUSED_ON_ARRIVAL='Unavailable: the cache service cannot be reached; try again later'
+REFUSED_ON_ARRIVAL='Unavailable: cache service unavailable: the cache service cannot be reached; try again later'
 answered() {
   local log="$LOGS/$1.log" n="$2" total=0 k v
   sed 's/^/    /' "$log"
