@@ -24,7 +24,9 @@ With --factual: a chat completion, whole and streamed, answers "What is the
 capital of France?" with an answer that names Paris; a logit_bias of +100
 makes one token every token, one of -100 bans a token the greedy
 completion repeats, a prompt sent as token ids gives the text of the same
-prompt sent as text and a stop string ends it, frequency and presence penalties reduce the
+prompt sent as text and a stop string ends it, stop_token_ids end it at
+that token, top_p 1e-6 is greedy, min_tokens holds the end token back,
+frequency, presence and repetition penalties reduce the
 repeats of a repetitive prompt, top_k 1 at temperature 1 is greedy, and
 min_p 2 is a 400 naming min_p; n=3 with a seed gives three different
 completions, the same three again, streamed with each chunk's index and
@@ -197,11 +199,33 @@ def factual(base_url, cache_addr=None):
     cut = as_ids[:as_ids.index(stop)]
     check(r.choices[0].text == cut and r.choices[0].finish_reason == "stop",
           f"a stop string on a token-id prompt ends the text before it: {stop!r} -> {r.choices[0].text!r}")
+    # stop_token_ids (vLLM's): the repeated prompt token ends the greedy
+    # completion there; its text stays in the output (a token that is not
+    # special, as vLLM documents)
+    r = client.completions.create(model=model, prompt=ids, max_tokens=16, temperature=0,
+                                  extra_body={"stop_token_ids": [ban]})
+    upto = as_ids[:as_ids.index(text) + len(text)]
+    check(r.choices[0].finish_reason == "stop" and r.choices[0].text == upto,
+          f"stop_token_ids [{ban}] ends the completion at {text!r}: {r.choices[0].text!r}")
+    # top_p that keeps only the most likely token is greedy at any temperature
+    nucleus = complete("The capital of France is", temperature=1.5, seed=11, top_p=1e-6)
+    check(nucleus == as_text, f"top_p 1e-6 at temperature 1.5 is greedy: {nucleus!r}")
+    # min_tokens (vLLM's) holds the end token back: the chat answer goes on
+    short = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
+    longer = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0,
+                                            extra_body={"min_tokens": short.usage.completion_tokens + 4})
+    check(short.choices[0].finish_reason == "stop"
+          and longer.usage.completion_tokens >= short.usage.completion_tokens + 4,
+          f"min_tokens {short.usage.completion_tokens + 4}: {longer.usage.completion_tokens} tokens, "
+          f"{short.usage.completion_tokens} without it")
     plain = complete("1, 1, 1, 1, 1, 1, 1, 1,")
     penalised = complete("1, 1, 1, 1, 1, 1, 1, 1,", frequency_penalty=2.0, presence_penalty=2.0)
     check(penalised != plain and penalised.count("1") < plain.count("1"),
           f"penalties reduce the repeats: {plain.count('1')} ones greedy ({plain!r}), "
           f"{penalised.count('1')} penalised ({penalised!r})")
+    repeated = complete("1, 1, 1, 1, 1, 1, 1, 1,", extra_body={"repetition_penalty": 2.0})
+    check(repeated.count("1") < plain.count("1"),
+          f"repetition_penalty 2 reduces the repeats: {repeated.count('1')} ones ({repeated!r})")
     topk1 = complete("The capital of France is", temperature=1.0, seed=7, extra_body={"top_k": 1})
     check(topk1 == complete("The capital of France is"), f"top_k 1 at temperature 1 is greedy: {topk1!r}")
     try:

@@ -34,6 +34,7 @@ pub fn generate_request(g: &Generate, id: &str, tenant: &str) -> pb::GenerateReq
         cache_salt: tenant.to_string(),
         request_id: id.to_string(),
         ignore_eos: g.ignore_eos,
+        stop_tokens: g.stop_token_ids.clone(),
         n: g.n,
         beam_width: g.beam_width,
         retain: g.retain.map(|h| pb::RetainPrefix {

@@ -246,6 +246,7 @@ fn openai_param(field: &str) -> Option<&'static str> {
         // the gateway checks its own shapes first (0 to 5, 0 to 20)
         "logprobs.top" => "logprobs",
         "ignore_eos" => "ignore_eos",
+        "stop_tokens" => "stop_token_ids",
         // JSON constraints come only from response_format
         "grammar" | "grammar.json_schema" => "response_format",
         "grammar.lark" => "kvlease.grammar.lark",
@@ -317,6 +318,7 @@ mod tests {
             ("grammar.lark", "kvlease.grammar.lark"),
             ("grammar.regex", "kvlease.grammar.regex"),
             ("ignore_eos", "ignore_eos"),
+            ("stop_tokens", "stop_token_ids"),
         ] {
             let e = refused(field);
             assert_eq!((e.status.as_u16(), e.param), (400, Some(param)), "{e:?}");

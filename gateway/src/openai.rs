@@ -98,7 +98,8 @@ pub struct Common {
     #[serde(default)]
     pub kvlease: Option<serde_json::Value>,
     /// OpenAI's penalties, `logit_bias`, and vLLM's sampling extensions
-    /// (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`).
+    /// (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+    /// `stop_token_ids`).
     #[serde(flatten)]
     pub sampling: SamplingFields,
     #[serde(flatten)]
@@ -126,6 +127,10 @@ pub struct SamplingFields {
     pub top_k: Option<serde_json::Value>,
     #[serde(default)]
     pub min_p: Option<serde_json::Value>,
+    /// vLLM's extension: token ids that end the generation (as the model's
+    /// end tokens do; held back until `min_tokens`).
+    #[serde(default)]
+    pub stop_token_ids: Option<serde_json::Value>,
 }
 
 /// Fields the OpenAI API (or vLLM's extensions, which load generators send)

@@ -36,6 +36,8 @@ pub struct Generate {
     pub logit_bias: Vec<(u32, f32)>,
     pub min_tokens: u32,
     pub stop: Vec<String>,
+    /// vLLM's `stop_token_ids`: tokens that end the generation.
+    pub stop_token_ids: Vec<u32>,
     /// OpenAI's end-user id, checked for length only: it is no tenant and
     /// no cache salt, since anyone may set it (the tenant is the bearer
     /// token's principal, see [`crate::service`]).
@@ -225,6 +227,8 @@ const MAX_USER: usize = 256;
 /// Stop strings: how many, and the bytes of each (the scheduler's limits).
 const MAX_STOPS: usize = 16;
 const MAX_STOP_BYTES: usize = 256;
+/// Most `stop_token_ids` a request may send.
+const MAX_STOP_TOKEN_IDS: usize = 64;
 
 impl Served {
     /// `POST /v1/completions`.
@@ -437,6 +441,7 @@ impl Served {
                     None => return Err(wrong_type("min_tokens", v, "a non-negative integer")),
                 },
             },
+            stop_token_ids: stop_token_ids(f.stop_token_ids.as_ref())?,
             input,
             max_tokens,
             // OpenAI samples at temperature 1 unless told otherwise; beams
@@ -609,6 +614,33 @@ fn logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>> {
 
 /// A number the scheduler holds in 32 bits, refused rather than truncated
 /// when it does not fit (issue 29, point 9).
+/// vLLM's `stop_token_ids`: a list of token ids (absent or `null`: none);
+/// the scheduler checks them against the vocabulary.
+fn stop_token_ids(v: Option<&Value>) -> Result<Vec<u32>> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(Vec::new());
+    };
+    let expected = "a list of token ids";
+    let Some(ids) = v.as_array() else {
+        return Err(wrong_type("stop_token_ids", v, expected));
+    };
+    if ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(ApiError::invalid_param(
+            "stop_token_ids",
+            format!(
+                "stop_token_ids has {} ids; at most {MAX_STOP_TOKEN_IDS}",
+                ids.len()
+            ),
+        ));
+    }
+    ids.iter()
+        .map(|id| match id.as_u64() {
+            Some(n) => narrow("stop_token_ids", n),
+            None => Err(wrong_type("stop_token_ids", v, expected)),
+        })
+        .collect()
+}
+
 fn narrow(param: &'static str, value: u64) -> Result<u32> {
     u32::try_from(value).map_err(|_| {
         ApiError::invalid_param(
@@ -940,6 +972,11 @@ mod tests {
             ("logit_bias", json!([1, 2])),
             ("logit_bias", json!({"token": 1})),
             ("logit_bias", json!({"42": "ban"})),
+            ("stop_token_ids", json!(2)),
+            ("stop_token_ids", json!([1, "2"])),
+            ("stop_token_ids", json!([-1])),
+            ("stop_token_ids", json!([4_294_967_296u64])),
+            ("stop_token_ids", json!(vec![1; 65])),
         ];
         for (field, value) in refused {
             for endpoint in ["completions", "chat"] {
@@ -1080,7 +1117,7 @@ mod tests {
                 "messages": [{"role": "user", "content": "x"}],
                 "frequency_penalty": 0.5, "presence_penalty": -1, "repetition_penalty": 1.2,
                 "logit_bias": {"42": -100, "7": 2.5}, "min_tokens": 4, "top_k": 5,
-                "min_p": 0.1});
+                "min_p": 0.1, "stop_token_ids": [9, 3]});
             let g = if endpoint == "chat" {
                 chat(body)
             } else {
@@ -1096,6 +1133,7 @@ mod tests {
                 (0.5, -1.0, 1.2)
             );
             assert_eq!(g.logit_bias, [(7, 2.5), (42, -100.0)]);
+            assert_eq!(g.stop_token_ids, [9, 3]);
             assert_eq!((g.min_tokens, g.top_k, g.min_p), (4, 5, 0.1));
         }
         let off = completion(json!({"model": "m", "prompt": "x", "top_k": -1,
