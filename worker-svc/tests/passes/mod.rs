@@ -459,3 +459,95 @@ fn a_sampled_pass_fed_on_the_device_equals_one_fed_from_the_host() {
         "fed on the device == fed from the host"
     );
 }
+
+#[test]
+fn a_rows_attention_has_the_same_bits_whether_its_batch_needs_key_splits_or_not() {
+    if !gpu_available("one_split_equals_merged_splits") {
+        return;
+    }
+    // A decode row whose batch attends at most one split of keys (2,048) is
+    // written by the attention kernel itself; next to a row of more keys,
+    // the batch needs two splits and the rows go through the merge. The
+    // short row must give the same bits either way (prefix reuse and batch
+    // invariance rest on it). Tensor-core heads; both orders of the batch.
+    let config = ModelConfig {
+        name: "splits".into(),
+        vocab_size: 50,
+        hidden_size: 64,
+        num_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 64,
+        ffn_size: 96,
+        rope_theta: 10_000.0,
+        rope_scaling: RopeScaling::None,
+        rms_norm_eps: 1e-5,
+        layer_windows: vec![0, 0],
+        max_context: 4096,
+        tokens_per_block: 16,
+        tied_embeddings: false,
+        arch: Default::default(),
+    };
+    let weights = match Weights::seeded(config, 29) {
+        Ok(w) => w,
+        Err(e) => panic!("weights: {e}"),
+    };
+    let options = WorkerOptions {
+        limits: Limits {
+            max_batch_sequences: 8,
+            max_batch_tokens: 4096,
+        },
+        ..options()
+    };
+    for decode_graphs in [true, false] {
+        let gpu = CudaOptions {
+            max_kv_bytes: 64 << 20,
+            decode_graphs,
+            ..CudaOptions::default()
+        };
+        let mut worker = match Worker::new_cuda(weights.clone(), options, gpu) {
+            Ok(w) => w,
+            Err(e) => panic!("cuda worker: {e}"),
+        };
+        let ids = |from: u32, n: u32| (from..from + n).collect::<Vec<u32>>();
+        let short: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 50).collect();
+        let long: Vec<u32> = (0..2100).map(|i| (i * 13 + 1) % 50).collect();
+        // two copies of the short sequence (1 and 2) and the long one (3)
+        let blocks = [ids(0, 4), ids(10, 4), ids(100, 140)];
+        let input = |seq: usize, tokens: &[u32], start: u32| {
+            let mut s = common::seq_input(
+                seq as u64 + 1,
+                tokens,
+                start,
+                vec![table(0, 0, &blocks[seq])],
+            );
+            s.all_positions = false;
+            s
+        };
+        let forward = |worker: &mut Worker, seqs: Vec<SeqInput>| match worker.forward(seqs) {
+            Ok(out) => out,
+            Err(e) => panic!("forward: {e}"),
+        };
+        forward(&mut worker, vec![input(0, &short, 0), input(1, &short, 0)]);
+        forward(&mut worker, vec![input(2, &long, 0)]);
+        // the short row's next token alone: one split
+        let alone = forward(&mut worker, vec![input(0, &[9], 40)])
+            .logits(0)
+            .to_vec();
+        // the same row (its copy) next to the long row: two splits, merged
+        let both = forward(&mut worker, vec![input(2, &[9], 2100), input(1, &[9], 40)]);
+        assert_eq!(
+            both.logits(1),
+            &alone[..],
+            "graphs {decode_graphs}: the short row's logits differ when its batch needs key splits"
+        );
+        let again = forward(&mut worker, vec![input(1, &[4], 41), input(2, &[4], 2101)]);
+        let alone_again = forward(&mut worker, vec![input(0, &[4], 41)])
+            .logits(0)
+            .to_vec();
+        assert_eq!(
+            again.logits(0),
+            &alone_again[..],
+            "graphs {decode_graphs}: the short row first in its batch"
+        );
+    }
+}

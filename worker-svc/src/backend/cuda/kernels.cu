@@ -72,6 +72,14 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// A row's attention output when its keys make one split: what
+// `combine_splits` computes from that split alone (its max is the split's,
+// so every scale is exp2f(0) = 1 and the sums start from 0), bit for bit,
+// so a row gives the same bits whether its batch needed splits or not.
+__device__ __forceinline__ unsigned short final_out(float o, float l) {
+    return f32_to_bf16((0.0f + o * 1.0f) / (0.0f + l * 1.0f));
+}
+
 // 1 / rms(row) over h values, for every thread of the block (at most 1024
 // threads, a whole number of warps).
 __device__ __forceinline__ float rms_scale(const float* row, int h, float eps) {
@@ -146,8 +154,16 @@ extern "C" __global__ void soft_cap(float* __restrict__ v, long long n, float ca
     if (i < n) v[i] = tanhf(v[i] / cap) * cap;
 }
 
+// Four bf16 bits in the order of their elements, as one 8-byte store.
+__device__ __forceinline__ uint2 pack_bf16x4(float a, float b, float c, float d) {
+    return make_uint2((unsigned int)f32_to_bf16(a) | ((unsigned int)f32_to_bf16(b) << 16),
+                      (unsigned int)f32_to_bf16(c) | ((unsigned int)f32_to_bf16(d) << 16));
+}
+
 // out[r] = x[src] / rms(x[src]) * w, src = rows[r] when use_rows else r,
-// rounded to bf16 (the input of a product). One block of 256 threads per row.
+// rounded to bf16 (the input of a product). One block of 256 threads per
+// row; rows whose width is a multiple of 4 move as float4 (every buffer
+// here starts an allocation, so such rows are 16-byte aligned).
 extern "C" __global__ void rms_norm(const float* __restrict__ x,
                                     const unsigned int* __restrict__ rows, int use_rows,
                                     const float* __restrict__ w, act_t* __restrict__ out,
@@ -155,9 +171,34 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x,
     const int r = blockIdx.x;
     const unsigned long long src = use_rows ? rows[r] : (unsigned int)r;
     const float* row = x + src * h;
-    const float scale = rms_scale(row, h, eps);
-    for (int i = threadIdx.x; i < h; i += blockDim.x) {
-        out[(unsigned long long)r * h + i] = f32_to_bf16(row[i] * scale * w[i]);
+    act_t* dst = out + (unsigned long long)r * h;
+    if ((h & 3) != 0) {
+        const float scale = rms_scale(row, h, eps);
+        for (int i = threadIdx.x; i < h; i += blockDim.x) dst[i] = f32_to_bf16(row[i] * scale * w[i]);
+        return;
+    }
+    const float4* row4 = (const float4*)row;
+    const float4* w4 = (const float4*)w;
+    const int h4 = h >> 2;
+    __shared__ float partial[32];
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < h4; i += blockDim.x) {
+        const float4 v = row4[i];
+        s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    }
+    s = warp_sum(s);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.0f;
+        v = warp_sum(v);
+        if (threadIdx.x == 0) partial[0] = v;
+    }
+    __syncthreads();
+    const float scale = rsqrtf(partial[0] / (float)h + eps);
+    for (int i = threadIdx.x; i < h4; i += blockDim.x) {
+        const float4 v = row4[i], g = w4[i];
+        ((uint2*)dst)[i] = pack_bf16x4(v.x * scale * g.x, v.y * scale * g.y, v.z * scale * g.z, v.w * scale * g.w);
     }
 }
 
@@ -176,10 +217,13 @@ extern "C" __global__ void rope_write_kv(float* __restrict__ qkv, int stride, in
     float* row = qkv + (unsigned long long)r * stride;
     const int half = D / 2;
     const long long base = dst_base[r] + layer_off;
+    // every head turns by the same angles: each taken once per row
+    __shared__ float turn_cos[D / 2], turn_sin[D / 2];
+    for (int k = threadIdx.x; k < half; k += blockDim.x) sincosf(p * inv_freq[k], &turn_sin[k], &turn_cos[k]);
+    __syncthreads();
     for (int i = threadIdx.x; i < (q_heads + KV_HEADS) * half; i += blockDim.x) {
         const int head = i / half, k = i % half;
-        float s, c;
-        sincosf(p * inv_freq[k], &s, &c);
+        const float s = turn_sin[k], c = turn_cos[k];
         float* a = row + head * D + k;
         const float x1 = a[0], x2 = a[half];
         const float y1 = x1 * c - x2 * s;
@@ -199,20 +243,35 @@ extern "C" __global__ void rope_write_kv(float* __restrict__ qkv, int stride, in
     }
 }
 
+// act(g): silu, or GELU with the tanh approximation when gelu is 1.
+__device__ __forceinline__ float gate_act(float g, int gelu) {
+    // sqrt(2 / pi) and 0.044715, as PyTorch's gelu(approximate="tanh").
+    return gelu ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))
+                : g / (1.0f + __expf(-g));
+}
+
 // out[r][c] = act(gate) * up over rows [gate | up] of width 2f, in bf16
-// (the input of the down product); out rows are f wide. act is silu, or
-// GELU with the tanh approximation when gelu is 1 (Gemma's GeGLU).
+// (the input of the down product); out rows are f wide; act is silu, or
+// GeLU (tanh) when gelu is 1 (Gemma's GeGLU). n = rows * f. When f is a
+// multiple of 4 a thread takes 4 columns (float4 loads, one 8-byte store)
+// and the launch covers n / 4 threads, else one column and n threads.
 extern "C" __global__ void swiglu(const float* __restrict__ gate_up, int f, int n,
                                   act_t* __restrict__ out, int gelu) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const int r = i / f, c = i % f;
-    const float* row = gate_up + (unsigned long long)r * 2 * f;
-    const float g = row[c];
-    // sqrt(2 / pi) and 0.044715, as PyTorch's gelu(approximate="tanh").
-    const float a = gelu ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)))
-                         : g / (1.0f + __expf(-g));
-    out[i] = f32_to_bf16(a * row[f + c]);
+    if ((f & 3) != 0) {
+        if (i >= n) return;
+        const int r = i / f, c = i % f;
+        const float* row = gate_up + (unsigned long long)r * 2 * f;
+        out[i] = f32_to_bf16(gate_act(row[c], gelu) * row[f + c]);
+        return;
+    }
+    const int f4 = f >> 2;
+    if (i >= (n >> 2)) return;
+    const int r = i / f4, c = i % f4;
+    const float4* row = (const float4*)(gate_up + (unsigned long long)r * 2 * f);
+    const float4 g = row[c], u = row[f4 + c];
+    ((uint2*)out)[i] = pack_bf16x4(gate_act(g.x, gelu) * u.x, gate_act(g.y, gelu) * u.y,
+                                   gate_act(g.z, gelu) * u.z, gate_act(g.w, gelu) * u.w);
 }
 
 // Partial-block reuse: copies slots [0, n) of one block into another block
@@ -235,7 +294,8 @@ extern "C" __global__ void copy_kv_slots(kv_t* arena, long long src_base, long l
 // [lo + split * split_len, min(lo + (split + 1) * split_len, pos + 1)),
 // lo = window start, in tiles of 32 keys staged in shared memory, with an
 // online softmax in base 2 (queries arrive pre-scaled by log2(e)/sqrt(D)).
-// Writes the unnormalised partial output and (max, sum) per split.
+// Writes the unnormalised partial output and (max, sum) per split; or, when
+// `out` is given (one split), the row's output itself (`final_out`).
 extern "C" __global__ void __launch_bounds__(32)
 paged_attention(const float* __restrict__ q, int q_stride, float scale,
                 const kv_t* __restrict__ arena, long long layer_off, long long elems_per_block,
@@ -243,7 +303,8 @@ paged_attention(const float* __restrict__ q, int q_stride, float scale,
                 const int* __restrict__ seq_first_block, const int* __restrict__ tok_seq,
                 const int* __restrict__ tok_pos, const int* __restrict__ group_first,
                 int row_base, int window, int split_len,
-                float* __restrict__ part_o, float* __restrict__ part_ml) {
+                float* __restrict__ part_o, float* __restrict__ part_ml,
+                act_t* __restrict__ out, int out_stride) {
     // Groups of one row here: row group_first[z] - row_base.
     const int split = blockIdx.x, kvh = blockIdx.y, r = group_first[blockIdx.z] - row_base;
     const int num_splits = gridDim.x, heads = gridDim.y * G;
@@ -373,6 +434,15 @@ paged_attention(const float* __restrict__ q, int q_stride, float scale,
 
 #pragma unroll
     for (int g = 0; g < G; ++g) {
+        if (out != nullptr) {
+            act_t* dst = out + (unsigned long long)r * out_stride + (unsigned long long)(kvh * G + g) * D;
+#pragma unroll
+            for (int c = 0; c < COLS; ++c) {
+                const int d = lane * COLS + c;
+                if (d < D) dst[d] = final_out(acc[g][c], l[g]);
+            }
+            continue;
+        }
         const unsigned long long idx = ((unsigned long long)r * heads + (unsigned long long)kvh * G + g) * num_splits + split;
 #pragma unroll
         for (int c = 0; c < COLS; ++c) {
@@ -501,7 +571,8 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, int q
                     const int* __restrict__ seq_first_block, const int* __restrict__ tok_seq,
                     const int* __restrict__ tok_pos, const int* __restrict__ group_first,
                     int row_base, int window, int split_len,
-                    float* __restrict__ part_o, float* __restrict__ part_ml) {
+                    float* __restrict__ part_o, float* __restrict__ part_ml,
+                    act_t* __restrict__ out, int out_stride) {
     constexpr int MROWS = FRAGS * 8;
     extern __shared__ __align__(128) unsigned char smem[];
     const int split = blockIdx.x, kvh = blockIdx.y;
@@ -728,6 +799,10 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, int q
                 sum += row[D + 1] * f;
             }
         }
+        if (out != nullptr) {
+            out[(unsigned long long)(r0 + j) * out_stride + (unsigned long long)(kvh * G + gg) * D + d] = final_out(acc, sum);
+            continue;
+        }
         const unsigned long long idx = ((unsigned long long)(r0 + j) * heads + (unsigned long long)kvh * G + gg) * num_splits + split;
         part_o[idx * D + d] = acc;
         if (d == 0) {
@@ -743,10 +818,10 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, int q
         const int* __restrict__ seq_table_off, const int* __restrict__ seq_first_block,             \
         const int* __restrict__ tok_seq, const int* __restrict__ tok_pos,                           \
         const int* __restrict__ group_first, int row_base, int window, int split_len,               \
-        float* __restrict__ part_o, float* __restrict__ part_ml
+        float* __restrict__ part_o, float* __restrict__ part_ml, act_t* __restrict__ out, int out_stride
 #define ATTN_MMA_ARGS                                                                                \
     q, q_stride, scale, arena, layer_off, elems_per_block, tables, seq_table_off, seq_first_block, \
-        tok_seq, tok_pos, group_first, row_base, window, split_len, part_o, part_ml
+        tok_seq, tok_pos, group_first, row_base, window, split_len, part_o, part_ml, out, out_stride
 
 // Groups of up to PACK rows (decode: one row per sequence).
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32) paged_attention_mma(ATTN_MMA_PARAMS) {
@@ -801,41 +876,56 @@ extern "C" __global__ void attention_combine_bf16(const float* __restrict__ part
     combine_splits(part_o, part_ml, num_splits, out, out_stride);
 }
 
+// (v, i) becomes the better of itself and (ov, oi): the larger value, of
+// equal values the smaller index; NaN is never better. Every pair starts
+// at (-inf, none), so the first -inf counts too.
+__device__ __forceinline__ void keep_best(float& v, int& i, float ov, int oi) {
+    if (ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
+}
+
 // out[r] = the first index of the largest value of row r of `logits` (NaN
 // never wins; a row of NaN gives 0), as `ops::argmax` on the host. One
-// block of 1024 threads per row.
+// block of 1024 threads per row, reading it once (as float4 when the width
+// is a multiple of 4).
 extern "C" __global__ void __launch_bounds__(1024)
 argmax_rows(const float* __restrict__ logits, int vocab, unsigned int* __restrict__ out) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const int r = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* row = logits + (unsigned long long)r * vocab;
-    float mx = NEG_INF;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, row[i]);
-    mx = warp_max(mx);
-    if (lane == 0) best_v[warp] = mx;
-    __syncthreads();
-    if (warp == 0) {
-        float v = lane < (int)(blockDim.x >> 5) ? best_v[lane] : NEG_INF;
-        v = warp_max(v);
-        if (lane == 0) best_v[0] = v;
-    }
-    __syncthreads();
-    mx = best_v[0];
-    int first = vocab;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        if (row[i] == mx) {
-            first = i;
-            break;
+    float v = NEG_INF;
+    int at = vocab;
+    if ((vocab & 3) == 0) {
+        const float4* row4 = (const float4*)row;
+        for (int i = threadIdx.x; i < (vocab >> 2); i += blockDim.x) {
+            const float4 x = row4[i];
+            keep_best(v, at, x.x, 4 * i);
+            keep_best(v, at, x.y, 4 * i + 1);
+            keep_best(v, at, x.z, 4 * i + 2);
+            keep_best(v, at, x.w, 4 * i + 3);
         }
+    } else {
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) keep_best(v, at, row[i], i);
     }
-    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-    if (lane == 0) best_i[warp] = first;
+    for (int o = 16; o > 0; o >>= 1) {
+        keep_best(v, at, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, at, o));
+    }
+    if (lane == 0) {
+        best_v[warp] = v;
+        best_i[warp] = at;
+    }
     __syncthreads();
     if (warp == 0) {
-        int i = lane < (int)(blockDim.x >> 5) ? best_i[lane] : vocab;
-        for (int o = 16; o > 0; o >>= 1) i = min(i, __shfl_xor_sync(0xffffffffu, i, o));
-        if (lane == 0) out[r] = i < vocab ? (unsigned int)i : 0u;
+        const bool held = lane < (int)(blockDim.x >> 5);
+        v = held ? best_v[lane] : NEG_INF;
+        at = held ? best_i[lane] : vocab;
+        for (int o = 16; o > 0; o >>= 1) {
+            keep_best(v, at, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, at, o));
+        }
+        if (lane == 0) out[r] = at < vocab ? (unsigned int)at : 0u;
     }
 }
 

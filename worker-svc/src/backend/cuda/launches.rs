@@ -29,6 +29,9 @@ pub(super) struct Launcher<'a> {
     pub(super) kernels: &'a Kernels,
 }
 
+/// A null device pointer, for a kernel's optional buffer.
+const NULL: u64 = 0;
+
 /// Fails unless a buffer of `have` elements holds the `need` a launch touches.
 fn check_len(kernel: &str, buffer: &str, have: usize, need: usize) -> Result<()> {
     if have < need {
@@ -138,10 +141,9 @@ impl Launcher<'_> {
         unsafe {
             let mut b = self.stream.launch_builder(&self.kernels.rms_norm);
             b.arg(x);
-            let null = 0u64;
             match gather {
                 Some(g) => b.arg(g),
-                None => b.arg(&null),
+                None => b.arg(&NULL),
             };
             b.arg(&use_rows)
                 .arg(w)
@@ -222,9 +224,14 @@ impl Launcher<'_> {
         check_len("swiglu", "gate_up", gate_up.len(), rows * 2 * f)?;
         check_len("swiglu", "out", out.len(), rows * f)?;
         let (f_i, n, gelu_i) = (f as i32, (rows * f) as i32, i32::from(gelu));
+        // a thread per 4 columns when rows are a multiple of 4 wide (the
+        // kernel's own rule), else per column
+        let threads = if f.is_multiple_of(4) { n / 4 } else { n };
         // SAFETY: matches `swiglu(const float* gate_up, int f, int n, act_t*
-        // out, int gelu)`; threads past n return; n = rows × f elements of `out` and
-        // their rows of width 2f in `gate_up` exist (checked above).
+        // out, int gelu)`; threads past their count return; n = rows × f
+        // elements of `out` and their rows of width 2f in `gate_up` exist
+        // (checked above), and both are whole allocations, so the float4
+        // and 8-byte accesses of rows a multiple of 4 wide are aligned.
         unsafe {
             self.stream
                 .launch_builder(&self.kernels.swiglu)
@@ -233,7 +240,7 @@ impl Launcher<'_> {
                 .arg(&n)
                 .arg(out)
                 .arg(&gelu_i)
-                .launch(LaunchConfig::for_num_elems(n as u32))
+                .launch(LaunchConfig::for_num_elems(threads as u32))
         }
         .map_err(cuda_err("swiglu"))?;
         Ok(())
@@ -275,17 +282,16 @@ impl Launcher<'_> {
         // stands in for an absent one. 128 threads: whole warps, as the
         // per-head reductions need.
         unsafe {
-            let null = 0u64;
             let mut b = self.stream.launch_builder(&self.kernels.qkv_prep);
             b.arg(qkv).arg(&stride_i).arg(&q_heads_i).arg(&has_bias);
             match bias {
                 Some(v) => b.arg(v),
-                None => b.arg(&null),
+                None => b.arg(&NULL),
             };
             b.arg(&has_norm);
             match norms {
                 Some((q, k)) => b.arg(q).arg(k),
-                None => b.arg(&null).arg(&null),
+                None => b.arg(&NULL).arg(&NULL),
             };
             b.arg(&eps).launch(per_row(rows, 128))
         }
@@ -815,9 +821,22 @@ impl Launcher<'_> {
             )));
         }
         let mut out = out;
+        if let Some(AttnOut::Bf16(o)) = &out {
+            let need = (a.rows - 1) * out_stride + heads_d;
+            check_len("paged_attention", "out", o.len(), need)?;
+        }
+        let out_stride_i = out_stride as i32;
         for (g0, g1) in group_launches(a.group_first, a.plan.rows_per_launch) {
             let r0 = a.group_first[g0] as usize;
             let n = a.group_first[g1] as usize - r0;
+            // With one split the kernel writes the bf16 rows itself (the
+            // same bits the merge would), and no merge runs.
+            let mut direct = match out.as_mut() {
+                Some(AttnOut::Bf16(o)) if a.plan.num_splits == 1 => {
+                    Some(o.slice_mut(r0 * out_stride..))
+                }
+                _ => None,
+            };
             let q = a.q.slice(r0 * a.q_stride..);
             let tok_seq = a.tok_seq.slice(r0..);
             let tok_pos = a.tok_pos.slice(r0..);
@@ -828,9 +847,12 @@ impl Launcher<'_> {
             // elems_per_block, const unsigned int* tables, const int*
             // seq_table_off, const int* seq_first_block, const int* tok_seq,
             // const int* tok_pos, const int* group_first, int row_base, int
-            // window, int split_len, float* part_o, float* part_ml)`, which
-            // `paged_attention_mma` and `paged_attention_mma_rows` share
-            // (split_len is a multiple of 32, so of their 16-key tiles). The
+            // window, int split_len, float* part_o, float* part_ml, act_t*
+            // out, int out_stride)`, which `paged_attention_mma` and
+            // `paged_attention_mma_rows` share (split_len is a multiple of
+            // 32, so of their 16-key tiles). `out` is null, or (one split)
+            // the bf16 output from row r0, which holds the launch's rows
+            // at `out_stride` (checked above for all `a.rows`). The
             // launch covers groups g0..g1, whose rows r0..r0 + n (n ≤
             // `rows_per_launch`, each group within the kernel's group size,
             // checked above) index q, tok_seq and tok_pos from r0, and n ×
@@ -841,9 +863,8 @@ impl Launcher<'_> {
             // bench builds in-range tables itself); a group's rows are
             // consecutive rows of one sequence (`row_groups`).
             unsafe {
-                self.stream
-                    .launch_builder(func)
-                    .arg(&q)
+                let mut b = self.stream.launch_builder(func);
+                b.arg(&q)
                     .arg(&q_stride)
                     .arg(&scale)
                     .arg(a.arena)
@@ -859,18 +880,25 @@ impl Launcher<'_> {
                     .arg(&window)
                     .arg(&split_len)
                     .arg(&mut *part_o)
-                    .arg(&mut *part_ml)
-                    .launch(LaunchConfig {
-                        grid_dim: (
-                            a.plan.num_splits as u32,
-                            a.num_kv_heads as u32,
-                            (g1 - g0) as u32,
-                        ),
-                        block_dim,
-                        shared_mem_bytes,
-                    })
+                    .arg(&mut *part_ml);
+                match direct.as_mut() {
+                    Some(o) => b.arg(o),
+                    None => b.arg(&NULL),
+                };
+                b.arg(&out_stride_i).launch(LaunchConfig {
+                    grid_dim: (
+                        a.plan.num_splits as u32,
+                        a.num_kv_heads as u32,
+                        (g1 - g0) as u32,
+                    ),
+                    block_dim,
+                    shared_mem_bytes,
+                })
             }
             .map_err(cuda_err("paged_attention"))?;
+            if direct.is_some() {
+                continue;
+            }
             if let Some(out) = out.as_mut() {
                 let merge = Merge {
                     num_splits: a.plan.num_splits,
