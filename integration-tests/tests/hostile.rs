@@ -730,47 +730,52 @@ async fn a_megabyte_in_a_string_field_is_never_echoed() {
     // the cache
     let mut c = cache_client(cluster.cache.addr).await.unwrap();
     let (session_id, epoch) = open(&mut c, "echo").await.unwrap();
-    short_answer(
-        "OpenSession.holder",
-        open(&mut c, &huge).await.map(|_| String::new()),
-    );
-    short_answer(
-        "RegisterPool.pool_group",
-        register(&mut c, &huge, 4).await.map(|()| String::new()),
-    );
-    short_answer(
-        "UnregisterPool.pool_group",
-        unary(
-            c.unregister_pool(pb::UnregisterPoolRequest {
-                pool_group: huge.clone(),
-            })
-            .await,
+    let answers = [
+        (
+            "OpenSession.holder",
+            open(&mut c, &huge).await.map(|_| String::new()),
         ),
-    );
-    short_answer(
-        "GetStats.pool_group",
-        unary(
-            c.get_stats(pb::GetStatsRequest {
-                pool_group: huge.clone(),
-            })
-            .await,
+        (
+            "RegisterPool.pool_group",
+            register(&mut c, &huge, 4).await.map(|()| String::new()),
         ),
-    );
-    short_answer(
-        "Match.pool_groups",
-        unary(
-            c.r#match(pb::MatchRequest {
-                session_id,
-                epoch,
-                pool_groups: vec![huge.clone()],
-                prompts: vec![pb::MatchPrompt {
-                    prompt_tokens: vec![1, 2, 3],
-                    cache_salt: huge.clone(),
-                }],
-            })
-            .await,
+        (
+            "UnregisterPool.pool_group",
+            unary(
+                c.unregister_pool(pb::UnregisterPoolRequest {
+                    pool_group: huge.clone(),
+                })
+                .await,
+            ),
         ),
-    );
+        (
+            "GetStats.pool_group",
+            unary(
+                c.get_stats(pb::GetStatsRequest {
+                    pool_group: huge.clone(),
+                })
+                .await,
+            ),
+        ),
+        (
+            "Match.pool_groups",
+            unary(
+                c.r#match(pb::MatchRequest {
+                    session_id,
+                    epoch,
+                    pool_groups: vec![huge.clone()],
+                    prompts: vec![pb::MatchPrompt {
+                        prompt_tokens: vec![1, 2, 3],
+                        cache_salt: huge.clone(),
+                    }],
+                })
+                .await,
+            ),
+        ),
+    ];
+    for (what, answer) in answers {
+        short_answer(what, answer);
+    }
     let lease_with = |edit: &dyn Fn(&mut pb::SequenceSpec)| {
         let mut s = seq(1, GROUP, 4);
         edit(&mut s);

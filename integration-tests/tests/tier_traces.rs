@@ -15,7 +15,6 @@ use kvlease_integration_tests::{
     collect, generate_settled, scheduler_client, small_worker, start_small_cluster,
 };
 use kvlease_proto::v1 as pb;
-use kvlease_telemetry::TelemetryConfig;
 use kvlease_telemetry::attributes::{ONBOARDED_BLOCKS, REPLICA, TIER, TIER_HOST};
 
 /// 64 tokens: 4 of the pool's 20 blocks (as in `host_tier.rs`).
@@ -34,12 +33,7 @@ fn named<'a>(spans: &'a [Received], trace: &[u8], name: &str) -> Vec<&'a Receive
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_onboarded_from_host_memory_shows_its_tier_and_replica() {
     let receiver = Receiver::start(Duration::ZERO).unwrap();
-    let _telemetry = kvlease_telemetry::init_with(TelemetryConfig {
-        otlp_endpoint: Some(receiver.endpoint()),
-        log_filter: "warn".into(),
-        ..TelemetryConfig::new("kvlease-integration-tests")
-    })
-    .unwrap();
+    let _telemetry = receiver.export_here().unwrap();
     let worker = worker_svc::Config {
         host_blocks: 80,
         ..small_worker()
@@ -76,22 +70,18 @@ async fn a_prefix_onboarded_from_host_memory_shows_its_tier_and_replica() {
     worker.stop().await.unwrap();
     cache.stop().await.unwrap();
 
-    let grants = named(&spans, &trace, "Grant");
-    assert!(
-        grants.iter().any(|g| {
-            attr_str(&g.span, TIER).as_deref() == Some(TIER_HOST)
-                && attr_int(&g.span, ONBOARDED_BLOCKS).is_some_and(|b| b >= 3)
-        }),
-        "no Grant says the prefix was onboarded from host memory: {grants:#?}"
-    );
+    // the cache's Grant and the worker's prefill
+    for name in ["Grant", "prefill"] {
+        let spans = named(&spans, &trace, name);
+        assert!(
+            spans.iter().any(|s| {
+                attr_str(&s.span, TIER).as_deref() == Some(TIER_HOST)
+                    && attr_int(&s.span, ONBOARDED_BLOCKS).is_some_and(|b| b >= 3)
+            }),
+            "no {name} span says its KV was onboarded from host memory: {spans:#?}"
+        );
+    }
     let prefills = named(&spans, &trace, "prefill");
-    assert!(
-        prefills.iter().any(|p| {
-            attr_str(&p.span, TIER).as_deref() == Some(TIER_HOST)
-                && attr_int(&p.span, ONBOARDED_BLOCKS).is_some_and(|b| b >= 3)
-        }),
-        "no prefill span says its KV came from host memory: {prefills:#?}"
-    );
     assert!(
         prefills
             .iter()
