@@ -30,9 +30,10 @@
 # Targets (issue 16; README "Routing across replicas"), at the largest
 # replica count run, on each trace: kv-aware keeps >= 0.9x the hit rate of the
 # single pool (the better of the 1-replica rows), beats least-committed on
-# TTFT p50 and p90, and no replica takes more than 1.5x the mean load.
-#   --check             after the table, judge it: a line per target, exit 1
-#                       on a miss or on a figure the bench did not print
+# TTFT p50 and p90, and no replica takes more than 1.5x the mean load. After
+# the table the script judges them, a line per target, and exits 1 on a miss
+# or on a target it cannot judge (a figure the bench did not print, or a run
+# without 1 replica and both policies).
 #   --check-table FILE  judge a table this script printed before (no run)
 # A figure the bench did not print is "-" in the table, never filled in.
 set -euo pipefail
@@ -94,7 +95,7 @@ kvlease=${KVLEASE_BIN:-target/release/kvlease}
 trace=${TRACE:-../shared/traces/mooncake-synthetic.jsonl}
 requests=200 max_prompt=384 max_output=8 concurrency=8 port=57051
 budgets="1:44 2:35 4:31" replicas="1 2 4" policies="least-committed kv-aware"
-max_context=512 sessions=80 weight=8 traces="mooncake conversations" check=0
+max_context=512 sessions=80 weight=8 traces="mooncake conversations"
 while [ $# -gt 0 ]; do
   case "$1" in
     --requests) requests=$2; shift 2 ;;
@@ -110,7 +111,6 @@ while [ $# -gt 0 ]; do
     --prefill-weight) weight=$2; shift 2 ;;
     --traces) traces=$2; shift 2 ;;
     --trace) trace=$2; shift 2 ;;
-    --check) check=1; shift ;;
     --check-table) check_table "$2"; exit ;;
     *) echo "routing-bench: unknown flag $1" >&2; exit 64 ;;
   esac
@@ -191,7 +191,5 @@ done
 } | tee "$table"
 echo
 echo "$(( $(date +%s) - start )) s; --requests $requests --max-prompt $max_prompt --max-output $max_output --concurrency $concurrency --max-context $max_context; worker budgets (N:MiB) $budgets; --prefill-weight $weight"
-if [ "$check" = 1 ]; then
-  echo
-  check_table "$table"
-fi
+echo
+check_table "$table"

@@ -54,8 +54,9 @@ pub enum Error {
         /// The session's last completed step.
         completed: Step,
     },
-    /// No pool group of that name is registered.
-    #[error("unknown pool group {0:?}")]
+    /// No pool group of that name is registered. The name is the caller's,
+    /// never checked: it is named back clipped.
+    #[error("unknown pool group {}", clip(.0))]
     UnknownGroup(String),
     /// The group is registered with another geometry.
     #[error("pool group {group:?} is registered with another geometry: {detail}")]
@@ -92,6 +93,16 @@ pub enum Error {
     /// Serving failed (listeners, reflection, the gRPC server).
     #[error("{0}")]
     Serve(#[from] kvlease_runtime::Error),
+}
+
+/// A name the caller sent, quoted as far as the longest valid name (128
+/// bytes) goes: a 1 MB one echoed whole pushed the reply over the message cap
+/// (issue 29, point 9).
+fn clip(name: &str) -> String {
+    match name.char_indices().nth(128) {
+        None => format!("{name:?}"),
+        Some((end, _)) => format!("{:?}... ({} bytes)", &name[..end], name.len()),
+    }
 }
 
 /// Result alias of the crate.

@@ -264,6 +264,23 @@ async fn malformed_requests_are_invalid_argument_and_limits_resource_exhausted()
         Code::NotFound,
         "unknown pool group",
     );
+    // a name nobody registered is named back clipped: a 1 MB one echoed
+    // whole went over the message cap (issue 29, point 9)
+    let mut huge = seq(1, vec![1]);
+    huge.pool_group = "g".repeat(1 << 20);
+    let refused = c
+        .lease(lease_req(sess, 1, vec![huge]))
+        .await
+        .expect_err("an unknown group");
+    let message = refused.message();
+    assert_eq!(
+        refused.code(),
+        Code::NotFound,
+        "{}",
+        &message[..message.len().min(300)]
+    );
+    assert!(message.len() < 1024, "a {} byte message", message.len());
+    assert!(message.contains("(1048576 bytes)"), "{message}");
     let many: Vec<_> = (0..9).map(|i| seq(i, vec![1])).collect();
     assert_status(
         c.lease(lease_req(sess, 1, many)).await,

@@ -54,6 +54,23 @@ pub fn clip(input: &str) -> String {
 /// How many characters of an input [`clip`] keeps.
 pub const ECHO_CHARS: usize = 64;
 
+/// A message written by someone else that may quote the caller's input
+/// whole (serde's "invalid type: string \"...\"" does), cut to its first
+/// [`MESSAGE_CHARS`] characters and its last [`ECHO_CHARS`] (where serde says
+/// the line and column).
+pub fn clip_message(message: &str) -> String {
+    let chars = message.chars().count();
+    if chars <= MESSAGE_CHARS + ECHO_CHARS {
+        return message.to_string();
+    }
+    let head: String = message.chars().take(MESSAGE_CHARS).collect();
+    let tail: String = message.chars().skip(chars - ECHO_CHARS).collect();
+    format!("{head}... ({} bytes) ...{tail}", message.len())
+}
+
+/// How many leading characters of a message [`clip_message`] keeps.
+pub const MESSAGE_CHARS: usize = 256;
+
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
         Self {

@@ -299,7 +299,8 @@ impl Served {
                                 return Err(ApiError::invalid_param(
                                     "messages",
                                     format!(
-                                        "message {i}: content parts of type {kind:?} are not supported (text only)"
+                                        "message {i}: content parts of type {} are not supported (text only)",
+                                        crate::error::clip(kind)
                                     ),
                                 ));
                             }
@@ -1086,6 +1087,14 @@ mod tests {
             );
             assert!(e.message.contains(&format!("message 1: {field} ")), "{e:?}");
         }
+        // a content part's type is echoed clipped (issue 29, point 9)
+        let huge = "t".repeat(1 << 20);
+        let e = chat(json!({"model": "m", "messages": [
+            {"role": "user", "content": [{"type": huge, "text": "x"}]}]}))
+        .expect_err("a content part of an unknown type");
+        assert_eq!((e.status.as_u16(), e.param), (400, Some("messages")));
+        assert!(e.message.len() < 1024, "a {} byte message", e.message.len());
+        assert!(e.message.contains("(1048576 bytes)"), "{}", e.message);
         chat(
             json!({"model": "m", "messages": [{"role": "assistant", "content": "x",
             "name": "", "tool_calls": [], "refusal": null, "audio": null,

@@ -202,8 +202,12 @@ async fn chat_completions(State(g): State<Gateway>, headers: HeaderMap, body: By
 }
 
 fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T> {
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid(format!(
+            "invalid request body: {}",
+            crate::error::clip_message(&e.to_string())
+        ))
+    })
 }
 
 // === generation ===
@@ -728,6 +732,38 @@ mod tests {
             retained_tokens: 0,
             end: None,
         }
+    }
+
+    /// Issue 29, point 9: serde's message quotes a value it could not read
+    /// whole, so a 1 MB string where a number belongs came back whole in the 400.
+    #[test]
+    fn a_body_serde_refuses_is_not_echoed_whole() {
+        let refused = |body: &[u8]| match parse::<crate::openai::CompletionRequest>(body) {
+            Ok(_) => panic!("accepted"),
+            Err(e) => e,
+        };
+        let huge = "s".repeat(1 << 20);
+        for body in [
+            serde_json::json!({"model": "m", "prompt": "x", "max_tokens": huge}),
+            serde_json::json!({"model": "m", "prompt": "x", "stream": huge}),
+        ] {
+            let e = refused(body.to_string().as_bytes());
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert!(e.message.len() < 1024, "a {} byte message", e.message.len());
+            for needle in [
+                "invalid request body: invalid type: string",
+                "line 1 column",
+            ] {
+                assert!(
+                    e.message.contains(needle),
+                    "{needle:?} not in {}",
+                    e.message
+                );
+            }
+        }
+        // a short one is left whole
+        let e = refused(br#"{"model": "m", "prompt": 1.5}"#);
+        assert!(!e.message.contains("bytes)"), "{}", e.message);
     }
 
     #[test]

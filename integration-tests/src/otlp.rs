@@ -115,6 +115,16 @@ impl Receiver {
         format!("http://{}", self.addr)
     }
 
+    /// Installs this process's telemetry, exporting every span here (logs
+    /// at `warn`). Keep the guard until the spans are read.
+    pub fn export_here(&self) -> kvlease_telemetry::Result<kvlease_telemetry::TelemetryGuard> {
+        kvlease_telemetry::init_with(kvlease_telemetry::TelemetryConfig {
+            otlp_endpoint: Some(self.endpoint()),
+            log_filter: "warn".into(),
+            ..kvlease_telemetry::TelemetryConfig::new("kvlease-integration-tests")
+        })
+    }
+
     /// Every span received so far.
     pub fn snapshot(&self) -> Vec<Received> {
         self.spans.lock().map(|s| s.clone()).unwrap_or_default()

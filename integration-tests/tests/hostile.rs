@@ -683,3 +683,180 @@ async fn a_huge_registration_neither_stalls_other_sessions_nor_passes_the_princi
         "a refused registration left pools"
     );
 }
+
+// === echoes ===
+
+/// What a call answered with a megabyte in one of its strings: whatever it
+/// refused, its message is short and the status says what was wrong (an echo
+/// of the megabyte broke the reply: "h2 protocol error", RESOURCE_EXHAUSTED).
+#[track_caller]
+fn short_answer(what: &str, answer: Result<String, Status>) {
+    let (code, message) = match answer {
+        Ok(message) => (Code::Ok, message),
+        Err(s) => (s.code(), s.message().to_string()),
+    };
+    let head = &message[..message.len().min(300)];
+    assert!(
+        message.len() < 1024,
+        "{what}: a {} byte message: {head}",
+        message.len()
+    );
+    assert!(
+        !matches!(
+            code,
+            Code::ResourceExhausted | Code::Internal | Code::Unknown | Code::Unavailable
+        ),
+        "{what}: {code:?} {head}"
+    );
+}
+
+/// A unary call's answer as [`short_answer`] reads it.
+fn unary<T>(r: Result<tonic::Response<T>, Status>) -> Result<String, Status> {
+    r.map(|_| String::new())
+}
+
+/// Issue 29, point 9: a 1 MB string in any field a caller fills is never
+/// named back whole, by the cache or the scheduler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_megabyte_in_a_string_field_is_never_echoed() {
+    let cluster = SmallCluster::start(scheduler_svc::Config {
+        max_tokens: 8,
+        max_context: 256,
+        ..scheduler_svc::Config::default()
+    })
+    .await
+    .unwrap();
+    let huge = "(".repeat(1 << 20);
+    // the cache
+    let mut c = cache_client(cluster.cache.addr).await.unwrap();
+    let (session_id, epoch) = open(&mut c, "echo").await.unwrap();
+    let answers = [
+        (
+            "OpenSession.holder",
+            open(&mut c, &huge).await.map(|_| String::new()),
+        ),
+        (
+            "RegisterPool.pool_group",
+            register(&mut c, &huge, 4).await.map(|()| String::new()),
+        ),
+        (
+            "UnregisterPool.pool_group",
+            unary(
+                c.unregister_pool(pb::UnregisterPoolRequest {
+                    pool_group: huge.clone(),
+                })
+                .await,
+            ),
+        ),
+        (
+            "GetStats.pool_group",
+            unary(
+                c.get_stats(pb::GetStatsRequest {
+                    pool_group: huge.clone(),
+                })
+                .await,
+            ),
+        ),
+        (
+            "Match.pool_groups",
+            unary(
+                c.r#match(pb::MatchRequest {
+                    session_id,
+                    epoch,
+                    pool_groups: vec![huge.clone()],
+                    prompts: vec![pb::MatchPrompt {
+                        prompt_tokens: vec![1, 2, 3],
+                        cache_salt: huge.clone(),
+                    }],
+                })
+                .await,
+            ),
+        ),
+    ];
+    for (what, answer) in answers {
+        short_answer(what, answer);
+    }
+    let lease_with = |edit: &dyn Fn(&mut pb::SequenceSpec)| {
+        let mut s = seq(1, GROUP, 4);
+        edit(&mut s);
+        let mut c = c.clone();
+        async move {
+            c.lease(pb::LeaseRequest {
+                session_id,
+                epoch,
+                step: 1,
+                sequences: vec![s],
+                ..Default::default()
+            })
+            .await
+            .map(|r| format!("{:?}", r.into_inner().outcomes))
+        }
+    };
+    short_answer(
+        "Lease pool_group",
+        lease_with(&|s| s.pool_group = huge.clone()).await,
+    );
+    short_answer(
+        "Lease traceparent",
+        lease_with(&|s| s.traceparent = huge.clone()).await,
+    );
+    // the scheduler
+    let mut s = scheduler_client(cluster.scheduler.addr).await.unwrap();
+    let generate = |r: pb::GenerateRequest| {
+        let mut s = s.clone();
+        async move { collect(&mut s, r).await.map(|g| g.message) }
+    };
+    let text = |t: &str| pb::GenerateRequest {
+        text: t.into(),
+        max_tokens: 2,
+        ..Default::default()
+    };
+    let regex = |r: &str| pb::GenerateRequest {
+        grammar: Some(pb::Grammar {
+            kind: Some(pb::grammar::Kind::Regex(r.into())),
+        }),
+        ..text("x")
+    };
+    let cases = [
+        ("text", text(&huge[..200_000])),
+        (
+            "request_id",
+            pb::GenerateRequest {
+                request_id: huge.clone(),
+                ..text("x")
+            },
+        ),
+        (
+            "cache_salt",
+            pb::GenerateRequest {
+                cache_salt: huge.clone(),
+                ..text("x")
+            },
+        ),
+        (
+            "stop",
+            pb::GenerateRequest {
+                stop: vec![huge.clone()],
+                ..text("x")
+            },
+        ),
+        (
+            "messages.role",
+            pb::GenerateRequest {
+                messages: vec![pb::ChatMessage {
+                    role: huge.clone(),
+                    content: "x".into(),
+                }],
+                ..text("")
+            },
+        ),
+        ("grammar.regex of 1 MB", regex(&huge)),
+        // under the size limit, and no regex
+        ("grammar.regex of 200 KB", regex(&huge[..200_000])),
+    ];
+    for (what, request) in cases {
+        short_answer(what, generate(request).await);
+    }
+    s.get_status(pb::GetStatusRequest::default()).await.unwrap();
+    cluster.stop().await.unwrap();
+}

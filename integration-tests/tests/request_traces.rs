@@ -30,7 +30,6 @@ use kvlease_integration_tests::otlp::{
     traced_bench, tree,
 };
 use kvlease_proto::v1 as pb;
-use kvlease_telemetry::TelemetryConfig;
 use kvlease_telemetry::attributes::{REJECT_SPAN, STEP_SAMPLED, STEP_SPAN};
 
 const SCHEDULER: &str = "kvlease-scheduler";
@@ -162,12 +161,7 @@ fn forwarded(trace: &[&Received]) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_oversubscribed_bench_gives_one_readable_trace_per_request() {
     let receiver = Receiver::start(Duration::ZERO).unwrap();
-    let _telemetry = kvlease_telemetry::init_with(TelemetryConfig {
-        otlp_endpoint: Some(receiver.endpoint()),
-        log_filter: "warn".into(),
-        ..TelemetryConfig::new("kvlease-integration-tests")
-    })
-    .unwrap();
+    let _telemetry = receiver.export_here().unwrap();
 
     // two small workers, far more demand than blocks: admissions wait,
     // decode steps are refused; a refused sequence is preempted once, then

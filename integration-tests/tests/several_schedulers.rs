@@ -112,13 +112,27 @@ struct Load {
     ended: Arc<Mutex<Vec<(Instant, pb::FinishReason)>>>,
     ok: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
+    /// Loops not ended yet.
+    running: Arc<AtomicU64>,
+}
+
+/// Counts its loop out of [`Load::running`] however the loop ends.
+struct Running(Arc<AtomicU64>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Load {
     fn start(&self, rt: &Runtime, scheduler: std::net::SocketAddr, clients: u32, max_tokens: u32) {
         for c in 0..clients {
             let load = self.clone();
+            load.running.fetch_add(1, Ordering::Relaxed);
+            let running = Running(Arc::clone(&load.running));
             rt.spawn(async move {
+                let _running = running;
                 let mut client = scheduler_client(scheduler).await.unwrap();
                 let mut n = c;
                 while !load.stop.load(Ordering::Relaxed) {
@@ -144,19 +158,15 @@ impl Load {
         self.ended.lock().unwrap().clone()
     }
 
-    /// Stops the loops and waits until every request sent has ended.
+    /// Stops the loops and waits until every loop has ended (a loop ends
+    /// after the request it is running).
     async fn finish(&self) {
         self.stop.store(true, Ordering::Relaxed);
-        let mut last = usize::MAX;
-        // a loop ends after the request it is running
-        loop {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let n = self.ended.lock().unwrap().len();
-            if n == last {
-                return;
-            }
-            last = n;
-        }
+        wait_until("every load loop ended", || {
+            let running = self.running.load(Ordering::Relaxed);
+            async move { running == 0 }
+        })
+        .await;
     }
 }
 

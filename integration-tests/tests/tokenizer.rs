@@ -81,8 +81,15 @@ async fn get_tokenizer_serves_the_model_tokenizer_and_refuses_malformed_requests
         (r.bos_id, r.end_ids, r.kind.as_str()),
         (Some(1), vec![0], "hf")
     );
+    let huge = "f".repeat(1 << 20);
     for (fingerprint, code, what) in [
         ("xyz", tonic::Code::InvalidArgument, "is not 16 hex digits"),
+        // named back clipped (issue 29, point 9)
+        (
+            huge.as_str(),
+            tonic::Code::InvalidArgument,
+            "... (1048576 bytes) is not 16 hex digits",
+        ),
         (
             "0123456789abcdeg",
             tonic::Code::InvalidArgument,
@@ -100,8 +107,9 @@ async fn get_tokenizer_serves_the_model_tokenizer_and_refuses_malformed_requests
             })
             .await
             .expect_err("refused");
-        assert_eq!(e.code(), code, "{fingerprint}: {e}");
-        assert!(e.message().contains(what), "{}", e.message());
+        assert_eq!(e.code(), code, "{fingerprint:.100}: {e:.300}");
+        assert!(e.message().contains(what), "{:.300}", e.message());
+        assert!(e.message().len() < 1024, "{} bytes", e.message().len());
     }
     worker.stop().await.unwrap();
 }

@@ -319,8 +319,14 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         let have = self.tokenizer.fingerprint();
         if !want.is_empty() {
             if want.len() != 16 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
+                // named back as far as 16 digits go: a 1 MB one echoed whole
+                // pushed the reply over the message cap (issue 29, point 9)
+                let shown = match want.char_indices().nth(16) {
+                    None => format!("{want:?}"),
+                    Some((end, _)) => format!("{:?}... ({} bytes)", &want[..end], want.len()),
+                };
                 return Err(Status::invalid_argument(format!(
-                    "fingerprint {want:?} is not 16 hex digits"
+                    "fingerprint {shown} is not 16 hex digits"
                 )));
             }
             if want != have {

@@ -320,3 +320,26 @@ fn a_quota_reject_names_the_pool_and_what_is_left() {
         "{r:?}"
     );
 }
+
+/// Issue 29, point 9: a pool group nobody registered is named back clipped;
+/// a 1 MB name was echoed whole, which pushed the reply over the message cap.
+#[test]
+fn an_unknown_groups_name_is_named_back_clipped() {
+    let mut f = Fixture::new(4, &[(0, 16)]);
+    let huge = "g".repeat(1 << 20);
+    let mut leased = spec(1, Prompt::Count(4));
+    leased.group = huge.clone();
+    let errors = [
+        f.try_lease(1, false, &[leased]).unwrap_err(),
+        f.cache.stats(Some(&huge)).unwrap_err(),
+    ];
+    for err in errors {
+        assert!(matches!(err, Error::UnknownGroup(_)), "{err:.200}");
+        let text = err.to_string();
+        assert!(text.len() < 1024, "a {} byte message", text.len());
+        assert!(text.ends_with("... (1048576 bytes)"), "{text}");
+    }
+    // a name of valid length is named whole
+    let err = f.cache.stats(Some("nope")).unwrap_err();
+    assert_eq!(err.to_string(), "unknown pool group \"nope\"");
+}

@@ -118,6 +118,17 @@ pub(crate) struct UpArgs {
     trace_steps_one_in: u64,
 }
 
+/// The scheduler's settings that `up`'s flags give.
+fn scheduler_flags(a: &UpArgs, scheduler: &mut scheduler_svc::Config) {
+    scheduler.max_context = a.max_context;
+    scheduler.max_tokens = a.max_tokens;
+    scheduler.policy = a.policy;
+    scheduler.on_exhausted = a.on_exhausted;
+    scheduler.routing = a.routing;
+    scheduler.routing_prefill_weight = a.routing_prefill_weight;
+    scheduler.trace_steps_one_in = a.trace_steps_one_in;
+}
+
 /// Runs `kvlease up` with `a`.
 pub(crate) async fn run(a: UpArgs) -> ExitCode {
     if a.workers == 0 {
@@ -158,8 +169,7 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
         }
     };
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    config.scheduler.max_context = a.max_context;
-    config.scheduler.max_tokens = a.max_tokens;
+    scheduler_flags(&a, &mut config.scheduler);
     config.worker.threads = if a.threads == 0 {
         (cores / a.workers).max(1)
     } else {
@@ -193,11 +203,6 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
         }
     }
     config.worker.host_blocks = a.host_blocks;
-    config.scheduler.policy = a.policy;
-    config.scheduler.on_exhausted = a.on_exhausted;
-    config.scheduler.routing = a.routing;
-    config.scheduler.routing_prefill_weight = a.routing_prefill_weight;
-    config.scheduler.trace_steps_one_in = a.trace_steps_one_in;
     config.metrics_port = (a.metrics_base_port != 0).then_some(a.metrics_base_port);
     let local = tls.as_ref().map(|(tls, _)| tls);
     if !a.served_model_name.is_empty() {
@@ -220,5 +225,46 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
     match ended {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => failed(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Up {
+        #[command(flatten)]
+        a: UpArgs,
+    }
+
+    fn scheduler_of(args: &[&str]) -> scheduler_svc::Config {
+        let up = Up::try_parse_from(std::iter::once("up").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut scheduler = scheduler_svc::Config::default();
+        scheduler_flags(&up.a, &mut scheduler);
+        scheduler
+    }
+
+    /// Issue 29, point 15: the step sampling reaches the scheduler `up`
+    /// starts (KVLEASE_TRACE_STEPS_ONE_IN had no effect under `up`), and so
+    /// do the other scheduler flags.
+    #[test]
+    fn the_scheduler_flags_reach_the_scheduler() {
+        let s = scheduler_of(&[
+            "--trace-steps-one-in",
+            "7",
+            "--on-exhausted",
+            "reject",
+            "--max-context",
+            "300",
+            "--max-tokens",
+            "20",
+        ]);
+        assert_eq!(s.trace_steps_one_in, 7);
+        assert_eq!(s.on_exhausted, OnExhausted::Reject);
+        assert_eq!((s.max_context, s.max_tokens), (300, 20));
     }
 }
