@@ -302,6 +302,14 @@ pub fn attr_int(span: &Span, key: &str) -> Option<i64> {
     }
 }
 
+/// A boolean attribute of `span`.
+pub fn attr_bool(span: &Span, key: &str) -> Option<bool> {
+    match value(&span.attributes, key)? {
+        AnyValue::BoolValue(b) => Some(*b),
+        _ => None,
+    }
+}
+
 /// An integer-array attribute of `span`.
 pub fn attr_ints(span: &Span, key: &str) -> Vec<i64> {
     match value(&span.attributes, key) {

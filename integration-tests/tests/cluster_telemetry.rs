@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use kvlease_integration_tests as it;
-use kvlease_integration_tests::otlp::{Received, Receiver, attr_int, attr_str, value};
+use kvlease_integration_tests::otlp::{Received, Receiver, attr_bool, attr_int, attr_str, value};
 use kvlease_proto::v1 as pb;
 use kvlease_telemetry::attributes::{LINK_FENCED_RELEASE, LINK_KIND, REJECT_SPAN};
 use kvlease_telemetry::{TelemetryConfig, TelemetryGuard};
@@ -325,21 +325,23 @@ async fn a_rejected_request_trace_holds_the_reject_span_with_its_figures() -> Te
         "{requests} requests of 248 tokens over a pool of {total} blocks: none was rejected"
     );
 
+    // the refusal that ended a request is one its scheduler did not retry;
+    // a lease refused earlier (the request stayed queued, `kvlease.retried`)
+    // has a Reject span of its own, which may be exported first
+    let ending = |s: &Span| s.name == REJECT_SPAN && attr_bool(s, "kvlease.retried") != Some(true);
     let spans = spans_until(&collector.spans, Duration::from_secs(15), |all| {
         rejected
             .iter()
-            .all(|(trace, _)| in_trace(all, trace).iter().any(|s| s.name == REJECT_SPAN))
+            .all(|(trace, _)| in_trace(all, trace).iter().any(ending))
     })
     .await;
     cluster.stop().await;
 
     for (trace, reject) in &rejected {
         let mine = in_trace(&spans, trace);
-        // the refusal that ended the request is its last; a lease refused
-        // earlier (the request stayed queued) has a Reject span of its own
         let last_reject = mine
             .iter()
-            .filter(|s| s.name == REJECT_SPAN)
+            .filter(|s| ending(s))
             .max_by_key(|s| s.end_time_unix_nano);
         let span = last_reject.ok_or_else(|| {
             format!(
