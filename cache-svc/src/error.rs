@@ -99,10 +99,7 @@ pub enum Error {
 /// bytes) goes: a 1 MB one echoed whole pushed the reply over the message cap
 /// (issue 29, point 9).
 fn clip(name: &str) -> String {
-    match name.char_indices().nth(128) {
-        None => format!("{name:?}"),
-        Some((end, _)) => format!("{:?}... ({} bytes)", &name[..end], name.len()),
-    }
+    kvlease_runtime::echo::clip(name, 128)
 }
 
 /// Result alias of the crate.

@@ -45,10 +45,7 @@ pub(crate) struct Detail<'a> {
 /// [`ECHO_CHARS`] characters. A message that echoed a 1 MB field whole pushed
 /// replies over the message cap (issue 29, point 9).
 pub fn clip(input: &str) -> String {
-    match input.char_indices().nth(ECHO_CHARS) {
-        None => format!("{input:?}"),
-        Some((end, _)) => format!("{:?}... ({} bytes)", &input[..end], input.len()),
-    }
+    kvlease_runtime::echo::clip(input, ECHO_CHARS)
 }
 
 /// How many characters of an input [`clip`] keeps.

@@ -13,6 +13,7 @@
 //!   flags, the connection gate, the status fix-up layer); the gateway's HTTP
 //!   server uses the gate too.
 //! - `accept`: the connections a gRPC server takes from its listener.
+//! - [`echo`]: how much of a caller's input an error message may quote.
 //! - `error`: [`Error`], why a server could not start or stopped serving.
 //!
 //! Data flow: `process::main` parses and checks a service's configuration,
@@ -25,6 +26,7 @@
 //! depend on each other.
 
 mod accept;
+pub mod echo;
 mod error;
 pub mod limits;
 pub mod process;

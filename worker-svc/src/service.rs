@@ -321,10 +321,7 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
             if want.len() != 16 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
                 // named back as far as 16 digits go: a 1 MB one echoed whole
                 // pushed the reply over the message cap (issue 29, point 9)
-                let shown = match want.char_indices().nth(16) {
-                    None => format!("{want:?}"),
-                    Some((end, _)) => format!("{:?}... ({} bytes)", &want[..end], want.len()),
-                };
+                let shown = kvlease_runtime::echo::clip(&want, 16);
                 return Err(Status::invalid_argument(format!(
                     "fingerprint {shown} is not 16 hex digits"
                 )));

@@ -84,45 +84,8 @@ fn decode_from_graphs_is_bit_identical_to_eager_decode() {
     // to 24 decode rows (row buckets 8, 16 and 32) whose keys grow from 6 to
     // 114 (key buckets 8 to 128), so graphs are captured for several
     // buckets and replayed over new metadata each step.
-    let config = ModelConfig {
-        name: "graphs".into(),
-        vocab_size: 50,
-        hidden_size: 64,
-        num_heads: 8,
-        num_kv_heads: 2,
-        head_dim: 64,
-        ffn_size: 96,
-        rope_theta: 10_000.0,
-        rope_scaling: RopeScaling::None,
-        rms_norm_eps: 1e-5,
-        layer_windows: vec![0, 32],
-        max_context: 512,
-        tokens_per_block: 16,
-        tied_embeddings: false,
-        arch: Default::default(),
-    };
-    let weights = match Weights::seeded(config, 23) {
-        Ok(w) => w,
-        Err(e) => panic!("weights: {e}"),
-    };
-    let worker = |decode_graphs: bool| {
-        let options = WorkerOptions {
-            limits: Limits {
-                max_batch_sequences: 64,
-                max_batch_tokens: 4096,
-            },
-            ..options()
-        };
-        let gpu = CudaOptions {
-            max_kv_bytes: 8 << 20,
-            decode_graphs,
-            ..CudaOptions::default()
-        };
-        match Worker::new_cuda(weights.clone(), options, gpu) {
-            Ok(w) => w,
-            Err(e) => panic!("cuda worker: {e}"),
-        }
-    };
+    let weights = tensor_core_model("graphs", vec![0, 32], 512, 23);
+    let worker = |decode_graphs: bool| batch_worker(&weights, 64, 8 << 20, decode_graphs);
     let (mut graphed, mut eager) = (worker(true), worker(false));
     const SEQS: usize = 24;
     let token = |s: usize, p: usize| ((s * 7 + p * 3) % 50) as u32;
@@ -470,44 +433,9 @@ fn a_rows_attention_has_the_same_bits_whether_its_batch_needs_key_splits_or_not(
     // the batch needs two splits and the rows go through the merge. The
     // short row must give the same bits either way (prefix reuse and batch
     // invariance rest on it). Tensor-core heads; both orders of the batch.
-    let config = ModelConfig {
-        name: "splits".into(),
-        vocab_size: 50,
-        hidden_size: 64,
-        num_heads: 8,
-        num_kv_heads: 2,
-        head_dim: 64,
-        ffn_size: 96,
-        rope_theta: 10_000.0,
-        rope_scaling: RopeScaling::None,
-        rms_norm_eps: 1e-5,
-        layer_windows: vec![0, 0],
-        max_context: 4096,
-        tokens_per_block: 16,
-        tied_embeddings: false,
-        arch: Default::default(),
-    };
-    let weights = match Weights::seeded(config, 29) {
-        Ok(w) => w,
-        Err(e) => panic!("weights: {e}"),
-    };
-    let options = WorkerOptions {
-        limits: Limits {
-            max_batch_sequences: 8,
-            max_batch_tokens: 4096,
-        },
-        ..options()
-    };
+    let weights = tensor_core_model("splits", vec![0, 0], 4096, 29);
     for decode_graphs in [true, false] {
-        let gpu = CudaOptions {
-            max_kv_bytes: 64 << 20,
-            decode_graphs,
-            ..CudaOptions::default()
-        };
-        let mut worker = match Worker::new_cuda(weights.clone(), options, gpu) {
-            Ok(w) => w,
-            Err(e) => panic!("cuda worker: {e}"),
-        };
+        let mut worker = batch_worker(&weights, 8, 64 << 20, decode_graphs);
         let ids = |from: u32, n: u32| (from..from + n).collect::<Vec<u32>>();
         let short: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 50).collect();
         let long: Vec<u32> = (0..2100).map(|i| (i * 13 + 1) % 50).collect();
@@ -549,5 +477,57 @@ fn a_rows_attention_has_the_same_bits_whether_its_batch_needs_key_splits_or_not(
             &alone_again[..],
             "graphs {decode_graphs}: the short row first in its batch"
         );
+    }
+}
+
+/// Seeded weights of a small model with tensor-core heads (8 query and 2
+/// KV heads of 64), `layer_windows` as given, 16-token blocks.
+fn tensor_core_model(name: &str, layer_windows: Vec<u32>, max_context: u32, seed: u64) -> Weights {
+    let config = ModelConfig {
+        name: name.into(),
+        vocab_size: 50,
+        hidden_size: 64,
+        num_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 64,
+        ffn_size: 96,
+        rope_theta: 10_000.0,
+        rope_scaling: RopeScaling::None,
+        rms_norm_eps: 1e-5,
+        layer_windows,
+        max_context,
+        tokens_per_block: 16,
+        tied_embeddings: false,
+        arch: Default::default(),
+    };
+    match Weights::seeded(config, seed) {
+        Ok(w) => w,
+        Err(e) => panic!("weights: {e}"),
+    }
+}
+
+/// A CUDA worker of `weights` taking batches of up to `max_seqs` sequences
+/// and 4,096 tokens in an arena of `max_kv_bytes`, decode from graphs or not.
+fn batch_worker(
+    weights: &Weights,
+    max_seqs: usize,
+    max_kv_bytes: u64,
+    decode_graphs: bool,
+) -> Worker {
+    let options = WorkerOptions {
+        limits: Limits {
+            max_batch_sequences: max_seqs,
+            max_batch_tokens: 4096,
+        },
+        ..options()
+    };
+    let gpu = CudaOptions {
+        max_kv_bytes,
+        decode_graphs,
+        ..CudaOptions::default()
+    };
+    match Worker::new_cuda(weights.clone(), options, gpu) {
+        Ok(w) => w,
+        Err(e) => panic!("cuda worker: {e}"),
     }
 }

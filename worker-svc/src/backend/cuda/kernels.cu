@@ -80,12 +80,11 @@ __device__ __forceinline__ unsigned short final_out(float o, float l) {
     return f32_to_bf16((0.0f + o * 1.0f) / (0.0f + l * 1.0f));
 }
 
-// 1 / rms(row) over h values, for every thread of the block (at most 1024
-// threads, a whole number of warps).
-__device__ __forceinline__ float rms_scale(const float* row, int h, float eps) {
+// 1 / rms of a row of h values from each thread's share `s` of its sum of
+// squares, for every thread of the block (at most 1024 threads, a whole
+// number of warps).
+__device__ __forceinline__ float rms_from_partials(float s, int h, float eps) {
     __shared__ float partial[32];
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) s += row[i] * row[i];
     s = warp_sum(s);
     if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
     __syncthreads();
@@ -96,6 +95,13 @@ __device__ __forceinline__ float rms_scale(const float* row, int h, float eps) {
     }
     __syncthreads();
     return rsqrtf(partial[0] / (float)h + eps);
+}
+
+// 1 / rms(row) over h values, for every thread of the block.
+__device__ __forceinline__ float rms_scale(const float* row, int h, float eps) {
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) s += row[i] * row[i];
+    return rms_from_partials(s, h, eps);
 }
 
 // x[r] = table[tokens[r]] * scale (Gemma scales by sqrt(hidden), others
@@ -180,22 +186,12 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x,
     const float4* row4 = (const float4*)row;
     const float4* w4 = (const float4*)w;
     const int h4 = h >> 2;
-    __shared__ float partial[32];
     float s = 0.0f;
     for (int i = threadIdx.x; i < h4; i += blockDim.x) {
         const float4 v = row4[i];
         s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
-    s = warp_sum(s);
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? partial[threadIdx.x] : 0.0f;
-        v = warp_sum(v);
-        if (threadIdx.x == 0) partial[0] = v;
-    }
-    __syncthreads();
-    const float scale = rsqrtf(partial[0] / (float)h + eps);
+    const float scale = rms_from_partials(s, h, eps);
     for (int i = threadIdx.x; i < h4; i += blockDim.x) {
         const float4 v = row4[i], g = w4[i];
         ((uint2*)dst)[i] = pack_bf16x4(v.x * scale * g.x, v.y * scale * g.y, v.z * scale * g.z, v.w * scale * g.w);
