@@ -53,6 +53,16 @@ async fn over_subscribe(policy: Policy, on_exhausted: OnExhausted, overlap: bool
     let requests = (10 * total_blocks / per_request) as usize;
     assert!(requests >= 30, "pool of {total_blocks} blocks");
 
+    // Another holder takes the whole pool until every request is queued, so
+    // the first leases are granted together and their sequences grow in
+    // step: the mid-flight exhaustion this scenario is about then happens
+    // whatever the arrival times (admitted one by one, the sequences could
+    // be served in waves that never ran out at rest).
+    let mut cache = cache_client(cluster.cache.addr).await.unwrap();
+    let (session_id, epoch) = hold_blocks(&mut cache, "squatter", total_blocks * 16)
+        .await
+        .unwrap();
+
     let client = cluster.client().await.unwrap();
     let mut tasks = Vec::new();
     for i in 0..requests {
@@ -66,6 +76,26 @@ async fn over_subscribe(policy: Policy, on_exhausted: OnExhausted, overlap: bool
             collect(&mut c, req).await
         }));
     }
+    let mut c = client.clone();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = c.get_status(pb::GetStatusRequest {}).await.unwrap();
+        if status.into_inner().queued as usize == requests {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "every request queued behind the held pool"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let closed = cache
+        .close_session(pb::CloseSessionRequest { session_id, epoch })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(closed.sequences_released, 1);
+
     let mut results = Vec::new();
     for t in tasks {
         let r = tokio::time::timeout(Duration::from_secs(120), t).await;
