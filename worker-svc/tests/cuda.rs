@@ -169,6 +169,25 @@ fn onboarded_kv_from_the_pinned_host_tier_is_bit_identical_to_recomputed_kv() {
 }
 
 #[test]
+fn kv_loaded_from_the_disk_tier_is_bit_identical_to_recomputed_kv() {
+    if !gpu_available("disk_tier") {
+        return;
+    }
+    // Both arena types: a block file holds 16-bit K/V as the arena does.
+    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+        let build = |w: &Weights, dir: &std::path::Path, identity: &str| {
+            let mut worker = tiered_cuda_worker(w, dtype, 8);
+            if let Err(e) = worker.open_disk_tier(dir, tiers::disk::DISK_BYTES, identity) {
+                panic!("disk tier: {e}");
+            }
+            worker
+        };
+        tiers::disk::loaded_kv_is_bit_identical_also_after_a_restart(&build);
+        tiers::disk::a_corrupted_file_fails_the_request_whole_and_is_gone(&build);
+    }
+}
+
+#[test]
 fn paged_equals_dense_for_random_shapes_tables_and_mixed_batches() {
     if !gpu_available("paged_equals_dense") {
         return;

@@ -2,6 +2,9 @@
 //! `cuda.rs` (the pinned tier of the GPU backend). Each takes the backend as
 //! a function building a worker from weights and a host block count.
 
+#[allow(dead_code)] // the disk scenarios: disk_tier.rs and cuda.rs
+pub(crate) mod disk;
+
 use worker_svc::batch::{TierCopyInput, TierDirection};
 use worker_svc::model::weights::Weights;
 use worker_svc::worker::Worker;

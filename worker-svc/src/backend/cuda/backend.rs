@@ -989,6 +989,25 @@ impl Backend for CudaBackend {
             .copy(&self.stream, &mut self.kv, &self.layout, moves)
     }
 
+    fn supports_disk_tier(&self) -> bool {
+        true
+    }
+
+    fn host_block_bytes(&self, pool: usize, host_block: u32) -> Result<Vec<u8>> {
+        self.host_tier.block_bytes(&self.layout, pool, host_block)
+    }
+
+    fn write_device_block(&mut self, pool: usize, device_block: u32, bytes: &[u8]) -> Result<()> {
+        super::tier::write_device_block(
+            &self.stream,
+            &mut self.kv,
+            &self.layout,
+            pool,
+            device_block,
+            bytes,
+        )
+    }
+
     fn forward_picks(
         &mut self,
         batch: &Batch,

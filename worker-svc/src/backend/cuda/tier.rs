@@ -185,6 +185,68 @@ impl HostTier {
     }
 }
 
+impl HostTier {
+    /// The bytes of host block `host_block` of pool `pool` (its K/V in the
+    /// arena's block layout, little-endian 16-bit elements), for a spill to
+    /// the disk tier. Every DMA into the tier was waited for by the
+    /// [`HostTier::copy`] that made it, so the host reads what the last
+    /// demotion wrote.
+    pub(super) fn block_bytes(
+        &self,
+        layout: &ArenaLayout,
+        pool: usize,
+        host_block: u32,
+    ) -> Result<Vec<u8>> {
+        let epb = layout.pools.get(pool).map_or(0, |g| g.elems_per_block());
+        let at = host_block as usize * epb;
+        let host = self
+            .pools
+            .get(pool)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| Error::Backend(format!("pool {pool} has no host tier")))?;
+        let elems = host.as_slice().map_err(cuda_err("pinned host tier"))?;
+        let block = elems.get(at..at + epb).filter(|_| epb > 0).ok_or_else(|| {
+            Error::Backend(format!(
+                "host block {host_block} of pool {pool} is out of range"
+            ))
+        })?;
+        Ok(block.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+}
+
+/// Copies `bytes` (a block from [`HostTier::block_bytes`]) into device
+/// block `device_block` of `arena` on `stream`, ahead of the passes queued
+/// after it: a load from the disk tier.
+pub(super) fn write_device_block(
+    stream: &Arc<CudaStream>,
+    arena: &mut [CudaSlice<u16>],
+    layout: &ArenaLayout,
+    pool: usize,
+    device_block: u32,
+    bytes: &[u8],
+) -> Result<()> {
+    let epb = layout.pools.get(pool).map_or(0, |g| g.elems_per_block());
+    let at = device_block as usize * epb;
+    let device = arena
+        .get_mut(pool)
+        .filter(|d| epb > 0 && at + epb <= d.len() && bytes.len() == epb * size_of::<u16>())
+        .ok_or_else(|| {
+            Error::Backend(format!(
+                "device block {device_block} of pool {pool}: out of range or {} bytes for {epb} elements",
+                bytes.len()
+            ))
+        })?;
+    let elems: Vec<u16> = bytes
+        .chunks_exact(2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+        .collect();
+    // From pageable memory the driver stages the source before the call
+    // returns, so `elems` may go; the copy is ordered before later passes.
+    stream
+        .memcpy_htod(&elems, &mut device.slice_mut(at..at + epb))
+        .map_err(cuda_err("disk tier load"))
+}
+
 /// Bytes of memory the host has available now (`MemAvailable` of
 /// `/proc/meminfo`), if it says.
 fn available_host_bytes() -> Option<u64> {
