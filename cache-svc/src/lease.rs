@@ -89,6 +89,11 @@ pub struct SeqSpec {
 /// The longest retention hint a request may give.
 pub const MAX_RETAIN_TTL: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
+/// The longest tenant name a retention hint may carry (a tenant is a
+/// principal's or an asserted name, at most 64 characters at the
+/// scheduler; the bound keeps a hint's quota key small).
+pub const MAX_RETAIN_TENANT_BYTES: usize = 256;
+
 /// A retention hint: keep the full blocks of the first `tokens` prompt
 /// tokens after every unhinted block for `ttl` (see
 /// [`crate::retention`]), counted against `tenant`'s quota.

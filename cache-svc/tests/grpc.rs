@@ -257,6 +257,27 @@ async fn malformed_requests_are_invalid_argument_and_limits_resource_exhausted()
         let got = c.lease(lease_req(sess, 1, vec![hinted])).await;
         assert_status(got, Code::InvalidArgument, field);
     }
+    // a tenant name past the bound is refused, quoted clipped
+    let mut long_tenant = seq(1, vec![1]);
+    long_tenant.retain = Some(pb::RetentionHint {
+        tokens: 1,
+        priority: 0,
+        ttl_ms: 1_000,
+        tenant: "t".repeat(1 << 20),
+    });
+    let refused = c
+        .lease(lease_req(sess, 1, vec![long_tenant]))
+        .await
+        .expect_err("a 1 MB tenant");
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert!(
+        refused
+            .message()
+            .contains("retain.tenant must be at most 256 bytes")
+            && refused.message().len() < 1024,
+        "{}",
+        &refused.message()[..refused.message().len().min(300)]
+    );
     let mut group = seq(1, vec![1]);
     group.pool_group = "other".into();
     assert_status(

@@ -53,7 +53,8 @@ impl Tenancy {
                 )))
             }
             Some(t) if !valid_name(t) => Err(Error::InvalidArgument(format!(
-                "{TENANT_METADATA} {t:?} must be 1 to 64 of [A-Za-z0-9._-]"
+                "{TENANT_METADATA} {} must be 1 to 64 of [A-Za-z0-9._-]",
+                kvlease_runtime::echo::clip(t, 64)
             ))),
             Some(t) => Ok(t.to_string()),
         }
@@ -102,6 +103,14 @@ mod tests {
             "bob"
         );
         assert!(t.tenant_of(&principal("gateway"), Some("b\nob")).is_err());
+        // a long name is quoted clipped, not whole
+        let long = "x".repeat(10_000);
+        let e = t.tenant_of(&principal("gateway"), Some(&long)).unwrap_err();
+        let message = e.to_string();
+        assert!(
+            message.len() < 300 && message.contains("(10000 bytes)"),
+            "{message}"
+        );
     }
 
     #[test]

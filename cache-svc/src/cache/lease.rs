@@ -27,8 +27,8 @@ use crate::error::{Error, Result};
 use crate::events::Tier;
 use crate::ids::{BlockId, Epoch, SeqId, SessionId, Step};
 use crate::lease::{
-    BlockCopy, Grant, MAX_RETAIN_TTL, Outcome, Prompt, Reject, RejectReason, Retain, SeqSpec,
-    Table, TierCopy, TierDirection,
+    BlockCopy, Grant, MAX_RETAIN_TENANT_BYTES, MAX_RETAIN_TTL, Outcome, Prompt, Reject,
+    RejectReason, Retain, SeqSpec, Table, TierCopy, TierDirection,
 };
 use crate::pool::{BlockState, Holder};
 use crate::prefix;
@@ -1015,6 +1015,12 @@ pub(crate) fn validate_retain(seq_id: SeqId, r: &Retain, prompt_len: u32) -> Res
         return Err(Error::InvalidArgument(format!(
             "sequence {seq_id}: retain.priority must be 0 to 100, got {}",
             r.priority
+        )));
+    }
+    if r.tenant.len() > MAX_RETAIN_TENANT_BYTES {
+        return Err(Error::InvalidArgument(format!(
+            "sequence {seq_id}: retain.tenant must be at most {MAX_RETAIN_TENANT_BYTES} bytes, got {}",
+            kvlease_runtime::echo::clip(&r.tenant, 64)
         )));
     }
     if r.ttl.is_zero() || r.ttl > MAX_RETAIN_TTL {
