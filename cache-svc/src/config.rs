@@ -109,8 +109,11 @@ pub struct Config {
     /// RESOURCE_EXHAUSTED. 0 for no limit.
     #[arg(long, env = "KVLEASE_CACHE_MAX_BLOCKS_PER_PRINCIPAL", default_value_t = DEFAULT_MAX_BLOCKS_PER_PRINCIPAL)]
     pub max_blocks_per_principal: u64,
-    /// MiB of block state (96 bytes a block) all pools together may take; a
-    /// RegisterPool over it is refused. 0 for no limit.
+    /// MiB of cache state all pools together may take (96 bytes a block,
+    /// plus what the pool's eviction policy holds beyond that: `chain` a
+    /// filter of 256 KiB to 8 MiB, `adaptive` about 200 bytes a block more,
+    /// two such filters and its shadow pools); a RegisterPool over it is
+    /// refused. 0 for no limit.
     #[arg(long, env = "KVLEASE_CACHE_POOL_MEMORY_BUDGET_MIB", default_value_t = DEFAULT_POOL_MEMORY_BUDGET_MIB)]
     pub pool_memory_budget_mib: u64,
     /// Most WatchEvents streams open at once; 0 for no limit.

@@ -182,6 +182,8 @@ struct Group {
     pools: Vec<usize>,
     /// The worker incarnation last registered (0: none yet).
     incarnation: u64,
+    /// The eviction policy of its pools.
+    policy: crate::eviction::PolicyKind,
 }
 
 /// The cache service's state. Plain, synchronous, single-threaded: the gRPC

@@ -16,6 +16,31 @@ use crate::error::{Error, Result};
 use crate::eviction::PolicyKind;
 use crate::pool::BlockPool;
 
+/// Bytes of cache state of a pool of `num_blocks` device and `host_blocks`
+/// host blocks evicting with `policy`.
+fn pool_bytes(policy: PolicyKind, num_blocks: u32, host_blocks: u32) -> u64 {
+    (u64::from(num_blocks) + u64::from(host_blocks)) * BLOCK_STATE_BYTES
+        + policy.extra_bytes(num_blocks)
+}
+
+/// The most device blocks of one pool evicting with `policy` whose cache
+/// state fits in `bytes` (the state only grows with the blocks).
+fn blocks_within(policy: PolicyKind, bytes: u64) -> u32 {
+    let (mut fits, mut over) = (0u32, u32::MAX);
+    if pool_bytes(policy, 1, 0) > bytes {
+        return 0;
+    }
+    while over - fits > 1 {
+        let mid = fits + (over - fits) / 2;
+        if pool_bytes(policy, mid, 0) <= bytes {
+            fits = mid;
+        } else {
+            over = mid;
+        }
+    }
+    fits
+}
+
 /// A registration checked against the cache.
 #[derive(Debug)]
 pub enum Registration {
@@ -259,6 +284,7 @@ impl Cache {
                 owner: new.owner,
                 pools: indices,
                 incarnation: 0,
+                policy: new.policy,
             },
         );
         Ok((infos, false))
@@ -302,6 +328,21 @@ impl Cache {
             .iter()
             .filter(|p| !p.retired)
             .map(|p| u64::from(p.pool.len()) + u64::from(p.pool.host().len()))
+            .sum()
+    }
+
+    /// Bytes of cache state of every registered (not retired) pool: its
+    /// blocks, device and host, at [`BLOCK_STATE_BYTES`], and what its
+    /// eviction policy holds beyond that ([`PolicyKind::extra_bytes`]).
+    pub fn registered_bytes(&self) -> u64 {
+        self.groups
+            .values()
+            .flat_map(|g| g.pools.iter().map(move |&i| (g.policy, i)))
+            .filter(|&(_, i)| !self.pools[i].retired)
+            .map(|(policy, i)| {
+                let pool = &self.pools[i].pool;
+                pool_bytes(policy, pool.len(), pool.host().len())
+            })
             .sum()
     }
 
@@ -353,12 +394,18 @@ impl Cache {
         }
         let budget = self.config.pool_memory_budget;
         if budget > 0 {
-            let have = self.registered_blocks();
-            let need = (have + asked).saturating_mul(BLOCK_STATE_BYTES);
-            if need > budget {
+            let policy = self.config.eviction.for_group(group);
+            let have = self.registered_bytes();
+            let need: u64 = pools
+                .iter()
+                .map(|&(_, n, host)| pool_bytes(policy, n, host))
+                .sum();
+            if have + need > budget {
+                let left = budget.saturating_sub(have);
+                let per_block = need as f64 / asked.max(1) as f64;
                 return Err(Error::LimitExceeded(format!(
-                    "pool group {group:?} asks for {asked} blocks; with the {have} registered that is {need} bytes of block state at {BLOCK_STATE_BYTES} bytes a block, over the budget of {budget} bytes ({} more blocks fit)",
-                    (budget / BLOCK_STATE_BYTES).saturating_sub(have)
+                    "pool group {group:?} asks for {asked} blocks, {need} bytes of cache state with eviction policy {policy} ({per_block:.0} bytes a block); with the {have} bytes registered that is over the budget of {budget} bytes ({left} bytes left: {} more blocks fit in one such pool)",
+                    blocks_within(policy, left)
                 )));
             }
         }

@@ -36,6 +36,22 @@ pub const CANDIDATES: [PolicyKind; 3] = [PolicyKind::Lru, PolicyKind::Lfu, Polic
 /// The most slots of one candidate's shadow pool.
 pub(super) const SHADOW_SLOTS: usize = 8_192;
 
+/// Bytes one slot of a shadow pool takes: the ordered set and the
+/// policy's state of the slot, its hash in the map, its links.
+pub(super) const SHADOW_SLOT_BYTES: u64 = 160;
+
+/// The slots of each shadow of a pool of `num_blocks` blocks.
+pub(super) fn shadow_slots(num_blocks: usize) -> usize {
+    let threshold = threshold_of(num_blocks);
+    ((num_blocks as f64 * mrc::rate_of(threshold)).round() as usize).clamp(1, SHADOW_SLOTS)
+}
+
+/// The sampling threshold of a pool of `num_blocks` blocks: its shadows see
+/// every lookup up to [`SHADOW_SLOTS`] blocks.
+fn threshold_of(num_blocks: usize) -> u64 {
+    mrc::threshold_for((SHADOW_SLOTS as f64 / num_blocks.max(1) as f64).min(1.0))
+}
+
 /// Sampled lookups per decision window.
 pub(super) const WINDOW: u64 = 2_048;
 
@@ -224,10 +240,8 @@ impl fmt::Debug for Adaptive {
 impl Adaptive {
     /// A policy for a pool of `num_blocks` blocks, starting with `lru`.
     pub fn new(num_blocks: usize) -> Self {
-        let rate = (SHADOW_SLOTS as f64 / num_blocks.max(1) as f64).min(1.0);
-        let threshold = mrc::threshold_for(rate);
-        let slots =
-            ((num_blocks as f64 * mrc::rate_of(threshold)).round() as usize).clamp(1, SHADOW_SLOTS);
+        let threshold = threshold_of(num_blocks);
+        let slots = shadow_slots(num_blocks);
         Self {
             live: CANDIDATES.iter().map(|k| k.build(num_blocks)).collect(),
             shadows: CANDIDATES.iter().map(|&k| Shadow::new(k, slots)).collect(),

@@ -40,6 +40,16 @@ pub use ranked::{Frequency, GreedyDual, PriorityLru, Ranked, Recency};
 
 use crate::ids::BlockId;
 
+/// Bytes one more ordered set of evictable blocks takes per block (its
+/// entry in a B-tree and the block's rank; `lru`'s measured 82-89).
+const ORDERED_SET_BYTES: u64 = 88;
+
+/// Bytes `lfu`'s state adds per block (its use count, rounded up).
+const LFU_BYTES: u64 = 8;
+
+/// Bytes `chain`'s state adds per block (flags, hash, fingerprint).
+const CHAIN_BYTES: u64 = 24;
+
 /// Retention priorities run from 0 (evict first) to this value (keep longest).
 pub const MAX_PRIORITY: u8 = 100;
 
@@ -140,6 +150,34 @@ impl PolicyKind {
         }
     }
 
+    /// Bytes a pool of `num_blocks` blocks with this policy holds beyond
+    /// the [`BLOCK_STATE_BYTES`](crate::cache::BLOCK_STATE_BYTES) of each
+    /// block, which count `lru`'s ordered set. Measured (heap of each
+    /// policy holding every block of a pool of 2^20 and 2^22 blocks, and its
+    /// shadows full): `lru` 82-89 bytes a block, `lfu` 81-93, `chain`
+    /// 72-102 (with its filter), `adaptive` 285-291.
+    pub fn extra_bytes(self, num_blocks: u32) -> u64 {
+        let n = num_blocks as usize;
+        let blocks = u64::from(num_blocks);
+        match self {
+            PolicyKind::Lru => 0,
+            // a use count per block, and room for its credit
+            PolicyKind::Lfu => LFU_BYTES * blocks,
+            // four flags, a hash and a child's fingerprint per block, and
+            // the filter of hashes seen
+            PolicyKind::Chain => CHAIN_BYTES * blocks + probation::filter_bytes(n),
+            // two more ordered sets, the others' state, and three shadow
+            // pools with the shadow `chain`'s filter
+            PolicyKind::Adaptive => {
+                let slots = adaptive::shadow_slots(n) as u64;
+                (2 * ORDERED_SET_BYTES + LFU_BYTES + CHAIN_BYTES) * blocks
+                    + probation::filter_bytes(n)
+                    + adaptive::SHADOW_SLOT_BYTES * slots * CANDIDATES.len() as u64
+                    + probation::filter_bytes(slots as usize)
+            }
+        }
+    }
+
     /// A fresh policy for a pool of `num_blocks` blocks.
     pub fn build(self, num_blocks: usize) -> Box<dyn EvictionPolicy> {
         match self {
@@ -228,6 +266,20 @@ mod tests {
         };
         assert_eq!(config.for_group("a"), PolicyKind::Chain);
         assert_eq!(config.for_group("b"), PolicyKind::Lfu);
+    }
+
+    #[test]
+    fn adaptive_counts_three_policies_and_bounded_shadows() {
+        assert_eq!(PolicyKind::Lru.extra_bytes(1 << 20), 0);
+        let chain = PolicyKind::Chain.extra_bytes(1 << 10);
+        assert!(chain > 256 << 10, "{chain}: the filter is at least 256 KiB");
+        let small = PolicyKind::Adaptive.extra_bytes(1 << 10);
+        let large = PolicyKind::Adaptive.extra_bytes(1 << 22);
+        // at least two filters and a shadow per candidate
+        assert!(small > 512 << 10, "{small}");
+        // at 2^22 blocks about 290 bytes a block in all, 96 counted already
+        let per_block = large as f64 / f64::from(1u32 << 22);
+        assert!((190.0..=220.0).contains(&per_block), "{per_block}");
     }
 
     #[test]

@@ -106,6 +106,17 @@ pub struct Classes {
 /// Leaf-first LRU with a probation class that goes first (see the module).
 pub type Probation = Ranked<Classes>;
 
+/// Insertions the filter of a pool of `num_blocks` blocks remembers.
+fn span_for(num_blocks: usize) -> usize {
+    num_blocks.saturating_mul(16).clamp(1 << 17, 1 << 22)
+}
+
+/// Bytes of the filter of a pool of `num_blocks` blocks (256 KiB to 8 MiB).
+pub(super) fn filter_bytes(num_blocks: usize) -> u64 {
+    let bits = span_for(num_blocks).saturating_mul(8).next_power_of_two();
+    2 * (bits as u64 / 8)
+}
+
 impl Probation {
     /// A policy for a pool of `num_blocks` blocks. It remembers the hashes
     /// of the last 16 pool-fulls of blocks written or reused (at least
@@ -113,7 +124,7 @@ impl Probation {
     /// pools up to 2^19 blocks, 8 MiB at most), far longer than they stay
     /// cached.
     pub fn new(num_blocks: usize) -> Self {
-        let span = num_blocks.saturating_mul(16).clamp(1 << 17, 1 << 22);
+        let span = span_for(num_blocks);
         Self::with_ranker(
             num_blocks,
             Classes {
@@ -202,6 +213,19 @@ impl Ranker for Classes {
 mod tests {
     use super::*;
     use crate::eviction::EvictionPolicy;
+
+    #[test]
+    fn the_filter_takes_256_kib_to_8_mib() {
+        assert_eq!(filter_bytes(1), 256 << 10);
+        assert_eq!(filter_bytes(8_192), 256 << 10);
+        assert_eq!(filter_bytes(1 << 16), 2 << 20);
+        assert_eq!(filter_bytes(1 << 24), 8 << 20);
+        let d = Doorkeeper::new(span_for(8_192));
+        assert_eq!(
+            8 * (d.current.len() + d.previous.len()) as u64,
+            filter_bytes(8_192)
+        );
+    }
 
     #[test]
     fn doorkeeper_remembers_for_two_generations() {

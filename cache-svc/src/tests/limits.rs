@@ -7,6 +7,7 @@ use std::time::Instant;
 use super::{Fixture, GROUP, spec, tokens, whole};
 use crate::cache::{AuditCursor, AuditReport, Batch, Cache, CacheConfig, Registration, check_name};
 use crate::error::Error;
+use crate::eviction::{EvictionConfig, PolicyKind};
 use crate::ids::Step;
 use crate::lease::{Prompt, RejectReason};
 
@@ -72,6 +73,10 @@ fn pool_groups_and_block_state_are_limited_with_figures() {
     let mut cache = Cache::new(CacheConfig {
         max_pool_groups: 2,
         pool_memory_budget: 96 * 1000,
+        eviction: EvictionConfig {
+            default: PolicyKind::Lru,
+            groups: Vec::new(),
+        },
         ..CacheConfig::default()
     });
     cache.register_pool("a", 4, &[(0, 400)]).unwrap();
@@ -81,10 +86,10 @@ fn pool_groups_and_block_state_are_limited_with_figures() {
     assert!(matches!(err, Error::LimitExceeded(_)), "{err}");
     let text = err.to_string();
     for needle in [
-        "asks for 700 blocks",
-        "with the 400 registered",
+        "asks for 700 blocks, 67200 bytes of cache state with eviction policy lru (96 bytes a block)",
+        "with the 38400 bytes registered",
         "budget of 96000 bytes",
-        "600 more blocks fit",
+        "(57600 bytes left: 600 more blocks fit in one such pool)",
     ] {
         assert!(text.contains(needle), "{needle:?} not in {text}");
     }
@@ -96,6 +101,51 @@ fn pool_groups_and_block_state_are_limited_with_figures() {
         err.to_string()
             .contains("2 pool groups are registered, the limit is 2"),
         "{err}"
+    );
+}
+
+#[test]
+fn an_adaptive_pool_counts_its_three_policies_and_shadows_in_the_budget() {
+    // 1,000 blocks at 96 bytes fit a budget of 1 MiB under `lru`; under
+    // `adaptive` the two filters alone take 512 KiB, the shadows more.
+    let config = |default| CacheConfig {
+        pool_memory_budget: 1 << 20,
+        eviction: EvictionConfig {
+            default,
+            groups: vec![("small".into(), PolicyKind::Adaptive)],
+        },
+        ..CacheConfig::default()
+    };
+    let mut cache = Cache::new(config(PolicyKind::Lru));
+    cache.register_pool("a", 4, &[(0, 1000)]).unwrap();
+    assert_eq!(cache.registered_bytes(), 96_000);
+    let mut cache = Cache::new(config(PolicyKind::Adaptive));
+    let err = cache.register_pool("a", 4, &[(0, 1000)]).unwrap_err();
+    assert!(matches!(err, Error::LimitExceeded(_)), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("with eviction policy adaptive"), "{text}");
+    let need = 96_000 + PolicyKind::Adaptive.extra_bytes(1000);
+    assert!(
+        text.contains(&format!("{need} bytes of cache state")),
+        "{text}"
+    );
+    // what fits is what the policy's own bytes leave, not budget / 96
+    let fit = 96 + PolicyKind::Adaptive.extra_bytes(1);
+    assert!(fit > 512 << 10, "{fit}");
+    let n: u32 = text
+        .split(" bytes left: ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no blocks that fit in {text}"));
+    assert!(n > 0 && n < 1000, "{text}");
+    let at = |n: u32| 96 * u64::from(n) + PolicyKind::Adaptive.extra_bytes(n);
+    assert!(at(n) <= 1 << 20 && at(n + 1) > 1 << 20, "{text}");
+    // a smaller adaptive pool fits, and is counted with its policy's bytes
+    cache.register_pool("small", 4, &[(0, 100)]).unwrap();
+    assert_eq!(
+        cache.registered_bytes(),
+        9_600 + PolicyKind::Adaptive.extra_bytes(100)
     );
 }
 
