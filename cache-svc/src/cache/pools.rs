@@ -11,7 +11,7 @@
 
 use foldhash::{HashSet, HashSetExt};
 
-use super::{BLOCK_STATE_BYTES, Cache, Group, PoolEntry};
+use super::{BLOCK_STATE_BYTES, Cache, Group, PoolEntry, peers};
 use crate::error::{Error, Result};
 use crate::eviction::PolicyKind;
 use crate::pool::BlockPool;
@@ -259,6 +259,7 @@ impl Cache {
                 owner: new.owner,
                 pools: indices,
                 incarnation: 0,
+                peer: peers::PeerProfile::default(),
             },
         );
         Ok((infos, false))
