@@ -118,6 +118,14 @@ pub const MATRIX: &[(&str, &str, Access)] = &[
         "Forward",
         Access::AnyOf(&[Scheduler]),
     ),
+    // Peer pull: the worker decides (its owner, or a worker service
+    // acting for its owner; see worker-svc's `PullBlocks`), as a worker
+    // certificate holds no role.
+    (
+        "kvlease.v1.WorkerService",
+        "PullBlocks",
+        Access::Authenticated,
+    ),
     (
         "kvlease.v1.WorkerService",
         "GetTokenizer",

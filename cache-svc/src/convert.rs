@@ -130,6 +130,11 @@ pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
         prefill_tokens: s.prefill_tokens,
         retain,
         fork_of: s.fork_of.map(SeqId),
+        peer_pull: s.peer_pull.map(|r| crate::peer::PeerRates {
+            link_bytes_per_s: r.link_bytes_per_s,
+            prefill_tokens_per_s: r.prefill_tokens_per_s,
+            overhead_us: r.overhead_us,
+        }),
     })
 }
 
@@ -263,6 +268,27 @@ pub(crate) fn grant_to_pb(g: Grant) -> pb::Grant {
             .collect(),
         tier_copies: g.tier_copies.into_iter().map(tier_copy_to_pb).collect(),
         retained_tokens: g.retained_tokens,
+        peer_copies: g
+            .peer_copies
+            .into_iter()
+            .map(|c| pb::PeerCopy {
+                pool_id: c.pool_id,
+                window: c.window,
+                dst_block: c.dst_block,
+                src_group: c.src_group,
+                src_pool_id: c.src_pool_id,
+                src_block: c.src_block,
+                transfer_id: c.transfer_id,
+            })
+            .collect(),
+        peer_decision: g.peer_decision.map(|d| pb::PeerPullDecision {
+            src_group: d.src_group,
+            blocks: d.blocks,
+            bytes: d.bytes,
+            pull_us: d.pull_us,
+            recompute_us: d.recompute_us,
+            pulled: d.pulled,
+        }),
     }
 }
 

@@ -84,6 +84,8 @@ pub struct SeqSpec {
     /// parent's blocks before the last prompt token are shared by
     /// reference, the block holding it copied on write.
     pub fork_of: Option<SeqId>,
+    /// Peer pull: the rates its cost model uses (`None`: no peer pull).
+    pub peer_pull: Option<crate::peer::PeerRates>,
 }
 
 /// The longest retention hint a request may give.
@@ -126,6 +128,7 @@ impl SeqSpec {
             prefill_tokens: 0,
             retain: None,
             fork_of: None,
+            peer_pull: None,
         }
     }
 }
@@ -234,6 +237,12 @@ pub struct Grant {
     /// blocks, fewer when the tenant's quota had no room for the rest, 0
     /// without a hint.
     pub retained_tokens: u32,
+    /// Blocks pulled from a peer group's device before the lease's step's
+    /// pass (`Lease` only; see [`crate::peer`]).
+    pub peer_copies: Vec<crate::peer::PeerCopy>,
+    /// What the peer-pull cost model weighed, when a peer held blocks this
+    /// lease could pull (`Lease` only).
+    pub peer_decision: Option<crate::peer::PeerDecision>,
 }
 
 /// Which way a [`TierCopy`] goes.

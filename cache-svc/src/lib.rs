@@ -10,6 +10,8 @@
 //!   kept for partial-block reuse (found by parent hash and token ids).
 //! - [`mrc`]: online miss-ratio curves (hit rates at other pool sizes) from
 //!   spatially sampled shadow LRUs.
+//! - [`peer`]: peer pull's copies and its cost model (pull a prefix from
+//!   another group's device, or compute it).
 //! - [`lease`]: the domain types of requests and answers; `ids`: the
 //!   numbers the cache is handed ([`SessionId`], [`Epoch`], [`SeqId`],
 //!   [`Step`], [`BlockId`]).
@@ -42,6 +44,7 @@ pub mod lease;
 mod metrics;
 pub mod mrc;
 mod partial;
+pub mod peer;
 pub mod pool;
 pub mod prefix;
 pub mod retention;

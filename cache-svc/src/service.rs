@@ -253,6 +253,10 @@ impl CacheService for CacheServiceImpl {
         for (d, &(_, _, host_blocks)) in disks.iter().zip(&pools) {
             check_disk_pool(d, host_blocks, r.worker_incarnation, max_blocks)?;
         }
+        // before anything is registered: a bad key registers nothing
+        if !r.peer_key.is_empty() {
+            crate::cache::check_name("peer_key", &r.peer_key)?;
+        }
         let plan = self.lock().plan_registration(
             caller.name(),
             &r.pool_group,
@@ -270,6 +274,16 @@ impl CacheService for CacheServiceImpl {
                 self.lock().commit_registration(built)?
             }
         };
+        // its peer key and block sizes (peer pull), once the group exists
+        let block_bytes = r
+            .pools
+            .iter()
+            .zip(&pools)
+            .filter(|(p, _)| p.bytes_per_block > 0)
+            .map(|(p, &(window, _, _))| (window, p.bytes_per_block))
+            .collect::<Vec<_>>();
+        self.lock()
+            .set_peer_profile(caller.name(), &r.pool_group, &r.peer_key, &block_bytes)?;
         // the worker's incarnation and disk tiers, once the group exists
         let reindexed = self.lock().register_incarnation(
             caller.name(),
@@ -629,13 +643,16 @@ impl CacheService for CacheServiceImpl {
         let session = SessionId(r.session_id);
         let mut cache = self.session(&caller, session, None, false)?;
         let results =
-            cache.match_prefixes(session, Epoch(r.epoch), &r.pool_groups, &prompts, now())?;
+            cache.match_with_peers(session, Epoch(r.epoch), &r.pool_groups, &prompts, now())?;
         drop(cache);
         self.metrics.matched(prompts.len());
         Ok(Response::new(pb::MatchResponse {
             results: results
                 .into_iter()
-                .map(|reused_tokens| pb::MatchResult { reused_tokens })
+                .map(|row| pb::MatchResult {
+                    reused_tokens: row.iter().map(|m| m.reused_tokens).collect(),
+                    peer_tokens: row.iter().map(|m| m.peer_tokens).collect(),
+                })
                 .collect(),
         }))
     }

@@ -136,6 +136,14 @@ pub(crate) fn trace_outcomes(
                     );
                 }
                 record_tiers(&span, &g.tier_copies);
+                if let Some(d) = &g.peer_decision {
+                    span.set_attribute(attributes::PEER_GROUP, d.src_group.clone());
+                    attributes::set_u64(&span, attributes::PEER_BLOCKS, u64::from(d.blocks));
+                    attributes::set_u64(&span, attributes::PEER_BYTES, d.bytes);
+                    attributes::set_u64(&span, attributes::PEER_PULL_US, d.pull_us);
+                    attributes::set_u64(&span, attributes::PEER_RECOMPUTE_US, d.recompute_us);
+                    span.set_attribute(attributes::PEER_PULLED, d.pulled);
+                }
                 let evicted: u64 = evicted
                     .iter()
                     .filter(|e| e.seq_id.0 == g.seq_id)

@@ -876,3 +876,114 @@ async fn forks_share_blocks_and_malformed_forks_name_fork_of() {
     assert!(st.pools.iter().map(|p| p.fork_shared).sum::<u64>() >= 2);
     s.shutdown().await;
 }
+
+/// Peer pull over gRPC: two groups under one peer key, a prefix published
+/// in one is granted to the other as peer copies with the cost model's
+/// figures; malformed peer fields are INVALID_ARGUMENT naming the field,
+/// and a bad key registers nothing.
+#[tokio::test]
+async fn peer_pull_grants_copies_and_malformed_peer_fields_name_the_field() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    let peer_pool = || pb::PoolSpec {
+        bytes_per_block: 4_096,
+        ..pool_spec(0, 16)
+    };
+    let bad_key = pb::RegisterPoolRequest {
+        peer_key: "bad key".into(),
+        ..register_req("m/r1", 4, vec![peer_pool()])
+    };
+    assert_status(
+        c.register_pool(bad_key).await,
+        Code::InvalidArgument,
+        "peer_key",
+    );
+    for group in ["m/r0", "m/r1"] {
+        let req = pb::RegisterPoolRequest {
+            peer_key: "seeded:f32".into(),
+            ..register_req(group, 4, vec![peer_pool()])
+        };
+        let r = c.register_pool(req).await.unwrap().into_inner();
+        assert!(
+            !r.already_registered,
+            "{group} was registered by the bad call"
+        );
+    }
+    let sess = open(c).await;
+    let prompt: Vec<u32> = (10..21).collect();
+    let out = lease(c, sess, 1, vec![seq_in("m/r0", 1, prompt.clone())]).await;
+    let source = grant(&out[0]).tables[0].block_ids.clone();
+    c.complete_step(complete_req(sess, 1)).await.unwrap();
+    let rates = pb::PeerPullRates {
+        link_bytes_per_s: 1_000_000_000,
+        prefill_tokens_per_s: 1_000,
+        overhead_us: 100,
+    };
+    let pulling = pb::SequenceSpec {
+        peer_pull: Some(rates),
+        ..seq_in("m/r1", 2, prompt.clone())
+    };
+    let out = lease(c, sess, 2, vec![pulling]).await;
+    let g = grant(&out[0]);
+    assert_eq!(g.reused_tokens, 8);
+    let srcs: Vec<u32> = g.peer_copies.iter().map(|p| p.src_block).collect();
+    assert_eq!(srcs, source[..2].to_vec());
+    assert!(g.peer_copies.iter().all(|p| p.src_group == "m/r0"));
+    let d = g.peer_decision.as_ref().unwrap();
+    assert_eq!((d.blocks, d.bytes, d.pulled), (2, 8_192, true));
+    assert_eq!((d.pull_us, d.recompute_us), (109, 8_000));
+    // Match counts what the pull would bring
+    let m = c
+        .r#match(pb::MatchRequest {
+            session_id: sess.0,
+            epoch: sess.1,
+            pool_groups: vec!["m/r0".into(), "m/r1".into()],
+            prompts: vec![pb::MatchPrompt {
+                prompt_tokens: prompt.clone(),
+                cache_salt: String::new(),
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // sequence 2's step is not complete: its pulled blocks are not
+    // published in m/r1 yet, so a lease there would pull them again
+    assert_eq!(m.results[0].reused_tokens, vec![8, 0]);
+    assert_eq!(m.results[0].peer_tokens, vec![0, 8]);
+    for (field, bad) in [
+        (
+            "peer_pull.link_bytes_per_s",
+            pb::PeerPullRates {
+                link_bytes_per_s: 0,
+                ..rates
+            },
+        ),
+        (
+            "peer_pull.prefill_tokens_per_s",
+            pb::PeerPullRates {
+                prefill_tokens_per_s: 0,
+                ..rates
+            },
+        ),
+    ] {
+        let spec = pb::SequenceSpec {
+            peer_pull: Some(bad),
+            ..seq_in("m/r1", 3, prompt.clone())
+        };
+        assert_status(
+            c.lease(lease_req(sess, 3, vec![spec])).await,
+            Code::InvalidArgument,
+            field,
+        );
+    }
+    c.release(release_req(sess, vec![1, 2], Some(2)))
+        .await
+        .unwrap();
+    c.complete_step(complete_req(sess, 3)).await.unwrap();
+    let audit = c.audit(pb::AuditRequest {}).await.unwrap().into_inner();
+    assert!(audit.reclaimed.is_empty(), "{audit:?}");
+    for p in stats(c).await.pools {
+        assert_eq!((p.in_use, p.fenced), (0, 0), "{p:?}");
+    }
+    s.shutdown().await;
+}

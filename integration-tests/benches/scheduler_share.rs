@@ -154,6 +154,7 @@ fn group() -> GroupGeometry {
         vocab_size: 258,
         max_batch_sequences: 1024,
         max_batch_tokens: 1 << 20,
+        peer: Default::default(),
     }
 }
 
@@ -182,6 +183,8 @@ fn extend_grant(seq_id: SeqId) -> Outcome {
         reused_tokens: 0,
         capacity_tokens: 0,
         copies: Vec::new(),
+        peer_copies: Vec::new(),
+        peer_blocks: 0,
     })
 }
 
@@ -194,6 +197,8 @@ fn grant(seq_id: SeqId) -> Outcome {
         reused_tokens: 0,
         capacity_tokens: 0,
         copies: Vec::new(),
+        peer_copies: Vec::new(),
+        peer_blocks: 0,
     })
 }
 
@@ -228,6 +233,7 @@ fn scheduler_step(draft_k: u32) -> Duration {
                     next_token: 5,
                     argmax: vec![],
                     logprobs: Vec::new(),
+                    error: None,
                 })
                 .collect(),
         );
@@ -257,6 +263,7 @@ fn scheduler_step(draft_k: u32) -> Duration {
                         next_token: 7,
                         argmax,
                         logprobs: Vec::new(),
+                        error: None,
                     }
                 })
                 .collect();

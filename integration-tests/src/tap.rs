@@ -321,10 +321,55 @@ pub struct WorkerTap {
     gate: Option<GateSide>,
     /// Forward passes still to fail (see [`start_faulty`]).
     failures: Arc<AtomicU64>,
+    /// Peer pulls still to cut after their first chunk (see
+    /// [`Faults::cut_next_pulls`]).
+    pull_cuts: Arc<AtomicU64>,
 }
 
 #[tonic::async_trait]
 impl WorkerService for WorkerTap {
+    type PullBlocksStream = tokio_stream::wrappers::ReceiverStream<Result<pb::BlockChunk, Status>>;
+
+    /// Passes a peer pull on, chunk by chunk; a pull to cut ends with
+    /// UNAVAILABLE after its first chunk, as a source that died mid-pull.
+    async fn pull_blocks(
+        &self,
+        r: Request<pb::PullBlocksRequest>,
+    ) -> Result<Response<Self::PullBlocksStream>, Status> {
+        let cut = self
+            .pull_cuts
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok();
+        let mut upstream = self
+            .inner
+            .clone()
+            .pull_blocks(r.into_inner())
+            .await?
+            .into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(2);
+        tokio::spawn(async move {
+            let mut passed = 0;
+            loop {
+                let next = match upstream.message().await {
+                    Ok(Some(_)) if cut && passed == 1 => Err(Status::unavailable(
+                        "injected: the source worker went away mid-pull",
+                    )),
+                    Ok(Some(chunk)) => Ok(chunk),
+                    Ok(None) => return,
+                    Err(status) => Err(status),
+                };
+                let end = next.is_err();
+                if tx.send(next).await.is_err() || end {
+                    return;
+                }
+                passed += 1;
+            }
+        });
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
+            rx,
+        )))
+    }
+
     async fn describe(
         &self,
         r: Request<pb::DescribeRequest>,
@@ -392,6 +437,7 @@ pub async fn start_taps(
         delay,
         gate: None,
         failures: Arc::default(),
+        pull_cuts: Arc::default(),
     };
     let c = serve_tap("cache tap", CacheServiceServer::new(cache_tap)).await?;
     let w = serve_worker_tap("worker tap", worker_tap).await?;
@@ -470,6 +516,7 @@ pub async fn start_gate(worker: SocketAddr) -> Result<(Service, Gate), Error> {
             waiting: Arc::new(waiting_tx),
         }),
         failures: Arc::default(),
+        pull_cuts: Arc::default(),
     };
     let service = serve_worker_tap("worker gate", proxy).await?;
     let gate = Gate {
@@ -481,34 +528,52 @@ pub async fn start_gate(worker: SocketAddr) -> Result<(Service, Gate), Error> {
 
 /// The test's handle on a faulty worker (see [`start_faulty`]).
 #[derive(Debug, Clone)]
-pub struct Faults(Arc<AtomicU64>);
+pub struct Faults {
+    forwards: Arc<AtomicU64>,
+    pulls: Arc<AtomicU64>,
+}
 
 impl Faults {
     /// The next `n` forward passes fail (UNAVAILABLE) without reaching the
     /// worker, as a worker that died mid-pass.
     pub fn fail_next(&self, n: u64) {
-        self.0.store(n, Ordering::Release);
+        self.forwards.store(n, Ordering::Release);
     }
 
     /// Injected failures not yet spent.
     pub fn left(&self) -> u64 {
-        self.0.load(Ordering::Acquire)
+        self.forwards.load(Ordering::Acquire)
+    }
+
+    /// The next `n` peer pulls from this worker end (UNAVAILABLE) after
+    /// their first chunk, as a source worker that died mid-pull.
+    pub fn cut_next_pulls(&self, n: u64) {
+        self.pulls.store(n, Ordering::Release);
+    }
+
+    /// Injected pull cuts not yet spent.
+    pub fn pull_cuts_left(&self) -> u64 {
+        self.pulls.load(Ordering::Acquire)
     }
 }
 
 /// Starts a pass-through proxy in front of `worker` whose forward passes
 /// fail while the returned [`Faults`] says so (none at first).
 pub async fn start_faulty(worker: SocketAddr) -> Result<(Service, Faults), Error> {
-    let failures = Arc::<AtomicU64>::default();
+    let faults = Faults {
+        forwards: Arc::default(),
+        pulls: Arc::default(),
+    };
     let proxy = WorkerTap {
         inner: crate::worker_client(worker).await?,
         log: Log::default(),
         delay: Duration::ZERO,
         gate: None,
-        failures: failures.clone(),
+        failures: faults.forwards.clone(),
+        pull_cuts: faults.pulls.clone(),
     };
     let service = serve_worker_tap("faulty worker", proxy).await?;
-    Ok((service, Faults(failures)))
+    Ok((service, faults))
 }
 
 async fn serve_worker_tap(name: &'static str, tap: WorkerTap) -> Result<Service, Error> {

@@ -199,6 +199,7 @@ async fn malformed_disk_tiers_in_register_pool_are_refused_naming_the_field() {
         host_blocks,
         disk_blocks,
         disk_held: held,
+        ..Default::default()
     };
     let held = |block| pb::DiskBlock {
         block,
@@ -221,6 +222,7 @@ async fn malformed_disk_tiers_in_register_pool_are_refused_naming_the_field() {
                 tokens_per_block: 4,
                 pools: vec![pool],
                 worker_incarnation: incarnation,
+                ..Default::default()
             })
             .await
             .unwrap_err();
@@ -276,6 +278,7 @@ async fn a_new_incarnation_waits_for_an_earlier_session_to_give_its_blocks_back(
         tokens_per_block: d.tokens_per_block.into(),
         pools,
         worker_incarnation: d.incarnation ^ 1,
+        ..Default::default()
     })
     .await
     .unwrap();

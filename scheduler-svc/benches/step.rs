@@ -40,6 +40,7 @@ fn group() -> GroupGeometry {
         vocab_size: 258,
         max_batch_sequences: 1024,
         max_batch_tokens: 1 << 20,
+        peer: Default::default(),
     }
 }
 
@@ -94,6 +95,8 @@ fn extend_grant(seq_id: SeqId, len: u32) -> Outcome {
         reused_tokens: 0,
         capacity_tokens: len,
         copies: Vec::new(),
+        peer_copies: Vec::new(),
+        peer_blocks: 0,
     })
 }
 
@@ -106,6 +109,8 @@ fn grant(seq_id: SeqId, len: u32) -> Outcome {
         reused_tokens: 0,
         capacity_tokens: len,
         copies: Vec::new(),
+        peer_copies: Vec::new(),
+        peer_blocks: 0,
     })
 }
 
@@ -136,6 +141,7 @@ fn running_core(draft_k: u32) -> Core {
             next_token: 5,
             argmax: vec![],
             logprobs: Vec::new(),
+            error: None,
         });
         core.apply_forward(g, results.collect());
     }
@@ -171,6 +177,7 @@ fn step(core: &mut Core, len: u32) -> (Duration, Duration) {
                     next_token: 7,
                     argmax,
                     logprobs: Vec::new(),
+                    error: None,
                 }
             })
             .collect();

@@ -109,6 +109,7 @@ async fn start_inner(
             vocab_size: d.vocab_size,
             max_batch_sequences: d.max_batch_sequences.max(1),
             max_batch_tokens: d.max_batch_tokens.max(1),
+            peer: d.peer.clone(),
         };
         tracing::info!(group = %group.name, worker = worker.addr(), tokens_per_block = group.tokens_per_block,
             pools = group.pools.len(), "pools registered");
@@ -148,7 +149,7 @@ async fn register_waiting(
     let mut warned = false;
     loop {
         match cache
-            .register_pool(group, d.tokens_per_block, &d.pools, &d.tiers)
+            .register_pool(group, d.tokens_per_block, &d.pools, &d.tiers, &d.peer)
             .await
         {
             Err(Error::Rpc {
@@ -305,6 +306,7 @@ async fn warm_up(
                     prefill_tokens: 0,
                     fork_of: None,
                     reuse_prefix: true,
+                    peer_pull: None,
                 }
             })
             .collect();
@@ -436,6 +438,7 @@ async fn run_shape(
                 history: None,
                 copies: Vec::new(),
                 logprobs: None,
+                peer_pull: None,
             })
             .collect();
         let copies = std::mem::take(&mut tier_copies);
@@ -486,6 +489,7 @@ async fn run_shape(
             history: None,
             logprobs: None,
             copies: Vec::new(),
+            peer_pull: None,
         });
     }
     forward_batched(worker, group, step_tokens, *step, &items, &tier_copies).await?;

@@ -184,8 +184,10 @@ impl CacheClient {
         tokens_per_block: u32,
         pools: &[(u32, u32, u32)],
         tiers: &WorkerTiers,
+        peer: &crate::domain::PeerProfile,
     ) -> Result<Vec<PoolGeometry>> {
         let req = pb::RegisterPoolRequest {
+            peer_key: peer.key.clone(),
             pool_group: group.to_string(),
             tokens_per_block: tokens_per_block.into(),
             pools: pools
@@ -197,6 +199,7 @@ impl CacheClient {
                         .get(i)
                         .map_or((0, &[][..]), |(n, held)| (*n, held.as_slice()));
                     pb::PoolSpec {
+                        bytes_per_block: peer.block_bytes.get(i).copied().unwrap_or(0),
                         host_blocks: host_blocks.into(),
                         window: window.into(),
                         num_blocks: num_blocks.into(),
@@ -249,7 +252,7 @@ impl CacheClient {
         &self,
         groups: &[String],
         wanted: &[MatchWanted],
-    ) -> Result<Vec<Vec<u32>>> {
+    ) -> Result<Vec<Vec<(u32, u32)>>> {
         let s = self.session();
         let req = pb::MatchRequest {
             session_id: s.id.get(),
@@ -421,10 +424,48 @@ pub(crate) struct WorkerDescription {
     pub pools: Vec<(u32, u32, u32)>,
     /// The worker's incarnation and disk tiers.
     pub tiers: WorkerTiers,
+    /// Peer pull's key (model, tokenizer, KV type, geometry) and each
+    /// pool's block bytes; the address is the client's.
+    pub peer: crate::domain::PeerProfile,
     pub max_context: u32,
     pub vocab_size: u32,
     pub max_batch_sequences: u32,
     pub max_batch_tokens: u32,
+}
+
+/// Peer pull's key of a worker: what its blocks' K/V depends on beyond
+/// the pools' geometry (the model and its shape, the tokenizer, the KV
+/// element type, tokens per block), in the cache's name alphabet.
+fn peer_key(model: &pb::ModelShape, kv_dtype: &str, tokens_per_block: u32) -> String {
+    let windows: Vec<String> = model.layer_windows.iter().map(u32::to_string).collect();
+    let raw = format!(
+        "{}:{}:{}x{}x{}x{}:{}:{}:w{}",
+        model.name,
+        model.tokenizer_fingerprint,
+        model.num_layers,
+        model.num_kv_heads,
+        model.head_dim,
+        model.hidden_size,
+        kv_dtype,
+        tokens_per_block,
+        windows.join("-"),
+    );
+    // the cache takes 1 to 128 of A-Z a-z 0-9 . _ - / : @ +
+    let mut key: String = raw
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._-/:@+".contains(c) {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    if key.len() > 128 {
+        // keep it unique: the tail is the shape, dtype and geometry
+        key = key.split_off(key.len() - 128);
+    }
+    key
 }
 
 /// A worker client.
@@ -461,7 +502,8 @@ impl WorkerClient {
             .await
             .map_err(|s| Error::from_worker("Describe", &s))?
             .into_inner();
-        let model = r.model.unwrap_or_default();
+        let model = r.model.clone().unwrap_or_default();
+        let key = peer_key(&model, &r.kv_dtype, r.tokens_per_block);
         Ok(WorkerDescription {
             model_name: model.name,
             tokenizer_fingerprint: model.tokenizer_fingerprint,
@@ -481,6 +523,11 @@ impl WorkerClient {
                         (p.disk_blocks, held.collect())
                     })
                     .collect(),
+            },
+            peer: crate::domain::PeerProfile {
+                key,
+                block_bytes: r.pools.iter().map(|p| p.bytes_per_block).collect(),
+                address: self.addr.clone(),
             },
             max_context: model.max_context,
             vocab_size: model.vocab_size,

@@ -228,6 +228,29 @@ pub struct Config {
         default_value_t = DEFAULT_ROUTING_PREFILL_WEIGHT
     )]
     pub routing_prefill_weight: PrefillWeight,
+    /// Peer pull: an admission lease may pull its prompt's prefix from
+    /// another worker group of the same model (same tokenizer, geometry and
+    /// KV type) instead of computing it, when moving the blocks costs less
+    /// than computing them at the rates below (the cache decides, per
+    /// grant, with the figures in the grant's trace). Off by default.
+    #[arg(long, env = "KVLEASE_SCHEDULER_PEER_PULL", default_value_t = false)]
+    pub peer_pull: bool,
+    /// Peer pull's link rate between workers, in bytes per second.
+    #[arg(long, env = "KVLEASE_SCHEDULER_PEER_LINK_BYTES_PER_S", default_value_t = 1_000_000_000,
+        value_parser = clap::value_parser!(u64).range(1..))]
+    pub peer_link_bytes_per_s: u64,
+    /// Peer pull's prefill rate of a worker group, in tokens per second.
+    #[arg(long, env = "KVLEASE_SCHEDULER_PEER_PREFILL_TOKENS_PER_S", default_value_t = 4_000,
+        value_parser = clap::value_parser!(u64).range(1..))]
+    pub peer_prefill_tokens_per_s: u64,
+    /// Peer pull's fixed cost of one pull (connection, first byte), in
+    /// microseconds.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_PEER_PULL_OVERHEAD_US",
+        default_value_t = 1_000
+    )]
+    pub peer_pull_overhead_us: u64,
     /// Transport limits (connections, keepalive, streams).
     #[command(flatten)]
     pub limits: kvlease_runtime::limits::ServeLimits,
@@ -267,6 +290,10 @@ impl Default for Config {
             max_queue_wait_ms: DEFAULT_MAX_QUEUE_WAIT_MS,
             routing: DEFAULT_ROUTING,
             routing_prefill_weight: DEFAULT_ROUTING_PREFILL_WEIGHT,
+            peer_pull: false,
+            peer_link_bytes_per_s: 1_000_000_000,
+            peer_prefill_tokens_per_s: 4_000,
+            peer_pull_overhead_us: 1_000,
             limits: Default::default(),
         }
     }
@@ -374,6 +401,11 @@ impl Config {
             // extend follows the launch (two passes ahead when pipelined)
             lookahead: self.order().lookahead(),
             order: self.order(),
+            peer_pull: self.peer_pull.then_some(crate::domain::PeerRates {
+                link_bytes_per_s: self.peer_link_bytes_per_s.max(1),
+                prefill_tokens_per_s: self.peer_prefill_tokens_per_s.max(1),
+                overhead_us: self.peer_pull_overhead_us,
+            }),
         }
     }
 

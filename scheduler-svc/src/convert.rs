@@ -691,6 +691,11 @@ pub(crate) fn sequence_spec(s: &LeaseSpec, traceparent: String) -> pb::SequenceS
         prefill_tokens: s.prefill_tokens,
         refusal_retried: false,
         fork_of: s.fork_of.map(SeqId::get),
+        peer_pull: s.peer_pull.map(|r| pb::PeerPullRates {
+            link_bytes_per_s: r.link_bytes_per_s,
+            prefill_tokens_per_s: r.prefill_tokens_per_s,
+            overhead_us: r.overhead_us,
+        }),
         retain: s.retain.as_ref().map(|h| pb::RetentionHint {
             tokens: h.tokens,
             priority: h.priority,
@@ -768,6 +773,21 @@ pub(crate) fn grant(g: pb::Grant, seq_id: SeqId) -> Grant {
             .collect(),
         tier_copies: g.tier_copies.iter().map(tier_copy_from_pb).collect(),
         retained_tokens: g.retained_tokens,
+        peer_blocks: g
+            .peer_decision
+            .filter(|d| d.pulled && !g.peer_copies.is_empty())
+            .map_or(0, |d| d.blocks),
+        peer_copies: g
+            .peer_copies
+            .into_iter()
+            .map(|c| crate::domain::PeerCopy {
+                window: c.window,
+                dst_block: c.dst_block,
+                src_group: c.src_group,
+                src_block: c.src_block,
+                transfer_id: c.transfer_id,
+            })
+            .collect(),
     }
 }
 
@@ -941,6 +961,19 @@ fn forward_sequence(i: &ForwardItem, trace: Option<&ChunkTrace>) -> pb::ForwardS
                 tokens: c.tokens,
             })
             .collect(),
+        peer_pull: i.peer_pull.as_ref().map(|p| pb::PeerPull {
+            address: p.address.clone(),
+            transfer_id: p.transfer_id,
+            blocks: p
+                .blocks
+                .iter()
+                .map(|&(window, src_block, dst_block)| pb::PeerBlockCopy {
+                    window,
+                    src_block,
+                    dst_block,
+                })
+                .collect(),
+        }),
     }
 }
 
@@ -974,6 +1007,7 @@ pub(crate) fn forward_results(
                     top: p.top_tokens.into_iter().zip(p.top_logprobs).collect(),
                 })
                 .collect(),
+            error: (!x.error.is_empty()).then_some(x.error),
         })
         .collect())
 }
@@ -984,8 +1018,14 @@ pub(crate) fn match_results(
     raw: Vec<pb::MatchResult>,
     prompts: usize,
     groups: usize,
-) -> Result<Vec<Vec<u32>>> {
-    if raw.len() != prompts || raw.iter().any(|r| r.reused_tokens.len() != groups) {
+) -> Result<Vec<Vec<(u32, u32)>>> {
+    // a cache from before peer pull sends no peer_tokens: none
+    let peers_ok = |r: &pb::MatchResult| r.peer_tokens.is_empty() || r.peer_tokens.len() == groups;
+    if raw.len() != prompts
+        || raw
+            .iter()
+            .any(|r| r.reused_tokens.len() != groups || !peers_ok(r))
+    {
         return Err(Error::Protocol {
             peer: "cache",
             message: format!(
@@ -994,7 +1034,13 @@ pub(crate) fn match_results(
             ),
         });
     }
-    Ok(raw.into_iter().map(|r| r.reused_tokens).collect())
+    Ok(raw
+        .into_iter()
+        .map(|r| {
+            let peer = r.peer_tokens.iter().copied().chain(std::iter::repeat(0));
+            r.reused_tokens.into_iter().zip(peer).collect()
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -1062,6 +1108,7 @@ mod tests {
             prefill_tokens: 3,
             fork_of: Some(SeqId(9)),
             reuse_prefix: true,
+            peer_pull: None,
         };
         let traces = ["00-t-s-01".to_string()];
         let admit = lease_request(
@@ -1139,6 +1186,7 @@ mod tests {
             history: None,
             copies: Vec::new(),
             logprobs: None,
+            peer_pull: None,
         };
         let req = forward_request(Step(6), None, std::slice::from_ref(&item), &[], &[]);
         assert_eq!((req.step, req.after_step), (6, 0));
@@ -1165,6 +1213,7 @@ mod tests {
             next_token: 9,
             argmax: vec![9],
             logprobs: Vec::new(),
+            ..Default::default()
         };
         let results = forward_results(vec![answer.clone()], 1).unwrap();
         assert_eq!((results[0].seq_id, results[0].next_token), (SeqId(2), 9));
@@ -1502,6 +1551,7 @@ mod tests {
             history: Some(Vec::new()),
             copies: Vec::new(),
             logprobs: None,
+            peer_pull: None,
         };
         let first = forward_request(Step(1), None, std::slice::from_ref(&item), &[], &[]);
         let s = &first.sequences[0];

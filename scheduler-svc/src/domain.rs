@@ -141,6 +141,52 @@ pub struct GroupGeometry {
     pub max_batch_sequences: u32,
     /// Worker limit on tokens in one forward batch.
     pub max_batch_tokens: u32,
+    /// What peer pull needs of the group.
+    pub peer: PeerProfile,
+}
+
+/// Peer pull (cache.proto `RegisterPoolRequest.peer_key`,
+/// `PoolSpec.bytes_per_block`): what a group's blocks depend on beyond its
+/// geometry, its blocks' sizes, and where its peers' workers pull from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeerProfile {
+    /// The model, tokenizer fingerprint and KV element type (empty: the
+    /// group takes no part in peer pulls).
+    pub key: String,
+    /// Bytes of one block of each pool, in the order of the group's pools.
+    pub block_bytes: Vec<u64>,
+    /// The address of the group's worker.
+    pub address: String,
+}
+
+/// The rates a lease's peer-pull decision uses (cache.proto
+/// `PeerPullRates`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerRates {
+    pub link_bytes_per_s: u64,
+    pub prefill_tokens_per_s: u64,
+    pub overhead_us: u64,
+}
+
+/// One block a grant pulls from a peer group's device (cache.proto
+/// `PeerCopy`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerCopy {
+    pub window: u32,
+    pub dst_block: u32,
+    pub src_group: String,
+    pub src_block: u32,
+    pub transfer_id: u64,
+}
+
+/// What a sequence's worker pulls before its pass (worker.proto
+/// `PeerPull`): from the worker at `address`, `(window, src_block,
+/// dst_block)` per block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerPull {
+    pub address: String,
+    pub transfer_id: u64,
+    pub blocks: Vec<(u32, u32, u32)>,
 }
 
 impl GroupGeometry {
@@ -308,6 +354,11 @@ pub struct Grant {
     pub tier_copies: Vec<TierCopy>,
     /// Prompt tokens kept under the sequence's retention hint.
     pub retained_tokens: u32,
+    /// Blocks to pull from a peer group before the lease step's pass
+    /// (counted in `reused_tokens`).
+    pub peer_copies: Vec<PeerCopy>,
+    /// Sequence blocks the peer copies bring (0: none).
+    pub peer_blocks: u32,
 }
 
 /// Copy one whole block between two tiers of a pool in the worker
@@ -409,6 +460,8 @@ pub struct LeaseSpec {
     /// to the cache. Off for a request whose prompt's logprobs are asked
     /// (every position must be computed): its lease names only a count.
     pub reuse_prefix: bool,
+    /// Peer pull's rates (`None`: no peer pull).
+    pub peer_pull: Option<PeerRates>,
 }
 
 /// One sequence to grow.
@@ -533,6 +586,9 @@ pub struct ForwardItem {
     pub copies: Vec<BlockCopy>,
     /// Log-probabilities to return; `None`: none.
     pub logprobs: Option<ItemLogprobs>,
+    /// Blocks to pull from a peer before the pass (the lease step's first
+    /// chunk only).
+    pub peer_pull: Option<PeerPull>,
 }
 
 /// One sequence's forward result.
@@ -544,6 +600,9 @@ pub struct ForwardResult {
     /// What the item's `logprobs` asked for: one per input position of a
     /// prompt chunk, else one.
     pub logprobs: Vec<TokenLogprob>,
+    /// The sequence did not run: its peer pull failed (the worker's
+    /// message). The rest of the batch ran.
+    pub error: Option<String>,
 }
 
 /// How a request ended.

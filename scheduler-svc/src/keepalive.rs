@@ -73,6 +73,7 @@ pub(crate) async fn reopen(
                 group.tokens_per_block,
                 &pools,
                 &crate::domain::WorkerTiers::default(),
+                &group.peer,
             )
             .await
             .map_err(|e| {

@@ -245,6 +245,7 @@ mod tests {
             vocab_size: 258,
             max_batch_sequences: 64,
             max_batch_tokens: 4096,
+            peer: Default::default(),
         }
     }
 

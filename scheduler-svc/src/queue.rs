@@ -59,6 +59,9 @@ pub struct Request {
     pub beam_width: u32,
     /// A beam's cumulative logprob of its generated tokens.
     pub beam_logprob: f64,
+    /// A peer pull of its prefix failed: it is recomputed, never pulled
+    /// again.
+    pub peer_pull_failed: bool,
 }
 
 impl Request {
@@ -86,6 +89,7 @@ impl Request {
             reported_prompt_logprobs: false,
             beam_width: 1,
             beam_logprob: 0.0,
+            peer_pull_failed: false,
         }
     }
 

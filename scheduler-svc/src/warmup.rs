@@ -145,6 +145,7 @@ mod tests {
             vocab_size: 258,
             max_batch_sequences: 8,
             max_batch_tokens: 256,
+            peer: Default::default(),
         }
     }
 

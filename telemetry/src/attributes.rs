@@ -89,6 +89,20 @@ pub const TIER_DEVICE: &str = "device";
 pub const TIER_HOST: &str = "host";
 /// Prompt tokens a partial-block copy supplied.
 pub const COPIED_TOKENS: &str = "kvlease.copied_tokens";
+/// Peer pull, on a `Grant` whose lease weighed one: the peer group, the
+/// blocks and bytes it could bring, the estimated microseconds to pull
+/// them and to compute them instead, and whether the grant pulls them.
+pub const PEER_GROUP: &str = "kvlease.peer.group";
+/// See [`PEER_GROUP`].
+pub const PEER_BLOCKS: &str = "kvlease.peer.blocks";
+/// See [`PEER_GROUP`].
+pub const PEER_BYTES: &str = "kvlease.peer.bytes";
+/// See [`PEER_GROUP`].
+pub const PEER_PULL_US: &str = "kvlease.peer.pull_us";
+/// See [`PEER_GROUP`].
+pub const PEER_RECOMPUTE_US: &str = "kvlease.peer.recompute_us";
+/// See [`PEER_GROUP`].
+pub const PEER_PULLED: &str = "kvlease.peer.pulled";
 /// The pool group (model replica) a sequence runs in.
 pub const REPLICA: &str = "kvlease.replica";
 /// Sequences of a call whose allocations evicted cached blocks (on its `Evict` span).

@@ -241,6 +241,22 @@ impl SlotLedger {
         }
     }
 
+    /// Marks every slot of one block as holding K/V (a whole block pulled
+    /// from a peer). Ignored out of range.
+    pub fn set_block_full(&mut self, pool: usize, block: u32) {
+        let words: Vec<u64> = (0..self.words_per_block)
+            .map(|w| {
+                let slots = self.tokens_per_block.saturating_sub(w * 64).min(64);
+                if slots == 64 {
+                    u64::MAX
+                } else {
+                    (1u64 << slots) - 1
+                }
+            })
+            .collect();
+        self.set_block_words(pool, block, &words);
+    }
+
     /// Records one batch's writes: `(pool, block, slot)` triples. Blocks
     /// written at slot 0 are cleared first.
     pub fn record(&mut self, writes: &[(usize, u32, usize)]) {

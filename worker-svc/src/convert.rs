@@ -103,6 +103,23 @@ pub(crate) fn tier_copy_input(c: &pb::TierCopy) -> TierCopyInput {
     }
 }
 
+/// A Forward sequence's peer pull (checked later, against its tables).
+pub(crate) fn peer_pull_input(p: pb::PeerPull) -> crate::peer::PeerPullInput {
+    crate::peer::PeerPullInput {
+        address: p.address,
+        transfer_id: p.transfer_id,
+        blocks: p
+            .blocks
+            .into_iter()
+            .map(|b| crate::peer::PeerBlockInput {
+                window: b.window,
+                src_block: b.src_block,
+                dst_block: b.dst_block,
+            })
+            .collect(),
+    }
+}
+
 pub(crate) fn forward_result(out: SeqOutput) -> pb::ForwardResult {
     pb::ForwardResult {
         seq_id: out.seq_id,
@@ -121,6 +138,7 @@ pub(crate) fn forward_result(out: SeqOutput) -> pb::ForwardResult {
                 }
             })
             .collect(),
+        ..Default::default()
     }
 }
 

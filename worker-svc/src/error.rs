@@ -96,6 +96,15 @@ pub enum Error {
         /// What is wrong.
         problem: String,
     },
+    /// A peer pull (`PullBlocks`, or a Forward sequence's `peer_pull`) is
+    /// malformed: the message names the entry and the problem.
+    #[error("{0}")]
+    InvalidPull(String),
+    /// A peer pull cannot be served as asked (another model or KV type, a
+    /// block that does not hold K/V) or failed on the way (the source
+    /// refused or went away); the message says which.
+    #[error("peer pull: {0}")]
+    Pull(String),
     /// The compute backend failed.
     #[error("backend failure: {0}")]
     Backend(String),
@@ -338,14 +347,16 @@ impl From<Error> for tonic::Status {
         match error {
             Error::BatchOverLimit { .. }
             | Error::InvalidSequence { .. }
-            | Error::InvalidTierCopy { .. } => tonic::Status::invalid_argument(message),
+            | Error::InvalidTierCopy { .. }
+            | Error::InvalidPull(_) => tonic::Status::invalid_argument(message),
             Error::Config(_)
             | Error::Weights { .. }
             | Error::MemoryBudget { .. }
             | Error::PreviousPass { .. }
             | Error::NoHistory { .. }
             | Error::NoGrammar { .. }
-            | Error::DiskBlock(_) => tonic::Status::failed_precondition(message),
+            | Error::DiskBlock(_)
+            | Error::Pull(_) => tonic::Status::failed_precondition(message),
             Error::Backend(_) | Error::Disk(_) => tonic::Status::internal(message),
             Error::Serve(_) => tonic::Status::unavailable(message),
         }

@@ -42,6 +42,9 @@
 //! - [`reference`](mod@reference): a dense, contiguous-KV reference of the same model for tests.
 //! - `gpu_bench` (features `cuda` and `bench`): a CUDA [`worker::Worker`] timed end to end,
 //!   for the GPU benches; it sits above the worker, which never reaches back to it.
+//! - [`peer`]: peer pull's plain parts (a `PullBlocks` request checked against
+//!   the arena, blocks cut into chunks and put back together, a Forward
+//!   sequence's pull checked against its tables); `service` makes the calls.
 //! - The gRPC edge: `convert` (protobuf <-> domain; with `service` the only
 //!   place that touches protobuf types), `service` (`kvlease.v1.WorkerService`),
 //!   `metrics` (the worker's Prometheus series) and `server` ([`run`]: health,
@@ -70,6 +73,7 @@ mod metrics;
 pub mod model;
 pub mod ops;
 pub mod packed;
+pub mod peer;
 mod pipeline;
 pub mod reference;
 pub mod sampling;

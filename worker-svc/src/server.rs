@@ -111,6 +111,8 @@ async fn serve_model(
     if let Some(owner) = &config.owner {
         service = service.with_owner(owner);
     }
+    // a peer pull dials the source worker as this worker serves
+    service = service.with_peer_transport(security.clone(), crate::peer::PULL_CHUNK_BYTES);
     serve(
         ServerInfo {
             name: SERVICE,

@@ -11,9 +11,11 @@ use tracing::Instrument;
 
 use crate::batch::SeqInput;
 use crate::convert::{
-    describe_response, forward_result, seq_input, tier_copy_input, tokenizer_response,
+    describe_response, forward_result, peer_pull_input, seq_input, tier_copy_input,
+    tokenizer_response,
 };
 use crate::metrics::WorkerMetrics;
+use crate::peer::{Assembler, BlockRef, PeerPullInput, check_peer_pull, check_pull};
 use crate::pipeline::PassLog;
 use crate::worker::{Begun, Worker};
 
@@ -28,6 +30,18 @@ pub(crate) struct WorkerGrpc {
     tokenizer: Tokenizer,
     /// Whose Forward calls it serves.
     owner: Owner,
+    /// What peer pulls need without the worker's lock.
+    peers: Arc<Peers>,
+}
+
+/// Peer pull's view of this worker: its arena's geometry, each pool's
+/// block bytes, how it dials a source, and the chunk size it streams.
+#[derive(Debug)]
+struct Peers {
+    layout: crate::arena::ArenaLayout,
+    block_bytes: Vec<u64>,
+    security: kvlease_auth::Security,
+    chunk_bytes: usize,
 }
 
 impl WorkerGrpc {
@@ -37,6 +51,17 @@ impl WorkerGrpc {
         let tokenizer = Tokenizer::byte_level();
         worker.set_tokenizer(tokenizer.clone());
         let describe = describe_response(worker.info(), &tokenizer);
+        let peers = Arc::new(Peers {
+            layout: worker.layout().clone(),
+            block_bytes: worker
+                .info()
+                .pools
+                .iter()
+                .map(|p| p.bytes_per_block)
+                .collect(),
+            security: kvlease_auth::Security::loopback(),
+            chunk_bytes: crate::peer::PULL_CHUNK_BYTES,
+        });
         WorkerGrpc {
             passes: Arc::new(Passes {
                 worker: Mutex::new(worker),
@@ -47,7 +72,31 @@ impl WorkerGrpc {
             metrics,
             tokenizer,
             owner: Owner::default(),
+            peers,
         }
+    }
+
+    /// Dials source workers of peer pulls with `security` (the transport
+    /// it serves with), streaming blocks in chunks of `chunk_bytes`.
+    pub(crate) fn with_peer_transport(
+        self,
+        security: kvlease_auth::Security,
+        chunk_bytes: usize,
+    ) -> Self {
+        let peers = Arc::new(Peers {
+            layout: self.peers.layout.clone(),
+            block_bytes: self.peers.block_bytes.clone(),
+            security,
+            chunk_bytes: chunk_bytes.clamp(1, crate::peer::PULL_CHUNK_BYTES),
+        });
+        Self { peers, ..self }
+    }
+
+    fn fingerprint(&self) -> &str {
+        self.describe
+            .model
+            .as_ref()
+            .map_or("", |m| m.tokenizer_fingerprint.as_str())
     }
 
     /// Serves the model's own `tokenizer` (from its GGUF or tokenizer.json)
@@ -144,7 +193,10 @@ impl Passes {
         received: Instant,
         step: u64,
         after_step: u64,
-        copies: &[crate::batch::TierCopyInput],
+        (copies, pulled): (
+            &[crate::batch::TierCopyInput],
+            &[crate::worker::PulledBlock],
+        ),
         mut inputs: Vec<SeqInput>,
         feed: &[bool],
     ) -> Result<(Vec<crate::worker::SeqOutput>, u64, u64), Status> {
@@ -191,6 +243,8 @@ impl Passes {
             // The step's demotions and onboardings come first: the
             // demoted device blocks may be written by this very pass.
             worker.apply_tier_copies(copies)?;
+            // then the blocks pulled from peers, which this pass reads
+            worker.write_pulled(pulled)?;
             // Only the tokens: logits stay where the backend computed them.
             let begun = worker.begin_tokens(inputs, &fed.on_device)?;
             Ok((begun, !fed.on_device.is_empty()))
@@ -281,6 +335,12 @@ impl Owner {
     /// Refuses (and logs) a Forward from anyone but the owner; the first caller becomes the
     /// owner when there is none yet.
     fn check(&self, caller: &str) -> Result<(), Status> {
+        self.check_rpc(caller, "Forward")
+    }
+
+    /// As [`Owner::check`], for the call `rpc` (`Forward`, or `PullBlocks`:
+    /// a worker pulls blocks for its owner, with its owner's principal).
+    fn check_rpc(&self, caller: &str, rpc: &str) -> Result<(), Status> {
         let owner = self.0.get_or_init(|| {
             tracing::info!(
                 principal = caller,
@@ -294,16 +354,100 @@ impl Owner {
         tracing::warn!(
             principal = caller,
             owner,
-            "Forward from a principal that does not own this worker; refused"
+            rpc,
+            "call from a principal that does not own this worker; refused"
         );
         Err(Status::permission_denied(format!(
-            "this worker serves only its owner {owner}; principal {caller} may not Forward"
+            "this worker serves only its owner {owner}; principal {caller} may not {rpc}"
         )))
     }
 }
 
 #[tonic::async_trait]
 impl pb::worker_service_server::WorkerService for WorkerGrpc {
+    type PullBlocksStream = tokio_stream::wrappers::ReceiverStream<Result<pb::BlockChunk, Status>>;
+
+    async fn pull_blocks(
+        &self,
+        request: Request<pb::PullBlocksRequest>,
+    ) -> Result<Response<Self::PullBlocksStream>, Status> {
+        let caller = kvlease_auth::principal_of(&request)
+            .map_or(kvlease_auth::principal::ANONYMOUS, |p| p.name())
+            .to_string();
+        let is_worker = request.peer_certs().is_some_and(|certs| {
+            certs.first().is_some_and(|der| {
+                kvlease_auth::identity::services_of(der.as_ref())
+                    .iter()
+                    .any(|s| s == kvlease_auth::ServiceKind::Worker.name())
+            })
+        });
+        let pull_for = request
+            .metadata()
+            .get(crate::peer::PULL_FOR_METADATA)
+            .and_then(|v| v.to_str().ok());
+        let acting = crate::peer::pulls_for(&caller, is_worker, pull_for).to_string();
+        self.owner.check_rpc(&acting, "PullBlocks")?;
+        let r = request.into_inner();
+        let blocks: Vec<BlockRef> = r
+            .blocks
+            .iter()
+            .map(|b| BlockRef {
+                window: b.window,
+                block: b.block,
+            })
+            .collect();
+        let targets = check_pull(
+            &self.peers.layout,
+            (self.fingerprint(), &self.describe.kv_dtype),
+            (&r.tokenizer_fingerprint, &r.kv_dtype),
+            &blocks,
+        )?;
+        tracing::debug!(
+            transfer_id = r.transfer_id,
+            blocks = targets.len(),
+            "serving a peer pull"
+        );
+        // two chunks in flight at most: a block is read from the arena
+        // only once the puller took what came before (HTTP/2 flow control
+        // holds the sender back)
+        let (tx, rx) = tokio::sync::mpsc::channel(2);
+        let passes = Arc::clone(&self.passes);
+        let chunk_bytes = self.peers.chunk_bytes;
+        tokio::spawn(async move {
+            for (index, (pool, block)) in targets.into_iter().enumerate() {
+                let p = Arc::clone(&passes);
+                let read = tokio::task::spawn_blocking(move || {
+                    let worker = p.worker.lock().map_err(poisoned)?;
+                    worker.peer_block(pool, block).map_err(Status::from)
+                })
+                .await
+                .unwrap_or_else(|e| Err(Status::internal(format!("pull task failed: {e}"))));
+                let data = match read {
+                    Ok(data) => data,
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        return;
+                    }
+                };
+                let block_bytes = data.len() as u64;
+                for (offset, piece) in crate::peer::chunks(&data, chunk_bytes) {
+                    let chunk = pb::BlockChunk {
+                        index: index as u32,
+                        offset,
+                        block_bytes,
+                        data: piece.to_vec(),
+                    };
+                    if tx.send(Ok(chunk)).await.is_err() {
+                        return; // the puller went away
+                    }
+                }
+            }
+        });
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(
+            rx,
+        )))
+    }
+
     async fn describe(
         &self,
         _request: Request<pb::DescribeRequest>,
@@ -377,13 +521,59 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         );
         let copies: Vec<_> = request.tier_copies.iter().map(tier_copy_input).collect();
         let after_step = request.after_step;
-        let feed: Vec<bool> = request.sequences.iter().map(|s| s.feed_previous).collect();
-        let inputs: Vec<SeqInput> = request.sequences.into_iter().map(seq_input).collect();
+        let pulls: Vec<Option<PeerPullInput>> = request
+            .sequences
+            .iter()
+            .map(|s| s.peer_pull.clone().map(peer_pull_input))
+            .collect();
+        let mut feed: Vec<bool> = request.sequences.iter().map(|s| s.feed_previous).collect();
+        let mut inputs: Vec<SeqInput> = request.sequences.into_iter().map(seq_input).collect();
+        // every pull is checked before any is made: a malformed one fails
+        // the request, nothing written
+        let mut targets = Vec::with_capacity(pulls.len());
+        for (input, pull) in inputs.iter().zip(&pulls) {
+            targets.push(match pull {
+                Some(p) => Some(check_peer_pull(
+                    &self.peers.layout,
+                    input.seq_id,
+                    input.start_pos,
+                    &input.tables,
+                    p,
+                )?),
+                None => None,
+            });
+        }
+        let pulled = self.pull_all(step, &caller, &pulls, &targets).await;
+        // a sequence whose pull failed sits this pass out; the rest runs
+        let mut failed: Vec<(u64, String)> = Vec::new();
+        let mut writes = Vec::new();
+        let mut moved: Vec<(u64, u64, u64)> = Vec::new();
+        let mut keep = Vec::with_capacity(inputs.len());
+        for (input, result) in inputs.iter().zip(pulled) {
+            match result {
+                None => keep.push(true),
+                Some(Ok(p)) => {
+                    moved.push((input.seq_id, p.bytes, p.micros));
+                    writes.extend(p.blocks);
+                    keep.push(true);
+                }
+                Some(Err(message)) => {
+                    tracing::warn!(step, seq_id = input.seq_id, %message, "peer pull failed; the sequence sits this pass out");
+                    failed.push((input.seq_id, message));
+                    keep.push(false);
+                }
+            }
+        }
+        let order: Vec<u64> = inputs.iter().map(|s| s.seq_id).collect();
+        let mut k = keep.iter();
+        inputs.retain(|_| k.next().copied().unwrap_or(true));
+        let mut k = keep.iter();
+        feed.retain(|_| k.next().copied().unwrap_or(true));
         let passes = Arc::clone(&self.passes);
         let metrics = self.metrics.clone();
         async move {
             let outcome = tokio::task::spawn_blocking(move || {
-                passes.run(received, step, after_step, &copies, inputs, &feed)
+                passes.run(received, step, after_step, (&copies, &writes), inputs, &feed)
             })
             .await
             .map_err(|e| Status::internal(format!("forward task failed: {e}")))?;
@@ -397,7 +587,7 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
                     // one line per step: DEBUG, or a busy worker logs nothing else
                     tracing::debug!(step, sequences, tokens, compute_us, wait_us, "forward done");
                     Ok(Response::new(pb::ForwardResponse {
-                        results: outputs.into_iter().map(forward_result).collect(),
+                        results: merge_results(&order, outputs, failed, &moved),
                         compute_us,
                     }))
                 }
@@ -411,6 +601,182 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         .instrument(span)
         .await
     }
+}
+
+/// What one sequence's pull brought: `(pool, block, bytes)` to write, and
+/// the bytes moved and microseconds it took.
+#[derive(Debug)]
+struct Pulled {
+    blocks: Vec<crate::worker::PulledBlock>,
+    bytes: u64,
+    micros: u64,
+}
+
+/// Longest a sequence's pull may take, connection included.
+const PULL_DEADLINE: Duration = Duration::from_secs(30);
+
+impl WorkerGrpc {
+    /// Makes every sequence's pull (at once), each `None` without one.
+    async fn pull_all(
+        &self,
+        step: u64,
+        owner: &str,
+        pulls: &[Option<PeerPullInput>],
+        targets: &[Option<Vec<(usize, u32)>>],
+    ) -> Vec<Option<Result<Pulled, String>>> {
+        let mut tasks = Vec::with_capacity(pulls.len());
+        for (pull, target) in pulls.iter().zip(targets) {
+            let (Some(pull), Some(target)) = (pull, target) else {
+                tasks.push(None);
+                continue;
+            };
+            let (peers, pull, target) = (Arc::clone(&self.peers), pull.clone(), target.clone());
+            let identity = (
+                self.fingerprint().to_owned(),
+                self.describe.kv_dtype.clone(),
+                owner.to_owned(),
+            );
+            tasks.push(Some(tokio::spawn(async move {
+                match tokio::time::timeout(
+                    PULL_DEADLINE,
+                    pull_one(&peers, identity, &pull, &target),
+                )
+                .await
+                {
+                    Ok(result) => result,
+                    Err(_) => Err(format!(
+                        "the pull from {} took longer than {} s",
+                        pull.address,
+                        PULL_DEADLINE.as_secs()
+                    )),
+                }
+            })));
+        }
+        let mut out = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            out.push(match task {
+                None => None,
+                Some(t) => Some(
+                    t.await
+                        .unwrap_or_else(|e| Err(format!("pull task failed: {e}"))),
+                ),
+            });
+        }
+        tracing::debug!(
+            step,
+            pulls = out.iter().flatten().count(),
+            "peer pulls done"
+        );
+        out
+    }
+}
+
+/// Pulls one sequence's blocks from its source worker and checks what came
+/// back; the error says what went wrong, for the sequence's result.
+async fn pull_one(
+    peers: &Peers,
+    (fingerprint, kv_dtype, owner): (String, String, String),
+    pull: &PeerPullInput,
+    target: &[(usize, u32)],
+) -> Result<Pulled, String> {
+    let started = Instant::now();
+    let source = &pull.address;
+    let endpoint = peers
+        .security
+        .endpoint(source, Some(kvlease_auth::ServiceKind::Worker))
+        .map_err(|e| format!("source worker {source}: {e}"))?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true);
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| format!("cannot reach the source worker {source}: {e}"))?;
+    let mut client = pb::worker_service_client::WorkerServiceClient::new(channel)
+        .max_decoding_message_size(crate::peer::PULL_CHUNK_BYTES + (64 << 10));
+    let request = pb::PullBlocksRequest {
+        transfer_id: pull.transfer_id,
+        tokenizer_fingerprint: fingerprint,
+        kv_dtype,
+        blocks: pull
+            .blocks
+            .iter()
+            .map(|b| pb::PeerBlock {
+                window: b.window,
+                block: b.src_block,
+            })
+            .collect(),
+    };
+    let failed = |s: Status| {
+        format!(
+            "source worker {source} answered {:?}: {}",
+            s.code(),
+            s.message()
+        )
+    };
+    // the principal this pull is for: the owner of the Forward that asked
+    let mut request = Request::new(request);
+    if let Ok(v) = owner.parse() {
+        request
+            .metadata_mut()
+            .insert(crate::peer::PULL_FOR_METADATA, v);
+    }
+    let mut stream = client
+        .pull_blocks(request)
+        .await
+        .map_err(failed)?
+        .into_inner();
+    let expect: Vec<u64> = target
+        .iter()
+        .map(|&(pool, _)| peers.block_bytes.get(pool).copied().unwrap_or(0))
+        .collect();
+    let mut assembler = Assembler::new(expect);
+    while let Some(chunk) = stream.message().await.map_err(failed)? {
+        assembler
+            .push(chunk.index, chunk.offset, chunk.block_bytes, &chunk.data)
+            .map_err(|e| format!("source worker {source}: {e}"))?;
+    }
+    let blocks = assembler
+        .finish()
+        .map_err(|e| format!("source worker {source}: {e}"))?;
+    let bytes = blocks.iter().map(|b| b.len() as u64).sum();
+    Ok(Pulled {
+        blocks: target
+            .iter()
+            .zip(blocks)
+            .map(|(&(pool, block), data)| (pool, block, data))
+            .collect(),
+        bytes,
+        micros: started.elapsed().as_micros() as u64,
+    })
+}
+
+/// The response's results in request order: each sequence's output, or its
+/// failed pull's error; what its pull moved.
+fn merge_results(
+    order: &[u64],
+    outputs: Vec<crate::worker::SeqOutput>,
+    failed: Vec<(u64, String)>,
+    moved: &[(u64, u64, u64)],
+) -> Vec<pb::ForwardResult> {
+    let mut outputs = outputs.into_iter().map(forward_result);
+    order
+        .iter()
+        .filter_map(|&seq_id| {
+            let mut result = match failed.iter().find(|(id, _)| *id == seq_id) {
+                Some((_, error)) => pb::ForwardResult {
+                    seq_id,
+                    error: error.clone(),
+                    ..Default::default()
+                },
+                None => outputs.next()?,
+            };
+            if let Some(&(_, bytes, us)) = moved.iter().find(|m| m.0 == seq_id) {
+                result.pulled_bytes = bytes;
+                result.pull_us = us;
+            }
+            Some(result)
+        })
+        .collect()
 }
 
 /// A `prefill` span per traced sequence of a Forward (those whose
@@ -472,6 +838,7 @@ mod tests {
     use crate::batch::Limits;
     use crate::model::ModelConfig;
     use crate::model::weights::Weights;
+    use crate::peer::Assembler;
     use crate::worker::WorkerOptions;
     use kvlease_telemetry::metrics::Registry;
     use pb::worker_service_server::WorkerService as _;
@@ -617,6 +984,230 @@ mod tests {
         let e = next_token(&svc, pass(5, 0, vec![6], 4)).await.unwrap_err();
         assert!(e.message().contains("position 3"), "{e:?}");
         assert!(e.message().contains("never written"), "{e:?}");
+    }
+
+    /// A sequence of `tokens` at `start_pos` over blocks `blocks` of both
+    /// pools.
+    fn seq_over(
+        seq_id: u64,
+        tokens: Vec<u32>,
+        start_pos: u32,
+        blocks: &[u32],
+    ) -> pb::ForwardSequence {
+        let t = |window| pb::BlockTable {
+            window,
+            block_ids: blocks.to_vec(),
+            ..Default::default()
+        };
+        pb::ForwardSequence {
+            seq_id,
+            tokens,
+            start_pos,
+            tables: vec![t(0), t(8)],
+            ..Default::default()
+        }
+    }
+
+    fn forward_of(step: u64, sequences: Vec<pb::ForwardSequence>) -> Request<pb::ForwardRequest> {
+        Request::new(pb::ForwardRequest {
+            step,
+            sequences,
+            tier_copies: Vec::new(),
+            after_step: 0,
+        })
+    }
+
+    /// Serves `svc` on 127.0.0.1:0; returns its address and the stop.
+    async fn serve(svc: WorkerGrpc) -> (String, tokio::sync::oneshot::Sender<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(pb::worker_service_server::WorkerServiceServer::new(svc))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    async {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+                .unwrap();
+        });
+        (addr, stop)
+    }
+
+    fn pull_req(blocks: &[(u32, u32)]) -> pb::PullBlocksRequest {
+        pb::PullBlocksRequest {
+            transfer_id: 1,
+            tokenizer_fingerprint: Tokenizer::byte_level().fingerprint().to_string(),
+            kv_dtype: "f32".into(),
+            blocks: blocks
+                .iter()
+                .map(|&(window, block)| pb::PeerBlock { window, block })
+                .collect(),
+        }
+    }
+
+    async fn pulled_chunks(
+        svc: &WorkerGrpc,
+        request: Request<pb::PullBlocksRequest>,
+    ) -> Result<Vec<pb::BlockChunk>, Status> {
+        let mut stream = svc.pull_blocks(request).await?.into_inner();
+        let mut chunks = Vec::new();
+        while let Some(c) = tokio_stream::StreamExt::next(&mut stream).await {
+            chunks.push(c?);
+        }
+        Ok(chunks)
+    }
+
+    #[tokio::test]
+    async fn pull_blocks_streams_whole_written_blocks_in_chunks_and_refuses_the_rest() {
+        let svc = service(&mut Registry::new())
+            .with_peer_transport(kvlease_auth::Security::loopback(), 100);
+        // block 1 of both pools holds positions 0..16, block 0 nothing
+        let tokens: Vec<u32> = (1..17).collect();
+        svc.forward(forward_of(1, vec![seq_over(1, tokens, 0, &[1])]))
+            .await
+            .unwrap();
+        let chunks = pulled_chunks(&svc, Request::new(pull_req(&[(0, 1), (8, 1)])))
+            .await
+            .unwrap();
+        // 1 layer, K and V, 1 head of 8, 16 slots, f32: 1024 bytes a block,
+        // in chunks of at most 100
+        assert_eq!(chunks.len(), 2 * 11);
+        assert!(
+            chunks
+                .iter()
+                .all(|c| c.data.len() <= 100 && c.block_bytes == 1024)
+        );
+        let mut assembler = Assembler::new(vec![1024, 1024]);
+        for c in &chunks {
+            assembler
+                .push(c.index, c.offset, c.block_bytes, &c.data)
+                .unwrap();
+        }
+        assert_eq!(assembler.finish().unwrap().len(), 2);
+        // what it cannot serve
+        let code = |r: Result<Vec<pb::BlockChunk>, Status>| {
+            let e = r.unwrap_err();
+            (e.code(), e.message().to_string())
+        };
+        let (c, m) = code(pulled_chunks(&svc, Request::new(pull_req(&[(0, 1), (0, 0)]))).await);
+        assert_eq!(c, tonic::Code::FailedPrecondition);
+        assert_eq!(
+            m,
+            "peer pull: block 0 of the pool of window 0 does not hold K/V in every slot"
+        );
+        let (c, m) = code(pulled_chunks(&svc, Request::new(pull_req(&[]))).await);
+        assert_eq!(
+            (c, m.as_str()),
+            (
+                tonic::Code::InvalidArgument,
+                "blocks must name 1 to 4096 blocks, got 0"
+            )
+        );
+        let (c, m) =
+            code(pulled_chunks(&svc, Request::new(pull_req(&[(0, 1), (8, 1 << 30)]))).await);
+        assert_eq!(c, tonic::Code::InvalidArgument);
+        assert!(
+            m.starts_with("blocks[1]: block 1073741824 is out of range"),
+            "{m}"
+        );
+        let mut other = pull_req(&[(0, 1)]);
+        other.tokenizer_fingerprint = "0123456789abcdef".into();
+        let (c, m) = code(pulled_chunks(&svc, Request::new(other)).await);
+        assert_eq!(c, tonic::Code::FailedPrecondition);
+        assert!(m.contains("fingerprint"), "{m}");
+        // only the owner may pull
+        let owned = service(&mut Registry::new()).with_owner("scheduler");
+        let (c, m) = code(pulled_chunks(&owned, Request::new(pull_req(&[(0, 1)]))).await);
+        assert_eq!(c, tonic::Code::PermissionDenied);
+        assert_eq!(
+            m,
+            "this worker serves only its owner scheduler; principal anonymous may not PullBlocks"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_pulled_prefix_continues_as_the_source_does_and_a_failed_pull_fails_only_its_sequence()
+     {
+        let source = service(&mut Registry::new())
+            .with_peer_transport(kvlease_auth::Security::loopback(), 300);
+        let tokens: Vec<u32> = (1..17).collect();
+        let first = next_token(&source, forward_of(1, vec![seq_over(1, tokens, 0, &[1])]))
+            .await
+            .unwrap();
+        let (addr, stop) = serve(source.clone()).await;
+        let dest = service(&mut Registry::new());
+        let pulling = |seq_id, address: &str, blocks: [u32; 2]| pb::ForwardSequence {
+            peer_pull: Some(pb::PeerPull {
+                address: address.into(),
+                transfer_id: 3,
+                blocks: [0, 8]
+                    .into_iter()
+                    .map(|window| pb::PeerBlockCopy {
+                        window,
+                        src_block: 1,
+                        dst_block: blocks[0],
+                    })
+                    .collect(),
+            }),
+            ..seq_over(seq_id, vec![first], 16, &blocks)
+        };
+        // the destination computes only the token after the pulled block;
+        // a sequence of the same batch whose source is gone sits out
+        let other = seq_over(9, vec![5, 6, 7], 0, &[4]);
+        let r = dest
+            .forward(forward_of(
+                1,
+                vec![
+                    pulling(1, &addr, [2, 3]),
+                    pulling(2, "http://127.0.0.1:9", [5, 6]),
+                    other,
+                ],
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        let ids: Vec<u64> = r.results.iter().map(|x| x.seq_id).collect();
+        assert_eq!(ids, vec![1, 2, 9]);
+        assert!(r.results[0].error.is_empty() && r.results[2].error.is_empty());
+        assert_eq!(r.results[0].pulled_bytes, 2048);
+        assert!(
+            r.results[1]
+                .error
+                .contains("cannot reach the source worker http://127.0.0.1:9"),
+            "{:?}",
+            r.results[1]
+        );
+        // the source, computing on: the same token
+        let second = next_token(
+            &source,
+            forward_of(2, vec![seq_over(1, vec![first], 16, &[1, 3])]),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.results[0].next_token, second);
+        // the failed sequence wrote nothing: its block is still unwritten
+        let e = dest
+            .forward(forward_of(2, vec![seq_over(2, vec![first], 16, &[5, 6])]))
+            .await
+            .unwrap_err();
+        assert!(e.message().contains("never written"), "{e:?}");
+        // a pull whose blocks are not the sequence's own is malformed
+        let mut bad = pulling(4, &addr, [7, 8]);
+        if let Some(p) = bad.peer_pull.as_mut() {
+            p.blocks[0].dst_block = 3;
+        }
+        let e = dest.forward(forward_of(3, vec![bad])).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(
+            e.message()
+                .contains("sequence 4: peer_pull.blocks[0]: dst_block 3"),
+            "{e:?}"
+        );
+        let _ = stop.send(());
     }
 
     #[tokio::test]

@@ -84,6 +84,9 @@ pub struct WorkerInfo {
     pub incarnation: u64,
 }
 
+/// A whole block pulled from a peer: `(pool, block, bytes)`.
+pub type PulledBlock = (usize, u32, Vec<u8>);
+
 /// The result for one sequence of a batch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SeqOutput {
@@ -438,6 +441,38 @@ impl Worker {
                 // validation keeps disk copies out of the moves
                 TierDirection::Spill | TierDirection::Load => {}
             }
+        }
+        Ok(())
+    }
+
+    /// The bytes of `block` of `pool` for a peer pull: only a block that
+    /// holds K/V in every slot (a published one; anything else is a
+    /// block the source lost or never wrote).
+    pub fn peer_block(&self, pool: usize, block: u32) -> Result<Vec<u8>> {
+        let geometry = self
+            .layout
+            .pools
+            .get(pool)
+            .ok_or_else(|| Error::InvalidPull(format!("no pool {pool}")))?;
+        if !self
+            .ledger
+            .all_written(pool, block, 0..geometry.tokens_per_block)
+        {
+            return Err(Error::Pull(format!(
+                "block {block} of the pool of window {} does not hold K/V in every slot",
+                geometry.window
+            )));
+        }
+        self.backend.device_block_bytes(pool, block)
+    }
+
+    /// Writes whole blocks pulled from a peer, `(pool, block, bytes)`
+    /// (checked by `peer::check_peer_pull` and the assembler), before a
+    /// pass that reads them.
+    pub fn write_pulled(&mut self, blocks: &[PulledBlock]) -> Result<()> {
+        for (pool, block, bytes) in blocks {
+            self.backend.write_device_block(*pool, *block, bytes)?;
+            self.ledger.set_block_full(*pool, *block);
         }
         Ok(())
     }

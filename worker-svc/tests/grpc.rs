@@ -109,6 +109,7 @@ fn seq(
         trace: None,
         feed_previous: false,
         logprobs: None,
+        peer_pull: None,
     }
 }
 

@@ -75,6 +75,7 @@ mod tests {
             prefill_tokens: 0,
             retain: None,
             fork_of: None,
+            peer_pull: None,
         }
     }
 

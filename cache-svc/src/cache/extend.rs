@@ -245,6 +245,8 @@ impl Cache {
                     .map_or(0, |seq| seq.capacity()),
                 copies: Vec::new(),
                 tier_copies: Vec::new(),
+                peer_copies: Vec::new(),
+                peer_decision: None,
                 retained_tokens: 0,
             },
         };
@@ -402,6 +404,8 @@ impl Cache {
             capacity_tokens: 0,
             copies: Vec::new(),
             tier_copies: Vec::new(),
+            peer_copies: Vec::new(),
+            peer_decision: None,
             retained_tokens: 0,
         };
         let Some(session) = self.sessions.get_mut(&session_id) else {
@@ -532,6 +536,8 @@ impl Cache {
             capacity_tokens: seq.capacity(),
             copies: Vec::new(),
             tier_copies: Vec::new(),
+            peer_copies: Vec::new(),
+            peer_decision: None,
             retained_tokens: 0,
         };
         session.references = (session.references as i64 + added).max(0) as u64;

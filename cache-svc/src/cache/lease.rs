@@ -30,6 +30,7 @@ use crate::lease::{
     BlockCopy, Grant, MAX_RETAIN_TENANT_BYTES, MAX_RETAIN_TTL, Outcome, Prompt, Reject,
     RejectReason, Retain, SeqSpec, Table, TierCopy, TierDirection,
 };
+use crate::peer::{self, PeerCopy, PeerDecision};
 use crate::pool::{BlockState, Holder};
 use crate::prefix;
 use crate::session::{BeamTable, BlockRef, HostRef, PoolTables, SeqState};
@@ -55,11 +56,17 @@ struct PoolLease {
     /// Host (or disk) blocks to onboard, for the indices after the reused
     /// ones: each gets a new device block and a copy.
     onboard: Vec<(Tier, HostBlockId)>,
+    /// Peer pull: the peer's pool (an index into the cache's pools) and
+    /// its blocks for the indices after the onboarded ones: each gets a
+    /// new block and a peer copy.
+    peer_pool: usize,
+    peer: Vec<BlockId>,
 }
 
 impl PoolLease {
     fn new_blocks(&self, beams: u32) -> u64 {
         self.onboard.len() as u64
+            + self.peer.len() as u64
             + u64::from(self.shared_new)
             + u64::from(beams) * u64::from(self.per_beam())
     }
@@ -104,6 +111,10 @@ struct LeasePlan {
     written: u32,
     /// A fork: the reused blocks and the copy source are the parent's.
     fork: bool,
+    /// The peer group the `peer` blocks come from, and what the cost
+    /// model weighed (pulled or not).
+    peer_group: String,
+    peer_decision: Option<PeerDecision>,
 }
 
 /// What a fork takes from its parent: the blocks wholly before the
@@ -340,6 +351,19 @@ impl Cache {
         if let Some(r) = &spec.retain {
             validate_retain(spec.seq_id, r, spec.prompt.len())?;
         }
+        if let Some(r) = &spec.peer_pull {
+            for (field, rate) in [
+                ("link_bytes_per_s", r.link_bytes_per_s),
+                ("prefill_tokens_per_s", r.prefill_tokens_per_s),
+            ] {
+                if rate == 0 {
+                    return Err(Error::InvalidArgument(format!(
+                        "sequence {}: peer_pull.{field} must be greater than 0",
+                        spec.seq_id
+                    )));
+                }
+            }
+        }
         if spec.prefill_tokens > spec.prompt.len() {
             return Err(Error::InvalidArgument(format!(
                 "sequence {}: prefill_tokens {} is beyond its prompt of {} tokens",
@@ -404,11 +428,26 @@ impl Cache {
             true => None,
         };
         // the device prefix, then what the host tier adds after it
-        let (reuse_blocks, device_end) = match &fork {
+        let (local_reuse, device_end) = match &fork {
             Some(f) => (f.reuse_blocks, vec![f.reuse_blocks; group.pools.len()]),
             None if hashable => self.reusable_blocks(group, &hashes, prompt_len),
             None => (0, vec![0; group.pools.len()]),
         };
+        // then what a peer group's device adds after that, when pulling it
+        // costs less than computing it
+        let mut peer_decision = None;
+        let mut peer_run = None;
+        if let (Some(rates), None, true) = (&spec.peer_pull, &fork, hashable) {
+            let most = (prompt_len.saturating_sub(1) / b).min(hashes.len() as u32);
+            if let Some(run) = self.peer_run(&spec.group, group, &hashes, local_reuse, most) {
+                let d = peer::decide(rates, &run.group, run.end - local_reuse, run.bytes, b);
+                if d.pulled {
+                    peer_run = Some(run);
+                }
+                peer_decision = Some(d);
+            }
+        }
+        let reuse_blocks = peer_run.as_ref().map_or(local_reuse, |r| r.end);
         let first_of = |window: u32, r: u32| super::matching::first_block(window, r, b);
         let copy = match (&fork, &spec.prompt) {
             (Some(f), _) => f
@@ -448,7 +487,7 @@ impl Cache {
             .map(|(j, &i)| {
                 let entry = &self.pools[i];
                 let first = first_of(entry.window, reuse_blocks);
-                let split = device_end[j].min(reuse_blocks).max(first);
+                let split = device_end[j].min(local_reuse).max(first);
                 let reuse: Vec<BlockId> = match &fork {
                     Some(f) => f.pools[j].0.clone(),
                     None => (first..split)
@@ -456,7 +495,7 @@ impl Cache {
                         .collect(),
                 };
                 // the host first (a faster copy), else the disk
-                let onboard: Vec<(Tier, HostBlockId)> = (split..reuse_blocks)
+                let onboard: Vec<(Tier, HostBlockId)> = (split..local_reuse)
                     .filter_map(|idx| {
                         let hash = hashes[idx as usize];
                         [Tier::Host, Tier::Disk]
@@ -473,6 +512,11 @@ impl Cache {
                     end,
                     copy_src: copy.as_ref().map(|c| c.1[j]),
                     onboard,
+                    peer_pool: peer_run.as_ref().map_or(i, |r| r.pools[j].0),
+                    peer: peer_run
+                        .as_ref()
+                        .map(|r| r.pools[j].1.clone())
+                        .unwrap_or_default(),
                 }
             })
             .collect();
@@ -499,6 +543,8 @@ impl Cache {
             copy_tokens,
             written,
             fork: fork.is_some(),
+            peer_group: peer_run.map(|r| r.group).unwrap_or_default(),
+            peer_decision,
         }
     }
 
@@ -753,6 +799,12 @@ impl Cache {
             for &(t, h) in &p.onboard {
                 pool.tier_mut(t).pin(h);
             }
+            // a peer's source blocks: in use by this sequence (so no
+            // allocation evicts them) until the lease fences them
+            let peer_pool = &mut self.pools[p.peer_pool].pool;
+            for &src in &p.peer {
+                peer_pool.acquire(src, holder, plan.priority);
+            }
         }
     }
 
@@ -784,8 +836,17 @@ impl Cache {
         let mut copy_fences = Vec::new();
         let mut onboards = Vec::new();
         let mut host_pins = Vec::new();
+        let mut peer_copies = Vec::new();
         let mut references = 0;
+        let transfer_id = match plan.pools.iter().any(|p| !p.peer.is_empty()) {
+            true => {
+                self.last_transfer += 1;
+                self.last_transfer
+            }
+            false => 0,
+        };
         for p in &plan.pools {
+            let src_pool_id = self.pools[p.peer_pool].id;
             let entry = &mut self.pools[p.pool];
             let b = entry.tokens_per_block;
             if plan.fork {
@@ -819,10 +880,25 @@ impl Cache {
             let mut shared: Vec<BlockId> = p.reuse.clone();
             let shared_start = p.first + p.reuse.len() as u32;
             let onboard_end = shared_start + p.onboard.len() as u32;
-            for idx in shared_start..onboard_end + p.shared_new {
+            let peer_end = onboard_end + p.peer.len() as u32;
+            for idx in shared_start..peer_end + p.shared_new {
                 let Some(block) = pool.allocate(holder, plan.priority) else {
                     break;
                 };
+                if let Some(&src) = idx
+                    .checked_sub(onboard_end)
+                    .and_then(|k| p.peer.get(k as usize))
+                {
+                    peer_copies.push(PeerCopy {
+                        pool_id,
+                        window,
+                        dst_block: block,
+                        src_group: plan.peer_group.clone(),
+                        src_pool_id,
+                        src_block: src,
+                        transfer_id,
+                    });
+                }
                 if let Some(&(tier, from)) = p.onboard.get((idx - shared_start) as usize) {
                     onboards.push(onboard_copy(
                         (pool_id, window),
@@ -892,7 +968,7 @@ impl Cache {
             // The copy source stays out of circulation until the forward
             // pass of this step (which reads it) is reported complete.
             if let (Some(src), Some(beam)) = (p.copy_src, beams.first()) {
-                let dst_index = onboard_end;
+                let dst_index = peer_end;
                 if let Some(&dst) = dst_index
                     .checked_sub(beam.first)
                     .and_then(|i| beam.blocks.get(i as usize))
@@ -916,6 +992,18 @@ impl Cache {
                 pool: p.pool,
                 beams,
             });
+            // A peer's source blocks stay out of circulation until the
+            // forward pass of this step (whose worker pulls them) is
+            // reported complete, as a copy source does.
+            let peer_pool = &mut self.pools[p.peer_pool].pool;
+            for &src in &p.peer {
+                peer_pool.release(src, true);
+                copy_fences.push(BlockRef {
+                    pool: p.peer_pool,
+                    block: src,
+                    generation: peer_pool.generation(src),
+                });
+            }
         }
         let seq = SeqState {
             len: plan.prompt_len,
@@ -944,6 +1032,8 @@ impl Cache {
         seq.note_write(step, plan.written, completed);
         let mut grant = self.grant_of(plan.seq_id, &seq, plan.reused_tokens);
         grant.copies = copies;
+        grant.peer_copies = peer_copies;
+        grant.peer_decision = plan.peer_decision;
         let pools: Vec<usize> = plan.pools.iter().map(|p| p.pool).collect();
         grant.tier_copies = self.take_demotions(session_id, &pools, step);
         grant.tier_copies.extend(onboards);
@@ -1054,6 +1144,8 @@ fn grant_of(pools: &[PoolEntry], seq_id: SeqId, seq: &SeqState, reused_tokens: u
         capacity_tokens: seq.capacity(),
         copies: Vec::new(),
         tier_copies: Vec::new(),
+        peer_copies: Vec::new(),
+        peer_decision: None,
         retained_tokens: 0,
     }
 }

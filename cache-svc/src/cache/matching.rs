@@ -31,6 +31,15 @@ pub struct MatchPrompt {
     pub cache_salt: String,
 }
 
+/// What a prompt would reuse in one group.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Matched {
+    /// Prompt tokens a lease reuses from the group's device and tiers.
+    pub reused_tokens: u32,
+    /// Prompt tokens after those a peer pull could bring.
+    pub peer_tokens: u32,
+}
+
 /// The first block index a pool of `window` (0: full attention) holds of a
 /// sequence that reuses `reused` blocks of `tokens_per_block`: the oldest
 /// block the first computed token's window reaches.
@@ -55,6 +64,24 @@ impl Cache {
         prompts: &[MatchPrompt],
         now: Instant,
     ) -> Result<Vec<Vec<u32>>> {
+        let rows = self.match_with_peers(session_id, epoch, groups, prompts, now)?;
+        Ok(rows
+            .into_iter()
+            .map(|row| row.into_iter().map(|m| m.reused_tokens).collect())
+            .collect())
+    }
+
+    /// [`match_prefixes`](Self::match_prefixes), with the tokens a peer
+    /// pull could bring after the reused ones in each group (before the
+    /// cost model decides; see `peers`).
+    pub fn match_with_peers(
+        &mut self,
+        session_id: SessionId,
+        epoch: Epoch,
+        groups: &[String],
+        prompts: &[MatchPrompt],
+        now: Instant,
+    ) -> Result<Vec<Vec<Matched>>> {
         self.touch(session_id, epoch, now)?;
         if groups.is_empty() {
             return Err(Error::InvalidArgument(
@@ -74,7 +101,7 @@ impl Cache {
         let principal = self.session_principal(session_id)?;
         let mut resolved = Vec::with_capacity(groups.len());
         for name in groups {
-            resolved.push(self.owned_group(name, &principal, "match")?);
+            resolved.push((name, self.owned_group(name, &principal, "match")?));
         }
         let mut results = Vec::with_capacity(prompts.len());
         // one hash chain per prompt and block size, shared by the groups
@@ -84,7 +111,7 @@ impl Cache {
             let salt = prefix::salt_hash(&p.cache_salt);
             let len = u32::try_from(p.tokens.len()).unwrap_or(u32::MAX);
             let mut row = Vec::with_capacity(resolved.len());
-            for group in &resolved {
+            for &(name, group) in &resolved {
                 let b = group.tokens_per_block;
                 let at = match chains.iter().position(|(tb, _)| *tb == b) {
                     Some(at) => at,
@@ -93,7 +120,16 @@ impl Cache {
                         chains.len() - 1
                     }
                 };
-                row.push(self.reusable_blocks(group, &chains[at].1, len).0 * b);
+                let hashes = &chains[at].1;
+                let reused = self.reusable_blocks(group, hashes, len).0;
+                let most = (len.saturating_sub(1) / b).min(hashes.len() as u32);
+                let peer = self
+                    .peer_run(name, group, hashes, reused, most)
+                    .map_or(0, |r| r.end - reused);
+                row.push(Matched {
+                    reused_tokens: reused * b,
+                    peer_tokens: peer * b,
+                });
             }
             results.push(row);
         }

@@ -29,6 +29,8 @@
 //! - `evictions`: which sequence's allocation evicted cached blocks.
 //! - `matching`: `Match`, the read-only prefix lookup that routing asks
 //!   (what a lease would reuse in each group, changing nothing).
+//! - `peers`: which groups are peers (peer pull) and the run of a
+//!   prompt's blocks a peer holds after what a lease reuses locally.
 //! - `incarnation`: a restarted worker (memory forgotten, disk tier
 //!   indexed from its files).
 //! - `tiers`: the host and disk tiers' demotions, spills and onboarding
@@ -41,6 +43,7 @@ mod extend;
 mod incarnation;
 mod lease;
 mod matching;
+mod peers;
 mod pools;
 mod release;
 mod sessions;
@@ -61,7 +64,7 @@ use crate::session::Session;
 pub use audit::{AUDIT_SLICE_BLOCKS, AuditCursor, AuditReport, Leak};
 pub use evictions::Evicted;
 pub use incarnation::{DiskPool, Reindexed, check_disk_pool};
-pub use matching::MatchPrompt;
+pub use matching::{MatchPrompt, Matched};
 pub use pools::{BuiltGroup, NewGroup, PoolInfo, Registration, Unregistered};
 pub use sessions::{Opened, Reclaimed};
 pub use stats::{PoolEstimate, PoolStats, ShapeEstimate, Stats};
@@ -184,6 +187,8 @@ struct Group {
     incarnation: u64,
     /// The eviction policy of its pools.
     policy: crate::eviction::PolicyKind,
+    /// Its peer key and block sizes (peer pull).
+    peer: peers::PeerProfile,
 }
 
 /// The cache service's state. Plain, synchronous, single-threaded: the gRPC
@@ -200,6 +205,8 @@ pub struct Cache {
     events: EventLog,
     /// Evictions by sequence since the service last took them.
     evicted: Vec<Evicted>,
+    /// The last peer-pull transfer id handed out.
+    last_transfer: u64,
 }
 
 /// Running totals of an atomic batch, per pool.
@@ -255,6 +262,7 @@ impl Cache {
             sessions_per_key: HashMap::new(),
             events,
             evicted: Vec::new(),
+            last_transfer: 0,
         }
     }
 

@@ -11,7 +11,7 @@
 
 use foldhash::{HashSet, HashSetExt};
 
-use super::{BLOCK_STATE_BYTES, Cache, Group, PoolEntry};
+use super::{BLOCK_STATE_BYTES, Cache, Group, PoolEntry, peers};
 use crate::error::{Error, Result};
 use crate::eviction::PolicyKind;
 use crate::pool::BlockPool;
@@ -285,6 +285,7 @@ impl Cache {
                 pools: indices,
                 incarnation: 0,
                 policy: new.policy,
+                peer: peers::PeerProfile::default(),
             },
         );
         Ok((infos, false))

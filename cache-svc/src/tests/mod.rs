@@ -12,6 +12,7 @@ mod disk;
 mod forks;
 mod limits;
 mod partial;
+mod peers;
 pub(super) mod proptests;
 mod retention;
 mod step;

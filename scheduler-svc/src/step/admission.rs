@@ -298,6 +298,12 @@ impl Core {
                 prefill_tokens: first,
                 fork_of: None,
                 reuse_prefix: !request.needs_prompt_logprobs(),
+                // a request whose pull failed is recomputed; one that
+                // computes every position (prompt logprobs) reuses nothing
+                peer_pull: self
+                    .config
+                    .peer_pull
+                    .filter(|_| !request.peer_pull_failed && !request.needs_prompt_logprobs()),
             });
             self.leasing.push(Leasing {
                 seq_id,
@@ -354,6 +360,7 @@ impl Core {
                 fork_of: Some(f.parent),
                 // a branch asks no prompt logprobs (sample 0 reports them)
                 reuse_prefix: true,
+                peer_pull: None,
             });
             self.leasing.push(Leasing {
                 seq_id,
@@ -390,6 +397,29 @@ impl Core {
                 }
             })
             .collect()
+    }
+
+    /// The pull a grant's peer copies make (one source group and transfer,
+    /// by the grant's construction), or `None` when there are none or
+    /// their source is not a group of ours with an address to pull from.
+    fn peer_pull(&self, copies: &[crate::domain::PeerCopy]) -> Option<crate::domain::PeerPull> {
+        let first = copies.first()?;
+        let source = self.groups.iter().find(|g| g.name == first.src_group)?;
+        if source.peer.address.is_empty()
+            || copies
+                .iter()
+                .any(|c| c.src_group != first.src_group || c.transfer_id != first.transfer_id)
+        {
+            return None;
+        }
+        Some(crate::domain::PeerPull {
+            address: source.peer.address.clone(),
+            transfer_id: first.transfer_id,
+            blocks: copies
+                .iter()
+                .map(|c| (c.window, c.src_block, c.dst_block))
+                .collect(),
+        })
     }
 
     /// The Lease RPC failed as a whole: the requests go back to the queue.
@@ -443,6 +473,21 @@ impl Core {
                     let mut reused = grant.reused_tokens.min(l.lease_len.saturating_sub(1));
                     let mut copies = grant.copies;
                     let copied = copies.first().map_or(0, |c| c.tokens);
+                    // A peer pull runs in this step's pass, from a group of
+                    // ours (the cache pins its sources until the step
+                    // completes); otherwise the pass computes those blocks
+                    // itself, from the first one on (and the partial copy
+                    // after them cannot run either).
+                    let mut peer = self.peer_pull(&grant.peer_copies);
+                    if !grant.peer_copies.is_empty()
+                        && (peer.is_none() || l.first_chunk == 0 || reused != grant.reused_tokens)
+                    {
+                        let tpb = self.groups.get(l.group).map_or(0, |g| g.tokens_per_block);
+                        let pulled = grant.peer_blocks.saturating_mul(tpb);
+                        reused = reused.min(grant.reused_tokens.saturating_sub(copied + pulled));
+                        copies.clear();
+                        peer = None;
+                    }
                     // The copies must run in this step's pass; without a
                     // first chunk this step (or with a grant that does not
                     // add up), start at the last reused full block instead.
@@ -481,6 +526,8 @@ impl Core {
                             capacity: grant.capacity_tokens,
                             reused_tokens: reused,
                             copies,
+                            pulling: peer.is_some(),
+                            peer,
                             planned: (len > 0).then_some(Work::Prefill { len }),
                             in_flight: VecDeque::new(),
                             history_sent: false,

@@ -103,6 +103,8 @@ pub struct CoreConfig {
     /// sequence may have two passes in flight and is planned from where they
     /// leave it.
     pub order: Order,
+    /// Peer pull's rates, sent with every admission lease (`None`: off).
+    pub peer_pull: Option<crate::domain::PeerRates>,
 }
 
 impl Default for CoreConfig {
@@ -119,6 +121,7 @@ impl Default for CoreConfig {
             routing: crate::routing::RoutingConfig::default(),
             lookahead: 0,
             order: Order::Plain,
+            peer_pull: None,
         }
     }
 }
@@ -206,6 +209,11 @@ struct Sequence {
     /// Partial-block copies for the first forward pass, which runs in the
     /// lease's step (the cache pins the sources only until it completes).
     copies: Vec<crate::domain::BlockCopy>,
+    /// The peer pull of the first forward pass, likewise.
+    peer: Option<crate::domain::PeerPull>,
+    /// Its first pass pulls from a peer and has not returned: nothing more
+    /// is planned behind it (a pass after a failed pull would fail whole).
+    pulling: bool,
     /// Planned this step, not yet sent to the worker.
     planned: Option<Work>,
     /// Sent to the worker, results not yet applied, oldest first, with the

@@ -118,7 +118,10 @@ impl Core {
         let depth = Order::Pipelined.depth();
         let mut extends = Vec::new();
         for seq in self.running.values_mut() {
-            if seq.in_flight.len() >= depth || seq.planned.is_some() {
+            if seq.in_flight.len() >= depth
+                || seq.planned.is_some()
+                || (seq.pulling && !seq.in_flight.is_empty())
+            {
                 continue;
             }
             let ahead = seq.ahead();
@@ -143,7 +146,10 @@ impl Core {
         }
         let chunk_limit = self.config.prefill_chunk.max(1);
         for seq in self.running.values_mut() {
-            if seq.in_flight.len() >= depth || seq.planned.is_some() {
+            if seq.in_flight.len() >= depth
+                || seq.planned.is_some()
+                || (seq.pulling && !seq.in_flight.is_empty())
+            {
                 continue;
             }
             let ahead = seq.ahead();
@@ -353,6 +359,7 @@ impl Core {
                 history,
                 copies: std::mem::take(&mut seq.copies),
                 logprobs,
+                peer_pull: seq.peer.take(),
             });
             seq.in_flight.push_back((step, work));
         }
@@ -375,11 +382,19 @@ impl Core {
         let Some(step) = self.steps.owed_by(group) else {
             return;
         };
+        let mut pulls_failed = Vec::new();
         for result in results {
             let Some(seq) = self.running.get_mut(&result.seq_id) else {
                 continue;
             };
             if seq.in_flight.front().is_none_or(|(s, _)| *s != step) {
+                continue;
+            }
+            seq.pulling = false;
+            if let Some(error) = result.error {
+                // its pass returned (without it): it owes nothing more
+                seq.in_flight.pop_front();
+                pulls_failed.push((result.seq_id, error));
                 continue;
             }
             let Some((_, work)) = seq.in_flight.pop_front() else {
@@ -446,8 +461,30 @@ impl Core {
                 Finish::Error("worker returned no result for the sequence".into()),
             );
         }
+        self.pulls_failed(pulls_failed);
         self.forward_returned(group);
         self.advance_beams();
+    }
+
+    /// Sequences whose peer pull failed (the worker ran the rest of the
+    /// pass without them): each is released with its unwritten blocks
+    /// discarded and requeued to be recomputed, never pulled again (or
+    /// ends `ERROR` past its preemptions), as after a failed pass.
+    fn pulls_failed(&mut self, failed: Vec<(SeqId, String)>) {
+        for (seq_id, error) in failed {
+            let Some(seq) = self.running.get_mut(&seq_id) else {
+                continue;
+            };
+            tracing::warn!(seq_id = seq_id.get(), %error, "peer pull failed: recomputing the sequence");
+            seq.request.peer_pull_failed = true;
+            self.preempt(
+                seq_id,
+                PreemptCause::WorkerFailed,
+                Finish::Error(format!("peer pull failed: {error}")),
+            );
+            self.releases.retain(|s| *s != seq_id);
+            self.failed_releases.push(seq_id);
+        }
     }
 
     /// One group's forward pass failed: the group takes no new requests for

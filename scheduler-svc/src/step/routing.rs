@@ -10,6 +10,23 @@ use crate::domain::RequestId;
 use crate::policy::Admission;
 use crate::routing::Routing;
 
+/// What a block a peer pull brings is worth against a block reused in
+/// place, for routing: the share of its compute the pull saves,
+/// `1 - pull time / compute time` at `rates` (0 when pulling costs more,
+/// and for blocks of unknown size), the fixed cost of a pull left out.
+pub(crate) fn peer_weight(
+    rates: &crate::domain::PeerRates,
+    block_bytes: u64,
+    tokens_per_block: u32,
+) -> f64 {
+    if block_bytes == 0 || tokens_per_block == 0 {
+        return 0.0;
+    }
+    let pull = block_bytes as f64 / rates.link_bytes_per_s.max(1) as f64;
+    let compute = f64::from(tokens_per_block) / rates.prefill_tokens_per_s.max(1) as f64;
+    (1.0 - pull / compute).clamp(0.0, 1.0)
+}
+
 /// Most queued requests one step asks `Match` about.
 pub const MATCH_BATCH: usize = 64;
 
@@ -69,6 +86,33 @@ impl Core {
     /// cached for it (least committed, for groups of one block size).
     pub fn set_reuse(&mut self, reuse: HashMap<RequestId, Vec<u32>>) {
         self.reuse = reuse;
+    }
+
+    /// As [`Core::set_reuse`], from `Match`'s `(reused, peer)` tokens per
+    /// group: the tokens a peer pull would bring count at
+    /// [`peer_weight`] of a reused one (none without peer pull).
+    pub fn set_matches(&mut self, matches: HashMap<RequestId, Vec<(u32, u32)>>) {
+        let weights: Vec<f64> = self
+            .groups
+            .iter()
+            .map(|g| match self.config.peer_pull {
+                Some(rates) => {
+                    peer_weight(&rates, g.peer.block_bytes.iter().sum(), g.tokens_per_block)
+                }
+                None => 0.0,
+            })
+            .collect();
+        self.reuse = matches
+            .into_iter()
+            .map(|(request, row)| {
+                let row = row
+                    .into_iter()
+                    .zip(&weights)
+                    .map(|((reused, peer), w)| reused + (f64::from(peer) * w) as u32)
+                    .collect();
+                (request, row)
+            })
+            .collect();
     }
 
     /// Tokens of `request`'s context cached in group `g`, as last matched.

@@ -139,7 +139,7 @@ impl StepLoop {
         match self.cache.match_prefixes(&groups, &wanted).await {
             Ok(rows) => self
                 .core
-                .set_reuse(wanted.iter().map(|w| w.request).zip(rows).collect()),
+                .set_matches(wanted.iter().map(|w| w.request).zip(rows).collect()),
             Err(e) => {
                 self.metrics.match_failed();
                 tracing::warn!(error = %e, "Match failed: this step routes by load alone");

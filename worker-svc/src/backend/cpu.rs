@@ -731,6 +731,22 @@ impl Backend for CpuBackend {
         Ok(block.iter().flat_map(|x| x.to_le_bytes()).collect())
     }
 
+    fn device_block_bytes(&self, pool: usize, block: u32) -> Result<Vec<u8>> {
+        let n = self.state.layout.pools[pool].elems_per_block();
+        let at = block as usize * n;
+        let data = self
+            .state
+            .kv
+            .get(pool)
+            .and_then(|kv| kv.get(at..at + n))
+            .ok_or_else(|| {
+                Error::Backend(format!(
+                    "device block {block} of pool {pool} is out of range"
+                ))
+            })?;
+        Ok(data.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+
     fn write_device_block(&mut self, pool: usize, device_block: u32, bytes: &[u8]) -> Result<()> {
         let n = self.state.layout.pools[pool].elems_per_block();
         let at = device_block as usize * n;

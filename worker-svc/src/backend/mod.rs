@@ -271,6 +271,16 @@ pub trait Backend: Send + std::fmt::Debug {
             self.name()
         )))
     }
+    /// The bytes of device block `block` of pool `pool` (its K/V as the
+    /// backend keeps it, as [`Backend::host_block_bytes`] gives a host
+    /// block's), for a peer pull; [`Backend::write_device_block`] of the
+    /// same backend kind takes them back.
+    fn device_block_bytes(&self, _pool: usize, _block: u32) -> Result<Vec<u8>> {
+        Err(crate::error::Error::Backend(format!(
+            "the {} backend cannot serve peer pulls yet",
+            self.name()
+        )))
+    }
     /// Writes `bytes` (from [`Backend::host_block_bytes`] of the same
     /// backend kind) into device block `device_block` of pool `pool`, for a
     /// load from the disk tier; returns once a later pass sees them.

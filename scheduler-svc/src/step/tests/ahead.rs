@@ -59,6 +59,7 @@ fn decoding_pair(order: Order, on_exhausted: OnExhausted) -> Core {
                 next_token: 10 * i.seq_id.get() as u32,
                 argmax: Vec::new(),
                 logprobs: Vec::new(),
+                error: None,
             })
             .collect();
         c.apply_forward(g, results);

@@ -163,6 +163,7 @@ fn run(c: &mut Core, width: u32, refuse_fork: impl Fn(usize) -> bool) -> Run {
                         logprob: 0.0,
                         top: r.into_iter().take(asked.top as usize).collect(),
                     }],
+                    error: None,
                 });
             }
             c.apply_forward(g, answers);
@@ -223,6 +224,7 @@ fn answer_rows(c: &mut Core, top: &[(u32, f32)]) {
                     logprob: 0.0,
                     top: top.to_vec(),
                 }],
+                error: None,
             })
             .collect();
         c.apply_forward(g, answers);

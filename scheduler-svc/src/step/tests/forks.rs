@@ -50,6 +50,7 @@ fn step(c: &mut Core, lease: impl Fn(&LeaseSpec) -> Outcome) -> (Vec<LeaseSpec>,
                 next_token: (10 * i.seq_id.get() + s.get()) as u32,
                 argmax: Vec::new(),
                 logprobs: Vec::new(),
+                error: None,
             })
             .collect();
         c.apply_forward(g, answers);

@@ -16,6 +16,7 @@ mod beams;
 mod fences;
 mod forks;
 mod model;
+mod peers;
 mod policies;
 mod recovery;
 mod requests;
@@ -36,6 +37,7 @@ fn group(blocks: u32) -> GroupGeometry {
         vocab_size: 258,
         max_batch_sequences: 64,
         max_batch_tokens: 1024,
+        peer: Default::default(),
     }
 }
 
@@ -76,6 +78,8 @@ fn grant_of(seq_id: SeqId, block_ids: Vec<u32>) -> Grant {
         reused_tokens: 0,
         capacity_tokens: 0,
         copies: Vec::new(),
+        peer_copies: Vec::new(),
+        peer_blocks: 0,
     }
 }
 
@@ -173,6 +177,7 @@ fn results(items: &[ForwardItem], token: u32, accept_drafts: bool) -> Vec<Forwar
                 next_token: token,
                 argmax,
                 logprobs: Vec::new(),
+                error: None,
             }
         })
         .collect()
