@@ -188,6 +188,16 @@ fn kv_loaded_from_the_disk_tier_is_bit_identical_to_recomputed_kv() {
 }
 
 #[test]
+fn kv_pulled_from_another_gpu_worker_is_bit_identical_to_recomputed_kv() {
+    if !gpu_available("peer_pull") {
+        return;
+    }
+    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+        tiers::pulled_kv_is_bit_identical(&|w: &Weights| cuda_worker(w, dtype));
+    }
+}
+
+#[test]
 fn paged_equals_dense_for_random_shapes_tables_and_mixed_batches() {
     if !gpu_available("paged_equals_dense") {
         return;

@@ -3,7 +3,8 @@
 //! device block being rewritten, and onboarding it back gives K/V
 //! bit-identical to recomputing it (same logits, through prefill and a
 //! decode step); the slot ledger follows the copies; malformed copies and
-//! a worker without a tier are refused.
+//! a worker without a tier are refused; blocks pulled from another worker
+//! (a peer pull's read and write) equal recomputing them.
 
 // Only the fixed model and table helpers of the shared scenarios are used here.
 #[allow(dead_code)]
@@ -28,6 +29,11 @@ fn tiered_worker(weights: &Weights, host_blocks: u32) -> Worker {
 #[test]
 fn onboarded_kv_is_bit_identical_to_recomputed_kv() {
     tiers::onboarded_kv_is_bit_identical(&tiered_worker);
+}
+
+#[test]
+fn kv_pulled_from_another_worker_is_bit_identical_to_recomputed_kv() {
+    tiers::pulled_kv_is_bit_identical(&|w: &Weights| tiered_worker(w, 0));
 }
 
 #[test]

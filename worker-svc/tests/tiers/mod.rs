@@ -118,3 +118,51 @@ pub(crate) fn copies_only_forward(build: TieredBuild<'_>) {
     let from_source = run_one(&mut worker, 3, &[3, 9], 8, both(&[1, 2, 10]));
     assert_bit_identical(&from_copies, &from_source, "onboarded copy vs its source");
 }
+
+/// Blocks read from one worker's device (`Worker::peer_block`, a peer
+/// pull's source) and written into another's (`Worker::write_pulled`, its
+/// destination) give logits bit-identical to recomputing the prefix there,
+/// through prefill and a decode step; a block the source did not fill is
+/// refused.
+pub(crate) fn pulled_kv_is_bit_identical(build: crate::common::Build<'_>) {
+    let weights = fixed_model(vec![0, 32, 0], 4);
+    let vocab = weights.config.vocab_size;
+    let both = |ids: &[u32]| vec![table(0, 0, ids), table(32, 0, ids)];
+    let prefix: Vec<u32> = (0..12).map(|i| (i * 7 + 3) % 64).collect();
+    let suffix: Vec<u32> = vec![5, 9, 33, 1, 60];
+    let full: Vec<u32> = prefix.iter().chain(&suffix).copied().collect();
+
+    // The source writes the prefix (blocks 10-12 full) and two more tokens
+    // (block 13 half full).
+    let mut source = build(&weights);
+    let a: Vec<u32> = prefix.iter().chain(&[2, 4]).copied().collect();
+    run_one(&mut source, 1, &a, 0, both(&[10, 11, 12, 13]));
+    let pools = source.layout().pools.len();
+    assert!(
+        (0..pools).all(|pool| source.peer_block(pool, 13).is_err()),
+        "a half-written block is not served"
+    );
+
+    let mut dest = build(&weights);
+    let mut pulled = Vec::new();
+    for pool in 0..pools {
+        for (from, to) in [(10, 40), (11, 41), (12, 42)] {
+            match source.peer_block(pool, from) {
+                Ok(bytes) => pulled.push((pool, to, bytes)),
+                Err(e) => panic!("peer block {from} of pool {pool}: {e}"),
+            }
+        }
+    }
+    if let Err(e) = dest.write_pulled(&pulled) {
+        panic!("write pulled: {e}");
+    }
+    let tables = || both(&[40, 41, 42, 43, 44]);
+    let mut got = run_one(&mut dest, 2, &suffix, 12, tables());
+    got.extend(run_one(&mut dest, 2, &[42], 17, tables()));
+
+    let recompute = || both(&[30, 31, 32, 33, 34]);
+    let all = run_one(&mut dest, 3, &full, 0, recompute());
+    let mut want = all[12 * vocab..].to_vec();
+    want.extend(run_one(&mut dest, 3, &[42], 17, recompute()));
+    assert_bit_identical(&got, &want, "pulled vs recomputed");
+}

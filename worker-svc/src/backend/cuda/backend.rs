@@ -997,6 +997,10 @@ impl Backend for CudaBackend {
         self.host_tier.block_bytes(&self.layout, pool, host_block)
     }
 
+    fn device_block_bytes(&self, pool: usize, block: u32) -> Result<Vec<u8>> {
+        super::tier::device_block_bytes(&self.stream, &self.kv, &self.layout, pool, block)
+    }
+
     fn write_device_block(&mut self, pool: usize, device_block: u32, bytes: &[u8]) -> Result<()> {
         super::tier::write_device_block(
             &self.stream,

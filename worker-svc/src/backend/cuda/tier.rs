@@ -214,6 +214,33 @@ impl HostTier {
     }
 }
 
+/// The bytes of device block `block` of `arena` (16-bit K/V, little-endian,
+/// as [`HostTier::block_bytes`] gives a host block's), for a peer pull: the
+/// copy is ordered after every pass queued on `stream`, and a copy into
+/// pageable memory returns only once it has landed.
+pub(super) fn device_block_bytes(
+    stream: &Arc<CudaStream>,
+    arena: &[CudaSlice<u16>],
+    layout: &ArenaLayout,
+    pool: usize,
+    block: u32,
+) -> Result<Vec<u8>> {
+    let epb = layout.pools.get(pool).map_or(0, |g| g.elems_per_block());
+    let at = block as usize * epb;
+    let device = arena
+        .get(pool)
+        .filter(|d| epb > 0 && at + epb <= d.len())
+        .ok_or_else(|| {
+            Error::Backend(format!(
+                "device block {block} of pool {pool} is out of range"
+            ))
+        })?;
+    let elems = stream
+        .clone_dtoh(&device.slice(at..at + epb))
+        .map_err(cuda_err("peer pull read"))?;
+    Ok(elems.iter().flat_map(|x| x.to_le_bytes()).collect())
+}
+
 /// Copies `bytes` (a block from [`HostTier::block_bytes`]) into device
 /// block `device_block` of `arena` on `stream`, ahead of the passes queued
 /// after it: a load from the disk tier.
