@@ -90,7 +90,7 @@ impl Core {
 
     /// As [`Core::set_reuse`], from `Match`'s `(reused, peer)` tokens per
     /// group: the tokens a peer pull would bring count at
-    /// [`peer_weight`] of a reused one (none without peer pull).
+    /// `peer_weight` of a reused one (none without peer pull).
     pub fn set_matches(&mut self, matches: HashMap<RequestId, Vec<(u32, u32)>>) {
         let weights: Vec<f64> = self
             .groups
