@@ -49,18 +49,20 @@ HOST: Tier
 DISK: Tier
 
 class PoolSpec(_message.Message):
-    __slots__ = ("window", "num_blocks", "host_blocks", "disk_blocks", "disk_held")
+    __slots__ = ("window", "num_blocks", "host_blocks", "disk_blocks", "disk_held", "bytes_per_block")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_HELD_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     window: int
     num_blocks: int
     host_blocks: int
     disk_blocks: int
     disk_held: _containers.RepeatedCompositeFieldContainer[DiskBlock]
-    def __init__(self, window: _Optional[int] = ..., num_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., disk_held: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ...) -> None: ...
+    bytes_per_block: int
+    def __init__(self, window: _Optional[int] = ..., num_blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., disk_held: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class DiskBlock(_message.Message):
     __slots__ = ("block", "hash", "parent")
@@ -73,16 +75,18 @@ class DiskBlock(_message.Message):
     def __init__(self, block: _Optional[int] = ..., hash: _Optional[int] = ..., parent: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_group", "tokens_per_block", "pools", "worker_incarnation")
+    __slots__ = ("pool_group", "tokens_per_block", "pools", "worker_incarnation", "peer_key")
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     WORKER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PEER_KEY_FIELD_NUMBER: _ClassVar[int]
     pool_group: str
     tokens_per_block: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolSpec]
     worker_incarnation: int
-    def __init__(self, pool_group: _Optional[str] = ..., tokens_per_block: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolSpec, _Mapping]]] = ..., worker_incarnation: _Optional[int] = ...) -> None: ...
+    peer_key: str
+    def __init__(self, pool_group: _Optional[str] = ..., tokens_per_block: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolSpec, _Mapping]]] = ..., worker_incarnation: _Optional[int] = ..., peer_key: _Optional[str] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("pool_group",)
@@ -183,7 +187,7 @@ class ExtraTokens(_message.Message):
     def __init__(self, draft: _Optional[int] = ..., extra_kv: _Optional[int] = ..., extra_decoding_steps: _Optional[int] = ...) -> None: ...
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life", "traceparent", "prefill_tokens", "refusal_retried", "retain", "fork_of")
+    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life", "traceparent", "prefill_tokens", "refusal_retried", "retain", "fork_of", "peer_pull")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +203,7 @@ class SequenceSpec(_message.Message):
     REFUSAL_RETRIED_FIELD_NUMBER: _ClassVar[int]
     RETAIN_FIELD_NUMBER: _ClassVar[int]
     FORK_OF_FIELD_NUMBER: _ClassVar[int]
+    PEER_PULL_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     pool_group: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -214,7 +219,8 @@ class SequenceSpec(_message.Message):
     refusal_retried: bool
     retain: RetentionHint
     fork_of: int
-    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ..., traceparent: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., refusal_retried: _Optional[bool] = ..., retain: _Optional[_Union[RetentionHint, _Mapping]] = ..., fork_of: _Optional[int] = ...) -> None: ...
+    peer_pull: PeerPullRates
+    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ..., traceparent: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., refusal_retried: _Optional[bool] = ..., retain: _Optional[_Union[RetentionHint, _Mapping]] = ..., fork_of: _Optional[int] = ..., peer_pull: _Optional[_Union[PeerPullRates, _Mapping]] = ...) -> None: ...
 
 class RetentionHint(_message.Message):
     __slots__ = ("tokens", "priority", "ttl_ms", "tenant")
@@ -259,7 +265,7 @@ class BlockTable(_message.Message):
     def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., beam: _Optional[int] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Grant(_message.Message):
-    __slots__ = ("seq_id", "tables", "reused_tokens", "capacity_tokens", "copies", "tier_copies", "retained_tokens")
+    __slots__ = ("seq_id", "tables", "reused_tokens", "capacity_tokens", "copies", "tier_copies", "retained_tokens", "peer_copies", "peer_decision")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +273,8 @@ class Grant(_message.Message):
     COPIES_FIELD_NUMBER: _ClassVar[int]
     TIER_COPIES_FIELD_NUMBER: _ClassVar[int]
     RETAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PEER_COPIES_FIELD_NUMBER: _ClassVar[int]
+    PEER_DECISION_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tables: _containers.RepeatedCompositeFieldContainer[BlockTable]
     reused_tokens: int
@@ -274,7 +282,9 @@ class Grant(_message.Message):
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     tier_copies: _containers.RepeatedCompositeFieldContainer[TierCopy]
     retained_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., reused_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., tier_copies: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ..., retained_tokens: _Optional[int] = ...) -> None: ...
+    peer_copies: _containers.RepeatedCompositeFieldContainer[PeerCopy]
+    peer_decision: PeerPullDecision
+    def __init__(self, seq_id: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., reused_tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., tier_copies: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ..., retained_tokens: _Optional[int] = ..., peer_copies: _Optional[_Iterable[_Union[PeerCopy, _Mapping]]] = ..., peer_decision: _Optional[_Union[PeerPullDecision, _Mapping]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("pool_id", "window", "src_block", "dst_block", "tokens")
@@ -319,6 +329,50 @@ class TierCopy(_message.Message):
     hash: int
     parent: int
     def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., direction: _Optional[_Union[TierCopy.Direction, str]] = ..., device_block: _Optional[int] = ..., host_block: _Optional[int] = ..., disk_block: _Optional[int] = ..., hash: _Optional[int] = ..., parent: _Optional[int] = ...) -> None: ...
+
+class PeerPullRates(_message.Message):
+    __slots__ = ("link_bytes_per_s", "prefill_tokens_per_s", "overhead_us")
+    LINK_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_US_FIELD_NUMBER: _ClassVar[int]
+    link_bytes_per_s: int
+    prefill_tokens_per_s: int
+    overhead_us: int
+    def __init__(self, link_bytes_per_s: _Optional[int] = ..., prefill_tokens_per_s: _Optional[int] = ..., overhead_us: _Optional[int] = ...) -> None: ...
+
+class PeerCopy(_message.Message):
+    __slots__ = ("pool_id", "window", "dst_block", "src_group", "src_pool_id", "src_block", "transfer_id")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SRC_GROUP_FIELD_NUMBER: _ClassVar[int]
+    SRC_POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: int
+    window: int
+    dst_block: int
+    src_group: str
+    src_pool_id: int
+    src_block: int
+    transfer_id: int
+    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., dst_block: _Optional[int] = ..., src_group: _Optional[str] = ..., src_pool_id: _Optional[int] = ..., src_block: _Optional[int] = ..., transfer_id: _Optional[int] = ...) -> None: ...
+
+class PeerPullDecision(_message.Message):
+    __slots__ = ("src_group", "blocks", "bytes", "pull_us", "recompute_us", "pulled")
+    SRC_GROUP_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULL_US_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
+    src_group: str
+    blocks: int
+    bytes: int
+    pull_us: int
+    recompute_us: int
+    pulled: bool
+    def __init__(self, src_group: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., pull_us: _Optional[int] = ..., recompute_us: _Optional[int] = ..., pulled: _Optional[bool] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("seq_id", "reason", "pool_id", "window", "blocks_needed", "blocks_free", "blocks_pending_free", "message")
@@ -721,10 +775,12 @@ class MatchRequest(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., pool_groups: _Optional[_Iterable[str]] = ..., prompts: _Optional[_Iterable[_Union[MatchPrompt, _Mapping]]] = ...) -> None: ...
 
 class MatchResult(_message.Message):
-    __slots__ = ("reused_tokens",)
+    __slots__ = ("reused_tokens", "peer_tokens")
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PEER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reused_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reused_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    peer_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reused_tokens: _Optional[_Iterable[int]] = ..., peer_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
     __slots__ = ("results",)

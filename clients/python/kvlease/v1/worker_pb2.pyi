@@ -141,7 +141,7 @@ class TokenHistory(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardSequence(_message.Message):
-    __slots__ = ("seq_id", "tokens", "start_pos", "tables", "return_all_argmax", "sampling", "copies", "trace", "feed_previous", "history", "logprobs", "grammar")
+    __slots__ = ("seq_id", "tokens", "start_pos", "tables", "return_all_argmax", "sampling", "copies", "trace", "feed_previous", "history", "logprobs", "grammar", "peer_pull")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class ForwardSequence(_message.Message):
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    PEER_PULL_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     start_pos: int
@@ -166,7 +167,8 @@ class ForwardSequence(_message.Message):
     history: TokenHistory
     logprobs: LogprobsParams
     grammar: Grammar
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[_cache_pb2.BlockTable, _Mapping]]] = ..., return_all_argmax: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[_cache_pb2.BlockCopy, _Mapping]]] = ..., trace: _Optional[_Union[SequenceTrace, _Mapping]] = ..., feed_previous: _Optional[bool] = ..., history: _Optional[_Union[TokenHistory, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobsParams, _Mapping]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+    peer_pull: PeerPull
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., start_pos: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[_cache_pb2.BlockTable, _Mapping]]] = ..., return_all_argmax: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., copies: _Optional[_Iterable[_Union[_cache_pb2.BlockCopy, _Mapping]]] = ..., trace: _Optional[_Union[SequenceTrace, _Mapping]] = ..., feed_previous: _Optional[bool] = ..., history: _Optional[_Union[TokenHistory, _Mapping]] = ..., logprobs: _Optional[_Union[LogprobsParams, _Mapping]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., peer_pull: _Optional[_Union[PeerPull, _Mapping]] = ...) -> None: ...
 
 class LogprobsParams(_message.Message):
     __slots__ = ("top", "prompt", "next_prompt_token")
@@ -215,16 +217,74 @@ class ForwardRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ForwardSequence, _Mapping]]] = ..., tier_copies: _Optional[_Iterable[_Union[_cache_pb2.TierCopy, _Mapping]]] = ..., after_step: _Optional[int] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
-    __slots__ = ("seq_id", "next_token", "argmax", "logprobs")
+    __slots__ = ("seq_id", "next_token", "argmax", "logprobs", "error", "pulled_bytes", "pull_us")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ARGMAX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PULLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULL_US_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     next_token: int
     argmax: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
-    def __init__(self, seq_id: _Optional[int] = ..., next_token: _Optional[int] = ..., argmax: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
+    error: str
+    pulled_bytes: int
+    pull_us: int
+    def __init__(self, seq_id: _Optional[int] = ..., next_token: _Optional[int] = ..., argmax: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., error: _Optional[str] = ..., pulled_bytes: _Optional[int] = ..., pull_us: _Optional[int] = ...) -> None: ...
+
+class PeerPull(_message.Message):
+    __slots__ = ("address", "transfer_id", "blocks")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    transfer_id: int
+    blocks: _containers.RepeatedCompositeFieldContainer[PeerBlockCopy]
+    def __init__(self, address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[PeerBlockCopy, _Mapping]]] = ...) -> None: ...
+
+class PeerBlockCopy(_message.Message):
+    __slots__ = ("window", "src_block", "dst_block")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    src_block: int
+    dst_block: int
+    def __init__(self, window: _Optional[int] = ..., src_block: _Optional[int] = ..., dst_block: _Optional[int] = ...) -> None: ...
+
+class PullBlocksRequest(_message.Message):
+    __slots__ = ("transfer_id", "tokenizer_fingerprint", "kv_dtype", "blocks")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    tokenizer_fingerprint: str
+    kv_dtype: str
+    blocks: _containers.RepeatedCompositeFieldContainer[PeerBlock]
+    def __init__(self, transfer_id: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[PeerBlock, _Mapping]]] = ...) -> None: ...
+
+class PeerBlock(_message.Message):
+    __slots__ = ("window", "block")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    window: int
+    block: int
+    def __init__(self, window: _Optional[int] = ..., block: _Optional[int] = ...) -> None: ...
+
+class BlockChunk(_message.Message):
+    __slots__ = ("index", "offset", "block_bytes", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    offset: int
+    block_bytes: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., block_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
     __slots__ = ("results", "compute_us")

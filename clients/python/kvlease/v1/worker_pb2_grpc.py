@@ -49,6 +49,11 @@ class WorkerServiceStub:
                 request_serializer=kvlease_dot_v1_dot_worker__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=kvlease_dot_v1_dot_worker__pb2.GetTokenizerResponse.FromString,
                 _registered_method=True)
+        self.PullBlocks = channel.unary_stream(
+                '/kvlease.v1.WorkerService/PullBlocks',
+                request_serializer=kvlease_dot_v1_dot_worker__pb2.PullBlocksRequest.SerializeToString,
+                response_deserializer=kvlease_dot_v1_dot_worker__pb2.BlockChunk.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -78,6 +83,23 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullBlocks(self, request, context):
+        """Peer pull: streams whole device blocks of this worker's arena to a
+        worker of another group of the same owner, which writes them into its
+        own arena before a forward pass (ForwardSequence.peer_pull). Served
+        only to this worker's owner (as Forward; a pulling worker calls with
+        its owner's credentials): PERMISSION_DENIED otherwise. Each block
+        comes in chunks of at most 1 MiB, in request order; the stream is
+        flow-controlled (a block is read from the arena only when the chunks
+        before it were taken). INVALID_ARGUMENT (naming the entry) for no
+        blocks, more than 4096, a window this worker has no pool of, or a
+        block out of range; FAILED_PRECONDITION for another tokenizer or KV
+        element type, or a block that does not hold K/V in every slot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +117,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=kvlease_dot_v1_dot_worker__pb2.GetTokenizerRequest.FromString,
                     response_serializer=kvlease_dot_v1_dot_worker__pb2.GetTokenizerResponse.SerializeToString,
+            ),
+            'PullBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullBlocks,
+                    request_deserializer=kvlease_dot_v1_dot_worker__pb2.PullBlocksRequest.FromString,
+                    response_serializer=kvlease_dot_v1_dot_worker__pb2.BlockChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +205,33 @@ class WorkerService:
             '/kvlease.v1.WorkerService/GetTokenizer',
             kvlease_dot_v1_dot_worker__pb2.GetTokenizerRequest.SerializeToString,
             kvlease_dot_v1_dot_worker__pb2.GetTokenizerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvlease.v1.WorkerService/PullBlocks',
+            kvlease_dot_v1_dot_worker__pb2.PullBlocksRequest.SerializeToString,
+            kvlease_dot_v1_dot_worker__pb2.BlockChunk.FromString,
             options,
             channel_credentials,
             insecure,
