@@ -209,7 +209,7 @@ mod tests {
                 rpcs += 1;
             }
         }
-        assert_eq!(rpcs, 20);
+        assert_eq!(rpcs, 21);
     }
 
     #[test]
