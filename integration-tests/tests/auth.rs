@@ -64,6 +64,7 @@ const EXPECTED: &[(&str, &str)] = &[
     ("/kvlease.v1.WorkerService/Describe", "ADAADU"),
     ("/kvlease.v1.WorkerService/Forward", "ADDODU"),
     ("/kvlease.v1.WorkerService/GetTokenizer", "AAAADU"),
+    ("/kvlease.v1.WorkerService/PullBlocks", "AOOOOU"),
     ("/grpc.health.v1.Health/Check", "AAAAAU"),
     ("/grpc.health.v1.Health/Watch", "AAAAAU"),
     (
@@ -155,7 +156,7 @@ async fn authorization_matrix_every_rpc_by_every_role() -> Result<(), Box<dyn st
             }
         }
     }
-    assert_eq!(checked, (20 + 4 * 3) * CALLERS.len());
+    assert_eq!(checked, (21 + 4 * 3) * CALLERS.len());
     cluster.stop().await?;
     Ok(())
 }
