@@ -63,6 +63,28 @@ fn main() {
         "| max rel. error vs f64 host (2 seqs, all heads) | {:.1e} |",
         a.max_rel_err
     );
+    // The same shape over an fp8 (e4m3) arena: half the bytes, widened to
+    // f16 in shared memory.
+    let fp8_shape = AttentionShape {
+        kv_dtype: worker_svc::backend::KvDtype::Fp8,
+        ..shape
+    };
+    let f = bench::decode_attention(fp8_shape, 100).unwrap_or_else(|e| fail(e));
+    println!(
+        "| fp8 arena: time per call (attention + merge) | {:.1} us ({:.2}x bf16's) |",
+        f.time_us,
+        a.time_us / f.time_us
+    );
+    println!(
+        "| fp8 arena: K+V bytes read, achieved | {:.1} MiB, {:.0} GB/s ({:.2} of copy) |",
+        f.kv_bytes as f64 / (1u64 << 20) as f64,
+        f.achieved_gbps,
+        f.achieved_gbps / a.copy_gbps
+    );
+    println!(
+        "| fp8 arena: max rel. error vs f64 host (same e4m3 values) | {:.1e} |",
+        f.max_rel_err
+    );
 
     // Launch variants of the same shape, `KVLEASE_ATTN_VARIANTS` (comma
     // separated: `general` or `WARPSxSTAGESxSPLIT_KEYS`; `none` for none).

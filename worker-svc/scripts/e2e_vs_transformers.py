@@ -177,7 +177,7 @@ def run_kvlease(args, log_dir):
         worker = start("worker", [
             os.path.join(args.bin_dir, "kvlease-worker"),
             "--listen", f"127.0.0.1:{ports['worker']}",
-            "--model", args.model, "--backend", args.backend,
+            "--model", args.model, "--backend", args.backend, "--kv-dtype", args.kv_dtype,
             "--max-batch-sequences", str(args.concurrency),
             "--max-batch-tokens", str(max(4096, args.concurrency * prompt_len(args))),
         ])
@@ -401,6 +401,8 @@ def one_row(args, log_dir, workload):
     cache unless prompts share prefixes, continuous batching unless
     skipped); returns the row of figures."""
     label = args.label or os.path.basename(args.model.rstrip("/"))
+    if args.kv_dtype != "bf16":
+        label += f" ({args.kv_dtype} KV)"
     kv_rate, (gaps, computes), sched, wire, ttft = run_kvlease(args, log_dir)
     row = {"model": label, "workload": workload, "kvlease": kv_rate, "ttft_p50_ms": ttft,
            "overlap": args.overlap}
@@ -481,6 +483,8 @@ def main():
                     "512/128 are unique prompts of that many tokens and new tokens; shared is "
                     "8 shared 1,024-token prefixes plus 32 own tokens, 64 new")
     ap.add_argument("--label", default="", help="a name for the run's lines (one model only)")
+    ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "f16", "fp8"],
+                    help="the worker's KV arena type (named in the rows' model column unless bf16)")
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--waves", type=int, default=4, help="kvlease requests = waves x concurrency")
     ap.add_argument("--repeats", type=int, default=3, help="timed transformers calls (median)")

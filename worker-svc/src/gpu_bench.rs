@@ -216,7 +216,7 @@ pub fn model_bench(
         step(&mut worker, context + 1 + steps)?;
         worker.set_profiling(false);
         let kv: u64 = (0..steps)
-            .map(|i| kv_bytes_read(model, context + 1 + i))
+            .map(|i| kv_bytes_read(model, context + 1 + i, gpu.kv_dtype))
             .sum::<u64>()
             / steps.max(1) as u64;
         report.decodes.push(DecodeFigures {

@@ -8,7 +8,7 @@ use std::time::Instant;
 use crate::arena::{ArenaLayout, SlotLedger, plan_blocks};
 use crate::backend::cpu::{self, CpuBackend};
 use crate::backend::{
-    Backend, BackendChoice, BatchLogits, CudaOptions, Feed, PendingTokens, PhaseTimes,
+    Backend, BackendChoice, BatchLogits, CudaOptions, Feed, KvDtype, PendingTokens, PhaseTimes,
 };
 use crate::batch::{self, Batch, Limits, SeqInput, TierCopyInput, TierDirection};
 use crate::disk::{self, DiskTier, PoolGeometry};
@@ -166,14 +166,28 @@ impl Worker {
         choice: BackendChoice,
         gpu: CudaOptions,
     ) -> Result<Self> {
+        // The CPU arena is f32 whatever the flag says for the GPU's; an fp8
+        // arena asks for twice the blocks, which the CPU would not give.
+        let cpu = |weights, options, why: &str| {
+            if gpu.kv_dtype == KvDtype::Fp8 {
+                return Err(Error::Config(format!(
+                    "--kv-dtype fp8 needs the cuda backend, and {why}"
+                )));
+            }
+            Self::new_cpu(weights, options)
+        };
         match choice {
-            BackendChoice::Cpu => Self::new_cpu(weights, options),
+            BackendChoice::Cpu => cpu(weights, options, "--backend cpu was asked for"),
             BackendChoice::Cuda => Self::new_cuda(weights, options, gpu),
             BackendChoice::Auto => match cuda_unavailable() {
                 None => Self::new_cuda(weights, options, gpu),
                 Some(reason) => {
                     tracing::info!(%reason, "backend auto: no usable CUDA device, running on the CPU");
-                    Self::new_cpu(weights, options)
+                    cpu(
+                        weights,
+                        options,
+                        &format!("backend auto found none usable: {reason}"),
+                    )
                 }
             },
         }
@@ -212,7 +226,7 @@ impl Worker {
             budget,
             sizing.weight_bytes,
             sizing.activation_bytes,
-            crate::backend::GPU_KV_ELEM_BYTES,
+            gpu.kv_dtype.elem_bytes(),
             options.host_blocks,
         )
     }

@@ -31,6 +31,7 @@
 
 mod arch;
 mod common;
+mod fp8;
 mod model_files;
 mod passes;
 mod picks;
@@ -70,6 +71,24 @@ const DTYPE: KvDtype = KvDtype::Bf16;
 /// every product's inputs dominates, whatever the arena's type (seen: 5.1e-2
 /// with a bf16 arena, 5.5e-3 on a head-width-128 model with f16).
 const TINY_MODEL_TOLERANCE: f32 = 8e-2;
+
+/// Against the dense f32 reference with an fp8 (e4m3, unscaled) arena: K/V
+/// keep 3 mantissa bits, and the tiny random models' values, many under
+/// 2^-6, are subnormals of fewer (seen: 2.49e-1 on the head-width-16-to-64
+/// models, 9.99e-2 on widths 64 and 128).
+const FP8_TOLERANCE: f32 = 0.35;
+
+/// Every arena type.
+const DTYPES: [KvDtype; 3] = [KvDtype::Bf16, KvDtype::F16, KvDtype::Fp8];
+
+/// Tolerance against the dense f32 reference on the tiny random models for
+/// an arena of `dtype`.
+fn dense_tolerance(dtype: KvDtype) -> f32 {
+    match dtype {
+        KvDtype::Fp8 => FP8_TOLERANCE,
+        KvDtype::Bf16 | KvDtype::F16 => TINY_MODEL_TOLERANCE,
+    }
+}
 
 /// Against the CPU backend on the default model: bf16 products and the
 /// arena's rounding (seen: 1.1e-2 with a bf16 arena).
@@ -160,8 +179,8 @@ fn onboarded_kv_from_the_pinned_host_tier_is_bit_identical_to_recomputed_kv() {
     if !gpu_available("pinned_host_tier") {
         return;
     }
-    // Both arena types: the tier keeps 16-bit K/V as the arena stores it.
-    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+    // Every arena type: the tier keeps K/V as the arena stores it.
+    for dtype in DTYPES {
         let build = |w: &Weights, host_blocks: u32| tiered_cuda_worker(w, dtype, host_blocks);
         tiers::onboarded_kv_is_bit_identical(&build);
         tiers::copies_only_forward(&build);
@@ -173,8 +192,8 @@ fn kv_loaded_from_the_disk_tier_is_bit_identical_to_recomputed_kv() {
     if !gpu_available("disk_tier") {
         return;
     }
-    // Both arena types: a block file holds 16-bit K/V as the arena does.
-    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+    // Every arena type: a block file holds K/V as the arena does.
+    for dtype in DTYPES {
         let build = |w: &Weights, dir: &std::path::Path, identity: &str| {
             let mut worker = tiered_cuda_worker(w, dtype, 8);
             if let Err(e) = worker.open_disk_tier(dir, tiers::disk::DISK_BYTES, identity) {
@@ -192,7 +211,7 @@ fn kv_pulled_from_another_gpu_worker_is_bit_identical_to_recomputed_kv() {
     if !gpu_available("peer_pull") {
         return;
     }
-    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+    for dtype in DTYPES {
         tiers::pulled_kv_is_bit_identical(&|w: &Weights| cuda_worker(w, dtype));
     }
 }
@@ -202,9 +221,9 @@ fn paged_equals_dense_for_random_shapes_tables_and_mixed_batches() {
     if !gpu_available("paged_equals_dense") {
         return;
     }
-    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+    for dtype in DTYPES {
         let build = |w: &Weights| cuda_worker(w, dtype);
-        let max = common::paged_equals_dense(&build, TINY_MODEL_TOLERANCE);
+        let max = common::paged_equals_dense(&build, dense_tolerance(dtype));
         println!("paged vs dense, {dtype:?} arena: max relative error {max:.2e}");
     }
 }
@@ -214,9 +233,9 @@ fn paged_equals_dense_on_tensor_core_shapes() {
     if !gpu_available("paged_equals_dense_on_tensor_core_shapes") {
         return;
     }
-    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+    for dtype in DTYPES {
         let build = |w: &Weights| cuda_worker(w, dtype);
-        let max = common::paged_equals_dense_wide_heads(&build, TINY_MODEL_TOLERANCE);
+        let max = common::paged_equals_dense_wide_heads(&build, dense_tolerance(dtype));
         println!("paged vs dense, head dims 64/128, {dtype:?} arena: max relative error {max:.2e}");
     }
 }
@@ -226,7 +245,10 @@ fn reused_prefix_gives_the_same_logits_as_recomputing_it() {
     if !gpu_available("reused_prefix") {
         return;
     }
-    common::reused_prefix_matches_recomputing(&gpu_worker, TINY_MODEL_TOLERANCE);
+    for dtype in DTYPES {
+        let build = |w: &Weights| cuda_worker(w, dtype);
+        common::reused_prefix_matches_recomputing(&build, dense_tolerance(dtype));
+    }
 }
 
 #[test]
@@ -234,7 +256,9 @@ fn a_long_reused_prefix_is_bit_identical_in_any_batch_and_through_decode() {
     if !gpu_available("long_reused_prefix") {
         return;
     }
-    common::long_reused_prefix_is_bit_identical(&gpu_worker);
+    for dtype in DTYPES {
+        common::long_reused_prefix_is_bit_identical(&|w: &Weights| cuda_worker(w, dtype));
+    }
 }
 
 #[test]
@@ -242,10 +266,10 @@ fn a_partial_block_copy_gives_the_same_logits_as_recomputing() {
     if !gpu_available("partial_block_copy") {
         return;
     }
-    // Both arena types: the copy moves 16-bit K/V as it is stored.
-    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+    // Every arena type: the copy moves K/V as it is stored.
+    for dtype in DTYPES {
         let build = |w: &Weights| cuda_worker(w, dtype);
-        common::partial_block_copy_matches_recomputing(&build, TINY_MODEL_TOLERANCE);
+        common::partial_block_copy_matches_recomputing(&build, dense_tolerance(dtype));
     }
 }
 
@@ -254,9 +278,9 @@ fn forked_branches_copy_on_write_and_match_recomputing() {
     if !gpu_available("forked_branches") {
         return;
     }
-    for dtype in [KvDtype::Bf16, KvDtype::F16] {
+    for dtype in DTYPES {
         let build = |w: &Weights| cuda_worker(w, dtype);
-        common::forked_branches_match_recomputing(&build, TINY_MODEL_TOLERANCE);
+        common::forked_branches_match_recomputing(&build, dense_tolerance(dtype));
     }
 }
 
@@ -265,7 +289,10 @@ fn sliding_window_matches_dense_after_blocks_slide_out_and_are_reused() {
     if !gpu_available("sliding_window") {
         return;
     }
-    common::sliding_window_matches_dense(&gpu_worker, TINY_MODEL_TOLERANCE);
+    for dtype in DTYPES {
+        let build = |w: &Weights| cuda_worker(w, dtype);
+        common::sliding_window_matches_dense(&build, dense_tolerance(dtype));
+    }
 }
 
 #[test]
@@ -429,6 +456,12 @@ fn attention_kernels_match_f64_for_decode_prefill_and_windows() {
         (2, 700, 4, 4, 128, 32, KvDtype::F16, 250, 3),
         (2, 90, 10, 2, 64, 16, KvDtype::Bf16, 37, 20),
         (2, 200, 8, 2, 96, 16, KvDtype::Bf16, 0, 2),
+        // fp8 arenas (the reference reads the same e4m3 values): the
+        // tensor-core kernel widening tiles to f16, and the general one
+        (3, 300, 8, 2, 128, 16, KvDtype::Fp8, 0, 1),
+        (2, 517, 16, 2, 64, 8, KvDtype::Fp8, 0, 5),
+        (3, 333, 6, 2, 64, 3, KvDtype::Fp8, 100, 7),
+        (2, 200, 8, 2, 96, 16, KvDtype::Fp8, 0, 2),
     ];
     let mut worst = 0.0f64;
     for (i, &(batch, context, heads, kv, d, b, dtype, window, rows)) in cases.iter().enumerate() {

@@ -33,6 +33,11 @@ pub enum KvDtype {
     /// bfloat16.
     #[default]
     Bf16,
+    /// fp8 e4m3 (OCP FP8: 4 exponent bits, 3 mantissa bits, no infinities),
+    /// stored without a scale: values round to nearest even and saturate at
+    /// ±448. Half the bytes of the 16-bit types, so twice the blocks in the
+    /// same memory; needs a GPU of compute capability 8.9 or newer.
+    Fp8,
 }
 
 impl KvDtype {
@@ -41,12 +46,46 @@ impl KvDtype {
         match self {
             KvDtype::F16 => "f16",
             KvDtype::Bf16 => "bf16",
+            KvDtype::Fp8 => "fp8_e4m3",
+        }
+    }
+
+    /// Bytes of one element.
+    pub fn elem_bytes(self) -> u64 {
+        match self {
+            KvDtype::F16 | KvDtype::Bf16 => 2,
+            KvDtype::Fp8 => 1,
+        }
+    }
+
+    /// Element `i` of K/V bytes of this type (little-endian), as f32.
+    ///
+    /// # Panics
+    /// When `bytes` is too short to hold element `i`.
+    pub fn value(self, bytes: &[u8], i: usize) -> f32 {
+        match self {
+            KvDtype::F16 => half::f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+            KvDtype::Bf16 => half::bf16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+            KvDtype::Fp8 => e4m3_to_f32(bytes[i]),
         }
     }
 }
 
-/// Bytes of one element of a 16-bit (f16 or bf16) GPU arena.
-pub const GPU_KV_ELEM_BYTES: u64 = 2;
+/// An fp8 e4m3 value as f32: exponent bias 7, subnormals below 2^-6, one
+/// NaN encoding per sign (every exponent and mantissa bit set).
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (exp, mantissa) = (i32::from((b >> 3) & 0x0f), f32::from(b & 0x07));
+    if exp == 0x0f && b & 0x07 == 0x07 {
+        return f32::NAN;
+    }
+    let magnitude = if exp == 0 {
+        mantissa / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + mantissa / 8.0) * 2f32.powi(exp - 7)
+    };
+    sign * magnitude
+}
 
 /// How the CUDA backend is set up.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -319,4 +358,46 @@ pub struct GraphCounts {
     pub captures: u64,
     /// Passes replayed from a graph.
     pub replays: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e4m3_values_decode_as_the_format_defines_them() {
+        // (bits, value): zero, the smallest subnormal, the largest
+        // subnormal, the smallest normal, one, 1.125, the largest finite,
+        // negatives
+        let cases = [
+            (0x00, 0.0),
+            (0x01, 2f32.powi(-9)),
+            (0x07, 7.0 * 2f32.powi(-9)),
+            (0x08, 2f32.powi(-6)),
+            (0x38, 1.0),
+            (0x39, 1.125),
+            (0x7e, 448.0),
+            (0xb8, -1.0),
+            (0xfe, -448.0),
+        ];
+        for (bits, want) in cases {
+            assert_eq!(e4m3_to_f32(bits), want, "{bits:#04x}");
+        }
+        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+        // every other encoding is finite: e4m3 has no infinities
+        assert_eq!((0..=255u8).filter(|b| e4m3_to_f32(*b).is_nan()).count(), 2);
+    }
+
+    #[test]
+    fn elements_decode_little_endian_at_their_width() {
+        let bf16 = half::bf16::from_f32(-2.5).to_le_bytes();
+        let f16 = half::f16::from_f32(0.375).to_le_bytes();
+        assert_eq!(KvDtype::Bf16.value(&[0, 0, bf16[0], bf16[1]], 1), -2.5);
+        assert_eq!(KvDtype::F16.value(&f16, 0), 0.375);
+        assert_eq!(KvDtype::Fp8.value(&[0x00, 0x38, 0x7e], 1), 1.0);
+        assert_eq!(
+            [KvDtype::F16, KvDtype::Bf16, KvDtype::Fp8].map(KvDtype::elem_bytes),
+            [2, 2, 1]
+        );
+    }
 }

@@ -15,7 +15,7 @@ use super::launches::{AttentionArgs, AttnOut, Launcher};
 use super::picks::{DeviceLogprobs, DevicePicks};
 use super::tier::HostTier;
 use super::uploads::{Activations, BatchMeta, DeviceBatch, DeviceWeights};
-use super::{CudaOptions, GPU_KV_ELEM_BYTES, KvDtype, cuda_err, probe};
+use super::{CudaOptions, KvDtype, cuda_err, probe};
 use crate::arena::{ArenaLayout, split_kv_bytes};
 use crate::backend::{
     Backend, BatchLogits, Feed, GraphCounts, HostTimes, PendingTokens, PhaseTimes, Picked,
@@ -38,7 +38,7 @@ pub struct CudaBackend {
     layout: ArenaLayout,
     weights: DeviceWeights,
     acts: Activations,
-    kv: Vec<CudaSlice<u16>>,
+    kv: Vec<CudaSlice<u8>>,
     /// Pinned host blocks per pool (`--host-blocks`), in the arena's block
     /// layout.
     host_tier: HostTier,
@@ -164,13 +164,13 @@ impl CudaBackend {
         }
         let blocks = match num_blocks {
             Some(b) => b.to_vec(),
-            None => {
-                split_kv_bytes(&cfg, kv_budget, GPU_KV_ELEM_BYTES).ok_or(Error::MemoryBudget {
+            None => split_kv_bytes(&cfg, kv_budget, options.kv_dtype.elem_bytes()).ok_or(
+                Error::MemoryBudget {
                     budget_bytes: weight_bytes + activation_bytes + kv_budget,
                     weight_bytes,
                     activation_bytes,
-                })?
-            }
+                },
+            )?,
         };
         let layout = ArenaLayout::new(&cfg, &blocks);
         let kv = layout
@@ -178,7 +178,7 @@ impl CudaBackend {
             .iter()
             .map(|p| {
                 stream
-                    .alloc_zeros::<u16>(p.elems())
+                    .alloc_zeros::<u8>(p.elems() * options.kv_dtype.elem_bytes() as usize)
                     .map_err(cuda_err("arena alloc"))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -186,7 +186,7 @@ impl CudaBackend {
             weight_bytes,
             activation_bytes,
             free_bytes,
-            kv_bytes: layout.bytes_with(GPU_KV_ELEM_BYTES),
+            kv_bytes: layout.bytes_with(options.kv_dtype.elem_bytes()),
         };
         Ok((
             CudaBackend {
@@ -216,6 +216,11 @@ impl CudaBackend {
     /// The arena layout the backend allocated.
     pub fn layout(&self) -> &ArenaLayout {
         &self.layout
+    }
+
+    /// Bytes of one arena element.
+    fn elem_bytes(&self) -> usize {
+        self.kv_dtype.elem_bytes() as usize
     }
 
     /// Bytes of the weights on the device (matrices bf16, norms and the
@@ -972,7 +977,7 @@ impl Backend for CudaBackend {
     }
 
     fn set_host_tier(&mut self, host_blocks: &[u32]) -> Result<()> {
-        self.host_tier = HostTier::alloc(&self.ctx, &self.layout, host_blocks)?;
+        self.host_tier = HostTier::alloc(&self.ctx, &self.layout, self.elem_bytes(), host_blocks)?;
         if self.host_tier.bytes() == 0 {
             return Ok(());
         }
@@ -985,8 +990,9 @@ impl Backend for CudaBackend {
     }
 
     fn tier_copies(&mut self, moves: &[TierMove]) -> Result<()> {
+        let elem_bytes = self.elem_bytes();
         self.host_tier
-            .copy(&self.stream, &mut self.kv, &self.layout, moves)
+            .copy(&self.stream, &mut self.kv, &self.layout, elem_bytes, moves)
     }
 
     fn supports_disk_tier(&self) -> bool {
@@ -994,18 +1000,28 @@ impl Backend for CudaBackend {
     }
 
     fn host_block_bytes(&self, pool: usize, host_block: u32) -> Result<Vec<u8>> {
-        self.host_tier.block_bytes(&self.layout, pool, host_block)
+        self.host_tier
+            .block_bytes(&self.layout, self.elem_bytes(), pool, host_block)
     }
 
     fn device_block_bytes(&self, pool: usize, block: u32) -> Result<Vec<u8>> {
-        super::tier::device_block_bytes(&self.stream, &self.kv, &self.layout, pool, block)
+        super::tier::device_block_bytes(
+            &self.stream,
+            &self.kv,
+            &self.layout,
+            self.elem_bytes(),
+            pool,
+            block,
+        )
     }
 
     fn write_device_block(&mut self, pool: usize, device_block: u32, bytes: &[u8]) -> Result<()> {
+        let elem_bytes = self.elem_bytes();
         super::tier::write_device_block(
             &self.stream,
             &mut self.kv,
             &self.layout,
+            elem_bytes,
             pool,
             device_block,
             bytes,

@@ -13,7 +13,7 @@ use super::gemm::Products;
 use super::kernels::{AttentionTuning, KernelShape, Kernels, group_launches, row_groups};
 use super::launches::{AttentionArgs, AttnOut, Launcher};
 use super::uploads::part_capacity;
-use super::{GPU_KV_ELEM_BYTES, KvDtype, cuda_err};
+use super::{KvDtype, cuda_err};
 use crate::error::{Error, Result};
 use crate::model::ModelConfig;
 use crate::model::weights::SplitMix64;
@@ -105,17 +105,12 @@ impl Mix {
     }
 }
 
-fn kv_value(bits: u16, dtype: KvDtype) -> f64 {
+/// A NaN element of `dtype`, little-endian.
+fn nan_bytes(dtype: KvDtype) -> &'static [u8] {
     match dtype {
-        KvDtype::Bf16 => f64::from(f32::from_bits(u32::from(bits) << 16)),
-        KvDtype::F16 => f64::from(half::f16::from_bits(bits).to_f32()),
-    }
-}
-
-fn nan_bits(dtype: KvDtype) -> u16 {
-    match dtype {
-        KvDtype::Bf16 => 0x7fc0,
-        KvDtype::F16 => 0x7e00,
+        KvDtype::Bf16 => &[0xc0, 0x7f],
+        KvDtype::F16 => &[0x00, 0x7e],
+        KvDtype::Fp8 => &[0x7f],
     }
 }
 
@@ -217,8 +212,9 @@ pub fn attention_with_partials(
     let total_blocks = batch * blocks_per_seq;
     let epb = 2 * num_kv_heads * b * d;
     let arena_elems = total_blocks * epb;
+    let elem_bytes = kv_dtype.elem_bytes() as usize;
     let mut arena = stream
-        .alloc_zeros::<u16>(arena_elems)
+        .alloc_zeros::<u8>(arena_elems * elem_bytes)
         .map_err(cuda_err("alloc"))?;
     let launch = Launcher {
         stream: &stream,
@@ -268,9 +264,11 @@ pub fn attention_with_partials(
     }
     let mut host_arena = stream.clone_dtoh(&arena).map_err(cuda_err("download"))?;
     if !poison.is_empty() {
-        let nan = nan_bits(kv_dtype);
+        let nan = nan_bytes(kv_dtype);
         for &(at, len) in &poison {
-            host_arena[at..at + len].fill(nan);
+            for i in at..at + len {
+                host_arena[i * elem_bytes..(i + 1) * elem_bytes].copy_from_slice(nan);
+            }
         }
         stream
             .memcpy_htod(&host_arena, &mut arena)
@@ -359,7 +357,7 @@ pub fn attention_with_partials(
         copy_gbps = copy_bandwidth(&ctx, 1 << 30, 10)?;
     }
     let keys_read = context - lo_of(first_pos);
-    let kv_bytes = (batch * keys_read * num_kv_heads * d * 2 * 2) as u64;
+    let kv_bytes = (batch * keys_read * num_kv_heads * d * 2 * elem_bytes) as u64;
 
     // Host check of the first and last sequences, every head of their last
     // (at most 32) rows.
@@ -381,7 +379,7 @@ pub fn attention_with_partials(
                 let at = |p: usize, kv: usize, i: usize| {
                     let blk = perm[s * blocks_per_seq + p / b] as usize;
                     let off = blk * epb + kv * per_kv + kvh * b * d + (p % b) * d + i;
-                    kv_value(host_arena[off], kv_dtype)
+                    f64::from(kv_dtype.value(&host_arena, off))
                 };
                 let scores: Vec<f64> = (lo..=pos)
                     .map(|p| {
@@ -508,10 +506,10 @@ pub fn weight_bytes_per_step(model: &ModelConfig) -> u64 {
     (matrices * 2 + norms * 4) as u64
 }
 
-/// Bytes of K and V a row at position `pos` reads (keys `0..=pos`, every
-/// layer; the bench's models have no windows).
-pub fn kv_bytes_read(model: &ModelConfig, pos: usize) -> u64 {
-    ((pos + 1) * model.num_layers() * 2 * model.kv_dim()) as u64 * GPU_KV_ELEM_BYTES
+/// Bytes of K and V a row at position `pos` reads from an arena of `dtype`
+/// (keys `0..=pos`, every layer; the bench's models have no windows).
+pub fn kv_bytes_read(model: &ModelConfig, pos: usize, dtype: KvDtype) -> u64 {
+    ((pos + 1) * model.num_layers() * 2 * model.kv_dim()) as u64 * dtype.elem_bytes()
 }
 
 /// FLOPs of prefilling one sequence of `n` tokens: the products over every

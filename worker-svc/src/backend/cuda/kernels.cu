@@ -1,25 +1,44 @@
 // kvlease worker kernels, compiled at run time with NVRTC. The host
 // prepends `#define`s for HEAD_DIM, GROUP (query heads per KV head),
-// KV_HEADS, TOKENS_PER_BLOCK and KV_F16 or KV_BF16 (element type of the
-// arena). The residual stream, Q/K/V and logits are f32; the inputs of the
-// matrix products (normed rows, attention output, SwiGLU output) are bf16,
-// like the weights; the arena stores 16-bit K/V.
+// KV_HEADS, TOKENS_PER_BLOCK and KV_F16, KV_BF16 or KV_FP8 (element type
+// of the arena). The residual stream, Q/K/V and logits are f32; the inputs
+// of the matrix products (normed rows, attention output, SwiGLU output) are
+// bf16, like the weights; the arena stores 16-bit K/V, or fp8 (e4m3, no
+// scale: values saturate at +-448) when KV_FP8 is defined (sm_89 or newer).
 
 #define D HEAD_DIM
 #define G GROUP
 #define B TOKENS_PER_BLOCK
 #define NEG_INF __int_as_float(0xff800000)
 
-// Widest load that divides a head row: 8, 4 or 2 elements of 2 bytes.
+#ifdef KV_FP8
+typedef unsigned char kv_t;
+#else
+typedef unsigned short kv_t;
+#endif
+
+// Widest load that divides a head row: 8, 4 or 2 elements.
 #if (D % 8) == 0
 #define VEC 8
-typedef uint4 vec_t;
-#elif (D % 4) == 0
-#define VEC 4
+#ifdef KV_FP8
 typedef uint2 vec_t;
 #else
-#define VEC 2
+typedef uint4 vec_t;
+#endif
+#elif (D % 4) == 0
+#define VEC 4
+#ifdef KV_FP8
 typedef unsigned int vec_t;
+#else
+typedef uint2 vec_t;
+#endif
+#else
+#define VEC 2
+#ifdef KV_FP8
+typedef unsigned short vec_t;
+#else
+typedef unsigned int vec_t;
+#endif
 #endif
 #define CH (D / VEC)
 // Columns of an output head row per lane.
@@ -27,17 +46,41 @@ typedef unsigned int vec_t;
 // Padded row of the K/V tiles in shared memory, in elements.
 #define ROW (D + 8)
 
-typedef unsigned short kv_t;
+// The 16-bit type of the attention's tensor-core operands: the arena's, or
+// f16 for an fp8 arena (every e4m3 value is exact in f16).
+#if defined(KV_F16) || defined(KV_FP8)
+#define OPERAND_F16 1
+#endif
 
-__device__ __forceinline__ float kv_to_f32(unsigned short h) {
-#ifdef KV_F16
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+}
+
+// An operand (f16 or bf16 bits) as f32.
+__device__ __forceinline__ float operand_to_f32(unsigned short h) {
+#ifdef OPERAND_F16
+    return f16_to_f32(h);
 #else
     return __uint_as_float(((unsigned int)h) << 16);
 #endif
 }
+
+#ifdef KV_FP8
+// Two e4m3 values (x0 in the low byte) as a packed f16 pair (x0 low).
+__device__ __forceinline__ unsigned fp8x2_to_f16x2(unsigned short x) {
+    unsigned r;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
+    return r;
+}
+
+__device__ __forceinline__ float kv_to_f32(unsigned char b) {
+    return f16_to_f32((unsigned short)(fp8x2_to_f16x2((unsigned short)b) & 0xffffu));
+}
+#else
+__device__ __forceinline__ float kv_to_f32(unsigned short h) { return operand_to_f32(h); }
+#endif
 
 // Round to nearest even; NaN stays a (quiet) NaN.
 __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
@@ -49,8 +92,13 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
     return (unsigned short)(u >> 16);
 }
 
-__device__ __forceinline__ unsigned short f32_to_kv(float f) {
-#ifdef KV_F16
+__device__ __forceinline__ kv_t f32_to_kv(float f) {
+#if defined(KV_FP8)
+    // Round to nearest even, finite values past 448 saturate; NaN stays NaN.
+    unsigned short h;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(0.0f), "f"(f));
+    return (kv_t)(h & 0xffu);
+#elif defined(KV_F16)
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
@@ -501,6 +549,13 @@ paged_attention(const float* __restrict__ q, int q_stride, float scale,
 #define KSTEPS (D / 16)
 #define NTILES (D / 8)
 #define MERGE_ROW (D + 4)
+#ifdef KV_FP8
+// A warp's shared memory: its stages of fp8 K/V tiles as loaded, then one K
+// and V tile converted to f16 for ldmatrix.
+#define WARP_SMEM (MMA_STAGES * STAGE_ELEMS + STAGE_ELEMS * 2)
+#else
+#define WARP_SMEM (MMA_STAGES * STAGE_ELEMS * 2)
+#endif
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     unsigned long long a;
@@ -512,6 +567,30 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+
+#ifdef KV_FP8
+// 8 bytes global -> shared, through L1; src_bytes 0 zero-fills.
+__device__ __forceinline__ void cp_async8(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// A stage's fp8 K and V tiles (rows of D bytes, as loaded) into f16 tiles
+// in the layout ldmatrix reads: 16-byte chunks XOR-swizzled by row.
+__device__ __forceinline__ void widen_tiles(const unsigned char* raw, unsigned short* tile, int lane) {
+#pragma unroll
+    for (int i = 0; i < 2 * TILE * CHUNKS / 32; ++i) {
+        const int e = lane + i * 32, kv = e / (TILE * CHUNKS), rest = e % (TILE * CHUNKS);
+        const int row = rest / CHUNKS, ch = rest % CHUNKS;
+        const uint2 x = *(const uint2*)(raw + kv * TILE_ELEMS + row * D + ch * 8);
+        uint4 y;
+        y.x = fp8x2_to_f16x2((unsigned short)(x.x & 0xffffu));
+        y.y = fp8x2_to_f16x2((unsigned short)(x.x >> 16));
+        y.z = fp8x2_to_f16x2((unsigned short)(x.y & 0xffffu));
+        y.w = fp8x2_to_f16x2((unsigned short)(x.y >> 16));
+        *(uint4*)(tile + kv * TILE_ELEMS + row * D + ((ch ^ (row & 7)) * 8)) = y;
+    }
+}
+#endif
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
@@ -530,9 +609,9 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned& r0, unsigned&
                  : "r"(addr));
 }
 
-// acc (16x8 f32) += a (16x16) * b (16x8), 16-bit operands of the arena type.
+// acc (16x8 f32) += a (16x16) * b (16x8), 16-bit operands (OPERAND_F16).
 __device__ __forceinline__ void mma16816(float* acc, const unsigned* a, unsigned b0, unsigned b1) {
-#ifdef KV_F16
+#ifdef OPERAND_F16
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
 #else
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -541,10 +620,10 @@ __device__ __forceinline__ void mma16816(float* acc, const unsigned* a, unsigned
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two f32 -> a packed pair of the arena type (x0 in the low half).
+// Two f32 -> a packed pair of the operand type (x0 in the low half).
 __device__ __forceinline__ unsigned pack2(float x0, float x1) {
     unsigned r;
-#ifdef KV_F16
+#ifdef OPERAND_F16
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
 #else
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
@@ -555,8 +634,8 @@ __device__ __forceinline__ unsigned pack2(float x0, float x1) {
 // Splits (x0, x1) into a rounded pair (hi) and the pair of what rounding lost (lo).
 __device__ __forceinline__ void split2(float x0, float x1, unsigned& hi, unsigned& lo) {
     hi = pack2(x0, x1);
-    const float h0 = kv_to_f32((unsigned short)(hi & 0xffffu));
-    const float h1 = kv_to_f32((unsigned short)(hi >> 16));
+    const float h0 = operand_to_f32((unsigned short)(hi & 0xffffu));
+    const float h1 = operand_to_f32((unsigned short)(hi >> 16));
     lo = pack2(x0 - h0, x1 - h1);
 }
 
@@ -603,7 +682,7 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, int q
     const int first_block = seq_first_block[s];
     const long long per_kv = (long long)KV_HEADS * B * D;
     const long long head_off = layer_off + (long long)kvh * B * D;
-    kv_t* stages = (kv_t*)smem + warp * (MMA_STAGES * STAGE_ELEMS);
+    unsigned char* stages = smem + warp * WARP_SMEM;
     const unsigned stages_addr = smem_addr(stages);
 
     // Query fragments (A of S = Q K^T), pre-scaled, hi rows 0-7, lo rows 8-15.
@@ -625,7 +704,7 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, int q
     // Issues the cp.async copies of tile t (keys 16t..16t+15) into stage st;
     // keys outside the group's [lo, last position] are zero-filled.
     auto issue = [&](int t, int st) {
-        const unsigned k_addr = stages_addr + st * (STAGE_ELEMS * 2);
+        const unsigned k_addr = stages_addr + st * (STAGE_ELEMS * (int)sizeof(kv_t));
         const int p0 = t * TILE;
 #if (B % TILE) == 0
         const long long blk = table[p0 / B - first_block];
@@ -642,9 +721,15 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, int q
             const long long blk = ok ? table[p / B - first_block] : 0;
             const kv_t* src = arena + blk * elems_per_block + head_off + (p % B) * D + ch * 8;
 #endif
+#ifdef KV_FP8
+            const unsigned dst = k_addr + row * D + ch * 8;
+            cp_async8(dst, ok ? src : arena, ok ? 8 : 0);
+            cp_async8(dst + TILE_ELEMS, ok ? src + per_kv : arena, ok ? 8 : 0);
+#else
             const unsigned dst = k_addr + (row * D + ((ch ^ (row & 7)) * 8)) * 2;
             cp_async16(dst, ok ? src : arena, ok ? 16 : 0);
             cp_async16(dst + TILE_ELEMS * 2, ok ? src + per_kv : arena, ok ? 16 : 0);
+#endif
         }
     };
 
@@ -679,7 +764,13 @@ __device__ __forceinline__ void attention_mma(const float* __restrict__ q, int q
             cp_async_commit();
         }
         const int st = i % MMA_STAGES;
+#ifdef KV_FP8
+        widen_tiles(stages + st * STAGE_ELEMS, (unsigned short*)(stages + MMA_STAGES * STAGE_ELEMS), lane);
+        __syncwarp();
+        const unsigned k_addr = stages_addr + MMA_STAGES * STAGE_ELEMS;
+#else
         const unsigned k_addr = stages_addr + st * (STAGE_ELEMS * 2);
+#endif
         const unsigned v_addr = k_addr + TILE_ELEMS * 2;
         const int t = t_begin + warp + i * MMA_WARPS;
 

@@ -8,7 +8,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::CompileOptions;
 
-use super::{GPU_KV_ELEM_BYTES, KvDtype, cuda_err};
+use super::{KvDtype, cuda_err};
 use crate::error::{Error, Result};
 
 const KERNELS: &str = include_str!("kernels.cu");
@@ -88,6 +88,8 @@ pub(super) struct Kernels {
     pub(super) paged_attention_mma: Option<MmaAttention>,
     /// [`AttentionTuning::split_keys`], for both attention kernels.
     pub(super) split_keys: usize,
+    /// Bytes of one arena element (`kv_t`).
+    pub(super) kv_elem_bytes: usize,
     /// The merge in f32, for the bench's check against f64.
     #[cfg(feature = "bench")]
     pub(super) attention_combine: CudaFunction,
@@ -132,6 +134,12 @@ impl Kernels {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(cuda_err("compute capability"))?;
+        if shape.kv_dtype == KvDtype::Fp8 && (major, minor) < (8, 9) {
+            return Err(Error::Config(format!(
+                "--kv-dtype fp8 needs a GPU of compute capability 8.9 or newer (fp8 conversions); \
+                 this one is {major}.{minor}"
+            )));
+        }
         // The tensor-core kernel: its shared memory is the warps' pipelines
         // (K and V tiles of 16 keys), reused at the end for the warps' merge.
         let smem_optin = ctx
@@ -145,8 +153,16 @@ impl Kernels {
             )));
         }
         let (warps, stages) = (tuning.warps.max(1), tuning.stages.max(2));
+        // A stage holds a K and a V tile in the arena's type; an fp8 arena
+        // adds one K and V tile widened to f16 per warp.
+        let tiles = 2 * MMA_TILE * shape.head_dim;
+        let widened = if shape.kv_dtype == KvDtype::Fp8 {
+            tiles * 2
+        } else {
+            0
+        };
         let pipeline_bytes =
-            warps * stages * 2 * MMA_TILE * shape.head_dim * GPU_KV_ELEM_BYTES as usize;
+            warps * (stages * tiles * shape.kv_dtype.elem_bytes() as usize + widened);
         let frags = if shape.head_dim > 64 {
             1
         } else {
@@ -175,6 +191,8 @@ impl Kernels {
             (8, 0) => Some("compute_80"),
             (8, 6) => Some("compute_86"),
             (8, 9) => Some("compute_89"),
+            // newer devices run compute_90 PTX (JIT-compiled by the driver)
+            (major, _) if major >= 9 => Some("compute_90"),
             _ => None,
         };
         let opts = CompileOptions {
@@ -227,6 +245,7 @@ impl Kernels {
             paged_attention: f("paged_attention")?,
             paged_attention_mma,
             split_keys: tuning.split_keys,
+            kv_elem_bytes: shape.kv_dtype.elem_bytes() as usize,
             #[cfg(feature = "bench")]
             attention_combine: f("attention_combine")?,
             attention_combine_bf16: f("attention_combine_bf16")?,
@@ -250,6 +269,7 @@ fn source(shape: &KernelShape, mma_defines: &str) -> String {
     let dtype = match shape.kv_dtype {
         KvDtype::F16 => "KV_F16",
         KvDtype::Bf16 => "KV_BF16",
+        KvDtype::Fp8 => "KV_FP8",
     };
     let softcap = match shape.attn_softcap {
         // `{:?}` always writes a decimal point, so `f` makes a float literal.
@@ -352,7 +372,7 @@ mod tests {
 
     /// NVRTC alone, no device: the source compiles for the variants the
     /// models take (head widths 16 to 256, a soft-capped general kernel,
-    /// the tensor-core kernel, both arena types). Without libnvrtc the test
+    /// the tensor-core kernel, every arena type). Without libnvrtc the test
     /// says so and returns; under `KVLEASE_REQUIRE_GPU=1` or
     /// `KVLEASE_REQUIRE_NVRTC=1` (CI, with NVRTC from PyPI and no GPU) that
     /// is a failure.
@@ -385,15 +405,44 @@ mod tests {
             (shape(256, 8, KvDtype::Bf16, Some(50.0)), ""),
             (shape(64, 4, KvDtype::Bf16, None), mma),
             (shape(128, 2, KvDtype::F16, None), mma),
+            // fp8 arenas: loads of 8, 4 and 2 elements, and the widening
+            // tensor-core kernel
+            (shape(24, 2, KvDtype::Fp8, None), ""),
+            (shape(20, 2, KvDtype::Fp8, Some(4.0)), ""),
+            (shape(18, 1, KvDtype::Fp8, None), ""),
+            (shape(64, 4, KvDtype::Fp8, None), mma),
+            (shape(128, 8, KvDtype::Fp8, None), mma),
         ];
-        for (shape, defines) in variants {
+        // NVRTC passes inline PTX through unchecked: with `KVLEASE_PTXAS`
+        // naming a ptxas binary, each variant's PTX is also assembled for
+        // sm_90, as the driver will on the device.
+        let ptxas = std::env::var_os("KVLEASE_PTXAS");
+        let dir = std::env::temp_dir().join(format!("kvlease-ptx-{}", std::process::id()));
+        for (i, (shape, defines)) in variants.into_iter().enumerate() {
             let options = CompileOptions {
                 arch: Some("compute_90"),
                 ..Default::default()
             };
-            if let Err(e) = cudarc::nvrtc::compile_ptx_with_opts(source(&shape, defines), options) {
-                panic!("{shape:?} {defines:?}: {e}");
-            }
+            let ptx = cudarc::nvrtc::compile_ptx_with_opts(source(&shape, defines), options)
+                .unwrap_or_else(|e| panic!("{shape:?} {defines:?}: {e}"));
+            let Some(ptxas) = &ptxas else { continue };
+            std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+            let file = dir.join(format!("variant-{i}.ptx"));
+            std::fs::write(&file, ptx.to_src()).unwrap_or_else(|e| panic!("{e}"));
+            let out = std::process::Command::new(ptxas)
+                .args(["-arch=sm_90", "-o", "/dev/null"])
+                .arg(&file)
+                .output()
+                .unwrap_or_else(|e| panic!("ptxas: {e}"));
+            assert!(
+                out.status.success(),
+                "{shape:?} {defines:?}: ptxas: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        if ptxas.is_some() {
+            let _ = std::fs::remove_dir_all(&dir);
+            println!("every variant assembled by ptxas for sm_90");
         }
     }
 }

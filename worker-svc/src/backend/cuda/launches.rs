@@ -55,7 +55,7 @@ fn per_row(rows: usize, threads: u32) -> LaunchConfig {
 pub(super) struct AttentionArgs<'a> {
     pub(super) q: &'a CudaSlice<f32>,
     pub(super) q_stride: usize,
-    pub(super) arena: &'a CudaSlice<u16>,
+    pub(super) arena: &'a CudaSlice<u8>,
     pub(super) layer_off: i64,
     pub(super) elems_per_block: i64,
     pub(super) tables: &'a CudaSlice<u32>,
@@ -169,7 +169,7 @@ impl Launcher<'_> {
         inv_freq: &CudaSlice<f32>,
         dst_base: &CudaSlice<i64>,
         layer_off: i64,
-        arena: &mut CudaSlice<u16>,
+        arena: &mut CudaSlice<u8>,
         rows: usize,
     ) -> Result<()> {
         check_len("rope_write_kv", "positions", positions.len(), rows)?;
@@ -696,7 +696,7 @@ impl Launcher<'_> {
     #[allow(clippy::too_many_arguments)] // the copy's geometry
     pub(super) fn copy_kv_slots(
         &self,
-        arena: &mut CudaSlice<u16>,
+        arena: &mut CudaSlice<u8>,
         src_base: usize,
         dst_base: usize,
         runs: usize,
@@ -704,16 +704,17 @@ impl Launcher<'_> {
         slots: usize,
     ) -> Result<()> {
         let block_elems = runs * b * d;
+        let arena_elems = arena.len() / self.kernels.kv_elem_bytes;
         check_len(
             "copy_kv_slots",
             "arena",
-            arena.len(),
+            arena_elems,
             src_base + block_elems,
         )?;
         check_len(
             "copy_kv_slots",
             "arena",
-            arena.len(),
+            arena_elems,
             dst_base + block_elems,
         )?;
         if src_base.abs_diff(dst_base) < block_elems || slots >= b {
@@ -981,13 +982,14 @@ impl Launcher<'_> {
     #[cfg(feature = "bench")]
     pub(super) fn fill_random(
         &self,
-        arena: &mut CudaSlice<u16>,
+        arena: &mut CudaSlice<u8>,
         seed: u32,
         ctas: u32,
     ) -> Result<()> {
-        let n = arena.len() as i64;
+        let n = (arena.len() / self.kernels.kv_elem_bytes) as i64;
         // SAFETY: matches `fill_random(kv_t* a, long long n, unsigned int
-        // seed)`; the kernel's grid-stride loop stops at n = arena.len().
+        // seed)`; the kernel's grid-stride loop stops at n, the arena's
+        // elements.
         unsafe {
             self.stream
                 .launch_builder(&self.kernels.fill_random)

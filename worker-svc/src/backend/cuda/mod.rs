@@ -1,5 +1,5 @@
-//! The CUDA backend (feature `cuda`): weights, activations and a 16-bit KV
-//! arena (f16 or bf16) in device memory; kernels compiled at start-up with
+//! The CUDA backend (feature `cuda`): weights, activations and a KV arena
+//! (f16, bf16 or fp8 e4m3) in device memory; kernels compiled at start-up with
 //! NVRTC (`kernels.cu`: embedding, RMSNorm, Q/K/V biases and per-head Q/K
 //! norms, RoPE with the K/V scatter into the leased slots, SwiGLU or GeGLU,
 //! post-norms added to the residual, split-key paged attention for decode and prefill rows
@@ -42,7 +42,7 @@ mod uploads;
 
 use cudarc::driver::CudaContext;
 
-pub use super::{CudaOptions, GPU_KV_ELEM_BYTES, KvDtype};
+pub use super::{CudaOptions, KvDtype};
 use crate::error::Error;
 pub use backend::{CudaBackend, DeviceSizing};
 pub use kernels::AttentionTuning;

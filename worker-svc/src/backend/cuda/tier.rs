@@ -2,8 +2,9 @@
 //! per pool, in the device arena's block layout, and the whole-block copies
 //! between the two.
 //!
-//! A block is contiguous in both arrays (`arena` module: block-major), so a
-//! copy is one DMA of `elems_per_block` elements, and a run of moves whose
+//! Both hold bytes: elements of the arena's type (2 bytes for f16 and bf16,
+//! 1 for fp8). A block is contiguous in both arrays (`arena` module:
+//! block-major), so a copy is one DMA of the block's bytes, and a run of moves whose
 //! device and host blocks both ascend by one is one DMA of the run. Pinned
 //! memory is what lets the copy engine move it at the link's rate and
 //! without a staging copy through the driver's own pinned buffer.
@@ -29,7 +30,22 @@ use crate::error::{Error, Result};
 #[derive(Debug, Default)]
 pub(super) struct HostTier {
     /// Per pool, `ArenaLayout` order; `None` for a pool without host blocks.
-    pools: Vec<Option<PinnedHostSlice<u16>>>,
+    pools: Vec<Option<PinnedHostSlice<u8>>>,
+}
+
+/// The bytes of block `block` of pool `pool` in an array of `elem_bytes`
+/// elements laid out as `layout` says, when the array (`len` bytes) holds
+/// them.
+fn block_span(
+    layout: &ArenaLayout,
+    elem_bytes: usize,
+    pool: usize,
+    block: u32,
+    len: usize,
+) -> Option<std::ops::Range<usize>> {
+    let per_block = layout.pools.get(pool)?.elems_per_block() * elem_bytes;
+    let at = (block as usize).checked_mul(per_block)?;
+    (per_block > 0 && at + per_block <= len).then_some(at..at + per_block)
 }
 
 /// Moves of one direction between consecutive blocks of one pool, copied as
@@ -51,24 +67,25 @@ impl HostTier {
     pub(super) fn alloc(
         ctx: &Arc<CudaContext>,
         layout: &ArenaLayout,
+        elem_bytes: usize,
         host_blocks: &[u32],
     ) -> Result<Self> {
-        let elems: Vec<usize> = layout
+        let sizes: Vec<usize> = layout
             .pools
             .iter()
             .zip(host_blocks.iter().copied().chain(std::iter::repeat(0)))
-            .map(|(geometry, n)| n as usize * geometry.elems_per_block())
+            .map(|(geometry, n)| n as usize * geometry.elems_per_block() * elem_bytes)
             .collect();
-        let bytes: u64 = elems.iter().map(|&n| (n * size_of::<u16>()) as u64).sum();
+        let bytes: u64 = sizes.iter().map(|&n| n as u64).sum();
         if bytes == 0 {
             return Ok(HostTier::default());
         }
         check_host_memory(bytes, host_blocks, available_host_bytes())?;
-        let pools = elems
+        let pools = sizes
             .into_iter()
             .zip(&layout.pools)
-            .map(|(elems, geometry)| {
-                if elems == 0 {
+            .map(|(size, geometry)| {
+                if size == 0 {
                     return Ok(None);
                 }
                 // SAFETY: `alloc_pinned_with_flags` leaves the memory
@@ -79,11 +96,11 @@ impl HostTier {
                 // Flags 0: plain page-locked memory, cacheable for the CPU
                 // (write-combined memory, cudarc's default, is only good
                 // for host writes).
-                let mem = unsafe { ctx.alloc_pinned_with_flags::<u16>(elems, 0) }.map_err(|e| {
+                let mem = unsafe { ctx.alloc_pinned_with_flags::<u8>(size, 0) }.map_err(|e| {
                     Error::Backend(format!(
                         "cannot pin the host tier of window {} ({} MiB): {e}",
                         geometry.window,
-                        (elems * size_of::<u16>()) >> 20
+                        size >> 20
                     ))
                 })?;
                 Ok(Some(mem))
@@ -106,8 +123,9 @@ impl HostTier {
     pub(super) fn copy(
         &mut self,
         stream: &Arc<CudaStream>,
-        arena: &mut [CudaSlice<u16>],
+        arena: &mut [CudaSlice<u8>],
         layout: &ArenaLayout,
+        elem_bytes: usize,
         moves: &[TierMove],
     ) -> Result<()> {
         // The raw copies below need the context current on this thread
@@ -117,7 +135,7 @@ impl HostTier {
             .bind_to_thread()
             .map_err(cuda_err("bind context"))?;
         for run in runs(moves) {
-            let epb = layout.pools[run.pool].elems_per_block();
+            let epb = layout.pools[run.pool].elems_per_block() * elem_bytes;
             let n = run.blocks as usize * epb;
             let (device_at, host_at) = (run.device as usize * epb, run.host as usize * epb);
             let (Some(Some(host)), Some(device)) =
@@ -145,13 +163,13 @@ impl HostTier {
                     ));
                 }
             };
-            let bytes = n * size_of::<u16>();
+            let bytes = n;
             // `as_mut_ptr` first waits for the allocation's event, which
             // cudarc records only for its own copies (this tier makes none),
             // so it returns at once.
             let host_base = host.as_mut_ptr().map_err(cuda_err("pinned host tier"))?;
             let (device_base, _in_use) = device.device_ptr_mut(stream);
-            let device_ptr = device_base + (device_at * size_of::<u16>()) as u64;
+            let device_ptr = device_base + device_at as u64;
             // SAFETY: `host_at + n <= host.len()` (checked above), so the
             // pointer and the `bytes` after it lie inside the pinned
             // allocation, which outlives the copy (`copy` waits for it
@@ -187,58 +205,56 @@ impl HostTier {
 
 impl HostTier {
     /// The bytes of host block `host_block` of pool `pool` (its K/V in the
-    /// arena's block layout, little-endian 16-bit elements), for a spill to
+    /// arena's block layout and element type, little-endian), for a spill to
     /// the disk tier. Every DMA into the tier was waited for by the
     /// [`HostTier::copy`] that made it, so the host reads what the last
     /// demotion wrote.
     pub(super) fn block_bytes(
         &self,
         layout: &ArenaLayout,
+        elem_bytes: usize,
         pool: usize,
         host_block: u32,
     ) -> Result<Vec<u8>> {
-        let epb = layout.pools.get(pool).map_or(0, |g| g.elems_per_block());
-        let at = host_block as usize * epb;
         let host = self
             .pools
             .get(pool)
             .and_then(Option::as_ref)
             .ok_or_else(|| Error::Backend(format!("pool {pool} has no host tier")))?;
-        let elems = host.as_slice().map_err(cuda_err("pinned host tier"))?;
-        let block = elems.get(at..at + epb).filter(|_| epb > 0).ok_or_else(|| {
-            Error::Backend(format!(
-                "host block {host_block} of pool {pool} is out of range"
-            ))
-        })?;
-        Ok(block.iter().flat_map(|x| x.to_le_bytes()).collect())
+        let bytes = host.as_slice().map_err(cuda_err("pinned host tier"))?;
+        block_span(layout, elem_bytes, pool, host_block, bytes.len())
+            .map(|span| bytes[span].to_vec())
+            .ok_or_else(|| {
+                Error::Backend(format!(
+                    "host block {host_block} of pool {pool} is out of range"
+                ))
+            })
     }
 }
 
-/// The bytes of device block `block` of `arena` (16-bit K/V, little-endian,
-/// as [`HostTier::block_bytes`] gives a host block's), for a peer pull: the
-/// copy is ordered after every pass queued on `stream`, and a copy into
-/// pageable memory returns only once it has landed.
+/// The bytes of device block `block` of `arena` (as [`HostTier::block_bytes`]
+/// gives a host block's), for a peer pull: the copy is ordered after every
+/// pass queued on `stream`, and a copy into pageable memory returns only
+/// once it has landed.
 pub(super) fn device_block_bytes(
     stream: &Arc<CudaStream>,
-    arena: &[CudaSlice<u16>],
+    arena: &[CudaSlice<u8>],
     layout: &ArenaLayout,
+    elem_bytes: usize,
     pool: usize,
     block: u32,
 ) -> Result<Vec<u8>> {
-    let epb = layout.pools.get(pool).map_or(0, |g| g.elems_per_block());
-    let at = block as usize * epb;
-    let device = arena
+    let (device, span) = arena
         .get(pool)
-        .filter(|d| epb > 0 && at + epb <= d.len())
+        .and_then(|d| Some((d, block_span(layout, elem_bytes, pool, block, d.len())?)))
         .ok_or_else(|| {
             Error::Backend(format!(
                 "device block {block} of pool {pool} is out of range"
             ))
         })?;
-    let elems = stream
-        .clone_dtoh(&device.slice(at..at + epb))
-        .map_err(cuda_err("peer pull read"))?;
-    Ok(elems.iter().flat_map(|x| x.to_le_bytes()).collect())
+    stream
+        .clone_dtoh(&device.slice(span))
+        .map_err(cuda_err("peer pull read"))
 }
 
 /// Copies `bytes` (a block from [`HostTier::block_bytes`]) into device
@@ -246,31 +262,30 @@ pub(super) fn device_block_bytes(
 /// after it: a load from the disk tier.
 pub(super) fn write_device_block(
     stream: &Arc<CudaStream>,
-    arena: &mut [CudaSlice<u16>],
+    arena: &mut [CudaSlice<u8>],
     layout: &ArenaLayout,
+    elem_bytes: usize,
     pool: usize,
     device_block: u32,
     bytes: &[u8],
 ) -> Result<()> {
-    let epb = layout.pools.get(pool).map_or(0, |g| g.elems_per_block());
-    let at = device_block as usize * epb;
-    let device = arena
+    let (device, span) = arena
         .get_mut(pool)
-        .filter(|d| epb > 0 && at + epb <= d.len() && bytes.len() == epb * size_of::<u16>())
+        .and_then(|d| {
+            let span = block_span(layout, elem_bytes, pool, device_block, d.len())?;
+            Some((d, span))
+        })
+        .filter(|(_, span)| span.len() == bytes.len())
         .ok_or_else(|| {
             Error::Backend(format!(
-                "device block {device_block} of pool {pool}: out of range or {} bytes for {epb} elements",
+                "device block {device_block} of pool {pool}: out of range, or {} bytes for a block",
                 bytes.len()
             ))
         })?;
-    let elems: Vec<u16> = bytes
-        .chunks_exact(2)
-        .map(|b| u16::from_le_bytes([b[0], b[1]]))
-        .collect();
     // From pageable memory the driver stages the source before the call
-    // returns, so `elems` may go; the copy is ordered before later passes.
+    // returns, so `bytes` may go; the copy is ordered before later passes.
     stream
-        .memcpy_htod(&elems, &mut device.slice_mut(at..at + epb))
+        .memcpy_htod(bytes, &mut device.slice_mut(span))
         .map_err(cuda_err("disk tier load"))
 }
 
