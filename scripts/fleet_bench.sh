@@ -6,7 +6,7 @@
 #   scripts/fleet_bench.sh --bin-dir /opt/kvlease/bin --backend cuda \
 #     --model /models/SmolLM2-135M-Instruct.Q4_1.gguf                    # the H200
 #
-# Phases (--phases, default "pull routing peer disk"):
+# Phases (--phases, default "pull routing peer pd disk"):
 #   pull     peer pull TTFT against recompute, per prompt length: one cache,
 #            scheduler A over worker A (--pool-group-prefix a), scheduler B
 #            over worker B (prefix b, --peer-pull, --peer-workers naming A's
@@ -63,7 +63,7 @@
 #                           set a budget]
 #   --host-blocks N, --disk-bytes N  phase (d)'s tiers per worker [FLEET_HOST_BLOCKS 64,
 #                           FLEET_DISK_BYTES 268435456]
-#   --phases "P ..."        [FLEET_PHASES; "pull routing peer disk"]
+#   --phases "P ..."        [FLEET_PHASES; "pull routing peer pd disk"]
 #   --base-port P           services listen on P.. (10 ports a phase) [FLEET_BASE_PORT; 58200]
 #   --up-timeout-s N        a service not serving by then fails the run [FLEET_UP_TIMEOUT_S; 180]
 #   --keep DIR              keep the services' logs and bench outputs in DIR [FLEET_KEEP]
@@ -95,7 +95,7 @@ trace_concurrency=${FLEET_TRACE_CONCURRENCY:-8}
 trace_worker_args=${FLEET_TRACE_WORKER_ARGS-unset}
 host_blocks=${FLEET_HOST_BLOCKS:-64}
 disk_bytes=${FLEET_DISK_BYTES:-268435456}
-phases=${FLEET_PHASES:-pull routing peer disk}
+phases=${FLEET_PHASES:-pull routing peer pd disk}
 base_port=${FLEET_BASE_PORT:-58200}
 up_timeout=${FLEET_UP_TIMEOUT_S:-180}
 keep=${FLEET_KEEP:-}
@@ -219,6 +219,10 @@ stop_all() {
 }
 on_exit() {
   local rc=$?
+  if [ -n "${bench_pid:-}" ]; then
+    kill -TERM "$bench_pid" 2>/dev/null || true
+    wait "$bench_pid" 2>/dev/null || true
+  fi
   stop_all
   if [ -n "$keep" ]; then
     mkdir -p "$keep" && cp -r "$work"/. "$keep"/ && echo "fleet_bench: logs in $keep" >&2
@@ -304,13 +308,18 @@ groups() { awk '/^pool group/ { on = 1; next } on && NF { print $1 }' "$work/$1.
 
 # bench OUT SCHEDULER_PORT ARGS...: one `kvlease bench`; its output in OUT.
 # A request that ended in an error fails the run.
+# (In the background, so that a signal's trap runs at once, not after it.)
+bench_pid=
 bench() {
   local out=$1 p=$2; shift 2
-  if ! "$kvlease" bench --scheduler "127.0.0.1:$p" --no-progress --fail-on-error "$@" \
-    >"$work/$out" 2>&1; then
+  "$kvlease" bench --scheduler "127.0.0.1:$p" --no-progress --fail-on-error "$@" >"$work/$out" 2>&1 &
+  bench_pid=$!
+  if ! wait "$bench_pid"; then
+    bench_pid=
     cat "$work/$out" >&2
     die "kvlease bench $* failed (see above)"
   fi
+  bench_pid=
 }
 
 # figures OUT: "sent|ok|rejected|errors|reused|prompt|hit|p50|p90|thr|evictions" of a
