@@ -9,6 +9,11 @@
 //! sequence, which is recomputed with the same output. The pools end whole
 //! and the leak audit reclaims nothing after each case. Who may pull is
 //! `peer_pull_auth.rs` (an mTLS process of its own).
+//!
+//! Across schedulers: two schedulers share the cache, each over a worker
+//! of its own (`--pool-group-prefix` a and b, one salt secret); a prompt
+//! served through A is pulled into B's group from A's worker, which B's
+//! `--peer-workers` names.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
@@ -192,4 +197,80 @@ async fn a_prefix_cached_in_one_group_is_pulled_into_another_and_a_cut_pull_reco
     assert_eq!(cut.tokens, recomputed.tokens, "same greedy output");
     c.sound().await;
     c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_cached_by_another_scheduler_is_pulled_from_the_worker_peer_workers_names() {
+    const GROUP_A: &str = "a/seeded-0/replica-0";
+    const GROUP_B: &str = "b/seeded-0/replica-0";
+    // one salt secret: the same prompt of the same principal hashes alike
+    // in both schedulers (each would draw a random key otherwise)
+    let secret = std::env::temp_dir().join(format!(
+        "kvlease-peer-pull-salt-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::write(&secret, b"one secret for both schedulers").unwrap();
+    let cache = start_cache(cache_svc::Config::default()).await.unwrap();
+    let a = start_worker(small_worker()).await.unwrap();
+    let b = start_worker(small_worker()).await.unwrap();
+    let config = |prefix: &str| scheduler_svc::Config {
+        pool_group_prefix: prefix.into(),
+        holder: format!("scheduler-{prefix}"),
+        salt_secret_file: Some(secret.clone()),
+        max_context: 256,
+        max_tokens: 64,
+        peer_pull: true,
+        ..scheduler_svc::Config::default()
+    };
+    let sa = start_scheduler(config("a"), &cache.url(), &[a.url()], WITHIN)
+        .await
+        .unwrap();
+    let sb = start_scheduler(
+        scheduler_svc::Config {
+            peer_workers: vec![format!("{GROUP_A}={}", a.url())],
+            ..config("b")
+        },
+        &cache.url(),
+        &[b.url()],
+        WITHIN,
+    )
+    .await
+    .unwrap();
+    let generate = |scheduler: std::net::SocketAddr, tokens: Vec<u32>, salt: &'static str| async move {
+        let mut client = scheduler_client(scheduler).await.unwrap();
+        let g = collect(&mut client, Cluster::request(tokens, 4, salt))
+            .await
+            .unwrap();
+        assert_eq!(g.finish_reason(), pb::FinishReason::Length, "{}", g.message);
+        g
+    };
+
+    let p = prompt(64, 3);
+    let first = generate(sa.addr, p.clone(), "").await;
+    assert_eq!(first.reused_tokens, 0);
+    assert_cache_sound(cache.addr, GROUP_A, WITHIN)
+        .await
+        .unwrap();
+    // B holds none of it: the three full blocks before the last prompt
+    // token come from A's worker
+    let pulled = generate(sb.addr, p.clone(), "").await;
+    assert_eq!(pulled.reused_tokens, 48, "three blocks pulled from A");
+    assert_eq!(pulled.preemptions, 0);
+    for group in [GROUP_A, GROUP_B] {
+        assert_cache_sound(cache.addr, group, WITHIN).await.unwrap();
+    }
+    let recomputed = generate(sb.addr, p, "another tenant").await;
+    assert_eq!(recomputed.reused_tokens, 0);
+    assert_eq!(pulled.tokens, recomputed.tokens, "same greedy output");
+    assert_eq!(first.tokens, recomputed.tokens, "same greedy output");
+    for group in [GROUP_A, GROUP_B] {
+        assert_cache_sound(cache.addr, group, WITHIN).await.unwrap();
+    }
+    sb.stop().await.unwrap();
+    sa.stop().await.unwrap();
+    b.stop().await.unwrap();
+    a.stop().await.unwrap();
+    cache.stop().await.unwrap();
+    let _ = std::fs::remove_file(&secret);
 }

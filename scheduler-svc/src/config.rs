@@ -251,6 +251,19 @@ pub struct Config {
         default_value_t = 1_000
     )]
     pub peer_pull_overhead_us: u64,
+    /// Peer pull from the worker groups of other schedulers sharing the
+    /// cache (same principal, same salt secret): where each such group's
+    /// worker listens, as GROUP=ADDR; comma separated or repeated. A grant
+    /// that copies from a group of this scheduler's own pulls from that
+    /// group's worker; one from another group pulls only when it is named
+    /// here, and is computed instead otherwise.
+    #[arg(
+        long,
+        env = "KVLEASE_SCHEDULER_PEER_WORKERS",
+        value_delimiter = ',',
+        requires = "peer_pull"
+    )]
+    pub peer_workers: Vec<String>,
     /// Transport limits (connections, keepalive, streams).
     #[command(flatten)]
     pub limits: kvlease_runtime::limits::ServeLimits,
@@ -294,6 +307,7 @@ impl Default for Config {
             peer_link_bytes_per_s: 1_000_000_000,
             peer_prefill_tokens_per_s: 4_000,
             peer_pull_overhead_us: 1_000,
+            peer_workers: Vec::new(),
             limits: Default::default(),
         }
     }
@@ -353,6 +367,7 @@ impl Config {
         if self.max_message_bytes < 1024 {
             return bad("max_message_bytes must be at least 1024");
         }
+        self.peer_workers()?;
         self.limits.validate().map_err(Error::Config)
     }
 
@@ -406,7 +421,30 @@ impl Config {
                 prefill_tokens_per_s: self.peer_prefill_tokens_per_s.max(1),
                 overhead_us: self.peer_pull_overhead_us,
             }),
+            // validate() refused a malformed entry before the core is built
+            peer_workers: self.peer_workers().unwrap_or_default(),
         }
+    }
+
+    /// `--peer-workers` as (group, worker address) pairs.
+    pub fn peer_workers(&self) -> Result<Vec<(String, String)>> {
+        self.peer_workers
+            .iter()
+            .filter(|w| !w.trim().is_empty())
+            .map(|w| match w.trim().split_once('=') {
+                Some((group, addr))
+                    if !group.is_empty()
+                        && group.len() <= 128
+                        && group.chars().all(|c| c == '/' || is_group_name_char(c))
+                        && !addr.is_empty() =>
+                {
+                    Ok((group.to_owned(), addr.to_owned()))
+                }
+                _ => Err(Error::Config(format!(
+                    "peer_workers entry {w:?} is not GROUP=ADDR (a pool group name of 1 to 128 of A-Z a-z 0-9 . _ - / : @ +, and a worker address)"
+                ))),
+            })
+            .collect()
     }
 
     /// The pool group of replica `replica` serving `model` (any name; the
@@ -447,6 +485,40 @@ fn is_group_name_char(c: char) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peer_workers_parse_as_group_and_address_and_need_peer_pull() {
+        let c = Config::try_parse_from([
+            "kvlease-scheduler",
+            "--peer-pull",
+            "--peer-workers",
+            "a/m/replica-0=127.0.0.1:1,a/m/replica-1=http://h:2",
+        ])
+        .map_err(|e| e.to_string());
+        assert!(c.is_ok(), "{c:?}");
+        if let Ok(c) = c {
+            assert!(c.validate().is_ok());
+            let pairs = vec![
+                ("a/m/replica-0".to_string(), "127.0.0.1:1".to_string()),
+                ("a/m/replica-1".to_string(), "http://h:2".to_string()),
+            ];
+            assert_eq!(c.core().peer_workers, pairs);
+        }
+        // without --peer-pull the flag means nothing: refused
+        assert!(Config::try_parse_from(["kvlease-scheduler", "--peer-workers", "a=b:1"]).is_err());
+        for bad in ["no-address=", "=127.0.0.1:1", "no-equals", "bad name=h:1"] {
+            let c = Config {
+                peer_pull: true,
+                peer_workers: vec![bad.into()],
+                ..Config::default()
+            };
+            let err = c.validate().map(|_| ()).map_err(|e| e.to_string());
+            assert!(
+                matches!(&err, Err(m) if m.contains("is not GROUP=ADDR")),
+                "{bad}: {err:?}"
+            );
+        }
+    }
 
     #[test]
     fn flags_parse_and_default_matches_clap_defaults() {

@@ -401,11 +401,22 @@ impl Core {
 
     /// The pull a grant's peer copies make (one source group and transfer,
     /// by the grant's construction), or `None` when there are none or
-    /// their source is not a group of ours with an address to pull from.
+    /// their source is neither a group of ours with an address to pull
+    /// from nor one named in `peer_workers`.
     fn peer_pull(&self, copies: &[crate::domain::PeerCopy]) -> Option<crate::domain::PeerPull> {
         let first = copies.first()?;
-        let source = self.groups.iter().find(|g| g.name == first.src_group)?;
-        if source.peer.address.is_empty()
+        let address = match self.groups.iter().find(|g| g.name == first.src_group) {
+            Some(source) => &source.peer.address,
+            None => {
+                &self
+                    .config
+                    .peer_workers
+                    .iter()
+                    .find(|(group, _)| *group == first.src_group)?
+                    .1
+            }
+        };
+        if address.is_empty()
             || copies
                 .iter()
                 .any(|c| c.src_group != first.src_group || c.transfer_id != first.transfer_id)
@@ -413,7 +424,7 @@ impl Core {
             return None;
         }
         Some(crate::domain::PeerPull {
-            address: source.peer.address.clone(),
+            address: address.clone(),
             transfer_id: first.transfer_id,
             blocks: copies
                 .iter()

@@ -105,6 +105,10 @@ pub struct CoreConfig {
     pub order: Order,
     /// Peer pull's rates, sent with every admission lease (`None`: off).
     pub peer_pull: Option<crate::domain::PeerRates>,
+    /// Worker addresses of peer groups that are not ours (another
+    /// scheduler's, sharing the cache), by group name: a grant's copies
+    /// from one of them are pulled from there.
+    pub peer_workers: Vec<(String, String)>,
 }
 
 impl Default for CoreConfig {
@@ -122,6 +126,7 @@ impl Default for CoreConfig {
             lookahead: 0,
             order: Order::Plain,
             peer_pull: None,
+            peer_workers: Vec::new(),
         }
     }
 }

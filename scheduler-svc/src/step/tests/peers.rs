@@ -2,7 +2,8 @@
 //! first chunk, from the address of the source group; a pull that failed
 //! fails only its sequence, which is released with its unwritten blocks
 //! discarded and recomputed without a pull; routing weighs the tokens a
-//! pull would bring by what it saves.
+//! pull would bring by what it saves. A group of another scheduler's is
+//! pulled from only where `peer_workers` names its worker.
 
 use super::*;
 use crate::domain::{PeerCopy, PeerRates};
@@ -128,9 +129,9 @@ fn a_failed_pull_fails_only_its_sequence_which_is_recomputed_without_a_pull() {
     assert_eq!(leases[0].peer_pull, None);
 }
 
-#[test]
-fn copies_from_a_group_of_no_worker_we_know_are_computed_instead() {
-    let mut c = peered();
+/// Admits one 10-token request (in g0) whose grant copies two blocks from
+/// `src_group`; the item of its first pass.
+fn first_pass_copying_from(c: &mut Core, src_group: &str) -> ForwardItem {
     c.submit(request(1, 10, 4));
     c.begin_step();
     let leases = c.plan_admission();
@@ -139,14 +140,30 @@ fn copies_from_a_group_of_no_worker_we_know_are_computed_instead() {
         other => panic!("{other:?}"),
     };
     for copy in &mut g.peer_copies {
-        copy.src_group = "someone-elses".into();
+        copy.src_group = src_group.into();
     }
     c.apply_leases(vec![Outcome::Grant(g)]);
-    let batches = c.plan_forward();
-    let item = &batches[0].1[0];
+    c.plan_forward().remove(0).1.remove(0)
+}
+
+#[test]
+fn copies_from_a_group_of_no_worker_we_know_are_computed_instead() {
+    let item = first_pass_copying_from(&mut peered(), "someone-elses");
     // from the first pulled block: the pass writes what the cache expects
     assert_eq!((item.start_pos, item.tokens.len()), (0, 10));
     assert!(item.peer_pull.is_none());
+}
+
+#[test]
+fn copies_from_another_schedulers_group_named_in_peer_workers_are_pulled_from_its_worker() {
+    let mut c = peered();
+    c.config.peer_workers = vec![("b/m/replica-0".into(), "http://elsewhere:1".into())];
+    let item = first_pass_copying_from(&mut c, "b/m/replica-0");
+    // the pass computes only what follows the pulled blocks
+    assert_eq!((item.start_pos, item.tokens.len()), (8, 2));
+    let pull = item.peer_pull.as_ref().unwrap();
+    assert_eq!(pull.address, "http://elsewhere:1");
+    assert_eq!(pull.blocks, vec![(0, 5, 10), (0, 6, 11)]);
 }
 
 #[test]
