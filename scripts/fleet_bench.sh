@@ -24,9 +24,7 @@
 #   routing  (a) the Mooncake trace, one scheduler over two workers, kv-aware
 #   peer     (b) the same with --peer-pull (the --peer-* rates)
 #   pd       (c) disaggregated prefill/decode: a placeholder, see phase_pd
-#   disk     (d) (b) plus a host tier and a disk tier on each worker (the
-#            worker's disk tier is CPU-backend only: skipped with a note on
-#            cuda)
+#   disk     (d) (b) plus a host tier and a disk tier on each worker
 # Every trace phase starts fresh services. Each row has the rejects beside
 # its latencies; "vs" is TTFT p50 over the row's baseline (recompute of the
 # same length; phase (a) for the trace).
@@ -475,11 +473,6 @@ phase_pd() {
 }
 
 phase_disk() {
-  if [ "$backend" = cuda ]; then
-    printf '2 (d)\t| trace | (d) + disk tier: not run, the worker disk tier is CPU-backend only | - | - | - | - | - | - | - | - | - |\n' \
-      >>"$work/rows.tsv"
-    return
-  fi
   trace_phase disk "(d) + peer pull + host $host_blocks blocks + disk tier" --peer-pull "${rates_model[@]}" -- \
     --host-blocks "$host_blocks" --disk-tier-dir "{}" --disk-tier-bytes "$disk_bytes"
 }
