@@ -272,10 +272,11 @@ def make_llama_1b(directory, tokenizer):
     tok.save_pretrained(directory)
 
 
-def byte_limit(model_dir_or_file, concurrency, context):
+def byte_limit(model_dir_or_file, concurrency, context, kv_elem_bytes=2):
     """Seconds a decode step of `concurrency` sequences at `context` tokens
-    must take at least: the bf16 weights and the KV read once at the copy
-    bandwidth measured now; and that bandwidth (bytes/s)."""
+    must take at least: the bf16 weights and the KV (elements of
+    `kv_elem_bytes`) read once at the copy bandwidth measured now; and that
+    bandwidth (bytes/s)."""
     import torch
     from transformers import AutoConfig
 
@@ -291,7 +292,7 @@ def byte_limit(model_dir_or_file, concurrency, context):
     tied = getattr(cfg, "tie_word_embeddings", False)
     # the embedding rows read are few; the output projection is read whole
     weights = 2 * (layers * per_layer + vocab * h + h)
-    kv = 2 * concurrency * context * layers * 2 * kv_heads * head_dim
+    kv = kv_elem_bytes * concurrency * context * layers * 2 * kv_heads * head_dim
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -423,7 +424,8 @@ def one_row(args, log_dir, workload):
         if args.backend == "cuda":
             # a decode step in the middle of the outputs
             context = prompt_len(args) + args.new_tokens // 2
-            limit, bw, weights, kv, _ = byte_limit(args.model, args.concurrency, context)
+            limit, bw, weights, kv, _ = byte_limit(args.model, args.concurrency, context,
+                                                   1 if args.kv_dtype == "fp8" else 2)
             row.update(limit_ms=1e3 * limit, bandwidth_gbs=bw / 1e9,
                        weights_gb=weights / 1e9, kv_gb=kv / 1e9)
     if sched:
