@@ -16,7 +16,8 @@
 #            nothing cached anywhere; "pull" sends other unique prompts to A
 #            (A publishes them), then the same prompts to B, which pulls the
 #            prefix from A's worker. Once per --pull-modes entry: "model"
-#            (the cost model at the --peer-* rates decides per grant) and
+#            (the cost model decides per grant, at the --peer-* rates given,
+#            or else at the rates scheduler B measures) and
 #            "force" (rates that make a pull always cheaper: link 2^64-1 B/s,
 #            prefill 1 token/s, overhead 0), scheduler B restarted between
 #            them. B's prefix reuse in a pull run is what it pulled (B never
@@ -45,8 +46,8 @@
 #   --pull-modes "M ..."    model, force [FLEET_PULL_MODES; "model force"]
 #   --peer-link-bytes-per-s, --peer-prefill-tokens-per-s, --peer-pull-overhead-us
 #                           the cost model's rates in "model" mode and in phases (b), (d)
-#                           [FLEET_PEER_LINK_BYTES_PER_S 1000000000, FLEET_PEER_PREFILL_TOKENS_PER_S
-#                           4000, FLEET_PEER_PULL_OVERHEAD_US 1000: the scheduler's defaults]
+#                           [FLEET_PEER_LINK_BYTES_PER_S, FLEET_PEER_PREFILL_TOKENS_PER_S: unset,
+#                           measured by the scheduler; FLEET_PEER_PULL_OVERHEAD_US 1000]
 #   --trace FILE            Mooncake-format trace [FLEET_TRACE; ../shared/traces/mooncake-synthetic.jsonl];
 #                           "conversations": a multi-turn trace that `kvlease cache-trace`
 #                           generates (80 sessions, seed 7, as scripts/routing-bench.sh)
@@ -81,8 +82,8 @@ gpu_kv_mib=${FLEET_GPU_KV_MIB:-16384}
 lengths=${FLEET_LENGTHS:-}
 requests=${FLEET_REQUESTS:-}
 pull_modes=${FLEET_PULL_MODES:-model force}
-link=${FLEET_PEER_LINK_BYTES_PER_S:-1000000000}
-prefill=${FLEET_PEER_PREFILL_TOKENS_PER_S:-4000}
+link=${FLEET_PEER_LINK_BYTES_PER_S:-}
+prefill=${FLEET_PEER_PREFILL_TOKENS_PER_S:-}
 overhead=${FLEET_PEER_PULL_OVERHEAD_US:-1000}
 trace=${FLEET_TRACE:-}
 trace_requests=${FLEET_TRACE_REQUESTS:-}
@@ -363,8 +364,11 @@ note() { echo "- $*" >>"$work/notes.md"; }
 
 # === phases ===
 
-rates_model=(--peer-link-bytes-per-s "$link" --peer-prefill-tokens-per-s "$prefill"
-  --peer-pull-overhead-us "$overhead")
+# a rate not given is the scheduler's to measure (from 1 GB/s and 4,000
+# tokens/s until its workers' answers say otherwise)
+rates_model=(--peer-pull-overhead-us "$overhead")
+[ -n "$link" ] && rates_model+=(--peer-link-bytes-per-s "$link")
+[ -n "$prefill" ] && rates_model+=(--peer-prefill-tokens-per-s "$prefill")
 # a pull of any size costs 1 us; computing one block >= 16 s at 1 token/s
 rates_force=(--peer-link-bytes-per-s 18446744073709551615 --peer-prefill-tokens-per-s 1
   --peer-pull-overhead-us 0)
@@ -425,7 +429,7 @@ phase_pull() {
     done
     first=0
   done
-  note "peer pull rates, model: --peer-link-bytes-per-s $link --peer-prefill-tokens-per-s $prefill --peer-pull-overhead-us $overhead; force: ${rates_force[*]}"
+  note "peer pull rates, model: ${rates_model[*]} (a rate not given there is measured by scheduler B); force: ${rates_force[*]}"
   note "peer pull: $requests prompts per row, 1 output token, one request at a time; B's prefix reuse in a pull row is what it pulled from A (B never served those prompts): every full block but the one holding the last prompt token"
   stop_all
 }

@@ -235,7 +235,7 @@ fn scheduler_step(draft_k: u32) -> Duration {
                     logprobs: Vec::new(),
                     error: None,
                 })
-                .collect(),
+                .collect::<Vec<_>>(),
         );
     }
     core.drain_outputs();
@@ -253,7 +253,7 @@ fn scheduler_step(draft_k: u32) -> Duration {
         black_box(core.plan_admission());
         for (g, items) in core.plan_forward() {
             let t = Instant::now();
-            let results = items
+            let results: Vec<ForwardResult> = items
                 .iter()
                 .map(|i| {
                     let mut argmax = i.tokens[1..].to_vec();

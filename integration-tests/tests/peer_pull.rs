@@ -51,6 +51,10 @@ impl Cluster {
             max_context: 256,
             max_tokens: 64,
             peer_pull: true,
+            // pinned (a rate given is not replaced by the measured one): a
+            // slow prefill, so that every grant pulls, also after the first
+            // pull measured the link and the passes the small model's prefill
+            peer_prefill_tokens_per_s: Some(1_000),
             // by load: a busy A sends the next request to B whatever it holds
             routing: scheduler_svc::routing::Routing::LeastCommitted,
             ..scheduler_svc::Config::default()

@@ -143,7 +143,7 @@ fn running_core(draft_k: u32) -> Core {
             logprobs: Vec::new(),
             error: None,
         });
-        core.apply_forward(g, results.collect());
+        core.apply_forward(g, results.collect::<Vec<_>>());
     }
     core.drain_outputs();
     core

@@ -16,7 +16,7 @@ use tonic::transport::Channel;
 
 use crate::convert::{self, match_results, outcomes, release_counts, sequence_spec};
 use crate::domain::{
-    Epoch, ExtendSpec, ForwardItem, ForwardResult, LeaseMode, LeaseSpec, Outcome, PoolGeometry,
+    Epoch, ExtendSpec, ForwardAnswer, ForwardItem, LeaseMode, LeaseSpec, Outcome, PoolGeometry,
     SeqId, SessionId, Step, StepCall, TierCopy, WorkerTiers,
 };
 use crate::error::{Error, Result};
@@ -589,7 +589,7 @@ impl WorkerClient {
         items: &[ForwardItem],
         tier_copies: &[TierCopy],
         traces: &[Option<ChunkTrace>],
-    ) -> Result<Vec<ForwardResult>> {
+    ) -> Result<ForwardAnswer> {
         let req = convert::forward_request(step, after, items, tier_copies, traces);
         let r = self
             .inner
@@ -598,6 +598,16 @@ impl WorkerClient {
             .await
             .map_err(|s| Error::from_worker("Forward", &s))?
             .into_inner();
-        convert::forward_results(r.results, items.len())
+        let pulls = r
+            .results
+            .iter()
+            .filter(|x| x.pulled_bytes > 0)
+            .map(|x| (x.pulled_bytes, x.pull_us))
+            .collect();
+        Ok(ForwardAnswer {
+            results: convert::forward_results(r.results, items.len())?,
+            compute_us: r.compute_us,
+            pulls,
+        })
     }
 }

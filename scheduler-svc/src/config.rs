@@ -32,6 +32,10 @@ const DEFAULT_MAX_SEQS: u32 = 256;
 const DEFAULT_MAX_TOKENS_PER_STEP: u32 = 2048;
 const DEFAULT_PREFILL_CHUNK: u32 = 512;
 const DEFAULT_MAX_TOKENS: u32 = 1024;
+/// Peer pull's starting link rate, until a pull measures it.
+const DEFAULT_PEER_LINK_BYTES_PER_S: u64 = 1_000_000_000;
+/// Peer pull's starting prefill rate, until a prefill pass measures it.
+const DEFAULT_PEER_PREFILL_TOKENS_PER_S: u64 = 4_000;
 const DEFAULT_MAX_CONTEXT: u32 = 0;
 const DEFAULT_SPEC_DRAFT_K: u32 = 0;
 const DEFAULT_OVERLAP: bool = true;
@@ -235,14 +239,18 @@ pub struct Config {
     /// grant, with the figures in the grant's trace). Off by default.
     #[arg(long, env = "KVLEASE_SCHEDULER_PEER_PULL", default_value_t = false)]
     pub peer_pull: bool,
-    /// Peer pull's link rate between workers, in bytes per second.
-    #[arg(long, env = "KVLEASE_SCHEDULER_PEER_LINK_BYTES_PER_S", default_value_t = 1_000_000_000,
+    /// Peer pull's link rate between workers, in bytes per second: fixed
+    /// when given; unset, 1 GB/s until the first pull measures it (then a
+    /// running mean of what pulls moved).
+    #[arg(long, env = "KVLEASE_SCHEDULER_PEER_LINK_BYTES_PER_S",
         value_parser = clap::value_parser!(u64).range(1..))]
-    pub peer_link_bytes_per_s: u64,
-    /// Peer pull's prefill rate of a worker group, in tokens per second.
-    #[arg(long, env = "KVLEASE_SCHEDULER_PEER_PREFILL_TOKENS_PER_S", default_value_t = 4_000,
+    pub peer_link_bytes_per_s: Option<u64>,
+    /// Peer pull's prefill rate of a worker group, in tokens per second:
+    /// fixed when given; unset, 4,000 until a pass of mostly prompt tokens
+    /// measures it (then a running mean of such passes).
+    #[arg(long, env = "KVLEASE_SCHEDULER_PEER_PREFILL_TOKENS_PER_S",
         value_parser = clap::value_parser!(u64).range(1..))]
-    pub peer_prefill_tokens_per_s: u64,
+    pub peer_prefill_tokens_per_s: Option<u64>,
     /// Peer pull's fixed cost of one pull (connection, first byte), in
     /// microseconds.
     #[arg(
@@ -304,8 +312,8 @@ impl Default for Config {
             routing: DEFAULT_ROUTING,
             routing_prefill_weight: DEFAULT_ROUTING_PREFILL_WEIGHT,
             peer_pull: false,
-            peer_link_bytes_per_s: 1_000_000_000,
-            peer_prefill_tokens_per_s: 4_000,
+            peer_link_bytes_per_s: None,
+            peer_prefill_tokens_per_s: None,
             peer_pull_overhead_us: 1_000,
             peer_workers: Vec::new(),
             limits: Default::default(),
@@ -417,10 +425,20 @@ impl Config {
             lookahead: self.order().lookahead(),
             order: self.order(),
             peer_pull: self.peer_pull.then_some(crate::domain::PeerRates {
-                link_bytes_per_s: self.peer_link_bytes_per_s.max(1),
-                prefill_tokens_per_s: self.peer_prefill_tokens_per_s.max(1),
+                link_bytes_per_s: self
+                    .peer_link_bytes_per_s
+                    .unwrap_or(DEFAULT_PEER_LINK_BYTES_PER_S)
+                    .max(1),
+                prefill_tokens_per_s: self
+                    .peer_prefill_tokens_per_s
+                    .unwrap_or(DEFAULT_PEER_PREFILL_TOKENS_PER_S)
+                    .max(1),
                 overhead_us: self.peer_pull_overhead_us,
             }),
+            peer_pinned: crate::step::PinnedRates {
+                link: self.peer_link_bytes_per_s.is_some(),
+                prefill: self.peer_prefill_tokens_per_s.is_some(),
+            },
             // validate() refused a malformed entry before the core is built
             peer_workers: self.peer_workers().unwrap_or_default(),
         }

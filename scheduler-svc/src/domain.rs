@@ -605,6 +605,27 @@ pub struct ForwardResult {
     pub error: Option<String>,
 }
 
+/// A worker's answer to one Forward: its results, the pass's compute time
+/// and what its peer pulls moved (for the measured rates).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ForwardAnswer {
+    pub results: Vec<ForwardResult>,
+    /// The worker's time for the call (`ForwardResponse.compute_us`), its
+    /// pulls included; 0 when not reported.
+    pub compute_us: u64,
+    /// (bytes, microseconds) of each sequence's pull.
+    pub pulls: Vec<(u64, u64)>,
+}
+
+impl From<Vec<ForwardResult>> for ForwardAnswer {
+    fn from(results: Vec<ForwardResult>) -> Self {
+        ForwardAnswer {
+            results,
+            ..ForwardAnswer::default()
+        }
+    }
+}
+
 /// How a request ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Finish {

@@ -301,8 +301,7 @@ impl Core {
                 // a request whose pull failed is recomputed; one that
                 // computes every position (prompt logprobs) reuses nothing
                 peer_pull: self
-                    .config
-                    .peer_pull
+                    .peer_rates()
                     .filter(|_| !request.peer_pull_failed && !request.needs_prompt_logprobs()),
             });
             self.leasing.push(Leasing {

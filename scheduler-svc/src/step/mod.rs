@@ -55,7 +55,10 @@ mod fence;
 mod lifecycle;
 mod outcomes;
 mod plan;
+mod rates;
 mod routing;
+
+pub use rates::PinnedRates;
 mod tiers;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -103,8 +106,12 @@ pub struct CoreConfig {
     /// sequence may have two passes in flight and is planned from where they
     /// leave it.
     pub order: Order,
-    /// Peer pull's rates, sent with every admission lease (`None`: off).
+    /// Peer pull's rates, sent with every admission lease (`None`: off):
+    /// where to start, each replaced by its measured value unless pinned.
     pub peer_pull: Option<crate::domain::PeerRates>,
+    /// Which of `peer_pull`'s rates stay as configured (given on the
+    /// command line) instead of following what is measured.
+    pub peer_pinned: PinnedRates,
     /// Worker addresses of peer groups that are not ours (another
     /// scheduler's, sharing the cache), by group name: a grant's copies
     /// from one of them are pulled from there.
@@ -126,6 +133,7 @@ impl Default for CoreConfig {
             lookahead: 0,
             order: Order::Plain,
             peer_pull: None,
+            peer_pinned: PinnedRates::default(),
             peer_workers: Vec::new(),
         }
     }
@@ -378,6 +386,9 @@ pub struct Core {
     /// Why the scheduler has no usable session at the cache now, if it has
     /// none. See [`Core::set_session_missing`].
     session_missing: Option<String>,
+    /// Peer pull's link and prefill rates as measured (see
+    /// [`Core::peer_rates`]).
+    measured: rates::MeasuredRates,
 }
 
 /// How long a group whose worker failed is left out of admission before it
@@ -415,7 +426,18 @@ impl Core {
             tiers: tiers::TierCopies::default(),
             batch_limit: usize::MAX,
             session_missing: None,
+            measured: rates::MeasuredRates::default(),
         }
+    }
+
+    /// The rates a peer-pull decision uses (`None`: peer pull is off): the
+    /// configured ones, each replaced by its measured running mean once the
+    /// workers' answers gave one (the link rate from what pulls moved, the
+    /// prefill rate from passes that were mostly prefill).
+    pub fn peer_rates(&self) -> Option<crate::domain::PeerRates> {
+        self.config
+            .peer_pull
+            .map(|c| self.measured.over(c, self.config.peer_pinned))
     }
 
     /// Why the scheduler has no usable session at the cache (the cache

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::{Core, Order, PreemptCause, WORKER_RETRY_AFTER, Work};
 use crate::domain::{
-    ExtendSpec, Finish, ForwardItem, ForwardResult, ItemLogprobs, Outcome, Output, Reject,
+    ExtendSpec, Finish, ForwardAnswer, ForwardItem, ItemLogprobs, Outcome, Output, Reject,
     RejectReason, SeqId, TokenLogprob,
 };
 use crate::policy::{OnExhausted, Policy};
@@ -375,13 +375,24 @@ impl Core {
         batches
     }
 
-    /// Applies one group's forward results: prefill progress, new tokens,
-    /// finished requests. An in-flight sequence without a result fails.
-    pub fn apply_forward(&mut self, group: usize, results: Vec<ForwardResult>) {
+    /// Applies one group's forward answer (its results, or a
+    /// [`ForwardAnswer`] with the pass's timing): prefill progress, new
+    /// tokens, finished requests, and the peer-pull rates it measures. An
+    /// in-flight sequence without a result fails.
+    pub fn apply_forward(&mut self, group: usize, answer: impl Into<ForwardAnswer>) {
+        let ForwardAnswer {
+            results,
+            compute_us,
+            pulls,
+        } = answer.into();
         // the oldest pass the group owes: its worker runs passes in order
         let Some(step) = self.steps.owed_by(group) else {
             return;
         };
+        for &(bytes, micros) in &pulls {
+            self.measured.pulled(bytes, micros);
+        }
+        let (mut tokens, mut prefill) = (0u64, 0u64);
         let mut pulls_failed = Vec::new();
         for result in results {
             let Some(seq) = self.running.get_mut(&result.seq_id) else {
@@ -401,6 +412,13 @@ impl Core {
                 continue;
             };
             let mut logprobs = result.logprobs;
+            match &work {
+                Work::Prefill { len } => {
+                    tokens += u64::from(*len);
+                    prefill += u64::from(*len);
+                }
+                Work::Decode { drafts } => tokens += 1 + drafts.len() as u64,
+            }
             let emit = match work {
                 Work::Prefill { len } => {
                     let at = seq.kv_len as usize;
@@ -448,6 +466,8 @@ impl Core {
                 self.emit(result.seq_id, emit, logprobs);
             }
         }
+        self.measured
+            .computed(tokens, prefill, compute_us, !pulls.is_empty());
         self.tier_forward_returned(group, false);
         let missing: Vec<SeqId> = self
             .running

@@ -95,7 +95,7 @@ impl Core {
         let weights: Vec<f64> = self
             .groups
             .iter()
-            .map(|g| match self.config.peer_pull {
+            .map(|g| match self.peer_rates() {
                 Some(rates) => {
                     peer_weight(&rates, g.peer.block_bytes.iter().sum(), g.tokens_per_block)
                 }

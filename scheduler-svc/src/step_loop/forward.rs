@@ -9,7 +9,7 @@ use tracing::Instrument;
 
 use super::StepLoop;
 use super::report::record_call;
-use crate::domain::{ForwardResult, SeqId, Step};
+use crate::domain::{ForwardAnswer, SeqId, Step};
 use crate::error::Result;
 
 /// The forward pass of a step, launched and not collected yet.
@@ -20,7 +20,7 @@ pub(super) struct InFlight {
 }
 
 /// One group's forward call of a step: the group, its sequences, the task.
-type ForwardTask = (usize, Vec<SeqId>, JoinHandle<Result<Vec<ForwardResult>>>);
+type ForwardTask = (usize, Vec<SeqId>, JoinHandle<Result<ForwardAnswer>>);
 
 impl std::fmt::Debug for InFlight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -95,7 +95,7 @@ impl StepLoop {
             arrived = Instant::now();
             self.traces.forwarded(&seqs, launched.elapsed());
             match result {
-                Ok(Ok(results)) => self.core.apply_forward(g, results),
+                Ok(Ok(answer)) => self.core.apply_forward(g, answer),
                 Ok(Err(e)) => {
                     tracing::warn!(step = f.step.get(), group = g, error = %e, "forward failed");
                     self.core.forward_failed(g, &e.to_string());

@@ -52,7 +52,7 @@ fn decoding_pair(order: Order, on_exhausted: OnExhausted) -> Core {
             .collect(),
     );
     for (g, items) in c.plan_forward() {
-        let results = items
+        let results: Vec<ForwardResult> = items
             .iter()
             .map(|i| ForwardResult {
                 seq_id: i.seq_id,

@@ -213,7 +213,7 @@ fn answers(outputs: &[Output], n: usize) -> Vec<Answer<Finish>> {
 /// Answers every pass with a row of `top`.
 fn answer_rows(c: &mut Core, top: &[(u32, f32)]) {
     for (g, items) in c.plan_forward() {
-        let answers = items
+        let answers: Vec<ForwardResult> = items
             .iter()
             .map(|i| ForwardResult {
                 seq_id: i.seq_id,

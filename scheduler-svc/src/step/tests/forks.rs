@@ -43,7 +43,7 @@ fn step(c: &mut Core, lease: impl Fn(&LeaseSpec) -> Outcome) -> (Vec<LeaseSpec>,
     c.apply_leases(leases.iter().map(&lease).collect());
     let mut all = Vec::new();
     for (g, items) in c.plan_forward() {
-        let answers = items
+        let answers: Vec<ForwardResult> = items
             .iter()
             .map(|i| ForwardResult {
                 seq_id: i.seq_id,

@@ -188,3 +188,52 @@ fn routing_counts_the_tokens_a_pull_would_bring_at_what_it_saves() {
     let leases = c.plan_admission();
     assert_eq!(leases[0].pool_group, "g1");
 }
+
+#[test]
+fn later_leases_and_routing_weigh_pulls_at_the_rates_the_workers_measured() {
+    let mut c = peered();
+    let (_, _, items) = admit_in_g1(&mut c);
+    // the pull moved 4 MB in 2 ms (2 GB/s); its pass is no prefill sample
+    c.apply_forward(
+        1,
+        crate::domain::ForwardAnswer {
+            results: results(&items, 7, false),
+            compute_us: 2_500,
+            pulls: vec![(4_000_000, 2_000)],
+        },
+    );
+    let measured = c.peer_rates().unwrap();
+    assert_eq!(measured.link_bytes_per_s, 2_000_000_000);
+    assert_eq!(measured.prefill_tokens_per_s, RATES.prefill_tokens_per_s);
+    // a prefill pass of 300 prompt tokens in 3 ms
+    c.submit(request(3, 300, 4));
+    c.begin_step();
+    c.plan_extends(false);
+    let leases = c.plan_admission();
+    assert_eq!(leases.len(), 1);
+    assert_eq!(
+        leases[0].peer_pull,
+        Some(measured),
+        "the lease carries what was measured"
+    );
+    let g = if leases[0].pool_group == "g0" { 0 } else { 1 };
+    c.apply_leases(vec![grant(leases[0].seq_id)]);
+    for (group, batch) in c.plan_forward() {
+        let compute_us = if group == g { 3_000 } else { 0 };
+        c.apply_forward(
+            group,
+            crate::domain::ForwardAnswer {
+                results: results(&batch, 7, false),
+                compute_us,
+                pulls: Vec::new(),
+            },
+        );
+    }
+    let rates = c.peer_rates().unwrap();
+    // 300 prompt tokens and the decode row of the sequence already there
+    assert_eq!(rates.prefill_tokens_per_s, 100_333, "{rates:?}");
+    assert_eq!(rates.link_bytes_per_s, 2_000_000_000);
+    assert_eq!(rates.overhead_us, RATES.overhead_us);
+    // recomputing is 100x faster than the flags said: a pull saves less
+    assert!(peer_weight(&rates, 4_096, 16) < peer_weight(&RATES, 4_096, 16));
+}
