@@ -1103,7 +1103,7 @@ mod tests {
         assert_eq!(c, tonic::Code::FailedPrecondition);
         assert_eq!(
             m,
-            "peer pull: block 0 of the pool of window 0 does not hold K/V in its first 16 slots"
+            "peer pull: block 0 of the pool of window 0 does not hold K/V in every slot"
         );
         // a hand-off's last block: its written slots only, and no more
         // slots than a block has

@@ -460,8 +460,12 @@ impl Worker {
             .ledger
             .all_written(pool, block, 0..slots.clamp(1, geometry.tokens_per_block))
         {
+            let which = match slots >= geometry.tokens_per_block {
+                true => "every slot".to_string(),
+                false => format!("its first {slots} slots"),
+            };
             return Err(Error::Pull(format!(
-                "block {block} of the pool of window {} does not hold K/V in its first {slots} slots",
+                "block {block} of the pool of window {} does not hold K/V in {which}",
                 geometry.window
             )));
         }
