@@ -13,7 +13,13 @@
 #   (d) scheduler-2 killed (docker kill) while both serve: the scheduler
 #       keeps serving, scheduler-2's blocks return at its session's TTL, and
 #       started again it serves;
-#   then worker-2 stopped mid-bench (its requests end with a clear reason).
+#   then worker-2 stopped mid-bench (its requests end with a clear reason);
+#   (p) disaggregated serving (profile disaggregated: scheduler-pd over
+#       worker-prefill and worker-decode): a bench served whole, then
+#       worker-decode killed (docker kill) mid-bench, its requests answered
+#       (served, or ended with their reason), and started again it serves.
+# COMPOSE_STAGES picks the stages to run: `faults` (cases c, a, b, d, e)
+# and `disaggregated` (case p); both by default.
 # Each case: every request ends with an answer (the bench's summary counts:
 # no call that timed out or failed without one), and afterwards every pool
 # is whole and the cache's leak audit reclaims nothing (`kvlease audit
@@ -39,6 +45,12 @@ export KVLEASE_WORKER_3_PORT="${KVLEASE_WORKER_3_PORT:-55055}"
 export KVLEASE_SCHEDULER_2_PORT="${KVLEASE_SCHEDULER_2_PORT:-55056}"
 export KVLEASE_WORKER_3_METRICS_PORT="${KVLEASE_WORKER_3_METRICS_PORT:-55094}"
 export KVLEASE_SCHEDULER_2_METRICS_PORT="${KVLEASE_SCHEDULER_2_METRICS_PORT:-55095}"
+export KVLEASE_WORKER_PREFILL_PORT="${KVLEASE_WORKER_PREFILL_PORT:-55058}"
+export KVLEASE_WORKER_DECODE_PORT="${KVLEASE_WORKER_DECODE_PORT:-55059}"
+export KVLEASE_SCHEDULER_PD_PORT="${KVLEASE_SCHEDULER_PD_PORT:-55057}"
+export KVLEASE_WORKER_PREFILL_METRICS_PORT="${KVLEASE_WORKER_PREFILL_METRICS_PORT:-55096}"
+export KVLEASE_WORKER_DECODE_METRICS_PORT="${KVLEASE_WORKER_DECODE_METRICS_PORT:-55097}"
+export KVLEASE_SCHEDULER_PD_METRICS_PORT="${KVLEASE_SCHEDULER_PD_METRICS_PORT:-55098}"
 # short session TTLs and timeouts, so that the fault cases take seconds
 export KVLEASE_SCHEDULER_SESSION_TTL_MS="${KVLEASE_SCHEDULER_SESSION_TTL_MS:-2000}"
 export KVLEASE_SCHEDULER_CACHE_TIMEOUT_MS="${KVLEASE_SCHEDULER_CACHE_TIMEOUT_MS:-1000}"
@@ -46,15 +58,18 @@ export KVLEASE_SCHEDULER_WORKER_KEEPALIVE_MS="${KVLEASE_SCHEDULER_WORKER_KEEPALI
 TTL_S=$(( (KVLEASE_SCHEDULER_SESSION_TTL_MS + 999) / 1000 ))
 SCHED="127.0.0.1:$KVLEASE_SCHEDULER_PORT"
 SCHED2="127.0.0.1:$KVLEASE_SCHEDULER_2_PORT"
+SCHEDPD="127.0.0.1:$KVLEASE_SCHEDULER_PD_PORT"
+STAGES=" ${COMPOSE_STAGES:-faults disaggregated} "
+stage() { [[ "$STAGES" == *" $1 "* ]]; }
 KV=docker/bin/kvlease
 LOGS="$(mktemp -d)"
 FAILURES=()
 NOTES=()
 
 if docker compose version >/dev/null 2>&1; then
-  COMPOSE=(docker compose -p "$PROJECT" --profile two-schedulers)
+  COMPOSE=(docker compose -p "$PROJECT" --profile two-schedulers --profile disaggregated)
 elif command -v docker-compose >/dev/null 2>&1; then
-  COMPOSE=(docker-compose -p "$PROJECT" --profile two-schedulers)
+  COMPOSE=(docker-compose -p "$PROJECT" --profile two-schedulers --profile disaggregated)
 else
   echo "compose-test: FAIL: neither 'docker compose' nor 'docker-compose' is available"
   exit 1
@@ -111,7 +126,8 @@ fi
 
 # === certificates (mTLS between every service and for this script's clients) ===
 export KVLEASE_CERTS="$LOGS/certs"
-if ! "$KV" certs --out "$KVLEASE_CERTS" --host worker-1 --host worker-2 --host worker-3 >/dev/null; then
+if ! "$KV" certs --out "$KVLEASE_CERTS" --host worker-1 --host worker-2 --host worker-3 \
+    --host worker-prefill --host worker-decode >/dev/null; then
   fail "kvlease certs failed"; finish
 fi
 # the images run as uid 65534; these throwaway keys live in this run's temporary directory
@@ -182,14 +198,14 @@ wait_session() {
   return 1
 }
 network_of() { docker inspect --format '{{range $k, $v := .NetworkSettings.Networks}}{{$k}} {{end}}' "$(container "$1")" | awk '{print $1}'; }
-preemptions() { with_cert admin "$KV" status --scheduler "$SCHED" 2>/dev/null | sed -n 's/.*; preemptions \([0-9]*\).*/\1/p'; }
+preemptions() { with_cert admin "$KV" status --scheduler "${1:-$SCHED}" 2>/dev/null | sed -n 's/.*; preemptions \([0-9]*\).*/\1/p'; }
 
 # === up ===
 log "starting the cluster (project $PROJECT)"
 if ! "${COMPOSE[@]}" up -d >"$LOGS/up.log" 2>&1; then
   cat "$LOGS/up.log"; fail "compose up failed"; finish
 fi
-for s in cache worker-1 worker-2 worker-3 scheduler scheduler-2; do
+for s in cache worker-1 worker-2 worker-3 scheduler scheduler-2 worker-prefill worker-decode scheduler-pd; do
   if ! wait_healthy "$s" 180; then fail "$s not healthy (state: $(health "$s"))"; finish; fi
 done
 log "all services healthy: two schedulers on one cache"
@@ -211,6 +227,43 @@ if command -v curl >/dev/null 2>&1; then
   done
 fi
 
+# === (p) disaggregated serving: worker-decode killed mid-transfer ===
+if stage disaggregated; then
+log "case p: scheduler-pd (worker-prefill, worker-decode); worker-decode killed mid-bench"
+with_cert admin "$KV" status --scheduler "$SCHEDPD" | sed 's/^/    /'
+decoded() { curl -fsS "http://127.0.0.1:$KVLEASE_WORKER_DECODE_METRICS_PORT/metrics" 2>/dev/null \
+  | sed -n 's/^kvlease_worker_forward_tokens_total \([0-9.e+]*\).*/\1/p' | awk '{ print int($1) }'; }
+T0="$(decoded)"
+bench p1 "$SCHEDPD" --requests 16 --concurrency 4 --output-max 24 --timeout-s 60
+all_ok p1 16
+T1="$(decoded)"
+[ "${T1:-0}" -gt "${T0:-0}" ] || fail "p1: worker-decode computed nothing (forward tokens ${T0:-?} -> ${T1:-?})"
+sound "after p1 (disaggregated)"
+# long outputs, so that the kill lands while KV moves and sequences decode
+P0="$(preemptions "$SCHEDPD")"
+bench p2 "$SCHEDPD" --requests 24 --concurrency 8 --output-min 96 --output-max 128 --timeout-s 120 &
+P2=$!
+sleep 1
+docker kill "$(container worker-decode)" >/dev/null || fail "docker kill worker-decode failed"
+wait "$P2"
+answered p2 24
+P1="$(preemptions "$SCHEDPD")"
+if [ "$(field "$LOGS/p2.log" ok)" = 24 ] && [ "${P1:-0}" = "${P0:-0}" ]; then
+  fail "p2: every request completed untouched: the kill came after the bench"
+fi
+sound "after worker-decode was killed"
+"${COMPOSE[@]}" start worker-decode >/dev/null 2>&1 || fail "compose start worker-decode failed"
+if wait_healthy worker-decode 90; then
+  bench p3 "$SCHEDPD" --requests 16 --concurrency 4 --output-max 16 --timeout-s 90
+  answered p3 16
+  sound "after worker-decode came back"
+  NOTES+=("disaggregated: p1 16/16 ok (decode worker ${T0:-?} -> ${T1:-?} tokens), worker-decode killed: p2 $(field "$LOGS/p2.log" ok)/24 ok, $(field "$LOGS/p2.log" errors) errors, $(( ${P1:-0} - ${P0:-0} )) requeued; back: p3 $(field "$LOGS/p3.log" ok)/16 ok")
+else
+  fail "worker-decode not healthy after its restart"
+fi
+fi
+
+if stage faults; then
 # === (c) the cache killed and started again mid-bench: a new epoch ===
 log "case c: docker kill of the cache mid-bench, then started again"
 S1="$(session)"; S2="$(session "$SCHED2")"
@@ -320,6 +373,7 @@ if [ "$(field "$LOGS/e2.log" ok)" != 16 ]; then
   fail "with worker-2 stopped only $(field "$LOGS/e2.log" ok) of 16 new requests completed: the scheduler still routes new requests to the stopped worker"
 else
   NOTES+=("16/16 served by the remaining worker")
+fi
 fi
 sound "at the end"
 

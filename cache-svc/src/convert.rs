@@ -130,6 +130,7 @@ pub(crate) fn spec_from_pb(s: pb::SequenceSpec) -> Result<SeqSpec> {
         prefill_tokens: s.prefill_tokens,
         retain,
         fork_of: s.fork_of.map(SeqId),
+        handoff_of: s.handoff_of.map(SeqId),
         peer_pull: s.peer_pull.map(|r| crate::peer::PeerRates {
             link_bytes_per_s: r.link_bytes_per_s,
             prefill_tokens_per_s: r.prefill_tokens_per_s,
@@ -279,6 +280,7 @@ pub(crate) fn grant_to_pb(g: Grant) -> pb::Grant {
                 src_pool_id: c.src_pool_id,
                 src_block: c.src_block,
                 transfer_id: c.transfer_id,
+                tokens: c.tokens,
             })
             .collect(),
         peer_decision: g.peer_decision.map(|d| pb::PeerPullDecision {
@@ -288,6 +290,7 @@ pub(crate) fn grant_to_pb(g: Grant) -> pb::Grant {
             pull_us: d.pull_us,
             recompute_us: d.recompute_us,
             pulled: d.pulled,
+            forced: d.forced,
         }),
     }
 }
@@ -394,6 +397,7 @@ pub(crate) fn stats_to_pb(p: PoolStats) -> pb::PoolStats {
         disk_pinned: p.disk.pinned,
         spills: p.counters.spills,
         loads: p.counters.loads,
+        handoff_blocks: p.counters.handoff_blocks,
         disk_invalidated: p.counters.disk_invalidated,
         eviction_policy: p.policy.configured.name().to_owned(),
         current_policy: p.policy.current.name().to_owned(),

@@ -86,6 +86,10 @@ pub struct SeqSpec {
     pub fork_of: Option<SeqId>,
     /// Peer pull: the rates its cost model uses (`None`: no peer pull).
     pub peer_pull: Option<crate::peer::PeerRates>,
+    /// Disaggregated serving: the hand-off of this held sequence of
+    /// another group (see [`crate::cache`]'s hand-offs), whose KV every
+    /// prompt position but the last is pulled from.
+    pub handoff_of: Option<SeqId>,
 }
 
 /// The longest retention hint a request may give.
@@ -129,6 +133,7 @@ impl SeqSpec {
             retain: None,
             fork_of: None,
             peer_pull: None,
+            handoff_of: None,
         }
     }
 }

@@ -38,6 +38,8 @@ pub struct PeerDecision {
     pub recompute_us: u64,
     /// Whether the grant pulls them.
     pub pulled: bool,
+    /// A hand-off (`SeqSpec::handoff_of`): pulled whatever the figures.
+    pub forced: bool,
 }
 
 /// One block to copy from a peer group's device into this sequence's own.
@@ -57,6 +59,9 @@ pub struct PeerCopy {
     pub src_block: BlockId,
     /// The grant's transfer id.
     pub transfer_id: u64,
+    /// Slots to copy from the block's first (0: the whole block; a
+    /// hand-off's partly filled last block).
+    pub tokens: u32,
 }
 
 /// Decides whether to pull `blocks` blocks of `bytes` bytes (all of them
@@ -84,6 +89,7 @@ pub fn decide(
         pull_us,
         recompute_us,
         pulled: blocks > 0 && pull_us < recompute_us,
+        forced: false,
     }
 }
 

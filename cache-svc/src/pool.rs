@@ -128,6 +128,8 @@ pub struct PoolCounters {
     pub fork_shared: u64,
     /// Partial-block copies granted to forks (copy on write).
     pub fork_copies: u64,
+    /// Blocks granted by hand-offs, to be pulled from the prefill group.
+    pub handoff_blocks: u64,
     /// Evicted host blocks spilled to the disk tier (copy named).
     pub spills: u64,
     /// Prompt blocks loaded from the disk tier (warm-up excluded; also in

@@ -143,6 +143,9 @@ pub(crate) fn trace_outcomes(
                     attributes::set_u64(&span, attributes::PEER_PULL_US, d.pull_us);
                     attributes::set_u64(&span, attributes::PEER_RECOMPUTE_US, d.recompute_us);
                     span.set_attribute(attributes::PEER_PULLED, d.pulled);
+                    if d.forced {
+                        span.set_attribute(attributes::PEER_FORCED, true);
+                    }
                 }
                 let evicted: u64 = evicted
                     .iter()

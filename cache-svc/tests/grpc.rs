@@ -987,3 +987,94 @@ async fn peer_pull_grants_copies_and_malformed_peer_fields_name_the_field() {
     }
     s.shutdown().await;
 }
+
+/// A hand-off over gRPC (`SequenceSpec.handoff_of`, disaggregated
+/// serving): a sequence prefilled in one group is leased in its peer group
+/// with every prompt position pulled (the partly filled last block by its
+/// leading slots, `PeerCopy.tokens`), the decision forced; a malformed
+/// hand-off is INVALID_ARGUMENT naming `handoff_of`, nothing taken.
+#[tokio::test]
+async fn a_handoff_pulls_the_whole_prompt_and_malformed_handoffs_name_handoff_of() {
+    let mut s = Server::start(config()).await;
+    let c = &mut s.client;
+    for group in ["m/p", "m/d"] {
+        let req = pb::RegisterPoolRequest {
+            peer_key: "seeded:f32".into(),
+            ..register_req(
+                group,
+                4,
+                vec![pb::PoolSpec {
+                    bytes_per_block: 4_096,
+                    ..pool_spec(0, 16)
+                }],
+            )
+        };
+        c.register_pool(req).await.unwrap();
+    }
+    let sess = open(c).await;
+    let prompt: Vec<u32> = (10..20).collect();
+    let out = lease(c, sess, 1, vec![seq_in("m/p", 1, prompt.clone())]).await;
+    let source = grant(&out[0]).tables[0].block_ids.clone();
+    c.complete_step(complete_req(sess, 1)).await.unwrap();
+    let handoff = |seq_id: u64, of: u64, tokens: Vec<u32>| pb::SequenceSpec {
+        handoff_of: Some(of),
+        prefill_tokens: 1,
+        ..seq_in("m/d", seq_id, tokens)
+    };
+    let mut next = prompt.clone();
+    next.push(99);
+    let before = stats(c).await;
+    for (bad, why) in [
+        (handoff(2, 2, next.clone()), "cannot hand itself off"),
+        (
+            handoff(2, 1, prompt.clone()),
+            "the prompt must be its 10 tokens",
+        ),
+        (
+            pb::SequenceSpec {
+                pool_group: "m/p".into(),
+                ..handoff(2, 1, next.clone())
+            },
+            "the lease's own group",
+        ),
+    ] {
+        let status = c.lease(lease_req(sess, 2, vec![bad])).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument);
+        let message = status.message();
+        assert!(
+            message.contains("handoff_of") && message.contains(why),
+            "{message}"
+        );
+    }
+    let in_use = |st: &pb::GetStatsResponse| st.pools.iter().map(|p| p.in_use).collect::<Vec<_>>();
+    assert_eq!(in_use(&before), in_use(&stats(c).await), "nothing taken");
+    let out = lease(c, sess, 2, vec![handoff(2, 1, next)]).await;
+    let g = grant(&out[0]);
+    assert_eq!(g.reused_tokens, 10);
+    let copies: Vec<(u32, u32)> = g
+        .peer_copies
+        .iter()
+        .map(|p| (p.src_block, p.tokens))
+        .collect();
+    assert_eq!(copies, vec![(source[0], 0), (source[1], 0), (source[2], 2)]);
+    let d = g.peer_decision.as_ref().unwrap();
+    assert!(d.forced && d.pulled, "{d:?}");
+    c.release(release_req(sess, vec![1], Some(2)))
+        .await
+        .unwrap();
+    c.complete_step(complete_req(sess, 2)).await.unwrap();
+    c.release(release_req(sess, vec![2], None)).await.unwrap();
+    let audit = c.audit(pb::AuditRequest {}).await.unwrap().into_inner();
+    assert!(audit.reclaimed.is_empty(), "{audit:?}");
+    let st = stats(c).await;
+    for p in &st.pools {
+        assert_eq!((p.in_use, p.fenced), (0, 0), "{p:?}");
+    }
+    let handed: Vec<(String, u64)> = st
+        .pools
+        .iter()
+        .map(|p| (p.pool_group.clone(), p.handoff_blocks))
+        .collect();
+    assert!(handed.contains(&("m/d".into(), 3)), "{handed:?}");
+    s.shutdown().await;
+}

@@ -348,6 +348,9 @@ pub struct ClusterConfig {
     pub cache_listen: SocketAddr,
     /// One address per worker.
     pub worker_listens: Vec<SocketAddr>,
+    /// Worker i's group role (disaggregated serving); a worker past the
+    /// end of the list (every one, when it is empty) serves both.
+    pub worker_roles: Vec<scheduler_svc::domain::Role>,
     pub cache: cache_svc::Config,
     /// Every worker's config (its `listen` is replaced).
     pub worker: worker_svc::Config,
@@ -379,6 +382,7 @@ impl ClusterConfig {
             scheduler_listen: at(0),
             cache_listen: at(1),
             worker_listens: (0..workers).map(|i| at(2 + i as u16)).collect(),
+            worker_roles: Vec::new(),
             cache: cache_svc::Config::default(),
             worker: worker_svc::Config::default(),
             scheduler: scheduler_svc::Config::default(),
@@ -502,7 +506,7 @@ impl Cluster {
         let cache_url = cache.url();
         rest.push(cache);
         let mut worker_urls = Vec::new();
-        for listeners in worker_listeners {
+        for (i, listeners) in worker_listeners.into_iter().enumerate() {
             let worker = start_worker_for(
                 listeners,
                 config.worker.clone(),
@@ -510,7 +514,10 @@ impl Cluster {
                 config.ready_within,
             )
             .await?;
-            worker_urls.push(worker.url());
+            worker_urls.push(match config.worker_roles.get(i) {
+                Some(role) => format!("{}#role={}", worker.url(), role.as_str()),
+                None => worker.url(),
+            });
             rest.push(worker);
         }
         let scheduler = scheduler_svc::Config {

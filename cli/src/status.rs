@@ -25,6 +25,15 @@ pub fn render(s: &pb::GetStatusResponse) -> String {
         s.finished_length, s.finished_stop, s.rejected, s.cancelled, s.errors, s.preemptions
     );
     let _ = writeln!(out, "steps         {}", s.steps);
+    // disaggregated serving: which group prefills and which decodes
+    if s.groups.iter().any(|g| g.role != "both") {
+        let roles: Vec<String> = s
+            .groups
+            .iter()
+            .map(|g| format!("{} {}", g.pool_group, g.role))
+            .collect();
+        let _ = writeln!(out, "roles         {}", roles.join(", "));
+    }
     out.push_str(&render_pools(&s.pools));
     out
 }
@@ -217,6 +226,26 @@ mod tests {
         assert!(text.contains("(epoch 3)"), "{text}");
         assert!(text.contains("seeded-0/replica-0"), "{text}");
         assert!(text.contains("25.0%"), "{text}");
+        assert!(
+            !text.contains("roles"),
+            "no roles line when every group serves both: {text}"
+        );
         assert!(render_pools(&[]).contains("none reported"));
+        let group = |name: &str, role: &str| pb::WorkerGroup {
+            pool_group: name.into(),
+            role: role.into(),
+        };
+        let split = pb::GetStatusResponse {
+            groups: vec![
+                group("m/replica-0", "prefill"),
+                group("m/replica-1", "decode"),
+            ],
+            ..s
+        };
+        assert!(
+            render(&split).contains("roles         m/replica-0 prefill, m/replica-1 decode"),
+            "{}",
+            render(&split)
+        );
     }
 }

@@ -33,7 +33,11 @@ async fn pull_as(
         kv_dtype: identity.1.into(),
         blocks: blocks
             .iter()
-            .map(|&(window, block)| pb::PeerBlock { window, block })
+            .map(|&(window, block)| pb::PeerBlock {
+                window,
+                block,
+                tokens: 0,
+            })
             .collect(),
     });
     if let Some(owner) = pull_for {

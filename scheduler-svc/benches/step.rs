@@ -41,6 +41,7 @@ fn group() -> GroupGeometry {
         max_batch_sequences: 1024,
         max_batch_tokens: 1 << 20,
         peer: Default::default(),
+        role: Default::default(),
     }
 }
 

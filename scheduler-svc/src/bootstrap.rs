@@ -82,6 +82,8 @@ async fn start_inner(
         descriptions.push(worker.describe().await?);
     }
     let tokenizer = one_tokenizer(workers, &descriptions).await?;
+    let roles: Vec<crate::domain::Role> = config.workers()?.into_iter().map(|(_, r)| r).collect();
+    check_roles(workers, &roles, &descriptions)?;
     let mut groups = Vec::with_capacity(workers.len());
     let mut step = Step(0);
     let mut next_seq = WARMUP_SEQ_BASE;
@@ -110,6 +112,7 @@ async fn start_inner(
             max_batch_sequences: d.max_batch_sequences.max(1),
             max_batch_tokens: d.max_batch_tokens.max(1),
             peer: d.peer.clone(),
+            role: roles.get(i).copied().unwrap_or_default(),
         };
         tracing::info!(group = %group.name, worker = worker.addr(), tokens_per_block = group.tokens_per_block,
             pools = group.pools.len(), "pools registered");
@@ -131,6 +134,45 @@ async fn start_inner(
         last_step: step,
         tokenizer,
     })
+}
+
+/// With roles (disaggregated serving), every prefill and decode group must
+/// hold the same KV (the peer key: model, tokenizer and KV element type,
+/// block size) for a hand-off to move it: a mismatch stops start-up.
+fn check_roles(
+    workers: &[WorkerClient],
+    roles: &[crate::domain::Role],
+    descriptions: &[crate::client::WorkerDescription],
+) -> Result<()> {
+    use crate::domain::Role;
+    let split: Vec<(&WorkerClient, &crate::client::WorkerDescription)> = workers
+        .iter()
+        .zip(descriptions)
+        .zip(roles)
+        .filter(|(_, r)| **r != Role::Both)
+        .map(|(wd, _)| wd)
+        .collect();
+    let Some((first, d0)) = split.first() else {
+        return Ok(());
+    };
+    for (w, d) in &split[1..] {
+        if d.peer.key != d0.peer.key || d.peer.block_bytes != d0.peer.block_bytes {
+            return Err(Error::Config(format!(
+                "workers {} and {} have roles but different KV ({:?} vs {:?}): a hand-off cannot move KV between them",
+                first.addr(),
+                w.addr(),
+                d0.peer.key,
+                d.peer.key
+            )));
+        }
+    }
+    if d0.peer.key.is_empty() || d0.peer.block_bytes.contains(&0) {
+        return Err(Error::Config(format!(
+            "worker {} has a role but describes no KV identity or block sizes: it cannot hand off",
+            first.addr()
+        )));
+    }
+    Ok(())
 }
 
 /// Registers a worker's pools with its incarnation and disk tiers. The
@@ -307,6 +349,7 @@ async fn warm_up(
                     fork_of: None,
                     reuse_prefix: true,
                     peer_pull: None,
+                    handoff_of: None,
                 }
             })
             .collect();

@@ -8,6 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use kvlease_runtime::process::{ListenAddrs, ServiceConfig};
 
+use crate::domain::Role;
 use crate::error::{Error, Result};
 use crate::policy::{OnExhausted, Policy};
 use crate::routing::{PrefillWeight, Routing, RoutingConfig};
@@ -95,7 +96,9 @@ pub struct Config {
         default_value = DEFAULT_CACHE_ADDR
     )]
     pub cache_addr: String,
-    /// Worker endpoints (one per model replica), comma separated.
+    /// Worker endpoints (one per model replica), comma separated. A
+    /// `#role=prefill`, `#role=decode` or `#role=both` after a URL gives its
+    /// group's role (disaggregated serving; `both` when absent).
     #[arg(
         long,
         env = "KVLEASE_SCHEDULER_WORKER_ADDRS",
@@ -343,6 +346,16 @@ impl Config {
         if self.worker_addrs.iter().all(|a| a.trim().is_empty()) {
             return bad("at least one worker address is required");
         }
+        let roles: Vec<Role> = self.workers()?.into_iter().map(|(_, r)| r).collect();
+        let (prefills, decodes) = (
+            roles.iter().any(|r| r.prefills()),
+            roles.iter().any(|r| r.decodes()),
+        );
+        if !prefills || !decodes {
+            return bad(
+                "worker roles: at least one worker must prefill (role prefill or both) and one decode (role decode or both)",
+            );
+        }
         if self.max_seqs == 0 {
             return bad("max_seqs must be at least 1");
         }
@@ -396,6 +409,28 @@ impl Config {
             )));
         }
         Ok(())
+    }
+
+    /// The worker endpoints (`--worker-addrs`), each with its group's role
+    /// from a `#role=NAME` suffix (`both` without one).
+    pub fn workers(&self) -> Result<Vec<(String, Role)>> {
+        self.worker_addrs
+            .iter()
+            .map(|a| a.trim())
+            .filter(|a| !a.is_empty())
+            .map(|a| match a.split_once('#') {
+                None => Ok((a.to_owned(), Role::Both)),
+                Some((url, suffix)) => match suffix.strip_prefix("role=") {
+                    Some(role) => role
+                        .parse()
+                        .map(|r| (url.to_owned(), r))
+                        .map_err(|e| Error::Config(format!("worker address {url}: {e}"))),
+                    None => Err(Error::Config(format!(
+                        "worker address {url}: after '#' only role=prefill, role=decode or role=both is understood"
+                    ))),
+                },
+            })
+            .collect()
     }
 
     /// The order of a step's calls: `--overlap` pipelines (two passes in
@@ -536,6 +571,35 @@ mod tests {
                 "{bad}: {err:?}"
             );
         }
+    }
+
+    #[test]
+    fn worker_roles_come_from_the_url_and_a_bad_one_is_named() {
+        let with = |addrs: &[&str]| Config {
+            worker_addrs: addrs.iter().map(|a| a.to_string()).collect(),
+            ..Config::default()
+        };
+        let c = with(&[
+            "http://p:1#role=prefill",
+            " http://d:2#role=decode ",
+            "http://b:3",
+        ]);
+        assert_eq!(
+            c.workers().unwrap(),
+            vec![
+                ("http://p:1".to_string(), Role::Prefill),
+                ("http://d:2".to_string(), Role::Decode),
+                ("http://b:3".to_string(), Role::Both),
+            ]
+        );
+        assert!(c.validate().is_ok());
+        let msg = |c: Config| c.validate().unwrap_err().to_string();
+        let m = msg(with(&["http://p:1#role=prefil"]));
+        assert!(m.contains("worker address http://p:1: role must be"), "{m}");
+        assert!(msg(with(&["http://p:1#x=1"])).contains("only role=prefill"));
+        // a prefill group with nowhere to decode, and the reverse
+        assert!(msg(with(&["http://p:1#role=prefill"])).contains("one decode"));
+        assert!(msg(with(&["http://d:1#role=decode"])).contains("must prefill"));
     }
 
     #[test]

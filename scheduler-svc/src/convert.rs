@@ -691,6 +691,7 @@ pub(crate) fn sequence_spec(s: &LeaseSpec, traceparent: String) -> pb::SequenceS
         prefill_tokens: s.prefill_tokens,
         refusal_retried: false,
         fork_of: s.fork_of.map(SeqId::get),
+        handoff_of: s.handoff_of.map(SeqId::get),
         peer_pull: s.peer_pull.map(|r| pb::PeerPullRates {
             link_bytes_per_s: r.link_bytes_per_s,
             prefill_tokens_per_s: r.prefill_tokens_per_s,
@@ -786,6 +787,7 @@ pub(crate) fn grant(g: pb::Grant, seq_id: SeqId) -> Grant {
                 src_group: c.src_group,
                 src_block: c.src_block,
                 transfer_id: c.transfer_id,
+                tokens: c.tokens,
             })
             .collect(),
     }
@@ -967,11 +969,14 @@ fn forward_sequence(i: &ForwardItem, trace: Option<&ChunkTrace>) -> pb::ForwardS
             blocks: p
                 .blocks
                 .iter()
-                .map(|&(window, src_block, dst_block)| pb::PeerBlockCopy {
-                    window,
-                    src_block,
-                    dst_block,
-                })
+                .map(
+                    |&(window, src_block, dst_block, tokens)| pb::PeerBlockCopy {
+                        window,
+                        src_block,
+                        dst_block,
+                        tokens,
+                    },
+                )
                 .collect(),
         }),
     }
@@ -1109,6 +1114,7 @@ mod tests {
             fork_of: Some(SeqId(9)),
             reuse_prefix: true,
             peer_pull: None,
+            handoff_of: None,
         };
         let traces = ["00-t-s-01".to_string()];
         let admit = lease_request(

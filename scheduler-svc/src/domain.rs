@@ -143,6 +143,58 @@ pub struct GroupGeometry {
     pub max_batch_tokens: u32,
     /// What peer pull needs of the group.
     pub peer: PeerProfile,
+    /// Which part of a request the group serves (disaggregated serving).
+    pub role: Role,
+}
+
+/// Which part of a request a worker group serves. A request is admitted
+/// to a `Prefill` or `Both` group; one whose prompt a `Prefill` group
+/// computed is handed off to a `Decode` or `Both` group, whose worker
+/// pulls the prompt's KV and decodes. `Both` (the default) serves a
+/// request whole, as without roles.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Role {
+    Prefill,
+    Decode,
+    #[default]
+    Both,
+}
+
+impl Role {
+    /// The role's name, as in `URL#role=NAME` and `GetStatus`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+            Self::Both => "both",
+        }
+    }
+
+    /// Whether new requests (and recomputed ones) may be admitted here.
+    pub fn prefills(self) -> bool {
+        self != Self::Decode
+    }
+
+    /// Whether handed-off requests may decode here.
+    pub fn decodes(self) -> bool {
+        self != Self::Prefill
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "prefill" => Ok(Self::Prefill),
+            "decode" => Ok(Self::Decode),
+            "both" => Ok(Self::Both),
+            other => Err(format!(
+                "role must be prefill, decode or both, got {:?}",
+                kvlease_runtime::echo::clip(other, 32)
+            )),
+        }
+    }
 }
 
 /// Peer pull (cache.proto `RegisterPoolRequest.peer_key`,
@@ -177,16 +229,18 @@ pub struct PeerCopy {
     pub src_group: String,
     pub src_block: u32,
     pub transfer_id: u64,
+    /// Leading slots copied (0: the whole block).
+    pub tokens: u32,
 }
 
 /// What a sequence's worker pulls before its pass (worker.proto
 /// `PeerPull`): from the worker at `address`, `(window, src_block,
-/// dst_block)` per block.
+/// dst_block, tokens)` per block (`tokens` 0: the whole block).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerPull {
     pub address: String,
     pub transfer_id: u64,
-    pub blocks: Vec<(u32, u32, u32)>,
+    pub blocks: Vec<(u32, u32, u32, u32)>,
 }
 
 impl GroupGeometry {
@@ -462,6 +516,10 @@ pub struct LeaseSpec {
     pub reuse_prefix: bool,
     /// Peer pull's rates (`None`: no peer pull).
     pub peer_pull: Option<PeerRates>,
+    /// Disaggregated serving: this sequence takes over the running
+    /// sequence `handoff_of` of a prefill group (`SequenceSpec.handoff_of`):
+    /// every prompt position but the last is pulled from it.
+    pub handoff_of: Option<SeqId>,
 }
 
 /// One sequence to grow.

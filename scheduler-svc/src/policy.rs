@@ -246,6 +246,7 @@ mod tests {
             max_batch_sequences: 64,
             max_batch_tokens: 4096,
             peer: Default::default(),
+            role: Default::default(),
         }
     }
 

@@ -55,10 +55,9 @@ pub async fn run(
     let tenancy = Tenancy::new(salt_key, &config.tenant_group, &config.tenant_asserter);
     let cache = CacheClient::new(&config.cache_addr, &security, config.cache_timeout())?;
     let workers = config
-        .worker_addrs
+        .workers()?
         .iter()
-        .filter(|a| !a.trim().is_empty())
-        .map(|a| WorkerClient::new(a.trim(), &security, config.worker_keepalive()))
+        .map(|(url, _)| WorkerClient::new(url, &security, config.worker_keepalive()))
         .collect::<Result<Vec<_>>>()?;
     let session = cache
         .open_session(&config.holder, config.session_ttl_ms)
@@ -94,7 +93,11 @@ pub async fn run(
             .min()
             .unwrap_or(0),
     };
-    let group_names: Vec<String> = started.groups.iter().map(|g| g.name.clone()).collect();
+    let group_names: Vec<(String, crate::domain::Role)> = started
+        .groups
+        .iter()
+        .map(|g| (g.name.clone(), g.role))
+        .collect();
     let tokenizer = started.tokenizer.clone();
     let mut registry = kvlease_telemetry::metrics::Registry::new();
     let metrics = SchedulerMetrics::register(&mut registry)?;

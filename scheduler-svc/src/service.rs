@@ -34,7 +34,8 @@ pub(crate) struct SchedulerService {
     tokenizer: Tokenizer,
     policy: Policy,
     on_exhausted: OnExhausted,
-    groups: Vec<String>,
+    /// Each worker group's pool group and role.
+    groups: Vec<(String, crate::domain::Role)>,
     tenancy: Tenancy,
 }
 
@@ -47,7 +48,7 @@ impl SchedulerService {
         tokenizer: Tokenizer,
         policy: Policy,
         on_exhausted: OnExhausted,
-        groups: Vec<String>,
+        groups: Vec<(String, crate::domain::Role)>,
         tenancy: Tenancy,
     ) -> Self {
         Self {
@@ -454,7 +455,7 @@ impl Scheduler for SchedulerService {
         let admin = caller(&request).has(Role::Admin);
         let s = self.step_loop.status();
         let mut pools = Vec::new();
-        for group in &self.groups {
+        for (group, _) in &self.groups {
             match self.cache.stats_raw(group).await {
                 Ok(r) => pools.extend(r.pools.into_iter().filter(|p| &p.pool_group == group)),
                 Err(e) => tracing::debug!(error = %e, "pool figures unavailable for status"),
@@ -481,6 +482,14 @@ impl Scheduler for SchedulerService {
             rejected: s.counters.rejected,
             errors: s.counters.errors,
             preemptions: s.counters.preemptions,
+            groups: self
+                .groups
+                .iter()
+                .map(|(name, role)| pb::WorkerGroup {
+                    pool_group: name.clone(),
+                    role: role.as_str().to_string(),
+                })
+                .collect(),
         }))
     }
 }

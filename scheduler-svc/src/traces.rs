@@ -151,6 +151,18 @@ impl RequestTraces {
             let seq = spec.seq_id;
             self.seqs.insert(seq, spec.request);
             let span = match self.requests.get_mut(&spec.request) {
+                // disaggregated serving: the decode group's lease, whose
+                // grant's child span has the forced pull's figures
+                Some(t) if spec.handoff_of.is_some() => {
+                    t.held.insert(seq);
+                    t.seq_ids.push(seq.get() as i64);
+                    let tokens = spec.prompt_tokens.len().saturating_sub(1) as i64;
+                    tracing::info_span!(parent: &t.root, "handoff", kvlease.seq_id = seq.get() as i64,
+                        kvlease.step = step.get() as i64, kvlease.replica = spec.pool_group.as_str(),
+                        kvlease.handoff.to = spec.pool_group.as_str(), kvlease.handoff.tokens = tokens,
+                        kvlease.handoff.from = Empty, kvlease.handoff.transfer_id = Empty,
+                        kvlease.outcome = Empty)
+                }
                 Some(t) => {
                     t.queue = None;
                     t.held.insert(seq);
@@ -177,6 +189,13 @@ impl RequestTraces {
                 continue;
             };
             lease.record("kvlease.outcome", "grant");
+            if spec.handoff_of.is_some() {
+                let transfer = grant.peer_copies.first();
+                let from = transfer.map_or("", |c| c.src_group.as_str());
+                lease.record(attributes::HANDOFF_FROM, from);
+                let id = transfer.map_or(0, |c| c.transfer_id);
+                lease.record(attributes::HANDOFF_TRANSFER, id as i64);
+            }
             let Some(t) = self.requests.get(&spec.request) else {
                 continue;
             };

@@ -146,6 +146,7 @@ mod tests {
             max_batch_sequences: 8,
             max_batch_tokens: 256,
             peer: Default::default(),
+            role: Default::default(),
         }
     }
 

@@ -103,6 +103,19 @@ pub const PEER_PULL_US: &str = "kvlease.peer.pull_us";
 pub const PEER_RECOMPUTE_US: &str = "kvlease.peer.recompute_us";
 /// See [`PEER_GROUP`].
 pub const PEER_PULLED: &str = "kvlease.peer.pulled";
+/// On a hand-off's `Grant` (disaggregated serving): `true`, the pull is
+/// forced, not weighed by the cost model.
+pub const PEER_FORCED: &str = "kvlease.peer.forced";
+/// The scheduler's `handoff` span of a request (disaggregated serving):
+/// the prefill and decode groups, and the prompt tokens whose KV moves.
+pub const HANDOFF_FROM: &str = "kvlease.handoff.from";
+/// See [`HANDOFF_FROM`].
+pub const HANDOFF_TO: &str = "kvlease.handoff.to";
+/// See [`HANDOFF_FROM`].
+pub const HANDOFF_TOKENS: &str = "kvlease.handoff.tokens";
+/// See [`HANDOFF_FROM`]: the grant's transfer id (0: nothing to pull, the
+/// decode group recomputes).
+pub const HANDOFF_TRANSFER: &str = "kvlease.handoff.transfer_id";
 /// The pool group (model replica) a sequence runs in.
 pub const REPLICA: &str = "kvlease.replica";
 /// Sequences of a call whose allocations evicted cached blocks (on its `Evict` span).

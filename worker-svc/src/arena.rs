@@ -241,12 +241,14 @@ impl SlotLedger {
         }
     }
 
-    /// Marks every slot of one block as holding K/V (a whole block pulled
-    /// from a peer). Ignored out of range.
-    pub fn set_block_full(&mut self, pool: usize, block: u32) {
+    /// Marks the leading `slots` slots of one block as holding K/V and the
+    /// rest as not (a block pulled from a peer: whole, or a hand-off's
+    /// partly filled last one). Ignored out of range.
+    pub fn set_leading(&mut self, pool: usize, block: u32, slots: usize) {
+        let slots = slots.min(self.tokens_per_block);
         let words: Vec<u64> = (0..self.words_per_block)
             .map(|w| {
-                let slots = self.tokens_per_block.saturating_sub(w * 64).min(64);
+                let slots = slots.saturating_sub(w * 64).min(64);
                 if slots == 64 {
                     u64::MAX
                 } else {

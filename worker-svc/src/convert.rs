@@ -115,6 +115,7 @@ pub(crate) fn peer_pull_input(p: pb::PeerPull) -> crate::peer::PeerPullInput {
                 window: b.window,
                 src_block: b.src_block,
                 dst_block: b.dst_block,
+                tokens: b.tokens,
             })
             .collect(),
     }

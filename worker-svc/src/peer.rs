@@ -42,6 +42,8 @@ pub struct BlockRef {
     pub window: u32,
     /// The block.
     pub block: u32,
+    /// Slots that must hold K/V, from the first (0: every slot).
+    pub tokens: u32,
 }
 
 /// One block a Forward sequence pulls: `src_block` of the source's pool of
@@ -54,6 +56,8 @@ pub struct PeerBlockInput {
     pub src_block: u32,
     /// This worker's block, in the sequence's table.
     pub dst_block: u32,
+    /// Slots the copy writes, from the first (0: every slot).
+    pub tokens: u32,
 }
 
 /// A Forward sequence's peer pull.
@@ -67,15 +71,20 @@ pub struct PeerPullInput {
     pub blocks: Vec<PeerBlockInput>,
 }
 
+/// Where one pulled block goes (or comes from): `(pool, block, slots)`,
+/// the leading `slots` slots holding K/V.
+pub type PullTarget = (usize, u32, usize);
+
 /// Checks a `PullBlocks` request on the source: its identity (`have`,
 /// as `(tokenizer fingerprint, KV dtype)`) against the puller's (`want`)
-/// and every block against the arena. Returns `(pool, block)` per entry.
+/// and every block against the arena. Returns `(pool, block, slots)` per
+/// entry.
 pub fn check_pull(
     layout: &ArenaLayout,
     have: (&str, &str),
     want: (&str, &str),
     blocks: &[BlockRef],
-) -> Result<Vec<(usize, u32)>> {
+) -> Result<Vec<PullTarget>> {
     if blocks.is_empty() || blocks.len() > MAX_PULL_BLOCKS {
         return Err(Error::InvalidPull(format!(
             "blocks must name 1 to {MAX_PULL_BLOCKS} blocks, got {}",
@@ -100,10 +109,23 @@ pub fn check_pull(
         .iter()
         .enumerate()
         .map(|(i, b)| {
-            block_of(layout, b.window, b.block)
-                .map_err(|why| Error::InvalidPull(format!("blocks[{i}]: {why}")))
+            let bad = |why: String| Error::InvalidPull(format!("blocks[{i}]: {why}"));
+            let (pool, block) = block_of(layout, b.window, b.block).map_err(bad)?;
+            let slots = slots_of(layout, pool, b.tokens).map_err(bad)?;
+            Ok((pool, block, slots))
         })
         .collect()
+}
+
+/// The slots a copy of `tokens` leading slots covers in a block of
+/// `pool` (0: every slot), or why not.
+fn slots_of(layout: &ArenaLayout, pool: usize, tokens: u32) -> Result<usize, String> {
+    let tpb = layout.pools[pool].tokens_per_block;
+    match tokens as usize {
+        0 => Ok(tpb),
+        t if t <= tpb => Ok(t),
+        t => Err(format!("tokens {t} is more than a block's {tpb} slots")),
+    }
 }
 
 /// The pool of `window` and `block` in it, or why not.
@@ -213,16 +235,17 @@ impl Assembler {
 }
 
 /// Checks sequence `seq_id`'s pull against its `tables` and `start_pos`:
-/// every block names a pool of the model and blocks in range, and writes a
-/// block of its own table wholly before `start_pos` (K/V it reads and
-/// does not compute), once. Returns `(pool, dst_block)` per block.
+/// every block names a pool of the model and blocks in range, and writes
+/// slots of a block of its own table that lie before `start_pos` (K/V it
+/// reads and does not compute), once. Returns `(pool, dst_block, slots)`
+/// per block.
 pub fn check_peer_pull(
     layout: &ArenaLayout,
     seq_id: u64,
     start_pos: u32,
     tables: &[TableInput],
     pull: &PeerPullInput,
-) -> Result<Vec<(usize, u32)>> {
+) -> Result<Vec<PullTarget>> {
     let bad = |why: String| Error::InvalidPull(format!("sequence {seq_id}: peer_pull{why}"));
     if pull.address.is_empty() {
         return Err(bad(".address is empty".into()));
@@ -242,22 +265,25 @@ pub fn check_peer_pull(
             block_of(layout, b.window, b.src_block).map_err(|w| at(format!("src: {w}")))?;
             let (pool, dst) =
                 block_of(layout, b.window, b.dst_block).map_err(|w| at(format!("dst: {w}")))?;
+            let slots = slots_of(layout, pool, b.tokens).map_err(at)?;
             let tpb = layout.pools[pool].tokens_per_block as u64;
             let before = tables.iter().filter(|t| t.window == b.window).any(|t| {
                 t.block_ids.iter().enumerate().any(|(k, &id)| {
-                    id == dst && (u64::from(t.first_block) + k as u64 + 1) * tpb <= u64::from(start_pos)
+                    id == dst
+                        && (u64::from(t.first_block) + k as u64) * tpb + slots as u64
+                            <= u64::from(start_pos)
                 })
             });
             if !before {
                 return Err(at(format!(
-                    "dst_block {dst} is not a block of its table for window {} wholly before start_pos {start_pos}",
+                    "dst_block {dst} is not a block of its table for window {} whose {slots} copied slots lie before start_pos {start_pos}",
                     b.window
                 )));
             }
             if !seen.insert((pool, dst)) {
                 return Err(at(format!("dst_block {dst} is written twice")));
             }
-            Ok((pool, dst))
+            Ok((pool, dst, slots))
         })
         .collect()
 }
@@ -288,15 +314,18 @@ mod tests {
                 BlockRef {
                     window: 8,
                     block: 5,
+                    tokens: 0,
                 },
                 BlockRef {
                     window: 0,
                     block: 0,
+                    tokens: 3,
                 },
             ],
         );
-        assert_eq!(ok.unwrap(), vec![(1, 5), (0, 0)]);
-        let msg = |r: Result<Vec<(usize, u32)>>| r.unwrap_err().to_string();
+        // every slot of the first, the leading three of the second
+        assert_eq!(ok.unwrap(), vec![(1, 5, 4), (0, 0, 3)]);
+        let msg = |r: Result<Vec<PullTarget>>| r.unwrap_err().to_string();
         assert_eq!(
             msg(check_pull(&l, ("fp", "f32"), ("fp", "f32"), &[])),
             "blocks must name 1 to 4096 blocks, got 0"
@@ -304,6 +333,7 @@ mod tests {
         let one = [BlockRef {
             window: 0,
             block: 6,
+            tokens: 0,
         }];
         assert_eq!(
             msg(check_pull(&l, ("fp", "f32"), ("fp", "f32"), &one)),
@@ -312,14 +342,25 @@ mod tests {
         let one = [BlockRef {
             window: 4,
             block: 0,
+            tokens: 0,
         }];
         assert_eq!(
             msg(check_pull(&l, ("fp", "f32"), ("fp", "f32"), &one)),
             "blocks[0]: the model has no pool of window 4"
         );
+        let five = [BlockRef {
+            window: 0,
+            block: 0,
+            tokens: 5,
+        }];
+        assert_eq!(
+            msg(check_pull(&l, ("fp", "f32"), ("fp", "f32"), &five)),
+            "blocks[0]: tokens 5 is more than a block's 4 slots"
+        );
         let one = [BlockRef {
             window: 0,
             block: 0,
+            tokens: 0,
         }];
         let e = check_pull(&l, ("fp", "f32"), ("other", "f32"), &one).unwrap_err();
         assert!(matches!(e, Error::Pull(_)), "{e}");
@@ -398,17 +439,21 @@ mod tests {
                 block_ids: vec![4, 0, 5],
             },
         ];
-        let pull = |blocks: Vec<(u32, u32, u32)>| PeerPullInput {
+        let partial = |blocks: Vec<(u32, u32, u32, u32)>| PeerPullInput {
             address: "http://127.0.0.1:1".into(),
             transfer_id: 7,
             blocks: blocks
                 .into_iter()
-                .map(|(window, src_block, dst_block)| PeerBlockInput {
+                .map(|(window, src_block, dst_block, tokens)| PeerBlockInput {
                     window,
                     src_block,
                     dst_block,
+                    tokens,
                 })
                 .collect(),
+        };
+        let pull = |blocks: Vec<(u32, u32, u32)>| {
+            partial(blocks.into_iter().map(|(w, s, d)| (w, s, d, 0)).collect())
         };
         let ok = check_peer_pull(
             &l,
@@ -417,7 +462,10 @@ mod tests {
             &tables,
             &pull(vec![(0, 5, 3), (0, 4, 1), (8, 1, 0)]),
         );
-        assert_eq!(ok.unwrap(), vec![(0, 3), (0, 1), (1, 0)]);
+        assert_eq!(ok.unwrap(), vec![(0, 3, 4), (0, 1, 4), (1, 0, 4)]);
+        // a hand-off's last block: its leading slots before start_pos 11
+        let ok = check_peer_pull(&l, 9, 11, &tables, &partial(vec![(0, 5, 2, 3)]));
+        assert_eq!(ok.unwrap(), vec![(0, 2, 3)]);
         let msg = |p: PeerPullInput| {
             check_peer_pull(&l, 9, 8, &tables, &p)
                 .unwrap_err()
@@ -426,7 +474,17 @@ mod tests {
         // block 2 holds positions 8..12: the pass computes those
         assert_eq!(
             msg(pull(vec![(0, 5, 2)])),
-            "sequence 9: peer_pull.blocks[0]: dst_block 2 is not a block of its table for window 0 wholly before start_pos 8"
+            "sequence 9: peer_pull.blocks[0]: dst_block 2 is not a block of its table for window 0 whose 4 copied slots lie before start_pos 8"
+        );
+        // slots 8..11 of block 2 copied, but the pass starts at 10
+        assert!(
+            check_peer_pull(&l, 9, 10, &tables, &partial(vec![(0, 5, 2, 3)]))
+                .unwrap_err()
+                .to_string()
+                .contains("whose 3 copied slots lie before start_pos 10")
+        );
+        assert!(
+            msg(partial(vec![(0, 5, 3, 9)])).contains("tokens 9 is more than a block's 4 slots")
         );
         assert!(msg(pull(vec![(0, 5, 0)])).contains("dst_block 0 is not a block of its table"));
         assert!(

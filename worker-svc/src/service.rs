@@ -394,6 +394,7 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
             .map(|b| BlockRef {
                 window: b.window,
                 block: b.block,
+                tokens: b.tokens,
             })
             .collect();
         let targets = check_pull(
@@ -414,11 +415,11 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         let passes = Arc::clone(&self.passes);
         let chunk_bytes = self.peers.chunk_bytes;
         tokio::spawn(async move {
-            for (index, (pool, block)) in targets.into_iter().enumerate() {
+            for (index, (pool, block, slots)) in targets.into_iter().enumerate() {
                 let p = Arc::clone(&passes);
                 let read = tokio::task::spawn_blocking(move || {
                     let worker = p.worker.lock().map_err(poisoned)?;
-                    worker.peer_block(pool, block).map_err(Status::from)
+                    worker.peer_block(pool, block, slots).map_err(Status::from)
                 })
                 .await
                 .unwrap_or_else(|e| Err(Status::internal(format!("pull task failed: {e}"))));
@@ -603,7 +604,7 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
     }
 }
 
-/// What one sequence's pull brought: `(pool, block, bytes)` to write, and
+/// What one sequence's pull brought: `(pool, block, slots, bytes)` to write, and
 /// the bytes moved and microseconds it took.
 #[derive(Debug)]
 struct Pulled {
@@ -622,7 +623,7 @@ impl WorkerGrpc {
         step: u64,
         owner: &str,
         pulls: &[Option<PeerPullInput>],
-        targets: &[Option<Vec<(usize, u32)>>],
+        targets: &[Option<Vec<crate::peer::PullTarget>>],
     ) -> Vec<Option<Result<Pulled, String>>> {
         let mut tasks = Vec::with_capacity(pulls.len());
         for (pull, target) in pulls.iter().zip(targets) {
@@ -677,7 +678,7 @@ async fn pull_one(
     peers: &Peers,
     (fingerprint, kv_dtype, owner): (String, String, String),
     pull: &PeerPullInput,
-    target: &[(usize, u32)],
+    target: &[crate::peer::PullTarget],
 ) -> Result<Pulled, String> {
     let started = Instant::now();
     let source = &pull.address;
@@ -703,6 +704,7 @@ async fn pull_one(
             .map(|b| pb::PeerBlock {
                 window: b.window,
                 block: b.src_block,
+                tokens: b.tokens,
             })
             .collect(),
     };
@@ -727,7 +729,7 @@ async fn pull_one(
         .into_inner();
     let expect: Vec<u64> = target
         .iter()
-        .map(|&(pool, _)| peers.block_bytes.get(pool).copied().unwrap_or(0))
+        .map(|&(pool, _, _)| peers.block_bytes.get(pool).copied().unwrap_or(0))
         .collect();
     let mut assembler = Assembler::new(expect);
     while let Some(chunk) = stream.message().await.map_err(failed)? {
@@ -743,7 +745,7 @@ async fn pull_one(
         blocks: target
             .iter()
             .zip(blocks)
-            .map(|(&(pool, block), data)| (pool, block, data))
+            .map(|(&(pool, block, slots), data)| (pool, block, slots, data))
             .collect(),
         bytes,
         micros: started.elapsed().as_micros() as u64,
@@ -1044,7 +1046,11 @@ mod tests {
             kv_dtype: "f32".into(),
             blocks: blocks
                 .iter()
-                .map(|&(window, block)| pb::PeerBlock { window, block })
+                .map(|&(window, block)| pb::PeerBlock {
+                    window,
+                    block,
+                    tokens: 0,
+                })
                 .collect(),
         }
     }
@@ -1099,6 +1105,22 @@ mod tests {
             m,
             "peer pull: block 0 of the pool of window 0 does not hold K/V in every slot"
         );
+        // a hand-off's last block: its written slots only, and no more
+        // slots than a block has
+        let mut leading = pull_req(&[(0, 0)]);
+        leading.blocks[0].tokens = 3;
+        let (c, m) = code(pulled_chunks(&svc, Request::new(leading.clone())).await);
+        assert_eq!(c, tonic::Code::FailedPrecondition);
+        assert!(m.contains("in its first 3 slots"), "{m}");
+        leading.blocks[0].tokens = 17;
+        let (c, m) = code(pulled_chunks(&svc, Request::new(leading)).await);
+        assert_eq!(
+            (c, m.as_str()),
+            (
+                tonic::Code::InvalidArgument,
+                "blocks[0]: tokens 17 is more than a block's 16 slots"
+            )
+        );
         let (c, m) = code(pulled_chunks(&svc, Request::new(pull_req(&[]))).await);
         assert_eq!(
             (c, m.as_str()),
@@ -1150,6 +1172,7 @@ mod tests {
                         window,
                         src_block: 1,
                         dst_block: blocks[0],
+                        tokens: 0,
                     })
                     .collect(),
             }),
@@ -1205,6 +1228,18 @@ mod tests {
         assert!(
             e.message()
                 .contains("sequence 4: peer_pull.blocks[0]: dst_block 3"),
+            "{e:?}"
+        );
+        let mut bad = pulling(5, &addr, [7, 8]);
+        if let Some(p) = bad.peer_pull.as_mut() {
+            p.blocks[1].tokens = 17;
+        }
+        let e = dest.forward(forward_of(3, vec![bad])).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(
+            e.message().contains(
+                "sequence 5: peer_pull.blocks[1]: tokens 17 is more than a block's 16 slots"
+            ),
             "{e:?}"
         );
         let _ = stop.send(());

@@ -84,8 +84,9 @@ pub struct WorkerInfo {
     pub incarnation: u64,
 }
 
-/// A whole block pulled from a peer: `(pool, block, bytes)`.
-pub type PulledBlock = (usize, u32, Vec<u8>);
+/// A block pulled from a peer: `(pool, block, slots, bytes)`, the whole
+/// block's bytes of which the leading `slots` slots hold K/V.
+pub type PulledBlock = (usize, u32, usize, Vec<u8>);
 
 /// The result for one sequence of a batch.
 #[derive(Debug, Clone, PartialEq)]
@@ -459,10 +460,11 @@ impl Worker {
         Ok(())
     }
 
-    /// The bytes of `block` of `pool` for a peer pull: only a block that
-    /// holds K/V in every slot (a published one; anything else is a
-    /// block the source lost or never wrote).
-    pub fn peer_block(&self, pool: usize, block: u32) -> Result<Vec<u8>> {
+    /// The bytes of `block` of `pool` for a peer pull whose leading
+    /// `slots` slots must hold K/V: every slot for a published block, the
+    /// written ones for a hand-off's last block (anything less is a block
+    /// the source lost or never wrote).
+    pub fn peer_block(&self, pool: usize, block: u32, slots: usize) -> Result<Vec<u8>> {
         let geometry = self
             .layout
             .pools
@@ -470,23 +472,28 @@ impl Worker {
             .ok_or_else(|| Error::InvalidPull(format!("no pool {pool}")))?;
         if !self
             .ledger
-            .all_written(pool, block, 0..geometry.tokens_per_block)
+            .all_written(pool, block, 0..slots.clamp(1, geometry.tokens_per_block))
         {
+            let which = match slots >= geometry.tokens_per_block {
+                true => "every slot".to_string(),
+                false => format!("its first {slots} slots"),
+            };
             return Err(Error::Pull(format!(
-                "block {block} of the pool of window {} does not hold K/V in every slot",
+                "block {block} of the pool of window {} does not hold K/V in {which}",
                 geometry.window
             )));
         }
         self.backend.device_block_bytes(pool, block)
     }
 
-    /// Writes whole blocks pulled from a peer, `(pool, block, bytes)`
+    /// Writes blocks pulled from a peer, `(pool, block, slots, bytes)`
     /// (checked by `peer::check_peer_pull` and the assembler), before a
-    /// pass that reads them.
+    /// pass that reads them: only the leading `slots` slots count as
+    /// written.
     pub fn write_pulled(&mut self, blocks: &[PulledBlock]) -> Result<()> {
-        for (pool, block, bytes) in blocks {
+        for (pool, block, slots, bytes) in blocks {
             self.backend.write_device_block(*pool, *block, bytes)?;
-            self.ledger.set_block_full(*pool, *block);
+            self.ledger.set_leading(*pool, *block, *slots);
         }
         Ok(())
     }

@@ -58,24 +58,13 @@ mod tests {
     use super::*;
     use crate::cache::{Batch, CacheConfig};
     use crate::ids::{Epoch, Step};
-    use crate::lease::{Extra, Outcome, Prompt, SeqSpec};
+    use crate::lease::{Outcome, Prompt, SeqSpec};
     use std::time::Instant;
 
     fn spec(seq_id: u64, tokens: Vec<u32>) -> SeqSpec {
         SeqSpec {
-            seq_id: SeqId(seq_id),
-            group: "g".into(),
-            prompt: Prompt::Tokens(tokens),
-            extra: Extra::default(),
-            beam_width: 1,
             max_new_tokens: 0,
-            priority: crate::lease::DEFAULT_PRIORITY,
-            cache_salt: String::new(),
-            reserve_full_life: false,
-            prefill_tokens: 0,
-            retain: None,
-            fork_of: None,
-            peer_pull: None,
+            ..SeqSpec::new(SeqId(seq_id), "g", Prompt::Tokens(tokens))
         }
     }
 

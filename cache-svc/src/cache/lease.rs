@@ -61,6 +61,10 @@ struct PoolLease {
     /// new block and a peer copy.
     peer_pool: usize,
     peer: Vec<BlockId>,
+    /// A hand-off's partly filled last block in the peer's pool, copied
+    /// by its leading `LeasePlan::peer_last_tokens` slots into the block
+    /// after the `peer` ones.
+    peer_last: Option<BlockId>,
 }
 
 impl PoolLease {
@@ -115,6 +119,8 @@ struct LeasePlan {
     /// model weighed (pulled or not).
     peer_group: String,
     peer_decision: Option<PeerDecision>,
+    /// Slots of each pool's `peer_last` to copy.
+    peer_last_tokens: u32,
 }
 
 /// What a fork takes from its parent: the blocks wholly before the
@@ -165,20 +171,21 @@ impl Cache {
         for spec in specs {
             self.validate_spec(spec)?;
             self.validate_fork(session_id, spec)?;
+            self.validate_handoff(session_id, spec)?;
             self.owned_group(&spec.group, &principal, "lease")?;
         }
         // A fork's parent must be held before the call (a parent leased in
         // it has written nothing a branch could share, and was not checked).
-        let parent_held: Vec<bool> = specs
-            .iter()
-            .map(|s| {
-                s.fork_of.is_none_or(|p| {
-                    self.sessions
-                        .get(&session_id)
-                        .is_some_and(|s| s.seqs.contains_key(&p))
-                })
+        // Likewise a hand-off's source.
+        let held_before = |seq: Option<SeqId>| {
+            seq.is_none_or(|p| {
+                self.sessions
+                    .get(&session_id)
+                    .is_some_and(|s| s.seqs.contains_key(&p))
             })
-            .collect();
+        };
+        let parent_held: Vec<bool> = specs.iter().map(|s| held_before(s.fork_of)).collect();
+        let source_held: Vec<bool> = specs.iter().map(|s| held_before(s.handoff_of)).collect();
         let holder = |seq| Holder {
             session: session_id,
             seq,
@@ -205,6 +212,17 @@ impl Cache {
                     RejectReason::UnknownSequence,
                     format!(
                         "sequence {}: fork_of {parent} is not leased by this session",
+                        spec.seq_id
+                    ),
+                )));
+                continue;
+            }
+            if let Some(source) = spec.handoff_of.filter(|_| !source_held[i]) {
+                outcomes[i] = Some(Outcome::Reject(Reject::plain(
+                    spec.seq_id,
+                    RejectReason::UnknownSequence,
+                    format!(
+                        "sequence {}: handoff_of {source} is not leased by this session",
                         spec.seq_id
                     ),
                 )));
@@ -427,17 +445,27 @@ impl Cache {
             false => self.fork_source(session_id, spec),
             true => None,
         };
-        // the device prefix, then what the host tier adds after it
+        let handoff = match warmup {
+            false => self.handoff_source(session_id, spec),
+            true => None,
+        };
+        // the device prefix, then what the host tier adds after it (a
+        // hand-off pulls all of it instead)
         let (local_reuse, device_end) = match &fork {
             Some(f) => (f.reuse_blocks, vec![f.reuse_blocks; group.pools.len()]),
-            None if hashable => self.reusable_blocks(group, &hashes, prompt_len),
+            None if hashable && handoff.is_none() => {
+                self.reusable_blocks(group, &hashes, prompt_len)
+            }
             None => (0, vec![0; group.pools.len()]),
         };
         // then what a peer group's device adds after that, when pulling it
-        // costs less than computing it
+        // costs less than computing it (always, for a hand-off)
         let mut peer_decision = None;
         let mut peer_run = None;
-        if let (Some(rates), None, true) = (&spec.peer_pull, &fork, hashable) {
+        if let Some(h) = &handoff {
+            peer_decision = Some(h.decision.clone());
+            peer_run = Some(h.run.clone());
+        } else if let (Some(rates), None, true) = (&spec.peer_pull, &fork, hashable) {
             let most = (prompt_len.saturating_sub(1) / b).min(hashes.len() as u32);
             if let Some(run) = self.peer_run(&spec.group, group, &hashes, local_reuse, most) {
                 let d = peer::decide(rates, &run.group, run.end - local_reuse, run.bytes, b);
@@ -457,7 +485,9 @@ impl Cache {
                 .collect::<Option<Vec<BlockId>>>()
                 .filter(|_| f.copy_tokens > 0)
                 .map(|sources| (f.copy_tokens, sources)),
-            (None, Prompt::Tokens(tokens)) if hashable && spec.beam_width == 1 => {
+            (None, Prompt::Tokens(tokens))
+                if hashable && spec.beam_width == 1 && handoff.is_none() =>
+            {
                 self.plan_copy(group, tokens, &hashes, salt, reuse_blocks)
             }
             _ => None,
@@ -486,7 +516,10 @@ impl Cache {
             .enumerate()
             .map(|(j, &i)| {
                 let entry = &self.pools[i];
-                let first = first_of(entry.window, reuse_blocks);
+                let first = match &handoff {
+                    Some(h) => h.first[j],
+                    None => first_of(entry.window, reuse_blocks),
+                };
                 let split = device_end[j].min(local_reuse).max(first);
                 let reuse: Vec<BlockId> = match &fork {
                     Some(f) => f.pools[j].0.clone(),
@@ -517,10 +550,12 @@ impl Cache {
                         .as_ref()
                         .map(|r| r.pools[j].1.clone())
                         .unwrap_or_default(),
+                    peer_last: handoff.as_ref().and_then(|h| h.last[j]),
                 }
             })
             .collect();
-        let reused_tokens = reuse_blocks * b + copy_tokens;
+        let peer_last_tokens = handoff.as_ref().map_or(0, |h| h.last_tokens);
+        let reused_tokens = reuse_blocks * b + copy_tokens + peer_last_tokens;
         // The first chunk starts after the reused tokens (the copied slots
         // are written by the copy, in the same forward pass).
         let written = match spec.prefill_tokens {
@@ -545,6 +580,7 @@ impl Cache {
             fork: fork.is_some(),
             peer_group: peer_run.map(|r| r.group).unwrap_or_default(),
             peer_decision,
+            peer_last_tokens,
         }
     }
 
@@ -587,21 +623,11 @@ impl Cache {
         if prefix::salt_hash(&spec.cache_salt) != parent.salt {
             return invalid("its cache_salt is not the parent's".into());
         }
-        let b = group.tokens_per_block as usize;
         // only the shared part must match: the branch computes its own last
         // prompt token, which may differ from the parent's token there (a
         // beam's child continues its parent's context with another token)
         let k = (tokens.len() - 1).min(parent.len as usize);
-        // the full blocks both hold, then what lies in the parent's partly
-        // filled block
-        let hashes = prefix::chain(parent.salt, &tokens[..k], b);
-        let known = hashes.len().min(parent.hashes.len());
-        let mut same = hashes[..known] == parent.hashes[..known];
-        if known == parent.hashes.len() {
-            let rest = &tokens[known * b..k];
-            same &= parent.partial.get(..rest.len()) == Some(rest);
-        }
-        if !same {
+        if !super::handoff::holds_tokens(parent, &tokens[..k], group.tokens_per_block) {
             return invalid("its prompt is not the tokens the parent holds".into());
         }
         Ok(())
@@ -802,7 +828,7 @@ impl Cache {
             // a peer's source blocks: in use by this sequence (so no
             // allocation evicts them) until the lease fences them
             let peer_pool = &mut self.pools[p.peer_pool].pool;
-            for &src in &p.peer {
+            for &src in p.peer.iter().chain(&p.peer_last) {
                 peer_pool.acquire(src, holder, plan.priority);
             }
         }
@@ -838,7 +864,11 @@ impl Cache {
         let mut host_pins = Vec::new();
         let mut peer_copies = Vec::new();
         let mut references = 0;
-        let transfer_id = match plan.pools.iter().any(|p| !p.peer.is_empty()) {
+        let transfer_id = match plan
+            .pools
+            .iter()
+            .any(|p| !p.peer.is_empty() || p.peer_last.is_some())
+        {
             true => {
                 self.last_transfer += 1;
                 self.last_transfer
@@ -852,6 +882,9 @@ impl Cache {
             if plan.fork {
                 entry.pool.counters.fork_shared += p.reuse.len() as u64;
                 entry.pool.counters.fork_copies += u64::from(p.copy_src.is_some());
+            } else if plan.peer_decision.as_ref().is_some_and(|d| d.forced) {
+                entry.pool.counters.handoff_blocks +=
+                    p.peer.len() as u64 + u64::from(p.peer_last.is_some());
             } else if plan.hashable {
                 let eligible = ((plan.prompt_len - 1) / b).min(plan.hashes.len() as u32);
                 entry.pool.counters.reuse_lookups += u64::from(eligible);
@@ -897,6 +930,7 @@ impl Cache {
                         src_pool_id,
                         src_block: src,
                         transfer_id,
+                        tokens: 0,
                     });
                 }
                 if let Some(&(tier, from)) = p.onboard.get((idx - shared_start) as usize) {
@@ -988,6 +1022,24 @@ impl Cache {
                     generation: pool.generation(src),
                 });
             }
+            // a hand-off's partly filled last block: into the block after
+            // the pulled ones
+            let last_dst = beams.first().and_then(|beam| {
+                let i = peer_end.checked_sub(beam.first)?;
+                beam.blocks.get(i as usize).copied()
+            });
+            if let (Some(src), Some(dst)) = (p.peer_last, last_dst) {
+                peer_copies.push(PeerCopy {
+                    pool_id,
+                    window,
+                    dst_block: dst,
+                    src_group: plan.peer_group.clone(),
+                    src_pool_id,
+                    src_block: src,
+                    transfer_id,
+                    tokens: plan.peer_last_tokens,
+                });
+            }
             tables.push(PoolTables {
                 pool: p.pool,
                 beams,
@@ -996,7 +1048,7 @@ impl Cache {
             // forward pass of this step (whose worker pulls them) is
             // reported complete, as a copy source does.
             let peer_pool = &mut self.pools[p.peer_pool].pool;
-            for &src in &p.peer {
+            for &src in p.peer.iter().chain(&p.peer_last) {
                 peer_pool.release(src, true);
                 copy_fences.push(BlockRef {
                     pool: p.peer_pool,

@@ -40,6 +40,7 @@
 mod audit;
 mod evictions;
 mod extend;
+mod handoff;
 mod incarnation;
 mod lease;
 mod matching;

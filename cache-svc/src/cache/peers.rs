@@ -23,7 +23,7 @@ pub(super) struct PeerProfile {
 }
 
 impl PeerProfile {
-    fn bytes_of(&self, window: u32) -> u64 {
+    pub(super) fn bytes_of(&self, window: u32) -> u64 {
         self.bytes
             .iter()
             .find(|(w, _)| *w == window)
@@ -94,7 +94,7 @@ impl Cache {
     /// The peer groups of `group` (named `name`): same owner, same key,
     /// tokens per block, windows and bytes per block; for each, its pool
     /// of every window of `group`, in `group`'s pool order.
-    fn peers_of(&self, name: &str, group: &Group) -> Vec<(&str, Vec<usize>)> {
+    pub(super) fn peers_of(&self, name: &str, group: &Group) -> Vec<(&str, Vec<usize>)> {
         if group.peer.key.is_empty() || self.block_bytes(group).is_none() {
             return Vec::new();
         }

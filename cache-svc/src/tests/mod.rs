@@ -10,6 +10,7 @@ mod adaptive;
 mod chunked;
 mod disk;
 mod forks;
+mod handoff;
 mod limits;
 mod partial;
 mod peers;

@@ -10,7 +10,7 @@ use crate::peer::PeerRates;
 use crate::{SeqId, Step};
 use kvlease_auth::principal::ANONYMOUS;
 
-const PEER: &str = "model/r1";
+pub(super) const PEER: &str = "model/r1";
 
 /// A link fast enough that pulling always wins.
 const FAST: PeerRates = PeerRates {
@@ -21,7 +21,7 @@ const FAST: PeerRates = PeerRates {
 
 /// Two groups of 16 blocks of 4 tokens, peers under `key` (each with
 /// blocks of `bytes`).
-fn peers(key_a: &str, key_b: &str, bytes: u64) -> Fixture {
+pub(super) fn peers(key_a: &str, key_b: &str, bytes: u64) -> Fixture {
     let mut f = Fixture::new(4, &[(0, 16)]);
     f.cache
         .register_pool_for(ANONYMOUS, PEER, 4, &[(0, 16, 0)])

@@ -108,6 +108,12 @@ pub(crate) struct UpArgs {
     /// value when it names a known model (e.g. smollm2).
     #[arg(long, value_delimiter = ',')]
     served_model_name: Vec<String>,
+    /// Each worker's role, comma-separated, one per worker: `prefill`,
+    /// `decode` or `both` (the default). `--workers 2 --roles prefill,decode`
+    /// computes every prompt in the first worker and decodes in the second,
+    /// which pulls the prompt's KV from it (disaggregated serving).
+    #[arg(long, value_delimiter = ',')]
+    roles: Vec<scheduler_svc::domain::Role>,
     /// Step traces the scheduler exports besides the steps that rejected or
     /// preempted (always exported): one in this many; 0 exports only those.
     #[arg(
@@ -135,7 +141,16 @@ pub(crate) async fn run(a: UpArgs) -> ExitCode {
         eprintln!("kvlease: --workers must be at least 1");
         return ExitCode::from(EXIT_USAGE);
     }
+    if !a.roles.is_empty() && a.roles.len() != a.workers {
+        eprintln!(
+            "kvlease: --roles names {} roles for {} workers: give one per worker",
+            a.roles.len(),
+            a.workers
+        );
+        return ExitCode::from(EXIT_USAGE);
+    }
     let mut config = ClusterConfig::on_ports(a.host, a.base_port, a.workers);
+    config.worker_roles = a.roles.clone();
     config.cache.security.insecure = a.insecure;
     config.worker.security.insecure = a.insecure;
     config.scheduler.security.insecure = a.insecure;

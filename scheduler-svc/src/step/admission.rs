@@ -51,7 +51,10 @@ impl Core {
             ..request.demand(extra)
         };
         let mut never = None;
-        for group in &self.groups {
+        for (g, group) in self.groups.iter().enumerate() {
+            if !self.admits(g, &request) {
+                continue;
+            }
             let empty: Vec<PoolLoad> = group
                 .pools
                 .iter()
@@ -66,25 +69,7 @@ impl Core {
                     window,
                     needed,
                     total,
-                } => {
-                    let pool_id = group
-                        .pools
-                        .iter()
-                        .find(|p| p.window == window)
-                        .map_or(0, |p| p.pool_id);
-                    never = Some(Reject {
-                        seq_id: SeqId(0),
-                        reason: RejectReason::ExceedsCapacity,
-                        pool_id,
-                        window,
-                        blocks_needed: needed,
-                        blocks_free: total,
-                        blocks_pending_free: 0,
-                        message: format!(
-                            "request needs {needed} blocks over its life in pool window {window}, which has {total}"
-                        ),
-                    });
-                }
+                } => never = Some(exceeds_capacity(group, window, needed, total)),
                 Admission::Admit | Admission::Wait => {
                     never = None;
                     break;
@@ -139,24 +124,13 @@ impl Core {
                     "the cache never refused it: running requests filled the step".to_owned()
                 }
             };
-            let reject = Reject {
-                seq_id: SeqId(0),
-                reason: RejectReason::QueueTimeout,
-                message: format!(
+            let reject = timed_out(
+                last,
+                format!(
                     "waited {waited} ms in the queue, the limit is {limit} ms; it was at position {} of {queued}; {cause}",
                     at + 1
                 ),
-                ..last.unwrap_or(Reject {
-                    seq_id: SeqId(0),
-                    reason: RejectReason::QueueTimeout,
-                    pool_id: 0,
-                    window: 0,
-                    blocks_needed: 0,
-                    blocks_free: 0,
-                    blocks_pending_free: 0,
-                    message: String::new(),
-                })
-            };
+            );
             tracing::warn!(
                 request = request.id.get(),
                 waited_ms = waited as u64,
@@ -167,7 +141,7 @@ impl Core {
             );
             self.finish_request(&request, Finish::Rejected(reject));
         }
-        n
+        n + self.expire_handoffs(now)
     }
 
     /// Admits requests from the head of the queue while the policy lets them
@@ -197,6 +171,7 @@ impl Core {
             per_group[l.group] += 1;
         }
         self.plan_forks(&mut leases, &mut per_group, &reserve);
+        self.plan_handoffs(&mut leases, &mut loads, &mut per_group, &reserve);
         loop {
             if self.running() >= self.config.max_seqs as usize || leases.len() >= self.batch_limit {
                 break;
@@ -210,9 +185,13 @@ impl Core {
             let head_id = head.id;
             let routing = self.config.routing;
             let mut chosen: Option<(usize, Candidate)> = None;
-            let mut never = 0;
+            let (mut never, mut excluded) = (0, 0);
             let now = Instant::now();
             for (g, group) in self.groups.iter().enumerate() {
+                if !self.admits(g, head) {
+                    excluded += 1;
+                    continue;
+                }
                 if per_group[g] >= group.max_batch_sequences || self.budget[g] <= reserve[g] {
                     continue;
                 }
@@ -242,7 +221,7 @@ impl Core {
                 }
             }
             let Some((g, _)) = chosen else {
-                if never == self.groups.len() {
+                if never > 0 && never + excluded == self.groups.len() {
                     if let Some(request) = self.queue.pop() {
                         // capacity shrank (re-registered pools): finish it
                         self.submit(request);
@@ -297,6 +276,7 @@ impl Core {
                 // writes; later chunks report their progress (plan_extends)
                 prefill_tokens: first,
                 fork_of: None,
+                handoff_of: None,
                 reuse_prefix: !request.needs_prompt_logprobs(),
                 // a request whose pull failed is recomputed; one that
                 // computes every position (prompt logprobs) reuses nothing
@@ -312,6 +292,7 @@ impl Core {
                 lease_len,
                 first_chunk: first,
                 fork_of: None,
+                handoff_of: None,
             });
         }
         // a match answers for this step only: the pools change under it
@@ -360,6 +341,7 @@ impl Core {
                 // a branch asks no prompt logprobs (sample 0 reports them)
                 reuse_prefix: true,
                 peer_pull: None,
+                handoff_of: None,
             });
             self.leasing.push(Leasing {
                 seq_id,
@@ -369,6 +351,7 @@ impl Core {
                 lease_len,
                 first_chunk: 1,
                 fork_of: Some(f.parent),
+                handoff_of: None,
             });
         }
         self.forks = waiting;
@@ -427,7 +410,7 @@ impl Core {
             transfer_id: first.transfer_id,
             blocks: copies
                 .iter()
-                .map(|c| (c.window, c.src_block, c.dst_block))
+                .map(|c| (c.window, c.src_block, c.dst_block, c.tokens))
                 .collect(),
         })
     }
@@ -437,7 +420,9 @@ impl Core {
         self.tier_call_failed();
         for l in std::mem::take(&mut self.leasing) {
             self.released.push(l.seq_id);
-            if self.cancelled_leasing.contains(&l.request.id) {
+            if let Some(src) = l.handoff_of {
+                self.handoff_refused(src, None);
+            } else if self.cancelled_leasing.contains(&l.request.id) {
                 self.finish_request(&l.request, Finish::Cancelled("client went away".into()));
             } else if let Some(parent) = l.fork_of {
                 // its parent is still held for it: fork again next step
@@ -472,7 +457,11 @@ impl Core {
                         self.releases.push(grant.seq_id);
                         continue;
                     };
-                    if self.cancelled_leasing.contains(&l.request.id) {
+                    if let Some(src) = l.handoff_of {
+                        if !self.handoff_granted(src, l.seq_id) {
+                            continue;
+                        }
+                    } else if self.cancelled_leasing.contains(&l.request.id) {
                         self.releases.push(l.seq_id);
                         self.finish_request(
                             &l.request,
@@ -519,6 +508,7 @@ impl Core {
                         *budget = budget.saturating_sub(dropped);
                     }
                     let context = l.request.context();
+                    let handoff = self.hands_off(l.group, &l.request).then(Default::default);
                     let mut request = l.request;
                     request.retained_tokens = grant.retained_tokens;
                     self.running.insert(
@@ -546,6 +536,7 @@ impl Core {
                             shares_parent: l.fork_of.is_some()
                                 && reused == l.lease_len.saturating_sub(1),
                             beam_row: None,
+                            handoff,
                             request,
                         },
                     );
@@ -556,6 +547,10 @@ impl Core {
                     };
                     // a refused lease holds nothing: the sequence id is done
                     self.released.push(l.seq_id);
+                    if let Some(src) = l.handoff_of {
+                        self.handoff_refused(src, Some(reject));
+                        continue;
+                    }
                     if self.cancelled_leasing.contains(&l.request.id) {
                         self.finish_request(
                             &l.request,
@@ -612,6 +607,10 @@ impl Core {
         // leases with no outcome: nothing was taken, try again later
         for (seq_id, l) in leasing {
             self.released.push(seq_id);
+            if let Some(src) = l.handoff_of {
+                self.handoff_refused(src, None);
+                continue;
+            }
             match l.fork_of.filter(|_| l.request.is_started_beam()) {
                 // a beam's fork: its parent is still held for it
                 Some(parent) => self.forks.push(super::Fork {
@@ -624,5 +623,52 @@ impl Core {
         }
         self.cancelled_leasing.clear();
         self.advance_beams();
+    }
+}
+
+/// The refusal of a request whose life never fits `group`'s pool of
+/// `window`: it needs `needed` blocks of the pool's `total`.
+pub(super) fn exceeds_capacity(
+    group: &crate::domain::GroupGeometry,
+    window: u32,
+    needed: u32,
+    total: u32,
+) -> Reject {
+    let pool_id = group
+        .pools
+        .iter()
+        .find(|p| p.window == window)
+        .map_or(0, |p| p.pool_id);
+    Reject {
+        seq_id: SeqId(0),
+        reason: RejectReason::ExceedsCapacity,
+        pool_id,
+        window,
+        blocks_needed: needed,
+        blocks_free: total,
+        blocks_pending_free: 0,
+        message: format!(
+            "request needs {needed} blocks over its life in pool window {window}, which has {total}"
+        ),
+    }
+}
+
+/// A `QUEUE_TIMEOUT` refusal saying `message`, with the figures of the
+/// cache's `last` refusal when there was one.
+pub(super) fn timed_out(last: Option<Reject>, message: String) -> Reject {
+    Reject {
+        seq_id: SeqId(0),
+        reason: RejectReason::QueueTimeout,
+        message,
+        ..last.unwrap_or(Reject {
+            seq_id: SeqId(0),
+            reason: RejectReason::QueueTimeout,
+            pool_id: 0,
+            window: 0,
+            blocks_needed: 0,
+            blocks_free: 0,
+            blocks_pending_free: 0,
+            message: String::new(),
+        })
     }
 }

@@ -46,12 +46,15 @@
 //! - `plan`: the call order of a step ([`StepPlan`], [`Call`], [`Order`]).
 //! - `beams`: beam search on forks (which beams continue in place, fork,
 //!   end or are pruned; the answer), with `crate::beam`'s choices.
+//! - `handoff`: disaggregated serving, a prefill group's sequence leased
+//!   in a decode group once its prompt is in the KV, the KV pulled.
 //! - `lifecycle`: cancellation, preemption and requeue, finishing requests,
 //!   lost leases, and the outputs that tell the loop about each of them.
 
 mod admission;
 mod beams;
 mod fence;
+mod handoff;
 mod lifecycle;
 mod outcomes;
 mod plan;
@@ -241,6 +244,10 @@ struct Sequence {
     /// A beam's row (the most likely next tokens) waiting for its
     /// search's step (see `beams`).
     beam_row: Option<Vec<(u32, f32)>>,
+    /// A sequence of a prefill group that decodes elsewhere: once its
+    /// prompt is in the KV it is handed off (see `handoff`), never
+    /// decoded here.
+    handoff: Option<handoff::HandoffState>,
 }
 
 /// What the passes in flight will have done to a sequence once they return.
@@ -310,6 +317,8 @@ struct Leasing {
     first_chunk: u32,
     /// A branch forked from this running sequence.
     fork_of: Option<SeqId>,
+    /// The hand-off of this running prefill sequence (see `handoff`).
+    handoff_of: Option<SeqId>,
 }
 
 /// A branch of a request of several samples waiting for its lease: forked

@@ -32,7 +32,12 @@ impl Core {
         let mut extends = Vec::new();
         let draft_k = self.config.draft_k;
         for seq in self.running.values_mut() {
-            if !seq.decoding() || !seq.in_flight.is_empty() || seq.planned.is_some() {
+            // a prefill group's sequence decodes where it is handed off
+            if !seq.decoding()
+                || !seq.in_flight.is_empty()
+                || seq.planned.is_some()
+                || seq.handoff.is_some()
+            {
                 continue;
             }
             // a beam waiting for its search's step has no token to feed
@@ -125,7 +130,7 @@ impl Core {
                 continue;
             }
             let ahead = seq.ahead();
-            if ahead.kv_len < seq.lease_len {
+            if ahead.kv_len < seq.lease_len || seq.handoff.is_some() {
                 continue;
             }
             // a beam is fed only the token its search chose: never behind

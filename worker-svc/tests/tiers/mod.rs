@@ -139,16 +139,20 @@ pub(crate) fn pulled_kv_is_bit_identical(build: crate::common::Build<'_>) {
     run_one(&mut source, 1, &a, 0, both(&[10, 11, 12, 13]));
     let pools = source.layout().pools.len();
     assert!(
-        (0..pools).all(|pool| source.peer_block(pool, 13).is_err()),
-        "a half-written block is not served"
+        (0..pools).all(|pool| source.peer_block(pool, 13, 4).is_err()),
+        "a half-written block is not served whole"
+    );
+    assert!(
+        (0..pools).all(|pool| source.peer_block(pool, 13, 3).is_err()),
+        "nor for more slots than it holds"
     );
 
     let mut dest = build(&weights);
     let mut pulled = Vec::new();
     for pool in 0..pools {
         for (from, to) in [(10, 40), (11, 41), (12, 42)] {
-            match source.peer_block(pool, from) {
-                Ok(bytes) => pulled.push((pool, to, bytes)),
+            match source.peer_block(pool, from, 4) {
+                Ok(bytes) => pulled.push((pool, to, 4, bytes)),
                 Err(e) => panic!("peer block {from} of pool {pool}: {e}"),
             }
         }
@@ -165,4 +169,24 @@ pub(crate) fn pulled_kv_is_bit_identical(build: crate::common::Build<'_>) {
     let mut want = all[12 * vocab..].to_vec();
     want.extend(run_one(&mut dest, 3, &[42], 17, recompute()));
     assert_bit_identical(&got, &want, "pulled vs recomputed");
+
+    // A hand-off (disaggregated serving): every block of the source's
+    // sequence, the half-full last one by its two written slots; the
+    // destination computes only the token after them.
+    let mut handoff = Vec::new();
+    for pool in 0..pools {
+        for (from, to, slots) in [(10, 50, 4), (11, 51, 4), (12, 52, 4), (13, 53, 2)] {
+            match source.peer_block(pool, from, slots) {
+                Ok(bytes) => handoff.push((pool, to, slots, bytes)),
+                Err(e) => panic!("peer block {from} of pool {pool} ({slots} slots): {e}"),
+            }
+        }
+    }
+    if let Err(e) = dest.write_pulled(&handoff) {
+        panic!("write pulled: {e}");
+    }
+    let got = run_one(&mut dest, 4, &[7], 14, both(&[50, 51, 52, 53]));
+    let whole: Vec<u32> = a.iter().chain(&[7]).copied().collect();
+    let all = run_one(&mut dest, 5, &whole, 0, both(&[60, 61, 62, 63]));
+    assert_bit_identical(&got, &all[14 * vocab..], "handed off vs recomputed");
 }

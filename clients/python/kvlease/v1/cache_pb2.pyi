@@ -187,7 +187,7 @@ class ExtraTokens(_message.Message):
     def __init__(self, draft: _Optional[int] = ..., extra_kv: _Optional[int] = ..., extra_decoding_steps: _Optional[int] = ...) -> None: ...
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life", "traceparent", "prefill_tokens", "refusal_retried", "retain", "fork_of", "peer_pull")
+    __slots__ = ("seq_id", "pool_group", "prompt_tokens", "num_tokens", "extra", "beam_width", "max_new_tokens", "priority", "cache_salt", "reserve_full_life", "traceparent", "prefill_tokens", "refusal_retried", "retain", "fork_of", "peer_pull", "handoff_of")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class SequenceSpec(_message.Message):
     RETAIN_FIELD_NUMBER: _ClassVar[int]
     FORK_OF_FIELD_NUMBER: _ClassVar[int]
     PEER_PULL_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_OF_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     pool_group: str
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -220,7 +221,8 @@ class SequenceSpec(_message.Message):
     retain: RetentionHint
     fork_of: int
     peer_pull: PeerPullRates
-    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ..., traceparent: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., refusal_retried: _Optional[bool] = ..., retain: _Optional[_Union[RetentionHint, _Mapping]] = ..., fork_of: _Optional[int] = ..., peer_pull: _Optional[_Union[PeerPullRates, _Mapping]] = ...) -> None: ...
+    handoff_of: int
+    def __init__(self, seq_id: _Optional[int] = ..., pool_group: _Optional[str] = ..., prompt_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra: _Optional[_Union[ExtraTokens, _Mapping]] = ..., beam_width: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reserve_full_life: _Optional[bool] = ..., traceparent: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., refusal_retried: _Optional[bool] = ..., retain: _Optional[_Union[RetentionHint, _Mapping]] = ..., fork_of: _Optional[int] = ..., peer_pull: _Optional[_Union[PeerPullRates, _Mapping]] = ..., handoff_of: _Optional[int] = ...) -> None: ...
 
 class RetentionHint(_message.Message):
     __slots__ = ("tokens", "priority", "ttl_ms", "tenant")
@@ -341,7 +343,7 @@ class PeerPullRates(_message.Message):
     def __init__(self, link_bytes_per_s: _Optional[int] = ..., prefill_tokens_per_s: _Optional[int] = ..., overhead_us: _Optional[int] = ...) -> None: ...
 
 class PeerCopy(_message.Message):
-    __slots__ = ("pool_id", "window", "dst_block", "src_group", "src_pool_id", "src_block", "transfer_id")
+    __slots__ = ("pool_id", "window", "dst_block", "src_group", "src_pool_id", "src_block", "transfer_id", "tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +351,7 @@ class PeerCopy(_message.Message):
     SRC_POOL_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCK_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: int
     window: int
     dst_block: int
@@ -356,23 +359,26 @@ class PeerCopy(_message.Message):
     src_pool_id: int
     src_block: int
     transfer_id: int
-    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., dst_block: _Optional[int] = ..., src_group: _Optional[str] = ..., src_pool_id: _Optional[int] = ..., src_block: _Optional[int] = ..., transfer_id: _Optional[int] = ...) -> None: ...
+    tokens: int
+    def __init__(self, pool_id: _Optional[int] = ..., window: _Optional[int] = ..., dst_block: _Optional[int] = ..., src_group: _Optional[str] = ..., src_pool_id: _Optional[int] = ..., src_block: _Optional[int] = ..., transfer_id: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class PeerPullDecision(_message.Message):
-    __slots__ = ("src_group", "blocks", "bytes", "pull_us", "recompute_us", "pulled")
+    __slots__ = ("src_group", "blocks", "bytes", "pull_us", "recompute_us", "pulled", "forced")
     SRC_GROUP_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PULL_US_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     PULLED_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
     src_group: str
     blocks: int
     bytes: int
     pull_us: int
     recompute_us: int
     pulled: bool
-    def __init__(self, src_group: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., pull_us: _Optional[int] = ..., recompute_us: _Optional[int] = ..., pulled: _Optional[bool] = ...) -> None: ...
+    forced: bool
+    def __init__(self, src_group: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., pull_us: _Optional[int] = ..., recompute_us: _Optional[int] = ..., pulled: _Optional[bool] = ..., forced: _Optional[bool] = ...) -> None: ...
 
 class Reject(_message.Message):
     __slots__ = ("seq_id", "reason", "pool_id", "window", "blocks_needed", "blocks_free", "blocks_pending_free", "message")
@@ -579,7 +585,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, pool_group: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_group", "pool_id", "window", "tokens_per_block", "total", "free", "cached_evictable", "in_use", "fenced", "grants", "rejects", "evictions", "reuse_lookups", "reuse_hits", "leaks_reclaimed", "hit_rate_estimates", "host_total", "host_free", "host_pending", "host_cached", "host_pinned", "demotions", "onboards", "demotions_dropped", "eviction_policy", "current_policy", "policy_estimates", "policy_switches", "fork_shared", "fork_copies", "disk_total", "disk_free", "disk_pending", "disk_cached", "disk_pinned", "spills", "loads", "disk_invalidated")
+    __slots__ = ("pool_group", "pool_id", "window", "tokens_per_block", "total", "free", "cached_evictable", "in_use", "fenced", "grants", "rejects", "evictions", "reuse_lookups", "reuse_hits", "leaks_reclaimed", "hit_rate_estimates", "host_total", "host_free", "host_pending", "host_cached", "host_pinned", "demotions", "onboards", "demotions_dropped", "eviction_policy", "current_policy", "policy_estimates", "policy_switches", "fork_shared", "fork_copies", "disk_total", "disk_free", "disk_pending", "disk_cached", "disk_pinned", "spills", "loads", "disk_invalidated", "handoff_blocks")
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
@@ -618,6 +624,7 @@ class PoolStats(_message.Message):
     SPILLS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
     DISK_INVALIDATED_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     pool_group: str
     pool_id: int
     window: int
@@ -656,7 +663,8 @@ class PoolStats(_message.Message):
     spills: int
     loads: int
     disk_invalidated: int
-    def __init__(self, pool_group: _Optional[str] = ..., pool_id: _Optional[int] = ..., window: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached_evictable: _Optional[int] = ..., in_use: _Optional[int] = ..., fenced: _Optional[int] = ..., grants: _Optional[int] = ..., rejects: _Optional[int] = ..., evictions: _Optional[int] = ..., reuse_lookups: _Optional[int] = ..., reuse_hits: _Optional[int] = ..., leaks_reclaimed: _Optional[int] = ..., hit_rate_estimates: _Optional[_Iterable[_Union[HitRateEstimate, _Mapping]]] = ..., host_total: _Optional[int] = ..., host_free: _Optional[int] = ..., host_pending: _Optional[int] = ..., host_cached: _Optional[int] = ..., host_pinned: _Optional[int] = ..., demotions: _Optional[int] = ..., onboards: _Optional[int] = ..., demotions_dropped: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., current_policy: _Optional[str] = ..., policy_estimates: _Optional[_Iterable[_Union[PolicyEstimate, _Mapping]]] = ..., policy_switches: _Optional[int] = ..., fork_shared: _Optional[int] = ..., fork_copies: _Optional[int] = ..., disk_total: _Optional[int] = ..., disk_free: _Optional[int] = ..., disk_pending: _Optional[int] = ..., disk_cached: _Optional[int] = ..., disk_pinned: _Optional[int] = ..., spills: _Optional[int] = ..., loads: _Optional[int] = ..., disk_invalidated: _Optional[int] = ...) -> None: ...
+    handoff_blocks: int
+    def __init__(self, pool_group: _Optional[str] = ..., pool_id: _Optional[int] = ..., window: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., total: _Optional[int] = ..., free: _Optional[int] = ..., cached_evictable: _Optional[int] = ..., in_use: _Optional[int] = ..., fenced: _Optional[int] = ..., grants: _Optional[int] = ..., rejects: _Optional[int] = ..., evictions: _Optional[int] = ..., reuse_lookups: _Optional[int] = ..., reuse_hits: _Optional[int] = ..., leaks_reclaimed: _Optional[int] = ..., hit_rate_estimates: _Optional[_Iterable[_Union[HitRateEstimate, _Mapping]]] = ..., host_total: _Optional[int] = ..., host_free: _Optional[int] = ..., host_pending: _Optional[int] = ..., host_cached: _Optional[int] = ..., host_pinned: _Optional[int] = ..., demotions: _Optional[int] = ..., onboards: _Optional[int] = ..., demotions_dropped: _Optional[int] = ..., eviction_policy: _Optional[str] = ..., current_policy: _Optional[str] = ..., policy_estimates: _Optional[_Iterable[_Union[PolicyEstimate, _Mapping]]] = ..., policy_switches: _Optional[int] = ..., fork_shared: _Optional[int] = ..., fork_copies: _Optional[int] = ..., disk_total: _Optional[int] = ..., disk_free: _Optional[int] = ..., disk_pending: _Optional[int] = ..., disk_cached: _Optional[int] = ..., disk_pinned: _Optional[int] = ..., spills: _Optional[int] = ..., loads: _Optional[int] = ..., disk_invalidated: _Optional[int] = ..., handoff_blocks: _Optional[int] = ...) -> None: ...
 
 class PolicyEstimate(_message.Message):
     __slots__ = ("policy", "hit_rate")

@@ -183,7 +183,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("policy", "on_exhausted", "queued", "running", "preempted", "steps", "session_id", "epoch", "pools", "finished_length", "finished_stop", "cancelled", "rejected", "errors", "preemptions")
+    __slots__ = ("policy", "on_exhausted", "queued", "running", "preempted", "steps", "session_id", "epoch", "pools", "finished_length", "finished_stop", "cancelled", "rejected", "errors", "preemptions", "groups")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     ON_EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class GetStatusResponse(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     policy: CapacityPolicy
     on_exhausted: str
     queued: int
@@ -214,4 +215,13 @@ class GetStatusResponse(_message.Message):
     rejected: int
     errors: int
     preemptions: int
-    def __init__(self, policy: _Optional[_Union[CapacityPolicy, str]] = ..., on_exhausted: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., preempted: _Optional[int] = ..., steps: _Optional[int] = ..., session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[_cache_pb2.PoolStats, _Mapping]]] = ..., finished_length: _Optional[int] = ..., finished_stop: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ..., errors: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[WorkerGroup]
+    def __init__(self, policy: _Optional[_Union[CapacityPolicy, str]] = ..., on_exhausted: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., preempted: _Optional[int] = ..., steps: _Optional[int] = ..., session_id: _Optional[int] = ..., epoch: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[_cache_pb2.PoolStats, _Mapping]]] = ..., finished_length: _Optional[int] = ..., finished_stop: _Optional[int] = ..., cancelled: _Optional[int] = ..., rejected: _Optional[int] = ..., errors: _Optional[int] = ..., preemptions: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[WorkerGroup, _Mapping]]] = ...) -> None: ...
+
+class WorkerGroup(_message.Message):
+    __slots__ = ("pool_group", "role")
+    POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    pool_group: str
+    role: str
+    def __init__(self, pool_group: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...

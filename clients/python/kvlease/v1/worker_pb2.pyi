@@ -245,14 +245,16 @@ class PeerPull(_message.Message):
     def __init__(self, address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[PeerBlockCopy, _Mapping]]] = ...) -> None: ...
 
 class PeerBlockCopy(_message.Message):
-    __slots__ = ("window", "src_block", "dst_block")
+    __slots__ = ("window", "src_block", "dst_block", "tokens")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     window: int
     src_block: int
     dst_block: int
-    def __init__(self, window: _Optional[int] = ..., src_block: _Optional[int] = ..., dst_block: _Optional[int] = ...) -> None: ...
+    tokens: int
+    def __init__(self, window: _Optional[int] = ..., src_block: _Optional[int] = ..., dst_block: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class PullBlocksRequest(_message.Message):
     __slots__ = ("transfer_id", "tokenizer_fingerprint", "kv_dtype", "blocks")
@@ -267,12 +269,14 @@ class PullBlocksRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[PeerBlock, _Mapping]]] = ...) -> None: ...
 
 class PeerBlock(_message.Message):
-    __slots__ = ("window", "block")
+    __slots__ = ("window", "block", "tokens")
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     window: int
     block: int
-    def __init__(self, window: _Optional[int] = ..., block: _Optional[int] = ...) -> None: ...
+    tokens: int
+    def __init__(self, window: _Optional[int] = ..., block: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
     __slots__ = ("index", "offset", "block_bytes", "data")

@@ -15,6 +15,7 @@ mod ahead;
 mod beams;
 mod fences;
 mod forks;
+mod handoff;
 mod model;
 mod peers;
 mod policies;
@@ -38,6 +39,7 @@ fn group(blocks: u32) -> GroupGeometry {
         max_batch_sequences: 64,
         max_batch_tokens: 1024,
         peer: Default::default(),
+        role: Default::default(),
     }
 }
 

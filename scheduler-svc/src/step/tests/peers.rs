@@ -51,6 +51,7 @@ fn pulled_grant(seq_id: SeqId) -> Outcome {
             src_group: "g0".into(),
             src_block,
             transfer_id: 9,
+            tokens: 0,
         })
         .collect();
     Outcome::Grant(g)
@@ -93,7 +94,7 @@ fn a_grants_peer_copies_are_pulled_in_its_first_pass_from_the_source_groups_work
     let pull = item.peer_pull.as_ref().unwrap();
     assert_eq!(pull.address, "http://w0");
     assert_eq!(pull.transfer_id, 9);
-    assert_eq!(pull.blocks, vec![(0, 5, 10), (0, 6, 11)]);
+    assert_eq!(pull.blocks, vec![(0, 5, 10, 0), (0, 6, 11, 0)]);
     c.apply_forward(1, results(&items, 7, false));
     // the next pass is a decode with no pull
     c.begin_step();
@@ -163,7 +164,7 @@ fn copies_from_another_schedulers_group_named_in_peer_workers_are_pulled_from_it
     assert_eq!((item.start_pos, item.tokens.len()), (8, 2));
     let pull = item.peer_pull.as_ref().unwrap();
     assert_eq!(pull.address, "http://elsewhere:1");
-    assert_eq!(pull.blocks, vec![(0, 5, 10), (0, 6, 11)]);
+    assert_eq!(pull.blocks, vec![(0, 5, 10, 0), (0, 6, 11, 0)]);
 }
 
 #[test]
