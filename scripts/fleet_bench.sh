@@ -24,7 +24,8 @@
 #            saw those prompts); a forced run that pulled nothing fails.
 #   routing  (a) the Mooncake trace, one scheduler over two workers, kv-aware
 #   peer     (b) the same with --peer-pull (the --peer-* rates)
-#   pd       (c) disaggregated prefill/decode: a placeholder, see phase_pd
+#   pd       (c) disaggregated prefill/decode: worker A prefills (role
+#            prefill), worker B decodes (role decode), one scheduler
 #   disk     (d) (b) plus a host tier and a disk tier on each worker
 # Every trace phase starts fresh services. Each row has the rejects beside
 # its latencies; "vs" is TTFT p50 over the row's baseline (recompute of the
@@ -450,7 +451,7 @@ trace_phase() {
   case "${wflags[*]}" in *"{}"*) mkdir -p "$work/$name-a" "$work/$name-b" ;; esac
   worker "$name-worker-a" 1 "${extra_trace_worker[@]}" "${wa[@]}"
   worker "$name-worker-b" 2 "${extra_trace_worker[@]}" "${wb[@]}"
-  scheduler "$name-sched" 3 "$(port 1),$(port 2)" --routing kv-aware "${sflags[@]}"
+  scheduler "$name-sched" 3 "$(port 1)${role_a:-},$(port 2)${role_b:-}" --routing kv-aware "${sflags[@]}"
   bench "$name.out" "$(port 3)" --trace "$trace" --requests "$trace_requests" \
     --scale "$trace_scale" --max-prompt "$trace_max_prompt" --max-output "$trace_max_output" \
     --concurrency "$trace_concurrency"
@@ -467,13 +468,11 @@ phase_peer() {
   trace_phase peer "(b) + peer pull (model rates)" --peer-pull "${rates_model[@]}" --
 }
 
-# (c) Disaggregated prefill/decode (issue 26 point 2, branch `pd`): once
-# worker groups take a role, start one prefill and one decode worker here
-# (e.g. `trace_phase pd "(c) disaggregated" <scheduler flags> -- <worker
-# flags>`) and add `pd` to --phases; nothing else in the script changes.
+# (c) Disaggregated prefill/decode: worker A prefills, worker B decodes;
+# every request's prompt KV moves from A to B after its first token.
 phase_pd() {
-  printf '2 (c)\t| trace | (c) disaggregated prefill/decode: not run, not built on this branch | - | - | - | - | - | - | - | - | - |\n' \
-    >>"$work/rows.tsv"
+  role_a="#role=prefill" role_b="#role=decode" \
+    trace_phase pd "(c) disaggregated prefill/decode (A prefills, B decodes)" --
 }
 
 phase_disk() {
