@@ -153,7 +153,7 @@ case "$backend" in
 esac
 for n in "$requests" "$trace_requests" "$trace_scale" "$trace_max_prompt" "$trace_max_output" \
   "$trace_concurrency" "$host_blocks" "$disk_bytes" "$base_port" "$up_timeout" "$gpu_kv_mib" \
-  "$link" "$prefill" "$overhead" $lengths; do
+  "${link:-0}" "${prefill:-0}" "$overhead" $lengths; do
   [[ "$n" =~ ^[0-9]+$ ]] || usage_error "not a whole number: $n"
 done
 for m in $pull_modes; do
