@@ -1,6 +1,7 @@
 //! The gRPC edge: `kvlease.v1.WorkerService` over a [`Worker`]; `convert`
 //! turns its messages into domain types and back.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -42,7 +43,18 @@ struct Peers {
     block_bytes: Vec<u64>,
     security: kvlease_auth::Security,
     chunk_bytes: usize,
+    /// One connection per source worker, kept across pulls (a pull's
+    /// stream is one more HTTP/2 stream on it); dropped when a pull over it
+    /// fails, so the next one connects anew.
+    channels: std::sync::Mutex<HashMap<String, tonic::transport::Channel>>,
 }
+
+/// HTTP/2 receive windows of a pull's connection and stream: a source
+/// sends this much before it waits for the puller to acknowledge (h2's
+/// default of 64 KiB would make every 1 MiB chunk wait for about 16 round
+/// trips).
+const PULL_STREAM_WINDOW: u32 = 16 << 20;
+const PULL_CONNECTION_WINDOW: u32 = 64 << 20;
 
 impl WorkerGrpc {
     /// Serves `worker`, recording into `metrics`, with the seeded model's
@@ -61,6 +73,7 @@ impl WorkerGrpc {
                 .collect(),
             security: kvlease_auth::Security::loopback(),
             chunk_bytes: crate::peer::PULL_CHUNK_BYTES,
+            channels: Mutex::default(),
         });
         WorkerGrpc {
             passes: Arc::new(Passes {
@@ -88,6 +101,7 @@ impl WorkerGrpc {
             block_bytes: self.peers.block_bytes.clone(),
             security,
             chunk_bytes: chunk_bytes.clamp(1, crate::peer::PULL_CHUNK_BYTES),
+            channels: Mutex::default(),
         });
         Self { peers, ..self }
     }
@@ -682,16 +696,57 @@ async fn pull_one(
 ) -> Result<Pulled, String> {
     let started = Instant::now();
     let source = &pull.address;
-    let endpoint = peers
-        .security
-        .endpoint(source, Some(kvlease_auth::ServiceKind::Worker))
-        .map_err(|e| format!("source worker {source}: {e}"))?
-        .connect_timeout(Duration::from_secs(2))
-        .tcp_nodelay(true);
-    let channel = endpoint
-        .connect()
-        .await
-        .map_err(|e| format!("cannot reach the source worker {source}: {e}"))?;
+    let cached = peers
+        .channels
+        .lock()
+        .ok()
+        .and_then(|c| c.get(source).cloned());
+    let channel = match cached {
+        Some(channel) => channel,
+        None => {
+            let endpoint = peers
+                .security
+                .endpoint(source, Some(kvlease_auth::ServiceKind::Worker))
+                .map_err(|e| format!("source worker {source}: {e}"))?
+                .connect_timeout(Duration::from_secs(2))
+                .tcp_nodelay(true)
+                .initial_stream_window_size(PULL_STREAM_WINDOW)
+                .initial_connection_window_size(PULL_CONNECTION_WINDOW);
+            let channel = endpoint
+                .connect()
+                .await
+                .map_err(|e| format!("cannot reach the source worker {source}: {e}"))?;
+            if let Ok(mut c) = peers.channels.lock() {
+                c.insert(source.clone(), channel.clone());
+            }
+            channel
+        }
+    };
+    let pulled = pull_over(peers, channel, pull, target, (fingerprint, kv_dtype, owner)).await;
+    if pulled.is_err() {
+        // the connection may be what failed: the next pull connects anew
+        if let Ok(mut c) = peers.channels.lock() {
+            c.remove(source);
+        }
+    }
+    let (blocks, bytes) = pulled?;
+    Ok(Pulled {
+        blocks,
+        bytes,
+        micros: started.elapsed().as_micros() as u64,
+    })
+}
+
+/// One pull over `channel`: the stream of `pull`'s blocks, put back
+/// together and checked against `target`.
+async fn pull_over(
+    peers: &Peers,
+    channel: tonic::transport::Channel,
+    pull: &PeerPullInput,
+    target: &[crate::peer::PullTarget],
+    (fingerprint, kv_dtype, owner): (String, String, String),
+) -> Result<(Vec<crate::worker::PulledBlock>, u64), String> {
+    let source = &pull.address;
     let mut client = pb::worker_service_client::WorkerServiceClient::new(channel)
         .max_decoding_message_size(crate::peer::PULL_CHUNK_BYTES + (64 << 10));
     let request = pb::PullBlocksRequest {
@@ -741,15 +796,12 @@ async fn pull_one(
         .finish()
         .map_err(|e| format!("source worker {source}: {e}"))?;
     let bytes = blocks.iter().map(|b| b.len() as u64).sum();
-    Ok(Pulled {
-        blocks: target
-            .iter()
-            .zip(blocks)
-            .map(|(&(pool, block, slots), data)| (pool, block, slots, data))
-            .collect(),
-        bytes,
-        micros: started.elapsed().as_micros() as u64,
-    })
+    let blocks = target
+        .iter()
+        .zip(blocks)
+        .map(|(&(pool, block, slots), data)| (pool, block, slots, data))
+        .collect();
+    Ok((blocks, bytes))
 }
 
 /// The response's results in request order: each sequence's output, or its
