@@ -43,10 +43,10 @@ struct Peers {
     block_bytes: Vec<u64>,
     security: kvlease_auth::Security,
     chunk_bytes: usize,
-    /// One connection per source worker, kept across pulls (a pull's
-    /// stream is one more HTTP/2 stream on it); dropped when a pull over it
-    /// fails, so the next one connects anew.
-    channels: std::sync::Mutex<HashMap<String, tonic::transport::Channel>>,
+    /// Connections to source workers, by (address, stream of a pull),
+    /// kept across pulls; one is dropped when a pull over it fails, so the
+    /// next one connects anew.
+    channels: std::sync::Mutex<HashMap<(String, usize), tonic::transport::Channel>>,
 }
 
 /// HTTP/2 receive windows of a pull's connection and stream: a source
@@ -686,21 +686,73 @@ impl WorkerGrpc {
     }
 }
 
+/// Streams one pull runs over at once, each on a connection of its own
+/// (one HTTP/2 connection is driven by one task, so one connection moves
+/// the blocks one copy at a time), for pulls of at least
+/// `PULL_STREAM_MIN_BLOCKS` blocks a stream.
+const PULL_STREAMS: usize = 4;
+const PULL_STREAM_MIN_BLOCKS: usize = 16;
+
 /// Pulls one sequence's blocks from its source worker and checks what came
-/// back; the error says what went wrong, for the sequence's result.
+/// back; the error says what went wrong, for the sequence's result. A long
+/// pull runs as up to [`PULL_STREAMS`] streams of consecutive blocks.
 async fn pull_one(
     peers: &Peers,
-    (fingerprint, kv_dtype, owner): (String, String, String),
+    identity: (String, String, String),
     pull: &PeerPullInput,
     target: &[crate::peer::PullTarget],
 ) -> Result<Pulled, String> {
     let started = Instant::now();
+    let n = pull.blocks.len();
+    let streams = (n / PULL_STREAM_MIN_BLOCKS).clamp(1, PULL_STREAMS);
+    let per = n.div_ceil(streams).max(1);
+    let parts: Vec<(usize, PeerPullInput, &[crate::peer::PullTarget])> = (0..streams)
+        .map(|k| {
+            let range = (k * per).min(n)..((k + 1) * per).min(n);
+            let part = PeerPullInput {
+                address: pull.address.clone(),
+                transfer_id: pull.transfer_id,
+                blocks: pull.blocks[range.clone()].to_vec(),
+            };
+            (k, part, target.get(range).unwrap_or_default())
+        })
+        .collect();
+    let pulled = futures::future::join_all(
+        parts
+            .iter()
+            .map(|(k, part, t)| pull_part(peers, *k, part, t, identity.clone())),
+    )
+    .await;
+    let (mut blocks, mut bytes) = (Vec::with_capacity(n), 0);
+    for part in pulled {
+        let (b, moved) = part?;
+        blocks.extend(b);
+        bytes += moved;
+    }
+    Ok(Pulled {
+        blocks,
+        bytes,
+        micros: started.elapsed().as_micros() as u64,
+    })
+}
+
+/// Stream `k` of a pull: over the `k`th connection kept to the source
+/// (made on first use, dropped when a pull over it fails, so the next one
+/// connects anew).
+async fn pull_part(
+    peers: &Peers,
+    k: usize,
+    pull: &PeerPullInput,
+    target: &[crate::peer::PullTarget],
+    identity: (String, String, String),
+) -> Result<(Vec<crate::worker::PulledBlock>, u64), String> {
     let source = &pull.address;
+    let key = (source.clone(), k);
     let cached = peers
         .channels
         .lock()
         .ok()
-        .and_then(|c| c.get(source).cloned());
+        .and_then(|c| c.get(&key).cloned());
     let channel = match cached {
         Some(channel) => channel,
         None => {
@@ -717,24 +769,19 @@ async fn pull_one(
                 .await
                 .map_err(|e| format!("cannot reach the source worker {source}: {e}"))?;
             if let Ok(mut c) = peers.channels.lock() {
-                c.insert(source.clone(), channel.clone());
+                c.insert(key.clone(), channel.clone());
             }
             channel
         }
     };
-    let pulled = pull_over(peers, channel, pull, target, (fingerprint, kv_dtype, owner)).await;
+    let pulled = pull_over(peers, channel, pull, target, identity).await;
     if pulled.is_err() {
         // the connection may be what failed: the next pull connects anew
         if let Ok(mut c) = peers.channels.lock() {
-            c.remove(source);
+            c.remove(&key);
         }
     }
-    let (blocks, bytes) = pulled?;
-    Ok(Pulled {
-        blocks,
-        bytes,
-        micros: started.elapsed().as_micros() as u64,
-    })
+    pulled
 }
 
 /// One pull over `channel`: the stream of `pull`'s blocks, put back
@@ -1294,6 +1341,66 @@ mod tests {
             ),
             "{e:?}"
         );
+        let _ = stop.send(());
+    }
+
+    #[tokio::test]
+    async fn a_long_pull_runs_as_several_streams_and_continues_as_the_source_does() {
+        let source = service(&mut Registry::new())
+            .with_peer_transport(kvlease_auth::Security::loopback(), 300);
+        // 20 written blocks of each pool: 320 tokens, 64 a pass
+        let src_blocks: Vec<u32> = (1..=21).collect();
+        let mut first = 0;
+        for (step, start) in (0..320u32).step_by(64).enumerate() {
+            let tokens: Vec<u32> = (start..start + 64).map(|t| t % 200 + 1).collect();
+            first = next_token(
+                &source,
+                forward_of(
+                    step as u64 + 1,
+                    vec![seq_over(1, tokens, start, &src_blocks)],
+                ),
+            )
+            .await
+            .unwrap();
+        }
+        let (addr, stop) = serve(source.clone()).await;
+        let dest = service(&mut Registry::new());
+        let dst_blocks: Vec<u32> = (31..=51).collect();
+        let blocks: Vec<pb::PeerBlockCopy> = [0u32, 8]
+            .into_iter()
+            .flat_map(|window| {
+                (0..20u32).map(move |i| pb::PeerBlockCopy {
+                    window,
+                    src_block: i + 1,
+                    dst_block: i + 31,
+                    tokens: 0,
+                })
+            })
+            .collect();
+        let pulling = pb::ForwardSequence {
+            peer_pull: Some(pb::PeerPull {
+                address: addr.clone(),
+                transfer_id: 7,
+                blocks,
+            }),
+            ..seq_over(1, vec![first], 320, &dst_blocks)
+        };
+        let r = dest
+            .forward(forward_of(1, vec![pulling]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(r.results[0].error.is_empty(), "{:?}", r.results[0]);
+        // 40 blocks of 1,024 bytes, over two streams of their own connections
+        assert_eq!(r.results[0].pulled_bytes, 40 * 1024);
+        assert_eq!(dest.peers.channels.lock().unwrap().len(), 2);
+        let second = next_token(
+            &source,
+            forward_of(6, vec![seq_over(1, vec![first], 320, &src_blocks)]),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.results[0].next_token, second);
         let _ = stop.send(());
     }
 
