@@ -10,6 +10,9 @@ pub(crate) struct WorkerMetrics {
     pub(crate) forward_seconds: Histogram,
     pub(crate) forward_tokens: Counter,
     pub(crate) forward_rejected: Counter,
+    pub(crate) peer_pulled_bytes: Counter,
+    pub(crate) peer_pull_failures: Counter,
+    pub(crate) peer_served_bytes: Counter,
     pool_blocks: GaugeVec<1>,
 }
 
@@ -42,6 +45,24 @@ impl WorkerMetrics {
                 .counter(
                     names::WORKER_FORWARD_REJECTED_TOTAL,
                     "Forward calls refused (invalid batch or backend failure).",
+                )
+                .map_err(fail)?,
+            peer_pulled_bytes: registry
+                .counter(
+                    names::WORKER_PEER_PULLED_BYTES_TOTAL,
+                    "Bytes of K/V pulled from peer workers (peer pulls and hand-offs).",
+                )
+                .map_err(fail)?,
+            peer_pull_failures: registry
+                .counter(
+                    names::WORKER_PEER_PULL_FAILURES_TOTAL,
+                    "Sequences whose peer pull failed (each sat its pass out).",
+                )
+                .map_err(fail)?,
+            peer_served_bytes: registry
+                .counter(
+                    names::WORKER_PEER_SERVED_BYTES_TOTAL,
+                    "Bytes of K/V served to peer workers' pulls.",
                 )
                 .map_err(fail)?,
             pool_blocks: registry

@@ -428,6 +428,7 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
         let (tx, rx) = tokio::sync::mpsc::channel(2);
         let passes = Arc::clone(&self.passes);
         let chunk_bytes = self.peers.chunk_bytes;
+        let served = self.metrics.peer_served_bytes.clone();
         tokio::spawn(async move {
             for (index, (pool, block, slots)) in targets.into_iter().enumerate() {
                 let p = Arc::clone(&passes);
@@ -445,6 +446,7 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
                     }
                 };
                 let block_bytes = data.len() as u64;
+                served.inc_by(block_bytes);
                 for (offset, piece) in crate::peer::chunks(&data, chunk_bytes) {
                     let chunk = pb::BlockChunk {
                         index: index as u32,
@@ -568,12 +570,14 @@ impl pb::worker_service_server::WorkerService for WorkerGrpc {
             match result {
                 None => keep.push(true),
                 Some(Ok(p)) => {
+                    self.metrics.peer_pulled_bytes.inc_by(p.bytes);
                     moved.push((input.seq_id, p.bytes, p.micros));
                     writes.extend(p.blocks);
                     keep.push(true);
                 }
                 Some(Err(message)) => {
                     tracing::warn!(step, seq_id = input.seq_id, %message, "peer pull failed; the sequence sits this pass out");
+                    self.metrics.peer_pull_failures.inc();
                     failed.push((input.seq_id, message));
                     keep.push(false);
                 }
@@ -1260,7 +1264,8 @@ mod tests {
             .await
             .unwrap();
         let (addr, stop) = serve(source.clone()).await;
-        let dest = service(&mut Registry::new());
+        let mut registry = Registry::new();
+        let dest = service(&mut registry);
         let pulling = |seq_id, address: &str, blocks: [u32; 2]| pb::ForwardSequence {
             peer_pull: Some(pb::PeerPull {
                 address: address.into(),
@@ -1303,6 +1308,13 @@ mod tests {
             "{:?}",
             r.results[1]
         );
+        let text = registry.render();
+        for line in [
+            "kvlease_worker_peer_pulled_bytes_total 2048",
+            "kvlease_worker_peer_pull_failures_total 1",
+        ] {
+            assert!(text.contains(line), "{line:?} not in\n{text}");
+        }
         // the source, computing on: the same token
         let second = next_token(
             &source,
@@ -1346,8 +1358,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_long_pull_runs_as_several_streams_and_continues_as_the_source_does() {
-        let source = service(&mut Registry::new())
-            .with_peer_transport(kvlease_auth::Security::loopback(), 300);
+        let mut served = Registry::new();
+        let source =
+            service(&mut served).with_peer_transport(kvlease_auth::Security::loopback(), 300);
         // 20 written blocks of each pool: 320 tokens, 64 a pass
         let src_blocks: Vec<u32> = (1..=21).collect();
         let mut first = 0;
@@ -1364,7 +1377,8 @@ mod tests {
             .unwrap();
         }
         let (addr, stop) = serve(source.clone()).await;
-        let dest = service(&mut Registry::new());
+        let mut pulled = Registry::new();
+        let dest = service(&mut pulled);
         let dst_blocks: Vec<u32> = (31..=51).collect();
         let blocks: Vec<pb::PeerBlockCopy> = [0u32, 8]
             .into_iter()
@@ -1394,6 +1408,11 @@ mod tests {
         // 40 blocks of 1,024 bytes, over two streams of their own connections
         assert_eq!(r.results[0].pulled_bytes, 40 * 1024);
         assert_eq!(dest.peers.channels.lock().unwrap().len(), 2);
+        // both ends count the bytes
+        let line = "kvlease_worker_peer_pulled_bytes_total 40960";
+        assert!(pulled.render().contains(line), "{}", pulled.render());
+        let line = "kvlease_worker_peer_served_bytes_total 40960";
+        assert!(served.render().contains(line), "{}", served.render());
         let second = next_token(
             &source,
             forward_of(6, vec![seq_over(1, vec![first], 320, &src_blocks)]),

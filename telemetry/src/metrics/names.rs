@@ -106,6 +106,13 @@ pub const WORKER_FORWARD_TOKENS_TOTAL: &str = "kvlease_worker_forward_tokens_tot
 pub const WORKER_FORWARD_REJECTED_TOTAL: &str = "kvlease_worker_forward_rejected_total";
 /// Gauge, label [`WINDOW`]: the blocks of each KV pool the worker allocated.
 pub const WORKER_POOL_CAPACITY_BLOCKS: &str = "kvlease_worker_pool_capacity_blocks";
+/// Counter: bytes of K/V the worker pulled from peer workers (peer pulls
+/// and disaggregated hand-offs).
+pub const WORKER_PEER_PULLED_BYTES_TOTAL: &str = "kvlease_worker_peer_pulled_bytes_total";
+/// Counter: sequences whose peer pull failed (each sat its pass out).
+pub const WORKER_PEER_PULL_FAILURES_TOTAL: &str = "kvlease_worker_peer_pull_failures_total";
+/// Counter: bytes of K/V the worker served to peer workers' pulls.
+pub const WORKER_PEER_SERVED_BYTES_TOTAL: &str = "kvlease_worker_peer_served_bytes_total";
 
 // === labels ===
 
