@@ -473,6 +473,9 @@ fn peer_key(model: &pb::ModelShape, kv_dtype: &str, tokens_per_block: u32) -> St
 pub(crate) struct WorkerClient {
     addr: String,
     inner: WorkerServiceClient<TracedChannel>,
+    /// What [`Self::reconnected`] connects again with.
+    security: Security,
+    keepalive: Duration,
 }
 
 impl WorkerClient {
@@ -487,7 +490,16 @@ impl WorkerClient {
             // GetTokenizer answers with a whole tokenizer.json
             inner: WorkerServiceClient::new(traced(channel))
                 .max_decoding_message_size(kvlease_tokenizer::MAX_MESSAGE_BYTES),
+            security: security.clone(),
+            keepalive,
         })
+    }
+
+    /// A client of the same worker over a connection of its own, whose
+    /// tasks (the channel's buffer, the HTTP/2 connection) run on the
+    /// runtime this is called from.
+    pub(crate) fn reconnected(&self) -> Result<Self> {
+        Self::new(&self.addr, &self.security, self.keepalive)
     }
 
     pub(crate) fn addr(&self) -> &str {

@@ -107,6 +107,10 @@ pub enum Error {
     /// Serving failed (reflection, the gRPC server).
     #[error("{0}")]
     Serve(#[from] kvlease_runtime::Error),
+    /// The operating system refused the step loop a thread (or its runtime
+    /// its I/O driver).
+    #[error("cannot start the step loop's thread or runtime: {0}")]
+    StepThread(std::io::Error),
 }
 
 impl Error {
@@ -163,7 +167,8 @@ impl From<Error> for Status {
             Error::Rpc { .. }
             | Error::Address { .. }
             | Error::Protocol { .. }
-            | Error::Serve(_) => Status::internal(message),
+            | Error::Serve(_)
+            | Error::StepThread(_) => Status::internal(message),
         }
     }
 }

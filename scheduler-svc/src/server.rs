@@ -117,10 +117,7 @@ pub async fn run(
         metrics,
     );
     let stop = Stop::new();
-    let step_loop_task = tokio::spawn(kvlease_telemetry::in_service(
-        SERVICE,
-        step_loop.run(stop.watch().receiver()),
-    ));
+    let step_loop_done = step_loop.spawn_thread(stop.watch().receiver())?;
     let keep_alive_task = tokio::spawn(keep_alive(cache.clone(), stop.watch().receiver()));
     let service = SchedulerService::new(
         handle,
@@ -148,8 +145,8 @@ pub async fn run(
     )
     .await;
     stop.stop();
-    if let Err(e) = step_loop_task.await {
-        tracing::error!(error = %e, "step loop task failed");
+    if step_loop_done.await.is_err() {
+        tracing::error!("the step loop's thread ended without finishing (it panicked)");
     }
     if let Err(e) = keep_alive_task.await {
         tracing::error!(error = %e, "keep-alive task failed");
