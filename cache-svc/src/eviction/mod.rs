@@ -22,7 +22,8 @@
 //!
 //! - [`Adaptive`] (`adaptive`): all three live on the pool, each also
 //!   simulated on sampled lookups in a small shadow pool; the one with the
-//!   best recent shadow hit rate picks victims (with hysteresis).
+//!   best recent shadow hit rate picks victims (with hysteresis); while
+//!   `lfu` picks, it passes over blocks that `chain` protects.
 //!
 //! All of them keep blocks in ordered sets keyed by (priority, class or
 //! credit, recency): O(log n) per operation.
@@ -73,6 +74,20 @@ pub trait EvictionPolicy: Send + fmt::Debug {
     fn set_leaf(&mut self, block: BlockId, leaf: bool);
     /// The block to evict next, removed from the policy. Its history ends.
     fn pop_victim(&mut self) -> Option<BlockId>;
+    /// Appends to `out` the next `k` blocks [`pop_victim`](Self::pop_victim)
+    /// would take, in that order (nothing for a policy with no order to
+    /// show).
+    fn next_victims(&self, k: usize, out: &mut Vec<BlockId>) {
+        let _ = (k, out);
+    }
+    /// Whether `block` is among what the policy evicts next: its priority
+    /// and class or credit are no higher than those of its next victim
+    /// (for `chain`: on probation, while any block is). True for a block it
+    /// does not hold.
+    fn ranks_low(&self, block: BlockId) -> bool {
+        let _ = block;
+        true
+    }
     /// Whether `block` is held by the policy.
     fn contains(&self, block: BlockId) -> bool;
     /// Evictable blocks.

@@ -213,6 +213,20 @@ impl<R: Ranker> EvictionPolicy for Ranked<R> {
         }
     }
 
+    fn next_victims(&self, k: usize, out: &mut Vec<BlockId>) {
+        let order = self.blocks.sets.iter().flat_map(|set| set.iter());
+        out.extend(order.take(k).map(|&(_, block)| block));
+    }
+
+    fn ranks_low(&self, block: BlockId) -> bool {
+        match (self.blocks.rank_of(block), self.blocks.peek()) {
+            (Some(rank), Some(next)) => {
+                (rank.priority, rank.credit) <= (next.priority, next.credit)
+            }
+            _ => true,
+        }
+    }
+
     fn contains(&self, block: BlockId) -> bool {
         self.blocks.contains(block)
     }
