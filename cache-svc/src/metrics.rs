@@ -390,7 +390,10 @@ mod tests {
 
     #[test]
     fn rendered_pool_figures_match_the_core() {
-        let mut cache = Cache::with_epoch(CacheConfig::default(), crate::Epoch(1));
+        // a fixed policy (the default is `adaptive`)
+        let mut config = CacheConfig::default();
+        config.eviction.default = crate::eviction::PolicyKind::Lru;
+        let mut cache = Cache::with_epoch(config, crate::Epoch(1));
         cache.register_pool("g", 4, &[(0, 8)]).unwrap();
         let now = Instant::now();
         let s = cache.open_session("t", None, now).unwrap();

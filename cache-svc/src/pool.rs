@@ -163,7 +163,7 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    /// A pool of `num_blocks` free blocks with the default eviction policy.
+    /// A pool of `num_blocks` free blocks evicting with `lru`.
     pub fn new(num_blocks: u32) -> Self {
         Self::with_policy(num_blocks, Box::new(PriorityLru::new(num_blocks as usize)))
     }

@@ -674,12 +674,18 @@ async fn a_lease_at_a_completed_step_is_failed_precondition_and_stats_carry_the_
         assert!((e.hit_rate - 0.5).abs() < 1e-9, "{e:?}");
     }
     assert_eq!(full.hit_rate_estimates[3].blocks, 64);
-    // a fixed policy: the one configured picks, no candidates
+    // the default, `adaptive`: it starts from `lru` and estimates every
+    // candidate on the same sampled lookups
     assert_eq!(
         (full.eviction_policy.as_str(), full.current_policy.as_str()),
-        ("lru", "lru")
+        ("adaptive", "lru")
     );
-    assert!(full.policy_estimates.is_empty());
+    let candidates: Vec<&str> = full
+        .policy_estimates
+        .iter()
+        .map(|e| e.policy.as_str())
+        .collect();
+    assert_eq!(candidates, ["lru", "lfu", "chain"]);
     assert_eq!(full.policy_switches, 0);
     server.shutdown().await;
 }

@@ -136,13 +136,14 @@ pub trait EvictionPolicy: Send + fmt::Debug {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PolicyKind {
     /// Leaf-first LRU within priorities.
-    #[default]
     Lru,
     /// LFU with dynamic aging (GreedyDual-Frequency).
     Lfu,
     /// Leaf-first LRU with a probation class for one-off chains.
     Chain,
-    /// Whichever of the others has hit best lately (shadow-simulated).
+    /// Whichever of the others has hit best lately (shadow-simulated); the
+    /// default.
+    #[default]
     Adaptive,
 }
 
