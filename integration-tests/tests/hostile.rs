@@ -161,7 +161,9 @@ async fn the_cache_refuses_every_input_fault_with_the_documented_status() {
         max_message_bytes: 64 << 10,
         max_sessions_per_holder: 3,
         max_pool_groups: 3,
-        // 96 bytes a block: 1 MiB holds 10922 blocks
+        // `lru`, 96 bytes a block: 1 MiB holds 10922 blocks (the default,
+        // `adaptive`, counts two filters of at least 256 KiB a pool)
+        eviction_policy: cache_svc::eviction::PolicyKind::Lru,
         pool_memory_budget_mib: 1,
         max_watch_streams: 2,
         session_quota: 8,
