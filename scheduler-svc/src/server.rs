@@ -115,7 +115,7 @@ pub async fn run(
         cache.clone(),
         workers,
         metrics,
-    );
+    )?;
     let stop = Stop::new();
     let step_loop_done = step_loop.spawn_thread(stop.watch().receiver())?;
     let keep_alive_task = tokio::spawn(keep_alive(cache.clone(), stop.watch().receiver()));

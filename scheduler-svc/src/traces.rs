@@ -122,10 +122,10 @@ impl RequestTraces {
     }
 
     /// The `traceparent` of each sequence's request (empty when it has
-    /// none), for a batched call.
-    pub(crate) fn traceparents(&self, seqs: impl Iterator<Item = SeqId>) -> Vec<String> {
+    /// none, or is `None`), for a batched call.
+    pub(crate) fn traceparents(&self, seqs: impl Iterator<Item = Option<SeqId>>) -> Vec<String> {
         seqs.map(|s| {
-            self.of_seq(s)
+            s.and_then(|s| self.of_seq(s))
                 .map(|t| t.traceparent.clone())
                 .unwrap_or_default()
         })

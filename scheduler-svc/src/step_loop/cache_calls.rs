@@ -41,13 +41,11 @@ impl StepLoop {
     /// request's `preempt` span says why; the cache's `Reject` is in the
     /// step's trace, which a preemption samples).
     fn extend_traceparents(&self, specs: &[ExtendSpec]) -> Vec<String> {
-        let mut traces = self.traces.traceparents(specs.iter().map(|s| s.seq_id));
-        for (trace, spec) in traces.iter_mut().zip(specs) {
-            if self.core.in_flight(spec.seq_id) || self.core.refusal_preempts(spec.seq_id) {
-                trace.clear();
-            }
-        }
-        traces
+        // in steady decode most are in flight: no context cloned for those
+        self.traces.traceparents(specs.iter().map(|s| {
+            let untraced = self.core.in_flight(s.seq_id) || self.core.refusal_preempts(s.seq_id);
+            (!untraced).then_some(s.seq_id)
+        }))
     }
 
     /// Sends extends of `step` in `Extend` calls of at most the cache's

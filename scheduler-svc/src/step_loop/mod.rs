@@ -33,8 +33,11 @@
 //! - `forward.rs`: launching a step's forward passes and collecting them.
 //! - `report.rs`: outputs to the request streams, trace marks, metrics and
 //!   the status snapshot.
+//! - `delivery.rs`: a step's outputs handed to the request streams at once,
+//!   from a task of the shared runtime.
 
 mod cache_calls;
+mod delivery;
 mod forward;
 mod handle;
 mod report;
@@ -84,6 +87,8 @@ pub(crate) struct StepLoop {
     workers: Vec<WorkerClient>,
     steps_run: u64,
     streams: HashMap<RequestId, mpsc::UnboundedSender<Output>>,
+    /// Sends the outputs on to `streams` from the shared runtime.
+    delivery: delivery::Delivery,
     /// Each stream's samples the client stopped reading (see `Submission`).
     branch_ends: HashMap<RequestId, mpsc::UnboundedReceiver<u32>>,
     /// The trace of each live request.
@@ -115,14 +120,16 @@ const MIN_BACKOFF: Duration = Duration::from_millis(5);
 const MAX_BACKOFF: Duration = Duration::from_millis(500);
 
 impl StepLoop {
-    /// A loop over `groups` (index i served by `workers[i]`).
+    /// A loop over `groups` (index i served by `workers[i]`); called from
+    /// the service's runtime, which carries the request streams.
     pub(crate) fn new(
         config: StepLoopConfig,
         groups: Vec<GroupGeometry>,
         cache: CacheClient,
         workers: Vec<WorkerClient>,
         metrics: SchedulerMetrics,
-    ) -> (Self, StepLoopHandle) {
+    ) -> crate::error::Result<(Self, StepLoopHandle)> {
+        let delivery = delivery::Delivery::start()?;
         let (submit, intake) = mpsc::unbounded_channel();
         let (status, status_rx) = watch::channel(StatusSnapshot::default());
         let backlog = Arc::new(AtomicUsize::new(0));
@@ -137,6 +144,7 @@ impl StepLoop {
             workers,
             steps_run: 0,
             streams: HashMap::new(),
+            delivery,
             branch_ends: HashMap::new(),
             traces: RequestTraces::default(),
             step_rejects: false,
@@ -152,7 +160,7 @@ impl StepLoop {
             refused_before: false,
             planned_extends: None,
         };
-        (step_loop, handle)
+        Ok((step_loop, handle))
     }
 
     /// Runs the loop ([`Self::run`]) on a thread of its own, with a

@@ -17,8 +17,7 @@ impl StepLoop {
             let last = matches!(output, Output::Finished { last: true, .. });
             self.metrics.output(&output);
             if let Some(tx) = self.streams.get(&id) {
-                // a closed stream is reaped as a cancellation
-                let _ = tx.send(output);
+                self.delivery.push(tx, output);
             }
             if last {
                 self.streams.remove(&id);
@@ -26,6 +25,7 @@ impl StepLoop {
                 self.traces.finish(id);
             }
         }
+        self.delivery.flush();
     }
 
     /// The core's preemptions since the last call, as spans in their
