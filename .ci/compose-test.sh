@@ -243,7 +243,12 @@ sound "after p1 (disaggregated)"
 P0="$(preemptions "$SCHEDPD")"
 bench p2 "$SCHEDPD" --requests 24 --concurrency 8 --output-min 96 --output-max 128 --timeout-s 120 &
 P2=$!
-sleep 1
+# the kill lands once the decode worker is under way (a fixed second was
+# after the whole bench on an idle machine: it takes about one)
+for _ in $(seq 100); do
+  [ "$(decoded)" -gt $(( ${T1:-0} + 100 )) ] 2>/dev/null && break
+  sleep 0.05
+done
 docker kill "$(container worker-decode)" >/dev/null || fail "docker kill worker-decode failed"
 wait "$P2"
 answered p2 24
