@@ -257,6 +257,11 @@ impl CacheService for CacheServiceImpl {
         if !r.peer_key.is_empty() {
             crate::cache::check_name("peer_key", &r.peer_key)?;
         }
+        // the session it comes from, before anything is registered
+        let by = (r.session_id != 0).then_some(crate::SessionId(r.session_id));
+        if let Some(session) = by {
+            self.lock().check_session_of(session, caller.name())?;
+        }
         let plan = self.lock().plan_registration(
             caller.name(),
             &r.pool_group,
@@ -290,6 +295,7 @@ impl CacheService for CacheServiceImpl {
             &r.pool_group,
             r.worker_incarnation,
             &disks,
+            by,
         )?;
         let infos = match reindexed.new_incarnation {
             true => self.lock().pool_infos(&infos),

@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use foldhash::{HashMap, HashMapExt};
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::time::{Duration, Instant};
 
 use crate::ids::{BlockId, SeqId, SessionId, Step};
@@ -195,6 +195,9 @@ pub(crate) struct Session {
     pub completed_step: Option<Step>,
     /// Block references held by its sequences (for the quota).
     pub references: u64,
+    /// The pool groups it has leased in: while it is open, no other
+    /// worker incarnation may take them (see `cache/incarnation.rs`).
+    pub groups: HashSet<String>,
     released: Released,
 }
 
@@ -257,7 +260,15 @@ impl Session {
             host_pins: BTreeMap::new(),
             completed_step: None,
             references: 0,
+            groups: HashSet::new(),
             released: Released::default(),
+        }
+    }
+
+    /// Notes that it leases in `group`.
+    pub(crate) fn leases_in(&mut self, group: &str) {
+        if !self.groups.contains(group) {
+            self.groups.insert(group.to_owned());
         }
     }
 

@@ -47,6 +47,21 @@ async fn register_pool_is_idempotent_and_validated() {
         ))
         .await;
     assert_status(dup, Code::InvalidArgument, "listed twice");
+    // a session_id that names no open session: refused before anything is
+    // registered
+    let mut unknown = register_req("y", 4, vec![pool_spec(0, 16)]);
+    unknown.session_id = 7;
+    assert_status(
+        c.register_pool(unknown).await,
+        Code::FailedPrecondition,
+        "unknown session 7",
+    );
+    let stats = c
+        .get_stats(pb::GetStatsRequest {
+            pool_group: "y".into(),
+        })
+        .await;
+    assert_eq!(stats.map(|_| ()).unwrap_err().code(), Code::NotFound);
     s.shutdown().await;
 }
 

@@ -216,6 +216,9 @@ impl CacheClient {
                 })
                 .collect(),
             worker_incarnation: tiers.incarnation,
+            // the session that drives the worker: its own leases do not hold
+            // back the worker's new incarnation, another open session's do
+            session_id: self.session().id.get(),
         };
         let r = self.inner.clone().register_pool(req).await;
         let r = self.seen("RegisterPool", r)?;

@@ -24,6 +24,16 @@
 //! expires; the scheduler's start-up waits for that). The same
 //! incarnation again (a scheduler restarted, its worker not) changes
 //! nothing: the cache's index is newer than what the worker found at start.
+//!
+//! Nor may a new incarnation take a group while an open session has leased
+//! in it: that session drives the current worker, and the registration is
+//! another scheduler's worker under the same group name (two schedulers with
+//! one `--pool-group-prefix`). Accepted, it would forget the first worker's
+//! blocks, and each scheduler would be granted blocks the other's worker
+//! wrote. Refused the same way (`IncarnationBusy`): a scheduler started
+//! again after it was killed waits for its earlier session to expire. The
+//! session the registration comes from (`RegisterPoolRequest.session_id`)
+//! does not count: a holder may register its own worker's restart.
 
 use foldhash::{HashSet, HashSetExt};
 
@@ -55,16 +65,21 @@ pub struct Reindexed {
 
 impl Cache {
     /// Registers worker incarnation `incarnation` of `group` (registered
-    /// by `owner`) with the disk tiers `disks` (see the module doc). An
-    /// incarnation 0 (an older holder) may name no disk tier and changes
-    /// nothing. Everything is checked before anything changes.
+    /// by `owner`, from its open session `by` when it names one) with the
+    /// disk tiers `disks` (see the module doc). An incarnation 0 (an older
+    /// holder) may name no disk tier and changes nothing. Everything is
+    /// checked before anything changes.
     pub fn register_incarnation(
         &mut self,
         owner: &str,
         group: &str,
         incarnation: u64,
         disks: &[DiskPool],
+        by: Option<crate::SessionId>,
     ) -> Result<Reindexed> {
+        if let Some(session) = by {
+            self.check_session_of(session, owner)?;
+        }
         let pools = self
             .owned_group(group, owner, "register_pool")?
             .pools
@@ -109,6 +124,26 @@ impl Cache {
                 detail: format!(
                     "a new worker incarnation cannot forget what a session still holds or copies ({})",
                     busy.join("; ")
+                ),
+            });
+        }
+        // A session that leased in the group is driving the current worker:
+        // another incarnation while it is open is another scheduler's worker
+        // under the same group name, and each would be granted blocks the
+        // other's worker wrote.
+        let mut drivers: Vec<String> = self
+            .sessions
+            .values()
+            .filter(|s| Some(s.id) != by && s.groups.contains(group))
+            .map(|s| format!("session {} of holder {:?}", s.id, s.key))
+            .collect();
+        if forget && !drivers.is_empty() {
+            drivers.sort();
+            return Err(Error::IncarnationBusy {
+                group: group.to_owned(),
+                detail: format!(
+                    "{} leased in it under worker incarnation {current} and is still open: a pool group serves one worker, so two schedulers need group names of their own (--pool-group-prefix); a scheduler started again waits for its earlier session to close or expire",
+                    drivers.join(", ")
                 ),
             });
         }

@@ -174,6 +174,11 @@ impl Cache {
             self.validate_handoff(session_id, spec)?;
             self.owned_group(&spec.group, &principal, "lease")?;
         }
+        if let Some(session) = self.sessions.get_mut(&session_id) {
+            for spec in specs {
+                session.leases_in(&spec.group);
+            }
+        }
         // A fork's parent must be held before the call (a parent leased in
         // it has written nothing a branch could share, and was not checked).
         // Likewise a hand-off's source.

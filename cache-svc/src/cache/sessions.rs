@@ -111,6 +111,17 @@ impl Cache {
         }
     }
 
+    /// Checks that `session_id` is open and `caller`'s.
+    pub fn check_session_of(&self, session_id: SessionId, caller: &str) -> Result<()> {
+        if *self.session_principal(session_id)? != *caller {
+            return Err(Error::NotOwner {
+                session: session_id,
+                caller: caller.to_string(),
+            });
+        }
+        Ok(())
+    }
+
     /// The principal that opened `session_id`: the one whose groups its
     /// calls may name.
     pub(super) fn session_principal(&self, session_id: SessionId) -> Result<Arc<str>> {

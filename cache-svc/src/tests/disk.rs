@@ -26,7 +26,7 @@ fn tiered(device: u32, host: u32, disk: u32) -> Fixture {
         held: Vec::new(),
     }];
     f.cache
-        .register_incarnation(ANONYMOUS, GROUP, 1, &disks)
+        .register_incarnation(ANONYMOUS, GROUP, 1, &disks, Some(f.session))
         .unwrap();
     f.check();
     f
@@ -222,7 +222,7 @@ fn a_new_incarnation_forgets_memory_and_indexes_the_files_it_found() {
     }];
     let r = f
         .cache
-        .register_incarnation(ANONYMOUS, GROUP, 2, &disks)
+        .register_incarnation(ANONYMOUS, GROUP, 2, &disks, Some(f.session))
         .unwrap();
     assert!(r.new_incarnation && r.memory_forgotten);
     assert_eq!(r.disk_blocks_indexed, 3);
@@ -243,19 +243,19 @@ fn a_new_incarnation_forgets_memory_and_indexes_the_files_it_found() {
     // The same incarnation again (a scheduler restart) changes nothing ...
     let again = f
         .cache
-        .register_incarnation(ANONYMOUS, GROUP, 2, &[])
+        .register_incarnation(ANONYMOUS, GROUP, 2, &[], Some(f.session))
         .unwrap();
     assert!(!again.new_incarnation);
     // ... and another one waits while a session loads from the disk.
     let busy = f
         .cache
-        .register_incarnation(ANONYMOUS, GROUP, 3, &disks)
+        .register_incarnation(ANONYMOUS, GROUP, 3, &disks, Some(f.session))
         .unwrap_err();
     assert!(matches!(busy, Error::IncarnationBusy { .. }), "{busy}");
     f.complete(2);
     f.release(&[2], None);
     f.cache
-        .register_incarnation(ANONYMOUS, GROUP, 3, &disks)
+        .register_incarnation(ANONYMOUS, GROUP, 3, &disks, Some(f.session))
         .unwrap();
     f.check();
 }
@@ -271,7 +271,7 @@ fn a_new_incarnation_waits_while_a_session_holds_blocks_and_then_forgets_them() 
     // nothing changed
     let busy = f
         .cache
-        .register_incarnation(ANONYMOUS, GROUP, 2, &[])
+        .register_incarnation(ANONYMOUS, GROUP, 2, &[], Some(f.session))
         .unwrap_err();
     assert!(matches!(busy, Error::IncarnationBusy { .. }), "{busy}");
     assert!(busy.to_string().contains("in use"), "{busy}");
@@ -279,7 +279,7 @@ fn a_new_incarnation_waits_while_a_session_holds_blocks_and_then_forgets_them() 
     f.release(&[1], Some(2));
     assert!(
         f.cache
-            .register_incarnation(ANONYMOUS, GROUP, 2, &[])
+            .register_incarnation(ANONYMOUS, GROUP, 2, &[], Some(f.session))
             .is_err(),
         "fenced blocks are held too"
     );
@@ -287,7 +287,7 @@ fn a_new_incarnation_waits_while_a_session_holds_blocks_and_then_forgets_them() 
     assert_eq!(f.counts()[0].cached, 2);
     let r = f
         .cache
-        .register_incarnation(ANONYMOUS, GROUP, 2, &[])
+        .register_incarnation(ANONYMOUS, GROUP, 2, &[], Some(f.session))
         .unwrap();
     assert!(r.new_incarnation);
     f.check();
@@ -353,7 +353,7 @@ fn malformed_disk_tiers_are_refused_and_change_nothing() {
     for (incarnation, d, want) in cases {
         let err = f
             .cache
-            .register_incarnation(ANONYMOUS, GROUP, incarnation, &[d])
+            .register_incarnation(ANONYMOUS, GROUP, incarnation, &[d], Some(f.session))
             .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
         assert!(err.to_string().contains(want), "{err} lacks {want:?}");
@@ -368,7 +368,7 @@ fn malformed_disk_tiers_are_refused_and_change_nothing() {
     };
     let err = bare
         .cache
-        .register_incarnation(ANONYMOUS, GROUP, 1, &[d])
+        .register_incarnation(ANONYMOUS, GROUP, 1, &[d], Some(bare.session))
         .unwrap_err();
     assert!(err.to_string().contains("needs a host tier"), "{err}");
     bare.check();
@@ -467,7 +467,7 @@ mod conservation {
                             .filter_map(|b| d.content(b).map(|(h, p)| (b, h, p)))
                             .collect();
                         let disks = [DiskPool { window: 0, blocks: d.len(), held }];
-                        f.cache.register_incarnation(ANONYMOUS, GROUP, incarnation, &disks).unwrap();
+                        f.cache.register_incarnation(ANONYMOUS, GROUP, incarnation, &disks, Some(f.session)).unwrap();
                         // device and host memory are gone, the files stay
                         tiers.host.clear();
                         content.clear();
@@ -510,10 +510,76 @@ fn a_first_incarnation_is_adopted_without_forgetting_even_while_blocks_are_held(
     }];
     let r = f
         .cache
-        .register_incarnation(ANONYMOUS, GROUP, 5, &disks)
+        .register_incarnation(ANONYMOUS, GROUP, 5, &disks, Some(f.session))
         .unwrap();
     assert!(r.new_incarnation && !r.memory_forgotten);
     assert_eq!(f.counts(), before);
     assert_eq!(disk(&f).cached, 1);
     f.check();
+}
+
+/// Two schedulers with one group name: the second one's worker (another
+/// incarnation) may not take the group while the first one's session, which
+/// leased in it, is open, even with nothing held; the first may register its
+/// own worker's restart; once it is gone the second takes the group.
+#[test]
+fn a_new_incarnation_waits_while_another_open_session_drives_the_group() {
+    let mut f = tiered(8, 2, 8);
+    let a = tokens(0, 9);
+    run_and_cache(&mut f, 1, a, 1);
+    assert_eq!(f.counts()[0].cached, 2, "idle: nothing in use or fenced");
+    let other = f.cache.open_session("scheduler-b", None, f.now).unwrap();
+    let busy = f
+        .cache
+        .register_incarnation(ANONYMOUS, GROUP, 2, &[], Some(other.session_id))
+        .unwrap_err();
+    assert!(matches!(busy, Error::IncarnationBusy { .. }), "{busy}");
+    let message = busy.to_string();
+    for want in [
+        format!("session {}", f.session),
+        "still open".to_string(),
+        "--pool-group-prefix".to_string(),
+    ] {
+        assert!(message.contains(&want), "{message} lacks {want:?}");
+    }
+    // without a session the driver counts as well; nothing was forgotten
+    assert!(
+        f.cache
+            .register_incarnation(ANONYMOUS, GROUP, 2, &[], None)
+            .is_err()
+    );
+    assert_eq!(f.counts()[0].cached, 2);
+    f.check();
+    // a session that is not the caller's, or not open, registers nothing
+    let stranger = f
+        .cache
+        .open_session_for("mallory", "m", None, f.now)
+        .unwrap();
+    let err = f
+        .cache
+        .register_incarnation(ANONYMOUS, GROUP, 2, &[], Some(stranger.session_id))
+        .unwrap_err();
+    assert!(matches!(err, Error::NotOwner { .. }), "{err}");
+    let err = f
+        .cache
+        .register_incarnation(ANONYMOUS, GROUP, 2, &[], Some(crate::SessionId(7)))
+        .unwrap_err();
+    assert!(matches!(err, Error::UnknownSession(_)), "{err}");
+    // the driving session may register its own worker's restart (its
+    // worker came back as incarnation 3): memory forgotten
+    let own = f
+        .cache
+        .register_incarnation(ANONYMOUS, GROUP, 3, &[], Some(f.session))
+        .unwrap();
+    assert!(own.memory_forgotten, "{own:?}");
+    assert_eq!(f.counts()[0].cached, 0);
+    f.check();
+    // once the first scheduler's session is gone, the second one's worker
+    // takes the group
+    f.cache.close_session(f.session, f.epoch, f.now).unwrap();
+    let taken = f
+        .cache
+        .register_incarnation(ANONYMOUS, GROUP, 4, &[], Some(other.session_id))
+        .unwrap();
+    assert!(taken.new_incarnation, "{taken:?}");
 }

@@ -208,7 +208,7 @@ proptest! {
         if host / 2 > 0 {
             // a disk tier below each host tier
             let disks = [0, w].map(|window| DiskPool { window, blocks: disk, held: Vec::new() });
-            f.cache.register_incarnation(kvlease_auth::principal::ANONYMOUS, GROUP, 1, &disks).unwrap();
+            f.cache.register_incarnation(kvlease_auth::principal::ANONYMOUS, GROUP, 1, &disks, Some(f.session)).unwrap();
             f.check();
         }
         let mut tiers = TierModel::default();
@@ -567,7 +567,7 @@ proptest! {
                         DiskPool { window: p.window, blocks: d.len(), held }
                     }).collect();
                     let before = f.counts();
-                    match f.cache.register_incarnation(kvlease_auth::principal::ANONYMOUS, GROUP, incarnation, &disks) {
+                    match f.cache.register_incarnation(kvlease_auth::principal::ANONYMOUS, GROUP, incarnation, &disks, Some(f.session)) {
                         Ok(r) => {
                             prop_assert!(r.new_incarnation);
                             if r.memory_forgotten {
