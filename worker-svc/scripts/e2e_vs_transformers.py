@@ -4,7 +4,10 @@ For each model (--model, repeatable: a GGUF file or a Hugging Face directory;
 --make-llama-1b DIR adds a 1.1B Llama-shaped directory written there: 22
 layers, hidden 2048, 32/4 heads, ffn 5632, SmolLM2's vocabulary and
 tokenizer from --tokenizer, random bf16 weights, seeded; nothing to
-download) and each workload (--workload, default all three):
+download; --make-smollm2-shape DIR likewise SmolLM2-135M's shape, 30
+layers, hidden 576, 9/3 heads, ffn 1536, tied embeddings: the GGUF's speed
+without moving its 98 MB to the machine, where only speed is compared)
+and each workload (--workload, default all three):
 
 - 18/128: unique 18-token prompts, exactly 128 new tokens;
 - 512/128: unique 512-token prompts, 128 new;
@@ -250,9 +253,21 @@ def load_hf(model, cls, dtype):
     return cls.from_pretrained(directory, gguf_file=name)
 
 
-def make_llama_1b(directory, tokenizer):
-    """A 1.1B Llama-shaped model with random bf16 weights and the tokenizer of
-    `tokenizer` (a GGUF file or a directory with tokenizer.json)."""
+# Llama shapes --make-llama-1b and --make-smollm2-shape write (SmolLM2's
+# vocabulary either way).
+SHAPES = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                     num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+                     rope_theta=10000.0, tie_word_embeddings=False),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    rope_theta=100000.0, tie_word_embeddings=True),
+}
+
+
+def make_llama(directory, tokenizer, shape):
+    """A Llama model of `SHAPES[shape]` with random bf16 weights and the
+    tokenizer of `tokenizer` (a GGUF file or a directory with tokenizer.json)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -260,9 +275,7 @@ def make_llama_1b(directory, tokenizer):
         return
     tok = load_hf(tokenizer, AutoTokenizer, None)
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        vocab_size=49152, rms_norm_eps=1e-5, **SHAPES[shape],
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
     )
     torch.manual_seed(1)
@@ -478,8 +491,11 @@ def main():
                     help="a GGUF file or a Hugging Face directory (repeat for several)")
     ap.add_argument("--make-llama-1b", metavar="DIR",
                     help="write a random-weight 1.1B Llama directory to DIR first and serve it too")
-    ap.add_argument("--tokenizer", help="the tokenizer --make-llama-1b uses: SmolLM2's GGUF, "
-                    "or a directory with its tokenizer.json")
+    ap.add_argument("--make-smollm2-shape", metavar="DIR",
+                    help="write a random-weight model of SmolLM2-135M's shape to DIR first and "
+                    "serve it too")
+    ap.add_argument("--tokenizer", help="the tokenizer --make-llama-1b and --make-smollm2-shape "
+                    "use: SmolLM2's GGUF, or a directory with its tokenizer.json")
     ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
                     help="the workloads to run (repeat; default: all three): 18/128 and "
                     "512/128 are unique prompts of that many tokens and new tokens; shared is "
@@ -517,13 +533,15 @@ def main():
     if not args.bin_dir:
         raise SystemExit("--bin-dir is needed to run kvlease")
     models = list(args.model)
-    if args.make_llama_1b:
+    for shape, directory in (("smollm2", args.make_smollm2_shape), ("llama-1b", args.make_llama_1b)):
+        if not directory:
+            continue
         if not args.tokenizer:
-            raise SystemExit("--make-llama-1b needs --tokenizer")
-        make_llama_1b(args.make_llama_1b, args.tokenizer)
-        models.append(args.make_llama_1b)
+            raise SystemExit("--make-llama-1b and --make-smollm2-shape need --tokenizer")
+        make_llama(directory, args.tokenizer, shape)
+        models.append(directory)
     if not models:
-        raise SystemExit("no model: give --model or --make-llama-1b")
+        raise SystemExit("no model: give --model, --make-llama-1b or --make-smollm2-shape")
     log_root = args.log_dir or tempfile.mkdtemp(prefix="kvlease-e2e-")
     rows = []
     for model in models:
