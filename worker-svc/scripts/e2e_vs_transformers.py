@@ -5,8 +5,8 @@ For each model (--model, repeatable: a GGUF file or a Hugging Face directory;
 layers, hidden 2048, 32/4 heads, ffn 5632, SmolLM2's vocabulary and
 tokenizer from --tokenizer, random bf16 weights, seeded; nothing to
 download; --make-smollm2-shape DIR likewise SmolLM2-135M's shape, 30
-layers, hidden 576, 9/3 heads, ffn 1536, tied embeddings: the GGUF's speed
-without moving its 98 MB to the machine, where only speed is compared)
+layers, hidden 576, 9/3 heads, ffn 1536, tied embeddings: for comparing
+speed without moving the GGUF's 98 MB to the machine)
 and each workload (--workload, default all three):
 
 - 18/128: unique 18-token prompts, exactly 128 new tokens;
