@@ -75,18 +75,20 @@ class DiskBlock(_message.Message):
     def __init__(self, block: _Optional[int] = ..., hash: _Optional[int] = ..., parent: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_group", "tokens_per_block", "pools", "worker_incarnation", "peer_key")
+    __slots__ = ("pool_group", "tokens_per_block", "pools", "worker_incarnation", "peer_key", "session_id")
     POOL_GROUP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     WORKER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PEER_KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     pool_group: str
     tokens_per_block: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolSpec]
     worker_incarnation: int
     peer_key: str
-    def __init__(self, pool_group: _Optional[str] = ..., tokens_per_block: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolSpec, _Mapping]]] = ..., worker_incarnation: _Optional[int] = ..., peer_key: _Optional[str] = ...) -> None: ...
+    session_id: int
+    def __init__(self, pool_group: _Optional[str] = ..., tokens_per_block: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolSpec, _Mapping]]] = ..., worker_incarnation: _Optional[int] = ..., peer_key: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("pool_group",)
