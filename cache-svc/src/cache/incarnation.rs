@@ -131,21 +131,23 @@ impl Cache {
         // another incarnation while it is open is another scheduler's worker
         // under the same group name, and each would be granted blocks the
         // other's worker wrote.
-        let mut drivers: Vec<String> = self
-            .sessions
-            .values()
-            .filter(|s| Some(s.id) != by && s.groups.contains(group))
-            .map(|s| format!("session {} of holder {:?}", s.id, s.key))
-            .collect();
-        if forget && !drivers.is_empty() {
-            drivers.sort();
-            return Err(Error::IncarnationBusy {
-                group: group.to_owned(),
-                detail: format!(
-                    "{} leased in it under worker incarnation {current} and is still open: a pool group serves one worker, so two schedulers need group names of their own (--pool-group-prefix); a scheduler started again waits for its earlier session to close or expire",
-                    drivers.join(", ")
-                ),
-            });
+        if forget {
+            let mut drivers: Vec<String> = self
+                .sessions
+                .values()
+                .filter(|s| Some(s.id) != by && s.groups.contains(group))
+                .map(|s| format!("session {} of holder {:?}", s.id, s.key))
+                .collect();
+            if !drivers.is_empty() {
+                drivers.sort();
+                return Err(Error::IncarnationBusy {
+                    group: group.to_owned(),
+                    detail: format!(
+                        "{} leased in it under worker incarnation {current} and is still open: a pool group serves one worker, so two schedulers need group names of their own (--pool-group-prefix); a scheduler started again waits for its earlier session to close or expire",
+                        drivers.join(", ")
+                    ),
+                });
+            }
         }
         let mut indexed = 0u64;
         for &i in &pools {
