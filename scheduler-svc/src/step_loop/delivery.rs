@@ -59,13 +59,9 @@ impl Delivery {
         if self.batch.is_empty() {
             return;
         }
-        let batch = std::mem::take(&mut self.batch);
-        if let Err(mpsc::error::SendError(batch)) = self.tx.send(batch) {
-            // the runtime is shutting down: send them from here
-            for (stream, output) in batch {
-                let _ = stream.send(output);
-            }
-        }
+        // refused only once the shared runtime shut down, and with it the
+        // request streams
+        let _ = self.tx.send(std::mem::take(&mut self.batch));
     }
 }
 
