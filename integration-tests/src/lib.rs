@@ -54,6 +54,8 @@ pub enum Error {
     Rpc(#[from] tonic::Status),
     #[error("gateway: {0}")]
     Gateway(String),
+    #[error("metrics: {0}")]
+    Metrics(String),
 }
 
 /// How long a test service may take to start (a scheduler's warm-up included).
@@ -72,6 +74,47 @@ pub fn invalid_field(status: &tonic::Status) -> Option<&str> {
         .metadata()
         .get(kvlease_proto::INVALID_FIELD_METADATA)
         .and_then(|v| v.to_str().ok())
+}
+
+/// The Prometheus endpoint's answer at `addr` (`GET /metrics`): the HTTP
+/// header and the body.
+pub async fn metrics_page(addr: SocketAddr) -> Result<(String, String), Error> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let late = |_| Error::Metrics(format!("{addr} did not answer within 5 s"));
+    let mut stream =
+        tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
+            .await
+            .map_err(late)??;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await?;
+    let mut response = String::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut response))
+        .await
+        .map_err(late)??;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| Error::Metrics(format!("{addr}: no HTTP header end")))?;
+    Ok((head.to_owned(), body.to_owned()))
+}
+
+/// The value of the unlabelled series `name` on `service`'s metrics
+/// endpoint (0 when it has none yet).
+pub async fn metric_value(service: &Service, name: &str) -> Result<f64, Error> {
+    let addr = service
+        .metrics
+        .ok_or_else(|| Error::Metrics(format!("{} has no metrics endpoint", service.name)))?;
+    let (_, body) = metrics_page(addr).await?;
+    let line = body
+        .lines()
+        .find(|l| l.split_once(' ').is_some_and(|(series, _)| series == name));
+    match line.and_then(|l| l.rsplit_once(' ')) {
+        Some((_, v)) => v
+            .trim()
+            .parse()
+            .map_err(|e| Error::Metrics(format!("{name}: {v}: {e}"))),
+        None => Ok(0.0),
+    }
 }
 
 /// Starts a cache service (with a metrics endpoint).

@@ -9,7 +9,6 @@ use std::time::Duration;
 use kvlease_integration_tests as it;
 use kvlease_proto::v1 as pb;
 use kvlease_telemetry::metrics::names;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 type TestResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
 
@@ -82,17 +81,7 @@ fn sum(samples: &[Sample], name: &str) -> f64 {
 
 /// `GET /metrics` over a plain HTTP/1.0 connection.
 async fn scrape(addr: SocketAddr) -> Result<Vec<Sample>, Box<dyn std::error::Error + Send + Sync>> {
-    let mut stream =
-        tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
-            .await??;
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-        .await?;
-    let mut response = String::new();
-    tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut response)).await??;
-    let (head, body) = response
-        .split_once("\r\n\r\n")
-        .ok_or("no HTTP header end")?;
+    let (head, body) = it::metrics_page(addr).await?;
     assert!(
         head.starts_with("HTTP/1.") && head.contains(" 200"),
         "scrape of {addr}: {head}"
@@ -101,10 +90,9 @@ async fn scrape(addr: SocketAddr) -> Result<Vec<Sample>, Box<dyn std::error::Err
         head.to_ascii_lowercase().contains("text/plain"),
         "content type: {head}"
     );
-    Ok(parse(body)?)
+    Ok(parse(&body)?)
 }
 
-/// The metrics endpoint of a service the test started.
 fn metrics_of(service: &it::Service) -> Result<SocketAddr, String> {
     service
         .metrics

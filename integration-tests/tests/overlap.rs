@@ -172,11 +172,18 @@ async fn a_block_released_at_step_n_waits_for_step_n_forward() {
     worker_tap.stop().await.unwrap();
 }
 
-/// Runs `requests` at once through a fresh cluster with `overlap` and
-/// returns each one's outcome, in order.
-async fn serve_all(overlap: bool, requests: &[pb::GenerateRequest]) -> Vec<Generated> {
+/// Runs `requests` at once through a fresh cluster with `overlap` (and
+/// `depth` passes in flight when it pipelines) and returns each one's
+/// outcome, in order. No Forward call may fail: a failed pass (a decode fed
+/// from a pass its sequence sat out, say) is redone and gives the same
+/// tokens, late.
+async fn serve_all(
+    (overlap, depth): (bool, u32),
+    requests: &[pb::GenerateRequest],
+) -> Vec<Generated> {
     let config = scheduler_svc::Config {
         overlap,
+        pipeline_depth: depth,
         max_context: 256,
         max_tokens: 64,
         max_seqs: 16,
@@ -201,6 +208,16 @@ async fn serve_all(overlap: bool, requests: &[pb::GenerateRequest]) -> Vec<Gener
     assert_cache_sound(cluster.cache.addr, GROUP, Duration::from_secs(10))
         .await
         .unwrap();
+    let failed = kvlease_integration_tests::metric_value(
+        &cluster.worker,
+        kvlease_telemetry::metrics::names::WORKER_FORWARD_REJECTED_TOTAL,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        failed, 0.0,
+        "{overlap}, depth {depth}: Forward calls failed"
+    );
     cluster.stop().await.unwrap();
     out
 }
@@ -209,7 +226,8 @@ async fn serve_all(overlap: bool, requests: &[pb::GenerateRequest]) -> Vec<Gener
 /// N's answer, its decodes fed the tokens N samples on the worker) gives
 /// every request the tokens the plain order gives, whether it runs to its
 /// length or stops on a token mid-pipeline (its next pass already sent),
-/// with prompts over several prefill chunks, and leaves every pool whole.
+/// with prompts over several prefill chunks, and leaves every pool whole;
+/// two, three and four passes deep alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pipelined_decode_gives_the_plain_orders_tokens_and_leaves_the_pools_whole() {
     let mut requests: Vec<pb::GenerateRequest> = (0..20u32)
@@ -223,22 +241,32 @@ async fn pipelined_decode_gives_the_plain_orders_tokens_and_leaves_the_pools_who
             ..Default::default()
         })
         .collect();
-    let plain = serve_all(false, &requests).await;
+    const PLAIN: (bool, u32) = (false, 2);
+    let plain = serve_all(PLAIN, &requests).await;
     // half the requests stop on their fourth token instead
     for (req, g) in requests.iter_mut().zip(&plain).step_by(2) {
         assert!(g.tokens.len() >= 4, "{g:?}");
         req.stop_tokens = vec![g.tokens[3]];
     }
-    let stopping = serve_all(false, &requests).await;
-    let piped = serve_all(true, &requests).await;
-    for (i, (s, p)) in stopping.iter().zip(&piped).enumerate() {
-        assert_eq!(p.tokens, s.tokens, "request {i}");
-        assert_eq!(p.finish_reason(), s.finish_reason(), "request {i}");
+    let stopping = serve_all(PLAIN, &requests).await;
+    for (i, s) in stopping.iter().enumerate() {
         let want = if i % 2 == 0 {
             pb::FinishReason::Stop
         } else {
             pb::FinishReason::Length
         };
         assert_eq!(s.finish_reason(), want, "request {i}: {}", s.message);
+    }
+    for depth in 2..=4 {
+        let piped = serve_all((true, depth), &requests).await;
+        for (i, (s, p)) in stopping.iter().zip(&piped).enumerate() {
+            assert_eq!(p.tokens, s.tokens, "depth {depth}, request {i}");
+            assert_eq!(
+                p.finish_reason(),
+                s.finish_reason(),
+                "depth {depth}, request {i}: {}",
+                p.message
+            );
+        }
     }
 }

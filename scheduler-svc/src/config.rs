@@ -12,7 +12,7 @@ use crate::domain::Role;
 use crate::error::{Error, Result};
 use crate::policy::{OnExhausted, Policy};
 use crate::routing::{PrefillWeight, Routing, RoutingConfig};
-use crate::step::{CoreConfig, Order};
+use crate::step::{CoreConfig, DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH, Order};
 
 /// What to do with live sequences when the cache service lost them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -148,9 +148,18 @@ pub struct Config {
     pub spec_draft_k: u32,
     /// Schedule step N+1 while step N's forward pass runs, and (without
     /// --spec-draft-k) send its pass to the worker before N's answer is back,
-    /// its decodes fed the tokens N samples (two passes in flight).
+    /// its decodes fed the tokens N samples (--pipeline-depth passes in
+    /// flight).
     #[arg(long, env = "KVLEASE_SCHEDULER_OVERLAP", default_value_t = DEFAULT_OVERLAP, action = clap::ArgAction::Set)]
     pub overlap: bool,
+    /// Forward passes a worker may hold at once with --overlap and no
+    /// speculation, 1 to 4 (1: each pass is sent once the one before it
+    /// returned). A deeper pipeline hides a longer turnaround between a
+    /// pass's answer and the next pass's launch, for one more lookahead
+    /// slot per lease and one more pass of work thrown away when a
+    /// sequence stops.
+    #[arg(long, env = "KVLEASE_SCHEDULER_PIPELINE_DEPTH", default_value_t = DEFAULT_PIPELINE_DEPTH)]
+    pub pipeline_depth: u32,
     /// Step traces exported besides the steps that rejected or preempted
     /// (always exported): one in this many; 0 exports only those.
     #[arg(long, env = "KVLEASE_TRACE_STEPS_ONE_IN", default_value_t = DEFAULT_TRACE_STEPS_ONE_IN)]
@@ -301,6 +310,7 @@ impl Default for Config {
             max_context: DEFAULT_MAX_CONTEXT,
             spec_draft_k: DEFAULT_SPEC_DRAFT_K,
             overlap: DEFAULT_OVERLAP,
+            pipeline_depth: DEFAULT_PIPELINE_DEPTH,
             trace_steps_one_in: DEFAULT_TRACE_STEPS_ONE_IN,
             warmup_deadline_ms: DEFAULT_WARMUP_DEADLINE_MS,
             session_ttl_ms: DEFAULT_SESSION_TTL_MS,
@@ -368,6 +378,12 @@ impl Config {
         if self.spec_draft_k > 32 {
             return bad("spec_draft_k must be at most 32");
         }
+        if !(1..=MAX_PIPELINE_DEPTH).contains(&self.pipeline_depth) {
+            return Err(Error::Config(format!(
+                "pipeline_depth must be 1 to {MAX_PIPELINE_DEPTH}, not {}",
+                self.pipeline_depth
+            )));
+        }
         if self.session_ttl_ms < 30 {
             return bad("session_ttl_ms must be at least 30");
         }
@@ -433,10 +449,11 @@ impl Config {
             .collect()
     }
 
-    /// The order of a step's calls: `--overlap` pipelines (two passes in
-    /// flight) unless speculation needs each token back first.
+    /// The order of a step's calls: `--overlap` pipelines
+    /// (`--pipeline-depth` passes in flight) unless speculation needs each
+    /// token back first.
     pub fn order(&self) -> Order {
-        Order::from_overlap(self.overlap, self.spec_draft_k)
+        Order::from_overlap(self.overlap, self.spec_draft_k, self.pipeline_depth)
     }
 
     /// The core's knobs.
@@ -456,7 +473,8 @@ impl Config {
                 prefill_weight: self.routing_prefill_weight,
             },
             // with overlap, a decode launches on slots granted ahead and its
-            // extend follows the launch (two passes ahead when pipelined)
+            // extend follows the launch (the depth's passes ahead when
+            // pipelined)
             lookahead: self.order().lookahead(),
             order: self.order(),
             peer_pull: self.peer_pull.then_some(crate::domain::PeerRates {
@@ -629,7 +647,7 @@ mod tests {
         }
         assert!(Config::default().validate().is_ok());
         // pipelined by default; speculation keeps the overlap one pass deep
-        assert_eq!(Config::default().order(), Order::Pipelined);
+        assert_eq!(Config::default().order(), Order::pipelined());
         let spec = Config {
             overlap: true,
             spec_draft_k: 3,

@@ -193,7 +193,7 @@ def run_kvlease(args, log_dir):
             "--max-seqs", str(args.concurrency),
             "--max-tokens-per-step", str(max(2048, args.concurrency * prompt_len(args))),
             "--overlap", "true" if args.overlap else "false",
-        ])
+        ] + (["--pipeline-depth", str(args.pipeline_depth)] if args.pipeline_depth else []))
         wait_healthy(kv, f"127.0.0.1:{ports['scheduler']}", sched, "scheduler")
         bench = [kv, "bench", "--scheduler", f"127.0.0.1:{ports['scheduler']}",
                  "--requests", str(args.concurrency * args.waves),
@@ -417,6 +417,8 @@ def one_row(args, log_dir, workload):
     label = args.label or os.path.basename(args.model.rstrip("/"))
     if args.kv_dtype != "bf16":
         label += f" ({args.kv_dtype} KV)"
+    if args.pipeline_depth:
+        label += f" (depth {args.pipeline_depth})"
     kv_rate, (gaps, computes), sched, wire, ttft = run_kvlease(args, log_dir)
     row = {"model": label, "workload": workload, "kvlease": kv_rate, "ttft_p50_ms": ttft,
            "overlap": args.overlap}
@@ -510,6 +512,9 @@ def main():
                     help="requests of the continuous-batching run (it is slow)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="scheduler overlap mode (next step planned while a forward runs)")
+    ap.add_argument("--pipeline-depth", type=int, default=None,
+                    help="the scheduler's --pipeline-depth (passes in flight; named in the "
+                    "rows' model column when given)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-continuous-batching", action="store_true")
     ap.add_argument("--backend", default="cuda", help="the worker's backend (cpu: try the "

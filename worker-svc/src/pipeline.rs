@@ -22,8 +22,9 @@ use crate::batch::SeqInput;
 use crate::error::{Error, Result, SeqProblem};
 use crate::worker::SeqOutput;
 
-/// Passes the log keeps: the scheduler has at most two in flight, so the
-/// one a pass follows is always among the last few.
+/// Passes the log keeps: the scheduler has at most four in flight
+/// (`--pipeline-depth`), so the one a pass follows is always among the
+/// last few.
 const KEPT: usize = 8;
 
 /// One pass the log knows.

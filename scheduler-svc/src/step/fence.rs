@@ -9,7 +9,8 @@
 //!   parks the blocks until `CompleteStep` of that step); with no such pass,
 //!   nothing can read the blocks and the release is not fenced;
 //! - [`Core::complete_through`] names a step only once its forward pass,
-//!   and every earlier one (the pipelined order has two in flight),
+//!   and every earlier one (the pipelined order has up to its depth in
+//!   flight),
 //!   returned from every group, never a step whose forward is in flight;
 //! - a `CompleteStep` the cache did not acknowledge stays pending and is
 //!   folded into the next one (completing N completes every step <= N);

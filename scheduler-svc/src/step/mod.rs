@@ -72,7 +72,7 @@ use crate::policy::{Demand, OnExhausted, Policy};
 use crate::queue::{Queue, Request};
 
 pub use fence::{CallFailure, ReleaseBatch};
-pub use plan::{Call, Order, StepPlan};
+pub use plan::{Call, DEFAULT_PIPELINE_DEPTH, MAX_PIPELINE_DEPTH, Order, StepPlan};
 pub use routing::{MATCH_BATCH, MatchWanted};
 
 /// The knobs of the core.
@@ -101,13 +101,13 @@ pub struct CoreConfig {
     /// (`extra_decoding_steps`), so that a decode step has room in the
     /// blocks already granted: with [`Order::Overlap`], a decode launches
     /// before its extend is answered and the extend, sent after the launch,
-    /// grows the lease a step ahead of need ([`Order::lookahead`]: 1; 2
-    /// for [`Order::Pipelined`], whose decodes run two passes ahead of the
-    /// cache's answer).
+    /// grows the lease a step ahead of need ([`Order::lookahead`]: 1; the
+    /// depth for [`Order::Pipelined`], whose decodes run that many passes
+    /// ahead of the cache's answer).
     pub lookahead: u32,
     /// The order of a step's calls ([`StepPlan`]); with `Pipelined`, a
-    /// sequence may have two passes in flight and is planned from where they
-    /// leave it.
+    /// sequence may have up to its depth of passes in flight and is planned
+    /// from where they leave it.
     pub order: Order,
     /// Peer pull's rates, sent with every admission lease (`None`: off):
     /// where to start, each replaced by its measured value unless pinned.
@@ -233,7 +233,7 @@ struct Sequence {
     /// Planned this step, not yet sent to the worker.
     planned: Option<Work>,
     /// Sent to the worker, results not yet applied, oldest first, with the
-    /// step of the pass: one at most, two with [`Order::Pipelined`].
+    /// step of the pass: one at most, the depth with [`Order::Pipelined`].
     in_flight: VecDeque<(Step, Work)>,
     /// Whether a pass carried its history to the worker (penalised
     /// sequences only; see `ForwardItem::history`).

@@ -3,10 +3,10 @@
 
 use std::time::Instant;
 
-use super::{Core, Order, PreemptCause, WORKER_RETRY_AFTER, Work};
+use super::{Core, PreemptCause, WORKER_RETRY_AFTER, Work};
 use crate::domain::{
     ExtendSpec, Finish, ForwardAnswer, ForwardItem, ItemLogprobs, Outcome, Output, Reject,
-    RejectReason, SeqId, TokenLogprob,
+    RejectReason, SeqId, Step, TokenLogprob,
 };
 use crate::policy::{OnExhausted, Policy};
 use crate::queue::Request;
@@ -26,7 +26,7 @@ impl Core {
     /// the launch; a decode without room sits this step out, and its extend
     /// grows the lease for the next.
     pub fn plan_extends(&mut self, ahead: bool) -> Vec<ExtendSpec> {
-        if ahead && self.config.order == Order::Pipelined {
+        if ahead && self.config.order.is_pipelined() {
             return self.plan_pipelined();
         }
         let mut extends = Vec::new();
@@ -110,22 +110,31 @@ impl Core {
         extends
     }
 
-    /// The pipelined order's plan ([`Order::Pipelined`], `plan_extends(true)`):
-    /// each sequence's next pass starts where its passes in flight (at most
-    /// one: the depth is two) will leave it. A decode runs if the slots its
+    /// The pipelined order's plan ([`super::Order::Pipelined`], `plan_extends(true)`):
+    /// each sequence's next pass starts where its passes in flight (fewer
+    /// than the order's depth) will leave it. A decode runs if the slots its
     /// lease covers hold its position and it has tokens left to make after
     /// what is in flight; with a pass in flight it feeds the token that pass
-    /// samples. A prefill chunk continues from the last one in flight.
+    /// samples, which must be the pass its group's next one follows. A prefill chunk continues from the last one in flight.
     /// Returns the chunks' progress reports; the decodes' extends are
     /// planned at the settle ([`Core::settle_extends`]), once the collected
     /// pass told their tokens.
     fn plan_pipelined(&mut self) -> Vec<ExtendSpec> {
-        let depth = Order::Pipelined.depth();
+        let depth = self.config.order.depth();
+        // the pass each group's next one follows: the worker feeds a decode
+        // only from that pass, so a sequence that sat it out (a pipeline
+        // deeper than two) waits until its own passes are back
+        let follows: Vec<Option<Step>> = (0..self.groups.len()).map(|g| self.follows(g)).collect();
         let mut extends = Vec::new();
         for seq in self.running.values_mut() {
             if seq.in_flight.len() >= depth
                 || seq.planned.is_some()
                 || (seq.pulling && !seq.in_flight.is_empty())
+            {
+                continue;
+            }
+            if let Some(&(newest, _)) = seq.in_flight.back()
+                && follows.get(seq.group).copied().flatten() != Some(newest)
             {
                 continue;
             }
@@ -179,13 +188,13 @@ impl Core {
     /// The extends a settle sends (at [`Core::settle_step`]): `planned`
     /// (what `Call::Plan` kept) and, in the pipelined order, every decoding
     /// sequence's report of the tokens the collected pass told, which grows
-    /// its lease [`Order::lookahead`] slots past them. A report names only
+    /// its lease [`super::Order::lookahead`] slots past them. A report names only
     /// tokens whose KV a pass launched has written or writes (the cache
     /// publishes the blocks they fill once that step completes): with a pass
     /// in flight, through the token it feeds; with none, through the last
     /// position written.
     pub fn settle_extends(&mut self, mut planned: Vec<ExtendSpec>) -> Vec<ExtendSpec> {
-        if self.config.order != Order::Pipelined {
+        if !self.config.order.is_pipelined() {
             return planned;
         }
         for seq in self.running.values_mut() {

@@ -8,20 +8,24 @@
 //! overlap, a pass in flight:  flush releases, admit, collect, plan, launch,
 //!                             settle+extend
 //! overlap, nothing in flight: flush releases, admit, extend, launch
-//! pipelined, two in flight:   flush releases, admit, collect (the older),
+//! pipelined, depth in flight: flush releases, admit, collect (the oldest),
 //!                             plan, launch, settle+extend
-//! pipelined, one in flight:   flush releases, admit, plan, launch; if it
+//! pipelined, fewer in flight: flush releases, admit, plan, launch; if it
 //!                             launched nothing: collect, settle+extend
 //! pipelined, none in flight:  as overlap
 //! plain:                      flush releases, extend, admit, launch, then
 //!                             (if it launched) collect, settle
 //! ```
 //!
-//! Pipelined keeps a second pass queued at the worker while one runs: pass
-//! N+1 is sent before pass N's answer is back, its decode items feeding the
-//! token pass N samples (`ForwardItem::feed_previous`, the worker fills it
-//! in), so the device goes from one pass to the next without waiting for
-//! the answer's round trip and the scheduler's work between passes.
+//! Pipelined keeps passes queued at the worker while one runs (`depth` in
+//! flight in all, two by default): pass N+1 is sent before pass N's answer
+//! is back, its decode items feeding the token pass N samples
+//! (`ForwardItem::feed_previous`, the worker fills it in), so the device
+//! goes from one pass to the next without waiting for the answer's round
+//! trip and the scheduler's work between passes. A third pass in flight
+//! gives that turnaround a whole pass more to hide in, for one more pass of
+//! a finished sequence's work thrown away (and one more lookahead slot per
+//! lease).
 //!
 //! With a pass in flight, overlap takes the cache off the token's critical
 //! path: the collected pass's successor launches at once, on slots its
@@ -47,41 +51,63 @@ pub enum Order {
     /// pass is collected in the next step, step N+1's pass launched at once
     /// and its extends sent while it runs.
     Overlap,
-    /// Overlap with a second pass in flight: step N+2's pass is launched
-    /// right after pass N is collected, while N+1 runs, its decodes fed by
-    /// the worker from N+1's samples. Needs no drafts (a draft needs the
-    /// token it follows).
-    Pipelined,
+    /// Overlap with `depth` (2 or more) passes in flight: with `depth` 2,
+    /// step N+2's pass is launched right after pass N is collected, while
+    /// N+1 runs, its decodes fed by the worker from N+1's samples. Needs no
+    /// drafts (a draft needs the token it follows).
+    Pipelined { depth: u32 },
 }
 
+/// The pipeline depth by default: two passes in flight.
+pub const DEFAULT_PIPELINE_DEPTH: u32 = 2;
+
+/// The deepest pipeline: the worker remembers its last few passes
+/// (`worker-svc/src/pipeline.rs`), and each pass deeper costs every lease
+/// a lookahead slot and every finished sequence a pass thrown away.
+pub const MAX_PIPELINE_DEPTH: u32 = 4;
+
 impl Order {
-    /// The order for the loop's `overlap` setting: pipelined, unless
-    /// speculation (`draft_k` > 0) needs each token back before the next
-    /// pass is planned.
-    pub fn from_overlap(overlap: bool, draft_k: u32) -> Self {
-        match (overlap, draft_k) {
-            (false, _) => Self::Plain,
-            (true, 0) => Self::Pipelined,
-            (true, _) => Self::Overlap,
+    /// The order for the loop's `overlap` setting: pipelined `depth` deep
+    /// (1: overlap), unless speculation (`draft_k` > 0) needs each token
+    /// back before the next pass is planned. `depth` is clamped to
+    /// 1..=[`MAX_PIPELINE_DEPTH`] (the configuration refuses others).
+    pub fn from_overlap(overlap: bool, draft_k: u32, depth: u32) -> Self {
+        match (overlap, draft_k, depth.min(MAX_PIPELINE_DEPTH)) {
+            (false, _, _) => Self::Plain,
+            (true, 0, depth @ 2..) => Self::Pipelined { depth },
+            (true, _, _) => Self::Overlap,
         }
+    }
+
+    /// The pipelined order of the default depth.
+    pub const fn pipelined() -> Self {
+        Self::Pipelined {
+            depth: DEFAULT_PIPELINE_DEPTH,
+        }
+    }
+
+    /// Whether passes are sent behind passes in flight.
+    pub fn is_pipelined(self) -> bool {
+        matches!(self, Self::Pipelined { .. })
     }
 
     /// Forward passes a sequence may have in flight at once.
     pub fn depth(self) -> usize {
         match self {
             Self::Plain | Self::Overlap => 1,
-            Self::Pipelined => 2,
+            Self::Pipelined { depth } => depth as usize,
         }
     }
 
     /// Token slots a lease keeps past the sequence's length so that its
     /// decodes launch on slots already granted: one per pass that may run
-    /// before the extend reporting its token is answered.
+    /// before the extend reporting its token is answered (a pipelined
+    /// decode launches `depth - 1` passes past the last settled one).
     pub fn lookahead(self) -> u32 {
         match self {
             Self::Plain => 0,
             Self::Overlap => 1,
-            Self::Pipelined => 2,
+            Self::Pipelined { depth } => depth,
         }
     }
 }
@@ -118,6 +144,18 @@ pub enum Call {
     RetryComplete,
 }
 
+/// An overlapped step with a pass to collect: lease, collect the pass,
+/// plan and launch the next, settle the collected one with the step's
+/// extends.
+const COLLECTING: [Call; 6] = [
+    Call::FlushReleases,
+    Call::Admit,
+    Call::Collect,
+    Call::Plan,
+    Call::Launch,
+    Call::Settle { extend: true },
+];
+
 /// The calls of one step, handed out one at a time.
 #[derive(Debug, Clone)]
 pub struct StepPlan {
@@ -134,24 +172,19 @@ pub struct StepPlan {
 impl StepPlan {
     /// The plan of a step in `order`; `in_flight`: forward passes of
     /// earlier steps still running (none with plain, at most one with
-    /// overlap, two with pipelined).
+    /// overlap, `depth` with pipelined).
     pub fn new(order: Order, in_flight: usize) -> Self {
         use Call::*;
         let calls: &[Call] = match (order, in_flight) {
             // a plain step awaits its own pass: none is in flight at its start
             (Order::Plain, _) => &[FlushReleases, Extend, Admit, Launch],
-            (Order::Overlap | Order::Pipelined, 0) => &[FlushReleases, Admit, Extend, Launch],
-            // the second pass goes in at once; nothing launched, the one in
+            (_, 0) => &[FlushReleases, Admit, Extend, Launch],
+            // another pass goes in at once; nothing launched, the oldest in
             // flight is collected (`launched`)
-            (Order::Pipelined, 1) => &[FlushReleases, Admit, Plan, Launch],
-            (Order::Overlap | Order::Pipelined, _) => &[
-                FlushReleases,
-                Admit,
-                Collect,
-                Plan,
-                Launch,
-                Settle { extend: true },
-            ],
+            (Order::Pipelined { .. }, n) if n < order.depth() => {
+                &[FlushReleases, Admit, Plan, Launch]
+            }
+            (Order::Overlap | Order::Pipelined { .. }, _) => &COLLECTING,
         };
         Self {
             order,
@@ -198,9 +231,12 @@ impl StepPlan {
                 self.calls.push_back(Call::Collect);
                 self.calls.push_back(Call::Settle { extend: false });
             }
-        } else if self.order == Order::Pipelined && self.in_flight == 1 {
-            // one pass in flight and no second one: collect it, so the
-            // step progresses (and its extends are sent)
+        } else if self.order.is_pipelined()
+            && self.in_flight > 0
+            && self.in_flight < self.order.depth()
+        {
+            // passes in flight and no more added: collect the oldest, so
+            // the step progresses (and its extends are sent)
             self.progressed = true;
             self.calls.push_back(Call::Collect);
             self.calls.push_back(Call::Settle { extend: true });
@@ -241,17 +277,7 @@ mod tests {
     fn overlap_with_a_pass_in_flight_leases_before_collecting_it_and_extends_after_the_launch() {
         for launches in [true, false] {
             let (calls, progressed) = calls(Order::Overlap, 1, launches);
-            assert_eq!(
-                calls,
-                [
-                    FlushReleases,
-                    Admit,
-                    Collect,
-                    Plan,
-                    Launch,
-                    Settle { extend: true }
-                ]
-            );
+            assert_eq!(calls, COLLECTING);
             assert!(progressed, "the collected pass is progress");
         }
     }
@@ -305,64 +331,76 @@ mod tests {
     }
 
     #[test]
-    fn pipelined_launches_a_second_pass_before_collecting_the_first() {
-        // two in flight: the older is collected before the next launch
-        for launches in [true, false] {
-            let (calls, progressed) = calls(Order::Pipelined, 2, launches);
-            assert_eq!(
-                calls,
-                [
-                    FlushReleases,
-                    Admit,
-                    Collect,
-                    Plan,
-                    Launch,
-                    Settle { extend: true }
-                ]
-            );
-            assert!(progressed);
+    fn pipelined_launches_up_to_its_depth_before_collecting_the_oldest() {
+        for depth in 2..=MAX_PIPELINE_DEPTH {
+            let order = Order::Pipelined { depth };
+            // `depth` in flight: the oldest is collected before the next launch
+            for launches in [true, false] {
+                let (calls, progressed) = calls(order, depth as usize, launches);
+                assert_eq!(calls, COLLECTING);
+                assert!(progressed);
+            }
+            for in_flight in 1..depth as usize {
+                // fewer in flight: another pass goes in, nothing is collected
+                assert_eq!(
+                    calls(order, in_flight, true),
+                    (vec![FlushReleases, Admit, Plan, Launch], true)
+                );
+                // ... unless there is none to add: then the oldest is collected
+                assert_eq!(
+                    calls(order, in_flight, false),
+                    (
+                        vec![
+                            FlushReleases,
+                            Admit,
+                            Plan,
+                            Launch,
+                            Collect,
+                            Settle { extend: true }
+                        ],
+                        true
+                    )
+                );
+            }
+            for launches in [true, false] {
+                assert_eq!(
+                    calls(order, 0, launches),
+                    calls(Order::Overlap, 0, launches)
+                );
+            }
         }
-        // one in flight: the second pass goes in, nothing is collected
-        assert_eq!(
-            calls(Order::Pipelined, 1, true),
-            (vec![FlushReleases, Admit, Plan, Launch], true)
-        );
-        // ... unless there is no second pass: then the first is collected
-        assert_eq!(
-            calls(Order::Pipelined, 1, false),
-            (
-                vec![
-                    FlushReleases,
-                    Admit,
-                    Plan,
-                    Launch,
-                    Collect,
-                    Settle { extend: true }
-                ],
-                true
-            )
-        );
-        assert_eq!(
-            calls(Order::Pipelined, 0, true),
-            calls(Order::Overlap, 0, true)
-        );
-        assert_eq!(
-            calls(Order::Pipelined, 0, false),
-            calls(Order::Overlap, 0, false)
-        );
     }
 
     #[test]
     fn only_speculation_keeps_overlap_from_pipelining() {
-        assert_eq!(Order::from_overlap(true, 0), Order::Pipelined);
-        assert_eq!(Order::from_overlap(true, 3), Order::Overlap);
-        assert_eq!(Order::from_overlap(false, 0), Order::Plain);
-        for order in [Order::Plain, Order::Overlap, Order::Pipelined] {
+        assert_eq!(Order::from_overlap(true, 0, 2), Order::pipelined());
+        assert_eq!(
+            Order::from_overlap(true, 0, 3),
+            Order::Pipelined { depth: 3 }
+        );
+        // one pass deep is overlap; past the deepest, the deepest
+        assert_eq!(Order::from_overlap(true, 0, 1), Order::Overlap);
+        assert_eq!(
+            Order::from_overlap(true, 0, 99),
+            Order::Pipelined {
+                depth: MAX_PIPELINE_DEPTH
+            }
+        );
+        assert_eq!(Order::from_overlap(true, 3, 3), Order::Overlap);
+        assert_eq!(Order::from_overlap(false, 0, 3), Order::Plain);
+        for order in orders() {
             assert_eq!(
                 order.lookahead() as usize,
                 order.depth() - usize::from(order == Order::Plain)
             );
         }
+    }
+
+    /// Every order, each pipeline depth.
+    fn orders() -> impl Iterator<Item = Order> {
+        [Order::Plain, Order::Overlap]
+            .into_iter()
+            .chain((2..=MAX_PIPELINE_DEPTH).map(|depth| Order::Pipelined { depth }))
     }
 
     /// The rules the orders share, over every path: a pass is collected
@@ -371,7 +409,7 @@ mod tests {
     /// `CompleteStep` only when nothing progressed.
     #[test]
     fn every_path_collects_before_settling_and_retries_completion_only_when_idle() {
-        for order in [Order::Plain, Order::Overlap, Order::Pipelined] {
+        for order in orders() {
             for in_flight in 0..=order.depth() {
                 if order == Order::Plain && in_flight > 0 {
                     continue;
@@ -406,7 +444,10 @@ mod tests {
                         .iter()
                         .filter(|c| matches!(c, Extend | Settle { extend: true }))
                         .count();
-                    let deferred = order == Order::Pipelined && in_flight == 1 && launches;
+                    let deferred = order.is_pipelined()
+                        && in_flight > 0
+                        && in_flight < order.depth()
+                        && launches;
                     assert_eq!(extends, usize::from(!deferred), "{order:?}: {calls:?}");
                     if deferred {
                         continue;

@@ -386,7 +386,7 @@ impl StepLoop {
                 Call::FlushReleases => self.flush_releases().await,
                 Call::Admit => self.admit(step).await,
                 Call::Extend => self.extend(step).await,
-                // a pipelined step that only added a second pass leaves its
+                // a pipelined step that only added a pass leaves its
                 // planned extends to the next settle: they add up
                 Call::Plan => {
                     let planned = self.core.plan_extends(true);

@@ -223,7 +223,7 @@ fn a_granted_late_extension_lets_the_held_back_sequence_run_at_the_next_step() {
 /// [`decoding_pair`] in the pipelined order: two lookahead slots, leases
 /// covering 6 slots, sequences 1 and 2 decoding from position 4.
 fn two_pipelined(on_exhausted: OnExhausted) -> Core {
-    decoding_pair(Order::Pipelined, on_exhausted)
+    decoding_pair(Order::pipelined(), on_exhausted)
 }
 
 /// Plans and launches the next pipelined pass: `(seq, start, fed)` of each item.
@@ -355,4 +355,58 @@ fn pipelined_a_sequence_that_stops_with_a_pass_in_flight_is_released_behind_it_a
     );
     assert_eq!(tokens_of(&out, 2), vec![8]);
     assert_eq!(c.complete_through(), Some(step_b));
+}
+
+#[test]
+fn pipelined_three_deep_each_pass_feeds_the_one_before_and_a_stop_drops_the_two_behind_it() {
+    let depth = 3;
+    let mut c = decoding_pair(Order::Pipelined { depth }, OnExhausted::Preempt);
+    // leases cover 4 + 3 slots: positions 4, 5 and 6 run before any answer
+    let (a, a_items) = launch(&mut c);
+    assert_eq!(a, vec![(1, 4, false), (2, 4, false)]);
+    let step_a = c.step();
+    let (b, b_items) = launch(&mut c);
+    assert_eq!(b, vec![(1, 5, true), (2, 5, true)]);
+    assert_eq!(c.follows(0), Some(step_a));
+    let step_b = c.step();
+    let (third, c_items) = launch(&mut c);
+    assert_eq!(third, vec![(1, 6, true), (2, 6, true)]);
+    assert_eq!(c.follows(0), Some(step_b), "pass C follows B, not A");
+    let step_c = c.step();
+    let (none, _) = launch(&mut c);
+    assert!(none.is_empty(), "three passes in flight: the depth");
+
+    // pass A is back: sequence 1 stopped there, B and C ran it anyway
+    let mut answer = results(&a_items, 7, false);
+    answer[0].next_token = 99;
+    c.apply_forward(0, answer);
+    let out = c.drain_outputs();
+    assert_eq!(finishes(&out), vec![(1, Finish::Stop)]);
+    assert_eq!(tokens_of(&out, 2), vec![7]);
+    let batch = c.take_releases();
+    assert_eq!(
+        (batch.seq_ids, batch.fence_step),
+        (vec![SeqId(1)], Some(step_c)),
+        "passes B and C may still read its blocks"
+    );
+    assert_eq!(c.complete_through(), Some(step_a));
+    // the settle reports what KV passes write through the token B is fed
+    // and grows the lease three slots past it
+    assert_eq!(c.settle_extends(Vec::new()), vec![report(2, vec![20, 7])]);
+    c.apply_extends(vec![grant_covering(SeqId(2), vec![21], 9)]);
+    let (d, d_items) = launch(&mut c);
+    assert_eq!(d, vec![(2, 7, true)], "sequence 2 goes on past C");
+    let step_d = c.step();
+    assert_eq!(c.follows(0), Some(step_c));
+
+    // B and C come back: sequence 1's results are dropped
+    c.apply_forward(0, results(&b_items, 8, false));
+    c.apply_forward(0, results(&c_items, 9, false));
+    let out = c.drain_outputs();
+    assert_eq!(tokens_of(&out, 1), Vec::<u32>::new());
+    assert_eq!(tokens_of(&out, 2), vec![8, 9]);
+    assert_eq!(c.complete_through(), Some(step_c));
+    c.apply_forward(0, results(&d_items, 10, false));
+    assert_eq!(tokens_of(&c.drain_outputs(), 2), vec![10]);
+    assert_eq!(c.complete_through(), Some(step_d));
 }

@@ -235,6 +235,8 @@ struct Exercised {
     /// Beam passes answered with a row (the search then forks, prunes,
     /// continues or ends beams).
     beam_rows: usize,
+    /// The most passes in flight at once.
+    deepest: usize,
 }
 
 /// Every item of a launch writes only blocks the cache holds for its
@@ -340,6 +342,10 @@ fn drive(order: Order, seed: u64) -> Exercised {
     let mut in_flight: InFlight = VecDeque::new();
     let mut seen = Exercised::default();
     let mut next_id = 1;
+    // the extends `Plan` kept for the settle after a launch: a pipelined
+    // step that only adds a pass leaves them to a later step's settle, as
+    // the loop does (`StepLoop::planned_extends`)
+    let mut planned: Option<Vec<ExtendSpec>> = None;
 
     /// Every block a grant hands out that no other sequence holds (a fork
     /// shares its parent's, which the parent's passes read) is read by no
@@ -459,8 +465,6 @@ fn drive(order: Order, seed: u64) -> Exercised {
             check_grants(&outcomes, cache, in_flight, seen);
             c.apply_extends(outcomes);
         };
-        // the extends `Plan` kept for the settle after the launch
-        let mut planned: Option<Vec<ExtendSpec>> = None;
         // the loop's order, from the core: this driver only executes it
         let mut plan = StepPlan::new(order, in_flight.len());
         while let Some(call) = plan.next_call() {
@@ -471,7 +475,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     let specs = c.plan_extends(false);
                     extend(&mut c, &mut cache, specs, &in_flight, &mut seen)
                 }
-                // a pipelined step that only adds a second pass leaves its
+                // a pipelined step that only adds a pass leaves its
                 // planned extends to the next settle
                 Call::Plan => planned
                     .get_or_insert_with(Vec::new)
@@ -484,6 +488,12 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     plan.launched(!batches.is_empty());
                     if !batches.is_empty() {
                         in_flight.push_back((step, batches));
+                        assert!(
+                            in_flight.len() <= order.depth(),
+                            "{} passes in flight in {order:?}",
+                            in_flight.len()
+                        );
+                        seen.deepest = seen.deepest.max(in_flight.len());
                     }
                 }
                 Call::Collect => {
@@ -579,42 +589,49 @@ fn drive_seeds(order: Order) -> Exercised {
         total.stopped_in_flight += seen.stopped_in_flight;
         total.forks += seen.forks;
         total.beam_rows += seen.beam_rows;
+        total.deepest = total.deepest.max(seen.deepest);
     }
     total
+}
+
+impl Exercised {
+    /// Whether the runs of an overlap order (`pipelined`: one that feeds
+    /// decodes behind passes in flight) exercised every case.
+    fn overlapped_enough(&self, pipelined: bool) -> bool {
+        self.released_in_flight > 100
+            && self.grants > 1_000
+            && self.completes > 1_000
+            && self.extended_in_flight > 1_000
+            && self.launched_ahead > 1_000
+            && self.refused_in_flight > 100
+            && self.forks > 100
+            && self.beam_rows > 100
+            && (!pipelined || (self.fed > 1_000 && self.stopped_in_flight > 100))
+    }
 }
 
 #[test]
 fn overlap_no_block_reaches_another_sequence_before_the_forward_that_could_read_it_returned() {
     let total = drive_seeds(Order::Overlap);
     assert!(
-        total.released_in_flight > 100
-            && total.grants > 1_000
-            && total.completes > 1_000
-            && total.extended_in_flight > 1_000
-            && total.launched_ahead > 1_000
-            && total.refused_in_flight > 100
-            && total.forks > 100
-            && total.beam_rows > 100,
+        total.overlapped_enough(false),
         "the runs exercised too little: {total:?}"
     );
 }
 
 #[test]
 fn pipelined_no_block_reaches_another_sequence_before_every_forward_that_could_read_it_returned() {
-    let total = drive_seeds(Order::Pipelined);
-    assert!(
-        total.released_in_flight > 100
-            && total.grants > 1_000
-            && total.completes > 1_000
-            && total.extended_in_flight > 1_000
-            && total.launched_ahead > 1_000
-            && total.fed > 1_000
-            && total.stopped_in_flight > 100
-            && total.refused_in_flight > 100
-            && total.forks > 100
-            && total.beam_rows > 100,
-        "the runs exercised too little: {total:?}"
-    );
+    for depth in 2..=crate::step::MAX_PIPELINE_DEPTH {
+        let total = drive_seeds(Order::Pipelined { depth });
+        assert!(
+            total.overlapped_enough(true),
+            "depth {depth}: the runs exercised too little: {total:?}"
+        );
+        assert_eq!(
+            total.deepest, depth as usize,
+            "the pipeline never filled to its depth"
+        );
+    }
 }
 
 #[test]
