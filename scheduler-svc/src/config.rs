@@ -672,6 +672,41 @@ mod tests {
     }
 
     #[test]
+    fn the_pipeline_depth_is_one_to_four_and_sets_the_order_and_lookahead() {
+        for (depth, order, lookahead) in [
+            (1, Order::Overlap, 1),
+            (2, Order::Pipelined { depth: 2 }, 2),
+            (4, Order::Pipelined { depth: 4 }, 4),
+        ] {
+            let c = Config::try_parse_from([
+                "kvlease-scheduler",
+                "--pipeline-depth",
+                &depth.to_string(),
+            ])
+            .map_err(|e| e.to_string());
+            assert_eq!(
+                c.as_ref()
+                    .map(|c| (c.validate().is_ok(), c.order(), c.core().lookahead)),
+                Ok((true, order, lookahead)),
+                "depth {depth}"
+            );
+        }
+        for depth in [0, 5] {
+            let c = Config {
+                pipeline_depth: depth,
+                ..Config::default()
+            };
+            let err = c.validate().map(|_| ()).map_err(|e| e.to_string());
+            assert_eq!(
+                err,
+                Err(format!(
+                    "invalid configuration: pipeline_depth must be 1 to 4, not {depth}"
+                )),
+            );
+        }
+    }
+
+    #[test]
     fn a_cache_batch_limit_below_the_groups_a_match_names_is_refused_naming_both() {
         let c = Config::default();
         assert!(
