@@ -183,7 +183,9 @@ def run_kvlease(args, log_dir):
             "--model", args.model, "--backend", args.backend, "--kv-dtype", args.kv_dtype,
             "--max-batch-sequences", str(args.concurrency),
             "--max-batch-tokens", str(max(4096, args.concurrency * prompt_len(args))),
-        ])
+        # the CPU backend counts activations for that batch in its budget
+        # (the device sizes its arena from the memory it finds)
+        ] + (["--memory-budget-mib", str(args.cpu_memory_mib)] if args.backend == "cpu" else []))
         wait_healthy(kv, f"127.0.0.1:{ports['worker']}", worker, "worker")
         sched = start("scheduler", [
             os.path.join(args.bin_dir, "kvlease-scheduler"),
@@ -411,9 +413,31 @@ def run_continuous_batching(args):
 
 
 def one_row(args, log_dir, workload):
-    """Runs one model on one workload: kvlease, then transformers (static
-    cache unless prompts share prefixes, continuous batching unless
-    skipped); returns the row of figures."""
+    """Runs one model on one workload: kvlease (once per --pipeline-depth
+    given, in that order), then transformers once (static cache unless
+    prompts share prefixes, continuous batching unless skipped); returns
+    one row of figures per kvlease run, each with the same baselines."""
+    baselines = {}
+    rows = []
+    for depth in args.pipeline_depth or [None]:
+        run = argparse.Namespace(**vars(args))
+        run.pipeline_depth = depth
+        rows.append(kvlease_row(run, log_dir, workload))
+    if not args.skip_transformers and not args.prefixes:
+        baselines["static"] = run_transformers(args)[0]
+    if not args.skip_transformers and not args.skip_continuous_batching:
+        try:
+            baselines["continuous"] = run_continuous_batching(args)
+        except Exception as e:  # the row keeps kvlease's figures; the cell says why it is empty
+            print(f"continuous batching failed: {type(e).__name__}: {e}", flush=True)
+            baselines["continuous_error"] = f"{type(e).__name__}: {e}"
+    for row in rows:
+        row.update(baselines)
+    return rows
+
+
+def kvlease_row(args, log_dir, workload):
+    """One kvlease run of one model on one workload: its row of figures."""
     label = args.label or os.path.basename(args.model.rstrip("/"))
     if args.kv_dtype != "bf16":
         label += f" ({args.kv_dtype} KV)"
@@ -421,15 +445,7 @@ def one_row(args, log_dir, workload):
         label += f" (depth {args.pipeline_depth})"
     kv_rate, (gaps, computes), sched, wire, ttft = run_kvlease(args, log_dir)
     row = {"model": label, "workload": workload, "kvlease": kv_rate, "ttft_p50_ms": ttft,
-           "overlap": args.overlap}
-    if not args.skip_transformers and not args.prefixes:
-        row["static"] = run_transformers(args)[0]
-    if not args.skip_transformers and not args.skip_continuous_batching:
-        try:
-            row["continuous"] = run_continuous_batching(args)
-        except Exception as e:  # the row keeps kvlease's figures; the cell says why it is empty
-            print(f"continuous batching failed: {type(e).__name__}: {e}", flush=True)
-            row["continuous_error"] = f"{type(e).__name__}: {e}"
+           "overlap": args.overlap, "pipeline_depth": args.pipeline_depth}
     if computes:
         step = statistics.median(g + c for g, c in zip(gaps, computes))
         row.update(steps=len(computes), step_ms=1e3 * step,
@@ -512,11 +528,15 @@ def main():
                     help="requests of the continuous-batching run (it is slow)")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="scheduler overlap mode (next step planned while a forward runs)")
-    ap.add_argument("--pipeline-depth", type=int, default=None,
-                    help="the scheduler's --pipeline-depth (passes in flight; named in the "
-                    "rows' model column when given)")
+    ap.add_argument("--pipeline-depth", type=lambda v: [int(d) for d in v.split(",")],
+                    default=None,
+                    help="the scheduler's --pipeline-depth (passes in flight), or several "
+                    "comma-separated (2,3,2,3: an A/B in one lease, transformers run once): "
+                    "one kvlease run and row each, named in the model column")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-continuous-batching", action="store_true")
+    ap.add_argument("--cpu-memory-mib", type=int, default=4096,
+                    help="the worker's memory budget with --backend cpu")
     ap.add_argument("--backend", default="cuda", help="the worker's backend (cpu: try the "
                     "script's kvlease side on a machine without a GPU)")
     ap.add_argument("--results", help="append each row to this JSON-lines file, and print the "
@@ -557,12 +577,12 @@ def main():
             log_dir = os.path.join(log_root, f"{os.path.basename(model.rstrip('/'))}-"
                                              f"{workload.replace('/', '-')}")
             os.makedirs(log_dir, exist_ok=True)
-            row = one_row(run, log_dir, workload)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            if args.results:
-                with open(args.results, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            for row in one_row(run, log_dir, workload):
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                if args.results:
+                    with open(args.results, "a") as f:
+                        f.write(json.dumps(row) + "\n")
     if torch_versions := transformers_versions(args):
         print(torch_versions)
     print_table(saved_rows() if args.results else rows)
