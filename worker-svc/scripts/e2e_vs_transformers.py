@@ -140,19 +140,32 @@ def transport(scheduler_log, waits):
 BETWEEN = re.compile(r"between forward passes step=\d+ apply_us=(\d+) settle_us=(\d+) launch_us=(\d+)")
 
 
+# ... settled after the launch step=12 settle_us=300 turn_us=900
+SETTLED = re.compile(r"settled after the launch step=\d+ settle_us=(\d+) turn_us=(\d+)")
+
+
 def scheduler_side(scheduler_log):
     """Medians (us) of the scheduler's own work between two forward passes:
     applying the results and streaming them, the Step call to the cache
-    (releases, completion, extends), planning and sending the next pass."""
-    rows = []
+    (releases, completion, extends) before the launch, planning and sending
+    the next pass; then, where the settle follows the launch, that Step
+    call and the loop's whole turn (answer in to settle done: the most
+    steps a second the loop can make, whatever the pipeline's depth)."""
+    rows, settles = [], []
     with open(scheduler_log, errors="replace") as f:
         for line in f:
-            m = BETWEEN.search(ANSI.sub("", line))
+            line = ANSI.sub("", line)
+            m = BETWEEN.search(line)
             if m:
                 rows.append(tuple(int(x) for x in m.groups()))
+            m = SETTLED.search(line)
+            if m:
+                settles.append(tuple(int(x) for x in m.groups()))
     if not rows:
         return None
-    return tuple(statistics.median(r[i] for r in rows) for i in range(3)) + (len(rows),)
+    after = tuple(statistics.median(r[i] for r in settles) for i in range(2)) if settles \
+        else (None, None)
+    return tuple(statistics.median(r[i] for r in rows) for i in range(3)) + after + (len(rows),)
 
 
 def run_kvlease(args, log_dir):
@@ -460,7 +473,8 @@ def kvlease_row(args, log_dir, workload):
             row.update(limit_ms=1e3 * limit, bandwidth_gbs=bw / 1e9,
                        weights_gb=weights / 1e9, kv_gb=kv / 1e9)
     if sched:
-        row.update(apply_us=sched[0], settle_us=sched[1], launch_us=sched[2])
+        row.update(apply_us=sched[0], settle_us=sched[1], launch_us=sched[2],
+                   settle_after_us=sched[3], loop_turn_us=sched[4])
     if wire:
         row.update(worker_wait_us=wire[0], wire_us=wire[1])
     return row
@@ -496,6 +510,9 @@ def print_table(rows):
         if r.get("apply_us") is not None:
             parts.append(f"scheduler: apply + stream {r['apply_us']:.0f} us, Step call "
                          f"{r['settle_us']:.0f} us, plan + send {r['launch_us']:.0f} us")
+        if r.get("loop_turn_us") is not None:
+            parts.append(f"Step call after the launch {r['settle_after_us']:.0f} us, "
+                         f"the loop's turn (answer in to settle done) {r['loop_turn_us']:.0f} us")
         if r.get("wire_us") is not None:
             parts.append(f"worker: arrival to pass start {r['worker_wait_us']:.0f} us; "
                          f"round trip minus that and compute {r['wire_us']:.0f} us")

@@ -119,6 +119,8 @@ pub(super) struct BetweenPasses {
     pub(super) arrived: Option<Instant>,
     pub(super) applied: Option<Instant>,
     pub(super) settled: Option<Instant>,
+    /// The step's pass went out (`None`: it launched none, or not yet).
+    pub(super) launched: Option<Instant>,
 }
 
 impl BetweenPasses {
@@ -137,6 +139,23 @@ impl BetweenPasses {
             launch_us = ready.elapsed().as_micros() as u64,
             launched,
             "between forward passes"
+        );
+    }
+
+    /// Logs a settle that followed the step's launch (the overlap orders):
+    /// its `Step` call (begun at `started`), and the loop's whole turn from
+    /// the collected pass's answer to the settle's end, which bounds how
+    /// fast the loop can go whatever the pipeline's depth.
+    pub(super) fn log_settle(&self, step: Step, started: Instant) {
+        let (Some(arrived), Some(_), Some(settled)) = (self.arrived, self.launched, self.settled)
+        else {
+            return;
+        };
+        tracing::debug!(
+            step = step.get(),
+            settle_us = (settled - started).as_micros() as u64,
+            turn_us = (settled - arrived).as_micros() as u64,
+            "settled after the launch"
         );
     }
 }

@@ -398,6 +398,7 @@ impl StepLoop {
                     let launched = self.launch(step);
                     plan.launched(launched);
                     between.log(step, launched);
+                    between.launched = launched.then(Instant::now);
                 }
                 Call::Collect => {
                     if let Some(f) = self.in_flight.pop_front() {
@@ -407,8 +408,10 @@ impl StepLoop {
                 }
                 Call::Settle { extend } => {
                     let at = self.core.settle_step(step);
+                    let started = Instant::now();
                     self.settle(extend.then_some(at)).await;
                     between.settled = Some(Instant::now());
+                    between.log_settle(step, started);
                 }
                 // a CompleteStep the cache did not acknowledge is tried again
                 Call::RetryComplete => self.complete().await,
