@@ -144,15 +144,17 @@ BETWEEN = re.compile(r"between forward passes step=\d+ apply_us=(\d+) settle_us=
 SETTLED = re.compile(r"settled after the launch step=\d+ settle_us=(\d+) turn_us=(\d+)")
 
 
-def scheduler_side(scheduler_log):
+def scheduler_side(scheduler_log, since=0):
     """Medians (us) of the scheduler's own work between two forward passes:
     applying the results and streaming them, the Step call to the cache
     (releases, completion, extends) before the launch, planning and sending
     the next pass; then, where the settle follows the launch, that Step
     call and the loop's whole turn (answer in to settle done: the most
-    steps a second the loop can make, whatever the pipeline's depth)."""
+    steps a second the loop can make, whatever the pipeline's depth); from
+    byte `since` of the log on (the measured run, not the warm-up)."""
     rows, settles = [], []
     with open(scheduler_log, errors="replace") as f:
+        f.seek(since)
         for line in f:
             line = ANSI.sub("", line)
             m = BETWEEN.search(line)
@@ -224,6 +226,7 @@ def run_kvlease(args, log_dir):
         subprocess.run(bench[:4] + ["--requests", str(args.concurrency)] + bench[6:]
                        + ["--seed", "2"], capture_output=True, text=True, check=True)
         mark = os.path.getsize(os.path.join(log_dir, "worker.log"))
+        sched_mark = os.path.getsize(os.path.join(log_dir, "scheduler.log"))
         r = subprocess.run(bench, capture_output=True, text=True)
         print(r.stdout)
         if r.returncode != 0:
@@ -242,7 +245,7 @@ def run_kvlease(args, log_dir):
         gaps, computes, waits = step_overhead(measured, args.concurrency // 2)
         scheduler_log = os.path.join(log_dir, "scheduler.log")
         ttft = re.search(r"TTFT\s+p50 ([\d.]+) ?ms", r.stdout)
-        return (float(m.group(2)), (gaps, computes), scheduler_side(scheduler_log),
+        return (float(m.group(2)), (gaps, computes), scheduler_side(scheduler_log, sched_mark),
                 transport(scheduler_log, waits), ttft and float(ttft.group(1)))
     finally:
         for p in reversed(procs):
@@ -432,10 +435,15 @@ def one_row(args, log_dir, workload):
     one row of figures per kvlease run, each with the same baselines."""
     baselines = {}
     rows = []
-    for depth in args.pipeline_depth or [None]:
+    # the scheduler ignores the depth without overlap
+    depths = (args.pipeline_depth if args.overlap else None) or [None]
+    for i, depth in enumerate(depths):
         run = argparse.Namespace(**vars(args))
         run.pipeline_depth = depth
-        rows.append(kvlease_row(run, log_dir, workload))
+        # each run's logs of its own (a depth may come twice: 2,3,2,3)
+        own = os.path.join(log_dir, f"depth-{depth}-{i}") if depth else log_dir
+        os.makedirs(own, exist_ok=True)
+        rows.append(kvlease_row(run, own, workload))
     if not args.skip_transformers and not args.prefixes:
         baselines["static"] = run_transformers(args)[0]
     if not args.skip_transformers and not args.skip_continuous_batching:

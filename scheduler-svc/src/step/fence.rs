@@ -84,7 +84,8 @@ pub(super) struct Steps {
     /// The step being planned (the last one begun).
     current: Step,
     /// The forward passes launched and not yet handed to
-    /// `complete_through`, oldest first (two at most: the pipelined order's).
+    /// `complete_through`, oldest first (at most the pipelined order's
+    /// depth).
     forwards: VecDeque<Forward>,
     /// The step of the last forward pass launched (since the session
     /// opened).

@@ -1,6 +1,7 @@
 //! Outcomes: the running sequences' work for the step (extends, forward
 //! batches) and what the Extend outcomes and forward results mean for them.
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use super::{Core, PreemptCause, WORKER_RETRY_AFTER, Work};
@@ -193,7 +194,11 @@ impl Core {
     /// publishes the blocks they fill once that step completes): with a pass
     /// in flight, through the token it feeds; with none, through the last
     /// position written.
-    pub fn settle_extends(&mut self, mut planned: Vec<ExtendSpec>) -> Vec<ExtendSpec> {
+    pub fn settle_extends(&mut self, planned: Vec<ExtendSpec>) -> Vec<ExtendSpec> {
+        // steps that only added a pass planned chunks of one prompt each:
+        // one report per sequence (the cache refuses a batch naming one
+        // twice), the furthest, which the settle's step covers
+        let mut planned = furthest_progress(planned);
         if !self.config.order.is_pipelined() {
             return planned;
         }
@@ -482,7 +487,7 @@ impl Core {
         }
         self.measured
             .computed(tokens, prefill, compute_us, !pulls.is_empty());
-        self.tier_forward_returned(group, false);
+        self.tier_forward_returned(group, step, false);
         let missing: Vec<SeqId> = self
             .running
             .values()
@@ -560,7 +565,9 @@ impl Core {
         // promise: they are released apart, so the cache never publishes it.
         self.releases.retain(|s| !failed.contains(s));
         self.failed_releases.extend(failed);
-        self.tier_forward_returned(group, true);
+        if let Some(step) = step {
+            self.tier_forward_returned(group, step, true);
+        }
         self.forward_returned(group);
         self.advance_beams();
     }
@@ -624,6 +631,31 @@ impl Core {
             self.end_sequence(seq_id, finish);
         }
     }
+}
+
+/// `extends` with one prefill progress report per sequence (no tokens,
+/// `written_tokens` absolute): the furthest, where the first one was.
+fn furthest_progress(mut extends: Vec<ExtendSpec>) -> Vec<ExtendSpec> {
+    let mut first: HashMap<SeqId, usize> = HashMap::new();
+    let mut keep = vec![true; extends.len()];
+    for i in 0..extends.len() {
+        let e = &extends[i];
+        if !e.new_tokens.is_empty() {
+            continue;
+        }
+        match first.get(&e.seq_id) {
+            Some(&at) => {
+                extends[at].written_tokens = extends[at].written_tokens.max(e.written_tokens);
+                keep[i] = false;
+            }
+            None => {
+                first.insert(e.seq_id, i);
+            }
+        }
+    }
+    let mut k = keep.into_iter();
+    extends.retain(|_| k.next().unwrap_or(true));
+    extends
 }
 
 /// What a forward item of `request` asks the worker's logprobs for: a

@@ -91,11 +91,12 @@ impl Order {
         matches!(self, Self::Pipelined { .. })
     }
 
-    /// Forward passes a sequence may have in flight at once.
+    /// Forward passes a sequence may have in flight at once (a pipeline
+    /// is at least two deep, however it was built).
     pub fn depth(self) -> usize {
         match self {
             Self::Plain | Self::Overlap => 1,
-            Self::Pipelined { depth } => depth as usize,
+            Self::Pipelined { depth } => depth.max(2) as usize,
         }
     }
 
@@ -107,7 +108,7 @@ impl Order {
         match self {
             Self::Plain => 0,
             Self::Overlap => 1,
-            Self::Pipelined { depth } => depth,
+            Self::Pipelined { depth } => depth.max(2),
         }
     }
 }

@@ -19,15 +19,15 @@
 use std::collections::BTreeMap;
 
 use super::Core;
-use crate::domain::{Outcome, TierCopy};
+use crate::domain::{Outcome, Step, TierCopy};
 
 /// The tier copies of the step being planned, per group index.
 #[derive(Debug, Default)]
 pub(super) struct TierCopies {
     /// Named by this step's grants, not yet handed to a forward.
     pending: BTreeMap<usize, Vec<TierCopy>>,
-    /// Groups whose forward in flight carries copies.
-    carried: Vec<usize>,
+    /// The forwards in flight that carry copies: (step, group index).
+    carried: Vec<(Step, usize)>,
     /// The cache may hold demotions no worker ran: release with
     /// `discard_unwritten` before completing any step.
     pub(super) discard: bool,
@@ -76,8 +76,9 @@ impl Core {
     /// that forward as carrying them.
     pub fn take_tier_copies(&mut self, group: usize) -> Vec<TierCopy> {
         let copies = self.tiers.pending.remove(&group).unwrap_or_default();
-        if !copies.is_empty() && !self.tiers.carried.contains(&group) {
-            self.tiers.carried.push(group);
+        let pass = (self.step(), group);
+        if !copies.is_empty() && !self.tiers.carried.contains(&pass) {
+            self.tiers.carried.push(pass);
         }
         copies
     }
@@ -91,9 +92,11 @@ impl Core {
         }
     }
 
-    /// Group `g`'s forward returned: `failed` when it did not run.
-    pub(super) fn tier_forward_returned(&mut self, group: usize, failed: bool) {
-        if let Some(i) = self.tiers.carried.iter().position(|&g| g == group) {
+    /// Group `g`'s forward of `step` returned: `failed` when it did not
+    /// run. (With passes in flight, another of the group's may carry
+    /// copies while this one carries none.)
+    pub(super) fn tier_forward_returned(&mut self, group: usize, step: Step, failed: bool) {
+        if let Some(i) = self.tiers.carried.iter().position(|&p| p == (step, group)) {
             self.tiers.carried.swap_remove(i);
             self.tiers.discard |= failed;
         }

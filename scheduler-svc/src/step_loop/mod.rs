@@ -11,8 +11,8 @@
 //! With overlap on, step N+1's releases and admission leases run while step
 //! N's forward pass is in flight (so the core fences those releases at N),
 //! and in the pipelined order (overlap without speculation) step N+1's pass
-//! is sent while N's runs, so two are in flight; without it, every call of
-//! a step runs before its forward pass.
+//! is sent while N's runs, so two (`--pipeline-depth`) are in flight;
+//! without it, every call of a step runs before its forward pass.
 //!
 //! Failed cache calls: a release the cache did not answer is kept by the core
 //! and sent again at the next step (`Core::release_failed`), whatever the
@@ -424,6 +424,9 @@ impl StepLoop {
     /// and re-leases (recompute) or rejects every live sequence.
     async fn recover(&mut self) {
         self.finish_in_flight().await;
+        // the prefill progress `Plan` kept for a settle names the lost
+        // session's leases: the re-leased sequences report afresh
+        self.planned_extends = None;
         let reopened = keepalive::reopen(
             &self.cache,
             &self.config.holder,

@@ -334,6 +334,8 @@ fn drive(order: Order, seed: u64) -> Exercised {
         CoreConfig {
             lookahead: order.lookahead(),
             order,
+            // prompts of 3-12 tokens run in up to three chunks
+            prefill_chunk: 4,
             ..CoreConfig::default()
         },
         vec![group(24)],
@@ -457,6 +459,16 @@ fn drive(order: Order, seed: u64) -> Exercised {
                       in_flight: &InFlight,
                       seen: &mut Exercised| {
             let contested = cache.contested;
+            // the cache refuses a batch naming a sequence twice
+            // (`DUPLICATE_SEQUENCE`): the core must never send one
+            let mut named = HashSet::new();
+            for s in &specs {
+                assert!(
+                    named.insert(s.seq_id),
+                    "one extend batch names sequence {} twice: {specs:?}",
+                    s.seq_id
+                );
+            }
             let outcomes: Vec<Outcome> = specs.iter().map(|s| cache.extend(s)).collect();
             if !in_flight.is_empty() {
                 seen.extended_in_flight += specs.len();

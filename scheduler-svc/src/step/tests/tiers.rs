@@ -97,3 +97,44 @@ fn a_lease_call_that_failed_with_a_host_tier_sends_a_discard_even_with_no_sequen
     plain.leases_failed();
     assert!(!plain.take_releases().discard_unwritten);
 }
+
+#[test]
+fn a_failed_pass_that_carried_demotions_discards_though_an_earlier_pass_of_its_group_returned() {
+    let order = Order::pipelined();
+    let mut c = Core::new(
+        CoreConfig {
+            lookahead: order.lookahead(),
+            order,
+            ..CoreConfig::default()
+        },
+        vec![tiered_group()],
+    );
+    // pass A: request 1's prompt, no copies
+    c.submit(request(1, 4, 8));
+    c.begin_step();
+    let leases = c.plan_admission();
+    c.apply_leases(vec![grant(leases[0].seq_id)]);
+    let a = c.plan_forward();
+    let g = a[0].0;
+    assert!(c.take_tier_copies(g).is_empty());
+    // pass B, behind A: the copies alone (a demotion named by the grant of
+    // request 2, cancelled while its lease was in flight), so only the
+    // tier rule can tell that B's failure leaves a demotion unrun
+    c.submit(request(2, 4, 8));
+    c.begin_step();
+    let leases = c.plan_admission();
+    c.cancel(RequestId(2), "client went away");
+    c.apply_leases(vec![grant_with_copies(
+        leases[0].seq_id,
+        vec![demotion(3, 7)],
+    )]);
+    let b = c.plan_forward();
+    assert_eq!((b[0].0, b[0].1.len()), (g, 0), "the group's pass of copies");
+    assert_eq!(c.take_tier_copies(g).len(), 1);
+    // A comes back whole; B, which carried the copy, fails
+    c.apply_forward(g, results(&a[0].1, 5, false));
+    c.forward_failed(g, "worker down");
+    assert_eq!(c.complete_through(), None, "not before the discard release");
+    let release = c.take_releases();
+    assert!(release.discard_unwritten, "{release:?}");
+}
