@@ -30,14 +30,21 @@ struct Cluster {
 
 impl Cluster {
     async fn start(overlap: bool) -> Self {
+        Self::start_with(scheduler_svc::Config {
+            prefill_chunk: CHUNK,
+            overlap,
+            ..scheduler_svc::Config::default()
+        })
+        .await
+    }
+
+    async fn start_with(config: scheduler_svc::Config) -> Self {
         let cache = start_cache(cache_svc::Config::default()).await.unwrap();
         let worker = start_worker(small_worker_with(4, 192)).await.unwrap();
         let config = scheduler_svc::Config {
             max_context: 256,
             max_tokens: 64,
-            prefill_chunk: CHUNK,
-            overlap,
-            ..scheduler_svc::Config::default()
+            ..config
         };
         let scheduler = start_scheduler(config, &cache.url(), &[worker.url()], WITHIN)
             .await
@@ -140,4 +147,38 @@ async fn a_request_arriving_mid_prefill_reuses_only_written_blocks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_arriving_mid_prefill_reuses_only_written_blocks_with_overlap() {
     second_request_while_the_first_prefills(true).await;
+}
+
+/// A prompt of `depth + 1` chunks, alone on a pipelined scheduler: each of
+/// the first `depth` steps adds a pass without collecting one, so the
+/// settle after the first collect carries the progress of several chunks
+/// of the one sequence. The cache must hear one report, the furthest (it
+/// refuses a batch naming a sequence twice): then the whole prompt is
+/// published once its steps complete, and the same prompt again reuses
+/// all of it but the block holding its last token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_of_several_chunks_on_a_filling_pipeline_is_published_whole() {
+    const CHUNK: u32 = 2 * BLOCK;
+    for depth in [2, 3] {
+        let cluster = Cluster::start_with(scheduler_svc::Config {
+            prefill_chunk: CHUNK,
+            overlap: true,
+            pipeline_depth: depth,
+            ..scheduler_svc::Config::default()
+        })
+        .await;
+        let prompt: Vec<u32> = (0..(depth + 1) * CHUNK)
+            .map(|i| (i * 53 + 7) % 250 + 1)
+            .collect();
+        let first = cluster.generate(prompt.clone()).await;
+        let again = cluster.generate(prompt.clone()).await;
+        assert_eq!(again.tokens, first.tokens, "depth {depth}");
+        assert!(
+            again.reused_tokens >= prompt.len() as u32 - BLOCK,
+            "depth {depth}: {} of the {}-token prompt reused",
+            again.reused_tokens,
+            prompt.len()
+        );
+        cluster.stop().await;
+    }
 }
