@@ -117,7 +117,7 @@ impl Core {
         let Some(seq) = self.running.remove(&seq_id) else {
             return;
         };
-        self.releases.push(seq_id);
+        self.release_ended(&seq);
         self.beam_dropped(seq.request.id, why);
     }
 
@@ -221,8 +221,9 @@ impl Core {
         for (i, seq_id) in ids.into_iter().enumerate() {
             let Some(cs) = children.remove(&i) else {
                 // pruned
-                self.running.remove(&seq_id);
-                self.releases.push(seq_id);
+                if let Some(seq) = self.running.remove(&seq_id) {
+                    self.release_ended(&seq);
+                }
                 continue;
             };
             let Some(seq) = self.running.get_mut(&seq_id) else {
@@ -270,7 +271,7 @@ impl Core {
         for seq_id in beams {
             if let Some(seq) = self.running.remove(&seq_id) {
                 preemptions = preemptions.max(seq.request.preemptions);
-                self.releases.push(seq_id);
+                self.release_ended(&seq);
             }
         }
         self.forks.retain(|f| f.request.id != id);

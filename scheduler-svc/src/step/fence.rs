@@ -17,7 +17,11 @@
 //! - the sequences of a failed forward pass are released on their own, with
 //!   `discard_unwritten` (the cache would otherwise publish, at
 //!   `CompleteStep`, hashes of blocks the pass may never have written), and
-//!   [`Core::complete_through`] names no step while such a release waits.
+//!   [`Core::complete_through`] names no step while such a release waits;
+//! - a sequence that ends (stops, is cancelled, preempted) while passes of
+//!   it are in flight is released only once they returned, and with
+//!   `discard_unwritten` if one failed: its extends may already have
+//!   reported what those passes write (`Core::release_ended`).
 //!
 //! And a release is never lost: the core forgets a sequence's release only
 //! once the cache answered it, or once the session is gone (the cache

@@ -209,10 +209,10 @@ impl Core {
     /// granted lease is given back).
     pub(super) fn handoff_granted(&mut self, src: SeqId, lease: SeqId) -> bool {
         match self.running.remove(&src) {
-            Some(_) => {
+            Some(seq) => {
                 // its blocks stay pinned by the decode lease until this
                 // step completes; the release is fenced at it too
-                self.releases.push(src);
+                self.release_ended(&seq);
                 true
             }
             None => {

@@ -1,11 +1,62 @@
 //! Lifecycle: how requests and sequences end (finished, cancelled,
 //! preempted and requeued, lost with the cache), and the outputs that say so.
 
-use super::{Core, PreemptCause, Preemption};
-use crate::domain::{Finish, GroupGeometry, Output, Reject, RejectReason, RequestId, SeqId};
+use super::{Core, PreemptCause, Preemption, Sequence};
+use crate::domain::{Finish, GroupGeometry, Output, Reject, RejectReason, RequestId, SeqId, Step};
 use crate::queue::Request;
 
+/// An ended sequence whose passes are still in flight: its extends may
+/// have reported what those passes write (a prompt chunk's progress, the
+/// token a decode is fed), which the cache publishes when their step
+/// completes. Released once they returned, with `discard_unwritten` if one
+/// of them failed, so the cache never publishes KV a failed pass did not
+/// write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Draining {
+    seq_id: SeqId,
+    group: usize,
+    /// The step of its last pass in flight.
+    last: Step,
+}
+
 impl Core {
+    /// Queues the release of `seq`, just taken out of `running`: now, or,
+    /// with passes of it in flight, once they returned ([`Draining`]).
+    pub(super) fn release_ended(&mut self, seq: &Sequence) {
+        match seq.in_flight.back() {
+            Some(&(last, _)) => self.draining.push(Draining {
+                seq_id: seq.seq_id,
+                group: seq.group,
+                last,
+            }),
+            None => self.releases.push(seq.seq_id),
+        }
+    }
+
+    /// Group `group`'s pass of `step` returned (`failed`: it did not run):
+    /// the ended sequences whose last pass it was are released; if it
+    /// failed, so is every ended sequence of the group with a pass at or
+    /// after it, with `discard_unwritten`.
+    pub(super) fn drain_returned(&mut self, group: usize, step: Step, failed: bool) {
+        let mut still = Vec::with_capacity(self.draining.len());
+        for d in std::mem::take(&mut self.draining) {
+            if d.group != group || d.last < step || (d.last > step && !failed) {
+                still.push(d);
+            } else if failed {
+                self.failed_releases.push(d.seq_id);
+            } else {
+                self.releases.push(d.seq_id);
+            }
+        }
+        self.draining = still;
+    }
+
+    /// Takes `seq_ids` out of the sequences waiting for their passes (they
+    /// are released some other way).
+    pub(super) fn undrain(&mut self, seq_ids: &[SeqId]) {
+        self.draining.retain(|d| !seq_ids.contains(&d.seq_id));
+    }
+
     /// Cancels a request wherever it is; a running one is released with the
     /// next release batch.
     /// Every branch of a request of several samples is cancelled, wherever
@@ -93,7 +144,7 @@ impl Core {
         let Some(seq) = self.running.remove(&seq_id) else {
             return;
         };
-        self.releases.push(seq_id);
+        self.release_ended(&seq);
         if seq.request.preemptions < self.config.max_preemptions {
             tracing::debug!(
                 seq_id = seq_id.get(),
@@ -122,7 +173,7 @@ impl Core {
 
     pub(super) fn end_sequence(&mut self, seq_id: SeqId, finish: Finish) {
         if let Some(seq) = self.running.remove(&seq_id) {
-            self.releases.push(seq_id);
+            self.release_ended(&seq);
             self.finish_request(&seq.request, finish);
         }
     }
@@ -200,6 +251,8 @@ impl Core {
     pub fn leases_lost(&mut self, recompute: bool, why: &str) {
         self.released.append(&mut self.releases);
         self.released.append(&mut self.failed_releases);
+        let draining = std::mem::take(&mut self.draining);
+        self.released.extend(draining.iter().map(|d| d.seq_id));
         self.forget_fences();
         self.leases_failed();
         let lost = cache_lost(

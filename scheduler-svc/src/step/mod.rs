@@ -364,6 +364,10 @@ pub struct Core {
     /// Sequences of a failed forward pass whose blocks are still held at
     /// the cache, released apart with `discard_unwritten`.
     failed_releases: Vec<SeqId>,
+    /// Ended sequences with passes still in flight (see
+    /// [`Core::release_ended`]): released once those passes returned,
+    /// with `discard_unwritten` if one failed.
+    draining: Vec<lifecycle::Draining>,
     outputs: Vec<Output>,
     /// Sequences that hold nothing at the cache any more (see
     /// [`Core::take_released`]).
@@ -421,6 +425,7 @@ impl Core {
             beams: HashMap::new(),
             releases: Vec::new(),
             failed_releases: Vec::new(),
+            draining: Vec::new(),
             outputs: Vec::new(),
             released: Vec::new(),
             preemptions: Vec::new(),

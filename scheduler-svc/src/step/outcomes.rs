@@ -488,6 +488,7 @@ impl Core {
         self.measured
             .computed(tokens, prefill, compute_us, !pulls.is_empty());
         self.tier_forward_returned(group, step, false);
+        self.drain_returned(group, step, false);
         let missing: Vec<SeqId> = self
             .running
             .values()
@@ -522,6 +523,7 @@ impl Core {
                 Finish::Error(format!("peer pull failed: {error}")),
             );
             self.releases.retain(|s| *s != seq_id);
+            self.undrain(&[seq_id]);
             self.failed_releases.push(seq_id);
         }
     }
@@ -564,9 +566,11 @@ impl Core {
         // The pass may not have written what their blocks' pending hashes
         // promise: they are released apart, so the cache never publishes it.
         self.releases.retain(|s| !failed.contains(s));
+        self.undrain(&failed);
         self.failed_releases.extend(failed);
         if let Some(step) = step {
             self.tier_forward_returned(group, step, true);
+            self.drain_returned(group, step, true);
         }
         self.forward_returned(group);
         self.advance_beams();

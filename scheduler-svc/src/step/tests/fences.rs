@@ -14,7 +14,7 @@ fn steps_continue_after_warm_up() {
 }
 
 #[test]
-fn overlap_a_release_while_a_forward_is_in_flight_is_fenced_at_its_step() {
+fn overlap_a_sequence_ended_mid_pass_is_released_once_the_pass_returned_fenced_at_its_step() {
     let mut c = core(Policy::MaxUtilization, 100);
     c.submit(request(1, 4, 8));
     c.submit(request(2, 4, 8));
@@ -23,20 +23,70 @@ fn overlap_a_release_while_a_forward_is_in_flight_is_fenced_at_its_step() {
     grant_all(&mut c, &leases);
     let batches = c.plan_forward();
     assert_eq!(c.forward_in_flight(), Some(first));
-    // the client of request 1 goes away while forward `first` reads its blocks
+    // the client of request 1 goes away while forward `first` writes its
+    // blocks: whether they may publish depends on how that pass ends
     c.cancel(RequestId(1), "gone");
     let next = c.begin_step();
+    assert!(c.take_releases().is_empty(), "its pass is in flight");
+    assert_eq!(c.complete_through(), None, "forward {first} is in flight");
+    c.apply_forward(batches[0].0, results(&batches[0].1, 7, false));
+    assert_eq!(c.forward_in_flight(), None);
     let batch = c.take_releases();
     assert_eq!(batch.seq_ids, vec![SeqId(1)]);
     assert_eq!(batch.fence_step, Some(first), "{batch:?}");
-    assert_eq!(c.complete_through(), None, "forward {first} is in flight");
+    assert!(!batch.discard_unwritten, "its pass wrote what it was to");
     c.releases_sent(batch);
-    c.apply_forward(batches[0].0, results(&batches[0].1, 7, false));
-    assert_eq!(c.forward_in_flight(), None);
     assert_eq!(c.complete_through(), Some(first));
     c.step_completed(first);
     assert_eq!(c.complete_through(), None);
     assert!(next > first);
+}
+
+#[test]
+fn a_sequence_ended_mid_pass_whose_pass_fails_is_released_discarding_what_it_did_not_write() {
+    let order = Order::pipelined();
+    let mut c = Core::new(
+        CoreConfig {
+            lookahead: order.lookahead(),
+            order,
+            prefill_chunk: 2,
+            ..CoreConfig::default()
+        },
+        vec![group(100)],
+    );
+    c.submit(request(1, 6, 8));
+    c.begin_step();
+    let leases = c.plan_admission();
+    grant_all(&mut c, &leases);
+    // chunk 0..2 in pass A; chunk 2..4 in pass B, whose progress report
+    // (written 4) the cache hears before B returns
+    let a = c.plan_forward();
+    c.begin_step();
+    let planned = c.plan_extends(true);
+    let b = c.plan_forward();
+    assert_eq!(b[0].1.len(), 1, "B runs the second chunk");
+    c.apply_forward(a[0].0, results(&a[0].1, 7, false));
+    assert_eq!(
+        c.settle_extends(planned)
+            .iter()
+            .map(|e| e.written_tokens)
+            .collect::<Vec<_>>(),
+        vec![4]
+    );
+    // the client goes away while B runs, then B fails: the cache must not
+    // publish what B was to write
+    c.cancel(RequestId(1), "gone");
+    assert!(c.take_releases().is_empty(), "B is in flight");
+    c.forward_failed(b[0].0, "worker down");
+    assert_eq!(c.complete_through(), None, "not before the discard");
+    let batch = c.take_releases();
+    assert_eq!(
+        (batch.seq_ids.clone(), batch.discard_unwritten),
+        (vec![SeqId(1)], true),
+        "{batch:?}"
+    );
+    c.releases_sent(batch);
+    assert!(c.complete_through().is_some());
 }
 
 #[test]
