@@ -1,6 +1,8 @@
 //! Lifecycle: how requests and sequences end (finished, cancelled,
 //! preempted and requeued, lost with the cache), and the outputs that say so.
 
+use std::collections::HashSet;
+
 use super::{Core, PreemptCause, Preemption, Sequence};
 use crate::domain::{Finish, GroupGeometry, Output, Reject, RejectReason, RequestId, SeqId, Step};
 use crate::queue::Request;
@@ -9,43 +11,68 @@ use crate::queue::Request;
 /// have reported what those passes write (a prompt chunk's progress, the
 /// token a decode is fed), which the cache publishes when their step
 /// completes. Released once they returned, with `discard_unwritten` if one
-/// of them failed, so the cache never publishes KV a failed pass did not
-/// write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// of them failed or did not run it, so the cache never publishes KV a
+/// pass did not write.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Draining {
     seq_id: SeqId,
     group: usize,
-    /// The step of its last pass in flight.
-    last: Step,
+    /// The steps of its passes in flight, oldest first.
+    steps: Vec<Step>,
 }
 
 impl Core {
     /// Queues the release of `seq`, just taken out of `running`: now, or,
     /// with passes of it in flight, once they returned ([`Draining`]).
     pub(super) fn release_ended(&mut self, seq: &Sequence) {
-        match seq.in_flight.back() {
-            Some(&(last, _)) => self.draining.push(Draining {
+        if seq.in_flight.is_empty() {
+            self.releases.push(seq.seq_id);
+        } else {
+            self.draining.push(Draining {
                 seq_id: seq.seq_id,
                 group: seq.group,
-                last,
-            }),
-            None => self.releases.push(seq.seq_id),
+                steps: seq.in_flight.iter().map(|(s, _)| *s).collect(),
+            });
         }
     }
 
-    /// Group `group`'s pass of `step` returned (`failed`: it did not run):
-    /// the ended sequences whose last pass it was are released; if it
-    /// failed, so is every ended sequence of the group with a pass at or
-    /// after it, with `discard_unwritten`.
-    pub(super) fn drain_returned(&mut self, group: usize, step: Step, failed: bool) {
+    /// Group `group`'s pass of `step` came back having run the sequences
+    /// `ran` (without an error): an ended sequence it was to run and did
+    /// not is released with `discard_unwritten`; one whose last pass it was
+    /// is released.
+    pub(super) fn drain_answered(&mut self, group: usize, step: Step, ran: &HashSet<SeqId>) {
+        self.drain(group, step, |d| ran.contains(&d.seq_id));
+    }
+
+    /// Group `group`'s pass of `step` failed: every ended sequence of the
+    /// group with a pass at or after it is released with
+    /// `discard_unwritten` (a later pass fed from it fails too).
+    pub(super) fn drain_failed(&mut self, group: usize, step: Step) {
+        self.drain(group, step, |_| false);
+    }
+
+    /// Moves the entries of `group` with a pass at or after `step` out:
+    /// those whose pass of `step` went well (`ok`) once it was their last,
+    /// the rest (a failed pass, or one that did not run them) at once, to
+    /// be released discarding what they did not write.
+    fn drain(&mut self, group: usize, step: Step, ok: impl Fn(&Draining) -> bool) {
         let mut still = Vec::with_capacity(self.draining.len());
-        for d in std::mem::take(&mut self.draining) {
-            if d.group != group || d.last < step || (d.last > step && !failed) {
+        for mut d in std::mem::take(&mut self.draining) {
+            let last = d.steps.last().copied();
+            if d.group != group || last.is_none_or(|last| last < step) {
                 still.push(d);
-            } else if failed {
+                continue;
+            }
+            let ran = !d.steps.contains(&step) || ok(&d);
+            if !ran {
                 self.failed_releases.push(d.seq_id);
-            } else {
+                continue;
+            }
+            d.steps.retain(|&s| s > step);
+            if d.steps.is_empty() {
                 self.releases.push(d.seq_id);
+            } else {
+                still.push(d);
             }
         }
         self.draining = still;

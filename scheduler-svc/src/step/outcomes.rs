@@ -413,7 +413,13 @@ impl Core {
         }
         let (mut tokens, mut prefill) = (0u64, 0u64);
         let mut pulls_failed = Vec::new();
+        // the sequences this pass ran (an ended one waiting for its passes
+        // too): one it did not run wrote nothing
+        let mut ran = std::collections::HashSet::new();
         for result in results {
+            if result.error.is_none() {
+                ran.insert(result.seq_id);
+            }
             let Some(seq) = self.running.get_mut(&result.seq_id) else {
                 continue;
             };
@@ -488,20 +494,25 @@ impl Core {
         self.measured
             .computed(tokens, prefill, compute_us, !pulls.is_empty());
         self.tier_forward_returned(group, step, false);
-        self.drain_returned(group, step, false);
         let missing: Vec<SeqId> = self
             .running
             .values()
             .filter(|s| s.group == group && s.in_flight.front().is_some_and(|(s, _)| *s == step))
             .map(|s| s.seq_id)
             .collect();
-        for seq_id in missing {
+        for &seq_id in &missing {
             self.end_sequence(
                 seq_id,
                 Finish::Error("worker returned no result for the sequence".into()),
             );
         }
+        // the pass may not have written what their extends reported
+        self.releases.retain(|s| !missing.contains(s));
+        self.undrain(&missing);
+        self.failed_releases.extend(missing);
         self.pulls_failed(pulls_failed);
+        // last, once everything this answer ended waits here
+        self.drain_answered(group, step, &ran);
         self.forward_returned(group);
         self.advance_beams();
     }
@@ -570,7 +581,7 @@ impl Core {
         self.failed_releases.extend(failed);
         if let Some(step) = step {
             self.tier_forward_returned(group, step, true);
-            self.drain_returned(group, step, true);
+            self.drain_failed(group, step);
         }
         self.forward_returned(group);
         self.advance_beams();

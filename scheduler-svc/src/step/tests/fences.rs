@@ -42,6 +42,22 @@ fn overlap_a_sequence_ended_mid_pass_is_released_once_the_pass_returned_fenced_a
     assert!(next > first);
 }
 
+/// Sequence 1 is released with `discard_unwritten`, and no step is
+/// reported complete before that release is sent; then one is (returned).
+fn discarded_then_complete(c: &mut Core) -> Step {
+    assert_eq!(c.complete_through(), None, "not before the discard");
+    let batch = c.take_releases();
+    assert_eq!(
+        (batch.seq_ids.clone(), batch.discard_unwritten),
+        (vec![SeqId(1)], true),
+        "{batch:?}"
+    );
+    c.releases_sent(batch);
+    let step = c.complete_through();
+    assert!(step.is_some(), "a step completes after the discard");
+    step.unwrap_or_default()
+}
+
 #[test]
 fn a_sequence_ended_mid_pass_whose_pass_fails_is_released_discarding_what_it_did_not_write() {
     let order = Order::pipelined();
@@ -78,15 +94,46 @@ fn a_sequence_ended_mid_pass_whose_pass_fails_is_released_discarding_what_it_did
     c.cancel(RequestId(1), "gone");
     assert!(c.take_releases().is_empty(), "B is in flight");
     c.forward_failed(b[0].0, "worker down");
-    assert_eq!(c.complete_through(), None, "not before the discard");
-    let batch = c.take_releases();
-    assert_eq!(
-        (batch.seq_ids.clone(), batch.discard_unwritten),
-        (vec![SeqId(1)], true),
-        "{batch:?}"
-    );
-    c.releases_sent(batch);
-    assert!(c.complete_through().is_some());
+    discarded_then_complete(&mut c);
+}
+
+#[test]
+fn a_sequence_its_pass_answered_nothing_for_is_released_discarding_and_not_held() {
+    let mut c = core(Policy::MaxUtilization, 100);
+    c.submit(request(1, 4, 8));
+    c.begin_step();
+    let leases = c.plan_admission();
+    grant_all(&mut c, &leases);
+    let batches = c.plan_forward();
+    // the worker's answer names no result for sequence 1
+    c.apply_forward(batches[0].0, Vec::<ForwardResult>::new());
+    let step = discarded_then_complete(&mut c);
+    c.step_completed(step);
+    assert!(c.is_quiet(), "nothing held back");
+}
+
+#[test]
+fn an_ended_sequence_its_pass_did_not_run_is_released_discarding() {
+    for error in [false, true] {
+        let mut c = core(Policy::MaxUtilization, 100);
+        c.submit(request(1, 4, 8));
+        c.submit(request(2, 4, 8));
+        c.begin_step();
+        let leases = c.plan_admission();
+        grant_all(&mut c, &leases);
+        let batches = c.plan_forward();
+        c.cancel(RequestId(1), "gone");
+        // the pass comes back without sequence 1, or with an error for it
+        // (its peer pull failed): it wrote nothing of 1's
+        let mut answer = results(&batches[0].1, 7, false);
+        if error {
+            answer[0].error = Some("pull failed".into());
+        } else {
+            answer.retain(|r| r.seq_id != SeqId(1));
+        }
+        c.apply_forward(batches[0].0, answer);
+        discarded_then_complete(&mut c);
+    }
 }
 
 #[test]
