@@ -271,10 +271,14 @@ fn releases_that_did_not_reach_the_cache_are_sent_again_with_the_fence_of_then()
     let step = c.begin_step();
     let leases = c.plan_admission();
     grant_all(&mut c, &leases);
-    let batches = c.plan_forward();
+    // request 1 ends before its first pass; request 2's pass is in flight
     c.cancel(RequestId(1), "gone");
+    let batches = c.plan_forward();
     let batch = c.take_releases();
-    assert_eq!(batch.fence_step, Some(step));
+    assert_eq!(
+        (batch.seq_ids.clone(), batch.fence_step),
+        (vec![SeqId(1)], Some(step))
+    );
     c.restore_releases(batch);
     assert!(c.take_released().is_empty(), "still held at the cache");
     c.apply_forward(batches[0].0, results(&batches[0].1, 7, false));
