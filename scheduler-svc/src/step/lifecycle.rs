@@ -36,6 +36,11 @@ impl Core {
         }
     }
 
+    /// Whether an ended sequence of `group` waits for its passes.
+    pub(super) fn draining_in(&self, group: usize) -> bool {
+        self.draining.iter().any(|d| d.group == group)
+    }
+
     /// Group `group`'s pass of `step` came back having run the sequences
     /// `ran` (without an error): an ended sequence it was to run and did
     /// not is released with `discard_unwritten`; one whose last pass it was
@@ -78,10 +83,13 @@ impl Core {
         self.draining = still;
     }
 
-    /// Takes `seq_ids` out of the sequences waiting for their passes (they
-    /// are released some other way).
-    pub(super) fn undrain(&mut self, seq_ids: &[SeqId]) {
+    /// Releases `seq_ids`, just ended by a pass that may not have written
+    /// what their extends reported, with `discard_unwritten`, instead of
+    /// as their end queued them (now, or after their passes).
+    pub(super) fn release_discarding(&mut self, seq_ids: Vec<SeqId>) {
+        self.releases.retain(|s| !seq_ids.contains(s));
         self.draining.retain(|d| !seq_ids.contains(&d.seq_id));
+        self.failed_releases.extend(seq_ids);
     }
 
     /// Cancels a request wherever it is; a running one is released with the

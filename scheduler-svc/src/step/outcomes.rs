@@ -116,7 +116,8 @@ impl Core {
     /// than the order's depth) will leave it. A decode runs if the slots its
     /// lease covers hold its position and it has tokens left to make after
     /// what is in flight; with a pass in flight it feeds the token that pass
-    /// samples, which must be the pass its group's next one follows. A prefill chunk continues from the last one in flight.
+    /// samples, which must be the pass its group's next one follows. A
+    /// prefill chunk continues from the last one in flight.
     /// Returns the chunks' progress reports; the decodes' extends are
     /// planned at the settle ([`Core::settle_extends`]), once the collected
     /// pass told their tokens.
@@ -413,11 +414,12 @@ impl Core {
         }
         let (mut tokens, mut prefill) = (0u64, 0u64);
         let mut pulls_failed = Vec::new();
-        // the sequences this pass ran (an ended one waiting for its passes
-        // too): one it did not run wrote nothing
+        // the sequences this pass ran, when an ended one waits for it (one
+        // it did not run wrote nothing); none in steady decode
+        let waiting = self.draining_in(group);
         let mut ran = std::collections::HashSet::new();
         for result in results {
-            if result.error.is_none() {
+            if waiting && result.error.is_none() {
                 ran.insert(result.seq_id);
             }
             let Some(seq) = self.running.get_mut(&result.seq_id) else {
@@ -507,9 +509,7 @@ impl Core {
             );
         }
         // the pass may not have written what their extends reported
-        self.releases.retain(|s| !missing.contains(s));
-        self.undrain(&missing);
-        self.failed_releases.extend(missing);
+        self.release_discarding(missing);
         self.pulls_failed(pulls_failed);
         // last, once everything this answer ended waits here
         self.drain_answered(group, step, &ran);
@@ -533,9 +533,7 @@ impl Core {
                 PreemptCause::WorkerFailed,
                 Finish::Error(format!("peer pull failed: {error}")),
             );
-            self.releases.retain(|s| *s != seq_id);
-            self.undrain(&[seq_id]);
-            self.failed_releases.push(seq_id);
+            self.release_discarding(vec![seq_id]);
         }
     }
 
@@ -576,9 +574,7 @@ impl Core {
         }
         // The pass may not have written what their blocks' pending hashes
         // promise: they are released apart, so the cache never publishes it.
-        self.releases.retain(|s| !failed.contains(s));
-        self.undrain(&failed);
-        self.failed_releases.extend(failed);
+        self.release_discarding(failed);
         if let Some(step) = step {
             self.tier_forward_returned(group, step, true);
             self.drain_failed(group, step);
