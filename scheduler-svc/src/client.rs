@@ -325,30 +325,43 @@ impl CacheClient {
 
     /// A step's release, completion and extends in one `Step` call (each
     /// part optional, applied in that order). Returns the blocks the release
-    /// freed and fenced, and one extend outcome per spec.
-    pub(crate) async fn step(&self, call: StepCall<'_>) -> Result<StepAnswer> {
+    /// freed and fenced, and one extend outcome per spec. The request is
+    /// built now and the call owns it, so the step loop can let it run while
+    /// it waits for a forward pass.
+    pub(crate) fn step(
+        &self,
+        call: StepCall<'_>,
+    ) -> impl std::future::Future<Output = Result<StepAnswer>> + Send + 'static {
         let req = convert::step_request(self.session(), &call);
-        let r = self.inner.clone().step(req).await;
-        let r = self.seen("Step", r)?;
-        let missing = |part: &str| Error::Protocol {
-            peer: "cache",
-            message: format!("Step answered without its {part} part"),
-        };
-        let released = match (call.release, r.release) {
-            (Some(_), Some(r)) => Some(release_counts(&r)),
-            (Some(_), None) => return Err(missing("release")),
-            (None, _) => None,
-        };
-        // the loop reads no figure of the completion, only that it was done
-        if call.complete_step.is_some() && r.complete.is_none() {
-            return Err(missing("complete"));
+        let release = call.release.is_some();
+        let complete = call.complete_step.is_some();
+        let extended: Option<Vec<SeqId>> = call
+            .extend
+            .map(|e| e.specs.iter().map(|s| s.seq_id).collect());
+        let client = self.clone();
+        async move {
+            let r = client.inner.clone().step(req).await;
+            let r = client.seen("Step", r)?;
+            let missing = |part: &str| Error::Protocol {
+                peer: "cache",
+                message: format!("Step answered without its {part} part"),
+            };
+            let released = match (release, r.release) {
+                (true, Some(r)) => Some(release_counts(&r)),
+                (true, None) => return Err(missing("release")),
+                (false, _) => None,
+            };
+            // the loop reads no figure of the completion, only that it was done
+            if complete && r.complete.is_none() {
+                return Err(missing("complete"));
+            }
+            let extended = match (extended, r.extend) {
+                (Some(ids), Some(x)) => outcomes("Step", x.outcomes, ids.into_iter())?,
+                (Some(_), None) => return Err(missing("extend")),
+                (None, _) => Vec::new(),
+            };
+            Ok(StepAnswer { released, extended })
         }
-        let extended = match (call.extend, r.extend) {
-            (Some(e), Some(x)) => outcomes("Step", x.outcomes, e.specs.iter().map(|s| s.seq_id))?,
-            (Some(_), None) => return Err(missing("extend")),
-            (None, _) => Vec::new(),
-        };
-        Ok(StepAnswer { released, extended })
     }
 
     /// Reports `step` complete; returns the blocks returned to circulation.

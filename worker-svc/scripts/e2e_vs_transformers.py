@@ -140,8 +140,8 @@ def transport(scheduler_log, waits):
 BETWEEN = re.compile(r"between forward passes step=\d+ apply_us=(\d+) settle_us=(\d+) launch_us=(\d+)")
 
 
-# ... settled after the launch step=12 settle_us=300 turn_us=900
-SETTLED = re.compile(r"settled after the launch step=\d+ settle_us=(\d+) turn_us=(\d+)")
+# ... settled after the launch step=12 settle_us=300 turn_us=120 waited_us=0
+SETTLED = re.compile(r"settled after the launch step=\d+ settle_us=(\d+) turn_us=(\d+) waited_us=(\d+)")
 
 
 def scheduler_side(scheduler_log, since=0):
@@ -149,9 +149,11 @@ def scheduler_side(scheduler_log, since=0):
     applying the results and streaming them, the Step call to the cache
     (releases, completion, extends) before the launch, planning and sending
     the next pass; then, where the settle follows the launch, that Step
-    call and the loop's whole turn (answer in to settle done: the most
-    steps a second the loop can make, whatever the pipeline's depth); from
-    byte `since` of the log on (the measured run, not the warm-up)."""
+    call (its answer is applied once the next pass is back), the loop's
+    turn (answer in to that call sent: the most steps a second the loop can
+    make, whatever the pipeline's depth) and how long the loop then still
+    waited for the call's answer once the next pass was back; from byte
+    `since` of the log on (the measured run, not the warm-up)."""
     rows, settles = [], []
     with open(scheduler_log, errors="replace") as f:
         f.seek(since)
@@ -165,8 +167,8 @@ def scheduler_side(scheduler_log, since=0):
                 settles.append(tuple(int(x) for x in m.groups()))
     if not rows:
         return None
-    after = tuple(statistics.median(r[i] for r in settles) for i in range(2)) if settles \
-        else (None, None)
+    after = tuple(statistics.median(r[i] for r in settles) for i in range(3)) if settles \
+        else (None, None, None)
     return tuple(statistics.median(r[i] for r in rows) for i in range(3)) + after + (len(rows),)
 
 
@@ -482,7 +484,7 @@ def kvlease_row(args, log_dir, workload):
                        weights_gb=weights / 1e9, kv_gb=kv / 1e9)
     if sched:
         row.update(apply_us=sched[0], settle_us=sched[1], launch_us=sched[2],
-                   settle_after_us=sched[3], loop_turn_us=sched[4])
+                   settle_after_us=sched[3], loop_turn_us=sched[4], settle_waited_us=sched[5])
     if wire:
         row.update(worker_wait_us=wire[0], wire_us=wire[1])
     return row
@@ -520,7 +522,8 @@ def print_table(rows):
                          f"{r['settle_us']:.0f} us, plan + send {r['launch_us']:.0f} us")
         if r.get("loop_turn_us") is not None:
             parts.append(f"Step call after the launch {r['settle_after_us']:.0f} us, "
-                         f"the loop's turn (answer in to settle done) {r['loop_turn_us']:.0f} us")
+                         f"the loop's turn (answer in to that call sent) {r['loop_turn_us']:.0f} us, "
+                         f"then waited for its answer {r['settle_waited_us']:.0f} us")
         if r.get("wire_us") is not None:
             parts.append(f"worker: arrival to pass start {r['worker_wait_us']:.0f} us; "
                          f"round trip minus that and compute {r['wire_us']:.0f} us")

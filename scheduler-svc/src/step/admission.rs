@@ -144,6 +144,16 @@ impl Core {
         n + self.expire_handoffs(now)
     }
 
+    /// Whether [`Core::plan_admission`] may lease anything: a request
+    /// waits in the queue, a fork for its branches, or a sequence for its
+    /// handoff. Without any, admission is a no-op, and the loop need not
+    /// wait for a `Step` answer on its way before it.
+    pub fn may_admit(&self) -> bool {
+        !self.queue.is_empty()
+            || !self.forks.is_empty()
+            || self.running.values().any(|s| s.handoff.is_some())
+    }
+
     /// Admits requests from the head of the queue while the policy lets them
     /// in, and returns the leases to take: at most [`Core::batch_limit`] a
     /// step, so they go in one Lease call the cache takes (the queue's next

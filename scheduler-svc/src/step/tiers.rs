@@ -83,6 +83,16 @@ impl Core {
         copies
     }
 
+    /// A settle's answer was applied after the next step began (the step
+    /// loop applies a `Step` call it sent after a launch once it collects
+    /// the next pass): the copies its extends named were for the pass
+    /// launched before it, so none can run before that step completes, as
+    /// when [`Core::begin_step`] finds them. The loop applies such an
+    /// answer before any other call of the step that may name copies.
+    pub fn settle_answered_late(&mut self) {
+        self.drop_stale_tier_copies();
+    }
+
     /// A new step begins: copies of the last one that no forward took can
     /// no longer run before their step completes, so they must not publish.
     pub(super) fn drop_stale_tier_copies(&mut self) {

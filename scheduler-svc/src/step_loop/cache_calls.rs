@@ -3,12 +3,17 @@
 //! routes them, extends split at the batch limit, `CompleteStep`; and how a
 //! failed call is noted for the core.
 
+use std::time::Instant;
+
+use tokio::task::JoinHandle;
 use tracing::Instrument;
 
 use super::StepLoop;
 use super::report::record_call;
+use crate::client::StepAnswer;
 use crate::domain::{ExtendSpec, LeaseMode, Outcome, Step, StepCall, StepExtend, StepRelease};
 use crate::error::Error;
+use crate::error::Result;
 use crate::step::{CallFailure, ReleaseBatch};
 
 impl StepLoop {
@@ -152,7 +157,21 @@ impl StepLoop {
     /// one `Step` call (the cache applies them in that order). Extends past
     /// the cache's batch limit follow in `Extend` calls; releases past it
     /// wait for the next flush.
-    pub(super) async fn settle(&mut self, extend: Option<Step>) {
+    ///
+    /// With `ahead` (a pass is in flight, which the loop waits for next),
+    /// the call goes out and the loop goes on: its answer is applied by
+    /// [`StepLoop::settled`], which the loop calls before the core next
+    /// needs it (before any other cache call, and before it applies the
+    /// next pass), so the core sees the same order of events and the cache
+    /// one call at a time, while the call's round trip overlaps the wait
+    /// for the pass instead of coming before it.
+    pub(super) async fn settle(
+        &mut self,
+        extend: Option<Step>,
+        ahead: bool,
+        arrived: Option<Instant>,
+    ) {
+        self.settled().await;
         if self.refused || self.refused_before {
             // The cache refused a call of this step or the last: each part
             // in its own call, so the one it refuses (an invalid item, a
@@ -179,11 +198,10 @@ impl StepLoop {
         } else {
             self.traces.releasing(&batch.seq_ids, fence)
         };
-        let extend_traces = self.extend_traceparents(&specs);
+        let mut extend_traces = self.extend_traceparents(&specs);
         // the first extends ride the Step call, the rest follow it
-        let (first, rest) = specs.split_at(specs.len().min(self.core.batch_limit()));
-        let (first_traces, rest_traces) =
-            extend_traces.split_at(first.len().min(extend_traces.len()));
+        let first = specs.len().min(self.core.batch_limit());
+        let rest_traces = extend_traces.split_off(first.min(extend_traces.len()));
         let span_step = extend.or(complete).unwrap_or(self.core.step());
         let span = self.batch_span("Step", span_step);
         let call = StepCall {
@@ -194,15 +212,73 @@ impl StepLoop {
                 traces: &release_traces,
             }),
             complete_step: complete,
-            extend: extend.filter(|_| !first.is_empty()).map(|step| StepExtend {
+            extend: extend.filter(|_| first > 0).map(|step| StepExtend {
                 step,
-                specs: first,
-                traces: first_traces,
+                specs: &specs[..first],
+                traces: &extend_traces,
             }),
         };
-        let result = self.cache.step(call).instrument(span.clone()).await;
-        record_call(&span, &result);
-        drop(release_spans);
+        let started = Instant::now();
+        let call = self.cache.step(call).instrument(span.clone());
+        // the spawned task runs outside the loop's logical-service context
+        let call = kvlease_telemetry::in_service(crate::traces::SERVICE, async move {
+            let answer = call.await;
+            (answer, Instant::now())
+        });
+        self.pending_settle = Some(PendingSettle {
+            call: tokio::spawn(call),
+            batch,
+            complete,
+            extend,
+            specs,
+            first,
+            rest_traces,
+            release_spans,
+            span,
+            started,
+            arrived: arrived.filter(|_| ahead),
+            step: self.core.step(),
+        });
+        if ahead {
+            // the loop's next await is the collect, after its bookkeeping:
+            // let the pass just launched and this call go out first
+            tokio::task::yield_now().await;
+        } else {
+            self.settled().await;
+        }
+    }
+
+    /// Waits for the settle's `Step` call on its way, if any, and applies
+    /// its answer (see [`StepLoop::settle`]).
+    pub(super) async fn settled(&mut self) {
+        let Some(p) = self.pending_settle.take() else {
+            return;
+        };
+        let waiting = Instant::now();
+        let (result, answered) = match p.call.await {
+            Ok(r) => r,
+            Err(e) => (
+                Err(Error::CacheUnavailable(format!(
+                    "the Step call's task failed: {e}"
+                ))),
+                Instant::now(),
+            ),
+        };
+        if let Some(arrived) = p.arrived {
+            // the loop's turn: from the collected pass's answer to the call
+            // sent, after which the loop waited for the next pass; `waited`:
+            // how long it then waited for this answer
+            tracing::debug!(
+                step = p.step.get(),
+                settle_us = (answered - p.started).as_micros() as u64,
+                turn_us = (p.started - arrived).as_micros() as u64,
+                waited_us = waiting.elapsed().as_micros() as u64,
+                "settled after the launch"
+            );
+        }
+        record_call(&p.span, &result);
+        drop(p.release_spans);
+        let batch = p.batch;
         match result {
             Ok(answer) => {
                 if let Some(counts) = answer.released {
@@ -211,14 +287,18 @@ impl StepLoop {
                 if !batch.is_empty() {
                     self.core.releases_sent(batch);
                 }
-                if let Some(step) = complete {
+                if let Some(step) = p.complete {
                     self.core.step_completed(step);
                 }
-                if !specs.is_empty() {
+                if !p.specs.is_empty() {
                     let mut outcomes = answer.extended;
                     let mut failed = None;
-                    if let Some(step) = extend.filter(|_| !rest.is_empty()) {
-                        let (more, e) = self.extend_calls(step, rest, rest_traces).await;
+                    let rest = &p.specs[p.first..];
+                    if let Some(step) = p.extend.filter(|_| !rest.is_empty()) {
+                        let (more, e) = self
+                            .extend_calls(step, rest, &p.rest_traces)
+                            .instrument(p.span.clone())
+                            .await;
                         outcomes.extend(more);
                         failed = e;
                     }
@@ -234,10 +314,13 @@ impl StepLoop {
                 if !batch.is_empty() {
                     self.core.release_failed(batch, failure);
                 }
-                if !specs.is_empty() {
+                if !p.specs.is_empty() {
                     self.core.extends_failed();
                 }
             }
+        }
+        if p.step != self.core.step() {
+            self.core.settle_answered_late();
         }
         self.forget_released();
     }
@@ -360,4 +443,34 @@ fn log_released(batch: &ReleaseBatch, (freed, fenced): (u64, u64)) {
         fence_step = batch.fence_step.map(Step::get),
         "released"
     );
+}
+
+/// A settle's `Step` call on its way ([`StepLoop::settle`]) and what it
+/// carries, to apply its answer.
+pub(super) struct PendingSettle {
+    call: JoinHandle<(Result<StepAnswer>, Instant)>,
+    batch: ReleaseBatch,
+    complete: Option<Step>,
+    extend: Option<Step>,
+    specs: Vec<ExtendSpec>,
+    /// How many of `specs` ride the call; the rest follow in `Extend` calls.
+    first: usize,
+    rest_traces: Vec<String>,
+    release_spans: Vec<tracing::Span>,
+    span: tracing::Span,
+    started: Instant,
+    /// When the pass collected before the call arrived (a settle after a
+    /// launch), for the log of the loop's turn.
+    arrived: Option<Instant>,
+    step: Step,
+}
+
+impl std::fmt::Debug for PendingSettle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingSettle")
+            .field("releases", &self.batch.seq_ids.len())
+            .field("complete", &self.complete)
+            .field("extends", &self.specs.len())
+            .finish()
+    }
 }

@@ -86,13 +86,16 @@ impl StepLoop {
     }
 
     /// Waits for a forward pass, applies its results and streams its tokens.
-    /// Returns when the last group's answer arrived.
+    /// Returns when the last group's answer arrived. A settle's `Step` call
+    /// sent meanwhile is applied once the first answer is in, before any
+    /// result: the core sees the settle, then the pass, as if it had waited.
     pub(super) async fn collect_forward(&mut self, f: InFlight) -> Instant {
         let launched = f.launched;
         let mut arrived = Instant::now();
         for (g, seqs, task) in f.tasks {
             let result = task.await;
             arrived = Instant::now();
+            self.settled().await;
             self.traces.forwarded(&seqs, launched.elapsed());
             match result {
                 Ok(Ok(answer)) => self.core.apply_forward(g, answer),
@@ -139,23 +142,6 @@ impl BetweenPasses {
             launch_us = ready.elapsed().as_micros() as u64,
             launched,
             "between forward passes"
-        );
-    }
-
-    /// Logs a settle that followed the step's launch (the overlap orders):
-    /// its `Step` call (begun at `started`), and the loop's whole turn from
-    /// the collected pass's answer to the settle's end, which bounds how
-    /// fast the loop can go whatever the pipeline's depth.
-    pub(super) fn log_settle(&self, step: Step, started: Instant) {
-        let (Some(arrived), Some(_), Some(settled)) = (self.arrived, self.launched, self.settled)
-        else {
-            return;
-        };
-        tracing::debug!(
-            step = step.get(),
-            settle_us = (settled - started).as_micros() as u64,
-            turn_us = (settled - arrived).as_micros() as u64,
-            "settled after the launch"
         );
     }
 }

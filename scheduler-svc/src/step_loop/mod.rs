@@ -114,6 +114,9 @@ pub(crate) struct StepLoop {
     refused_before: bool,
     /// The extends [`Call::Plan`] planned, to send after the launch.
     planned_extends: Option<Vec<crate::domain::ExtendSpec>>,
+    /// A settle's `Step` call sent while a pass runs, its answer not yet
+    /// applied ([`StepLoop::settled`]).
+    pending_settle: Option<cache_calls::PendingSettle>,
 }
 
 const MIN_BACKOFF: Duration = Duration::from_millis(5);
@@ -159,6 +162,7 @@ impl StepLoop {
             refused: false,
             refused_before: false,
             planned_extends: None,
+            pending_settle: None,
         };
         Ok((step_loop, handle))
     }
@@ -304,6 +308,7 @@ impl StepLoop {
 
     async fn stop(&mut self) {
         self.finish_in_flight().await;
+        self.settled().await;
         self.take_submissions();
         self.core.cancel_all("the scheduler is shutting down");
         self.route_outputs();
@@ -382,6 +387,20 @@ impl StepLoop {
     async fn execute(&mut self, step: Step, mut plan: StepPlan) -> bool {
         let mut between = BetweenPasses::default();
         while let Some(call) = plan.next_call() {
+            // A settle's Step call may still be on its way (sent after the
+            // launch): its answer is applied before the core plans or
+            // applies anything more, and before the next call to the cache
+            // (releases and leases only when there are some to send).
+            let settle_first = match call {
+                Call::FlushReleases => self.core.has_releases(),
+                Call::Admit => self.core.may_admit(),
+                // applied between the pass's answer and its results
+                Call::Collect => false,
+                _ => true,
+            };
+            if settle_first {
+                self.settled().await;
+            }
             match call {
                 Call::FlushReleases => self.flush_releases().await,
                 Call::Admit => self.admit(step).await,
@@ -408,10 +427,12 @@ impl StepLoop {
                 }
                 Call::Settle { extend } => {
                     let at = self.core.settle_step(step);
-                    let started = Instant::now();
-                    self.settle(extend.then_some(at)).await;
+                    // with a pass in flight the loop's next wait is for it:
+                    // the call's answer is applied once that pass is back
+                    let ahead = !self.in_flight.is_empty();
+                    let arrived = between.launched.and(between.arrived);
+                    self.settle(extend.then_some(at), ahead, arrived).await;
                     between.settled = Some(Instant::now());
-                    between.log_settle(step, started);
                 }
                 // a CompleteStep the cache did not acknowledge is tried again
                 Call::RetryComplete => self.complete().await,
@@ -424,6 +445,7 @@ impl StepLoop {
     /// and re-leases (recompute) or rejects every live sequence.
     async fn recover(&mut self) {
         self.finish_in_flight().await;
+        self.settled().await;
         // the prefill progress `Plan` kept for a settle names the lost
         // session's leases: the re-leased sequences report afresh
         self.planned_extends = None;

@@ -237,6 +237,37 @@ struct Exercised {
     beam_rows: usize,
     /// The most passes in flight at once.
     deepest: usize,
+    /// Settles whose answer the core took after it began the next step
+    /// (sent after a launch, applied once the next pass is collected).
+    settled_late: usize,
+}
+
+/// A settle's `Step` call the cache answered and the core has not taken
+/// yet: the step loop sends it after a launch and applies its answer once
+/// it needs it (`StepLoop::settled`).
+struct Settling {
+    /// The step the call was sent in.
+    step: Step,
+    batch: crate::step::ReleaseBatch,
+    completed: Option<Step>,
+    outcomes: Option<Vec<Outcome>>,
+}
+
+impl Settling {
+    fn apply(self, c: &mut Core) {
+        if !self.batch.is_empty() {
+            c.releases_sent(self.batch);
+        }
+        if let Some(step) = self.completed {
+            c.step_completed(step);
+        }
+        if let Some(outcomes) = self.outcomes {
+            c.apply_extends(outcomes);
+        }
+        if c.step() != self.step {
+            c.settle_answered_late();
+        }
+    }
 }
 
 /// Every item of a launch writes only blocks the cache holds for its
@@ -348,6 +379,13 @@ fn drive(order: Order, seed: u64) -> Exercised {
     // step that only adds a pass leaves them to a later step's settle, as
     // the loop does (`StepLoop::planned_extends`)
     let mut planned: Option<Vec<ExtendSpec>> = None;
+    // a settle the cache answered, its answer not applied yet
+    let mut settling: Option<Settling> = None;
+    let settled = |c: &mut Core, settling: &mut Option<Settling>| {
+        if let Some(answer) = settling.take() {
+            answer.apply(c);
+        }
+    };
 
     /// Every block a grant hands out that no other sequence holds (a fork
     /// shares its parent's, which the parent's passes read) is read by no
@@ -436,6 +474,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
             c.cancel(live[rand(live.len() as u64) as usize], "gone");
         }
         if rand(3) == 0 {
+            settled(&mut c, &mut settling);
             complete(&mut c, &mut cache, &in_flight, &mut seen);
         }
         if c.is_quiet() && in_flight.is_empty() {
@@ -453,11 +492,11 @@ fn drive(order: Order, seed: u64) -> Exercised {
                 check_grants(&outcomes, cache, in_flight, seen);
                 c.apply_leases(outcomes);
             };
-        let extend = |c: &mut Core,
-                      cache: &mut ModelCache,
+        let extend = |cache: &mut ModelCache,
                       specs: Vec<ExtendSpec>,
                       in_flight: &InFlight,
-                      seen: &mut Exercised| {
+                      seen: &mut Exercised|
+         -> Vec<Outcome> {
             let contested = cache.contested;
             // the cache refuses a batch naming a sequence twice
             // (`DUPLICATE_SEQUENCE`): the core must never send one
@@ -475,17 +514,29 @@ fn drive(order: Order, seed: u64) -> Exercised {
                 seen.refused_in_flight += cache.contested - contested;
             }
             check_grants(&outcomes, cache, in_flight, seen);
-            c.apply_extends(outcomes);
+            outcomes
         };
         // the loop's order, from the core: this driver only executes it
         let mut plan = StepPlan::new(order, in_flight.len());
         while let Some(call) = plan.next_call() {
+            // the loop's rule: a settle's answer is applied before the core
+            // plans or applies more, and before another call to the cache
+            let settle_first = match call {
+                Call::FlushReleases => c.has_releases(),
+                Call::Admit => c.may_admit(),
+                Call::Collect => false,
+                _ => true,
+            };
+            if settle_first {
+                settled(&mut c, &mut settling);
+            }
             match call {
                 Call::FlushReleases => flush(&mut c, &mut cache, &in_flight, &mut seen),
                 Call::Admit => admit(&mut c, &mut cache, &in_flight, &mut seen),
                 Call::Extend => {
                     let specs = c.plan_extends(false);
-                    extend(&mut c, &mut cache, specs, &in_flight, &mut seen)
+                    let outcomes = extend(&mut cache, specs, &in_flight, &mut seen);
+                    c.apply_extends(outcomes);
                 }
                 // a pipelined step that only adds a pass leaves its
                 // planned extends to the next settle
@@ -510,6 +561,9 @@ fn drive(order: Order, seed: u64) -> Exercised {
                 }
                 Call::Collect => {
                     if let Some((_, batches)) = in_flight.pop_front() {
+                        // the pass's answer is in: the settle sent meanwhile
+                        // is applied first
+                        settled(&mut c, &mut settling);
                         let later: HashSet<SeqId> = in_flight
                             .iter()
                             .flat_map(|(_, b)| b.iter().flat_map(|(_, i)| i))
@@ -556,14 +610,43 @@ fn drive(order: Order, seed: u64) -> Exercised {
                 Call::Settle {
                     extend: with_extends,
                 } => {
-                    flush(&mut c, &mut cache, &in_flight, &mut seen);
-                    complete(&mut c, &mut cache, &in_flight, &mut seen);
-                    if with_extends {
+                    // the cache answers at once; the core takes the answer
+                    // now without a pass in flight, else where the loop
+                    // does (`settled` above)
+                    let batch = c.take_releases();
+                    if !batch.is_empty() {
+                        seen.released_in_flight += usize::from(!in_flight.is_empty());
+                        cache.release(&batch);
+                    }
+                    let completed = c.complete_through();
+                    if let Some(step) = completed {
+                        if let Some((running, _)) = in_flight.front() {
+                            assert!(
+                                step < *running,
+                                "CompleteStep({step}) sent while forward {running} is in flight"
+                            );
+                        }
+                        cache.complete_step(step);
+                        seen.completes += 1;
+                    }
+                    let outcomes = with_extends.then(|| {
                         let specs = match planned.take() {
                             Some(planned) => c.settle_extends(planned),
                             None => c.plan_extends(false),
                         };
-                        extend(&mut c, &mut cache, specs, &in_flight, &mut seen);
+                        extend(&mut cache, specs, &in_flight, &mut seen)
+                    });
+                    let answer = Settling {
+                        step,
+                        batch,
+                        completed,
+                        outcomes,
+                    };
+                    if in_flight.is_empty() {
+                        answer.apply(&mut c);
+                    } else {
+                        settling = Some(answer);
+                        seen.settled_late += 1;
                     }
                 }
                 Call::RetryComplete => complete(&mut c, &mut cache, &in_flight, &mut seen),
@@ -571,7 +654,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
         }
     }
     assert!(
-        c.is_quiet() && in_flight.is_empty(),
+        c.is_quiet() && in_flight.is_empty() && settling.is_none(),
         "the run did not drain"
     );
     assert_eq!(
@@ -602,6 +685,7 @@ fn drive_seeds(order: Order) -> Exercised {
         total.forks += seen.forks;
         total.beam_rows += seen.beam_rows;
         total.deepest = total.deepest.max(seen.deepest);
+        total.settled_late += seen.settled_late;
     }
     total
 }
@@ -618,6 +702,7 @@ impl Exercised {
             && self.refused_in_flight > 100
             && self.forks > 100
             && self.beam_rows > 100
+            && self.settled_late > 1_000
             && (!pipelined || (self.fed > 1_000 && self.stopped_in_flight > 100))
     }
 }
