@@ -220,10 +220,14 @@ impl StepLoop {
         };
         let started = Instant::now();
         let call = self.cache.step(call).instrument(span.clone());
-        // the spawned task runs outside the loop's logical-service context
+        // the spawned task runs outside the loop's logical-service context;
+        // the call's spans end with its answer, not when it is applied
         let call = kvlease_telemetry::in_service(crate::traces::SERVICE, async move {
             let answer = call.await;
-            (answer, Instant::now())
+            let answered = Instant::now();
+            record_call(&span, &answer);
+            drop(release_spans);
+            (answer, answered)
         });
         self.pending_settle = Some(PendingSettle {
             call: tokio::spawn(call),
@@ -233,8 +237,6 @@ impl StepLoop {
             specs,
             first,
             rest_traces,
-            release_spans,
-            span,
             started,
             arrived: arrived.filter(|_| ahead),
             step: self.core.step(),
@@ -276,8 +278,6 @@ impl StepLoop {
                 "settled after the launch"
             );
         }
-        record_call(&p.span, &result);
-        drop(p.release_spans);
         let batch = p.batch;
         match result {
             Ok(answer) => {
@@ -295,10 +295,7 @@ impl StepLoop {
                     let mut failed = None;
                     let rest = &p.specs[p.first..];
                     if let Some(step) = p.extend.filter(|_| !rest.is_empty()) {
-                        let (more, e) = self
-                            .extend_calls(step, rest, &p.rest_traces)
-                            .instrument(p.span.clone())
-                            .await;
+                        let (more, e) = self.extend_calls(step, rest, &p.rest_traces).await;
                         outcomes.extend(more);
                         failed = e;
                     }
@@ -456,8 +453,6 @@ pub(super) struct PendingSettle {
     /// How many of `specs` ride the call; the rest follow in `Extend` calls.
     first: usize,
     rest_traces: Vec<String>,
-    release_spans: Vec<tracing::Span>,
-    span: tracing::Span,
     started: Instant,
     /// When the pass collected before the call arrived (a settle after a
     /// launch), for the log of the loop's turn.

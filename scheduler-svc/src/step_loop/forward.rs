@@ -86,17 +86,20 @@ impl StepLoop {
     }
 
     /// Waits for a forward pass, applies its results and streams its tokens.
-    /// Returns when the last group's answer arrived. A settle's `Step` call
-    /// sent meanwhile is applied once the first answer is in, before any
-    /// result: the core sees the settle, then the pass, as if it had waited.
+    /// Returns when the last group's answer arrived, or when the loop had
+    /// the answer of a settle's `Step` call sent meanwhile, if later: that
+    /// answer is applied once the first answer is in, before any result, so
+    /// the core sees the settle, then the pass, as if it had waited.
     pub(super) async fn collect_forward(&mut self, f: InFlight) -> Instant {
         let launched = f.launched;
         let mut arrived = Instant::now();
+        let mut ready = arrived;
         for (g, seqs, task) in f.tasks {
             let result = task.await;
             arrived = Instant::now();
+            self.traces.forwarded(&seqs, arrived - launched);
             self.settled().await;
-            self.traces.forwarded(&seqs, launched.elapsed());
+            ready = Instant::now();
             match result {
                 Ok(Ok(answer)) => self.core.apply_forward(g, answer),
                 Ok(Err(e)) => {
@@ -110,7 +113,7 @@ impl StepLoop {
         }
         self.metrics.forward(arrived - launched);
         self.route_outputs();
-        arrived
+        ready
     }
 }
 

@@ -254,7 +254,7 @@ struct Settling {
 }
 
 impl Settling {
-    fn apply(self, c: &mut Core) {
+    fn apply(self, c: &mut Core, seen: &mut Exercised) {
         if !self.batch.is_empty() {
             c.releases_sent(self.batch);
         }
@@ -266,6 +266,7 @@ impl Settling {
         }
         if c.step() != self.step {
             c.settle_answered_late();
+            seen.settled_late += 1;
         }
     }
 }
@@ -381,9 +382,9 @@ fn drive(order: Order, seed: u64) -> Exercised {
     let mut planned: Option<Vec<ExtendSpec>> = None;
     // a settle the cache answered, its answer not applied yet
     let mut settling: Option<Settling> = None;
-    let settled = |c: &mut Core, settling: &mut Option<Settling>| {
+    let settled = |c: &mut Core, settling: &mut Option<Settling>, seen: &mut Exercised| {
         if let Some(answer) = settling.take() {
-            answer.apply(c);
+            answer.apply(c, seen);
         }
     };
 
@@ -473,8 +474,9 @@ fn drive(order: Order, seed: u64) -> Exercised {
         if !live.is_empty() && rand(4) == 0 {
             c.cancel(live[rand(live.len() as u64) as usize], "gone");
         }
-        if rand(3) == 0 {
-            settled(&mut c, &mut settling);
+        // (never while a settle's Step call is on its way: the loop makes
+        // one call to the cache at a time)
+        if rand(3) == 0 && settling.is_none() {
             complete(&mut c, &mut cache, &in_flight, &mut seen);
         }
         if c.is_quiet() && in_flight.is_empty() {
@@ -528,7 +530,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
                 _ => true,
             };
             if settle_first {
-                settled(&mut c, &mut settling);
+                settled(&mut c, &mut settling, &mut seen);
             }
             match call {
                 Call::FlushReleases => flush(&mut c, &mut cache, &in_flight, &mut seen),
@@ -563,7 +565,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     if let Some((_, batches)) = in_flight.pop_front() {
                         // the pass's answer is in: the settle sent meanwhile
                         // is applied first
-                        settled(&mut c, &mut settling);
+                        settled(&mut c, &mut settling, &mut seen);
                         let later: HashSet<SeqId> = in_flight
                             .iter()
                             .flat_map(|(_, b)| b.iter().flat_map(|(_, i)| i))
@@ -636,17 +638,20 @@ fn drive(order: Order, seed: u64) -> Exercised {
                         };
                         extend(&mut cache, specs, &in_flight, &mut seen)
                     });
+                    // the loop makes no call for a settle with nothing in it
+                    let empty = batch.is_empty()
+                        && completed.is_none()
+                        && outcomes.as_ref().is_none_or(Vec::is_empty);
                     let answer = Settling {
                         step,
                         batch,
                         completed,
                         outcomes,
                     };
-                    if in_flight.is_empty() {
-                        answer.apply(&mut c);
-                    } else {
+                    if !empty && in_flight.is_empty() {
+                        answer.apply(&mut c, &mut seen);
+                    } else if !empty {
                         settling = Some(answer);
-                        seen.settled_late += 1;
                     }
                 }
                 Call::RetryComplete => complete(&mut c, &mut cache, &in_flight, &mut seen),
