@@ -141,7 +141,8 @@ BETWEEN = re.compile(r"between forward passes step=\d+ apply_us=(\d+) settle_us=
 
 
 # ... settled after the launch step=12 settle_us=300 turn_us=120 waited_us=0
-SETTLED = re.compile(r"settled after the launch step=\d+ settle_us=(\d+) turn_us=(\d+) waited_us=(\d+)")
+# (no waited_us: a scheduler that waited for the call's answer before its turn ended)
+SETTLED = re.compile(r"settled after the launch step=\d+ settle_us=(\d+) turn_us=(\d+)(?: waited_us=(\d+))?")
 
 
 def scheduler_side(scheduler_log, since=0):
@@ -164,7 +165,7 @@ def scheduler_side(scheduler_log, since=0):
                 rows.append(tuple(int(x) for x in m.groups()))
             m = SETTLED.search(line)
             if m:
-                settles.append(tuple(int(x) for x in m.groups()))
+                settles.append(tuple(int(x or 0) for x in m.groups()))
     if not rows:
         return None
     after = tuple(statistics.median(r[i] for r in settles) for i in range(3)) if settles \
@@ -523,7 +524,7 @@ def print_table(rows):
         if r.get("loop_turn_us") is not None:
             parts.append(f"Step call after the launch {r['settle_after_us']:.0f} us, "
                          f"the loop's turn (answer in to that call sent) {r['loop_turn_us']:.0f} us, "
-                         f"then waited for its answer {r['settle_waited_us']:.0f} us")
+                         f"then waited for its answer {r.get('settle_waited_us') or 0:.0f} us")
         if r.get("wire_us") is not None:
             parts.append(f"worker: arrival to pass start {r['worker_wait_us']:.0f} us; "
                          f"round trip minus that and compute {r['wire_us']:.0f} us")
