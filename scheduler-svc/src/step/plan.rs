@@ -247,6 +247,13 @@ impl StepPlan {
         }
     }
 
+    /// Whether a `Launch` is still to come in this step (the overlap orders
+    /// after a `Collect`): the loop streams the collected pass's tokens at
+    /// the step's end, once the next pass is out.
+    pub fn launches_later(&self) -> bool {
+        self.calls.contains(&Call::Launch)
+    }
+
     /// Whether a forward pass ran or finished in this step.
     pub fn progressed(&self) -> bool {
         self.progressed
@@ -281,6 +288,20 @@ mod tests {
             assert_eq!(calls, COLLECTING);
             assert!(progressed, "the collected pass is progress");
         }
+    }
+
+    #[test]
+    fn a_collect_of_the_overlap_orders_is_followed_by_a_launch_and_a_plain_ones_is_not() {
+        for order in [Order::Overlap, Order::pipelined()] {
+            let mut plan = StepPlan::new(order, order.depth());
+            while plan.next_call() != Some(Collect) {}
+            assert!(plan.launches_later(), "{order:?}");
+        }
+        let mut plan = StepPlan::new(Order::Plain, 0);
+        while plan.next_call() != Some(Launch) {}
+        plan.launched(true);
+        assert_eq!(plan.next_call(), Some(Collect));
+        assert!(!plan.launches_later());
     }
 
     #[test]

@@ -85,8 +85,8 @@ impl StepLoop {
         true
     }
 
-    /// Waits for a forward pass, applies its results and streams its tokens.
-    /// Returns when the last group's answer arrived, or when the loop had
+    /// Waits for a forward pass and applies its results (the caller streams
+    /// its tokens: `route_outputs`). Returns when the last group's answer arrived, or when the loop had
     /// the answer of a settle's `Step` call sent meanwhile, if later: that
     /// answer is applied once the first answer is in, before any result, so
     /// the core sees the settle, then the pass, as if it had waited.
@@ -112,7 +112,6 @@ impl StepLoop {
             }
         }
         self.metrics.forward(arrived - launched);
-        self.route_outputs();
         ready
     }
 }

@@ -423,6 +423,11 @@ impl StepLoop {
                     if let Some(f) = self.in_flight.pop_front() {
                         between.arrived = Some(self.collect_forward(f).await);
                         between.applied = Some(Instant::now());
+                        // when a launch follows, its tokens are streamed at
+                        // the step's end, once the next pass is out
+                        if !plan.launches_later() {
+                            self.route_outputs();
+                        }
                     }
                 }
                 Call::Settle { extend } => {
