@@ -147,7 +147,7 @@ SETTLED = re.compile(r"settled after the launch step=\d+ settle_us=(\d+) turn_us
 
 def scheduler_side(scheduler_log, since=0):
     """Medians (us) of the scheduler's own work between two forward passes:
-    applying the results and streaming them, the Step call to the cache
+    applying the results (and, in the plain order, streaming them), the Step call to the cache
     (releases, completion, extends) before the launch, planning and sending
     the next pass; then, where the settle follows the launch, that Step
     call (its answer is applied once the next pass is back), the loop's
@@ -519,7 +519,7 @@ def print_table(rows):
             parts.append(f"median gap {r['gap_ms']:.3f} ms, compute {r['compute_ms']:.3f} ms "
                          f"over {r['steps']} decode steps")
         if r.get("apply_us") is not None:
-            parts.append(f"scheduler: apply + stream {r['apply_us']:.0f} us, Step call "
+            parts.append(f"scheduler: apply {r['apply_us']:.0f} us, Step call "
                          f"{r['settle_us']:.0f} us, plan + send {r['launch_us']:.0f} us")
         if r.get("loop_turn_us") is not None:
             parts.append(f"Step call after the launch {r['settle_after_us']:.0f} us, "
