@@ -171,7 +171,10 @@ impl StepLoop {
         ahead: bool,
         arrived: Option<Instant>,
     ) {
-        self.settled().await;
+        debug_assert!(
+            self.pending_settle.is_none(),
+            "the loop applies a settle's answer before the next settle"
+        );
         if self.refused || self.refused_before {
             // The cache refused a call of this step or the last: each part
             // in its own call, so the one it refuses (an invalid item, a

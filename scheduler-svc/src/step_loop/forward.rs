@@ -86,10 +86,10 @@ impl StepLoop {
     }
 
     /// Waits for a forward pass and applies its results (the caller streams
-    /// its tokens: `route_outputs`). Returns when the last group's answer arrived, or when the loop had
-    /// the answer of a settle's `Step` call sent meanwhile, if later: that
-    /// answer is applied once the first answer is in, before any result, so
-    /// the core sees the settle, then the pass, as if it had waited.
+    /// its tokens: `route_outputs`). A settle's `Step` call sent meanwhile is
+    /// applied once the first answer is in, before any result, so the core
+    /// sees the settle, then the pass, as if it had waited. Returns when
+    /// the last answer and that call's were both in.
     pub(super) async fn collect_forward(&mut self, f: InFlight) -> Instant {
         let launched = f.launched;
         let mut arrived = Instant::now();

@@ -115,7 +115,8 @@ pub(crate) struct StepLoop {
     /// The extends [`Call::Plan`] planned, to send after the launch.
     planned_extends: Option<Vec<crate::domain::ExtendSpec>>,
     /// A settle's `Step` call sent while a pass runs, its answer not yet
-    /// applied ([`StepLoop::settled`]).
+    /// applied ([`StepLoop::settled`]): only while a pass is in flight, so
+    /// the collect of that pass (`finish_in_flight` too) applies it.
     pending_settle: Option<cache_calls::PendingSettle>,
 }
 
@@ -308,7 +309,6 @@ impl StepLoop {
 
     async fn stop(&mut self) {
         self.finish_in_flight().await;
-        self.settled().await;
         self.take_submissions();
         self.core.cancel_all("the scheduler is shutting down");
         self.route_outputs();
@@ -450,7 +450,6 @@ impl StepLoop {
     /// and re-leases (recompute) or rejects every live sequence.
     async fn recover(&mut self) {
         self.finish_in_flight().await;
-        self.settled().await;
         // the prefill progress `Plan` kept for a settle names the lost
         // session's leases: the re-leased sequences report afresh
         self.planned_extends = None;
