@@ -250,7 +250,7 @@ fn scheduler_step(draft_k: u32) -> Duration {
         let t = Instant::now();
         let outcomes: Vec<Outcome> = extends.iter().map(|e| extend_grant(e.seq_id)).collect();
         scripting += t.elapsed();
-        core.apply_extends(outcomes);
+        core.apply_extends(core.step(), outcomes);
         black_box(core.plan_admission());
         for (g, items) in core.plan_forward() {
             let t = Instant::now();

@@ -175,6 +175,16 @@ pub async fn start_small_cluster(
     Ok((cache, worker, scheduler))
 }
 
+/// [`start_small_cluster`] with the default cache and a small worker that
+/// keeps `host_blocks` host-tier blocks per pool.
+pub async fn start_tiered_cluster(host_blocks: u32) -> Result<(Service, Service, Service), Error> {
+    let worker = worker_svc::Config {
+        host_blocks,
+        ..small_worker()
+    };
+    start_small_cluster(cache_svc::Config::default(), worker).await
+}
+
 /// A small CPU model (two pools: windows 0 and 64, 16 tokens per block)
 /// whose KV budget holds 20 blocks per pool, so tests can exhaust it.
 pub fn small_worker() -> worker_svc::Config {

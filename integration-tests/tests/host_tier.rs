@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use kvlease_integration_tests::{
     GROUP, Generated, assert_cache_sound, generate_settled, pool_stats, scheduler_client,
-    small_worker, start_small_cluster,
+    start_tiered_cluster,
 };
 use kvlease_proto::v1 as pb;
 
@@ -33,13 +33,7 @@ struct Run {
 /// then the first again, one at a time, on a fresh cluster whose worker
 /// has `host_blocks` host blocks per pool.
 async fn fill_and_repeat(host_blocks: u32) -> Run {
-    let worker = worker_svc::Config {
-        host_blocks,
-        ..small_worker()
-    };
-    let (cache, worker, scheduler) = start_small_cluster(cache_svc::Config::default(), worker)
-        .await
-        .unwrap();
+    let (cache, worker, scheduler) = start_tiered_cluster(host_blocks).await.unwrap();
     let mut client = scheduler_client(scheduler.addr).await.unwrap();
     let mut generate =
         async |tokens: Vec<u32>| generate_settled(&mut client, cache.addr, tokens, 4).await;
@@ -88,4 +82,39 @@ async fn a_prefix_evicted_from_the_device_comes_back_from_the_host_tier() {
     assert_eq!(tiered.again.tokens, tiered.first.tokens);
     assert_eq!(tiered.again.tokens, plain.again.tokens);
     assert_eq!(tiered.first.tokens, plain.first.tokens);
+}
+
+/// The default (pipelined) order sends a step's extends after its launch,
+/// so a demotion an extend names cannot ride that step's pass: it rides the
+/// next one, and the step completes with it. Five prompts leave the pool
+/// full of cached blocks; a long decode then takes blocks at its extends,
+/// evicting the first prompt's, which must reach the host tier (none
+/// dropped) and come back from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_evicted_by_a_decodes_extends_reach_the_host_tier() {
+    let (cache, worker, scheduler) = start_tiered_cluster(80).await.unwrap();
+    let mut client = scheduler_client(scheduler.addr).await.unwrap();
+    let first = generate_settled(&mut client, cache.addr, prompt(0), 1).await;
+    for i in 1..5 {
+        generate_settled(&mut client, cache.addr, prompt(i), 1).await;
+    }
+    let before = pool_stats(cache.addr, GROUP).await.unwrap();
+    let long: Vec<u32> = (0..8).map(|j| j + 3).collect();
+    generate_settled(&mut client, cache.addr, long, 64).await;
+    let after = pool_stats(cache.addr, GROUP).await.unwrap();
+    let again = generate_settled(&mut client, cache.addr, prompt(0), 1).await;
+    assert_cache_sound(cache.addr, GROUP, WITHIN).await.unwrap();
+    scheduler.stop().await.unwrap();
+    worker.stop().await.unwrap();
+    cache.stop().await.unwrap();
+
+    for (b, a) in before.iter().zip(&after) {
+        // the decode's lease took what was free: its extends evicted
+        assert!(a.evictions > b.evictions, "{b:?}\n{a:?}");
+        assert!(a.demotions > b.demotions, "{a:?}");
+        assert_eq!(a.demotions_dropped, 0, "{a:?}");
+    }
+    // the first prompt's full blocks come back from the host tier
+    assert_eq!(again.reused_tokens, 48);
+    assert_eq!(again.tokens, first.tokens);
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use kvlease_integration_tests::otlp::{Received, Receiver, attr_int, attr_str, hex};
 use kvlease_integration_tests::{
-    collect, generate_settled, scheduler_client, small_worker, start_small_cluster,
+    collect, generate_settled, scheduler_client, start_tiered_cluster,
 };
 use kvlease_proto::v1 as pb;
 use kvlease_telemetry::attributes::{ONBOARDED_BLOCKS, REPLICA, TIER, TIER_HOST};
@@ -34,13 +34,7 @@ fn named<'a>(spans: &'a [Received], trace: &[u8], name: &str) -> Vec<&'a Receive
 async fn a_prefix_onboarded_from_host_memory_shows_its_tier_and_replica() {
     let receiver = Receiver::start(Duration::ZERO).unwrap();
     let _telemetry = receiver.export_here().unwrap();
-    let worker = worker_svc::Config {
-        host_blocks: 80,
-        ..small_worker()
-    };
-    let (cache, worker, scheduler) = start_small_cluster(cache_svc::Config::default(), worker)
-        .await
-        .unwrap();
+    let (cache, worker, scheduler) = start_tiered_cluster(80).await.unwrap();
     let mut client = scheduler_client(scheduler.addr).await.unwrap();
     for i in 0..=6 {
         generate_settled(&mut client, cache.addr, prompt(i), 4).await;

@@ -163,7 +163,7 @@ fn step(core: &mut Core, len: u32) -> (Duration, Duration) {
         .map(|e| extend_grant(e.seq_id, len))
         .collect();
     scripting += t.elapsed();
-    core.apply_extends(outcomes);
+    core.apply_extends(core.step(), outcomes);
     black_box(core.plan_admission());
     let batches = core.plan_forward();
     for (g, items) in batches {

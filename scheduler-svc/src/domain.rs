@@ -403,8 +403,9 @@ pub struct Grant {
     pub capacity_tokens: u32,
     /// Partial-block copies the lease step's forward pass must apply first.
     pub copies: Vec<BlockCopy>,
-    /// Host-tier copies the forward pass of the call's step must apply
-    /// before anything else (see [`TierCopy`]).
+    /// Host-tier copies the group's next forward pass must apply before
+    /// anything else, done before the call's step completes (see
+    /// [`TierCopy`]).
     pub tier_copies: Vec<TierCopy>,
     /// Prompt tokens kept under the sequence's retention hint.
     pub retained_tokens: u32,

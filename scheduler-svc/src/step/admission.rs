@@ -453,7 +453,7 @@ impl Core {
     /// step; transient refusals wait at the head of the queue; a refusal
     /// that can never succeed finishes the request `REJECTED` at once.
     pub fn apply_leases(&mut self, outcomes: Vec<Outcome>) {
-        self.collect_tier_copies(&outcomes);
+        self.collect_tier_copies(self.step(), &outcomes);
         let mut leasing: BTreeMap<SeqId, Leasing> = std::mem::take(&mut self.leasing)
             .into_iter()
             .map(|l| (l.seq_id, l))

@@ -105,9 +105,14 @@ impl Steps {
     }
 
     /// Hands the passes at the front that returned from every group to
-    /// completion: each completes once every earlier one did.
-    fn fold_returned(&mut self) {
-        while self.forwards.front().is_some_and(|f| f.out.is_empty()) {
+    /// completion: each completes once every earlier one did, and none
+    /// from `held` on (a tier copy named then has not run yet).
+    fn fold_returned(&mut self, held: Option<Step>) {
+        while self
+            .forwards
+            .front()
+            .is_some_and(|f| f.out.is_empty() && held.is_none_or(|h| f.step < h))
+        {
             if let Some(f) = self.forwards.pop_front() {
                 self.fold_pending(f.step);
             }
@@ -139,7 +144,6 @@ impl Core {
     /// token budgets.
     pub fn begin_step(&mut self) -> Step {
         self.steps.current = self.steps.current.next();
-        self.drop_stale_tier_copies();
         self.batch_open = self.running.is_empty() && self.leasing.is_empty();
         self.exhausted_this_step = false;
         for (budget, group) in self.budget.iter_mut().zip(&self.groups) {
@@ -163,7 +167,7 @@ impl Core {
         }
         // those that returned before this launch (the overlap orders launch
         // before they settle the previous pass) are complete
-        self.steps.fold_returned();
+        self.steps.fold_returned(self.tiers.first_named());
         self.steps.last_launched = Some(self.steps.current);
         self.steps.forwards.push_back(Forward {
             step: self.steps.current,
@@ -314,7 +318,7 @@ impl Core {
         if !self.failed_releases.is_empty() || self.tiers.discard {
             return None;
         }
-        self.steps.fold_returned();
+        self.steps.fold_returned(self.tiers.first_named());
         self.steps.pending_complete
     }
 
@@ -325,11 +329,12 @@ impl Core {
         }
     }
 
-    /// Whether nothing is left to do: no request, no forward pass, release
-    /// or `CompleteStep` outstanding.
+    /// Whether nothing is left to do: no request, no forward pass, tier
+    /// copy, release or `CompleteStep` outstanding.
     pub fn is_quiet(&self) -> bool {
         self.is_idle()
             && self.steps.forwards.is_empty()
+            && self.tiers.first_named().is_none()
             && self.steps.pending_complete.is_none()
             && !self.has_releases()
     }
@@ -340,5 +345,6 @@ impl Core {
         self.steps.forwards.clear();
         self.steps.last_launched = None;
         self.steps.pending_complete = None;
+        self.tiers.forget();
     }
 }

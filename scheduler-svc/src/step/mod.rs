@@ -42,7 +42,7 @@
 //! - `outcomes`: planning the running sequences' extends and forward batches,
 //!   applying the Extend outcomes and the forward results.
 //! - `tiers`: the host-tier copies grants name, carried to the workers in
-//!   the forward pass of their step.
+//!   the group's next forward pass, and the steps they hold from completing.
 //! - `plan`: the call order of a step ([`StepPlan`], [`Call`], [`Order`]).
 //! - `beams`: beam search on forks (which beams continue in place, fork,
 //!   end or are pruned; the answer), with `crate::beam`'s choices.
@@ -390,8 +390,8 @@ pub struct Core {
     /// Reused tokens per queued request and group, from this step's
     /// `Match` (see [`Core::set_reuse`]); cleared by admission.
     reuse: HashMap<RequestId, Vec<u32>>,
-    /// Host-tier copies of this step, and whether the cache must drop
-    /// its pending demotions.
+    /// Host-tier copies not run yet, and whether the cache must drop its
+    /// pending demotions.
     tiers: tiers::TierCopies,
     /// Most entries the cache takes in one batched list (`usize::MAX`: it
     /// advertised no limit). See [`Core::set_batch_limit`].

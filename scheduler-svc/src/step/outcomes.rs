@@ -243,10 +243,13 @@ impl Core {
         }
     }
 
-    /// Applies the Extend outcomes: grants update tables; a refused sequence
-    /// is dropped from the step and preempted or finished `REJECTED`.
-    pub fn apply_extends(&mut self, outcomes: Vec<Outcome>) {
-        self.collect_tier_copies(&outcomes);
+    /// Applies the outcomes of Extend calls that named `step` (this step's,
+    /// or in the overlap orders the last one's, when a settle's answer is
+    /// applied after the next step began): grants update tables; a refused
+    /// sequence is dropped from the step and preempted or finished
+    /// `REJECTED`.
+    pub fn apply_extends(&mut self, step: Step, outcomes: Vec<Outcome>) {
+        self.collect_tier_copies(step, &outcomes);
         for outcome in outcomes {
             match outcome {
                 Outcome::Grant(grant) => {

@@ -24,7 +24,7 @@ impl StepLoop {
         }
         let traces = self.extend_traceparents(&specs);
         let (outcomes, failed) = self.extend_calls(step, &specs, &traces).await;
-        self.apply_extends(outcomes, failed);
+        self.apply_extends(step, outcomes, failed);
     }
 
     /// The extends to send: those [`Call::Plan`](crate::step::Call::Plan)
@@ -84,11 +84,17 @@ impl StepLoop {
         (outcomes, None)
     }
 
-    /// Applies a step's extend outcomes, all at once (a planned decode with
-    /// no outcome does not run); `failed`: the call that failed after them.
-    pub(super) fn apply_extends(&mut self, outcomes: Vec<Outcome>, failed: Option<Error>) {
+    /// Applies the outcomes of a step's extends (calls that named `step`),
+    /// all at once (a planned decode with no outcome does not run);
+    /// `failed`: the call that failed after them.
+    pub(super) fn apply_extends(
+        &mut self,
+        step: Step,
+        outcomes: Vec<Outcome>,
+        failed: Option<Error>,
+    ) {
         self.trace_rejects("Extend", &outcomes);
-        self.core.apply_extends(outcomes);
+        self.core.apply_extends(step, outcomes);
         self.trace_preemptions();
         if let Some(e) = failed {
             self.core.extends_failed();
@@ -297,12 +303,13 @@ impl StepLoop {
                     let mut outcomes = answer.extended;
                     let mut failed = None;
                     let rest = &p.specs[p.first..];
-                    if let Some(step) = p.extend.filter(|_| !rest.is_empty()) {
+                    let step = p.extend.unwrap_or(p.step);
+                    if !rest.is_empty() {
                         let (more, e) = self.extend_calls(step, rest, &p.rest_traces).await;
                         outcomes.extend(more);
                         failed = e;
                     }
-                    self.apply_extends(outcomes, failed);
+                    self.apply_extends(step, outcomes, failed);
                 }
             }
             Err(e) => {
@@ -318,9 +325,6 @@ impl StepLoop {
                     self.core.extends_failed();
                 }
             }
-        }
-        if p.step != self.core.step() {
-            self.core.settle_answered_late();
         }
         self.forget_released();
     }

@@ -33,8 +33,8 @@ impl std::fmt::Debug for InFlight {
 
 impl StepLoop {
     /// Launches the step's forward batches, one task per group (with the
-    /// host-tier copies of the group's step); returns whether any was
-    /// launched.
+    /// host-tier copies the group's grants named since its last pass);
+    /// returns whether any was launched.
     pub(super) fn launch(&mut self, step: Step) -> bool {
         let batches = self.core.plan_forward();
         if batches.is_empty() {

@@ -102,10 +102,13 @@ fn a_decode_with_room_launches_before_its_extend_which_grows_the_lease_a_step_ah
         .collect();
     assert_eq!(launched, vec![(1, 4), (2, 4)]);
     // the extends, answered while the pass runs, grant the next block
-    c.apply_extends(vec![
-        grant_covering(SeqId(1), vec![11], 6),
-        grant_covering(SeqId(2), vec![21], 6),
-    ]);
+    c.apply_extends(
+        c.step(),
+        vec![
+            grant_covering(SeqId(1), vec![11], 6),
+            grant_covering(SeqId(2), vec![21], 6),
+        ],
+    );
     c.apply_forward(0, results(&batches[0].1, 7, false));
     c.begin_step();
     let extends = c.plan_extends(true);
@@ -128,10 +131,10 @@ fn a_refused_extension_holds_back_its_sequence_alone_and_exhaustion_still_answer
     assert_eq!(batches[0].1.len(), 2);
     // sent after the launch: sequence 2's growth is refused while its pass
     // runs; the pass had room and finishes
-    c.apply_extends(vec![
-        grant_covering(SeqId(1), vec![11], 6),
-        exhausted(SeqId(2)),
-    ]);
+    c.apply_extends(
+        c.step(),
+        vec![grant_covering(SeqId(1), vec![11], 6), exhausted(SeqId(2))],
+    );
     assert!(
         c.drain_outputs().is_empty(),
         "nothing ends while the pass runs"
@@ -163,10 +166,10 @@ fn a_refused_extension_holds_back_its_sequence_alone_and_exhaustion_still_answer
     assert_eq!(launched, vec![1], "only the sequence with room runs");
 
     // refused again, at rest: the pool's exhaustion is the request's answer
-    c.apply_extends(vec![
-        grant_covering(SeqId(1), vec![], 7),
-        exhausted(SeqId(2)),
-    ]);
+    c.apply_extends(
+        c.step(),
+        vec![grant_covering(SeqId(1), vec![], 7), exhausted(SeqId(2))],
+    );
     let out = c.drain_outputs();
     let ends = finishes(&out);
     assert_eq!(ends.len(), 1, "{out:?}");
@@ -186,10 +189,10 @@ fn a_granted_late_extension_lets_the_held_back_sequence_run_at_the_next_step() {
     c.begin_step();
     c.plan_extends(true);
     let batches = c.plan_forward();
-    c.apply_extends(vec![
-        grant_covering(SeqId(1), vec![11], 6),
-        exhausted(SeqId(2)),
-    ]);
+    c.apply_extends(
+        c.step(),
+        vec![grant_covering(SeqId(1), vec![11], 6), exhausted(SeqId(2))],
+    );
     c.apply_forward(0, results(&batches[0].1, 7, false));
     c.drain_outputs();
     c.begin_step();
@@ -197,10 +200,13 @@ fn a_granted_late_extension_lets_the_held_back_sequence_run_at_the_next_step() {
     let batches = c.plan_forward();
     assert_eq!(batches[0].1.len(), 1);
     // this time the pool had a block: sequence 2 runs next step, on it
-    c.apply_extends(vec![
-        grant_covering(SeqId(1), vec![], 7),
-        grant_covering(SeqId(2), vec![21], 7),
-    ]);
+    c.apply_extends(
+        c.step(),
+        vec![
+            grant_covering(SeqId(1), vec![], 7),
+            grant_covering(SeqId(2), vec![21], 7),
+        ],
+    );
     c.apply_forward(0, results(&batches[0].1, 8, false));
     assert!(finishes(&c.drain_outputs()).is_empty());
     c.begin_step();
@@ -281,10 +287,10 @@ fn pipelined_a_second_pass_feeds_the_first_ones_samples_and_a_refused_extension_
         extends,
         vec![report(1, vec![10, 7]), report(2, vec![20, 7])]
     );
-    c.apply_extends(vec![
-        grant_covering(SeqId(1), vec![11], 8),
-        exhausted(SeqId(2)),
-    ]);
+    c.apply_extends(
+        c.step(),
+        vec![grant_covering(SeqId(1), vec![11], 8), exhausted(SeqId(2))],
+    );
     assert!(
         finishes(&c.drain_outputs()).is_empty(),
         "nothing ends while B runs"
@@ -303,10 +309,10 @@ fn pipelined_a_second_pass_feeds_the_first_ones_samples_and_a_refused_extension_
     // sequence 2 has no pass in flight: it reports only the tokens whose KV
     // is written (8 is sampled, its KV not written by any pass)
     assert_eq!(extends, vec![report(1, vec![8]), report(2, vec![20, 7])]);
-    c.apply_extends(vec![
-        grant_covering(SeqId(1), vec![], 9),
-        exhausted(SeqId(2)),
-    ]);
+    c.apply_extends(
+        c.step(),
+        vec![grant_covering(SeqId(1), vec![], 9), exhausted(SeqId(2))],
+    );
     let out = c.drain_outputs();
     assert_eq!(tokens_of(&out, 2), vec![8]);
     let ends = finishes(&out);
@@ -392,7 +398,7 @@ fn pipelined_three_deep_each_pass_feeds_the_one_before_and_a_stop_drops_the_two_
     // the settle reports what KV passes write through the token B is fed
     // and grows the lease three slots past it
     assert_eq!(c.settle_extends(Vec::new()), vec![report(2, vec![20, 7])]);
-    c.apply_extends(vec![grant_covering(SeqId(2), vec![21], 9)]);
+    c.apply_extends(c.step(), vec![grant_covering(SeqId(2), vec![21], 9)]);
     let (d, d_items) = launch(&mut c);
     assert_eq!(d, vec![(2, 7, true)], "sequence 2 goes on past C");
     let step_d = c.step();

@@ -124,7 +124,7 @@ fn run(c: &mut Core, width: u32, refuse_fork: impl Fn(usize) -> bool) -> Run {
         assert!(steps < 500, "the search never ended");
         let s = c.begin_step();
         let extends = c.plan_extends(false);
-        c.apply_extends(extends.iter().map(|e| grant(e.seq_id)).collect());
+        c.apply_extends(c.step(), extends.iter().map(|e| grant(e.seq_id)).collect());
         let leases = c.plan_admission();
         let mut outcomes = Vec::new();
         for l in &leases {
@@ -332,7 +332,7 @@ fn a_cancelled_search_ends_every_rank_once_and_releases_every_beam() {
     for _ in 0..3 {
         c.begin_step();
         let e = c.plan_extends(false);
-        c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
+        c.apply_extends(c.step(), e.iter().map(|e| grant(e.seq_id)).collect());
         let leases = c.plan_admission();
         grant_all(&mut c, &leases);
         answer_rows(&mut c, &[(1, -0.5), (2, -0.6), (3, -0.7)]);
@@ -379,7 +379,7 @@ fn a_search_left_with_no_beam_and_no_hypothesis_is_rejected_whole() {
         vec![1],
         "the root is fed the token the search chose"
     );
-    c.apply_extends(vec![exhausted(e[0].seq_id)]);
+    c.apply_extends(c.step(), vec![exhausted(e[0].seq_id)]);
     // the pool is full this step: the fork waits for the next
     assert!(c.plan_admission().is_empty());
     assert!(

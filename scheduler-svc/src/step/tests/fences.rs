@@ -250,7 +250,7 @@ fn an_unacknowledged_complete_step_is_retried_but_never_for_a_step_in_flight() {
     // the cache did not acknowledge it; the next forward is launched
     let second = c.begin_step();
     let e = c.plan_extends(false);
-    c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
+    c.apply_extends(c.step(), e.iter().map(|e| grant(e.seq_id)).collect());
     let batches = c.plan_forward();
     assert_eq!(
         c.complete_through(),
@@ -464,7 +464,7 @@ fn release_batches_never_exceed_the_caches_batch_limit() {
     running(&mut c, 6);
     let step = c.begin_step();
     let e = c.plan_extends(false);
-    c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
+    c.apply_extends(c.step(), e.iter().map(|e| grant(e.seq_id)).collect());
     let batches = c.plan_forward();
     c.forward_failed(batches[0].0, "connection refused");
     for n in [4, 2] {
@@ -520,7 +520,10 @@ fn extends_answered_before_a_failed_call_keep_their_decode() {
     let extends = c.plan_extends(false);
     assert_eq!(extends.len(), 3);
     // the first call (two items) answered, the second failed
-    c.apply_extends(extends[..2].iter().map(|e| grant(e.seq_id)).collect());
+    c.apply_extends(
+        c.step(),
+        extends[..2].iter().map(|e| grant(e.seq_id)).collect(),
+    );
     c.extends_failed();
     let batches = c.plan_forward();
     let ran: Vec<SeqId> = batches

@@ -38,7 +38,7 @@ pub(super) fn fork_grant(l: &LeaseSpec) -> Outcome {
 fn step(c: &mut Core, lease: impl Fn(&LeaseSpec) -> Outcome) -> (Vec<LeaseSpec>, Vec<ForwardItem>) {
     let s = c.begin_step();
     let extends = c.plan_extends(false);
-    c.apply_extends(extends.iter().map(|e| grant(e.seq_id)).collect());
+    c.apply_extends(c.step(), extends.iter().map(|e| grant(e.seq_id)).collect());
     let leases = c.plan_admission();
     c.apply_leases(leases.iter().map(&lease).collect());
     let mut all = Vec::new();

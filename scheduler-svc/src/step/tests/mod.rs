@@ -195,7 +195,7 @@ fn step_with(
 ) -> Vec<ForwardItem> {
     core.begin_step();
     let extends = core.plan_extends(false);
-    core.apply_extends(extends.iter().map(extend).collect());
+    core.apply_extends(core.step(), extends.iter().map(extend).collect());
     let leases = core.plan_admission();
     core.apply_leases(leases.iter().map(lease).collect());
     let batches = core.plan_forward();

@@ -1,7 +1,10 @@
 //! The model check: a core driven through thousands of random steps by the
 //! core's own [`StepPlan`], against a model of the cache's block
 //! bookkeeping, panicking the moment a block reaches a sequence while a
-//! forward pass in flight reads it for another.
+//! forward pass in flight reads it for another; with a host tier, the
+//! moment a pass uses a block before the copy that demotes its old content
+//! ran, or a step completes (publishing a demotion) before that copy's
+//! pass returned.
 
 use std::collections::{HashSet, VecDeque};
 
@@ -34,10 +37,28 @@ struct ModelCache {
     /// Extends refused as contested, and of those the ones sent while a
     /// forward pass was in flight.
     contested: usize,
+    /// With a host tier, a block handed out again after it was written is
+    /// demoted first: a copy named in the grant, published (matchable on
+    /// the host) at the completion of the step the call named.
+    tiered: bool,
+    written: HashSet<u32>,
+    /// Demotions named and not published yet.
+    demotions: Vec<ModelDemotion>,
+}
+
+/// A demotion of the model cache, and where the core's passes took it.
+struct ModelDemotion {
+    /// The step of the Lease or Extend call that named it.
+    named: Step,
+    block: u32,
+    /// The pass that carries the copy, once one was launched with it.
+    pass: Option<Step>,
+    /// Whether that pass returned.
+    ran: bool,
 }
 
 impl ModelCache {
-    fn new(blocks: u32, tokens_per_block: u32) -> Self {
+    fn new(blocks: u32, tokens_per_block: u32, tiered: bool) -> Self {
         Self {
             tokens_per_block,
             total: blocks as usize,
@@ -51,10 +72,13 @@ impl ModelCache {
             contested_one_in: 6,
             rng: 0x2545_f491_4f6c_dd1d,
             contested: 0,
+            tiered,
+            written: HashSet::new(),
+            demotions: Vec::new(),
         }
     }
 
-    fn take(&mut self, seq_id: SeqId, tokens: u32, delta: bool) -> Outcome {
+    fn take(&mut self, seq_id: SeqId, tokens: u32, delta: bool, step: Step) -> Outcome {
         let (had, mut blocks) = self.held.remove(&seq_id).unwrap_or_default();
         let need = (tokens.div_ceil(self.tokens_per_block) as usize).saturating_sub(blocks.len());
         if need > self.free.len() {
@@ -68,12 +92,64 @@ impl ModelCache {
             self.refs.insert(b, 1);
         }
         blocks.extend(&new);
+        let mut tier_copies = Vec::new();
+        for &b in &new {
+            if self.tiered && !self.written.insert(b) {
+                self.demotions.push(ModelDemotion {
+                    named: step,
+                    block: b,
+                    pass: None,
+                    ran: false,
+                });
+                tier_copies.push(crate::domain::TierCopy {
+                    pool_id: 1,
+                    window: 0,
+                    direction: crate::domain::TierDirection::Demote,
+                    device_block: b,
+                    host_block: b,
+                    disk_block: 0,
+                    hash: 0,
+                    parent: 0,
+                });
+            }
+        }
         let table = if delta { new } else { blocks.clone() };
         self.held.insert(seq_id, (tokens, blocks));
         Outcome::Grant(Grant {
             capacity_tokens: tokens,
+            tier_copies,
             ..grant_of(seq_id, table)
         })
+    }
+
+    /// A pass of `step` launched, carrying `copies` (first) and using
+    /// `blocks`: no block may be used while its demotion waits for a pass.
+    fn launched(&mut self, step: Step, copies: &[crate::domain::TierCopy], blocks: &HashSet<u32>) {
+        for c in copies {
+            let d = self
+                .demotions
+                .iter_mut()
+                .find(|d| d.block == c.device_block && d.pass.is_none())
+                .unwrap_or_else(|| {
+                    panic!("a copy of block {} the cache did not name", c.device_block)
+                });
+            d.pass = Some(step);
+        }
+        for d in &self.demotions {
+            assert!(
+                d.pass.is_some() || !blocks.contains(&d.block),
+                "pass {step} uses block {} before the copy that demotes it (named at {})",
+                d.block,
+                d.named
+            );
+        }
+    }
+
+    /// The pass of `step` returned: the copies it carried ran.
+    fn returned(&mut self, step: Step) {
+        for d in &mut self.demotions {
+            d.ran |= d.pass == Some(step);
+        }
     }
 
     /// Drops one holder of `block`, turning it into a fence at `fence`.
@@ -121,7 +197,7 @@ impl ModelCache {
         if !shared.is_empty() {
             self.held.insert(spec.seq_id, (0, shared.clone()));
         }
-        let outcome = self.take(spec.seq_id, tokens, false);
+        let outcome = self.take(spec.seq_id, tokens, false, step);
         let Outcome::Grant(mut g) = outcome else {
             self.held.remove(&spec.seq_id);
             return outcome;
@@ -158,7 +234,7 @@ impl ModelCache {
         outcome
     }
 
-    fn extend(&mut self, spec: &ExtendSpec) -> Outcome {
+    fn extend(&mut self, spec: &ExtendSpec, step: Step) -> Outcome {
         let Some((tokens, blocks)) = self.held.get(&spec.seq_id) else {
             return reject(spec.seq_id, RejectReason::UnknownSequence);
         };
@@ -172,7 +248,12 @@ impl ModelCache {
             self.contested += 1;
             return exhausted(spec.seq_id);
         }
-        let outcome = self.take(spec.seq_id, tokens + spec.new_tokens.len() as u32, true);
+        let outcome = self.take(
+            spec.seq_id,
+            tokens + spec.new_tokens.len() as u32,
+            true,
+            step,
+        );
         if matches!(outcome, Outcome::Grant(_)) {
             *self.known.entry(spec.seq_id).or_default() += spec.new_tokens.len() as u32;
         }
@@ -180,6 +261,10 @@ impl ModelCache {
     }
 
     fn release(&mut self, batch: &ReleaseBatch) {
+        if batch.discard_unwritten {
+            // every demotion of an incomplete step is dropped
+            self.demotions.clear();
+        }
         for seq_id in &batch.seq_ids {
             self.known.remove(seq_id);
             if let Some((_, blocks)) = self.held.remove(seq_id) {
@@ -191,6 +276,20 @@ impl ModelCache {
     }
 
     fn complete_step(&mut self, step: Step) {
+        // the demotions of steps up to it are published: their copies ran
+        for d in self.demotions.iter().filter(|d| d.named <= step) {
+            assert!(
+                d.ran,
+                "CompleteStep({step}) publishes the demotion of block {} (named at {}) whose copy {}",
+                d.block,
+                d.named,
+                match d.pass {
+                    Some(p) => format!("rides pass {p}, still in flight"),
+                    None => "no pass carries yet".into(),
+                }
+            );
+        }
+        self.demotions.retain(|d| d.named > step);
         let (due, parked): (Vec<_>, Vec<_>) = std::mem::take(&mut self.fenced)
             .into_iter()
             .partition(|(s, _)| *s <= step);
@@ -240,6 +339,10 @@ struct Exercised {
     /// Settles whose answer the core took after it began the next step
     /// (sent after a launch, applied once the next pass is collected).
     settled_late: usize,
+    /// Host-tier demotions the passes carried, and of those the ones a
+    /// pass of a later step than the call that named them carried.
+    demotions: usize,
+    late_demotions: usize,
 }
 
 /// A settle's `Step` call the cache answered and the core has not taken
@@ -262,10 +365,9 @@ impl Settling {
             c.step_completed(step);
         }
         if let Some(outcomes) = self.outcomes {
-            c.apply_extends(outcomes);
+            c.apply_extends(self.step, outcomes);
         }
         if c.step() != self.step {
-            c.settle_answered_late();
             seen.settled_late += 1;
         }
     }
@@ -362,6 +464,13 @@ fn drive(order: Order, seed: u64) -> Exercised {
         rng % n
     };
     // the loop's lookahead: the overlap orders plan ahead on it
+    // every other seed with a host tier: blocks handed out again are
+    // demoted first
+    let tiered = seed % 2 == 1;
+    let mut geometry = group(24);
+    if tiered {
+        geometry.pools[0].host_blocks = 400;
+    }
     let mut c = Core::new(
         CoreConfig {
             lookahead: order.lookahead(),
@@ -370,9 +479,9 @@ fn drive(order: Order, seed: u64) -> Exercised {
             prefill_chunk: 4,
             ..CoreConfig::default()
         },
-        vec![group(24)],
+        vec![geometry],
     );
-    let mut cache = ModelCache::new(24, 4);
+    let mut cache = ModelCache::new(24, 4, tiered);
     let mut in_flight: InFlight = VecDeque::new();
     let mut seen = Exercised::default();
     let mut next_id = 1;
@@ -496,6 +605,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
             };
         let extend = |cache: &mut ModelCache,
                       specs: Vec<ExtendSpec>,
+                      step: Step,
                       in_flight: &InFlight,
                       seen: &mut Exercised|
          -> Vec<Outcome> {
@@ -510,7 +620,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     s.seq_id
                 );
             }
-            let outcomes: Vec<Outcome> = specs.iter().map(|s| cache.extend(s)).collect();
+            let outcomes: Vec<Outcome> = specs.iter().map(|s| cache.extend(s, step)).collect();
             if !in_flight.is_empty() {
                 seen.extended_in_flight += specs.len();
                 seen.refused_in_flight += cache.contested - contested;
@@ -537,8 +647,8 @@ fn drive(order: Order, seed: u64) -> Exercised {
                 Call::Admit => admit(&mut c, &mut cache, &in_flight, &mut seen),
                 Call::Extend => {
                     let specs = c.plan_extends(false);
-                    let outcomes = extend(&mut cache, specs, &in_flight, &mut seen);
-                    c.apply_extends(outcomes);
+                    let outcomes = extend(&mut cache, specs, step, &in_flight, &mut seen);
+                    c.apply_extends(c.step(), outcomes);
                 }
                 // a pipelined step that only adds a pass leaves its
                 // planned extends to the next settle
@@ -550,6 +660,25 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     let follows: Vec<Option<Step>> =
                         batches.iter().map(|(g, _)| c.follows(*g)).collect();
                     check_launch(&batches, &follows, &in_flight, &cache, &mut seen);
+                    // each group's pass runs the tier copies it carries
+                    // first (as the loop sends them)
+                    for (g, items) in &batches {
+                        let copies = c.take_tier_copies(*g);
+                        for copy in &copies {
+                            let named = cache
+                                .demotions
+                                .iter()
+                                .find(|d| d.block == copy.device_block && d.pass.is_none())
+                                .map(|d| d.named);
+                            seen.late_demotions += usize::from(named.is_some_and(|n| n < step));
+                        }
+                        seen.demotions += copies.len();
+                        let blocks: HashSet<u32> = items
+                            .iter()
+                            .flat_map(|i| i.tables.iter().flat_map(|t| t.block_ids.iter().copied()))
+                            .collect();
+                        cache.launched(step, &copies, &blocks);
+                    }
                     plan.launched(!batches.is_empty());
                     if !batches.is_empty() {
                         in_flight.push_back((step, batches));
@@ -562,7 +691,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     }
                 }
                 Call::Collect => {
-                    if let Some((_, batches)) = in_flight.pop_front() {
+                    if let Some((pass, batches)) = in_flight.pop_front() {
                         // the pass's answer is in: the settle sent meanwhile
                         // is applied first
                         settled(&mut c, &mut settling, &mut seen);
@@ -605,6 +734,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
                             }
                             c.apply_forward(g, answer);
                         }
+                        cache.returned(pass);
                         seen.finished += finishes(&c.drain_outputs()).len();
                     }
                 }
@@ -636,7 +766,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
                             Some(planned) => c.settle_extends(planned),
                             None => c.plan_extends(false),
                         };
-                        extend(&mut cache, specs, &in_flight, &mut seen)
+                        extend(&mut cache, specs, step, &in_flight, &mut seen)
                     });
                     // the loop makes no call for a settle with nothing in it
                     let empty = batch.is_empty()
@@ -661,6 +791,10 @@ fn drive(order: Order, seed: u64) -> Exercised {
     assert!(
         c.is_quiet() && in_flight.is_empty() && settling.is_none(),
         "the run did not drain"
+    );
+    assert!(
+        cache.demotions.is_empty(),
+        "every demotion published by the run's end"
     );
     assert_eq!(
         cache.free.len(),
@@ -691,6 +825,8 @@ fn drive_seeds(order: Order) -> Exercised {
         total.beam_rows += seen.beam_rows;
         total.deepest = total.deepest.max(seen.deepest);
         total.settled_late += seen.settled_late;
+        total.demotions += seen.demotions;
+        total.late_demotions += seen.late_demotions;
     }
     total
 }
@@ -708,6 +844,8 @@ impl Exercised {
             && self.forks > 100
             && self.beam_rows > 100
             && self.settled_late > 1_000
+            && self.demotions > 1_000
+            && self.late_demotions > 100
             && (!pipelined || (self.fed > 1_000 && self.stopped_in_flight > 100))
     }
 }
@@ -746,12 +884,17 @@ fn plain_no_block_reaches_another_sequence_early_and_every_fenced_block_comes_ba
     );
     assert_eq!(total.launched_ahead, 0, "every decode waits for its extend");
     assert_eq!(total.fed, 0, "nothing is fed without a pass in flight");
+    assert_eq!(
+        total.late_demotions, 0,
+        "every demotion rides the pass of the step that named it"
+    );
     assert!(
         total.grants > 1_000
             && total.completes > 1_000
             && total.finished > 1_000
             && total.forks > 100
-            && total.beam_rows > 100,
+            && total.beam_rows > 100
+            && total.demotions > 1_000,
         "the runs exercised too little: {total:?}"
     );
 }

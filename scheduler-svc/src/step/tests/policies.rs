@@ -63,7 +63,7 @@ fn max_utilization_preempts_on_mid_flight_exhaustion_and_keeps_stepping() {
     // its prompt plus the token it had generated
     c.begin_step();
     let ext = c.plan_extends(false);
-    c.apply_extends(ext.iter().map(|e| grant(e.seq_id)).collect());
+    c.apply_extends(c.step(), ext.iter().map(|e| grant(e.seq_id)).collect());
     let leases = c.plan_admission();
     assert_eq!(leases.len(), 1);
     assert_eq!(leases[0].seq_id, SeqId(3));

@@ -76,7 +76,10 @@ fn step_recording(
 ) -> (Vec<ExtendSpec>, Vec<LeaseSpec>, Vec<ForwardItem>) {
     core.begin_step();
     let extends = core.plan_extends(false);
-    core.apply_extends(extends.iter().map(|e| grant(e.seq_id)).collect());
+    core.apply_extends(
+        core.step(),
+        extends.iter().map(|e| grant(e.seq_id)).collect(),
+    );
     let leases = core.plan_admission();
     core.apply_leases(leases.iter().map(lease).collect());
     let mut all = Vec::new();
@@ -291,7 +294,7 @@ fn speculative_decode_feeds_drafts_and_extends_by_accepted_plus_one() {
     c.begin_step();
     let e = c.plan_extends(false);
     assert_eq!(e[0].new_tokens, vec![3]);
-    c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
+    c.apply_extends(c.step(), e.iter().map(|e| grant(e.seq_id)).collect());
     let b = c.plan_forward();
     let item = &b[0].1[0];
     assert_eq!(item.tokens, vec![3, 1, 2, 3]);
@@ -318,7 +321,7 @@ fn drafts_never_overshoot_max_tokens() {
     step_granting(&mut c, 1);
     c.begin_step();
     let e = c.plan_extends(false);
-    c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
+    c.apply_extends(c.step(), e.iter().map(|e| grant(e.seq_id)).collect());
     let b = c.plan_forward();
     // 1 generated, 2 left: at most 1 draft
     assert_eq!(b[0].1[0].tokens.len(), 2);
@@ -347,7 +350,7 @@ fn newcomers_do_not_take_the_decode_budget_of_running_requests() {
     grant_all(&mut c, &leases);
     let e = c.plan_extends(false);
     assert_eq!(e.len(), 3, "every running request still decodes this step");
-    c.apply_extends(e.iter().map(|e| grant(e.seq_id)).collect());
+    c.apply_extends(c.step(), e.iter().map(|e| grant(e.seq_id)).collect());
     let b = c.plan_forward();
     let tokens: usize = b[0].1.iter().map(|i| i.tokens.len()).sum();
     assert_eq!(tokens, 8);

@@ -1,6 +1,9 @@
 //! Host-tier copies: the demotions and onboardings a grant names ride the
-//! forward pass of their step, and a failed pass that carried them releases
-//! with `discard_unwritten` before its step completes.
+//! group's next forward pass (the step's own, or in the overlap orders the
+//! next one for the extends sent after a launch), no step from the one that
+//! named them completes before that pass returned, and a failed pass that
+//! carried them releases with `discard_unwritten` before its step
+//! completes.
 
 use super::*;
 
@@ -21,6 +24,19 @@ fn demotion(device_block: u32, host_block: u32) -> crate::domain::TierCopy {
         hash: 0,
         parent: 0,
     }
+}
+
+/// A core in the pipelined order over the tiered group.
+fn pipelined_tiered() -> Core {
+    let order = Order::pipelined();
+    Core::new(
+        CoreConfig {
+            lookahead: order.lookahead(),
+            order,
+            ..CoreConfig::default()
+        },
+        vec![tiered_group()],
+    )
 }
 
 fn grant_with_copies(seq_id: SeqId, copies: Vec<crate::domain::TierCopy>) -> Outcome {
@@ -100,15 +116,7 @@ fn a_lease_call_that_failed_with_a_host_tier_sends_a_discard_even_with_no_sequen
 
 #[test]
 fn a_failed_pass_that_carried_demotions_discards_though_an_earlier_pass_of_its_group_returned() {
-    let order = Order::pipelined();
-    let mut c = Core::new(
-        CoreConfig {
-            lookahead: order.lookahead(),
-            order,
-            ..CoreConfig::default()
-        },
-        vec![tiered_group()],
-    );
+    let mut c = pipelined_tiered();
     // pass A: request 1's prompt, no copies
     c.submit(request(1, 4, 8));
     c.begin_step();
@@ -137,4 +145,109 @@ fn a_failed_pass_that_carried_demotions_discards_though_an_earlier_pass_of_its_g
     assert_eq!(c.complete_through(), None, "not before the discard release");
     let release = c.take_releases();
     assert!(release.discard_unwritten, "{release:?}");
+}
+
+/// A pipelined core over the tiered group with request 1 (a 4-token
+/// prompt, 8 tokens at most) leased and prefilled: it decodes from here.
+fn pipelined_decoding() -> Core {
+    let mut c = pipelined_tiered();
+    c.submit(request(1, 4, 8));
+    c.begin_step();
+    let leases = c.plan_admission();
+    // one block of 4, covering the prompt and the lookahead slots
+    c.apply_leases(vec![Outcome::Grant(Grant {
+        capacity_tokens: 4 + Order::pipelined().lookahead(),
+        ..grant_of(leases[0].seq_id, vec![1])
+    })]);
+    let prefill = c.plan_forward();
+    c.apply_forward(prefill[0].0, results(&prefill[0].1, 5, false));
+    c
+}
+
+/// [`pipelined_decoding`]'s decode launched, and the settle after the
+/// launch answered: its extend evicted a cached block, whose demotion it
+/// names. Returns the core, the step the extend named, the group and the
+/// decode's items.
+fn decoding_with_a_late_demotion() -> (Core, Step, usize, Vec<ForwardItem>) {
+    let mut c = pipelined_decoding();
+    let named = c.begin_step();
+    c.plan_extends(true);
+    let mut a = c.plan_forward();
+    let (g, items) = a.remove(0);
+    assert_eq!(items.len(), 1, "the decode: {items:?}");
+    assert!(c.take_tier_copies(g).is_empty());
+    let seq = items[0].seq_id;
+    c.apply_extends(named, vec![grant_with_copies(seq, vec![demotion(3, 7)])]);
+    (c, named, g, items)
+}
+
+#[test]
+fn a_demotion_named_by_extends_after_the_launch_rides_the_next_pass_and_holds_its_step() {
+    let (mut c, named, g, a) = decoding_with_a_late_demotion();
+    // its pass returns, but the copy has not run: its step is held
+    c.apply_forward(g, results(&a, 6, false));
+    assert!(
+        c.complete_through().is_none_or(|s| s < named),
+        "{:?}",
+        c.complete_through()
+    );
+    assert!(!c.is_quiet());
+    // the next step's pass carries it, though the answer came late
+    c.begin_step();
+    c.plan_extends(true);
+    let b = c.plan_forward();
+    assert_eq!(b[0].0, g);
+    assert_eq!(c.take_tier_copies(g), vec![demotion(3, 7)]);
+    assert!(c.complete_through().is_none_or(|s| s < named));
+    c.apply_forward(g, results(&b[0].1, 7, false));
+    assert_eq!(c.complete_through(), Some(c.step()), "both steps complete");
+    assert!(!c.take_releases().discard_unwritten, "nothing was dropped");
+}
+
+#[test]
+fn late_copies_of_a_group_with_nothing_to_run_get_a_pass_of_their_own() {
+    let (mut c, _, g, a) = decoding_with_a_late_demotion();
+    c.cancel(RequestId(1), "client went away");
+    c.apply_forward(g, results(&a, 6, false));
+    let release = c.take_releases();
+    c.releases_sent(release);
+    assert!(c.is_idle());
+    assert!(!c.is_quiet(), "a copy waits for a pass");
+    c.begin_step();
+    let b = c.plan_forward();
+    assert_eq!((b.len(), b[0].0, b[0].1.len()), (1, g, 0), "copies alone");
+    assert_eq!(c.take_tier_copies(g).len(), 1);
+    c.apply_forward(g, Vec::new());
+    let through = c.complete_through();
+    assert_eq!(through, Some(c.step()));
+    c.step_completed(c.step());
+    assert!(c.is_quiet());
+}
+
+#[test]
+fn a_failed_pass_that_carried_late_copies_discards_before_their_step_completes() {
+    let (mut c, _, g, a) = decoding_with_a_late_demotion();
+    c.apply_forward(g, results(&a, 6, false));
+    c.begin_step();
+    c.plan_extends(true);
+    c.plan_forward();
+    assert_eq!(c.take_tier_copies(g).len(), 1);
+    c.forward_failed(g, "worker down");
+    assert_eq!(c.complete_through(), None, "not before the discard release");
+    let release = c.take_releases();
+    assert!(release.discard_unwritten, "{release:?}");
+    c.releases_sent(release);
+    assert!(c.complete_through().is_some());
+}
+
+#[test]
+fn a_lost_session_forgets_the_copies_it_named() {
+    let (mut c, _, g, _) = decoding_with_a_late_demotion();
+    c.leases_lost(false, "cache restarted");
+    c.drain_outputs();
+    // the old session's copies never reach a pass of the new one
+    c.begin_step();
+    let b = c.plan_forward();
+    assert!(b.is_empty(), "{b:?}");
+    assert!(c.take_tier_copies(g).is_empty());
 }
