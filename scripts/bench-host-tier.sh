@@ -67,16 +67,17 @@ run tiered $(( 4 * n ))
 
 row() {
   local name=$1 label=$2
-  local hit ttft onboarded demoted
+  local hit ttft onboarded demoted dropped
   hit=$(grep -m1 'cache hit rate' "$work/$name.out" | sed 's/^ *cache hit rate *//')
   ttft=$(grep -m1 'TTFT' "$work/$name.out" | sed 's/^ *TTFT *//')
   onboarded=$(metric_sum kvlease_tier_copy_blocks_total 'direction="onboarded"' <"$work/$name.metrics")
   demoted=$(metric_sum kvlease_tier_copy_blocks_total 'direction="demoted"' <"$work/$name.metrics")
-  printf '| %s | %s | %s | %s | %s |\n' "$label" "$hit" "$ttft" "$demoted" "$onboarded"
+  dropped=$(metric_sum kvlease_tier_copy_blocks_total 'direction="demotion_dropped"' <"$work/$name.metrics")
+  printf '| %s | %s | %s | %s | %s | %s |\n' "$label" "$hit" "$ttft" "$demoted" "$dropped" "$onboarded"
 }
 echo "trace $trace, first $requests requests, concurrency $concurrency, one CPU worker, N = $n blocks per pool"
-echo "| pools | cache hit rate | TTFT | demoted | onboarded |"
-echo "|---|---|---|---|---|"
+echo "| pools | cache hit rate | TTFT | demoted | of those dropped (never published) | onboarded |"
+echo "|---|---|---|---|---|---|"
 row device "device N"
 row tiered "device N + host 4N"
 for name in device tiered; do

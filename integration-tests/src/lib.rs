@@ -101,20 +101,42 @@ pub async fn metrics_page(addr: SocketAddr) -> Result<(String, String), Error> {
 /// The value of the unlabelled series `name` on `service`'s metrics
 /// endpoint (0 when it has none yet).
 pub async fn metric_value(service: &Service, name: &str) -> Result<f64, Error> {
+    metric_sum(service, name, |series| series == name).await
+}
+
+/// The sum of every series of the metric family `name` (whatever its
+/// labels) on `service`'s metrics endpoint (0 when it has none yet).
+pub async fn metric_total(service: &Service, name: &str) -> Result<f64, Error> {
+    let labelled = format!("{name}{{");
+    metric_sum(service, name, |series| {
+        series == name || series.starts_with(&labelled)
+    })
+    .await
+}
+
+/// The sum of the series of `service`'s metrics page that `pick` takes.
+async fn metric_sum(
+    service: &Service,
+    name: &str,
+    pick: impl Fn(&str) -> bool,
+) -> Result<f64, Error> {
     let addr = service
         .metrics
         .ok_or_else(|| Error::Metrics(format!("{} has no metrics endpoint", service.name)))?;
     let (_, body) = metrics_page(addr).await?;
-    let line = body
-        .lines()
-        .find(|l| l.split_once(' ').is_some_and(|(series, _)| series == name));
-    match line.and_then(|l| l.rsplit_once(' ')) {
-        Some((_, v)) => v
-            .trim()
-            .parse()
-            .map_err(|e| Error::Metrics(format!("{name}: {v}: {e}"))),
-        None => Ok(0.0),
+    let mut sum = 0.0;
+    for line in body.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, v)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        if pick(series) {
+            sum += v
+                .trim()
+                .parse::<f64>()
+                .map_err(|e| Error::Metrics(format!("{name}: {v}: {e}")))?;
+        }
     }
+    Ok(sum)
 }
 
 /// Starts a cache service (with a metrics endpoint).

@@ -25,12 +25,14 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use kvlease_integration_tests::metric_total;
 use kvlease_integration_tests::otlp::{
     OversubscribedCluster, Received, Receiver, Sent, attr_int, attr_ints, attr_str, hex,
     traced_bench, tree,
 };
 use kvlease_proto::v1 as pb;
 use kvlease_telemetry::attributes::{REJECT_SPAN, STEP_SAMPLED, STEP_SPAN};
+use kvlease_telemetry::metrics::names::REJECTS_TOTAL;
 
 const SCHEDULER: &str = "kvlease-scheduler";
 const CACHE: &str = "kvlease-cache";
@@ -41,6 +43,17 @@ const ERROR: i32 = 2;
 /// trace.
 const PREFILL: &str = "prefill";
 const PROMPT: u32 = 48;
+
+/// The cache's `Reject` spans that started at or after `since`: one per
+/// sequence it refused, in the request's trace or in the step's.
+fn cache_rejects(spans: &[Received], since: u64) -> usize {
+    spans
+        .iter()
+        .filter(|s| {
+            s.service == CACHE && s.span.name == REJECT_SPAN && s.span.start_time_unix_nano >= since
+        })
+        .count()
+}
 
 fn rejected(s: &Sent) -> bool {
     s.result.finish_reason() == pb::FinishReason::Rejected
@@ -172,9 +185,15 @@ async fn an_oversubscribed_bench_gives_one_readable_trace_per_request() {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_nanos() as u64;
+    let refused_before = metric_total(&cluster.cache, REJECTS_TOTAL).await.unwrap();
     let sent = traced_bench(cluster.scheduler.addr, 200, PROMPT, 120)
         .await
         .unwrap();
+    // every refusal the cache answered (its metric), each a Reject span in
+    // an exported trace: a step's trace whose settle carried a refusal is
+    // sampled, even when the answer came after the step ended
+    let refused =
+        (metric_total(&cluster.cache, REJECTS_TOTAL).await.unwrap() - refused_before) as usize;
     // every request's trace has arrived: its root, the release of every
     // lease it was granted, and for one that was not rejected its forward
     // work (the forward and release spans of the last steps end after the
@@ -191,6 +210,7 @@ async fn an_oversubscribed_bench_gives_one_readable_trace_per_request() {
                 settled(&trace, rejected(s))
             }) && dangling_links(all).is_empty()
                 && orphans(all, started) == 0
+                && cache_rejects(all, started) >= refused
         })
         .await;
     let spans: Vec<Received> = receiver
@@ -202,6 +222,11 @@ async fn an_oversubscribed_bench_gives_one_readable_trace_per_request() {
     cluster.stop().await;
 
     let traces = by_trace(&spans);
+    assert_eq!(
+        cache_rejects(&spans, started),
+        refused,
+        "the cache refused {refused} sequences; Reject spans exported"
+    );
     let rejects = sent.iter().filter(|s| rejected(s)).count();
     let preemptions: u32 = sent.iter().map(|s| s.result.preemptions).sum();
     assert!(rejects > 0, "no request was rejected");

@@ -61,7 +61,7 @@ pub(crate) async fn start(
                 std::mem::take(&mut *held.lock().unwrap_or_else(|e| e.into_inner()));
             if !ids.is_empty() {
                 // best effort: closing the session reclaims them anyway
-                let _ = release_all(cache, &ids, None).await;
+                let _ = release_all(cache, &ids, None, true).await;
             }
             Err(Error::WarmupDeadline {
                 deadline_ms: config.warmup_deadline_ms,
@@ -378,9 +378,11 @@ async fn warm_up(
         held.lock().unwrap_or_else(|e| e.into_inner()).extend(&ids);
         let outcome = run_shape(config, cache, worker, group, shape, &specs, step).await;
         // release whatever happened: atomic leases took all or nothing, and
-        // release is idempotent; fenced at the last warm-up step, completed
+        // release is idempotent; fenced at the last warm-up step, completed.
+        // After a failure the cache must publish nothing of it: a pass or a
+        // host-tier copy a grant named may not have run.
         let fence = *step;
-        let released = release_all(cache, &ids, Some(fence)).await;
+        let released = release_all(cache, &ids, Some(fence), outcome.is_err()).await;
         let completed = cache.complete_step(fence).await;
         held.lock().unwrap_or_else(|e| e.into_inner()).clear();
         outcome?;
@@ -544,12 +546,18 @@ fn batch_limit(cache: &CacheClient) -> usize {
     cache.session().batch_limit().unwrap_or(usize::MAX).max(1)
 }
 
-/// Releases `ids` (fenced at `fence`) in calls of at most the cache's batch
-/// limit; every call is tried, and the first failure is returned.
-async fn release_all(cache: &CacheClient, ids: &[SeqId], fence: Option<Step>) -> Result<()> {
+/// Releases `ids` (fenced at `fence`; with `discard_unwritten` after a
+/// failure) in calls of at most the cache's batch limit; every call is
+/// tried, and the first failure is returned.
+async fn release_all(
+    cache: &CacheClient,
+    ids: &[SeqId],
+    fence: Option<Step>,
+    discard_unwritten: bool,
+) -> Result<()> {
     let mut first_failure = Ok(());
     for chunk in ids.chunks(batch_limit(cache)) {
-        if let Err(e) = cache.release(chunk, fence, false, &[]).await
+        if let Err(e) = cache.release(chunk, fence, discard_unwritten, &[]).await
             && first_failure.is_ok()
         {
             first_failure = Err(e);

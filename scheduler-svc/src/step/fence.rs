@@ -88,8 +88,9 @@ pub(super) struct Steps {
     /// The step being planned (the last one begun).
     current: Step,
     /// The forward passes launched and not yet handed to
-    /// `complete_through`, oldest first (at most the pipelined order's
-    /// depth).
+    /// `complete_through`, oldest first (those in flight, at most the
+    /// pipelined order's depth, and returned ones a tier copy not run yet
+    /// holds back).
     forwards: VecDeque<Forward>,
     /// The step of the last forward pass launched (since the session
     /// opened).
@@ -318,8 +319,19 @@ impl Core {
         if !self.failed_releases.is_empty() || self.tiers.discard {
             return None;
         }
-        self.steps.fold_returned(self.tiers.first_named());
-        self.steps.pending_complete
+        let held = self.tiers.first_named();
+        self.steps.fold_returned(held);
+        // (one computed before a copy was named stays pending until it ran)
+        self.steps
+            .pending_complete
+            .filter(|&p| held.is_none_or(|h| p < h))
+    }
+
+    /// [`Core::complete_through`] for a call whose extends name `named`
+    /// and follow the completion: only a step before it, since the cache
+    /// drops at once the demotions an extend names at a completed step.
+    pub fn complete_before(&mut self, named: Step) -> Option<Step> {
+        self.complete_through().filter(|&s| s < named)
     }
 
     /// The cache acknowledged `CompleteStep(step)`.

@@ -101,6 +101,17 @@ impl Core {
         }
     }
 
+    /// No pass will carry the copies not handed to one yet (the loop stops,
+    /// or the session is lost): they are dropped, and the cache must drop
+    /// their demotions before any step completes. Call it with no pass in
+    /// flight.
+    pub fn abandon_tier_copies(&mut self) {
+        if !self.tiers.pending.is_empty() {
+            self.tiers.pending.clear();
+            self.tiers.discard = true;
+        }
+    }
+
     /// A Lease or Extend call failed as a whole: with a host tier, the
     /// cache may have named demotions that no worker will run.
     pub(super) fn tier_call_failed(&mut self) {

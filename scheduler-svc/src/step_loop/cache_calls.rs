@@ -186,17 +186,20 @@ impl StepLoop {
             // in its own call, so the one it refuses (an invalid item, a
             // limit it did not advertise) does not hold back the others.
             // The releases go alone at the next step's flush.
-            self.complete().await;
+            self.complete(extend).await;
             if let Some(step) = extend {
                 self.extend(step).await;
             }
             return;
         }
         let batch = self.core.take_releases();
-        let complete = self.core.complete_through();
         let specs = match extend {
             Some(_) => self.take_extends(),
             None => Vec::new(),
+        };
+        let complete = match extend.filter(|_| !specs.is_empty()) {
+            Some(named) => self.core.complete_before(named),
+            None => self.core.complete_through(),
         };
         if batch.is_empty() && complete.is_none() && specs.is_empty() {
             return;
@@ -265,6 +268,15 @@ impl StepLoop {
         let Some(p) = self.pending_settle.take() else {
             return;
         };
+        // the answer to a step that has ended: what it refuses or preempts
+        // marks that step's trace (the current step's marks are kept apart)
+        let late = self.unmarked.take_if(|u| u.step == p.step);
+        let current = late.is_some().then(|| {
+            (
+                std::mem::take(&mut self.step_rejects),
+                std::mem::take(&mut self.step_preemptions),
+            )
+        });
         let waiting = Instant::now();
         let (result, answered) = match p.call.await {
             Ok(r) => r,
@@ -327,11 +339,23 @@ impl StepLoop {
             }
         }
         self.forget_released();
+        if let (Some(mut u), Some((rejects, preemptions))) = (late, current) {
+            self.trace_preemptions();
+            u.rejects |= self.step_rejects;
+            u.preemptions |= self.step_preemptions;
+            (self.step_rejects, self.step_preemptions) = (rejects, preemptions);
+            u.mark(self.config.trace_steps_one_in);
+        }
     }
 
-    /// Sends `CompleteStep` for the step the core says is complete, if any.
-    pub(super) async fn complete(&mut self) {
-        let Some(step) = self.core.complete_through() else {
+    /// Sends `CompleteStep` for the step the core says is complete, if any
+    /// (before `extends_at`, the step the extends that follow name).
+    pub(super) async fn complete(&mut self, extends_at: Option<Step>) {
+        let complete = match extends_at {
+            Some(named) => self.core.complete_before(named),
+            None => self.core.complete_through(),
+        };
+        let Some(step) = complete else {
             return;
         };
         let span = self.batch_span("CompleteStep", step);
@@ -465,6 +489,13 @@ pub(super) struct PendingSettle {
     /// launch), for the log of the loop's turn.
     arrived: Option<Instant>,
     step: Step,
+}
+
+impl PendingSettle {
+    /// The step whose settle sent the call.
+    pub(super) fn step(&self) -> Step {
+        self.step
+    }
 }
 
 impl std::fmt::Debug for PendingSettle {

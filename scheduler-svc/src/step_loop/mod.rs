@@ -118,6 +118,28 @@ pub(crate) struct StepLoop {
     /// applied ([`StepLoop::settled`]): only while a pass is in flight, so
     /// the collect of that pass (`finish_in_flight` too) applies it.
     pending_settle: Option<cache_calls::PendingSettle>,
+    /// The last step's trace, when that step's settle was not answered
+    /// by its end: marked once the answer is applied.
+    unmarked: Option<UnmarkedStep>,
+}
+
+/// A step whose settle's answer was not applied when the step ended: the
+/// root of its trace stays open until it is, so that a refusal or a
+/// preemption the answer carries samples that step's trace (where the
+/// `Step` call's span is), not the next one's.
+#[derive(Debug)]
+struct UnmarkedStep {
+    span: tracing::Span,
+    step: Step,
+    rejects: bool,
+    preemptions: bool,
+}
+
+impl UnmarkedStep {
+    /// Marks the trace with why it is exported (or not) and ends its root.
+    fn mark(self, one_in: u64) {
+        StepSampling { one_in }.mark(&self.span, self.step, self.rejects, self.preemptions);
+    }
 }
 
 const MIN_BACKOFF: Duration = Duration::from_millis(5);
@@ -164,6 +186,7 @@ impl StepLoop {
             refused_before: false,
             planned_extends: None,
             pending_settle: None,
+            unmarked: None,
         };
         Ok((step_loop, handle))
     }
@@ -282,11 +305,21 @@ impl StepLoop {
             self.step_preemptions = false;
             let progressed = self.step_once(step).instrument(span.clone()).await;
             self.trace_preemptions();
-            StepSampling {
-                one_in: self.config.trace_steps_one_in,
+            let ended = UnmarkedStep {
+                span,
+                step,
+                rejects: self.step_rejects,
+                preemptions: self.step_preemptions,
+            };
+            if self
+                .pending_settle
+                .as_ref()
+                .is_some_and(|p| p.step() == step)
+            {
+                self.unmarked = Some(ended);
+            } else {
+                ended.mark(self.config.trace_steps_one_in);
             }
-            .mark(&span, step, self.step_rejects, self.step_preemptions);
-            drop(span);
             if progressed {
                 self.metrics.step(started.elapsed());
             }
@@ -309,10 +342,17 @@ impl StepLoop {
 
     async fn stop(&mut self) {
         self.finish_in_flight().await;
+        if let Some(u) = self.unmarked.take() {
+            u.mark(self.config.trace_steps_one_in);
+        }
+        // no pass carries the copies the last extends named: the release
+        // below drops them at the cache, and the last step completes
+        self.core.abandon_tier_copies();
         self.take_submissions();
         self.core.cancel_all("the scheduler is shutting down");
         self.route_outputs();
         self.flush_releases().await;
+        self.complete(None).await;
         if let Err(e) = self.cache.close_session().await {
             tracing::warn!(error = %e, "closing the cache session failed");
         }
@@ -440,7 +480,7 @@ impl StepLoop {
                     between.settled = Some(Instant::now());
                 }
                 // a CompleteStep the cache did not acknowledge is tried again
-                Call::RetryComplete => self.complete().await,
+                Call::RetryComplete => self.complete(None).await,
             }
         }
         plan.progressed()
@@ -451,8 +491,10 @@ impl StepLoop {
     async fn recover(&mut self) {
         self.finish_in_flight().await;
         // the prefill progress `Plan` kept for a settle names the lost
-        // session's leases: the re-leased sequences report afresh
+        // session's leases: the re-leased sequences report afresh; the
+        // copies its grants named are the lost session's too
         self.planned_extends = None;
+        self.core.abandon_tier_copies();
         let reopened = keepalive::reopen(
             &self.cache,
             &self.config.holder,

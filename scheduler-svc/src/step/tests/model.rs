@@ -44,6 +44,11 @@ struct ModelCache {
     written: HashSet<u32>,
     /// Demotions named and not published yet.
     demotions: Vec<ModelDemotion>,
+    /// The last step completed, and the demotions named at a step already
+    /// completed, which the cache drops at once (as `take_demotions` does):
+    /// the block is evicted without its copy.
+    completed: Option<Step>,
+    dropped: usize,
 }
 
 /// A demotion of the model cache, and where the core's passes took it.
@@ -75,6 +80,8 @@ impl ModelCache {
             tiered,
             written: HashSet::new(),
             demotions: Vec::new(),
+            completed: None,
+            dropped: 0,
         }
     }
 
@@ -95,6 +102,10 @@ impl ModelCache {
         let mut tier_copies = Vec::new();
         for &b in &new {
             if self.tiered && !self.written.insert(b) {
+                if self.completed.is_some_and(|c| step <= c) {
+                    self.dropped += 1;
+                    continue;
+                }
                 self.demotions.push(ModelDemotion {
                     named: step,
                     block: b,
@@ -290,6 +301,7 @@ impl ModelCache {
             );
         }
         self.demotions.retain(|d| d.named > step);
+        self.completed = Some(self.completed.map_or(step, |c| c.max(step)));
         let (due, parked): (Vec<_>, Vec<_>) = std::mem::take(&mut self.fenced)
             .into_iter()
             .partition(|(s, _)| *s <= step);
@@ -351,6 +363,8 @@ struct Exercised {
 struct Settling {
     /// The step the call was sent in.
     step: Step,
+    /// The step its extends name (the last pass launched).
+    named: Step,
     batch: crate::step::ReleaseBatch,
     completed: Option<Step>,
     outcomes: Option<Vec<Outcome>>,
@@ -365,7 +379,7 @@ impl Settling {
             c.step_completed(step);
         }
         if let Some(outcomes) = self.outcomes {
-            c.apply_extends(self.step, outcomes);
+            c.apply_extends(self.named, outcomes);
         }
         if c.step() != self.step {
             seen.settled_late += 1;
@@ -750,7 +764,17 @@ fn drive(order: Order, seed: u64) -> Exercised {
                         seen.released_in_flight += usize::from(!in_flight.is_empty());
                         cache.release(&batch);
                     }
-                    let completed = c.complete_through();
+                    // the extends name the last pass launched, and the
+                    // completion goes before them: only of a step before it
+                    let named = c.settle_step(step);
+                    let specs = with_extends.then(|| match planned.take() {
+                        Some(planned) => c.settle_extends(planned),
+                        None => c.plan_extends(false),
+                    });
+                    let completed = match specs.as_ref().filter(|s| !s.is_empty()) {
+                        Some(_) => c.complete_before(named),
+                        None => c.complete_through(),
+                    };
                     if let Some(step) = completed {
                         if let Some((running, _)) = in_flight.front() {
                             assert!(
@@ -761,19 +785,15 @@ fn drive(order: Order, seed: u64) -> Exercised {
                         cache.complete_step(step);
                         seen.completes += 1;
                     }
-                    let outcomes = with_extends.then(|| {
-                        let specs = match planned.take() {
-                            Some(planned) => c.settle_extends(planned),
-                            None => c.plan_extends(false),
-                        };
-                        extend(&mut cache, specs, step, &in_flight, &mut seen)
-                    });
+                    let outcomes =
+                        specs.map(|specs| extend(&mut cache, specs, named, &in_flight, &mut seen));
                     // the loop makes no call for a settle with nothing in it
                     let empty = batch.is_empty()
                         && completed.is_none()
                         && outcomes.as_ref().is_none_or(Vec::is_empty);
                     let answer = Settling {
                         step,
+                        named,
                         batch,
                         completed,
                         outcomes,
@@ -795,6 +815,10 @@ fn drive(order: Order, seed: u64) -> Exercised {
     assert!(
         cache.demotions.is_empty(),
         "every demotion published by the run's end"
+    );
+    assert_eq!(
+        cache.dropped, 0,
+        "demotions named at a step the core had completed (the cache drops them)"
     );
     assert_eq!(
         cache.free.len(),

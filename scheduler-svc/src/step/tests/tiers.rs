@@ -251,3 +251,45 @@ fn a_lost_session_forgets_the_copies_it_named() {
     assert!(b.is_empty(), "{b:?}");
     assert!(c.take_tier_copies(g).is_empty());
 }
+
+#[test]
+fn copies_no_pass_will_carry_are_abandoned_with_a_discard_before_their_step_completes() {
+    // the loop stops: the last settle's copies will ride no pass
+    let (mut c, named, g, a) = decoding_with_a_late_demotion();
+    c.apply_forward(g, results(&a, 6, false));
+    assert!(c.complete_through().is_none_or(|s| s < named));
+    c.abandon_tier_copies();
+    assert_eq!(c.complete_through(), None, "not before the discard release");
+    let release = c.take_releases();
+    assert!(release.discard_unwritten, "{release:?}");
+    c.releases_sent(release);
+    assert_eq!(c.complete_through(), Some(named));
+    c.begin_step();
+    assert!(c.take_tier_copies(g).is_empty(), "nothing left to carry");
+}
+
+#[test]
+fn a_completion_not_acknowledged_waits_for_copies_named_at_its_step_and_extends_follow_it() {
+    let mut c = pipelined_decoding();
+    let s = c.begin_step();
+    c.plan_extends(true);
+    let mut a = c.plan_forward();
+    let (g, items) = a.remove(0);
+    c.apply_forward(g, results(&items, 6, false));
+    // the extends that follow a completion name its step: not in one call
+    assert_eq!(c.complete_before(s), None);
+    // CompleteStep(s) went out and was not answered; then extends at s
+    // name a copy (the refused order's calls one by one)
+    assert_eq!(c.complete_through(), Some(s));
+    c.apply_extends(
+        s,
+        vec![grant_with_copies(items[0].seq_id, vec![demotion(3, 7)])],
+    );
+    assert_eq!(c.complete_through(), None, "held until the copy ran");
+    c.begin_step();
+    c.plan_extends(true);
+    let b = c.plan_forward();
+    assert_eq!(c.take_tier_copies(g).len(), 1);
+    c.apply_forward(g, results(&b[0].1, 7, false));
+    assert_eq!(c.complete_through(), Some(c.step()));
+}
