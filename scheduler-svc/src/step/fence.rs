@@ -328,10 +328,13 @@ impl Core {
     }
 
     /// [`Core::complete_through`] for a call whose extends name `named`
-    /// and follow the completion: only a step before it, since the cache
-    /// drops at once the demotions an extend names at a completed step.
+    /// and follow the completion: with a host tier only a step before it,
+    /// since the cache drops at once the demotions an extend names at a
+    /// completed step (without one, completing first returns the fenced
+    /// blocks the extends may need).
     pub fn complete_before(&mut self, named: Step) -> Option<Step> {
-        self.complete_through().filter(|&s| s < named)
+        let held = self.has_host_tier();
+        self.complete_through().filter(|&s| !held || s < named)
     }
 
     /// The cache acknowledged `CompleteStep(step)`.

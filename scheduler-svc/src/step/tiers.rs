@@ -68,7 +68,7 @@ impl TierCopies {
 
 impl Core {
     /// Whether any group registered a host tier (a disk tier needs one).
-    fn has_host_tier(&self) -> bool {
+    pub(super) fn has_host_tier(&self) -> bool {
         self.groups
             .iter()
             .any(|g| g.pools.iter().any(|p| p.host_blocks > 0))
