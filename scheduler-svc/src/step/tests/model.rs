@@ -4,7 +4,7 @@
 //! forward pass in flight reads it for another; with a host tier, the
 //! moment a pass uses a block before the copy that demotes its old content
 //! ran, or a step completes (publishing a demotion) before that copy's
-//! pass returned.
+//! pass returned; the model worker fails passes now and then.
 
 use std::collections::{HashSet, VecDeque};
 
@@ -49,6 +49,8 @@ struct ModelCache {
     /// the block is evicted without its copy.
     completed: Option<Step>,
     dropped: usize,
+    /// Demotions a `discard_unwritten` release dropped.
+    discarded: usize,
 }
 
 /// A demotion of the model cache, and where the core's passes took it.
@@ -60,6 +62,9 @@ struct ModelDemotion {
     pass: Option<Step>,
     /// Whether that pass returned.
     ran: bool,
+    /// Dropped by a `discard_unwritten` release: never published, whether
+    /// its copy runs or not.
+    discarded: bool,
 }
 
 impl ModelCache {
@@ -82,6 +87,7 @@ impl ModelCache {
             demotions: Vec::new(),
             completed: None,
             dropped: 0,
+            discarded: 0,
         }
     }
 
@@ -111,6 +117,7 @@ impl ModelCache {
                     block: b,
                     pass: None,
                     ran: false,
+                    discarded: false,
                 });
                 tier_copies.push(crate::domain::TierCopy {
                     pool_id: 1,
@@ -148,7 +155,7 @@ impl ModelCache {
         }
         for d in &self.demotions {
             assert!(
-                d.pass.is_some() || !blocks.contains(&d.block),
+                d.pass.is_some() || d.discarded || !blocks.contains(&d.block),
                 "pass {step} uses block {} before the copy that demotes it (named at {})",
                 d.block,
                 d.named
@@ -274,7 +281,10 @@ impl ModelCache {
     fn release(&mut self, batch: &ReleaseBatch) {
         if batch.discard_unwritten {
             // every demotion of an incomplete step is dropped
-            self.demotions.clear();
+            for d in self.demotions.iter_mut().filter(|d| !d.discarded) {
+                d.discarded = true;
+                self.discarded += 1;
+            }
         }
         for seq_id in &batch.seq_ids {
             self.known.remove(seq_id);
@@ -290,12 +300,12 @@ impl ModelCache {
         // the demotions of steps up to it are published: their copies ran
         for d in self.demotions.iter().filter(|d| d.named <= step) {
             assert!(
-                d.ran,
+                d.ran || d.discarded,
                 "CompleteStep({step}) publishes the demotion of block {} (named at {}) whose copy {}",
                 d.block,
                 d.named,
                 match d.pass {
-                    Some(p) => format!("rides pass {p}, still in flight"),
+                    Some(p) => format!("rides pass {p}, which has not run (in flight, or failed)"),
                     None => "no pass carries yet".into(),
                 }
             );
@@ -355,6 +365,11 @@ struct Exercised {
     /// pass of a later step than the call that named them carried.
     demotions: usize,
     late_demotions: usize,
+    /// Passes the model worker failed (one in 150 at random, and a pass fed
+    /// from a failed one, as the worker fails it).
+    failed_passes: usize,
+    /// Demotions dropped by the discard a failed pass sends.
+    discarded: usize,
 }
 
 /// A settle's `Step` call the cache answered and the core has not taken
@@ -505,6 +520,9 @@ fn drive(order: Order, seed: u64) -> Exercised {
     let mut planned: Option<Vec<ExtendSpec>> = None;
     // a settle the cache answered, its answer not applied yet
     let mut settling: Option<Settling> = None;
+    // the pass each launched pass follows, and the passes that failed
+    let mut followed: HashMap<Step, Option<Step>> = HashMap::new();
+    let mut failed: HashSet<Step> = HashSet::new();
     let settled = |c: &mut Core, settling: &mut Option<Settling>, seen: &mut Exercised| {
         if let Some(answer) = settling.take() {
             answer.apply(c, seen);
@@ -695,6 +713,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     }
                     plan.launched(!batches.is_empty());
                     if !batches.is_empty() {
+                        followed.insert(step, follows.iter().flatten().copied().max());
                         in_flight.push_back((step, batches));
                         assert!(
                             in_flight.len() <= order.depth(),
@@ -714,7 +733,22 @@ fn drive(order: Order, seed: u64) -> Exercised {
                             .flat_map(|(_, b)| b.iter().flat_map(|(_, i)| i))
                             .map(|i| i.seq_id)
                             .collect();
+                        let mut pass_failed = false;
                         for (g, items) in batches {
+                            // the worker fails a pass now and then, and one
+                            // that feeds from a failed pass
+                            let fed = items.iter().any(|i| i.feed_previous);
+                            let after_failed = followed
+                                .get(&pass)
+                                .copied()
+                                .flatten()
+                                .is_some_and(|f| failed.contains(&f));
+                            if rand(150) == 0 || (fed && after_failed) {
+                                pass_failed = true;
+                                seen.failed_passes += 1;
+                                c.forward_failed(g, "the model worker failed");
+                                continue;
+                            }
                             let mut answer = results(&items, 7, false);
                             for (r, item) in answer.iter_mut().zip(&items) {
                                 if let Some(l) = item.logprobs {
@@ -748,7 +782,11 @@ fn drive(order: Order, seed: u64) -> Exercised {
                             }
                             c.apply_forward(g, answer);
                         }
-                        cache.returned(pass);
+                        if pass_failed {
+                            failed.insert(pass);
+                        } else {
+                            cache.returned(pass);
+                        }
                         seen.finished += finishes(&c.drain_outputs()).len();
                     }
                 }
@@ -828,6 +866,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
         cache.fenced.len()
     );
     seen.forks = cache.forks;
+    seen.discarded = cache.discarded;
     seen
 }
 
@@ -851,6 +890,8 @@ fn drive_seeds(order: Order) -> Exercised {
         total.settled_late += seen.settled_late;
         total.demotions += seen.demotions;
         total.late_demotions += seen.late_demotions;
+        total.failed_passes += seen.failed_passes;
+        total.discarded += seen.discarded;
     }
     total
 }
@@ -870,6 +911,8 @@ impl Exercised {
             && self.settled_late > 1_000
             && self.demotions > 1_000
             && self.late_demotions > 100
+            && self.failed_passes > 10
+            && self.discarded > 10
             && (!pipelined || (self.fed > 1_000 && self.stopped_in_flight > 100))
     }
 }
@@ -918,7 +961,9 @@ fn plain_no_block_reaches_another_sequence_early_and_every_fenced_block_comes_ba
             && total.finished > 1_000
             && total.forks > 100
             && total.beam_rows > 100
-            && total.demotions > 1_000,
+            && total.demotions > 1_000
+            && total.failed_passes > 10
+            && total.discarded > 10,
         "the runs exercised too little: {total:?}"
     );
 }
