@@ -327,14 +327,15 @@ impl Core {
             .filter(|&p| held.is_none_or(|h| p < h))
     }
 
-    /// [`Core::complete_through`] for a call whose extends name `named`
-    /// and follow the completion: with a host tier only a step before it,
-    /// since the cache drops at once the demotions an extend names at a
-    /// completed step (without one, completing first returns the fenced
-    /// blocks the extends may need).
-    pub fn complete_before(&mut self, named: Step) -> Option<Step> {
-        let held = self.has_host_tier();
-        self.complete_through().filter(|&s| !held || s < named)
+    /// [`Core::complete_through`] for a call whose extends, if any, name
+    /// `extends_at` and follow the completion: with a host tier only a step
+    /// before it, since the cache drops at once the demotions an extend
+    /// names at a completed step (without one, completing first returns
+    /// the fenced blocks the extends may need).
+    pub fn complete_before(&mut self, extends_at: Option<Step>) -> Option<Step> {
+        let held = extends_at.filter(|_| self.has_host_tier());
+        self.complete_through()
+            .filter(|&s| held.is_none_or(|named| s < named))
     }
 
     /// The cache acknowledged `CompleteStep(step)`.

@@ -197,10 +197,9 @@ impl StepLoop {
             Some(_) => self.take_extends(),
             None => Vec::new(),
         };
-        let complete = match extend.filter(|_| !specs.is_empty()) {
-            Some(named) => self.core.complete_before(named),
-            None => self.core.complete_through(),
-        };
+        let complete = self
+            .core
+            .complete_before(extend.filter(|_| !specs.is_empty()));
         if batch.is_empty() && complete.is_none() && specs.is_empty() {
             return;
         }
@@ -340,7 +339,7 @@ impl StepLoop {
         }
         self.forget_released();
         if let (Some(mut u), Some((rejects, preemptions))) = (late, current) {
-            self.trace_preemptions();
+            // (apply_extends took the preemptions the answer caused)
             u.rejects |= self.step_rejects;
             u.preemptions |= self.step_preemptions;
             (self.step_rejects, self.step_preemptions) = (rejects, preemptions);
@@ -351,11 +350,7 @@ impl StepLoop {
     /// Sends `CompleteStep` for the step the core says is complete, if any
     /// (before `extends_at`, the step the extends that follow name).
     pub(super) async fn complete(&mut self, extends_at: Option<Step>) {
-        let complete = match extends_at {
-            Some(named) => self.core.complete_before(named),
-            None => self.core.complete_through(),
-        };
-        let Some(step) = complete else {
+        let Some(step) = self.core.complete_before(extends_at) else {
             return;
         };
         let span = self.batch_span("CompleteStep", step);

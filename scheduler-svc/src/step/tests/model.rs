@@ -809,10 +809,8 @@ fn drive(order: Order, seed: u64) -> Exercised {
                         Some(planned) => c.settle_extends(planned),
                         None => c.plan_extends(false),
                     });
-                    let completed = match specs.as_ref().filter(|s| !s.is_empty()) {
-                        Some(_) => c.complete_before(named),
-                        None => c.complete_through(),
-                    };
+                    let extends = specs.as_ref().is_some_and(|s| !s.is_empty());
+                    let completed = c.complete_before(extends.then_some(named));
                     if let Some(step) = completed {
                         if let Some((running, _)) = in_flight.front() {
                             assert!(

@@ -279,7 +279,7 @@ fn a_completion_not_acknowledged_waits_for_copies_named_at_its_step_and_extends_
     // the extends that follow a completion name its step: not in one call
     // (without a host tier no demotion is named, and the completion goes
     // first, so that the extends find its fenced blocks)
-    assert_eq!(c.complete_before(s), None);
+    assert_eq!(c.complete_before(Some(s)), None);
     let mut plain = core(Policy::MaxUtilization, 100);
     plain.submit(request(1, 4, 8));
     let p = plain.begin_step();
@@ -287,7 +287,7 @@ fn a_completion_not_acknowledged_waits_for_copies_named_at_its_step_and_extends_
     plain.apply_leases(vec![grant(leases[0].seq_id)]);
     let prefill = plain.plan_forward();
     plain.apply_forward(prefill[0].0, results(&prefill[0].1, 5, false));
-    assert_eq!(plain.complete_before(p), Some(p));
+    assert_eq!(plain.complete_before(Some(p)), Some(p));
     // CompleteStep(s) went out and was not answered; then extends at s
     // name a copy (the refused order's calls one by one)
     assert_eq!(c.complete_through(), Some(s));
