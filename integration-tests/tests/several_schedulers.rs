@@ -9,12 +9,16 @@
 //! # How A is killed
 //!
 //! A runs on a tokio runtime of its own, which the test shuts down with
-//! `shutdown_background`: every task of A (step loop, keep-alive, gRPC
-//! server and client connections) is dropped where it stands, never polled
-//! again, so no `CloseSession`, `Release` or `CompleteStep` goes out; its
-//! sockets close as the kernel closes a killed process's. From the cache's
-//! side that is `kill -9`: calls stop arriving and the connections end, and
-//! only the session's TTL gives A's blocks back.
+//! `shutdown_background`: every task of A on it (keep-alive, gRPC server
+//! and client connections) is dropped where it stands, never polled again.
+//! A's step loop runs on a thread of its own, which outlives the runtime
+//! (a thread cannot be killed): A reaches the cache only through a
+//! [`Cuttable`] proxy, which the test cuts first, so nothing that thread
+//! sends afterwards (its `Release`s and `CloseSession` as it winds down)
+//! reaches the cache; A's connections to it end as the kernel ends a killed
+//! process's. From the cache's side that is `kill -9`: calls stop arriving
+//! and the connections end, and only the session's TTL gives A's blocks
+//! back.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap fails the test
 
@@ -27,14 +31,17 @@ use kvlease_integration_tests::{
     start_cache, start_scheduler, start_worker,
 };
 use kvlease_proto::v1 as pb;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Runtime;
+use tokio::sync::watch;
 
 const WITHIN: Duration = Duration::from_secs(60);
 /// B's cache session TTL, and A's where A is not killed (the cache's
 /// shortest by default).
 const TTL_MS: u64 = 1_000;
-/// A's TTL where it is killed: B's answers must come while A's dead session
-/// is open, and a loaded machine may take a while for them.
+/// A's TTL where it is killed: the test's checks of the dead session (its
+/// blocks still held, B's answers while it is open) must come before the
+/// cache expires it, and a loaded machine may take a while for them.
 const KILLED_TTL_MS: u64 = 10_000;
 const GROUP_A: &str = "a/seeded-0/replica-0";
 const GROUP_B: &str = "b/seeded-0/replica-0";
@@ -60,7 +67,57 @@ fn scheduler(prefix: &str) -> scheduler_svc::Config {
 
 /// Scheduler A over `worker` on a runtime of its own, which the test may
 /// shut down to kill it.
-fn start_a(cache: &Service, worker: &Service, ttl_ms: u64) -> (Runtime, Service) {
+/// A TCP pass-through to the cache, on the test's runtime, that the test
+/// can cut: every connection through it ends, and later ones are closed as
+/// soon as they arrive.
+struct Cuttable {
+    addr: std::net::SocketAddr,
+    cut: watch::Sender<bool>,
+}
+
+impl Cuttable {
+    async fn start(to: std::net::SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (cut, is_cut) = watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if *is_cut.borrow() {
+                    continue; // dropped: closed at once
+                }
+                let mut is_cut = is_cut.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = TcpStream::connect(to).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = is_cut.wait_for(|cut| *cut) => {}
+                    }
+                });
+            }
+        });
+        Self { addr, cut }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn cut(&self) {
+        self.cut.send_replace(true);
+    }
+}
+
+/// Kills A: its way to the cache cut first (see the module's notes), then
+/// its runtime dropped.
+fn kill_a(to_cache: &Cuttable, rt_a: Runtime, a: Service) {
+    to_cache.cut();
+    rt_a.shutdown_background();
+    drop(a);
+}
+
+fn start_a(cache: &str, worker: &Service, ttl_ms: u64) -> (Runtime, Service) {
     let rt = runtime();
     let a = rt
         .block_on(start_scheduler(
@@ -68,7 +125,7 @@ fn start_a(cache: &Service, worker: &Service, ttl_ms: u64) -> (Runtime, Service)
                 session_ttl_ms: ttl_ms,
                 ..scheduler("a")
             },
-            &cache.url(),
+            cache,
             &[worker.url()],
             WITHIN,
         ))
@@ -194,8 +251,9 @@ fn a_killed_scheduler_leaves_the_other_serving_and_its_blocks_return_at_its_ttl(
             .unwrap();
         (cache, worker_a, worker_b, b)
     });
-    // A on a runtime of its own (see the module's notes)
-    let (rt_a, a) = start_a(&cache, &worker_a, KILLED_TTL_MS);
+    // A on a runtime of its own, through a proxy (see the module's notes)
+    let to_cache = main.block_on(Cuttable::start(cache.addr));
+    let (rt_a, a) = start_a(&to_cache.url(), &worker_a, KILLED_TTL_MS);
     let opened = main.block_on(stats(&cache));
     assert_eq!(opened.sessions, 2, "one session per scheduler");
     let pool_ids = |st: &pb::GetStatsResponse| -> Vec<u32> {
@@ -228,9 +286,8 @@ fn a_killed_scheduler_leaves_the_other_serving_and_its_blocks_return_at_its_ttl(
         },
     ));
 
-    rt_a.shutdown_background();
+    kill_a(&to_cache, rt_a, a);
     let killed = Instant::now();
-    drop(a);
     let held_at_kill = main.block_on(held(&cache, GROUP_A));
     assert!(held_at_kill > 0, "A died holding blocks");
 
@@ -296,7 +353,7 @@ fn a_killed_scheduler_leaves_the_other_serving_and_its_blocks_return_at_its_ttl(
     });
 
     // A again, with the same group, on the same worker
-    let (rt_a, a) = start_a(&cache, &worker_a, TTL_MS);
+    let (rt_a, a) = start_a(&cache.url(), &worker_a, TTL_MS);
     main.block_on(async {
         let st = stats(&cache).await;
         assert_eq!(st.sessions, 2, "A re-opened a session beside B's");
@@ -334,22 +391,23 @@ fn a_scheduler_started_again_within_its_ttl_waits_for_its_old_blocks() {
         let worker_a = start_worker(small_worker()).await.unwrap();
         (cache, worker_a)
     });
-    let (rt_a, a) = start_a(&cache, &worker_a, TTL_MS);
+    let to_cache = main.block_on(Cuttable::start(cache.addr));
+    let (rt_a, a) = start_a(&to_cache.url(), &worker_a, KILLED_TTL_MS);
     let load = Load::default();
     load.start(&main, a.addr, 6, 64);
     main.block_on(wait_until("A holds blocks", || {
         let (cache, ok) = (&cache, load.ok());
         async move { ok >= 2 && held(cache, GROUP_A).await > 0 }
     }));
-    rt_a.shutdown_background();
-    drop(a);
+    kill_a(&to_cache, rt_a, a);
     assert!(
         main.block_on(held(&cache, GROUP_A)) > 0,
         "A died holding blocks"
     );
 
     let started = Instant::now();
-    let (rt_a, a) = start_a(&cache, &worker_a, TTL_MS);
+    // the same configuration: it waits up to its own TTL for the dead one's
+    let (rt_a, a) = start_a(&cache.url(), &worker_a, KILLED_TTL_MS);
     let took = started.elapsed();
     main.block_on(async {
         load.finish().await;
