@@ -232,6 +232,7 @@ async fn grpc(iterations: u32, tls: Option<&std::path::Path>) -> (Duration, Dura
                 num_tokens: 0,
                 traceparent: String::new(),
                 written_tokens: 0,
+                from_length: 0,
             })
             .collect(),
     };

@@ -164,6 +164,7 @@ pub(crate) fn extend_from_pb(part: pb::StepExtend) -> Result<(Vec<String>, StepE
                 seq_id: SeqId(i.seq_id),
                 growth,
                 written_tokens: i.written_tokens,
+                from_length: (i.from_length > 0).then_some(i.from_length),
             })
         })
         .collect::<Result<Vec<_>>>()?;

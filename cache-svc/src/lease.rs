@@ -172,6 +172,10 @@ pub struct ExtendItem {
     /// The sequence's KV is written through this many tokens by the forward
     /// pass of the call's step (0: no report).
     pub written_tokens: u32,
+    /// The length the holder grows the sequence from (`None`: not checked):
+    /// any other length refuses the growth with `LENGTH_MISMATCH`, so a
+    /// retried growth whose first call was applied is not applied twice.
+    pub from_length: Option<u32>,
 }
 
 impl ExtendItem {
@@ -181,6 +185,7 @@ impl ExtendItem {
             seq_id,
             growth: Some(growth),
             written_tokens: 0,
+            from_length: None,
         }
     }
 
@@ -190,6 +195,7 @@ impl ExtendItem {
             seq_id,
             growth: None,
             written_tokens,
+            from_length: None,
         }
     }
 
@@ -314,6 +320,8 @@ pub enum RejectReason {
     DuplicateSequence,
     /// The session's block quota would be exceeded.
     QuotaExceeded,
+    /// An extend grows the sequence from a length it does not have.
+    LengthMismatch,
 }
 
 impl RejectReason {
@@ -326,6 +334,7 @@ impl RejectReason {
             RejectReason::UnknownSequence => "UNKNOWN_SEQUENCE",
             RejectReason::DuplicateSequence => "DUPLICATE_SEQUENCE",
             RejectReason::QuotaExceeded => "QUOTA_EXCEEDED",
+            RejectReason::LengthMismatch => "LENGTH_MISMATCH",
         }
     }
 }

@@ -737,6 +737,50 @@ async fn malformed_item_trace_contexts_are_ignored() {
     assert_eq!(released[1].status, pb::ReleaseStatus::Unknown as i32);
 }
 
+/// A growth sent again from the length it already grew from (its first
+/// answer lost) is refused LENGTH_MISMATCH over the wire, naming both
+/// lengths, and takes nothing; from the right length it grows.
+#[tokio::test]
+async fn a_growth_retried_from_a_stale_length_is_length_mismatch() {
+    let (mut s, sess) = Server::with_session(config(), 6).await;
+    let c = &mut s.client;
+    let out = lease(c, sess, 1, vec![seq(1, (0..8).collect())]).await;
+    assert_eq!(grant(&out[0]).tables[0].block_ids.len(), 2);
+    let from = |from_length, new_tokens| pb::ExtendItem {
+        from_length,
+        ..ext_item(1, new_tokens)
+    };
+    let grew = c
+        .extend(extend_req(sess, 2, vec![from(8, vec![8, 9])]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(grant(&grew.outcomes[0]).tables[0].block_ids.len(), 1);
+    let before = stats(c).await.pools[0].in_use;
+    let again = c
+        .extend(extend_req(sess, 3, vec![from(8, vec![8, 9])]))
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(pb::sequence_outcome::Outcome::Reject(r)) = &again.outcomes[0].outcome else {
+        panic!("a retry of an applied growth is refused: {again:?}")
+    };
+    assert_eq!(r.reason, pb::RejectReason::LengthMismatch as i32);
+    assert!(
+        r.message.contains("10 tokens long") && r.message.contains("the 8"),
+        "{}",
+        r.message
+    );
+    assert_eq!(stats(c).await.pools[0].in_use, before, "nothing taken");
+    let grew = c
+        .extend(extend_req(sess, 3, vec![from(10, vec![10])]))
+        .await
+        .unwrap()
+        .into_inner();
+    grant(&grew.outcomes[0]);
+    s.shutdown().await;
+}
+
 /// Issue 29, point 3: a RegisterPool past the principal's block limit is
 /// RESOURCE_EXHAUSTED naming the figures, and registers nothing.
 #[tokio::test]

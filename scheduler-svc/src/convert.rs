@@ -570,6 +570,7 @@ fn extend_items(specs: &[ExtendSpec], traces: &[String]) -> Vec<pb::ExtendItem> 
             num_tokens: 0,
             traceparent: item_trace(traces, i),
             written_tokens: e.written_tokens,
+            from_length: e.from_length,
         })
         .collect()
 }
@@ -609,6 +610,7 @@ pub(crate) fn extend_by_request(
                 num_tokens: n,
                 traceparent: String::new(),
                 written_tokens: 0,
+                from_length: 0,
             })
             .collect(),
     }
@@ -855,6 +857,7 @@ pub(crate) fn reject_reason(r: pb::RejectReason) -> RejectReason {
         pb::RejectReason::UnknownSequence => RejectReason::UnknownSequence,
         pb::RejectReason::DuplicateSequence => RejectReason::DuplicateSequence,
         pb::RejectReason::QuotaExceeded => RejectReason::QuotaExceeded,
+        pb::RejectReason::LengthMismatch => RejectReason::LengthMismatch,
         pb::RejectReason::CacheRestarted => RejectReason::CacheRestarted,
         pb::RejectReason::QueueTimeout => RejectReason::QueueTimeout,
         pb::RejectReason::Unspecified => RejectReason::Other,

@@ -323,6 +323,9 @@ pub enum RejectReason {
     UnknownSequence,
     DuplicateSequence,
     QuotaExceeded,
+    /// An extend grew the sequence from a length the cache does not have
+    /// for it: the answer to an earlier growth the cache applied was lost.
+    LengthMismatch,
     /// The scheduler's own reason: the cache service restarted and lost the
     /// lease of a live sequence, which is not recomputed (reject mode).
     CacheRestarted,
@@ -343,6 +346,7 @@ impl RejectReason {
             Self::UnknownSequence => "UNKNOWN_SEQUENCE",
             Self::DuplicateSequence => "DUPLICATE_SEQUENCE",
             Self::QuotaExceeded => "QUOTA_EXCEEDED",
+            Self::LengthMismatch => "LENGTH_MISMATCH",
             Self::CacheRestarted => "CACHE_RESTARTED",
             Self::QueueTimeout => "QUEUE_TIMEOUT",
             Self::Other => "REJECT_REASON_UNSPECIFIED",
@@ -359,6 +363,7 @@ impl fmt::Display for RejectReason {
             Self::UnknownSequence => "unknown sequence",
             Self::DuplicateSequence => "duplicate sequence",
             Self::QuotaExceeded => "quota exceeded",
+            Self::LengthMismatch => "length mismatch",
             Self::CacheRestarted => "cache restarted",
             Self::QueueTimeout => "queue timeout",
             Self::Other => "other",
@@ -529,6 +534,10 @@ pub struct ExtendSpec {
     pub seq_id: SeqId,
     /// Token ids that now occupy the next slots.
     pub new_tokens: Vec<u32>,
+    /// The sequence's length at the cache before `new_tokens`, as the core
+    /// knows it (its `cache_len`): a growth the cache already applied (its
+    /// answer lost) is then refused, not applied twice. 0: not checked.
+    pub from_length: u32,
     /// Chunked prefill: the sequence's KV is written through this many
     /// tokens by this step's forward pass (0: no report). With no new tokens
     /// the item only reports progress.

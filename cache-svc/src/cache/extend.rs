@@ -203,7 +203,10 @@ impl Cache {
         plan: &mut Vec<PoolExtend>,
     ) -> Result<(), Reject> {
         match &item.growth {
-            Some(growth) => self.plan_extend(session_id, item.seq_id, growth.len(), plan),
+            Some(growth) => {
+                self.check_from_length(session_id, item)?;
+                self.plan_extend(session_id, item.seq_id, growth.len(), plan)
+            }
             None => {
                 plan.clear();
                 let held = self
@@ -220,6 +223,34 @@ impl Cache {
                     ))
                 }
             }
+        }
+    }
+
+    /// A growth from a length the sequence does not have (the item's
+    /// `from_length`, when it gives one) is refused: the holder's view of
+    /// the sequence is behind the cache's, as when the answer to a growth
+    /// the cache applied never reached it, and applying this one would
+    /// record its tokens twice. A sequence the session does not hold is
+    /// left to `plan_extend`, which answers `UNKNOWN_SEQUENCE`.
+    fn check_from_length(&self, session_id: SessionId, item: &ExtendItem) -> Result<(), Reject> {
+        let Some(from) = item.from_length else {
+            return Ok(());
+        };
+        let len = self
+            .sessions
+            .get(&session_id)
+            .and_then(|s| s.seqs.get(&item.seq_id))
+            .map(|seq| seq.len);
+        match len {
+            Some(len) if len != from => Err(Reject::plain(
+                item.seq_id,
+                RejectReason::LengthMismatch,
+                format!(
+                    "sequence {} is {len} tokens long here, not the {from} this growth starts from (an earlier growth's answer was lost?): nothing taken",
+                    item.seq_id
+                ),
+            )),
+            _ => Ok(()),
         }
     }
 

@@ -16,6 +16,7 @@ mod partial;
 mod peers;
 pub(super) mod proptests;
 mod retention;
+mod retries;
 mod step;
 mod tiers;
 

@@ -150,6 +150,7 @@ fn a_step_with_a_malformed_part_applies_nothing() {
                     seq_id: SeqId(2),
                     growth: None,
                     written_tokens: 99,
+                    from_length: None,
                 }],
             )),
         })

@@ -426,10 +426,15 @@ impl Core {
     }
 
     /// The Lease RPC failed as a whole: the requests go back to the queue.
+    /// The cache may have taken the call before its answer was lost (a
+    /// timeout, a dropped connection): each sequence is released all the
+    /// same (idempotent: a no-op for one the cache never leased), with
+    /// `discard_unwritten`, since no pass wrote the prompt blocks it would
+    /// publish, and no step completes before that release went out.
     pub fn leases_failed(&mut self) {
         self.tier_call_failed();
         for l in std::mem::take(&mut self.leasing) {
-            self.released.push(l.seq_id);
+            self.failed_releases.push(l.seq_id);
             if let Some(src) = l.handoff_of {
                 self.handoff_refused(src, None);
             } else if self.cancelled_leasing.contains(&l.request.id) {

@@ -171,11 +171,19 @@ pub enum PreemptCause {
     QuotaExceeded,
     /// The worker of its group failed the forward pass.
     WorkerFailed,
+    /// Its Extend was refused `LENGTH_MISMATCH`: the cache applied a growth
+    /// whose answer never arrived.
+    LengthMismatch,
 }
 
 impl PreemptCause {
     /// Every cause, in [`index`](Self::index) order.
-    pub const ALL: [Self; 3] = [Self::PoolExhausted, Self::QuotaExceeded, Self::WorkerFailed];
+    pub const ALL: [Self; 4] = [
+        Self::PoolExhausted,
+        Self::QuotaExceeded,
+        Self::WorkerFailed,
+        Self::LengthMismatch,
+    ];
 
     /// The cause as a metric label and log field: reject reasons keep their protocol name.
     pub fn as_str(self) -> &'static str {
@@ -183,6 +191,7 @@ impl PreemptCause {
             Self::PoolExhausted => "POOL_EXHAUSTED",
             Self::QuotaExceeded => "QUOTA_EXCEEDED",
             Self::WorkerFailed => "WORKER_FAILED",
+            Self::LengthMismatch => "LENGTH_MISMATCH",
         }
     }
 

@@ -55,6 +55,7 @@ impl Core {
                 seq_id: seq.seq_id,
                 new_tokens: seq.context[from.min(to)..to].to_vec(),
                 written_tokens: 0,
+                from_length: seq.cache_len,
             };
             seq.reporting = to as u32;
             // slots past this decode's own that the lease covers (the
@@ -105,6 +106,8 @@ impl Core {
                     seq_id: seq.seq_id,
                     new_tokens: Vec::new(),
                     written_tokens: seq.kv_len + len,
+                    // a progress report grows nothing: not checked
+                    from_length: 0,
                 });
             }
         }
@@ -181,6 +184,8 @@ impl Core {
                     seq_id: seq.seq_id,
                     new_tokens: Vec::new(),
                     written_tokens: ahead.kv_len + len,
+                    // a progress report grows nothing: not checked
+                    from_length: 0,
                 });
             }
         }
@@ -214,6 +219,7 @@ impl Core {
                     seq_id: seq.seq_id,
                     new_tokens: seq.context[from..to].to_vec(),
                     written_tokens: 0,
+                    from_length: seq.cache_len,
                 });
                 seq.reporting = written;
             }
@@ -285,6 +291,26 @@ impl Core {
         let Some(seq) = self.running.get(&seq_id) else {
             return;
         };
+        if reject.reason == RejectReason::LengthMismatch {
+            // The cache applied an earlier growth whose answer was lost (a
+            // failed call it had taken): the core knows neither the blocks
+            // nor the copies it granted, so the sequence is recomputed. At
+            // rest, the tokens that growth recorded may be past what any
+            // pass wrote (a decode that sat its step out): its blocks go
+            // back without publishing them. With passes in flight, those
+            // wrote what it reported, and it is released once they return
+            // (discarding if one fails).
+            let at_rest = seq.in_flight.is_empty();
+            self.preempt(
+                seq_id,
+                PreemptCause::LengthMismatch,
+                Finish::Rejected(reject),
+            );
+            if at_rest {
+                self.release_discarding(vec![seq_id]);
+            }
+            return;
+        }
         let transient = matches!(
             reject.reason,
             RejectReason::PoolExhausted | RejectReason::QuotaExceeded

@@ -77,8 +77,9 @@ pub const RUNNING_SEQUENCES: &str = "kvlease_running_sequences";
 /// Counter, label [`REASON`] (`length`, `stop`, `rejected`, `cancelled`, `error`): requests
 /// finished.
 pub const REQUESTS_FINISHED_TOTAL: &str = "kvlease_requests_finished_total";
-/// Counter, label [`REASON`] (the refusal that caused it, e.g. `POOL_EXHAUSTED`, or
-/// `WORKER_FAILED`): running requests preempted and requeued for recompute.
+/// Counter, label [`REASON`] (the refusal that caused it, e.g. `POOL_EXHAUSTED` or
+/// `LENGTH_MISMATCH`, or `WORKER_FAILED`): running requests preempted and requeued for
+/// recompute.
 pub const PREEMPTIONS_TOTAL: &str = "kvlease_preemptions_total";
 /// Histogram, label [`REASON`] (finish reason): a request's life, arrival to its last output.
 pub const REQUEST_DURATION_SECONDS: &str = "kvlease_request_duration_seconds";

@@ -18,6 +18,7 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     QUOTA_EXCEEDED: _ClassVar[RejectReason]
     CACHE_RESTARTED: _ClassVar[RejectReason]
     QUEUE_TIMEOUT: _ClassVar[RejectReason]
+    LENGTH_MISMATCH: _ClassVar[RejectReason]
 
 class ReleaseStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ DUPLICATE_SEQUENCE: RejectReason
 QUOTA_EXCEEDED: RejectReason
 CACHE_RESTARTED: RejectReason
 QUEUE_TIMEOUT: RejectReason
+LENGTH_MISMATCH: RejectReason
 RELEASE_STATUS_UNSPECIFIED: ReleaseStatus
 RELEASED: ReleaseStatus
 ALREADY_RELEASED: ReleaseStatus
@@ -417,18 +419,20 @@ class LeaseResponse(_message.Message):
     def __init__(self, outcomes: _Optional[_Iterable[_Union[SequenceOutcome, _Mapping]]] = ...) -> None: ...
 
 class ExtendItem(_message.Message):
-    __slots__ = ("seq_id", "new_tokens", "num_tokens", "traceparent", "written_tokens")
+    __slots__ = ("seq_id", "new_tokens", "num_tokens", "traceparent", "written_tokens", "from_length")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FROM_LENGTH_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     traceparent: str
     written_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ..., written_tokens: _Optional[int] = ...) -> None: ...
+    from_length: int
+    def __init__(self, seq_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ..., written_tokens: _Optional[int] = ..., from_length: _Optional[int] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "step", "atomic", "items")

@@ -85,12 +85,14 @@ fn a_decode_with_room_launches_before_its_extend_which_grows_the_lease_a_step_ah
             ExtendSpec {
                 seq_id: SeqId(1),
                 new_tokens: vec![10],
-                written_tokens: 0
+                written_tokens: 0,
+                from_length: 4,
             },
             ExtendSpec {
                 seq_id: SeqId(2),
                 new_tokens: vec![20],
-                written_tokens: 0
+                written_tokens: 0,
+                from_length: 4,
             },
         ]
     );
@@ -152,12 +154,14 @@ fn a_refused_extension_holds_back_its_sequence_alone_and_exhaustion_still_answer
             ExtendSpec {
                 seq_id: SeqId(1),
                 new_tokens: vec![7],
-                written_tokens: 0
+                written_tokens: 0,
+                from_length: 5,
             },
             ExtendSpec {
                 seq_id: SeqId(2),
                 new_tokens: vec![20, 7],
-                written_tokens: 0
+                written_tokens: 0,
+                from_length: 4,
             },
         ]
     );
@@ -245,11 +249,12 @@ fn launch(c: &mut Core) -> (Vec<(u64, u32, bool)>, Vec<ForwardItem>) {
     (seen, items)
 }
 
-fn report(seq_id: u64, new_tokens: Vec<u32>) -> ExtendSpec {
+fn report(seq_id: u64, from_length: u32, new_tokens: Vec<u32>) -> ExtendSpec {
     ExtendSpec {
         seq_id: SeqId(seq_id),
         new_tokens,
         written_tokens: 0,
+        from_length,
     }
 }
 
@@ -285,7 +290,7 @@ fn pipelined_a_second_pass_feeds_the_first_ones_samples_and_a_refused_extension_
     let extends = c.settle_extends(Vec::new());
     assert_eq!(
         extends,
-        vec![report(1, vec![10, 7]), report(2, vec![20, 7])]
+        vec![report(1, 4, vec![10, 7]), report(2, 4, vec![20, 7])]
     );
     c.apply_extends(
         c.step(),
@@ -308,7 +313,10 @@ fn pipelined_a_second_pass_feeds_the_first_ones_samples_and_a_refused_extension_
     let extends = c.settle_extends(Vec::new());
     // sequence 2 has no pass in flight: it reports only the tokens whose KV
     // is written (8 is sampled, its KV not written by any pass)
-    assert_eq!(extends, vec![report(1, vec![8]), report(2, vec![20, 7])]);
+    assert_eq!(
+        extends,
+        vec![report(1, 6, vec![8]), report(2, 4, vec![20, 7])]
+    );
     c.apply_extends(
         c.step(),
         vec![grant_covering(SeqId(1), vec![], 9), exhausted(SeqId(2))],
@@ -397,7 +405,10 @@ fn pipelined_three_deep_each_pass_feeds_the_one_before_and_a_stop_drops_the_two_
     assert_eq!(c.complete_through(), Some(step_a));
     // the settle reports what KV passes write through the token B is fed
     // and grows the lease three slots past it
-    assert_eq!(c.settle_extends(Vec::new()), vec![report(2, vec![20, 7])]);
+    assert_eq!(
+        c.settle_extends(Vec::new()),
+        vec![report(2, 4, vec![20, 7])]
+    );
     c.apply_extends(c.step(), vec![grant_covering(SeqId(2), vec![21], 9)]);
     let (d, d_items) = launch(&mut c);
     assert_eq!(d, vec![(2, 7, true)], "sequence 2 goes on past C");
@@ -421,4 +432,76 @@ fn pipelined_three_deep_each_pass_feeds_the_one_before_and_a_stop_drops_the_two_
     c.apply_forward(0, results(&d_items, 10, false));
     assert_eq!(tokens_of(&c.drain_outputs(), 2), vec![10]);
     assert_eq!(c.complete_through(), Some(step_d));
+}
+
+/// A growth the cache applied though its call failed (the answer lost) is
+/// refused `LENGTH_MISMATCH` when the sequence grows again from the same
+/// length: the sequence is recomputed. With its pass in flight, which
+/// wrote what the growth reported, it is released once the pass returns;
+/// at rest, discarding what no pass wrote.
+#[test]
+fn a_growth_whose_answer_was_lost_is_refused_when_sent_again_and_its_sequence_recomputes() {
+    let mut c = two_decoding(OnExhausted::Reject);
+    c.begin_step();
+    c.plan_extends(true);
+    let batches = c.plan_forward();
+    assert_eq!(batches[0].1.len(), 2);
+    // sent after the launch: sequence 2's length is not the cache's
+    c.apply_extends(
+        c.step(),
+        vec![
+            grant_covering(SeqId(1), vec![11], 6),
+            reject(SeqId(2), RejectReason::LengthMismatch),
+        ],
+    );
+    assert_eq!(c.counters().preempted_by(PreemptCause::LengthMismatch), 1);
+    assert_eq!(c.queued(), 1, "requeued for recompute");
+    assert!(
+        c.take_releases().is_empty(),
+        "not while its pass is in flight"
+    );
+    c.apply_forward(0, results(&batches[0].1, 7, false));
+    let release = c.take_releases();
+    assert_eq!(release.seq_ids, vec![SeqId(2)]);
+    assert!(
+        !release.discard_unwritten,
+        "its pass wrote what it reported"
+    );
+    c.releases_sent(release);
+
+    // sequence 1 has room for one more token; its extend's call fails
+    c.begin_step();
+    c.plan_extends(true);
+    let batches = c.plan_forward();
+    let launched: Vec<u64> = batches[0].1.iter().map(|i| i.seq_id.get()).collect();
+    assert_eq!(launched, vec![1]);
+    c.apply_extends(c.step(), Vec::new());
+    c.extends_failed();
+    c.apply_forward(0, results(&batches[0].1, 8, false));
+    c.drain_outputs();
+    // no room now: it grows again from the length the cache had before
+    c.begin_step();
+    let extends = c.plan_extends(true);
+    assert_eq!(
+        extends,
+        vec![ExtendSpec {
+            seq_id: SeqId(1),
+            new_tokens: vec![7, 8],
+            written_tokens: 0,
+            from_length: 5,
+        }]
+    );
+    assert!(c.plan_forward().is_empty(), "no room: nothing runs");
+    // the failed call had been applied: refused, at rest
+    c.apply_extends(
+        c.step(),
+        vec![reject(SeqId(1), RejectReason::LengthMismatch)],
+    );
+    assert_eq!(c.counters().preempted_by(PreemptCause::LengthMismatch), 2);
+    let release = c.take_releases();
+    assert_eq!(release.seq_ids, vec![SeqId(1)]);
+    assert!(
+        release.discard_unwritten,
+        "the cache holds tokens no pass may have written"
+    );
 }

@@ -315,6 +315,14 @@ fn released_names_every_sequence_once_it_holds_nothing() {
     let leases = c.plan_admission();
     assert_eq!(leases.len(), 2);
     c.leases_failed();
+    assert!(
+        c.take_released().is_empty(),
+        "the cache may have leased them (the answer lost): released first"
+    );
+    let batch = c.take_releases();
+    assert_eq!(batch.seq_ids, vec![SeqId(5), SeqId(6)]);
+    assert!(batch.discard_unwritten, "no pass wrote their prompts");
+    c.releases_sent(batch);
     assert_eq!(c.take_released(), vec![SeqId(5), SeqId(6)]);
     c.cancel(RequestId(1), "gone");
     let batch = c.take_releases();

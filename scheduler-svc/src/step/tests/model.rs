@@ -4,7 +4,8 @@
 //! forward pass in flight reads it for another; with a host tier, the
 //! moment a pass uses a block before the copy that demotes its old content
 //! ran, or a step completes (publishing a demotion) before that copy's
-//! pass returned; the model worker fails passes now and then.
+//! pass returned; the model worker fails passes now and then, and the
+//! cache's calls fail now and then, applied (their answer lost) or not.
 
 use std::collections::{HashSet, VecDeque};
 
@@ -51,6 +52,8 @@ struct ModelCache {
     dropped: usize,
     /// Demotions a `discard_unwritten` release dropped.
     discarded: usize,
+    /// Growths refused `LENGTH_MISMATCH`: a retry of one applied before.
+    mismatches: usize,
 }
 
 /// A demotion of the model cache, and where the core's passes took it.
@@ -88,6 +91,7 @@ impl ModelCache {
             completed: None,
             dropped: 0,
             discarded: 0,
+            mismatches: 0,
         }
     }
 
@@ -147,7 +151,7 @@ impl ModelCache {
             let d = self
                 .demotions
                 .iter_mut()
-                .find(|d| d.block == c.device_block && d.pass.is_none())
+                .find(|d| d.block == c.device_block && d.pass.is_none() && !d.discarded)
                 .unwrap_or_else(|| {
                     panic!("a copy of block {} the cache did not name", c.device_block)
                 });
@@ -257,6 +261,18 @@ impl ModelCache {
             return reject(spec.seq_id, RejectReason::UnknownSequence);
         };
         let tokens = *tokens;
+        let known = self.known.get(&spec.seq_id).copied().unwrap_or(0);
+        if !spec.new_tokens.is_empty() && spec.from_length > 0 && spec.from_length != known {
+            // a retry of a growth the cache applied, its answer lost
+            self.mismatches += 1;
+            return reject(spec.seq_id, RejectReason::LengthMismatch);
+        }
+        assert!(
+            spec.new_tokens.is_empty() || spec.from_length == known,
+            "sequence {} grows from {} unchecked, at length {known}",
+            spec.seq_id,
+            spec.from_length
+        );
         let grows = (tokens + spec.new_tokens.len() as u32).div_ceil(self.tokens_per_block)
             > blocks.len() as u32;
         self.rng ^= self.rng << 13;
@@ -370,6 +386,13 @@ struct Exercised {
     failed_passes: usize,
     /// Demotions dropped by the discard a failed pass sends.
     discarded: usize,
+    /// Cache calls that failed (one in 40), and of those the ones the cache
+    /// had applied (their answer lost).
+    failed_calls: usize,
+    lost_answers: usize,
+    /// Growths the model cache refused `LENGTH_MISMATCH` (a retry of one a
+    /// lost answer had applied).
+    mismatches: usize,
 }
 
 /// A settle's `Step` call the cache answered and the core has not taken
@@ -383,10 +406,25 @@ struct Settling {
     batch: crate::step::ReleaseBatch,
     completed: Option<Step>,
     outcomes: Option<Vec<Outcome>>,
+    /// The call failed: no part of it is taken as done (the cache may
+    /// have applied it).
+    failed: bool,
 }
 
 impl Settling {
     fn apply(self, c: &mut Core, seen: &mut Exercised) {
+        if c.step() != self.step {
+            seen.settled_late += 1;
+        }
+        if self.failed {
+            if !self.batch.is_empty() {
+                c.release_failed(self.batch, crate::step::CallFailure::Unanswered);
+            }
+            if self.outcomes.is_some() {
+                c.extends_failed();
+            }
+            return;
+        }
         if !self.batch.is_empty() {
             c.releases_sent(self.batch);
         }
@@ -395,9 +433,6 @@ impl Settling {
         }
         if let Some(outcomes) = self.outcomes {
             c.apply_extends(self.named, outcomes);
-        }
-        if c.step() != self.step {
-            seen.settled_late += 1;
         }
     }
 }
@@ -563,32 +598,60 @@ fn drive(order: Order, seed: u64) -> Exercised {
             }
         }
     }
-    let complete =
-        |c: &mut Core, cache: &mut ModelCache, in_flight: &InFlight, seen: &mut Exercised| {
-            if let Some(step) = c.complete_through() {
-                if let Some((running, _)) = in_flight.front() {
-                    assert!(
-                        step < *running,
-                        "CompleteStep({step}) sent while forward {running} is in flight"
-                    );
-                }
+    // Whether a call to the cache reaches it (`applies`) and answers: one
+    // in 40 fails, half of those after the cache applied it.
+    fn reaches(fails: bool, applied: bool, seen: &mut Exercised) -> (bool, bool) {
+        if !fails {
+            return (true, true);
+        }
+        seen.failed_calls += 1;
+        seen.lost_answers += usize::from(applied);
+        (applied, false)
+    }
+    let complete = |c: &mut Core,
+                    cache: &mut ModelCache,
+                    in_flight: &InFlight,
+                    seen: &mut Exercised,
+                    (fails, applied): (bool, bool)| {
+        if let Some(step) = c.complete_through() {
+            if let Some((running, _)) = in_flight.front() {
+                assert!(
+                    step < *running,
+                    "CompleteStep({step}) sent while forward {running} is in flight"
+                );
+            }
+            let (applies, answered) = reaches(fails, applied, seen);
+            if applies {
                 cache.complete_step(step);
+            }
+            if answered {
                 c.step_completed(step);
                 seen.completes += 1;
             }
-        };
-    let flush =
-        |c: &mut Core, cache: &mut ModelCache, in_flight: &InFlight, seen: &mut Exercised| {
-            let batch = c.take_releases();
-            if batch.is_empty() {
-                return;
-            }
-            if !in_flight.is_empty() {
-                seen.released_in_flight += 1;
-            }
+        }
+    };
+    let flush = |c: &mut Core,
+                 cache: &mut ModelCache,
+                 in_flight: &InFlight,
+                 seen: &mut Exercised,
+                 (fails, applied): (bool, bool)| {
+        let batch = c.take_releases();
+        if batch.is_empty() {
+            return;
+        }
+        if !in_flight.is_empty() {
+            seen.released_in_flight += 1;
+        }
+        let (applies, answered) = reaches(fails, applied, seen);
+        if applies {
             cache.release(&batch);
+        }
+        if answered {
             c.releases_sent(batch);
-        };
+        } else {
+            c.release_failed(batch, crate::step::CallFailure::Unanswered);
+        }
+    };
 
     for _ in 0..3_000 {
         // the loop's top: clients arrive and go away, with a forward pass
@@ -618,7 +681,8 @@ fn drive(order: Order, seed: u64) -> Exercised {
         // (never while a settle's Step call is on its way: the loop makes
         // one call to the cache at a time)
         if rand(3) == 0 && settling.is_none() {
-            complete(&mut c, &mut cache, &in_flight, &mut seen);
+            let fail = (rand(40) == 0, rand(2) == 0);
+            complete(&mut c, &mut cache, &in_flight, &mut seen, fail);
         }
         if c.is_quiet() && in_flight.is_empty() {
             if next_id > 80 {
@@ -627,14 +691,29 @@ fn drive(order: Order, seed: u64) -> Exercised {
             continue;
         }
         let step = c.begin_step();
-        let admit =
-            |c: &mut Core, cache: &mut ModelCache, in_flight: &InFlight, seen: &mut Exercised| {
-                let specs = c.plan_admission();
-                let step = c.step();
-                let outcomes: Vec<Outcome> = specs.iter().map(|s| cache.lease(s, step)).collect();
+        let admit = |c: &mut Core,
+                     cache: &mut ModelCache,
+                     in_flight: &InFlight,
+                     seen: &mut Exercised,
+                     (fails, applied): (bool, bool)| {
+            let specs = c.plan_admission();
+            if specs.is_empty() {
+                return;
+            }
+            let step = c.step();
+            let (applies, answered) = reaches(fails, applied, seen);
+            let outcomes: Vec<Outcome> = if applies {
+                specs.iter().map(|s| cache.lease(s, step)).collect()
+            } else {
+                Vec::new()
+            };
+            if answered {
                 check_grants(&outcomes, cache, in_flight, seen);
                 c.apply_leases(outcomes);
-            };
+            } else {
+                c.leases_failed();
+            }
+        };
         let extend = |cache: &mut ModelCache,
                       specs: Vec<ExtendSpec>,
                       step: Step,
@@ -674,13 +753,29 @@ fn drive(order: Order, seed: u64) -> Exercised {
             if settle_first {
                 settled(&mut c, &mut settling, &mut seen);
             }
+            let fail = (rand(40) == 0, rand(2) == 0);
             match call {
-                Call::FlushReleases => flush(&mut c, &mut cache, &in_flight, &mut seen),
-                Call::Admit => admit(&mut c, &mut cache, &in_flight, &mut seen),
+                Call::FlushReleases => flush(&mut c, &mut cache, &in_flight, &mut seen, fail),
+                Call::Admit => admit(&mut c, &mut cache, &in_flight, &mut seen, fail),
                 Call::Extend => {
+                    // (the loop makes no call without extends)
                     let specs = c.plan_extends(false);
-                    let outcomes = extend(&mut cache, specs, step, &in_flight, &mut seen);
-                    c.apply_extends(c.step(), outcomes);
+                    if !specs.is_empty() {
+                        let (applies, answered) = reaches(fail.0, fail.1, &mut seen);
+                        let outcomes = if applies {
+                            extend(&mut cache, specs, step, &in_flight, &mut seen)
+                        } else {
+                            Vec::new()
+                        };
+                        if answered {
+                            c.apply_extends(c.step(), outcomes);
+                        } else {
+                            // as the loop: the answered calls' outcomes
+                            // (none here), then the failure
+                            c.apply_extends(c.step(), Vec::new());
+                            c.extends_failed();
+                        }
+                    }
                 }
                 // a pipelined step that only adds a pass leaves its
                 // planned extends to the next settle
@@ -700,7 +795,9 @@ fn drive(order: Order, seed: u64) -> Exercised {
                             let named = cache
                                 .demotions
                                 .iter()
-                                .find(|d| d.block == copy.device_block && d.pass.is_none())
+                                .find(|d| {
+                                    d.block == copy.device_block && d.pass.is_none() && !d.discarded
+                                })
                                 .map(|d| d.named);
                             seen.late_demotions += usize::from(named.is_some_and(|n| n < step));
                         }
@@ -798,10 +895,6 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     // now without a pass in flight, else where the loop
                     // does (`settled` above)
                     let batch = c.take_releases();
-                    if !batch.is_empty() {
-                        seen.released_in_flight += usize::from(!in_flight.is_empty());
-                        cache.release(&batch);
-                    }
                     // the extends name the last pass launched, and the
                     // completion goes before them: only of a step before it
                     let named = c.settle_step(step);
@@ -811,6 +904,17 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     });
                     let extends = specs.as_ref().is_some_and(|s| !s.is_empty());
                     let completed = c.complete_before(extends.then_some(named));
+                    // the loop makes no call for a settle with nothing in it
+                    let empty = batch.is_empty() && completed.is_none() && !extends;
+                    let (applies, answered) = if empty {
+                        (false, true)
+                    } else {
+                        reaches(fail.0, fail.1, &mut seen)
+                    };
+                    if !batch.is_empty() && applies {
+                        seen.released_in_flight += usize::from(!in_flight.is_empty());
+                        cache.release(&batch);
+                    }
                     if let Some(step) = completed {
                         if let Some((running, _)) = in_flight.front() {
                             assert!(
@@ -818,21 +922,25 @@ fn drive(order: Order, seed: u64) -> Exercised {
                                 "CompleteStep({step}) sent while forward {running} is in flight"
                             );
                         }
-                        cache.complete_step(step);
-                        seen.completes += 1;
+                        if applies {
+                            cache.complete_step(step);
+                        }
+                        seen.completes += usize::from(answered);
                     }
-                    let outcomes =
-                        specs.map(|specs| extend(&mut cache, specs, named, &in_flight, &mut seen));
-                    // the loop makes no call for a settle with nothing in it
-                    let empty = batch.is_empty()
-                        && completed.is_none()
-                        && outcomes.as_ref().is_none_or(Vec::is_empty);
+                    let outcomes = specs.filter(|s| !s.is_empty()).map(|specs| {
+                        if applies {
+                            extend(&mut cache, specs, named, &in_flight, &mut seen)
+                        } else {
+                            Vec::new()
+                        }
+                    });
                     let answer = Settling {
                         step,
                         named,
                         batch,
                         completed,
                         outcomes,
+                        failed: !answered,
                     };
                     if !empty && in_flight.is_empty() {
                         answer.apply(&mut c, &mut seen);
@@ -840,7 +948,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
                         settling = Some(answer);
                     }
                 }
-                Call::RetryComplete => complete(&mut c, &mut cache, &in_flight, &mut seen),
+                Call::RetryComplete => complete(&mut c, &mut cache, &in_flight, &mut seen, fail),
             }
         }
     }
@@ -865,6 +973,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
     );
     seen.forks = cache.forks;
     seen.discarded = cache.discarded;
+    seen.mismatches = cache.mismatches;
     seen
 }
 
@@ -890,11 +999,23 @@ fn drive_seeds(order: Order) -> Exercised {
         total.late_demotions += seen.late_demotions;
         total.failed_passes += seen.failed_passes;
         total.discarded += seen.discarded;
+        total.failed_calls += seen.failed_calls;
+        total.lost_answers += seen.lost_answers;
+        total.mismatches += seen.mismatches;
     }
     total
 }
 
 impl Exercised {
+    /// Whether failed cache calls were exercised: answered and not, and
+    /// growths retried after a lost answer the cache had applied.
+    fn failed_calls_enough(&self) -> bool {
+        self.failed_calls > 100
+            && self.lost_answers > 50
+            && self.failed_calls - self.lost_answers > 50
+            && self.mismatches > 10
+    }
+
     /// Whether the runs of an overlap order (`pipelined`: one that feeds
     /// decodes behind passes in flight) exercised every case.
     fn overlapped_enough(&self, pipelined: bool) -> bool {
@@ -911,6 +1032,7 @@ impl Exercised {
             && self.late_demotions > 100
             && self.failed_passes > 10
             && self.discarded > 10
+            && self.failed_calls_enough()
             && (!pipelined || (self.fed > 1_000 && self.stopped_in_flight > 100))
     }
 }
@@ -961,7 +1083,8 @@ fn plain_no_block_reaches_another_sequence_early_and_every_fenced_block_comes_ba
             && total.beam_rows > 100
             && total.demotions > 1_000
             && total.failed_passes > 10
-            && total.discarded > 10,
+            && total.discarded > 10
+            && total.failed_calls_enough(),
         "the runs exercised too little: {total:?}"
     );
 }

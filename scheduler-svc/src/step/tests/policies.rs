@@ -56,7 +56,7 @@ fn max_utilization_preempts_on_mid_flight_exhaustion_and_keeps_stepping() {
     assert_eq!(c.counters().preemptions, 1);
     assert_eq!(
         PreemptCause::ALL.map(|cause| c.counters().preempted_by(cause)),
-        [1, 0, 0],
+        [1, 0, 0, 0],
         "counted as a pool-exhausted preemption"
     );
     // next step: the request comes back under a new sequence and recomputes

@@ -34,7 +34,8 @@ fn extend_reports_the_fed_token_ids() {
         vec![ExtendSpec {
             seq_id: SeqId(1),
             new_tokens: vec![7],
-            written_tokens: 0
+            written_tokens: 0,
+            from_length: 4,
         }]
     );
 }
@@ -113,6 +114,7 @@ fn chunked_prefill_tells_the_cache_what_each_step_writes() {
             seq_id: SeqId(1),
             new_tokens: Vec::new(),
             written_tokens,
+            from_length: 0,
         }]
     };
     let (extends, _, b) = step_recording(&mut c, |l| grant(l.seq_id), 9);
@@ -131,6 +133,7 @@ fn chunked_prefill_tells_the_cache_what_each_step_writes() {
             seq_id: SeqId(1),
             new_tokens: vec![9],
             written_tokens: 0,
+            from_length: 10,
         }]
     );
     assert_eq!((b[0].start_pos, b[0].tokens.clone()), (10, vec![9]));
@@ -170,6 +173,7 @@ fn chunked_prefill_tells_the_cache_what_each_step_writes() {
             seq_id: SeqId(2),
             new_tokens: Vec::new(),
             written_tokens: 13,
+            from_length: 0,
         }]
     );
     assert_eq!((b[0].start_pos, b[0].tokens.len()), (10, 3));

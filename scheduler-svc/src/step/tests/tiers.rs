@@ -105,13 +105,16 @@ fn a_lease_call_that_failed_with_a_host_tier_sends_a_discard_even_with_no_sequen
     assert!(c.has_releases());
     let release = c.take_releases();
     assert!(release.discard_unwritten && !release.is_empty());
-    // Without a host tier a failed lease call needs no such release.
+    // Without a host tier, the failed lease's sequence goes out the same
+    // way: the cache may have leased it, and no pass wrote its prompt.
     let mut plain = core(Policy::MaxUtilization, 100);
     plain.submit(request(1, 4, 8));
     plain.begin_step();
     plain.plan_admission();
     plain.leases_failed();
-    assert!(!plain.take_releases().discard_unwritten);
+    let release = plain.take_releases();
+    assert!(release.discard_unwritten);
+    assert_eq!(release.seq_ids, vec![SeqId(1)]);
 }
 
 #[test]
