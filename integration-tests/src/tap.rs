@@ -8,7 +8,9 @@
 //! wait while the test holds it closed: a way to keep a request in flight
 //! (and unfinished) for as long as a test needs, whatever the machine's
 //! speed. [`Refusals`] make a cache tap refuse every call that carries a
-//! release while the test says so, as a cache that keeps refusing one.
+//! release while the test says so, as a cache that keeps refusing one, or
+//! lose the answers of calls that grow sequences after the cache applied
+//! them.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -110,6 +112,9 @@ pub struct CacheTap {
 pub struct Refusals {
     on: Arc<std::sync::atomic::AtomicBool>,
     count: Arc<AtomicU64>,
+    /// Answers still to lose, and those lost so far.
+    to_lose: Arc<AtomicU64>,
+    lost: Arc<AtomicU64>,
 }
 
 impl Refusals {
@@ -122,6 +127,30 @@ impl Refusals {
     /// Calls refused so far.
     pub fn refused(&self) -> u64 {
         self.count.load(Ordering::Acquire)
+    }
+
+    /// The next `n` calls that grow a sequence (a `Lease`, an `Extend` or a
+    /// `Step` with tokens to add) reach the cache, which applies them, and
+    /// are answered DEADLINE_EXCEEDED: the answer lost on its way back.
+    pub fn lose_growth_answers(&self, n: u64) {
+        self.to_lose.store(n, Ordering::Release);
+    }
+
+    /// Answers lost so far.
+    pub fn lost(&self) -> u64 {
+        self.lost.load(Ordering::Acquire)
+    }
+
+    /// Whether to lose the answer of a growth the cache just applied.
+    fn lose(&self) -> Result<(), Status> {
+        let take = self
+            .to_lose
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        if take.is_err() {
+            return Ok(());
+        }
+        self.lost.fetch_add(1, Ordering::AcqRel);
+        Err(Status::deadline_exceeded("injected: the answer was lost"))
     }
 
     fn refuse(&self) -> Result<(), Status> {
@@ -153,6 +182,11 @@ impl CacheTap {
             }
         }
     }
+}
+
+/// Whether an extend item adds tokens (not only a progress report).
+fn grows(item: &pb::ExtendItem) -> bool {
+    !item.new_tokens.is_empty() || item.num_tokens > 0
 }
 
 #[tonic::async_trait]
@@ -195,6 +229,7 @@ impl CacheService for CacheTap {
         let seqs: Vec<u64> = req.sequences.iter().map(|s| s.seq_id).collect();
         let (at, step) = (self.log.tick(), req.step);
         let resp = self.inner.clone().lease(req).await?;
+        self.refusals.lose()?;
         self.acquired(at, step, &seqs, &resp.get_ref().outcomes);
         Ok(resp)
     }
@@ -205,7 +240,11 @@ impl CacheService for CacheTap {
         let req = r.into_inner();
         let seqs: Vec<u64> = req.items.iter().map(|s| s.seq_id).collect();
         let (at, step) = (self.log.tick(), req.step);
+        let grows = req.items.iter().any(grows);
         let resp = self.inner.clone().extend(req).await?;
+        if grows {
+            self.refusals.lose()?;
+        }
         self.acquired(at, step, &seqs, &resp.get_ref().outcomes);
         Ok(resp)
     }
@@ -271,7 +310,14 @@ impl CacheService for CacheTap {
             let seqs: Vec<u64> = e.items.iter().map(|i| i.seq_id).collect();
             (self.log.tick(), e.step, seqs)
         });
+        let grows = req
+            .extend
+            .as_ref()
+            .is_some_and(|e| e.items.iter().any(grows));
         let resp = self.inner.clone().step(req).await?;
+        if grows {
+            self.refusals.lose()?;
+        }
         if let (Some((at, step, seqs)), Some(x)) = (extend, &resp.get_ref().extend) {
             self.acquired(at, step, &seqs, &x.outcomes);
         }
