@@ -24,9 +24,17 @@ pub(super) struct Draining {
 impl Core {
     /// Queues the release of `seq`, just taken out of `running`: now, or,
     /// with passes of it in flight, once they returned ([`Draining`]).
+    /// A decoding sequence at rest whose extends reported a token past its
+    /// KV (a decode with no room sits its step out, and its extend reports
+    /// the token that step would have fed) is released discarding: the
+    /// cache would otherwise publish a block whose last slots no pass wrote.
     pub(super) fn release_ended(&mut self, seq: &Sequence) {
         if seq.in_flight.is_empty() {
-            self.releases.push(seq.seq_id);
+            if seq.decoding() && seq.cache_len > seq.kv_len {
+                self.failed_releases.push(seq.seq_id);
+            } else {
+                self.releases.push(seq.seq_id);
+            }
         } else {
             self.draining.push(Draining {
                 seq_id: seq.seq_id,

@@ -505,3 +505,45 @@ fn a_growth_whose_answer_was_lost_is_refused_when_sent_again_and_its_sequence_re
         "the cache holds tokens no pass may have written"
     );
 }
+
+/// A decode with no room sits its step out, and its extend reports the
+/// token that step would have fed, whose KV no pass has written: a request
+/// that ends then (cancelled) is released discarding, so the cache never
+/// publishes a block with that slot unwritten.
+#[test]
+fn a_sequence_ended_after_reporting_a_token_no_pass_wrote_is_released_discarding() {
+    let mut c = two_decoding(OnExhausted::Reject);
+    c.begin_step();
+    c.plan_extends(true);
+    let batches = c.plan_forward();
+    c.apply_extends(
+        c.step(),
+        vec![grant_covering(SeqId(1), vec![11], 6), exhausted(SeqId(2))],
+    );
+    c.apply_forward(0, results(&batches[0].1, 7, false));
+    c.drain_outputs();
+    // no room for sequence 2: its extend reports 20 (written) and 7 (not)
+    c.begin_step();
+    let extends = c.plan_extends(true);
+    assert_eq!(extends[1].new_tokens, vec![20, 7], "{extends:?}");
+    let batches = c.plan_forward();
+    assert_eq!(batches[0].1.len(), 1, "only sequence 1 runs");
+    c.apply_extends(
+        c.step(),
+        vec![
+            grant_covering(SeqId(1), vec![], 7),
+            grant_covering(SeqId(2), vec![22], 6),
+        ],
+    );
+    c.cancel(RequestId(2), "gone");
+    let release = c.take_releases();
+    assert_eq!(release.seq_ids, vec![SeqId(2)]);
+    assert!(release.discard_unwritten, "{release:?}");
+    // one that ends at its KV's end is released plainly
+    c.apply_forward(0, results(&batches[0].1, 8, false));
+    c.releases_sent(release);
+    c.cancel(RequestId(1), "gone");
+    let release = c.take_releases();
+    assert_eq!(release.seq_ids, vec![SeqId(1)]);
+    assert!(!release.discard_unwritten, "{release:?}");
+}

@@ -54,6 +54,9 @@ struct ModelCache {
     discarded: usize,
     /// Growths refused `LENGTH_MISMATCH`: a retry of one applied before.
     mismatches: usize,
+    /// Sequences a growth was applied to behind a lost answer: the only
+    /// ones the core may grow from a length the cache does not have.
+    behind: HashSet<SeqId>,
 }
 
 /// A demotion of the model cache, and where the core's passes took it.
@@ -92,6 +95,7 @@ impl ModelCache {
             dropped: 0,
             discarded: 0,
             mismatches: 0,
+            behind: HashSet::new(),
         }
     }
 
@@ -148,14 +152,19 @@ impl ModelCache {
     /// `blocks`: no block may be used while its demotion waits for a pass.
     fn launched(&mut self, step: Step, copies: &[crate::domain::TierCopy], blocks: &HashSet<u32>) {
         for c in copies {
-            let d = self
+            // the live demotion of the block, else one a discard dropped
+            // (the core may still carry its copy, which then runs for
+            // nothing)
+            let waiting = |d: &ModelDemotion| d.block == c.device_block && d.pass.is_none();
+            let i = self
                 .demotions
-                .iter_mut()
-                .find(|d| d.block == c.device_block && d.pass.is_none() && !d.discarded)
+                .iter()
+                .position(|d| waiting(d) && !d.discarded)
+                .or_else(|| self.demotions.iter().position(waiting))
                 .unwrap_or_else(|| {
                     panic!("a copy of block {} the cache did not name", c.device_block)
                 });
-            d.pass = Some(step);
+            self.demotions[i].pass = Some(step);
         }
         for d in &self.demotions {
             assert!(
@@ -264,6 +273,12 @@ impl ModelCache {
         let known = self.known.get(&spec.seq_id).copied().unwrap_or(0);
         if !spec.new_tokens.is_empty() && spec.from_length > 0 && spec.from_length != known {
             // a retry of a growth the cache applied, its answer lost
+            assert!(
+                self.behind.contains(&spec.seq_id) && spec.from_length < known,
+                "sequence {} grows from {}, the cache holds {known} and lost no answer of it",
+                spec.seq_id,
+                spec.from_length
+            );
             self.mismatches += 1;
             return reject(spec.seq_id, RejectReason::LengthMismatch);
         }
@@ -294,6 +309,16 @@ impl ModelCache {
         outcome
     }
 
+    /// A Lease or Extend call applied here whose answer was lost: its
+    /// grants put the core behind the cache.
+    fn answer_lost(&mut self, outcomes: &[Outcome]) {
+        for outcome in outcomes {
+            if let Outcome::Grant(g) = outcome {
+                self.behind.insert(g.seq_id);
+            }
+        }
+    }
+
     fn release(&mut self, batch: &ReleaseBatch) {
         if batch.discard_unwritten {
             // every demotion of an incomplete step is dropped
@@ -304,6 +329,7 @@ impl ModelCache {
         }
         for seq_id in &batch.seq_ids {
             self.known.remove(seq_id);
+            self.behind.remove(seq_id);
             if let Some((_, blocks)) = self.held.remove(seq_id) {
                 for b in blocks {
                     self.put_back(b, batch.fence_step);
@@ -770,6 +796,7 @@ fn drive(order: Order, seed: u64) -> Exercised {
                         if answered {
                             c.apply_extends(c.step(), outcomes);
                         } else {
+                            cache.answer_lost(&outcomes);
                             // as the loop: the answered calls' outcomes
                             // (none here), then the failure
                             c.apply_extends(c.step(), Vec::new());
@@ -934,6 +961,9 @@ fn drive(order: Order, seed: u64) -> Exercised {
                             Vec::new()
                         }
                     });
+                    if !answered {
+                        cache.answer_lost(outcomes.as_deref().unwrap_or_default());
+                    }
                     let answer = Settling {
                         step,
                         named,
