@@ -267,6 +267,11 @@ impl Cache {
             .allocate(holder, 0)
     }
 
+    /// The length (tokens) the session's sequence has here.
+    pub fn sequence_len(&self, session_id: SessionId, seq_id: SeqId) -> Option<u32> {
+        Some(self.sessions.get(&session_id)?.seqs.get(&seq_id)?.len)
+    }
+
     /// The session's view of a sequence: (len, tables per pool as (first, blocks)).
     pub fn sequence_tables(
         &self,

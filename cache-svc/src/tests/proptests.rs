@@ -40,6 +40,9 @@ enum Op {
         seqs: Vec<u8>,
         n: u8,
         with_ids: bool,
+        /// Each item grows from a length one short of the sequence's (a
+        /// retry of a growth whose answer was lost), else from its length.
+        stale: bool,
     },
     Release {
         seqs: Vec<u8>,
@@ -72,8 +75,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (1u8..20).prop_map(Op::Tick),
         2 => (prop::collection::vec(0u8..12, 1..4), 1u8..48)
             .prop_map(|(seqs, written)| Op::Progress { seqs, written }),
-        4 => (prop::collection::vec(0u8..12, 1..5), 1u8..6, prop::bool::weighted(0.8))
-            .prop_map(|(seqs, n, with_ids)| Op::Extend { seqs, n, with_ids }),
+        4 => (prop::collection::vec(0u8..12, 1..5), 1u8..6, prop::bool::weighted(0.8), prop::bool::weighted(0.15))
+            .prop_map(|(seqs, n, with_ids, stale)| Op::Extend { seqs, n, with_ids, stale }),
         2 => (prop::collection::vec(0u8..12, 1..4), any::<bool>(), prop::bool::weighted(0.2))
             .prop_map(|(seqs, fenced, failed)| Op::Release { seqs, fenced, failed }),
         2 => Just(Op::Complete),
@@ -392,7 +395,7 @@ proptest! {
                         }
                     }
                 }
-                Op::Extend { seqs, n, with_ids } => {
+                Op::Extend { seqs, n, with_ids, stale } => {
                     let ids_of = |s: u8| -> Vec<u32> { (0..u32::from(n)).map(|i| u32::from(s) * 7 + i).collect() };
                     let items: Vec<_> = seqs.iter().map(|&s| {
                         let g = if with_ids {
@@ -402,8 +405,30 @@ proptest! {
                         };
                         (u64::from(s), g)
                     }).collect();
+                    // every item names the length it grows from (none for a
+                    // sequence not held, or 0, which the wire reads as none)
+                    let from: Vec<Option<u32>> = items.iter().map(|(s, _)| {
+                        f.cache.sequence_len(f.session, SeqId(*s)).map(|len| len - u32::from(stale)).filter(|&l| l > 0)
+                    }).collect();
                     let before = f.counts();
-                    let out = f.extend(step, &items);
+                    let checked: Vec<crate::lease::ExtendItem> = items.iter().zip(&from).map(|((s, g), from)| {
+                        crate::lease::ExtendItem { from_length: *from, ..crate::lease::ExtendItem::grow(SeqId(*s), g.clone()) }
+                    }).collect();
+                    let out = f.cache.extend_items(
+                        f.session,
+                        f.epoch,
+                        crate::cache::Batch { step: Step(step), ..crate::cache::Batch::default() },
+                        &checked,
+                        f.now,
+                    ).unwrap();
+                    f.check();
+                    // a growth from a stale length is refused, a current one never
+                    // (a sequence named again in the call is a duplicate)
+                    for (i, ((o, (s, _)), from)) in out.iter().zip(&items).zip(&from).enumerate() {
+                        let mismatch = o.reject().is_some_and(|r| r.reason == RejectReason::LengthMismatch);
+                        let first = items.iter().position(|(t, _)| t == s) == Some(i);
+                        prop_assert_eq!(mismatch, stale && from.is_some() && first, "{:?}", o);
+                    }
                     let mut seen = std::collections::HashSet::new();
                     for (o, (s, _)) in out.iter().zip(&items) {
                         match o {
@@ -448,6 +473,7 @@ proptest! {
                                         | RejectReason::ExceedsCapacity
                                         | RejectReason::UnknownSequence
                                         | RejectReason::DuplicateSequence
+                                        | RejectReason::LengthMismatch
                                 ), "{:?}", r);
                             }
                         }
