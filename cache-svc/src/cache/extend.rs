@@ -203,10 +203,7 @@ impl Cache {
         plan: &mut Vec<PoolExtend>,
     ) -> Result<(), Reject> {
         match &item.growth {
-            Some(growth) => {
-                self.check_from_length(session_id, item)?;
-                self.plan_extend(session_id, item.seq_id, growth.len(), plan)
-            }
+            Some(growth) => self.plan_extend(session_id, item, growth.len(), plan),
             None => {
                 plan.clear();
                 let held = self
@@ -223,34 +220,6 @@ impl Cache {
                     ))
                 }
             }
-        }
-    }
-
-    /// A growth from a length the sequence does not have (the item's
-    /// `from_length`, when it gives one) is refused: the holder's view of
-    /// the sequence is behind the cache's, as when the answer to a growth
-    /// the cache applied never reached it, and applying this one would
-    /// record its tokens twice. A sequence the session does not hold is
-    /// left to `plan_extend`, which answers `UNKNOWN_SEQUENCE`.
-    fn check_from_length(&self, session_id: SessionId, item: &ExtendItem) -> Result<(), Reject> {
-        let Some(from) = item.from_length else {
-            return Ok(());
-        };
-        let len = self
-            .sessions
-            .get(&session_id)
-            .and_then(|s| s.seqs.get(&item.seq_id))
-            .map(|seq| seq.len);
-        match len {
-            Some(len) if len != from => Err(Reject::plain(
-                item.seq_id,
-                RejectReason::LengthMismatch,
-                format!(
-                    "sequence {} is {len} tokens long here, not the {from} this growth starts from (an earlier growth's answer was lost?): nothing taken",
-                    item.seq_id
-                ),
-            )),
-            _ => Ok(()),
         }
     }
 
@@ -326,14 +295,17 @@ impl Cache {
         }
     }
 
-    /// The per-pool plan of growing `seq_id` by `n` tokens, into `plan`.
+    /// The per-pool plan of growing `item`'s sequence by `n` tokens, into
+    /// `plan`; refused `LENGTH_MISMATCH` when it grows from a length the
+    /// sequence does not have.
     fn plan_extend(
         &self,
         session_id: SessionId,
-        seq_id: SeqId,
+        item: &ExtendItem,
         n: u32,
         plan: &mut Vec<PoolExtend>,
     ) -> Result<(), Reject> {
+        let seq_id = item.seq_id;
         let seq = self
             .sessions
             .get(&session_id)
@@ -345,6 +317,20 @@ impl Cache {
                     format!("sequence {seq_id} is not leased by this session"),
                 )
             })?;
+        // A growth from a length the sequence does not have: the holder is
+        // behind the cache, as when the answer to a growth applied here
+        // never reached it, and applying this one would record its tokens
+        // twice.
+        if let Some(from) = item.from_length.filter(|&from| from != seq.len) {
+            return Err(Reject::plain(
+                seq_id,
+                RejectReason::LengthMismatch,
+                format!(
+                    "sequence {seq_id} is {} tokens long here, not the {from} this growth starts from (an earlier growth's answer was lost?): nothing taken",
+                    seq.len
+                ),
+            ));
+        }
         let new_len = seq.len.saturating_add(n);
         let capacity = new_len.saturating_add(seq.extra).max(seq.reserved_capacity);
         plan.clear();

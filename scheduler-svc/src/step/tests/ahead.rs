@@ -187,9 +187,11 @@ fn a_refused_extension_holds_back_its_sequence_alone_and_exhaustion_still_answer
     assert_eq!(tokens_of(&c.drain_outputs(), 1), vec![8]);
 }
 
-#[test]
-fn a_granted_late_extension_lets_the_held_back_sequence_run_at_the_next_step() {
-    let mut c = two_decoding(OnExhausted::Preempt);
+/// [`two_decoding`] after one step of both, sequence 2's extension (sent
+/// after the launch) refused: its pass ran (token 7 for both), and it has
+/// no room for its next token.
+fn one_held_back(on_exhausted: OnExhausted) -> Core {
+    let mut c = two_decoding(on_exhausted);
     c.begin_step();
     c.plan_extends(true);
     let batches = c.plan_forward();
@@ -199,6 +201,12 @@ fn a_granted_late_extension_lets_the_held_back_sequence_run_at_the_next_step() {
     );
     c.apply_forward(0, results(&batches[0].1, 7, false));
     c.drain_outputs();
+    c
+}
+
+#[test]
+fn a_granted_late_extension_lets_the_held_back_sequence_run_at_the_next_step() {
+    let mut c = one_held_back(OnExhausted::Preempt);
     c.begin_step();
     c.plan_extends(true);
     let batches = c.plan_forward();
@@ -512,16 +520,7 @@ fn a_growth_whose_answer_was_lost_is_refused_when_sent_again_and_its_sequence_re
 /// publishes a block with that slot unwritten.
 #[test]
 fn a_sequence_ended_after_reporting_a_token_no_pass_wrote_is_released_discarding() {
-    let mut c = two_decoding(OnExhausted::Reject);
-    c.begin_step();
-    c.plan_extends(true);
-    let batches = c.plan_forward();
-    c.apply_extends(
-        c.step(),
-        vec![grant_covering(SeqId(1), vec![11], 6), exhausted(SeqId(2))],
-    );
-    c.apply_forward(0, results(&batches[0].1, 7, false));
-    c.drain_outputs();
+    let mut c = one_held_back(OnExhausted::Reject);
     // no room for sequence 2: its extend reports 20 (written) and 7 (not)
     c.begin_step();
     let extends = c.plan_extends(true);

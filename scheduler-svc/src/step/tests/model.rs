@@ -150,7 +150,14 @@ impl ModelCache {
 
     /// A pass of `step` launched, carrying `copies` (first) and using
     /// `blocks`: no block may be used while its demotion waits for a pass.
-    fn launched(&mut self, step: Step, copies: &[crate::domain::TierCopy], blocks: &HashSet<u32>) {
+    /// Returns how many of the copies a call of an earlier step named.
+    fn launched(
+        &mut self,
+        step: Step,
+        copies: &[crate::domain::TierCopy],
+        blocks: &HashSet<u32>,
+    ) -> usize {
+        let mut late = 0;
         for c in copies {
             // the live demotion of the block, else one a discard dropped
             // (the core may still carry its copy, which then runs for
@@ -165,6 +172,7 @@ impl ModelCache {
                     panic!("a copy of block {} the cache did not name", c.device_block)
                 });
             self.demotions[i].pass = Some(step);
+            late += usize::from(self.demotions[i].named < step);
         }
         for d in &self.demotions {
             assert!(
@@ -174,6 +182,7 @@ impl ModelCache {
                 d.named
             );
         }
+        late
     }
 
     /// The pass of `step` returned: the copies it carried ran.
@@ -818,22 +827,12 @@ fn drive(order: Order, seed: u64) -> Exercised {
                     // first (as the loop sends them)
                     for (g, items) in &batches {
                         let copies = c.take_tier_copies(*g);
-                        for copy in &copies {
-                            let named = cache
-                                .demotions
-                                .iter()
-                                .find(|d| {
-                                    d.block == copy.device_block && d.pass.is_none() && !d.discarded
-                                })
-                                .map(|d| d.named);
-                            seen.late_demotions += usize::from(named.is_some_and(|n| n < step));
-                        }
                         seen.demotions += copies.len();
                         let blocks: HashSet<u32> = items
                             .iter()
                             .flat_map(|i| i.tables.iter().flat_map(|t| t.block_ids.iter().copied()))
                             .collect();
-                        cache.launched(step, &copies, &blocks);
+                        seen.late_demotions += cache.launched(step, &copies, &blocks);
                     }
                     plan.launched(!batches.is_empty());
                     if !batches.is_empty() {
